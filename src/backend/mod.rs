@@ -1,0 +1,70 @@
+//! Compute backends: the probe and selective-merge passes over one tile of raw tensor bytes.
+//!
+//! A backend knows nothing about files or tensors' names; the engine knows nothing about how a
+//! backend computes. Every backend gives the same bytes as [`cpu::CpuBackend`], the reference.
+
+pub mod cpu;
+
+use crate::checkpoint::DType;
+use anyhow::Result;
+
+/// One tile: the same element range of the base and of each agent that has the tensor, raw bytes.
+pub struct Tile<'a> {
+    /// dtype of the base and every agent (validated equal by the engine).
+    pub dtype: DType,
+    /// Elements in the tile.
+    pub len: usize,
+    pub base: &'a [u8],
+    pub agents: &'a [&'a [u8]],
+}
+
+/// Probe counts of a tile: `hist[t * n + k]` = elements agent t changed and k other agents changed too.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TileCounts {
+    pub agents: usize,
+    pub hist: Vec<u64>,
+}
+
+impl TileCounts {
+    pub fn zeros(agents: usize) -> TileCounts {
+        TileCounts {
+            agents,
+            hist: vec![0; agents * agents],
+        }
+    }
+
+    /// Adds `other` (same agent count) into `self`.
+    pub fn add(&mut self, other: &TileCounts) {
+        debug_assert_eq!(self.agents, other.agents);
+        for (a, b) in self.hist.iter_mut().zip(&other.hist) {
+            *a += b;
+        }
+    }
+
+    /// Agent t's row: k = 0..n−1.
+    pub fn row(&self, t: usize) -> &[u64] {
+        &self.hist[t * self.agents..(t + 1) * self.agents]
+    }
+}
+
+/// Parameters of the selective merge of one tile (SPEC §2).
+pub struct MergeParams<'a> {
+    pub epsilon: f32,
+    /// λ_t for each agent of the tile, as f32.
+    pub lambdas: &'a [f32],
+    /// f32(1/c) for c = 0..=agents, from [`crate::method::reciprocals`].
+    pub reciprocals: &'a [f32],
+    pub out_dtype: DType,
+}
+
+/// A compute backend.
+pub trait Backend: Send + Sync {
+    /// What runs the work, for the user ("cpu (2 threads)", "gpu: llvmpipe (Vulkan)").
+    fn describe(&self) -> String;
+
+    /// SPEC §1 over the tile: per agent, elements changed and shared with k others.
+    fn probe(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts>;
+
+    /// SPEC §2 over the tile into `out` (`tile.len × out_dtype.size()` bytes).
+    fn merge(&self, tile: &Tile, params: &MergeParams, out: &mut [u8]) -> Result<()>;
+}

@@ -1,0 +1,169 @@
+//! Element types of checkpoint tensors and the one place where they are decoded to / encoded from f32.
+//!
+//! bf16→f32 and f16→f32 are exact; f32→bf16/f16 rounds to nearest, ties to even (SPEC §"Values").
+
+use half::{bf16, f16};
+use std::fmt;
+
+/// A floating-point element type rlmerge can merge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum DType {
+    #[serde(rename = "BF16")]
+    BF16,
+    #[serde(rename = "F16")]
+    F16,
+    #[serde(rename = "F32")]
+    F32,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::BF16 | DType::F16 => 2,
+            DType::F32 => 4,
+        }
+    }
+
+    /// The name safetensors headers use ("BF16", "F16", "F32").
+    pub fn safetensors_name(self) -> &'static str {
+        match self {
+            DType::BF16 => "BF16",
+            DType::F16 => "F16",
+            DType::F32 => "F32",
+        }
+    }
+
+    /// Parses a safetensors header dtype; `None` for dtypes rlmerge cannot merge (I64, F8_E4M3, …).
+    pub fn from_safetensors(name: &str) -> Option<DType> {
+        match name {
+            "BF16" => Some(DType::BF16),
+            "F16" => Some(DType::F16),
+            "F32" => Some(DType::F32),
+            _ => None,
+        }
+    }
+
+    /// Parses the user-facing spelling (`bf16`, `float16`, `fp32`, …) used on the CLI and in recipes.
+    pub fn parse_user(s: &str) -> Option<DType> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" | "bfloat16" => Some(DType::BF16),
+            "f16" | "fp16" | "float16" | "half" => Some(DType::F16),
+            "f32" | "fp32" | "float32" | "float" => Some(DType::F32),
+            _ => None,
+        }
+    }
+
+    /// The name torch and `config.json` use (`torch_dtype`).
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
+            DType::F32 => "float32",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::F32 => "f32",
+        })
+    }
+}
+
+/// Decodes little-endian `bytes` of `dtype` into `out` (`out.len()` elements; `bytes` must hold exactly that many).
+pub fn decode(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    debug_assert_eq!(bytes.len(), out.len() * dtype.size());
+    match dtype {
+        DType::BF16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+            }
+        }
+        DType::F16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+        DType::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+    }
+}
+
+/// Encodes `values` into little-endian `out` of `dtype`, rounding to nearest even once.
+pub fn encode(dtype: DType, values: &[f32], out: &mut [u8]) {
+    debug_assert_eq!(out.len(), values.len() * dtype.size());
+    match dtype {
+        DType::BF16 => {
+            for (v, o) in values.iter().zip(out.chunks_exact_mut(2)) {
+                o.copy_from_slice(&bf16::from_f32(*v).to_bits().to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for (v, o) in values.iter().zip(out.chunks_exact_mut(2)) {
+                o.copy_from_slice(&f16::from_f32(*v).to_bits().to_le_bytes());
+            }
+        }
+        DType::F32 => {
+            for (v, o) in values.iter().zip(out.chunks_exact_mut(4)) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+}
+
+/// Decodes one element at `index` (for reports and tests; loops use [`decode`]).
+pub fn decode_one(dtype: DType, bytes: &[u8], index: usize) -> f32 {
+    let mut v = [0f32];
+    let s = dtype.size();
+    decode(dtype, &bytes[index * s..(index + 1) * s], &mut v);
+    v[0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_round_trip_is_exact_and_encode_rounds_to_even() {
+        // 1 + 2^-8 lies exactly between two bf16 values (1 and 1 + 2^-7): ties go to the even one, 1.0.
+        let tie = 1.0f32 + f32::powi(2.0, -8);
+        let mut out = [0u8; 2];
+        encode(DType::BF16, &[tie], &mut out);
+        assert_eq!(u16::from_le_bytes(out), 0x3f80);
+        // Just above the tie rounds up.
+        encode(DType::BF16, &[f32::from_bits(tie.to_bits() + 1)], &mut out);
+        assert_eq!(u16::from_le_bytes(out), 0x3f81);
+        let mut back = [0f32];
+        decode(DType::BF16, &out, &mut back);
+        assert_eq!(back[0], 1.0 + f32::powi(2.0, -7));
+    }
+
+    #[test]
+    fn f16_and_f32_round_trip() {
+        let vals = [0.0f32, -0.0, 1.5, -2.25, 65504.0, 6.1035156e-5];
+        for dt in [DType::F16, DType::F32] {
+            let mut bytes = vec![0u8; vals.len() * dt.size()];
+            encode(dt, &vals, &mut bytes);
+            let mut back = vec![0f32; vals.len()];
+            decode(dt, &bytes, &mut back);
+            for (a, b) in vals.iter().zip(&back) {
+                assert_eq!(a.to_bits(), b.to_bits(), "{dt}");
+            }
+        }
+    }
+
+    #[test]
+    fn names_parse() {
+        assert_eq!(DType::parse_user("bfloat16"), Some(DType::BF16));
+        assert_eq!(DType::parse_user("FP16"), Some(DType::F16));
+        assert_eq!(DType::from_safetensors("I64"), None);
+        assert_eq!(DType::from_safetensors("F32"), Some(DType::F32));
+    }
+}

@@ -1,0 +1,11 @@
+//! Reading and writing Hugging Face safetensors checkpoints, tile by tile.
+
+pub mod dtype;
+pub mod folder_files;
+pub mod model;
+pub mod safetensors_file;
+pub mod writer;
+
+pub use dtype::DType;
+pub use model::{ModelFolder, ModelTensor};
+pub use writer::{CheckpointWriter, OutputFolder, OutputTensor};

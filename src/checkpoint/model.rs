@@ -1,0 +1,180 @@
+//! A Hugging Face model folder: `model.safetensors`, or shards listed by `model.safetensors.index.json`.
+
+use super::dtype::DType;
+use super::safetensors_file::{SafetensorsFile, TensorEntry};
+use anyhow::{bail, Context, Result};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+pub const SINGLE_FILE: &str = "model.safetensors";
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// A tensor of a model: which shard holds it and where.
+#[derive(Clone, Debug)]
+pub struct ModelTensor {
+    pub shard: usize,
+    pub entry: TensorEntry,
+}
+
+/// An opened model folder: every shard's header is parsed; no tensor data is read.
+pub struct ModelFolder {
+    pub dir: PathBuf,
+    pub shards: Vec<SafetensorsFile>,
+    /// Tensors in storage order (shard, then offset).
+    pub tensors: Vec<ModelTensor>,
+    by_name: HashMap<String, usize>,
+}
+
+impl ModelFolder {
+    pub fn open(dir: &Path) -> Result<ModelFolder> {
+        if !dir.exists() {
+            bail!("model folder {} does not exist", dir.display());
+        }
+        if !dir.is_dir() {
+            bail!(
+                "{} is not a folder (expected a Hugging Face model folder)",
+                dir.display()
+            );
+        }
+        let index_path = dir.join(INDEX_FILE);
+        let single_path = dir.join(SINGLE_FILE);
+        let shard_names: Vec<String> = if index_path.is_file() {
+            read_index_shards(&index_path)?
+        } else if single_path.is_file() {
+            vec![SINGLE_FILE.to_string()]
+        } else {
+            bail!(
+                "{}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)",
+                dir.display()
+            );
+        };
+        let mut shards = Vec::with_capacity(shard_names.len());
+        let mut tensors = Vec::new();
+        let mut by_name = HashMap::new();
+        for (i, name) in shard_names.iter().enumerate() {
+            let path = dir.join(name);
+            if !path.is_file() {
+                bail!(
+                    "{}: names shard {name}, which is missing at {}",
+                    index_path.display(),
+                    path.display()
+                );
+            }
+            let file = SafetensorsFile::open(&path)?;
+            for entry in &file.tensors {
+                if by_name.insert(entry.name.clone(), tensors.len()).is_some() {
+                    bail!(
+                        "{}: tensor '{}' appears in more than one shard",
+                        dir.display(),
+                        entry.name
+                    );
+                }
+                tensors.push(ModelTensor {
+                    shard: i,
+                    entry: entry.clone(),
+                });
+            }
+            shards.push(file);
+        }
+        if index_path.is_file() {
+            check_index_matches(&index_path, &shard_names, &tensors)?;
+        }
+        Ok(ModelFolder {
+            dir: dir.to_path_buf(),
+            shards,
+            tensors,
+            by_name,
+        })
+    }
+
+    pub fn get(&self, name: &str) -> Option<&ModelTensor> {
+        self.by_name.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// Reads `buf.len()` bytes of `tensor` from byte `start` within it.
+    pub fn read(&self, tensor: &ModelTensor, start: u64, buf: &mut [u8]) -> Result<()> {
+        self.shards[tensor.shard].read(&tensor.entry, start, buf)
+    }
+
+    /// Path of the file holding `tensor` (for messages).
+    pub fn file_of(&self, tensor: &ModelTensor) -> &Path {
+        &self.shards[tensor.shard].path
+    }
+
+    /// Total bytes of tensor data.
+    pub fn data_bytes(&self) -> u64 {
+        self.tensors.iter().map(|t| t.entry.byte_len()).sum()
+    }
+
+    /// The most common dtype among the tensors (the model's dtype, for defaults and config.json).
+    pub fn main_dtype(&self) -> Option<DType> {
+        let mut counts: BTreeMap<&'static str, (u64, DType)> = BTreeMap::new();
+        for t in &self.tensors {
+            counts
+                .entry(t.entry.dtype.safetensors_name())
+                .or_insert((0, t.entry.dtype))
+                .0 += t.entry.numel as u64;
+        }
+        counts.values().max_by_key(|(n, _)| *n).map(|(_, d)| *d)
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct IndexJson {
+    weight_map: BTreeMap<String, String>,
+}
+
+/// The distinct shard files an index names, in first-seen order of sorted file names.
+fn read_index_shards(index_path: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(index_path)
+        .with_context(|| format!("cannot read {}", index_path.display()))?;
+    let index: IndexJson = serde_json::from_str(&text)
+        .with_context(|| format!("{}: corrupt index JSON", index_path.display()))?;
+    let mut files: Vec<String> = index.weight_map.values().cloned().collect();
+    files.sort();
+    files.dedup();
+    for f in &files {
+        let p = Path::new(f);
+        if p.is_absolute()
+            || p.components()
+                .any(|c| !matches!(c, std::path::Component::Normal(_)))
+        {
+            bail!(
+                "{}: shard name '{f}' must be a plain file name inside the model folder",
+                index_path.display()
+            );
+        }
+    }
+    if files.is_empty() {
+        bail!("{}: weight_map is empty", index_path.display());
+    }
+    Ok(files)
+}
+
+/// Every tensor the index maps must be in the shard it names.
+fn check_index_matches(
+    index_path: &Path,
+    shard_names: &[String],
+    tensors: &[ModelTensor],
+) -> Result<()> {
+    let text = std::fs::read_to_string(index_path)?;
+    let index: IndexJson = serde_json::from_str(&text)?;
+    let found: HashMap<&str, &str> = tensors
+        .iter()
+        .map(|t| (t.entry.name.as_str(), shard_names[t.shard].as_str()))
+        .collect();
+    for (name, file) in &index.weight_map {
+        match found.get(name.as_str()) {
+            Some(actual) if actual == file => {}
+            Some(actual) => bail!(
+                "{}: maps tensor '{name}' to {file}, but it is in {actual}",
+                index_path.display()
+            ),
+            None => bail!(
+                "{}: maps tensor '{name}' to {file}, which does not contain it",
+                index_path.display()
+            ),
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,196 @@
+//! One `.safetensors` file: its header parsed and validated, its data read by byte range (pread).
+//!
+//! Only the header is held in memory; tensor bytes are read tile by tile into caller buffers, so the
+//! resident set stays bounded whatever the file size (an mmap would keep every touched page).
+
+use super::dtype::DType;
+use anyhow::{bail, Context, Result};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+/// Largest header we accept (the reference implementation's limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// Where one tensor lives inside its file.
+#[derive(Clone, Debug)]
+pub struct TensorEntry {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    /// Absolute byte offset of the first element in the file.
+    pub offset: u64,
+    pub numel: usize,
+}
+
+impl TensorEntry {
+    pub fn byte_len(&self) -> u64 {
+        (self.numel * self.dtype.size()) as u64
+    }
+}
+
+/// An open safetensors file.
+pub struct SafetensorsFile {
+    pub path: PathBuf,
+    file: File,
+    /// Tensors in the order of their data offsets.
+    pub tensors: Vec<TensorEntry>,
+    /// The `__metadata__` string map, if any.
+    pub metadata: HeaderMetadata,
+}
+
+impl SafetensorsFile {
+    /// Opens and validates `path`: header length, JSON, dtypes, shapes, offsets against the file size.
+    pub fn open(path: &Path) -> Result<SafetensorsFile> {
+        let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let file_len = file
+            .metadata()
+            .with_context(|| format!("cannot stat {}", path.display()))?
+            .len();
+        let fail = |msg: String| -> anyhow::Error { anyhow::anyhow!("{}: {msg}", path.display()) };
+        if file_len < 8 {
+            return Err(fail(format!(
+                "truncated file: {file_len} bytes, too short for a safetensors header"
+            )));
+        }
+        let mut len_bytes = [0u8; 8];
+        file.read_exact_at(&mut len_bytes, 0)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let header_len = u64::from_le_bytes(len_bytes);
+        if header_len > MAX_HEADER_BYTES {
+            return Err(fail(format!(
+                "header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt or not a safetensors file)"
+            )));
+        }
+        if 8 + header_len > file_len {
+            return Err(fail(format!(
+                "truncated file: header says {header_len} bytes but the file has {file_len}"
+            )));
+        }
+        let mut header = vec![0u8; header_len as usize];
+        file.read_exact_at(&mut header, 8)
+            .with_context(|| format!("cannot read the header of {}", path.display()))?;
+        let data_start = 8 + header_len;
+        let data_len = file_len - data_start;
+        let (tensors, metadata) =
+            parse_header(&header, data_start, data_len).map_err(|e| fail(format!("{e:#}")))?;
+        Ok(SafetensorsFile {
+            path: path.to_path_buf(),
+            file,
+            tensors,
+            metadata,
+        })
+    }
+
+    /// Reads `buf.len()` bytes of `tensor` starting at byte `start` within it.
+    pub fn read(&self, tensor: &TensorEntry, start: u64, buf: &mut [u8]) -> Result<()> {
+        debug_assert!(start + buf.len() as u64 <= tensor.byte_len());
+        self.file
+            .read_exact_at(buf, tensor.offset + start)
+            .with_context(|| {
+                format!(
+                    "{}: cannot read tensor '{}' (bytes {}..{}): file truncated or unreadable",
+                    self.path.display(),
+                    tensor.name,
+                    start,
+                    start + buf.len() as u64
+                )
+            })
+    }
+}
+
+/// Parses the JSON header. Offsets must be in range and sized for shape × dtype; unsupported dtypes
+/// are an error naming the tensor.
+/// The `__metadata__` map of a header, as key/value pairs.
+type HeaderMetadata = Vec<(String, String)>;
+
+fn parse_header(
+    header: &[u8],
+    data_start: u64,
+    data_len: u64,
+) -> Result<(Vec<TensorEntry>, HeaderMetadata)> {
+    let text = std::str::from_utf8(header).context("corrupt header: not UTF-8")?;
+    let value: serde_json::Value =
+        serde_json::from_str(text.trim_end_matches(' ')).context("corrupt header JSON")?;
+    let obj = value
+        .as_object()
+        .context("corrupt header: the JSON is not an object")?;
+    let mut tensors = Vec::with_capacity(obj.len());
+    let mut metadata = Vec::new();
+    for (name, info) in obj {
+        if name == "__metadata__" {
+            if let Some(m) = info.as_object() {
+                for (k, v) in m {
+                    metadata.push((k.clone(), v.as_str().unwrap_or_default().to_string()));
+                }
+            }
+            continue;
+        }
+        let bad = |what: &str| anyhow::anyhow!("tensor '{name}': {what}");
+        let info = info
+            .as_object()
+            .ok_or_else(|| bad("entry is not an object"))?;
+        let dtype_name = info
+            .get("dtype")
+            .and_then(|d| d.as_str())
+            .ok_or_else(|| bad("missing dtype"))?;
+        let dtype = DType::from_safetensors(dtype_name).ok_or_else(|| {
+            bad(&format!(
+                "unsupported dtype {dtype_name} (rlmerge merges BF16, F16 and F32)"
+            ))
+        })?;
+        let shape: Vec<usize> = info
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .ok_or_else(|| bad("missing shape"))?
+            .iter()
+            .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+            .collect::<Option<_>>()
+            .ok_or_else(|| bad("shape is not a list of non-negative integers"))?;
+        let numel = shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| bad("shape's element count overflows"))?;
+        let offsets = info
+            .get("data_offsets")
+            .and_then(|o| o.as_array())
+            .filter(|o| o.len() == 2)
+            .and_then(|o| Some((o[0].as_u64()?, o[1].as_u64()?)))
+            .ok_or_else(|| bad("data_offsets is not a pair of integers"))?;
+        let (begin, end) = offsets;
+        if begin > end || end > data_len {
+            if end > data_len {
+                return Err(bad(&format!(
+                    "data offsets {begin}..{end} out of range: the data section has {data_len} bytes (truncated file?)"
+                )));
+            }
+            return Err(bad(&format!("data offsets {begin}..{end} are reversed")));
+        }
+        let expected = (numel as u64).checked_mul(dtype.size() as u64);
+        if expected != Some(end - begin) {
+            return Err(bad(&format!(
+                "data offsets {begin}..{end} hold {} bytes but shape {shape:?} of {dtype_name} needs {}",
+                end - begin,
+                expected.map_or("more than u64".to_string(), |e| e.to_string())
+            )));
+        }
+        tensors.push(TensorEntry {
+            name: name.clone(),
+            dtype,
+            shape,
+            offset: data_start + begin,
+            numel,
+        });
+    }
+    tensors.sort_by_key(|t| t.offset);
+    for pair in tensors.windows(2) {
+        if pair[0].offset + pair[0].byte_len() > pair[1].offset {
+            bail!(
+                "tensors '{}' and '{}' have overlapping data offsets",
+                pair[0].name,
+                pair[1].name
+            );
+        }
+    }
+    Ok((tensors, metadata))
+}

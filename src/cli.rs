@@ -1,0 +1,346 @@
+//! Command-line interface: argument definitions and the commands behind them.
+//!
+//! Exit codes: 0 success, 1 the merge/analysis failed (bad input, I/O), 2 usage error.
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
+use crate::checkpoint::writer::parse_size;
+use crate::checkpoint::DType;
+use crate::demo;
+use crate::engine::{self, Inputs, MergeOptions, DEFAULT_TILE_ELEMS};
+use crate::method::{defaults, BoostRule, BoostScope, Method, DEFAULT_EPSILON};
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "rlmerge",
+    version,
+    about = "Merge RL-trained LLM agents into one checkpoint with Reinforced Agent Merging (RAM / RAM+)"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Merge agents fine-tuned from one base into a new Hugging Face folder.
+    Merge(MergeArgs),
+    /// Probe the task vectors: what each agent changed, what is shared, ρ_t and λ_t.
+    Analyze(AnalyzeArgs),
+    /// Write a small built-in example (a base and three agents), analyze it and merge it with RAM+.
+    Demo(DemoArgs),
+}
+
+/// Inputs and compute options shared by `merge` and `analyze`.
+#[derive(Args, Debug)]
+pub struct InputArgs {
+    /// The base model folder all agents were fine-tuned from.
+    #[arg(long, value_name = "DIR")]
+    pub base: PathBuf,
+    /// An agent model folder (repeat for each agent).
+    #[arg(long = "model", value_name = "DIR", required = true)]
+    pub models: Vec<PathBuf>,
+    /// Threshold: an element is changed when |θ_t − θ₀| > ε (absolute).
+    #[arg(long, default_value_t = DEFAULT_EPSILON)]
+    pub epsilon: f32,
+    /// Worker threads of the CPU backend (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// No progress bars.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// Elements per tile (tuning and tests; the result does not depend on it).
+    #[arg(long, default_value_t = DEFAULT_TILE_ELEMS, hide = true)]
+    pub tile_elems: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MethodName {
+    /// Reinforced Agent Merging: mean over active agents on shared elements, unique kept.
+    #[value(name = "ram")]
+    Ram,
+    /// RAM+: unique elements boosted by λ_t from the overlap-unique ratio.
+    #[value(name = "ram+", alias = "ramplus", alias = "ram_plus")]
+    RamPlus,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RuleName {
+    /// λ = 1 + r·min(ρ, α) (the paper).
+    Paper,
+    /// λ = 1 + (R − 1)·min(ρ, 1) (the authors' released script).
+    Official,
+}
+
+#[derive(Args, Debug)]
+pub struct MergeArgs {
+    #[command(flatten)]
+    pub inputs: InputArgs,
+    /// Merge method.
+    #[arg(long, value_enum, default_value = "ram+")]
+    pub method: MethodName,
+    /// RAM+ boost rule.
+    #[arg(long, value_enum)]
+    pub rule: Option<RuleName>,
+    /// RAM+ scope of ρ: one λ per agent (global) or per agent and tensor.
+    #[arg(long, value_enum)]
+    pub scope: Option<BoostScope>,
+    /// RAM+ paper rule: r [default 0.1].
+    #[arg(long)]
+    pub r: Option<f64>,
+    /// RAM+ paper rule: cap α on ρ [default 2.0 global, 0.2 tensor scope].
+    #[arg(long)]
+    pub alpha: Option<f64>,
+    /// RAM+ official rule: R [default 1.2].
+    #[arg(long)]
+    pub rescale_factor: Option<f64>,
+    /// Output dtype [default: each tensor's dtype in the base].
+    #[arg(long, value_parser = parse_dtype)]
+    pub out_dtype: Option<DType>,
+    /// Largest output shard (5GB = 5·10⁹ bytes, 5GiB = 5·2³⁰).
+    #[arg(long, default_value = "5GB", value_parser = parse_size)]
+    pub shard_size: u64,
+    /// Replace the output folder if it exists (only once the new one is complete).
+    #[arg(long)]
+    pub force: bool,
+    /// Output folder.
+    #[arg(short = 'o', long = "out", value_name = "OUT_DIR")]
+    pub out: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct AnalyzeArgs {
+    #[command(flatten)]
+    pub inputs: InputArgs,
+    /// Break the counts down by module and by tensor.
+    #[arg(long)]
+    pub per_tensor: bool,
+    /// Print JSON on stdout instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// Where to write the example.
+    #[arg(default_value = "rlmerge-demo")]
+    pub dir: PathBuf,
+    /// No progress bars.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    DType::parse_user(s).ok_or_else(|| format!("unknown dtype '{s}' (use bf16, f16 or f32)"))
+}
+
+/// An error in how the command was called (exit code 2), as opposed to a failed merge (1).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+fn usage(msg: impl Into<String>) -> anyhow::Error {
+    UsageError(msg.into()).into()
+}
+
+impl MergeArgs {
+    /// The method with its parameters, after checking they fit together.
+    pub fn method(&self) -> Result<Method> {
+        let boost_flags = [
+            ("--rule", self.rule.is_some()),
+            ("--scope", self.scope.is_some()),
+            ("--r", self.r.is_some()),
+            ("--alpha", self.alpha.is_some()),
+            ("--rescale-factor", self.rescale_factor.is_some()),
+        ];
+        if self.method == MethodName::Ram {
+            if let Some((flag, _)) = boost_flags.iter().find(|(_, set)| *set) {
+                return Err(usage(format!("{flag} applies to --method ram+ only")));
+            }
+            return Ok(Method::Ram);
+        }
+        let scope = self.scope.unwrap_or(BoostScope::Global);
+        let rule = match self.rule.unwrap_or(RuleName::Paper) {
+            RuleName::Paper => {
+                if self.rescale_factor.is_some() {
+                    return Err(usage("--rescale-factor applies to --rule official only"));
+                }
+                let r = self.r.unwrap_or(defaults::R);
+                let alpha = self.alpha.unwrap_or(match scope {
+                    BoostScope::Global => defaults::ALPHA_GLOBAL,
+                    BoostScope::Tensor => defaults::ALPHA_TENSOR,
+                });
+                if !(r.is_finite() && r >= 0.0 && alpha.is_finite() && alpha >= 0.0) {
+                    return Err(usage("--r and --alpha must be finite and ≥ 0"));
+                }
+                BoostRule::Paper { r, alpha }
+            }
+            RuleName::Official => {
+                if self.r.is_some() || self.alpha.is_some() {
+                    return Err(usage("--r and --alpha apply to --rule paper only"));
+                }
+                let rescale_factor = self.rescale_factor.unwrap_or(defaults::RESCALE_FACTOR);
+                if !rescale_factor.is_finite() {
+                    return Err(usage("--rescale-factor must be finite"));
+                }
+                BoostRule::Official { rescale_factor }
+            }
+        };
+        Ok(Method::RamPlus { rule, scope })
+    }
+}
+
+impl InputArgs {
+    fn check(&self) -> Result<()> {
+        if !(self.epsilon.is_finite() && self.epsilon >= 0.0) {
+            return Err(usage("--epsilon must be finite and ≥ 0"));
+        }
+        if self.tile_elems == 0 {
+            return Err(usage("--tile-elems must be ≥ 1"));
+        }
+        Ok(())
+    }
+
+    fn backend(&self) -> Result<Box<dyn Backend>> {
+        Ok(Box::new(CpuBackend::new(self.threads)?))
+    }
+
+    fn show_progress(&self) -> bool {
+        !self.quiet && std::io::stderr().is_terminal()
+    }
+}
+
+fn warn_all(warnings: &[String]) {
+    for w in warnings {
+        eprintln!("warning: {w}");
+    }
+}
+
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Merge(args) => run_merge(&args),
+        Command::Analyze(args) => run_analyze(&args),
+        Command::Demo(args) => run_demo(&args),
+    }
+}
+
+fn run_merge(args: &MergeArgs) -> Result<()> {
+    args.inputs.check()?;
+    let method = args.method()?;
+    let inputs = Inputs::open(&args.inputs.base, &args.inputs.models)?;
+    warn_all(&inputs.warnings);
+    let backend = args.inputs.backend()?;
+    if !args.inputs.quiet {
+        eprintln!("backend: {}", backend.describe());
+    }
+    let options = MergeOptions {
+        method,
+        epsilon: args.inputs.epsilon,
+        out_dtype: args.out_dtype,
+        shard_size: args.shard_size,
+        tile_elems: args.inputs.tile_elems,
+        force: args.force,
+        show_progress: args.inputs.show_progress(),
+    };
+    let summary =
+        engine::merge(&inputs, &options, backend.as_ref(), &args.out).with_context(|| {
+            format!(
+                "merge into {} failed; nothing was written there",
+                args.out.display()
+            )
+        })?;
+    println!(
+        "merged {} agent(s) into {} with {} ({} shard(s))",
+        inputs.agents.len(),
+        args.out.display(),
+        method,
+        summary.shards.len()
+    );
+    for a in &summary.recipe.agents {
+        match a.lambda {
+            Some(l) => println!("  λ = {l:.6}  {}", a.path),
+            None => println!("  λ per tensor (see the recipe)  {}", a.path),
+        }
+    }
+    Ok(())
+}
+
+fn run_analyze(args: &AnalyzeArgs) -> Result<()> {
+    args.inputs.check()?;
+    let inputs = Inputs::open(&args.inputs.base, &args.inputs.models)?;
+    warn_all(&inputs.warnings);
+    let backend = args.inputs.backend()?;
+    let report = engine::probe_all(
+        &inputs,
+        backend.as_ref(),
+        args.inputs.epsilon,
+        args.inputs.tile_elems,
+        args.inputs.show_progress(),
+    )?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report.to_json(args.per_tensor))?
+        );
+    } else {
+        print!("{}", report.render_text(args.per_tensor));
+    }
+    Ok(())
+}
+
+fn run_demo(args: &DemoArgs) -> Result<()> {
+    std::fs::create_dir_all(&args.dir)
+        .with_context(|| format!("cannot create {}", args.dir.display()))?;
+    let (base, agents) = demo::write_example(&args.dir, &demo::ModelShape::tiny(), 2026)?;
+    println!(
+        "wrote a tiny bf16 base and 3 RL-like agents under {}\n",
+        args.dir.display()
+    );
+    let inputs = Inputs::open(&base, &agents)?;
+    let backend: Box<dyn Backend> = Box::new(CpuBackend::new(0)?);
+    let show = !args.quiet && std::io::stderr().is_terminal();
+    let report = engine::probe_all(
+        &inputs,
+        backend.as_ref(),
+        DEFAULT_EPSILON,
+        DEFAULT_TILE_ELEMS,
+        show,
+    )?;
+    println!(
+        "$ rlmerge analyze --base {} --model … (3 agents)\n",
+        base.display()
+    );
+    print!("{}", report.render_text(false));
+    let out = args.dir.join("merged-ram-plus");
+    let options = MergeOptions {
+        method: Method::RamPlus {
+            rule: BoostRule::Paper {
+                r: defaults::R,
+                alpha: defaults::ALPHA_GLOBAL,
+            },
+            scope: BoostScope::Global,
+        },
+        epsilon: DEFAULT_EPSILON,
+        out_dtype: None,
+        shard_size: 5_000_000_000,
+        tile_elems: DEFAULT_TILE_ELEMS,
+        force: true,
+        show_progress: show,
+    };
+    let summary = engine::merge(&inputs, &options, backend.as_ref(), &out)?;
+    println!("\n$ rlmerge merge --method ram+ … -o {}\n", out.display());
+    for a in &summary.recipe.agents {
+        println!("  λ = {:.6}  {}", a.lambda.unwrap_or(1.0), a.path);
+    }
+    println!(
+        "\nmerged checkpoint: {} ({}; model card README.md, recipe {})",
+        out.display(),
+        summary.shards.join(", "),
+        crate::recipe::RECIPE_FILE
+    );
+    Ok(())
+}

@@ -1,0 +1,221 @@
+//! The built-in example: a tiny Qwen2-shaped base model and three RL-like agents whose task vectors
+//! are sparse and partly overlapping (densities ≈ 3.2 %, 46.2 %, 54.3 %), written as real Hugging
+//! Face folders. Also the generator the tests and benchmarks use for larger synthetic checkpoints.
+
+use crate::checkpoint::{CheckpointWriter, DType, OutputTensor};
+use anyhow::{Context, Result};
+use std::path::Path;
+
+/// A small deterministic PRNG (splitmix64): reproducible data without a dependency.
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    pub fn new(seed: u64) -> SplitMix64 {
+        SplitMix64(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// Shape of a synthetic decoder-only transformer.
+#[derive(Clone, Debug)]
+pub struct ModelShape {
+    pub vocab: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+}
+
+impl ModelShape {
+    /// The demo's tiny model (~170 k parameters).
+    pub fn tiny() -> ModelShape {
+        ModelShape {
+            vocab: 512,
+            hidden: 64,
+            intermediate: 176,
+            layers: 2,
+        }
+    }
+
+    /// A shape of roughly `bytes` of bf16 weights (hidden 1024, vocab 32000, layers to fit).
+    pub fn of_bf16_bytes(bytes: u64) -> ModelShape {
+        let (vocab, hidden, intermediate) = (32000usize, 1024usize, 2816usize);
+        let per_layer = 4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden;
+        let fixed = 2 * vocab * hidden + hidden;
+        let elems = (bytes / 2) as usize;
+        let layers = (elems.saturating_sub(fixed) / per_layer).max(1);
+        ModelShape {
+            vocab,
+            hidden,
+            intermediate,
+            layers,
+        }
+    }
+
+    /// Tensor names and shapes in Qwen2/Llama naming.
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, i) = (self.hidden, self.intermediate);
+        let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab, h])];
+        for l in 0..self.layers {
+            let p = format!("model.layers.{l}");
+            for proj in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+                t.push((format!("{p}.self_attn.{proj}.weight"), vec![h, h]));
+            }
+            t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
+            t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
+            t.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+            t.push((format!("{p}.input_layernorm.weight"), vec![h]));
+            t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        }
+        t.push(("model.norm.weight".to_string(), vec![h]));
+        t.push(("lm_head.weight".to_string(), vec![self.vocab, h]));
+        t
+    }
+
+    fn config_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "rms_norm_eps": 1e-6,
+            "torch_dtype": "bfloat16",
+            "tie_word_embeddings": false
+        })
+    }
+}
+
+/// A base value: norms near 1, weights of magnitude 0.005–0.05, so one bf16 ULP exceeds ε = 1e-5.
+fn base_value(name: &str, rng: &mut SplitMix64) -> f32 {
+    if name.contains("norm") {
+        (1.0 + 0.1 * (rng.next_f64() - 0.5)) as f32
+    } else {
+        let m = 0.005 + 0.045 * rng.next_f64();
+        (if rng.next_u64() & 1 == 0 { m } else { -m }) as f32
+    }
+}
+
+/// The base's bf16 bits for every element of tensor `index` (deterministic per seed and tensor).
+fn base_bits(seed: u64, index: usize, name: &str, numel: usize) -> Vec<u16> {
+    let mut rng = SplitMix64::new(seed ^ (index as u64).wrapping_mul(0x2545_f491_4f6c_dd1d));
+    (0..numel)
+        .map(|_| half::bf16::from_f32(base_value(name, &mut rng)).to_bits())
+        .collect()
+}
+
+/// Writes one bf16 model folder; `agent = Some((seed, density))` moves that fraction of elements
+/// by ±1–4 bf16 ULPs (an RL-like sparse task vector), `None` writes the base.
+fn write_model(
+    dir: &Path,
+    shape: &ModelShape,
+    seed: u64,
+    agent: Option<(u64, f64)>,
+    shard_size: u64,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let tensors: Vec<OutputTensor> = shape
+        .tensors()
+        .into_iter()
+        .map(|(name, shape)| OutputTensor {
+            name,
+            dtype: DType::BF16,
+            shape,
+        })
+        .collect();
+    let mut writer = CheckpointWriter::new(dir, tensors.clone(), shard_size)?;
+    let mut rng = agent.map(|(s, _)| SplitMix64::new(s));
+    let mut bytes = Vec::new();
+    for (i, t) in tensors.iter().enumerate() {
+        let numel: usize = t.shape.iter().product();
+        let mut bits = base_bits(seed, i, &t.name, numel);
+        if let (Some(rng), Some((_, density))) = (rng.as_mut(), agent) {
+            for b in bits.iter_mut() {
+                if rng.next_f64() < density {
+                    let step = 1 + (rng.next_u64() % 4) as u16;
+                    *b = if rng.next_u64() & 1 == 0 {
+                        *b + step
+                    } else {
+                        *b - step
+                    };
+                }
+            }
+        }
+        bytes.clear();
+        bytes.extend(bits.iter().flat_map(|b| b.to_le_bytes()));
+        writer.write(&t.name, &bytes)?;
+    }
+    writer.finish()?;
+    let write_json = |name: &str, v: serde_json::Value| -> Result<()> {
+        let p = dir.join(name);
+        std::fs::write(&p, serde_json::to_string_pretty(&v)? + "\n")
+            .with_context(|| format!("cannot write {}", p.display()))
+    };
+    write_json("config.json", shape.config_json())?;
+    write_json(
+        "generation_config.json",
+        serde_json::json!({"bos_token_id": 1, "eos_token_id": 2, "do_sample": false}),
+    )?;
+    write_json(
+        "tokenizer_config.json",
+        serde_json::json!({"model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast"}),
+    )?;
+    Ok(())
+}
+
+/// The demo's agents: folder name, seed, density.
+pub const DEMO_AGENTS: [(&str, u64, f64); 3] = [
+    ("coding-agent", 11, 0.032),
+    ("tool-agent", 22, 0.462),
+    ("memory-agent", 33, 0.543),
+];
+
+/// Writes `dir/base` and one folder per agent. One agent is sharded so both layouts are exercised.
+/// Returns (base dir, agent dirs).
+pub fn write_example(
+    dir: &Path,
+    shape: &ModelShape,
+    seed: u64,
+) -> Result<(std::path::PathBuf, Vec<std::path::PathBuf>)> {
+    let base = dir.join("base");
+    let total = shape
+        .tensors()
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>() as u64 * 2)
+        .sum::<u64>();
+    for d in std::iter::once("base").chain(DEMO_AGENTS.iter().map(|a| a.0)) {
+        let p = dir.join(d);
+        if p.exists() {
+            std::fs::remove_dir_all(&p)
+                .with_context(|| format!("cannot replace {}", p.display()))?;
+        }
+    }
+    write_model(&base, shape, seed, None, u64::MAX)?;
+    let mut agents = Vec::new();
+    for (name, agent_seed, density) in DEMO_AGENTS {
+        let p = dir.join(name);
+        // The memory agent is written in two shards, with an index.
+        let shard = if name == "memory-agent" {
+            total / 2 + 1
+        } else {
+            u64::MAX
+        };
+        write_model(&p, shape, seed, Some((seed ^ agent_seed, density)), shard)?;
+        agents.push(p);
+    }
+    Ok((base, agents))
+}

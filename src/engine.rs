@@ -1,0 +1,465 @@
+//! The merge job: validate inputs against the base, cut every tensor into tiles, run the probe pass
+//! (whole model for global RAM+, per tensor for tensor scope) and the merge pass through a
+//! [`Backend`], and stream the merged bytes into the output checkpoint.
+
+use crate::backend::{Backend, MergeParams, Tile, TileCounts};
+use crate::checkpoint::folder_files::copy_base_files;
+use crate::checkpoint::{
+    CheckpointWriter, DType, ModelFolder, ModelTensor, OutputFolder, OutputTensor,
+};
+use crate::method::{self, AgentCounts, BoostScope, Method};
+use crate::recipe::{self, AgentSummary, Recipe};
+use crate::report::{ProbeReport, TensorStats};
+use anyhow::{bail, ensure, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::{Path, PathBuf};
+
+/// Default elements per tile: 8 MiB of bf16 per input, small next to any model, large enough that
+/// per-tile overhead vanishes.
+pub const DEFAULT_TILE_ELEMS: usize = 4 << 20;
+
+/// The base and the agents, opened and checked against each other.
+pub struct Inputs {
+    pub base: ModelFolder,
+    pub agents: Vec<ModelFolder>,
+    /// Tensors to merge, in the base's storage order.
+    pub tensors: Vec<TensorPlan>,
+    /// Things the user should know (tensors missing in some agents, extra tensors ignored).
+    pub warnings: Vec<String>,
+}
+
+/// One base tensor and where each agent keeps its counterpart (`None`: that agent lacks it).
+pub struct TensorPlan {
+    pub base: ModelTensor,
+    pub agents: Vec<Option<ModelTensor>>,
+}
+
+impl TensorPlan {
+    pub fn name(&self) -> &str {
+        &self.base.entry.name
+    }
+
+    pub fn numel(&self) -> usize {
+        self.base.entry.numel
+    }
+
+    /// Global indices of the agents that have this tensor.
+    pub fn present(&self) -> Vec<usize> {
+        (0..self.agents.len())
+            .filter(|&t| self.agents[t].is_some())
+            .collect()
+    }
+}
+
+impl Inputs {
+    /// Opens every folder and checks each agent tensor's dtype and shape against the base's.
+    pub fn open(base_dir: &Path, agent_dirs: &[PathBuf]) -> Result<Inputs> {
+        ensure!(
+            !agent_dirs.is_empty(),
+            "at least one agent model is needed (--model DIR)"
+        );
+        ensure!(
+            agent_dirs.len() <= method::MAX_AGENTS,
+            "at most {} agent models can be merged at once, got {}",
+            method::MAX_AGENTS,
+            agent_dirs.len()
+        );
+        let base = ModelFolder::open(base_dir).context("cannot open the base model")?;
+        let agents = agent_dirs
+            .iter()
+            .map(|d| ModelFolder::open(d).context("cannot open an agent model"))
+            .collect::<Result<Vec<_>>>()?;
+        let mut warnings = Vec::new();
+        let mut tensors = Vec::with_capacity(base.tensors.len());
+        for bt in &base.tensors {
+            let mut found = Vec::with_capacity(agents.len());
+            for agent in &agents {
+                let Some(at) = agent.get(&bt.entry.name) else {
+                    found.push(None);
+                    continue;
+                };
+                if at.entry.dtype != bt.entry.dtype || at.entry.shape != bt.entry.shape {
+                    bail!(
+                        "tensor '{}' in {} is {} {:?} but in the base ({}) it is {} {:?}",
+                        bt.entry.name,
+                        agent.file_of(at).display(),
+                        at.entry.dtype,
+                        at.entry.shape,
+                        base.file_of(bt).display(),
+                        bt.entry.dtype,
+                        bt.entry.shape
+                    );
+                }
+                found.push(Some(at.clone()));
+            }
+            let missing: Vec<String> = found
+                .iter()
+                .enumerate()
+                .filter(|(_, f)| f.is_none())
+                .map(|(t, _)| agents[t].dir.display().to_string())
+                .collect();
+            if !missing.is_empty() {
+                let what = if missing.len() == agents.len() {
+                    "kept from the base".to_string()
+                } else {
+                    "merged from the agents that have it".to_string()
+                };
+                warnings.push(format!(
+                    "tensor '{}' is missing in {}; {what}",
+                    bt.entry.name,
+                    missing.join(", ")
+                ));
+            }
+            tensors.push(TensorPlan {
+                base: bt.clone(),
+                agents: found,
+            });
+        }
+        for agent in &agents {
+            let extra: Vec<&str> = agent
+                .tensors
+                .iter()
+                .filter(|t| base.get(&t.entry.name).is_none())
+                .map(|t| t.entry.name.as_str())
+                .collect();
+            if let Some(first) = extra.first() {
+                warnings.push(format!(
+                    "{} has {} tensor(s) the base lacks (first: '{first}'); they are ignored",
+                    agent.dir.display(),
+                    extra.len()
+                ));
+            }
+        }
+        Ok(Inputs {
+            base,
+            agents,
+            tensors,
+            warnings,
+        })
+    }
+
+    /// Bytes of tensor data one pass reads (base + every agent tensor).
+    pub fn pass_bytes(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|t| t.base.entry.byte_len() * (1 + t.present().len() as u64))
+            .sum()
+    }
+
+    pub fn agent_labels(&self) -> Vec<String> {
+        self.agents
+            .iter()
+            .map(|a| a.dir.display().to_string())
+            .collect()
+    }
+}
+
+/// Reusable tile buffers: one for the base, one per agent.
+struct TileBuffers {
+    base: Vec<u8>,
+    agents: Vec<Vec<u8>>,
+}
+
+impl TileBuffers {
+    fn new(agents: usize) -> TileBuffers {
+        TileBuffers {
+            base: Vec::new(),
+            agents: vec![Vec::new(); agents],
+        }
+    }
+
+    /// Reads elements `start..start + len` of `plan` for the base and the `present` agents.
+    fn read(
+        &mut self,
+        inputs: &Inputs,
+        plan: &TensorPlan,
+        present: &[usize],
+        start: usize,
+        len: usize,
+    ) -> Result<()> {
+        let size = plan.base.entry.dtype.size();
+        let (offset, bytes) = ((start * size) as u64, len * size);
+        self.base.resize(bytes, 0);
+        inputs.base.read(&plan.base, offset, &mut self.base)?;
+        for (slot, &t) in present.iter().enumerate() {
+            let buf = &mut self.agents[slot];
+            buf.resize(bytes, 0);
+            let at = plan.agents[t]
+                .as_ref()
+                .expect("present agents have the tensor");
+            inputs.agents[t].read(at, offset, buf)?;
+        }
+        Ok(())
+    }
+
+    /// The tile just read: `len` elements of `dtype` for the base and the first `present` agents.
+    fn tile<'a>(&'a self, dtype: DType, len: usize, agents: &'a [&'a [u8]]) -> Tile<'a> {
+        Tile {
+            dtype,
+            len,
+            base: &self.base,
+            agents,
+        }
+    }
+
+    fn agent_slices(&self, present: usize) -> Vec<&[u8]> {
+        self.agents[..present]
+            .iter()
+            .map(|v| v.as_slice())
+            .collect()
+    }
+}
+
+/// Tiles of a tensor: (start, len) element ranges of at most `tile_elems`.
+fn tiles(numel: usize, tile_elems: usize) -> impl Iterator<Item = (usize, usize)> {
+    let step = tile_elems.max(1);
+    (0..numel.div_ceil(step)).map(move |i| (i * step, step.min(numel - i * step)))
+}
+
+/// Probes one tensor over all its tiles; the counts are indexed by global agent.
+fn probe_tensor(
+    inputs: &Inputs,
+    plan: &TensorPlan,
+    backend: &dyn Backend,
+    epsilon: f32,
+    tile_elems: usize,
+    buffers: &mut TileBuffers,
+    progress: &ProgressBar,
+) -> Result<TileCounts> {
+    let n = inputs.agents.len();
+    let present = plan.present();
+    let dtype = plan.base.entry.dtype;
+    let mut local = TileCounts::zeros(present.len());
+    for (i, (start, len)) in tiles(plan.numel(), tile_elems).enumerate() {
+        buffers.read(inputs, plan, &present, start, len)?;
+        let agents = buffers.agent_slices(present.len());
+        let tile = buffers.tile(dtype, len, &agents);
+        let counts = backend
+            .probe(&tile, epsilon)
+            .with_context(|| format!("probe of tensor '{}' failed at tile {i}", plan.name()))?;
+        local.add(&counts);
+        progress.inc((len * dtype.size() * (1 + present.len())) as u64);
+    }
+    // Spread the present agents' rows into the N-wide global layout.
+    let mut global = TileCounts::zeros(n);
+    for (slot, &t) in present.iter().enumerate() {
+        global.hist[t * n..t * n + present.len()].copy_from_slice(local.row(slot));
+    }
+    Ok(global)
+}
+
+fn progress_bar(total: u64, show: bool, message: &str) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg:>8} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(message.to_string());
+    bar
+}
+
+/// The whole-model probe (SPEC §1): counts per tensor, from which every report and λ derives.
+pub fn probe_all(
+    inputs: &Inputs,
+    backend: &dyn Backend,
+    epsilon: f32,
+    tile_elems: usize,
+    show_progress: bool,
+) -> Result<ProbeReport> {
+    let bar = progress_bar(inputs.pass_bytes(), show_progress, "probe");
+    let mut buffers = TileBuffers::new(inputs.agents.len());
+    let mut tensors = Vec::with_capacity(inputs.tensors.len());
+    for plan in &inputs.tensors {
+        let counts = probe_tensor(
+            inputs,
+            plan,
+            backend,
+            epsilon,
+            tile_elems,
+            &mut buffers,
+            &bar,
+        )?;
+        tensors.push(TensorStats::new(plan, counts));
+    }
+    bar.finish_and_clear();
+    Ok(ProbeReport {
+        agents: inputs.agent_labels(),
+        epsilon,
+        tensors,
+    })
+}
+
+/// Everything a merge needs besides the inputs and the backend.
+#[derive(Clone, Debug)]
+pub struct MergeOptions {
+    pub method: Method,
+    pub epsilon: f32,
+    /// `None`: each tensor keeps the base's dtype.
+    pub out_dtype: Option<DType>,
+    pub shard_size: u64,
+    pub tile_elems: usize,
+    pub force: bool,
+    pub show_progress: bool,
+}
+
+/// What a finished merge reports.
+pub struct MergeSummary {
+    pub recipe: Recipe,
+    pub shards: Vec<String>,
+    pub report: Option<ProbeReport>,
+}
+
+/// Runs the merge into `out_dir`, which appears only when everything is written.
+pub fn merge(
+    inputs: &Inputs,
+    options: &MergeOptions,
+    backend: &dyn Backend,
+    out_dir: &Path,
+) -> Result<MergeSummary> {
+    let n = inputs.agents.len();
+    let folder = OutputFolder::create(out_dir, options.force)?;
+    let global_report = if options.method.needs_global_probe() {
+        Some(probe_all(
+            inputs,
+            backend,
+            options.epsilon,
+            options.tile_elems,
+            options.show_progress,
+        )?)
+    } else {
+        None
+    };
+    let global_counts: Option<Vec<AgentCounts>> =
+        global_report.as_ref().map(|r| r.agent_counts(&r.total()));
+    let global_lambdas: Vec<f64> = match &global_counts {
+        Some(counts) => counts.iter().map(|&c| options.method.lambda(c)).collect(),
+        None => vec![1.0; n],
+    };
+
+    let out_tensors: Vec<OutputTensor> = inputs
+        .tensors
+        .iter()
+        .map(|p| OutputTensor {
+            name: p.name().to_string(),
+            dtype: options.out_dtype.unwrap_or(p.base.entry.dtype),
+            shape: p.base.entry.shape.clone(),
+        })
+        .collect();
+    let mut writer = CheckpointWriter::new(folder.path(), out_tensors.clone(), options.shard_size)?;
+    let per_tensor_scope = matches!(
+        options.method,
+        Method::RamPlus {
+            scope: BoostScope::Tensor,
+            ..
+        }
+    );
+    let scan_bytes = inputs.pass_bytes() * if per_tensor_scope { 2 } else { 1 };
+    let bar = progress_bar(scan_bytes, options.show_progress, "merge");
+    let mut buffers = TileBuffers::new(n);
+    let mut out = Vec::new();
+    let reciprocals = method::reciprocals(n);
+    let mut tensor_lambdas = Vec::new();
+    let mut tensor_stats = Vec::new();
+    for (plan, out_t) in inputs.tensors.iter().zip(&out_tensors) {
+        let present = plan.present();
+        let lambdas: Vec<f64> = if per_tensor_scope {
+            let counts = probe_tensor(
+                inputs,
+                plan,
+                backend,
+                options.epsilon,
+                options.tile_elems,
+                &mut buffers,
+                &bar,
+            )?;
+            let stats = TensorStats::new(plan, counts);
+            let lambdas: Vec<f64> = stats
+                .agent_counts()
+                .iter()
+                .map(|&c| options.method.lambda(c))
+                .collect();
+            tensor_lambdas.push((plan.name().to_string(), lambdas.clone()));
+            tensor_stats.push(stats);
+            lambdas
+        } else {
+            global_lambdas.clone()
+        };
+        let present_lambdas: Vec<f32> = present.iter().map(|&t| lambdas[t] as f32).collect();
+        let params = MergeParams {
+            epsilon: options.epsilon,
+            lambdas: &present_lambdas,
+            reciprocals: &reciprocals,
+            out_dtype: out_t.dtype,
+        };
+        let dtype = plan.base.entry.dtype;
+        for (i, (start, len)) in tiles(plan.numel(), options.tile_elems).enumerate() {
+            buffers.read(inputs, plan, &present, start, len)?;
+            let agents = buffers.agent_slices(present.len());
+            let tile = buffers.tile(dtype, len, &agents);
+            out.resize(len * out_t.dtype.size(), 0);
+            backend
+                .merge(&tile, &params, &mut out)
+                .with_context(|| format!("merge of tensor '{}' failed at tile {i}", plan.name()))?;
+            writer.write(plan.name(), &out)?;
+            bar.inc((len * dtype.size() * (1 + present.len())) as u64);
+        }
+    }
+    bar.finish_and_clear();
+    let shards = writer.finish()?;
+
+    let report = match global_report {
+        Some(r) => Some(r),
+        None if per_tensor_scope => Some(ProbeReport {
+            agents: inputs.agent_labels(),
+            epsilon: options.epsilon,
+            tensors: tensor_stats,
+        }),
+        None => None,
+    };
+    let agent_counts = report.as_ref().map(|r| r.agent_counts(&r.total()));
+    let agents = inputs
+        .agents
+        .iter()
+        .enumerate()
+        .map(|(t, a)| AgentSummary {
+            path: a.dir.display().to_string(),
+            lambda: if per_tensor_scope {
+                None
+            } else {
+                Some(global_lambdas[t])
+            },
+            counts: agent_counts.as_ref().map(|c| c[t]),
+        })
+        .collect();
+    let out_dtype = options
+        .out_dtype
+        .or_else(|| inputs.base.main_dtype())
+        .unwrap_or(DType::F32);
+    let recipe = Recipe {
+        tool: "rlmerge".into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        method: options.method,
+        epsilon: options.epsilon,
+        base: inputs.base.dir.display().to_string(),
+        agents,
+        tensor_lambdas,
+        out_dtype: options.out_dtype.map(|d| d.to_string()),
+        shard_size: options.shard_size,
+        shards: shards.clone(),
+        warnings: inputs.warnings.clone(),
+    };
+    copy_base_files(&inputs.base.dir, folder.path(), out_dtype)?;
+    recipe::write(folder.path(), &recipe)?;
+    folder.commit()?;
+    Ok(MergeSummary {
+        recipe,
+        shards,
+        report,
+    })
+}

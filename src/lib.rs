@@ -1,0 +1,14 @@
+//! rlmerge: merge reinforcement-learning-trained LLM agents that share a base model into one
+//! checkpoint with Reinforced Agent Merging (RAM / RAM+), streaming tensors tile by tile.
+//!
+//! Data flows `checkpoint` (open and validate folders) → `engine` (tiles, probe and merge passes)
+//! → `backend` (the math over one tile) → `checkpoint::writer` (shards, atomic output).
+
+pub mod backend;
+pub mod checkpoint;
+pub mod cli;
+pub mod demo;
+pub mod engine;
+pub mod method;
+pub mod recipe;
+pub mod report;

@@ -1,0 +1,194 @@
+//! The merge methods rlmerge implements, their parameters, and the scalar reference math
+//! (SPEC §1–3). Backends run this math over tiles; nothing else defines it.
+
+use serde::Serialize;
+use std::fmt;
+
+/// The probe threshold: an element is "changed" by an agent when |τ| > ε (SPEC §1).
+pub const DEFAULT_EPSILON: f32 = 1e-5;
+
+/// How RAM+ turns the overlap-unique ratio ρ into the unique boost λ (SPEC §3).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(tag = "rule", rename_all = "lowercase")]
+pub enum BoostRule {
+    /// λ = 1 + r · min(ρ, α): the paper's formula.
+    Paper { r: f64, alpha: f64 },
+    /// λ = 1 + (R − 1) · min(ρ, 1), R clamped ≥ 1: the authors' released script.
+    Official { rescale_factor: f64 },
+}
+
+/// Over what ρ is counted: the whole model (one λ per agent) or each tensor (one λ per agent and tensor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum BoostScope {
+    Global,
+    Tensor,
+}
+
+/// A merge method of the RAM family.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(tag = "method")]
+pub enum Method {
+    /// Reinforced Agent Merging: unique updates kept as they are (λ = 1).
+    #[serde(rename = "ram")]
+    Ram,
+    /// RAM+: unique updates boosted by λ_t from the overlap-unique ratio.
+    #[serde(rename = "ram+")]
+    RamPlus { rule: BoostRule, scope: BoostScope },
+}
+
+impl Method {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Method::Ram => "ram",
+            Method::RamPlus { .. } => "ram+",
+        }
+    }
+
+    /// True when λ needs the probe of the whole model before the first merged byte (two passes).
+    pub fn needs_global_probe(&self) -> bool {
+        matches!(
+            self,
+            Method::RamPlus {
+                scope: BoostScope::Global,
+                ..
+            }
+        )
+    }
+
+    /// The boost rule, if the method boosts.
+    pub fn boost(&self) -> Option<BoostRule> {
+        match self {
+            Method::Ram => None,
+            Method::RamPlus { rule, .. } => Some(*rule),
+        }
+    }
+
+    /// λ_t for an agent with these counts (1 for `ram`).
+    pub fn lambda(&self, counts: AgentCounts) -> f64 {
+        self.boost().map_or(1.0, |rule| rule.lambda(counts))
+    }
+}
+
+impl fmt::Display for Method {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Method::Ram => f.write_str("ram"),
+            Method::RamPlus { rule, scope } => {
+                let scope = match scope {
+                    BoostScope::Global => "global",
+                    BoostScope::Tensor => "tensor",
+                };
+                match rule {
+                    BoostRule::Paper { r, alpha } => {
+                        write!(f, "ram+ (rule paper, r = {r}, α = {alpha}, scope {scope})")
+                    }
+                    BoostRule::Official { rescale_factor } => write!(
+                        f,
+                        "ram+ (rule official, R = {rescale_factor}, scope {scope})"
+                    ),
+                }
+            }
+        }
+    }
+}
+
+/// The defaults of SPEC §3.
+pub mod defaults {
+    pub const R: f64 = 0.1;
+    pub const ALPHA_GLOBAL: f64 = 2.0;
+    pub const ALPHA_TENSOR: f64 = 0.2;
+    pub const RESCALE_FACTOR: f64 = 1.2;
+}
+
+/// One agent's unique and shared element counts, over whatever scope they were summed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct AgentCounts {
+    /// |U_t|: changed by this agent alone.
+    pub unique: u64,
+    /// |S_t|: changed by this agent and at least one other.
+    pub shared: u64,
+}
+
+impl AgentCounts {
+    /// ρ_t = |S_t| / |U_t|: 0 for an agent that changed nothing, +∞ when every change is shared.
+    pub fn overlap_ratio(&self) -> f64 {
+        match (self.shared, self.unique) {
+            (0, _) => 0.0,
+            (_, 0) => f64::INFINITY,
+            (s, u) => s as f64 / u as f64,
+        }
+    }
+}
+
+impl BoostRule {
+    /// λ_t from the agent's counts. `min(∞, cap)` is the cap, so "all shared" is well defined.
+    pub fn lambda(&self, counts: AgentCounts) -> f64 {
+        let rho = counts.overlap_ratio();
+        match *self {
+            BoostRule::Paper { r, alpha } => 1.0 + r * rho.min(alpha),
+            BoostRule::Official { rescale_factor } => {
+                1.0 + (rescale_factor.max(1.0) - 1.0) * rho.min(1.0)
+            }
+        }
+    }
+}
+
+/// f32(1/c) for c = 0..=n, each rounded once (SPEC §2: never divide on a device).
+pub fn reciprocals(n: usize) -> Vec<f32> {
+    (0..=n)
+        .map(|c| if c == 0 { 0.0 } else { 1.0f32 / c as f32 })
+        .collect()
+}
+
+/// Most agents one merge takes (masks are u64 bit sets).
+pub const MAX_AGENTS: usize = 64;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counts(unique: u64, shared: u64) -> AgentCounts {
+        AgentCounts { unique, shared }
+    }
+
+    #[test]
+    fn paper_rule_matches_hand_values() {
+        let rule = BoostRule::Paper { r: 0.1, alpha: 2.0 };
+        // ρ = 50/100 = 0.5 → λ = 1.05
+        assert!((rule.lambda(counts(100, 50)) - 1.05).abs() < 1e-12);
+        // ρ = 300/100 = 3 → capped at α = 2 → 1.2
+        assert!((rule.lambda(counts(100, 300)) - 1.2).abs() < 1e-12);
+    }
+
+    #[test]
+    fn official_rule_caps_rho_at_one_and_clamps_r() {
+        let rule = BoostRule::Official {
+            rescale_factor: 1.2,
+        };
+        assert!((rule.lambda(counts(100, 50)) - 1.1).abs() < 1e-12);
+        assert!((rule.lambda(counts(100, 500)) - 1.2).abs() < 1e-12);
+        let low = BoostRule::Official {
+            rescale_factor: 0.5,
+        };
+        assert_eq!(low.lambda(counts(100, 500)), 1.0);
+    }
+
+    #[test]
+    fn edge_cases_of_spec_section_3() {
+        let paper = BoostRule::Paper { r: 0.1, alpha: 2.0 };
+        let official = BoostRule::Official {
+            rescale_factor: 1.2,
+        };
+        // No changed element: ρ = 0, λ = 1.
+        assert_eq!(counts(0, 0).overlap_ratio(), 0.0);
+        assert_eq!(paper.lambda(counts(0, 0)), 1.0);
+        assert_eq!(official.lambda(counts(0, 0)), 1.0);
+        // All shared: ρ = ∞, λ takes the cap.
+        assert_eq!(counts(0, 7).overlap_ratio(), f64::INFINITY);
+        assert!((paper.lambda(counts(0, 7)) - 1.2).abs() < 1e-12);
+        assert!((official.lambda(counts(0, 7)) - 1.2).abs() < 1e-12);
+        // Only unique: ρ = 0.
+        assert_eq!(paper.lambda(counts(9, 0)), 1.0);
+    }
+}

@@ -1,0 +1,110 @@
+//! What a merged folder records about how it was made: `rlmerge_recipe.json` (machine-readable) and
+//! the README.md model card.
+
+use crate::method::{AgentCounts, Method};
+use anyhow::{Context, Result};
+use serde::Serialize;
+use std::fmt::Write;
+use std::path::Path;
+
+pub const RECIPE_FILE: &str = "rlmerge_recipe.json";
+pub const CARD_FILE: &str = "README.md";
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AgentSummary {
+    pub path: String,
+    /// λ_t (global scope and `ram`); `None` for tensor scope, see `tensor_lambdas`.
+    pub lambda: Option<f64>,
+    /// Unique / shared element counts from the probe, when one ran.
+    pub counts: Option<AgentCounts>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Recipe {
+    pub tool: String,
+    pub version: String,
+    pub method: Method,
+    pub epsilon: f32,
+    pub base: String,
+    pub agents: Vec<AgentSummary>,
+    /// Tensor scope: λ per agent for each tensor.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tensor_lambdas: Vec<(String, Vec<f64>)>,
+    /// `None`: each tensor kept the base's dtype.
+    pub out_dtype: Option<String>,
+    pub shard_size: u64,
+    pub shards: Vec<String>,
+    pub warnings: Vec<String>,
+}
+
+/// Writes the recipe and the model card into `dir`.
+pub fn write(dir: &Path, recipe: &Recipe) -> Result<()> {
+    let path = dir.join(RECIPE_FILE);
+    std::fs::write(&path, serde_json::to_string_pretty(recipe)? + "\n")
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    let path = dir.join(CARD_FILE);
+    std::fs::write(&path, model_card(recipe))
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
+
+/// The Hugging Face model card: YAML front matter, then what was merged and how.
+pub fn model_card(r: &Recipe) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "---\nbase_model:");
+    let _ = writeln!(s, "- {}", yaml_str(&r.base));
+    for a in &r.agents {
+        let _ = writeln!(s, "- {}", yaml_str(&a.path));
+    }
+    let _ = writeln!(
+        s,
+        "library_name: transformers\ntags:\n- merge\n- rlmerge\n- {}\n---\n",
+        r.method.name()
+    );
+    let _ = writeln!(s, "# Merged model\n");
+    let _ = writeln!(
+        s,
+        "This model merges {} reinforcement-learning-trained agents into their common base with \
+         rlmerge {} using **{}**: parameters no agent changed \
+         (|τ| ≤ ε = {:e}) keep the base value, parameters changed by several agents take the mean of \
+         their task vectors over those agents only, and parameters changed by one agent keep that \
+         agent's update{} (Reinforced Agent Merging, [arXiv:2601.13572](https://arxiv.org/abs/2601.13572)).\n",
+        r.agents.len(),
+        r.version,
+        r.method,
+        r.epsilon,
+        if r.method.boost().is_some() { ", scaled by λ_t" } else { "" }
+    );
+    let _ = writeln!(s, "## Inputs\n\n- base: `{}`", r.base);
+    for (t, a) in r.agents.iter().enumerate() {
+        let lambda = match a.lambda {
+            Some(l) => format!("λ = {l:.6}"),
+            None => "λ per tensor (see rlmerge_recipe.json)".into(),
+        };
+        let counts = match a.counts {
+            Some(c) => format!(
+                ", {} unique and {} shared changed elements",
+                c.unique, c.shared
+            ),
+            None => String::new(),
+        };
+        let _ = writeln!(s, "- agent {}: `{}` — {lambda}{counts}", t + 1, a.path);
+    }
+    let _ = writeln!(
+        s,
+        "\n## Output\n\n{} shard(s), dtype {}. The exact recipe is in `{RECIPE_FILE}`.",
+        r.shards.len(),
+        r.out_dtype.as_deref().unwrap_or("as the base")
+    );
+    if !r.warnings.is_empty() {
+        let _ = writeln!(s, "\n## Notes\n");
+        for w in &r.warnings {
+            let _ = writeln!(s, "- {w}");
+        }
+    }
+    s
+}
+
+fn yaml_str(s: &str) -> String {
+    serde_json::to_string(s).expect("strings serialize")
+}

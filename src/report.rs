@@ -1,0 +1,424 @@
+//! The distribution report of the probe (SPEC §1): per agent density, unique/shared counts, the
+//! histogram "changed and shared with k other agents", ρ_t and λ_t under each rule — globally, per
+//! module and per tensor, as text tables or JSON.
+
+use crate::backend::TileCounts;
+use crate::engine::TensorPlan;
+use crate::method::{defaults, AgentCounts, BoostRule};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+/// Which part of a transformer a tensor belongs to, from its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Module {
+    Embed,
+    Attn,
+    Mlp,
+    Norm,
+    LmHead,
+    Other,
+}
+
+impl Module {
+    pub fn of(name: &str) -> Module {
+        let n = name.to_ascii_lowercase();
+        let has = |parts: &[&str]| parts.iter().any(|p| n.contains(p));
+        if has(&["lm_head", "output.weight"]) {
+            Module::LmHead
+        } else if has(&["embed", "wte", "wpe", "tok_embeddings"]) {
+            Module::Embed
+        } else if has(&["norm", "ln_", ".ln"]) {
+            Module::Norm
+        } else if has(&[
+            "attn",
+            "attention",
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "qkv",
+        ]) {
+            Module::Attn
+        } else if has(&[
+            "mlp",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+            "fc1",
+            "fc2",
+            "feed_forward",
+            "experts",
+        ]) {
+            Module::Mlp
+        } else {
+            Module::Other
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Module::Embed => "embed",
+            Module::Attn => "attn",
+            Module::Mlp => "mlp",
+            Module::Norm => "norm",
+            Module::LmHead => "lm_head",
+            Module::Other => "other",
+        }
+    }
+}
+
+/// Probe counts of one tensor, indexed by global agent.
+#[derive(Clone, Debug)]
+pub struct TensorStats {
+    pub name: String,
+    pub module: Module,
+    pub numel: u64,
+    /// Which agents have this tensor.
+    pub present: Vec<bool>,
+    pub counts: TileCounts,
+}
+
+impl TensorStats {
+    pub fn new(plan: &TensorPlan, counts: TileCounts) -> TensorStats {
+        TensorStats {
+            name: plan.name().to_string(),
+            module: Module::of(plan.name()),
+            numel: plan.numel() as u64,
+            present: plan.agents.iter().map(|a| a.is_some()).collect(),
+            counts,
+        }
+    }
+
+    pub fn agent_counts(&self) -> Vec<AgentCounts> {
+        agent_counts(&self.counts)
+    }
+}
+
+/// Unique (k = 0) and shared (k ≥ 1) counts of each agent from a histogram.
+pub fn agent_counts(counts: &TileCounts) -> Vec<AgentCounts> {
+    (0..counts.agents)
+        .map(|t| {
+            let row = counts.row(t);
+            AgentCounts {
+                unique: row[0],
+                shared: row[1..].iter().sum(),
+            }
+        })
+        .collect()
+}
+
+/// The λ rules the report lists, with SPEC §3's defaults: (label, rule).
+pub fn reported_rules() -> [(&'static str, BoostRule); 2] {
+    [
+        (
+            "ram+ paper",
+            BoostRule::Paper {
+                r: defaults::R,
+                alpha: defaults::ALPHA_GLOBAL,
+            },
+        ),
+        (
+            "ram+ official",
+            BoostRule::Official {
+                rescale_factor: defaults::RESCALE_FACTOR,
+            },
+        ),
+    ]
+}
+
+/// The per-tensor rule (mergekit's `ramplus_tl` defaults).
+pub fn tensor_rule() -> BoostRule {
+    BoostRule::Paper {
+        r: defaults::R,
+        alpha: defaults::ALPHA_TENSOR,
+    }
+}
+
+/// The whole-model probe result.
+#[derive(Clone, Debug)]
+pub struct ProbeReport {
+    pub agents: Vec<String>,
+    pub epsilon: f32,
+    pub tensors: Vec<TensorStats>,
+}
+
+/// One group's totals (the model, a module).
+struct Group {
+    /// Elements each agent has in the group.
+    numel: Vec<u64>,
+    counts: TileCounts,
+}
+
+impl ProbeReport {
+    fn group<'a>(&self, tensors: impl Iterator<Item = &'a TensorStats>) -> Group {
+        let n = self.agents.len();
+        let mut g = Group {
+            numel: vec![0; n],
+            counts: TileCounts::zeros(n),
+        };
+        for t in tensors {
+            g.counts.add(&t.counts);
+            for (a, &p) in t.present.iter().enumerate() {
+                if p {
+                    g.numel[a] += t.numel;
+                }
+            }
+        }
+        g
+    }
+
+    /// Counts summed over every tensor.
+    pub fn total(&self) -> TileCounts {
+        self.group(self.tensors.iter()).counts
+    }
+
+    pub fn agent_counts(&self, counts: &TileCounts) -> Vec<AgentCounts> {
+        agent_counts(counts)
+    }
+
+    pub fn elements(&self) -> u64 {
+        self.tensors.iter().map(|t| t.numel).sum()
+    }
+
+    fn modules(&self) -> BTreeMap<Module, Group> {
+        let mut names: Vec<Module> = self.tensors.iter().map(|t| t.module).collect();
+        names.sort();
+        names.dedup();
+        names
+            .into_iter()
+            .map(|m| (m, self.group(self.tensors.iter().filter(|t| t.module == m))))
+            .collect()
+    }
+
+    fn agent_json(&self, g: &Group, with_lambdas: bool) -> Vec<Value> {
+        let counts = agent_counts(&g.counts);
+        (0..self.agents.len())
+            .map(|t| {
+                let c = counts[t];
+                let changed = c.unique + c.shared;
+                let mut v = json!({
+                    "agent": self.agents[t],
+                    "elements": g.numel[t],
+                    "changed": changed,
+                    "density": ratio(changed, g.numel[t]),
+                    "unique": c.unique,
+                    "shared": c.shared,
+                    "rho": rho_json(c),
+                    "shared_with_k_others": g.counts.row(t),
+                });
+                if with_lambdas {
+                    let mut l = serde_json::Map::new();
+                    l.insert("ram".into(), json!(1.0));
+                    for (label, rule) in reported_rules() {
+                        l.insert(
+                            label.replace(' ', "_").replace('+', "_plus"),
+                            json!(rule.lambda(c)),
+                        );
+                    }
+                    v["lambda"] = Value::Object(l);
+                }
+                v
+            })
+            .collect()
+    }
+
+    /// The report as JSON; `per_tensor` adds the module and tensor breakdowns.
+    pub fn to_json(&self, per_tensor: bool) -> Value {
+        let total = self.group(self.tensors.iter());
+        let mut v = json!({
+            "epsilon": self.epsilon,
+            "tensors": self.tensors.len(),
+            "elements": self.elements(),
+            "agents": self.agent_json(&total, true),
+        });
+        if per_tensor {
+            let modules: serde_json::Map<String, Value> = self
+                .modules()
+                .iter()
+                .map(|(m, g)| {
+                    (
+                        m.name().to_string(),
+                        json!({"agents": self.agent_json(g, false)}),
+                    )
+                })
+                .collect();
+            v["modules"] = Value::Object(modules);
+            v["per_tensor"] = self
+                .tensors
+                .iter()
+                .map(|t| {
+                    let g = self.group(std::iter::once(t));
+                    let lambdas: Vec<f64> = t
+                        .agent_counts()
+                        .iter()
+                        .map(|&c| tensor_rule().lambda(c))
+                        .collect();
+                    json!({
+                        "name": t.name,
+                        "module": t.module.name(),
+                        "elements": t.numel,
+                        "agents": self.agent_json(&g, false),
+                        "lambda_ram_plus_tensor": lambdas,
+                    })
+                })
+                .collect();
+        }
+        v
+    }
+
+    /// The report as text tables for a terminal.
+    pub fn render_text(&self, per_tensor: bool) -> String {
+        let n = self.agents.len();
+        let total = self.group(self.tensors.iter());
+        let counts = agent_counts(&total.counts);
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "{} agents, {} tensors, {} elements; changed means |τ| > ε = {:e}\n",
+            n,
+            self.tensors.len(),
+            self.elements(),
+            self.epsilon
+        );
+        let _ = writeln!(
+            s,
+            "{:<4} {:>14} {:>9} {:>14} {:>14} {:>8} {:>11} {:>14}  path",
+            "#", "changed", "density", "unique", "shared", "ρ", "λ ram+", "λ ram+"
+        );
+        let _ = writeln!(
+            s,
+            "{:<4} {:>14} {:>9} {:>14} {:>14} {:>8} {:>11} {:>14}",
+            "", "", "", "", "", "", "(paper)", "(official)"
+        );
+        let [(_, paper), (_, official)] = reported_rules();
+        for (t, c) in counts.iter().enumerate() {
+            let changed = c.unique + c.shared;
+            let _ = writeln!(
+                s,
+                "{:<4} {:>14} {:>8.2}% {:>14} {:>14} {:>8} {:>11.4} {:>14.4}  {}",
+                t + 1,
+                changed,
+                100.0 * ratio(changed, total.numel[t]),
+                c.unique,
+                c.shared,
+                rho_text(*c),
+                paper.lambda(*c),
+                official.lambda(*c),
+                self.agents[t]
+            );
+        }
+        let _ = writeln!(
+            s,
+            "\nchanged and shared with k other agents (% of the agent's changed elements)"
+        );
+        let _ = write!(s, "{:<4}", "#");
+        for k in 0..n {
+            let _ = write!(s, " {:>16}", format!("k={k}"));
+        }
+        let _ = writeln!(s);
+        for (t, c) in counts.iter().enumerate() {
+            let changed = c.unique + c.shared;
+            let _ = write!(s, "{:<4}", t + 1);
+            for &v in total.counts.row(t) {
+                let _ = write!(s, " {:>9} {:>5.1}%", v, 100.0 * ratio(v, changed));
+            }
+            let _ = writeln!(s);
+        }
+        if per_tensor {
+            let _ = writeln!(s, "\nby module: density (unique / shared) per agent");
+            for (m, g) in self.modules() {
+                let _ = write!(s, "{:<8}", m.name());
+                for (t, c) in agent_counts(&g.counts).iter().enumerate() {
+                    let changed = c.unique + c.shared;
+                    let _ = write!(
+                        s,
+                        "  #{} {:>6.2}% ({}/{})",
+                        t + 1,
+                        100.0 * ratio(changed, g.numel[t]),
+                        c.unique,
+                        c.shared
+                    );
+                }
+                let _ = writeln!(s);
+            }
+            let _ = writeln!(
+                s,
+                "\nby tensor: density per agent, and λ under ram+ scope tensor (r = {}, α = {})",
+                defaults::R,
+                defaults::ALPHA_TENSOR
+            );
+            for t in &self.tensors {
+                let _ = write!(s, "{:<48} {:<7} {:>11}", t.name, t.module.name(), t.numel);
+                for (a, c) in t.agent_counts().iter().enumerate() {
+                    if t.present[a] {
+                        let _ = write!(
+                            s,
+                            "  #{} {:>6.2}% λ {:.4}",
+                            a + 1,
+                            100.0 * ratio(c.unique + c.shared, t.numel),
+                            tensor_rule().lambda(*c)
+                        );
+                    } else {
+                        let _ = write!(s, "  #{} missing", a + 1);
+                    }
+                }
+                let _ = writeln!(s);
+            }
+        }
+        s
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+fn rho_json(c: AgentCounts) -> Value {
+    let rho = c.overlap_ratio();
+    if rho.is_infinite() {
+        json!("inf")
+    } else {
+        json!(rho)
+    }
+}
+
+fn rho_text(c: AgentCounts) -> String {
+    let rho = c.overlap_ratio();
+    if rho.is_infinite() {
+        "inf".into()
+    } else {
+        format!("{rho:.4}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Module;
+
+    #[test]
+    fn modules_from_names() {
+        assert_eq!(Module::of("model.embed_tokens.weight"), Module::Embed);
+        assert_eq!(
+            Module::of("model.layers.0.self_attn.q_proj.weight"),
+            Module::Attn
+        );
+        assert_eq!(
+            Module::of("model.layers.3.mlp.down_proj.weight"),
+            Module::Mlp
+        );
+        assert_eq!(
+            Module::of("model.layers.3.input_layernorm.weight"),
+            Module::Norm
+        );
+        assert_eq!(Module::of("model.norm.weight"), Module::Norm);
+        assert_eq!(Module::of("lm_head.weight"), Module::LmHead);
+        assert_eq!(Module::of("rotary.inv_freq"), Module::Other);
+    }
+}
