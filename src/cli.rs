@@ -11,7 +11,7 @@ use crate::engine::{self, Inputs, MergeOptions, DEFAULT_TILE_ELEMS};
 use crate::method::{defaults, BoostRule, BoostScope, Method, DEFAULT_EPSILON};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
@@ -132,6 +132,12 @@ pub struct DemoArgs {
     /// No progress bars.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Size of each model (e.g. 1GiB) instead of the tiny default: a synthetic checkpoint for benchmarks.
+    #[arg(long, value_parser = parse_size)]
+    pub model_size: Option<u64>,
+    /// Only write the models; skip the analysis and the merge.
+    #[arg(long)]
+    pub write_only: bool,
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -221,14 +227,26 @@ fn warn_all(warnings: &[String]) {
 }
 
 pub fn run(cli: Cli) -> Result<()> {
+    let mut out = std::io::stdout().lock();
     match cli.command {
-        Command::Merge(args) => run_merge(&args),
-        Command::Analyze(args) => run_analyze(&args),
-        Command::Demo(args) => run_demo(&args),
+        Command::Merge(args) => run_merge(&args, &mut out),
+        Command::Analyze(args) => run_analyze(&args, &mut out),
+        Command::Demo(args) => run_demo(&args, &mut out),
     }
 }
 
-fn run_merge(args: &MergeArgs) -> Result<()> {
+/// Prints the λ of each agent after a merge.
+fn print_lambdas(out: &mut impl Write, agents: &[crate::recipe::AgentSummary]) -> Result<()> {
+    for a in agents {
+        match a.lambda {
+            Some(l) => writeln!(out, "  λ = {l:.6}  {}", a.path)?,
+            None => writeln!(out, "  λ per tensor (see the recipe)  {}", a.path)?,
+        }
+    }
+    Ok(())
+}
+
+fn run_merge(args: &MergeArgs, out: &mut impl Write) -> Result<()> {
     args.inputs.check()?;
     let method = args.method()?;
     let inputs = Inputs::open(&args.inputs.base, &args.inputs.models)?;
@@ -253,23 +271,18 @@ fn run_merge(args: &MergeArgs) -> Result<()> {
                 args.out.display()
             )
         })?;
-    println!(
+    writeln!(
+        out,
         "merged {} agent(s) into {} with {} ({} shard(s))",
         inputs.agents.len(),
         args.out.display(),
         method,
         summary.shards.len()
-    );
-    for a in &summary.recipe.agents {
-        match a.lambda {
-            Some(l) => println!("  λ = {l:.6}  {}", a.path),
-            None => println!("  λ per tensor (see the recipe)  {}", a.path),
-        }
-    }
-    Ok(())
+    )?;
+    print_lambdas(out, &summary.recipe.agents)
 }
 
-fn run_analyze(args: &AnalyzeArgs) -> Result<()> {
+fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
     args.inputs.check()?;
     let inputs = Inputs::open(&args.inputs.base, &args.inputs.models)?;
     warn_all(&inputs.warnings);
@@ -282,25 +295,34 @@ fn run_analyze(args: &AnalyzeArgs) -> Result<()> {
         args.inputs.show_progress(),
     )?;
     if args.json {
-        println!(
+        writeln!(
+            out,
             "{}",
             serde_json::to_string_pretty(&report.to_json(args.per_tensor))?
-        );
+        )?;
     } else {
-        print!("{}", report.render_text(args.per_tensor));
+        write!(out, "{}", report.render_text(args.per_tensor))?;
     }
     Ok(())
 }
 
-fn run_demo(args: &DemoArgs) -> Result<()> {
+fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
     std::fs::create_dir_all(&args.dir)
         .with_context(|| format!("cannot create {}", args.dir.display()))?;
-    let (base, agents) = demo::write_example(&args.dir, &demo::ModelShape::tiny(), 2026)?;
-    println!(
-        "wrote a tiny bf16 base and 3 RL-like agents under {}\n",
-        args.dir.display()
-    );
+    let shape = args
+        .model_size
+        .map_or_else(demo::ModelShape::tiny, demo::ModelShape::of_bf16_bytes);
+    let (base, agents) = demo::write_example(&args.dir, &shape, 2026)?;
     let inputs = Inputs::open(&base, &agents)?;
+    writeln!(
+        out,
+        "wrote a bf16 base and 3 RL-like agents of {} bytes each under {}\n",
+        inputs.base.data_bytes(),
+        args.dir.display()
+    )?;
+    if args.write_only {
+        return Ok(());
+    }
     let backend: Box<dyn Backend> = Box::new(CpuBackend::new(0)?);
     let show = !args.quiet && std::io::stderr().is_terminal();
     let report = engine::probe_all(
@@ -310,12 +332,13 @@ fn run_demo(args: &DemoArgs) -> Result<()> {
         DEFAULT_TILE_ELEMS,
         show,
     )?;
-    println!(
+    writeln!(
+        out,
         "$ rlmerge analyze --base {} --model … (3 agents)\n",
         base.display()
-    );
-    print!("{}", report.render_text(false));
-    let out = args.dir.join("merged-ram-plus");
+    )?;
+    write!(out, "{}", report.render_text(false))?;
+    let merged = args.dir.join("merged-ram-plus");
     let options = MergeOptions {
         method: Method::RamPlus {
             rule: BoostRule::Paper {
@@ -331,16 +354,19 @@ fn run_demo(args: &DemoArgs) -> Result<()> {
         force: true,
         show_progress: show,
     };
-    let summary = engine::merge(&inputs, &options, backend.as_ref(), &out)?;
-    println!("\n$ rlmerge merge --method ram+ … -o {}\n", out.display());
-    for a in &summary.recipe.agents {
-        println!("  λ = {:.6}  {}", a.lambda.unwrap_or(1.0), a.path);
-    }
-    println!(
+    let summary = engine::merge(&inputs, &options, backend.as_ref(), &merged)?;
+    writeln!(
+        out,
+        "\n$ rlmerge merge --method ram+ … -o {}\n",
+        merged.display()
+    )?;
+    print_lambdas(out, &summary.recipe.agents)?;
+    writeln!(
+        out,
         "\nmerged checkpoint: {} ({}; model card README.md, recipe {})",
-        out.display(),
+        merged.display(),
         summary.shards.join(", "),
         crate::recipe::RECIPE_FILE
-    );
+    )?;
     Ok(())
 }

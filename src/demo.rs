@@ -48,13 +48,13 @@ impl ModelShape {
         }
     }
 
-    /// A shape of roughly `bytes` of bf16 weights (hidden 1024, vocab 32000, layers to fit).
+    /// A shape of at least `bytes` of bf16 weights (hidden 1024, vocab 32000, layers rounded up).
     pub fn of_bf16_bytes(bytes: u64) -> ModelShape {
         let (vocab, hidden, intermediate) = (32000usize, 1024usize, 2816usize);
         let per_layer = 4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden;
         let fixed = 2 * vocab * hidden + hidden;
         let elems = (bytes / 2) as usize;
-        let layers = (elems.saturating_sub(fixed) / per_layer).max(1);
+        let layers = elems.saturating_sub(fixed).div_ceil(per_layer).max(1);
         ModelShape {
             vocab,
             hidden,

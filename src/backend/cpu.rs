@@ -77,6 +77,7 @@ struct ProbeScratch {
     base: Vec<f32>,
     agent: Vec<f32>,
     masks: Vec<u64>,
+    patterns: Vec<u64>,
 }
 
 impl ProbeScratch {
@@ -85,7 +86,22 @@ impl ProbeScratch {
             base: vec![0.0; CHUNK],
             agent: vec![0.0; CHUNK],
             masks: vec![0; CHUNK],
+            patterns: vec![0; 1 << PATTERN_TABLE_AGENTS],
         }
+    }
+}
+
+/// Up to this many agents the probe counts mask patterns in a table of 2^n entries.
+const PATTERN_TABLE_AGENTS: usize = 10;
+
+/// Adds `hits` elements changed by exactly the agents in `mask` to the histogram.
+fn add_mask(counts: &mut TileCounts, mask: u64, hits: u64) {
+    let n = counts.agents;
+    let others = mask.count_ones() as usize - 1;
+    let mut bits = mask;
+    while bits != 0 {
+        counts.hist[bits.trailing_zeros() as usize * n + others] += hits;
+        bits &= bits - 1;
     }
 }
 
@@ -109,12 +125,19 @@ fn probe_chunk(
         }
     }
     let mut counts = TileCounts::zeros(n);
-    for &m in masks.iter().filter(|&&m| m != 0) {
-        let others = m.count_ones() as usize - 1;
-        let mut bits = m;
-        while bits != 0 {
-            counts.hist[bits.trailing_zeros() as usize * n + others] += 1;
-            bits &= bits - 1;
+    if n <= PATTERN_TABLE_AGENTS {
+        // Few agents: count each mask pattern once, then spread patterns into the histogram.
+        let patterns = &mut s.patterns[..1 << n];
+        patterns.fill(0);
+        for &m in masks.iter() {
+            patterns[m as usize] += 1;
+        }
+        for (m, &hits) in patterns.iter().enumerate().skip(1).filter(|(_, &h)| h != 0) {
+            add_mask(&mut counts, m as u64, hits);
+        }
+    } else {
+        for &m in masks.iter().filter(|&&m| m != 0) {
+            add_mask(&mut counts, m, 1);
         }
     }
     counts
@@ -166,32 +189,106 @@ fn merge_chunk(
     count.fill(0);
     for (t, bytes) in tile.agents.iter().enumerate() {
         decode(tile.dtype, chunk_bytes(bytes, start, len, in_size), agent);
-        let lam_t = p.lambdas[t];
-        for i in 0..len {
-            let tau = agent[i] - base[i];
-            let active = tau.abs() > p.epsilon;
-            // Adding +0.0 leaves any sum of non-zero τ unchanged, so the branch-free form is exact.
-            sum[i] += if active { tau } else { 0.0 };
-            count[i] += active as u32;
-            lambda[i] = if active { lam_t } else { lambda[i] };
+        let lam_bits = p.lambdas[t].to_bits();
+        for ((((&a, &b), s), c), l) in agent
+            .iter()
+            .zip(base.iter())
+            .zip(sum.iter_mut())
+            .zip(count.iter_mut())
+            .zip(lambda.iter_mut())
+        {
+            let tau = a - b;
+            // All-ones where agent t is active: selects as bit masks so the loop vectorizes.
+            let m = ((tau.abs() > p.epsilon) as u32).wrapping_neg();
+            // Adding +0.0 leaves any sum of non-zero τ unchanged, so the masked add is exact.
+            *s += f32::from_bits(tau.to_bits() & m);
+            *c += m & 1;
+            *l = f32::from_bits((lam_bits & m) | (l.to_bits() & !m));
         }
     }
-    for i in 0..len {
-        let b = base[i];
-        result[i] = match count[i] {
-            0 => b,
-            1 => b + lambda[i] * sum[i],
-            c => b + sum[i] * p.reciprocals[c as usize],
-        };
+    // scale = λ of the single agent (c = 1) or f32(1/c) (c ≥ 2): one masked pass per c, not a gather.
+    let scale = lambda;
+    for (k, inv) in p.reciprocals.iter().enumerate().skip(2) {
+        let inv = inv.to_bits();
+        for (x, &c) in scale.iter_mut().zip(count.iter()) {
+            let m = ((c == k as u32) as u32).wrapping_neg();
+            *x = f32::from_bits((inv & m) | (x.to_bits() & !m));
+        }
+    }
+    for (((r, &b), &s), (&c, &x)) in result
+        .iter_mut()
+        .zip(base.iter())
+        .zip(sum.iter())
+        .zip(count.iter().zip(scale.iter()))
+    {
+        let merged = (b + s * x).to_bits();
+        let keep_base = ((c == 0) as u32).wrapping_neg();
+        *r = f32::from_bits((b.to_bits() & keep_base) | (merged & !keep_base));
     }
     encode(p.out_dtype, result, out);
-    if p.out_dtype == tile.dtype {
-        // c = 0: the base's bits pass through untouched (NaN payloads included).
-        for i in 0..len {
-            if count[i] == 0 {
-                out[i * in_size..(i + 1) * in_size]
-                    .copy_from_slice(&base_bytes[i * in_size..(i + 1) * in_size]);
+    // c = 0: the base's bits pass through untouched. decode→encode already returns them for every
+    // value but a signalling NaN of a 16-bit type (the encoder quiets it), so only NaN chunks need this.
+    let has_nan = base.iter().fold(false, |acc, b| acc | b.is_nan());
+    if p.out_dtype == tile.dtype && in_size == 2 && has_nan {
+        for ((o, bb), &c) in out
+            .chunks_exact_mut(2)
+            .zip(base_bytes.chunks_exact(2))
+            .zip(count.iter())
+        {
+            if c == 0 {
+                o.copy_from_slice(bb);
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::DType;
+    use crate::demo::SplitMix64;
+
+    /// Both probe paths (pattern table for few agents, per-bit loop for many) against a naive count.
+    #[test]
+    fn probe_counts_match_a_naive_count_for_few_and_many_agents() {
+        for n in [1usize, 3, 10, 11, 13] {
+            let len = CHUNK * 2 + 77;
+            let mut rng = SplitMix64::new(n as u64);
+            let base: Vec<f32> = (0..len).map(|i| i as f32 * 0.001).collect();
+            let agents: Vec<Vec<f32>> = (0..n)
+                .map(|t| {
+                    base.iter()
+                        .map(|&b| {
+                            if rng.next_f64() < 0.1 + 0.05 * t as f64 {
+                                b + 0.5
+                            } else {
+                                b
+                            }
+                        })
+                        .collect()
+                })
+                .collect();
+            let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+            let agent_bytes: Vec<Vec<u8>> = agents.iter().map(|a| bytes(a)).collect();
+            let slices: Vec<&[u8]> = agent_bytes.iter().map(|a| a.as_slice()).collect();
+            let base_bytes = bytes(&base);
+            let tile = Tile {
+                dtype: DType::F32,
+                len,
+                base: &base_bytes,
+                agents: &slices,
+            };
+            let got = CpuBackend::new(2).unwrap().probe(&tile, 1e-5).unwrap();
+            let mut want = TileCounts::zeros(n);
+            for i in 0..len {
+                let active: Vec<usize> = (0..n)
+                    .filter(|&t| (agents[t][i] - base[i]).abs() > 1e-5)
+                    .collect();
+                for &t in &active {
+                    want.hist[t * n + active.len() - 1] += 1;
+                }
+            }
+            assert_eq!(got, want, "n = {n}");
         }
     }
 }

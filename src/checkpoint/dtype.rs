@@ -2,7 +2,8 @@
 //!
 //! bf16→f32 and f16→f32 are exact; f32→bf16/f16 rounds to nearest, ties to even (SPEC §"Values").
 
-use half::{bf16, f16};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 use std::fmt;
 
 /// A floating-point element type rlmerge can merge.
@@ -80,14 +81,18 @@ pub fn decode(dtype: DType, bytes: &[u8], out: &mut [f32]) {
     match dtype {
         DType::BF16 => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+                *o = bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
             }
         }
-        DType::F16 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+        DType::F16 => match bytemuck::try_cast_slice::<u8, f16>(bytes) {
+            // The slice conversion uses F16C / NEON where the CPU has them.
+            Ok(halves) if cfg!(target_endian = "little") => halves.convert_to_f32_slice(out),
+            _ => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                }
             }
-        }
+        },
         DType::F32 => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
                 *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
@@ -102,19 +107,42 @@ pub fn encode(dtype: DType, values: &[f32], out: &mut [u8]) {
     match dtype {
         DType::BF16 => {
             for (v, o) in values.iter().zip(out.chunks_exact_mut(2)) {
-                o.copy_from_slice(&bf16::from_f32(*v).to_bits().to_le_bytes());
+                o.copy_from_slice(&f32_to_bf16_bits(*v).to_le_bytes());
             }
         }
-        DType::F16 => {
-            for (v, o) in values.iter().zip(out.chunks_exact_mut(2)) {
-                o.copy_from_slice(&f16::from_f32(*v).to_bits().to_le_bytes());
+        DType::F16 => match bytemuck::try_cast_slice_mut::<u8, f16>(out) {
+            Ok(halves) if cfg!(target_endian = "little") => halves.convert_from_f32_slice(values),
+            _ => {
+                for (v, o) in values.iter().zip(out.chunks_exact_mut(2)) {
+                    o.copy_from_slice(&f16::from_f32(*v).to_bits().to_le_bytes());
+                }
             }
-        }
+        },
         DType::F32 => {
             for (v, o) in values.iter().zip(out.chunks_exact_mut(4)) {
                 o.copy_from_slice(&v.to_le_bytes());
             }
         }
+    }
+}
+
+/// bf16 bits → f32 (exact).
+#[inline(always)]
+pub fn bf16_bits_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// f32 → bf16 bits, round to nearest even; NaN stays NaN (quiet bit set). Branch-free so loops
+/// vectorize; bit-identical to `half::bf16::from_f32`.
+#[inline(always)]
+pub fn f32_to_bf16_bits(v: f32) -> u16 {
+    let x = v.to_bits();
+    let rounded = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
+    let nan = ((x >> 16) as u16) | 0x0040;
+    if v.is_nan() {
+        nan
+    } else {
+        rounded
     }
 }
 
@@ -129,6 +157,7 @@ pub fn decode_one(dtype: DType, bytes: &[u8], index: usize) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
 
     #[test]
     fn bf16_round_trip_is_exact_and_encode_rounds_to_even() {
@@ -157,6 +186,56 @@ mod tests {
                 assert_eq!(a.to_bits(), b.to_bits(), "{dt}");
             }
         }
+    }
+
+    #[test]
+    fn bf16_encode_matches_half_on_every_class_of_value() {
+        let mut x = 0x1234_5678u32;
+        let mut specials = vec![
+            0.0f32,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-40,
+        ];
+        specials.push(f32::from_bits(0x7f80_0001)); // signalling NaN
+        specials.push(f32::from_bits(0x7f7f_ffff)); // rounds up to infinity
+        for _ in 0..200_000 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            specials.push(f32::from_bits(x));
+        }
+        for v in specials {
+            assert_eq!(
+                f32_to_bf16_bits(v),
+                bf16::from_f32(v).to_bits(),
+                "{v:e} ({:#x})",
+                v.to_bits()
+            );
+        }
+    }
+
+    #[test]
+    fn f16_slice_and_scalar_paths_agree() {
+        let vals: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.37).collect();
+        let mut aligned = vec![0u16; vals.len()];
+        encode(DType::F16, &vals, bytemuck::cast_slice_mut(&mut aligned));
+        for (v, h) in vals.iter().zip(&aligned) {
+            assert_eq!(*h, f16::from_f32(*v).to_bits());
+        }
+        // A misaligned buffer takes the scalar path and gives the same bytes.
+        let mut raw = vec![0u8; vals.len() * 2 + 1];
+        encode(DType::F16, &vals, &mut raw[1..]);
+        assert_eq!(&raw[1..], bytemuck::cast_slice::<u16, u8>(&aligned));
+        let mut back = vec![0f32; vals.len()];
+        decode(DType::F16, &raw[1..], &mut back);
+        let mut back2 = vec![0f32; vals.len()];
+        decode(DType::F16, bytemuck::cast_slice(&aligned), &mut back2);
+        assert_eq!(back, back2);
     }
 
     #[test]

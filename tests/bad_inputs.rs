@@ -1,0 +1,383 @@
+//! Bad input: a one-line error naming the file and tensor, exit code ≠ 0, and no output folder.
+
+mod common;
+use common::*;
+use safetensors::tensor::Dtype;
+use std::path::{Path, PathBuf};
+
+fn tensor(name: &str, dtype: Dtype, shape: &[usize], seed: f32) -> T {
+    let n: usize = shape.iter().product();
+    T {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+        values: (0..n)
+            .map(|i| round_to(dtype, seed + i as f32 / 128.0))
+            .collect(),
+    }
+}
+
+fn good_model(dir: &Path, seed: f32) {
+    write_folder(
+        dir,
+        &[
+            tensor("a.weight", Dtype::BF16, &[4, 5], seed),
+            tensor("b.weight", Dtype::BF16, &[7], seed),
+        ],
+        1,
+    );
+}
+
+/// A base, one good agent, and a second agent folder `bad` the case fills in.
+struct Case {
+    dir: tempfile::TempDir,
+    base: PathBuf,
+    good: PathBuf,
+    bad: PathBuf,
+}
+
+fn case() -> Case {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base");
+    let good = dir.path().join("good");
+    let bad = dir.path().join("bad");
+    good_model(&base, 0.0);
+    good_model(&good, 0.5);
+    Case {
+        dir,
+        base,
+        good,
+        bad,
+    }
+}
+
+/// A safetensors file from a raw header and data.
+fn write_raw(path: &Path, header: &str, data: &[u8]) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(data);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Runs the merge, expects failure with an error line containing every `needles`, and checks
+/// that neither the output nor a temporary folder is left.
+fn expect_failure(c: &Case, needles: &[&str]) -> String {
+    let out = c.dir.path().join("out");
+    let mut cmd = rlmerge();
+    cmd.args(["merge", "--quiet"]).arg("--base").arg(&c.base);
+    cmd.arg("--model")
+        .arg(&c.good)
+        .arg("--model")
+        .arg(&c.bad)
+        .arg("-o")
+        .arg(&out);
+    let output = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+    assert_eq!(output.status.code(), Some(1), "stderr: {stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "one error line expected: {stderr}");
+    assert_eq!(
+        stderr
+            .lines()
+            .filter(|l| !l.starts_with("warning:"))
+            .count(),
+        1,
+        "{stderr}"
+    );
+    for n in needles {
+        assert!(errors[0].contains(n), "'{n}' not in: {}", errors[0]);
+    }
+    assert!(!out.exists(), "output folder left behind");
+    let leftovers: Vec<_> = std::fs::read_dir(c.dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|n| n.contains("rlmerge-tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    errors[0].to_string()
+}
+
+fn bad_path(c: &Case, file: &str) -> String {
+    c.bad.join(file).display().to_string()
+}
+
+#[test]
+fn missing_folder() {
+    let c = case();
+    expect_failure(&c, &[&c.bad.display().to_string(), "does not exist"]);
+}
+
+#[test]
+fn folder_without_safetensors() {
+    let c = case();
+    std::fs::create_dir_all(&c.bad).unwrap();
+    std::fs::write(c.bad.join("pytorch_model.bin"), b"not ours").unwrap();
+    expect_failure(&c, &[&c.bad.display().to_string(), "model.safetensors"]);
+}
+
+#[test]
+fn index_names_a_missing_shard() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    std::fs::write(
+        c.bad.join("model.safetensors.index.json"),
+        r#"{"metadata": {}, "weight_map": {"a.weight": "model.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}"#,
+    )
+    .unwrap();
+    expect_failure(
+        &c,
+        &["model-00002-of-00002.safetensors", "missing", "index.json"],
+    );
+}
+
+#[test]
+fn truncated_file() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    let p = c.bad.join("model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() - 3]).unwrap();
+    expect_failure(
+        &c,
+        &[&bad_path(&c, "model.safetensors"), "b.weight", "truncated"],
+    );
+    // Cut inside the header too.
+    std::fs::write(&p, &bytes[..20]).unwrap();
+    expect_failure(&c, &[&bad_path(&c, "model.safetensors"), "truncated"]);
+}
+
+#[test]
+fn corrupt_header_json() {
+    let c = case();
+    write_raw(
+        &c.bad.join("model.safetensors"),
+        r#"{"a.weight": {"dtype": "BF16", "shape": [4, 5], "#,
+        &[0; 54],
+    );
+    expect_failure(
+        &c,
+        &[&bad_path(&c, "model.safetensors"), "corrupt header JSON"],
+    );
+}
+
+#[test]
+fn data_offsets_out_of_range() {
+    let c = case();
+    write_raw(
+        &c.bad.join("model.safetensors"),
+        r#"{"a.weight":{"dtype":"BF16","shape":[4,5],"data_offsets":[0,40]},"b.weight":{"dtype":"BF16","shape":[7],"data_offsets":[40,5400]}}"#,
+        &[0; 54],
+    );
+    expect_failure(
+        &c,
+        &[
+            &bad_path(&c, "model.safetensors"),
+            "b.weight",
+            "out of range",
+        ],
+    );
+}
+
+#[test]
+fn data_offsets_not_matching_shape() {
+    let c = case();
+    write_raw(
+        &c.bad.join("model.safetensors"),
+        r#"{"a.weight":{"dtype":"BF16","shape":[4,5],"data_offsets":[0,38]},"b.weight":{"dtype":"BF16","shape":[7],"data_offsets":[38,52]}}"#,
+        &[0; 54],
+    );
+    expect_failure(
+        &c,
+        &[&bad_path(&c, "model.safetensors"), "a.weight", "needs 40"],
+    );
+}
+
+#[test]
+fn unsupported_dtype() {
+    let c = case();
+    write_raw(
+        &c.bad.join("model.safetensors"),
+        r#"{"a.weight":{"dtype":"I64","shape":[4,5],"data_offsets":[0,160]}}"#,
+        &[0; 160],
+    );
+    expect_failure(
+        &c,
+        &[
+            &bad_path(&c, "model.safetensors"),
+            "a.weight",
+            "unsupported dtype I64",
+        ],
+    );
+}
+
+#[test]
+fn shape_differs_from_base() {
+    let c = case();
+    write_folder(
+        &c.bad,
+        &[
+            tensor("a.weight", Dtype::BF16, &[5, 4], 1.0),
+            tensor("b.weight", Dtype::BF16, &[7], 1.0),
+        ],
+        1,
+    );
+    expect_failure(
+        &c,
+        &[
+            &bad_path(&c, "model.safetensors"),
+            "a.weight",
+            "[5, 4]",
+            "[4, 5]",
+        ],
+    );
+}
+
+#[test]
+fn dtype_differs_from_base() {
+    let c = case();
+    write_folder(
+        &c.bad,
+        &[
+            tensor("a.weight", Dtype::BF16, &[4, 5], 1.0),
+            tensor("b.weight", Dtype::F32, &[7], 1.0),
+        ],
+        1,
+    );
+    expect_failure(
+        &c,
+        &[
+            &bad_path(&c, "model.safetensors"),
+            "b.weight",
+            "f32",
+            "bf16",
+        ],
+    );
+}
+
+#[test]
+fn tensor_missing_in_an_agent_is_merged_from_the_others_with_a_warning() {
+    let c = case();
+    let a = tensor("a.weight", Dtype::BF16, &[4, 5], 1.0);
+    write_folder(&c.bad, std::slice::from_ref(&a), 1);
+    let out = c.dir.path().join("out");
+    let mut cmd = rlmerge();
+    cmd.args(["merge", "--quiet", "--method", "ram"])
+        .arg("--base")
+        .arg(&c.base);
+    cmd.arg("--model")
+        .arg(&c.good)
+        .arg("--model")
+        .arg(&c.bad)
+        .arg("-o")
+        .arg(&out);
+    let output = cmd.assert().success().get_output().clone();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("warning: tensor 'b.weight' is missing in")
+            && stderr.contains(&c.bad.display().to_string()),
+        "{stderr}"
+    );
+    // b.weight comes from the good agent alone (unique → kept), a.weight from both.
+    let merged = read_folder(&out);
+    let base_b = tensor("b.weight", Dtype::BF16, &[7], 0.0);
+    let good_b = tensor("b.weight", Dtype::BF16, &[7], 0.5);
+    let want = reference_merge(&base_b, &[&good_b], 1e-5, &[1.0], Dtype::BF16);
+    assert_eq!(merged["b.weight"].2, want);
+    let base_a = tensor("a.weight", Dtype::BF16, &[4, 5], 0.0);
+    let good_a = tensor("a.weight", Dtype::BF16, &[4, 5], 0.5);
+    let want = reference_merge(&base_a, &[&good_a, &a], 1e-5, &[1.0, 1.0], Dtype::BF16);
+    assert_eq!(merged["a.weight"].2, want);
+    let recipe = std::fs::read_to_string(out.join("rlmerge_recipe.json")).unwrap();
+    assert!(recipe.contains("missing in"));
+}
+
+#[test]
+fn output_folder_exists_is_refused_unless_forced() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    let out = c.dir.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("keep.txt"), b"mine").unwrap();
+    let run = |force: bool| {
+        let mut cmd = rlmerge();
+        cmd.args(["merge", "--quiet"]).arg("--base").arg(&c.base);
+        cmd.arg("--model")
+            .arg(&c.good)
+            .arg("--model")
+            .arg(&c.bad)
+            .arg("-o")
+            .arg(&out);
+        if force {
+            cmd.arg("--force");
+        }
+        cmd.output().unwrap()
+    };
+    let refused = run(false);
+    assert_eq!(refused.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        err.contains("already exists") && err.contains("--force"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(out.join("keep.txt")).unwrap(), b"mine");
+    assert!(run(true).status.success());
+    assert!(!out.join("keep.txt").exists());
+    assert!(out.join("model.safetensors").exists());
+}
+
+#[test]
+fn a_failed_forced_merge_keeps_the_old_output() {
+    let c = case();
+    let out = c.dir.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("keep.txt"), b"mine").unwrap();
+    let mut cmd = rlmerge();
+    cmd.args(["merge", "--quiet", "--force"])
+        .arg("--base")
+        .arg(&c.base);
+    cmd.arg("--model").arg(&c.bad).arg("-o").arg(&out);
+    assert_eq!(cmd.output().unwrap().status.code(), Some(1));
+    assert_eq!(std::fs::read(out.join("keep.txt")).unwrap(), b"mine");
+}
+
+#[test]
+fn fewer_than_one_agent_is_a_usage_error() {
+    let c = case();
+    let out = c.dir.path().join("out");
+    let output = rlmerge()
+        .args(["merge"])
+        .arg("--base")
+        .arg(&c.base)
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--model"));
+    assert!(!out.exists());
+}
+
+#[test]
+fn parameters_of_another_rule_are_usage_errors() {
+    let c = case();
+    let out = c.dir.path().join("out");
+    for args in [
+        vec!["--method", "ram", "--alpha", "1"],
+        vec!["--method", "ram+", "--rule", "official", "--r", "0.2"],
+        vec!["--method", "ram+", "--rescale-factor", "1.5"],
+    ] {
+        let mut cmd = rlmerge();
+        cmd.arg("merge")
+            .args(&args)
+            .arg("--base")
+            .arg(&c.base)
+            .arg("--model")
+            .arg(&c.good)
+            .arg("-o")
+            .arg(&out);
+        let output = cmd.output().unwrap();
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
+        assert!(!out.exists());
+    }
+}

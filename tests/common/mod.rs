@@ -1,0 +1,384 @@
+//! Test helpers, independent of the crate under test: models are written and read with the
+//! reference `safetensors` crate and values converted with `half`, so rlmerge's own reader, writer
+//! and codecs are checked against outside truth.
+#![allow(dead_code)]
+
+use half::{bf16, f16};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// A tensor for a test model; `values` are exactly representable in `dtype`.
+#[derive(Clone, Debug)]
+pub struct T {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub values: Vec<f32>,
+}
+
+pub fn size_of(dtype: Dtype) -> usize {
+    match dtype {
+        Dtype::BF16 | Dtype::F16 => 2,
+        Dtype::F32 => 4,
+        other => panic!("test helper: no size for {other:?}"),
+    }
+}
+
+/// Rounds to the nearest value of `dtype` (ties to even).
+pub fn round_to(dtype: Dtype, v: f32) -> f32 {
+    match dtype {
+        Dtype::BF16 => bf16::from_f32(v).to_f32(),
+        Dtype::F16 => f16::from_f32(v).to_f32(),
+        Dtype::F32 => v,
+        other => panic!("test helper: {other:?}"),
+    }
+}
+
+pub fn to_bytes(dtype: Dtype, values: &[f32]) -> Vec<u8> {
+    match dtype {
+        Dtype::BF16 => values
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+        Dtype::F16 => values
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        other => panic!("test helper: {other:?}"),
+    }
+}
+
+pub fn from_bytes(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        other => panic!("test helper: {other:?}"),
+    }
+}
+
+/// Writes a HF model folder with the reference safetensors crate: one file, or `shards` files plus
+/// `model.safetensors.index.json`. Also writes a config.json and tokenizer files.
+pub fn write_folder(dir: &Path, tensors: &[T], shards: usize) {
+    std::fs::create_dir_all(dir).unwrap();
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|t| to_bytes(t.dtype, &t.values))
+        .collect();
+    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    if shards <= 1 {
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .zip(&bytes)
+            .map(|(t, b)| {
+                (
+                    t.name.clone(),
+                    TensorView::new(t.dtype, t.shape.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::tensor::serialize_to_file(views, Some(meta), &dir.join("model.safetensors"))
+            .unwrap();
+    } else {
+        let per = tensors.len().div_ceil(shards);
+        let mut weight_map = BTreeMap::new();
+        for s in 0..shards {
+            let file = format!("model-{:05}-of-{:05}.safetensors", s + 1, shards);
+            let views: Vec<(String, TensorView)> = tensors
+                .iter()
+                .zip(&bytes)
+                .skip(s * per)
+                .take(per)
+                .map(|(t, b)| {
+                    weight_map.insert(t.name.clone(), file.clone());
+                    (
+                        t.name.clone(),
+                        TensorView::new(t.dtype, t.shape.clone(), b).unwrap(),
+                    )
+                })
+                .collect();
+            safetensors::tensor::serialize_to_file(views, Some(meta.clone()), &dir.join(&file))
+                .unwrap();
+        }
+        let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": weight_map});
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    }
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "llama", "torch_dtype": "bfloat16"}"#,
+    )
+    .unwrap();
+    std::fs::write(dir.join("tokenizer.json"), r#"{"version": "1.0"}"#).unwrap();
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"do_sample": false}"#,
+    )
+    .unwrap();
+}
+
+/// A read tensor: dtype, shape, raw bytes.
+pub type Read = (Dtype, Vec<usize>, Vec<u8>);
+
+/// Reads every tensor of a folder with the reference crate (following the index when present).
+pub fn read_folder(dir: &Path) -> BTreeMap<String, Read> {
+    let mut files = vec![];
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&index).unwrap()).unwrap();
+        let mut names: Vec<String> = v["weight_map"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|f| f.as_str().unwrap().to_string())
+            .collect();
+        names.sort();
+        names.dedup();
+        files.extend(names.into_iter().map(|n| dir.join(n)));
+    } else {
+        files.push(dir.join("model.safetensors"));
+    }
+    let mut out = BTreeMap::new();
+    for f in files {
+        let data = std::fs::read(&f).unwrap();
+        let st = SafeTensors::deserialize(&data).unwrap();
+        for (name, view) in st.tensors() {
+            out.insert(
+                name,
+                (view.dtype(), view.shape().to_vec(), view.data().to_vec()),
+            );
+        }
+    }
+    out
+}
+
+/// splitmix64: deterministic test data.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    pub fn f32(&mut self) -> f32 {
+        (self.u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    pub fn chance(&mut self, p: f64) -> bool {
+        ((self.u64() >> 11) as f64 / (1u64 << 53) as f64) < p
+    }
+}
+
+/// Base and agent tensors with planted sparsity: each agent changes each element with its density
+/// (so changes overlap partly), by an amount well above ε; a few elements get a sub-ε change that
+/// must be reset to the base. Values are representable in `dtype`.
+pub fn planted(
+    rng: &mut Rng,
+    name: &str,
+    dtype: Dtype,
+    shape: &[usize],
+    densities: &[f64],
+) -> (T, Vec<T>) {
+    let numel: usize = shape.iter().product();
+    let base: Vec<f32> = (0..numel)
+        .map(|i| {
+            if i % 17 == 5 {
+                0.0
+            } else {
+                round_to(dtype, (rng.f32() - 0.5) * 0.2)
+            }
+        })
+        .collect();
+    let agents = densities
+        .iter()
+        .map(|&d| {
+            let values = base
+                .iter()
+                .map(|&b| {
+                    if rng.chance(d) {
+                        let delta = (rng.f32() - 0.5) * 0.02;
+                        let delta = if delta.abs() < 1e-3 { 1e-3 } else { delta };
+                        round_to(dtype, b + delta)
+                    } else if b == 0.0 && rng.chance(0.3) {
+                        // Below ε: representable near zero in every dtype, and must not count.
+                        round_to(dtype, 4e-6)
+                    } else {
+                        b
+                    }
+                })
+                .collect();
+            T {
+                name: name.into(),
+                dtype,
+                shape: shape.to_vec(),
+                values,
+            }
+        })
+        .collect();
+    (
+        T {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            values: base,
+        },
+        agents,
+    )
+}
+
+/// A base folder and agent folders from per-tensor planted data.
+pub struct Fixture {
+    pub dir: tempfile::TempDir,
+    pub base: PathBuf,
+    pub agents: Vec<PathBuf>,
+    pub base_tensors: Vec<T>,
+    pub agent_tensors: Vec<Vec<T>>,
+}
+
+pub fn fixture(
+    seed: u64,
+    dtype: Dtype,
+    shapes: &[(&str, Vec<usize>)],
+    densities: &[f64],
+    base_shards: usize,
+) -> Fixture {
+    let mut rng = Rng(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let mut base_tensors = vec![];
+    let mut agent_tensors = vec![vec![]; densities.len()];
+    for (name, shape) in shapes {
+        let (b, a) = planted(&mut rng, name, dtype, shape, densities);
+        base_tensors.push(b);
+        for (t, at) in a.into_iter().enumerate() {
+            agent_tensors[t].push(at);
+        }
+    }
+    let base = dir.path().join("base");
+    write_folder(&base, &base_tensors, base_shards);
+    let agents: Vec<PathBuf> = (0..densities.len())
+        .map(|t| {
+            let p = dir.path().join(format!("agent{t}"));
+            // Alternate single-file and sharded agents.
+            write_folder(&p, &agent_tensors[t], if t % 2 == 1 { 2 } else { 1 });
+            p
+        })
+        .collect();
+    Fixture {
+        dir,
+        base,
+        agents,
+        base_tensors,
+        agent_tensors,
+    }
+}
+
+/// SPEC §1 masks for one element.
+pub fn active(base: f32, agents: &[f32], eps: f32) -> Vec<bool> {
+    agents.iter().map(|&a| (a - base).abs() > eps).collect()
+}
+
+/// Written independently of the crate: global (unique, shared) counts per agent over all tensors.
+pub fn reference_counts(base: &[T], agents: &[Vec<T>], eps: f32) -> Vec<(u64, u64)> {
+    let n = agents.len();
+    let mut counts = vec![(0u64, 0u64); n];
+    for (i, b) in base.iter().enumerate() {
+        for e in 0..b.values.len() {
+            let vals: Vec<f32> = agents.iter().map(|a| a[i].values[e]).collect();
+            let m = active(b.values[e], &vals, eps);
+            let c = m.iter().filter(|&&x| x).count();
+            for t in 0..n {
+                if m[t] {
+                    if c == 1 {
+                        counts[t].0 += 1
+                    } else {
+                        counts[t].1 += 1
+                    }
+                }
+            }
+        }
+    }
+    counts
+}
+
+/// λ from (unique, shared) by the paper rule.
+pub fn lambda_paper(c: (u64, u64), r: f64, alpha: f64) -> f64 {
+    let rho = if c.1 == 0 {
+        0.0
+    } else if c.0 == 0 {
+        f64::INFINITY
+    } else {
+        c.1 as f64 / c.0 as f64
+    };
+    1.0 + r * rho.min(alpha)
+}
+
+pub fn lambda_official(c: (u64, u64), big_r: f64) -> f64 {
+    let rho = if c.1 == 0 {
+        0.0
+    } else if c.0 == 0 {
+        f64::INFINITY
+    } else {
+        c.1 as f64 / c.0 as f64
+    };
+    1.0 + (big_r.max(1.0) - 1.0) * rho.min(1.0)
+}
+
+/// The merged bytes of one tensor per SPEC §2, computed the plain way.
+pub fn reference_merge(base: &T, agents: &[&T], eps: f32, lambdas: &[f32], out: Dtype) -> Vec<u8> {
+    let in_bytes = to_bytes(base.dtype, &base.values);
+    let s = size_of(base.dtype);
+    let mut bytes = Vec::new();
+    for e in 0..base.values.len() {
+        let b = base.values[e];
+        let mut sum = 0.0f32;
+        let mut c = 0usize;
+        let mut last = 0;
+        for (t, a) in agents.iter().enumerate() {
+            let tau = a.values[e] - b;
+            if tau.abs() > eps {
+                sum += tau;
+                c += 1;
+                last = t;
+            }
+        }
+        if c == 0 && out == base.dtype {
+            bytes.extend_from_slice(&in_bytes[e * s..(e + 1) * s]);
+            continue;
+        }
+        let v = match c {
+            0 => b,
+            1 => b + lambdas[last] * sum,
+            c => b + sum * (1.0f32 / c as f32),
+        };
+        bytes.extend(to_bytes(out, &[v]));
+    }
+    bytes
+}
+
+pub fn rlmerge() -> assert_cmd::Command {
+    assert_cmd::Command::cargo_bin("rlmerge").unwrap()
+}
+
+/// Runs `rlmerge merge` with the fixture's inputs plus `extra` args into `out`.
+pub fn merge_cmd(f: &Fixture, out: &Path, extra: &[&str]) -> assert_cmd::Command {
+    let mut cmd = rlmerge();
+    cmd.arg("merge").arg("--quiet").arg("--base").arg(&f.base);
+    for a in &f.agents {
+        cmd.arg("--model").arg(a);
+    }
+    cmd.arg("-o").arg(out).args(extra);
+    cmd
+}

@@ -1,0 +1,268 @@
+//! The CLI's output equals a plain scalar reference of SPEC §1–3, byte for byte, on real files.
+
+mod common;
+use common::*;
+use safetensors::tensor::Dtype;
+
+/// Shapes not a multiple of anything: odd lengths, a scalar-ish vector, a 2-D matrix.
+fn shapes() -> Vec<(&'static str, Vec<usize>)> {
+    vec![
+        ("model.embed_tokens.weight", vec![37, 29]),
+        ("model.layers.0.self_attn.q_proj.weight", vec![31, 17]),
+        ("model.layers.0.mlp.up_proj.weight", vec![1013]),
+        ("model.layers.0.input_layernorm.weight", vec![3]),
+        ("lm_head.weight", vec![1]),
+    ]
+}
+
+const DENSITIES: [f64; 6] = [0.03, 0.46, 0.54, 0.2, 0.7, 0.1];
+
+#[derive(Clone, Copy, Debug)]
+enum Variant {
+    Ram,
+    PaperGlobal,
+    OfficialGlobal,
+    PaperTensor,
+}
+
+impl Variant {
+    fn args(self) -> Vec<&'static str> {
+        match self {
+            Variant::Ram => vec!["--method", "ram"],
+            Variant::PaperGlobal => vec!["--method", "ram+"],
+            Variant::OfficialGlobal => vec!["--method", "ram+", "--rule", "official"],
+            Variant::PaperTensor => vec!["--method", "ram+", "--scope", "tensor"],
+        }
+    }
+
+    /// λ per agent for tensor `i` (global variants ignore `i`).
+    fn lambdas(self, f: &Fixture, i: usize) -> Vec<f32> {
+        let eps = 1e-5;
+        let n = f.agents.len();
+        match self {
+            Variant::Ram => vec![1.0; n],
+            Variant::PaperGlobal => reference_counts(&f.base_tensors, &f.agent_tensors, eps)
+                .into_iter()
+                .map(|c| lambda_paper(c, 0.1, 2.0) as f32)
+                .collect(),
+            Variant::OfficialGlobal => reference_counts(&f.base_tensors, &f.agent_tensors, eps)
+                .into_iter()
+                .map(|c| lambda_official(c, 1.2) as f32)
+                .collect(),
+            Variant::PaperTensor => {
+                let base = vec![f.base_tensors[i].clone()];
+                let agents: Vec<Vec<T>> =
+                    f.agent_tensors.iter().map(|a| vec![a[i].clone()]).collect();
+                reference_counts(&base, &agents, eps)
+                    .into_iter()
+                    .map(|c| lambda_paper(c, 0.1, 0.2) as f32)
+                    .collect()
+            }
+        }
+    }
+}
+
+fn check(f: &Fixture, variant: Variant, out_dtype: Option<Dtype>, extra: &[&str]) {
+    let out = f
+        .dir
+        .path()
+        .join(format!("out-{variant:?}-{out_dtype:?}-{}", extra.join("")));
+    let mut args = variant.args();
+    let dt_arg;
+    if let Some(d) = out_dtype {
+        dt_arg = match d {
+            Dtype::BF16 => "bf16",
+            Dtype::F16 => "f16",
+            _ => "f32",
+        };
+        args.extend(["--out-dtype", dt_arg]);
+    }
+    args.extend(extra);
+    merge_cmd(f, &out, &args).assert().success();
+    let merged = read_folder(&out);
+    assert_eq!(merged.len(), f.base_tensors.len());
+    for (i, b) in f.base_tensors.iter().enumerate() {
+        let lambdas = variant.lambdas(f, i);
+        let agents: Vec<&T> = f.agent_tensors.iter().map(|a| &a[i]).collect();
+        let want_dtype = out_dtype.unwrap_or(b.dtype);
+        let want = reference_merge(b, &agents, 1e-5, &lambdas, want_dtype);
+        let (dtype, shape, bytes) = &merged[&b.name];
+        assert_eq!(*dtype, want_dtype, "{}", b.name);
+        assert_eq!(shape, &b.shape, "{}", b.name);
+        if bytes != &want {
+            let s = size_of(want_dtype);
+            let first = (0..want.len() / s)
+                .find(|&e| bytes[e * s..(e + 1) * s] != want[e * s..(e + 1) * s])
+                .unwrap();
+            panic!(
+                "{variant:?} {:?} N={} tensor {} differs first at element {first}: got {:?} want {:?}",
+                b.dtype,
+                f.agents.len(),
+                b.name,
+                from_bytes(want_dtype, &bytes[first * s..(first + 1) * s]),
+                from_bytes(want_dtype, &want[first * s..(first + 1) * s])
+            );
+        }
+    }
+}
+
+#[test]
+fn every_variant_dtype_and_agent_count_matches_the_reference() {
+    for (d, dtype) in [Dtype::BF16, Dtype::F16, Dtype::F32]
+        .into_iter()
+        .enumerate()
+    {
+        for n in 1..=6 {
+            let f = fixture(
+                100 + 10 * d as u64 + n as u64,
+                dtype,
+                &shapes(),
+                &DENSITIES[..n],
+                1 + n % 2,
+            );
+            for v in [
+                Variant::Ram,
+                Variant::PaperGlobal,
+                Variant::OfficialGlobal,
+                Variant::PaperTensor,
+            ] {
+                check(&f, v, None, &[]);
+            }
+        }
+    }
+}
+
+#[test]
+fn output_dtype_conversion_matches_the_reference() {
+    let f = fixture(7, Dtype::BF16, &shapes(), &DENSITIES[..3], 1);
+    check(&f, Variant::PaperGlobal, Some(Dtype::F32), &[]);
+    check(&f, Variant::PaperGlobal, Some(Dtype::F16), &[]);
+    let g = fixture(8, Dtype::F32, &shapes(), &DENSITIES[..3], 2);
+    check(&g, Variant::Ram, Some(Dtype::BF16), &[]);
+}
+
+#[test]
+fn tile_size_does_not_change_the_bytes() {
+    let f = fixture(9, Dtype::BF16, &shapes(), &DENSITIES[..4], 1);
+    for tile in ["1", "7", "64", "4096"] {
+        check(&f, Variant::PaperTensor, None, &["--tile-elems", tile]);
+        check(
+            &f,
+            Variant::PaperGlobal,
+            None,
+            &["--tile-elems", tile, "--threads", "1"],
+        );
+    }
+}
+
+#[test]
+fn sharded_output_has_hugging_face_layout() {
+    let f = fixture(10, Dtype::BF16, &shapes(), &DENSITIES[..3], 2);
+    let out = f.dir.path().join("sharded");
+    // 2000 bytes: the 2026-byte up_proj gets its own shard, the rest pack greedily.
+    merge_cmd(&f, &out, &["--shard-size", "2000"])
+        .assert()
+        .success();
+    let mut files: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    files.sort();
+    let shards: Vec<&String> = files
+        .iter()
+        .filter(|f| f.ends_with(".safetensors"))
+        .collect();
+    let n = shards.len();
+    assert!(n >= 3, "{files:?}");
+    for (i, s) in shards.iter().enumerate() {
+        assert_eq!(**s, format!("model-{:05}-of-{:05}.safetensors", i + 1, n));
+    }
+    for want in [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "README.md",
+        "rlmerge_recipe.json",
+        "model.safetensors.index.json",
+    ] {
+        assert!(
+            files.iter().any(|f| f == want),
+            "{want} missing in {files:?}"
+        );
+    }
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let total: u64 = read_folder(&out)
+        .values()
+        .map(|(_, _, b)| b.len() as u64)
+        .sum();
+    assert_eq!(index["metadata"]["total_size"].as_u64().unwrap(), total);
+    assert_eq!(
+        index["weight_map"].as_object().unwrap().len(),
+        shapes().len()
+    );
+    // Every shard carries the {"format": "pt"} metadata.
+    for s in shards {
+        let data = std::fs::read(out.join(s)).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&data).unwrap();
+        assert_eq!(
+            meta.metadata()
+                .as_ref()
+                .unwrap()
+                .get("format")
+                .map(String::as_str),
+            Some("pt")
+        );
+    }
+    // And the content is right.
+    check(&f, Variant::PaperGlobal, None, &["--shard-size", "2000"]);
+}
+
+#[test]
+fn recipe_and_card_record_method_parameters_lambdas_and_inputs() {
+    let f = fixture(11, Dtype::BF16, &shapes(), &DENSITIES[..3], 1);
+    let out = f.dir.path().join("out");
+    merge_cmd(
+        &f,
+        &out,
+        &[
+            "--method",
+            "ram+",
+            "--rule",
+            "official",
+            "--rescale-factor",
+            "1.3",
+        ],
+    )
+    .assert()
+    .success();
+    let recipe: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("rlmerge_recipe.json")).unwrap())
+            .unwrap();
+    assert_eq!(recipe["method"]["method"], "ram+");
+    assert_eq!(recipe["method"]["rule"]["rule"], "official");
+    assert_eq!(recipe["method"]["rule"]["rescale_factor"], 1.3);
+    let counts = reference_counts(&f.base_tensors, &f.agent_tensors, 1e-5);
+    for (t, a) in recipe["agents"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(a["path"], f.agents[t].display().to_string());
+        let want = lambda_official(counts[t], 1.3);
+        assert!((a["lambda"].as_f64().unwrap() - want).abs() < 1e-12);
+        assert_eq!(a["counts"]["unique"].as_u64().unwrap(), counts[t].0);
+        assert_eq!(a["counts"]["shared"].as_u64().unwrap(), counts[t].1);
+    }
+    let card = std::fs::read_to_string(out.join("README.md")).unwrap();
+    assert!(card.starts_with("---\nbase_model:"));
+    assert!(
+        card.contains("ram+ (rule official, R = 1.3, scope global)"),
+        "{card}"
+    );
+    assert!(card.contains(&f.agents[2].display().to_string()));
+    assert!(card.contains("λ = "));
+    // config.json comes from the base with torch_dtype set to the output dtype.
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "llama");
+    assert_eq!(config["torch_dtype"], "bfloat16");
+}
