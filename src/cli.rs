@@ -3,6 +3,7 @@
 //! Exit codes: 0 success, 1 the merge/analysis failed (bad input, I/O), 2 usage error.
 
 use crate::backend::cpu::CpuBackend;
+use crate::backend::gpu::{list_adapters, AdapterChoice, GpuBackend, GpuContext};
 use crate::backend::Backend;
 use crate::checkpoint::writer::parse_size;
 use crate::checkpoint::DType;
@@ -33,6 +34,19 @@ pub enum Command {
     Analyze(AnalyzeArgs),
     /// Write a small built-in example (a base and three agents), analyze it and merge it with RAM+.
     Demo(DemoArgs),
+    /// List the GPU adapters wgpu sees, with the limits that size rlmerge's tiles.
+    Devices,
+}
+
+/// Where the probe and merge passes run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DeviceChoice {
+    /// A hardware GPU if there is one, else the CPU backend.
+    Auto,
+    /// A GPU adapter, software ones (lavapipe) included; an error if there is none.
+    Gpu,
+    /// The native CPU backend.
+    Cpu,
 }
 
 /// Inputs and compute options shared by `merge` and `analyze`.
@@ -53,9 +67,15 @@ pub struct InputArgs {
     /// No progress bars.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Where to compute.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub device: DeviceChoice,
     /// Elements per tile (tuning and tests; the result does not depend on it).
     #[arg(long, default_value_t = DEFAULT_TILE_ELEMS, hide = true)]
     pub tile_elems: usize,
+    /// Caps elements per GPU dispatch chunk (tests; the result does not depend on it).
+    #[arg(long, hide = true)]
+    pub gpu_chunk_elems: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -212,7 +232,32 @@ impl InputArgs {
     }
 
     fn backend(&self) -> Result<Box<dyn Backend>> {
-        Ok(Box::new(CpuBackend::new(self.threads)?))
+        let gpu = |ctx: GpuContext| -> Box<dyn Backend> {
+            let backend = GpuBackend::new(ctx);
+            Box::new(match self.gpu_chunk_elems {
+                Some(n) => backend.with_chunk_elems(n),
+                None => backend,
+            })
+        };
+        match self.device {
+            DeviceChoice::Cpu => Ok(Box::new(CpuBackend::new(self.threads)?)),
+            DeviceChoice::Gpu => match GpuContext::open(AdapterChoice::Any)? {
+                Some(ctx) => Ok(gpu(ctx)),
+                None => Err(anyhow::anyhow!(
+                    "--device gpu: wgpu found no GPU adapter (Vulkan, Metal or DX12). On Linux without a GPU, \
+                     install Mesa's software Vulkan driver lavapipe (Debian/Ubuntu: apt-get install \
+                     mesa-vulkan-drivers libvulkan1); or use --device cpu"
+                )),
+            },
+            DeviceChoice::Auto => match GpuContext::open(AdapterChoice::HardwareOnly) {
+                Ok(Some(ctx)) => Ok(gpu(ctx)),
+                Ok(None) => Ok(Box::new(CpuBackend::new(self.threads)?)),
+                Err(e) => {
+                    eprintln!("warning: {e:#}; using the CPU backend");
+                    Ok(Box::new(CpuBackend::new(self.threads)?))
+                }
+            },
+        }
     }
 
     fn show_progress(&self) -> bool {
@@ -232,7 +277,37 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Merge(args) => run_merge(&args, &mut out),
         Command::Analyze(args) => run_analyze(&args, &mut out),
         Command::Demo(args) => run_demo(&args, &mut out),
+        Command::Devices => run_devices(&mut out),
     }
+}
+
+fn run_devices(out: &mut impl Write) -> Result<()> {
+    let adapters = list_adapters();
+    if adapters.is_empty() {
+        writeln!(
+            out,
+            "no GPU adapter found; merges run on the CPU backend (for lavapipe on Linux: apt-get install mesa-vulkan-drivers libvulkan1)"
+        )?;
+        return Ok(());
+    }
+    for a in adapters {
+        let (i, l) = (&a.info, &a.limits);
+        writeln!(
+            out,
+            "{} — {:?}, {:?}, driver {} {}",
+            i.name, i.backend, i.device_type, i.driver, i.driver_info
+        )?;
+        writeln!(
+            out,
+            "    max storage binding {} B, max buffer {} B, {} storage buffers per stage, {} workgroups per dimension",
+            l.max_storage_buffer_binding_size,
+            l.max_buffer_size,
+            l.max_storage_buffers_per_shader_stage,
+            l.max_compute_workgroups_per_dimension
+        )?;
+    }
+    writeln!(out, "--device auto uses a hardware GPU (discrete first) and otherwise the CPU backend; --device gpu also takes software adapters")?;
+    Ok(())
 }
 
 /// Prints the λ of each agent after a merge.

@@ -4,6 +4,7 @@
 //! backend computes. Every backend gives the same bytes as [`cpu::CpuBackend`], the reference.
 
 pub mod cpu;
+pub mod gpu;
 
 use crate::checkpoint::DType;
 use anyhow::Result;

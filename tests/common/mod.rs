@@ -213,8 +213,14 @@ pub fn planted(
                         let delta = if delta.abs() < 1e-3 { 1e-3 } else { delta };
                         round_to(dtype, b + delta)
                     } else if b == 0.0 && rng.chance(0.3) {
-                        // Below ε: representable near zero in every dtype, and must not count.
-                        round_to(dtype, 4e-6)
+                        // Near ε: below it (every dtype), and in f32 exactly ε (strict ">": not
+                        // changed) and the next float above it (changed).
+                        let eps = 1e-5f32;
+                        match (dtype, rng.u64() % 3) {
+                            (Dtype::F32, 0) => eps,
+                            (Dtype::F32, 1) => f32::from_bits(eps.to_bits() + 1),
+                            _ => round_to(dtype, 4e-6),
+                        }
                     } else {
                         b
                     }

@@ -1,0 +1,658 @@
+//! The GPU backend: WGSL compute shaders (`shaders/`) dispatched with wgpu on Vulkan, Metal or DX12
+//! — or Mesa's lavapipe where no GPU exists. Byte-identical to the CPU backend.
+//!
+//! A long-lived [`GpuContext`] holds the device, queue and compiled pipelines; [`GpuBackend`] adds
+//! reusable chunk buffers. A tile from the engine is cut into chunks that fit one storage binding;
+//! chunks alternate between two buffer sets so the upload and dispatch of one overlap the readback
+//! of the other.
+
+use super::{Backend, MergeParams, Tile, TileCounts};
+use crate::checkpoint::DType;
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use std::sync::{Arc, Mutex};
+
+/// Most agents the shaders take: masks are one u32, the workgroup histogram 32².
+pub const GPU_MAX_AGENTS: usize = 32;
+/// Elements per chunk unless the binding limit asks for fewer: several chunks per engine tile keep
+/// the two buffer sets busy.
+const DEFAULT_CHUNK_ELEMS: usize = 1 << 20;
+const WORKGROUP: u32 = 256;
+const MAX_GROUPS_PER_DIM: u32 = 65_535;
+
+const DTYPE_WGSL: &str = include_str!("../../shaders/dtype.wgsl");
+const PROBE_WGSL: &str = include_str!("../../shaders/probe.wgsl");
+const MERGE_WGSL: &str = include_str!("../../shaders/merge.wgsl");
+
+/// The uniform block both shaders read (`struct Params` in the WGSL).
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    len: u32,
+    pairs: u32,
+    n: u32,
+    in_dt: u32,
+    out_dt: u32,
+    stride: u32,
+    eps: f32,
+    zero: u32,
+    groups_x: u32,
+    _pad: [u32; 3],
+}
+
+/// The uniforms of a chunk of `len` elements of `tile`.
+fn chunk_params(tile: &Tile, len: usize, out_dt: DType, eps: f32) -> Params {
+    let pairs = len.div_ceil(2);
+    let groups = (pairs as u32).div_ceil(WORKGROUP).max(1);
+    // Words per agent segment, even, so an f32 pair never reads past its segment.
+    let words = match tile.dtype {
+        DType::F32 => len,
+        _ => len.div_ceil(2),
+    };
+    Params {
+        len: len as u32,
+        pairs: pairs as u32,
+        n: tile.agents.len() as u32,
+        in_dt: dtype_code(tile.dtype),
+        out_dt: dtype_code(out_dt),
+        stride: (words.max(1).div_ceil(2) * 2) as u32,
+        eps,
+        zero: 0,
+        groups_x: groups.min(MAX_GROUPS_PER_DIM),
+        _pad: [0; 3],
+    }
+}
+
+fn dtype_code(d: DType) -> u32 {
+    match d {
+        DType::BF16 => 0,
+        DType::F16 => 1,
+        DType::F32 => 2,
+    }
+}
+
+/// Which adapter the user asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdapterChoice {
+    /// A hardware GPU (discrete, integrated or virtual); `None` when there is only a CPU adapter.
+    HardwareOnly,
+    /// Any adapter, software ones (lavapipe, WARP) included.
+    Any,
+}
+
+/// One adapter as `rlmerge devices` lists it.
+pub struct AdapterSummary {
+    pub info: wgpu::AdapterInfo,
+    pub limits: wgpu::Limits,
+}
+
+fn backends_from_env() -> wgpu::Backends {
+    wgpu::Backends::from_env()
+        .unwrap_or(wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12)
+}
+
+fn new_instance() -> wgpu::Instance {
+    // Headless: with XDG_RUNTIME_DIR unset, libwayland (loaded by Mesa's Vulkan drivers) prints
+    // "error: XDG_RUNTIME_DIR is invalid" on stderr. We never present, so any folder quiets it.
+    // This runs before any worker thread exists, so changing the environment is race-free.
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir());
+    }
+    wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends: backends_from_env(),
+        ..wgpu::InstanceDescriptor::new_without_display_handle_from_env()
+    })
+}
+
+/// Every adapter wgpu sees (honouring `WGPU_BACKEND`).
+pub fn list_adapters() -> Vec<AdapterSummary> {
+    let instance = new_instance();
+    pollster::block_on(instance.enumerate_adapters(backends_from_env()))
+        .into_iter()
+        .map(|a| AdapterSummary {
+            info: a.get_info(),
+            limits: a.limits(),
+        })
+        .collect()
+}
+
+/// Ranks adapters: discrete > integrated > virtual > CPU (integrated first with `WGPU_POWER_PREF=low`).
+fn rank(info: &wgpu::AdapterInfo, low_power: bool) -> u32 {
+    match info.device_type {
+        wgpu::DeviceType::DiscreteGpu if low_power => 3,
+        wgpu::DeviceType::IntegratedGpu if low_power => 4,
+        wgpu::DeviceType::DiscreteGpu => 4,
+        wgpu::DeviceType::IntegratedGpu => 3,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Cpu => 1,
+        wgpu::DeviceType::Other => 0,
+    }
+}
+
+/// The device, queue and compiled pipelines, built once.
+pub struct GpuContext {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub info: wgpu::AdapterInfo,
+    pub limits: wgpu::Limits,
+    probe_pipeline: wgpu::ComputePipeline,
+    merge_pipeline: wgpu::ComputePipeline,
+    /// The first asynchronous device error (validation, out of memory, device lost), if any.
+    error: Arc<Mutex<Option<String>>>,
+}
+
+impl GpuContext {
+    /// Opens the best adapter for `choice` (honouring `WGPU_BACKEND`, `WGPU_ADAPTER_NAME`,
+    /// `WGPU_POWER_PREF`); `Ok(None)` when none fits.
+    pub fn open(choice: AdapterChoice) -> Result<Option<GpuContext>> {
+        let instance = new_instance();
+        let adapters = pollster::block_on(instance.enumerate_adapters(backends_from_env()));
+        let wanted_name = std::env::var("WGPU_ADAPTER_NAME")
+            .ok()
+            .map(|s| s.to_lowercase());
+        let low_power = wgpu::PowerPreference::from_env() == Some(wgpu::PowerPreference::LowPower);
+        let names: Vec<String> = adapters.iter().map(|a| a.get_info().name).collect();
+        let best = adapters
+            .into_iter()
+            .filter(|a| {
+                let info = a.get_info();
+                let name_ok = wanted_name
+                    .as_ref()
+                    .is_none_or(|w| info.name.to_lowercase().contains(w));
+                let kind_ok =
+                    choice == AdapterChoice::Any || info.device_type != wgpu::DeviceType::Cpu;
+                name_ok && kind_ok
+            })
+            .max_by_key(|a| rank(&a.get_info(), low_power));
+        let Some(adapter) = best else {
+            if let Some(w) = wanted_name {
+                bail!(
+                    "WGPU_ADAPTER_NAME={w} matches no adapter (found: {})",
+                    names.join(", ")
+                );
+            }
+            return Ok(None);
+        };
+        Self::from_adapter(adapter).map(Some)
+    }
+
+    fn from_adapter(adapter: wgpu::Adapter) -> Result<GpuContext> {
+        let info = adapter.get_info();
+        // The adapter's own limits: lavapipe binds 128 MiB, a discrete GPU far more.
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("rlmerge"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits.clone(),
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        }))
+        .with_context(|| {
+            format!(
+                "cannot open a device on adapter '{}' ({:?})",
+                info.name, info.backend
+            )
+        })?;
+        let error = Arc::new(Mutex::new(None::<String>));
+        let slot = error.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            let mut s = slot.lock().unwrap_or_else(|p| p.into_inner());
+            s.get_or_insert_with(|| one_line(&format!("{e}")));
+        }));
+        let slot = error.clone();
+        device.set_device_lost_callback(move |reason, msg| {
+            let mut s = slot.lock().unwrap_or_else(|p| p.into_inner());
+            s.get_or_insert_with(|| one_line(&format!("device lost ({reason:?}): {msg}")));
+        });
+        let probe_pipeline = compute_pipeline(&device, "probe", PROBE_WGSL);
+        let merge_pipeline = compute_pipeline(&device, "merge", MERGE_WGSL);
+        let ctx = GpuContext {
+            device,
+            queue,
+            info,
+            limits,
+            probe_pipeline,
+            merge_pipeline,
+            error,
+        };
+        ctx.check().context("compiling the shaders failed")?;
+        Ok(ctx)
+    }
+
+    /// Returns the first recorded device error, if any.
+    fn check(&self) -> Result<()> {
+        match self
+            .error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            Some(e) => Err(anyhow!("GPU error on '{}': {e}", self.info.name)),
+            None => Ok(()),
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "gpu: {} ({:?}, {:?})",
+            self.info.name, self.info.backend, self.info.device_type
+        )
+    }
+}
+
+/// wgpu's multi-line error reports folded into one line, as every rlmerge error is.
+fn one_line(text: &str) -> String {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A compute pipeline from `dtype.wgsl` + a kernel file; its layout comes from the shader.
+fn compute_pipeline(device: &wgpu::Device, entry: &str, kernel: &str) -> wgpu::ComputePipeline {
+    let source = format!("{DTYPE_WGSL}\n{kernel}");
+    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some(entry),
+        source: wgpu::ShaderSource::Wgsl(source.into()),
+    });
+    device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(entry),
+        layout: None,
+        module: &module,
+        entry_point: Some(entry),
+        compilation_options: Default::default(),
+        cache: None,
+    })
+}
+
+/// One set of chunk buffers; two alternate.
+struct Slot {
+    params: wgpu::Buffer,
+    base: wgpu::Buffer,
+    agents: wgpu::Buffer,
+    lambdas: wgpu::Buffer,
+    recips: wgpu::Buffer,
+    out: wgpu::Buffer,
+    hist: wgpu::Buffer,
+    readback: wgpu::Buffer,
+    merge_group: wgpu::BindGroup,
+    probe_group: wgpu::BindGroup,
+}
+
+/// Buffers sized for `chunk_elems` elements of up to `agents` agents.
+struct Buffers {
+    agents: usize,
+    chunk_elems: usize,
+    slots: [Slot; 2],
+}
+
+pub struct GpuBackend {
+    ctx: GpuContext,
+    chunk_elems_cap: usize,
+    buffers: Mutex<Option<Buffers>>,
+}
+
+impl GpuBackend {
+    pub fn new(ctx: GpuContext) -> GpuBackend {
+        GpuBackend {
+            ctx,
+            chunk_elems_cap: DEFAULT_CHUNK_ELEMS,
+            buffers: Mutex::new(None),
+        }
+    }
+
+    /// Caps the elements per chunk (tests use it to cross binding boundaries on small tensors).
+    pub fn with_chunk_elems(mut self, elems: usize) -> GpuBackend {
+        self.chunk_elems_cap = elems.max(2);
+        self
+    }
+
+    pub fn context(&self) -> &GpuContext {
+        &self.ctx
+    }
+
+    /// Elements per chunk for `n` agents: every binding (the agents' one is the largest) within
+    /// the adapter's limits, and even, so 16-bit chunks start on a word.
+    fn chunk_elems(&self, n: usize) -> usize {
+        // Fault injection for tests: exceed the binding limit to provoke a device validation error.
+        if std::env::var_os("RLMERGE_TEST_GPU_IGNORE_LIMITS").is_some() {
+            return self.chunk_elems_cap & !1;
+        }
+        let l = &self.ctx.limits;
+        let bind = l.max_storage_buffer_binding_size.min(l.max_buffer_size);
+        let by_limit = (bind / (4 * n.max(1) as u64)) as usize;
+        (by_limit.min(self.chunk_elems_cap) & !1).max(2)
+    }
+
+    fn ensure_buffers(&self, guard: &mut Option<Buffers>, n: usize) -> Result<()> {
+        let chunk = self.chunk_elems(n);
+        if let Some(b) = guard.as_ref() {
+            if b.agents >= n && b.chunk_elems >= chunk {
+                return Ok(());
+            }
+        }
+        *guard = None;
+        let d = &self.ctx.device;
+        let words = chunk as u64; // f32 worst case: one word per element
+        let storage = |label: &str, bytes: u64, extra: wgpu::BufferUsages| {
+            d.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: bytes.max(16),
+                usage: wgpu::BufferUsages::STORAGE | extra,
+                mapped_at_creation: false,
+            })
+        };
+        let dst = wgpu::BufferUsages::COPY_DST;
+        let make_slot = || {
+            let params = d.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("params"),
+                size: std::mem::size_of::<Params>() as u64,
+                usage: wgpu::BufferUsages::UNIFORM | dst,
+                mapped_at_creation: false,
+            });
+            let base = storage("base", words * 4, dst);
+            let agents = storage("agents", words * 4 * n as u64, dst);
+            let lambdas = storage("lambdas", 4 * GPU_MAX_AGENTS as u64, dst);
+            let recips = storage("reciprocals", 4 * (GPU_MAX_AGENTS as u64 + 1), dst);
+            let out = storage("out", words * 4, wgpu::BufferUsages::COPY_SRC);
+            let hist = storage(
+                "hist",
+                4 * (n * n) as u64,
+                dst | wgpu::BufferUsages::COPY_SRC,
+            );
+            let readback = d.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("readback"),
+                // Holds a chunk's merged output or the probe histogram, whichever is larger.
+                size: (words * 4).max(4 * (n * n) as u64),
+                usage: wgpu::BufferUsages::MAP_READ | dst,
+                mapped_at_creation: false,
+            });
+            fn entries<'a>(bufs: &[&'a wgpu::Buffer]) -> Vec<wgpu::BindGroupEntry<'a>> {
+                bufs.iter()
+                    .enumerate()
+                    .map(|(i, b)| wgpu::BindGroupEntry {
+                        binding: i as u32,
+                        resource: b.as_entire_binding(),
+                    })
+                    .collect()
+            }
+            let merge_group = d.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("merge"),
+                layout: &self.ctx.merge_pipeline.get_bind_group_layout(0),
+                entries: &entries(&[&params, &base, &agents, &lambdas, &recips, &out]),
+            });
+            let probe_group = d.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("probe"),
+                layout: &self.ctx.probe_pipeline.get_bind_group_layout(0),
+                entries: &entries(&[&params, &base, &agents, &hist]),
+            });
+            Slot {
+                params,
+                base,
+                agents,
+                lambdas,
+                recips,
+                out,
+                hist,
+                readback,
+                merge_group,
+                probe_group,
+            }
+        };
+        let slots = [make_slot(), make_slot()];
+        self.ctx.check().with_context(|| {
+            format!("cannot allocate GPU buffers for {chunk} elements × {n} agents")
+        })?;
+        *guard = Some(Buffers {
+            agents: n,
+            chunk_elems: chunk,
+            slots,
+        });
+        Ok(())
+    }
+
+    /// Uploads the chunk `params` describes, starting at element `start` of the tile, into `slot`.
+    fn upload(&self, slot: &Slot, tile: &Tile, start: usize, params: &Params) -> Result<()> {
+        let size = tile.dtype.size();
+        let stride_words = params.stride as usize;
+        let len = params.len as usize;
+        let q = &self.ctx.queue;
+        q.write_buffer(&slot.params, 0, bytemuck::bytes_of(params));
+        let bytes = len * size;
+        // Pad to whole words (a 16-bit chunk of odd length shares its last word with padding).
+        let padded = (stride_words * 4) as u64;
+        let put = |buffer: &wgpu::Buffer, offset: u64, src: &[u8]| -> Result<()> {
+            let size = wgpu::BufferSize::new(padded).expect("chunks are never empty");
+            let mut view = q.write_buffer_with(buffer, offset, size).ok_or_else(|| {
+                anyhow!("GPU upload of {padded} bytes at offset {offset} was refused")
+            })?;
+            view.slice(..src.len()).copy_from_slice(src);
+            // At most 7 bytes: the rest of the last word, and a word that keeps the stride even.
+            let rest = padded as usize - src.len();
+            view.slice(src.len()..).copy_from_slice(&[0u8; 8][..rest]);
+            Ok(())
+        };
+        put(
+            &slot.base,
+            0,
+            &tile.base[start * size..start * size + bytes],
+        )?;
+        for (t, agent) in tile.agents.iter().enumerate() {
+            put(
+                &slot.agents,
+                t as u64 * padded,
+                &agent[start * size..start * size + bytes],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn dispatch(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        pipeline: &wgpu::ComputePipeline,
+        group: &wgpu::BindGroup,
+        params: &Params,
+    ) {
+        let groups = params.pairs.div_ceil(WORKGROUP).max(1);
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: None,
+            timestamp_writes: None,
+        });
+        pass.set_pipeline(pipeline);
+        pass.set_bind_group(0, group, &[]);
+        pass.dispatch_workgroups(params.groups_x, groups.div_ceil(params.groups_x), 1);
+    }
+
+    /// Waits for `slot`'s readback of `bytes` bytes and hands them to `take`.
+    fn read_back(
+        &self,
+        slot: &Slot,
+        bytes: u64,
+        what: &str,
+        take: impl FnOnce(&[u8]),
+    ) -> Result<()> {
+        let slice = slot.readback.slice(..bytes);
+        let (sender, receiver) = futures_intrusive::channel::shared::oneshot_channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = sender.send(r);
+        });
+        self.ctx
+            .device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| anyhow!("GPU wait for {what} failed: {e}"))?;
+        self.ctx
+            .check()
+            .with_context(|| format!("GPU {what} failed"))?;
+        match pollster::block_on(receiver.receive()) {
+            Some(Ok(())) => {}
+            Some(Err(e)) => bail!("mapping the GPU {what} result failed: {e}"),
+            None => bail!("mapping the GPU {what} result was abandoned"),
+        }
+        let view = slice
+            .get_mapped_range()
+            .map_err(|e| anyhow!("reading the GPU {what} result failed: {e}"))?;
+        take(&view);
+        drop(view);
+        slot.readback.unmap();
+        Ok(())
+    }
+
+    /// Runs `kernel` over the tile chunk by chunk, two chunks in flight; `finish(chunk_start,
+    /// chunk_len, bytes)` receives each chunk's readback.
+    fn run_chunks(
+        &self,
+        tile: &Tile,
+        out_dt: DType,
+        eps: f32,
+        prepare: impl Fn(&Slot),
+        kernel: Kernel,
+        mut finish: impl FnMut(usize, usize, &[u8]),
+    ) -> Result<()> {
+        let n = tile.agents.len();
+        ensure!(n >= 1, "no agents in the tile");
+        ensure!(
+            n <= GPU_MAX_AGENTS,
+            "the GPU backend merges at most {GPU_MAX_AGENTS} agents at once, got {n} (use --device cpu)"
+        );
+        let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
+        self.ensure_buffers(&mut guard, n)?;
+        let buffers = guard.as_ref().expect("buffers were just ensured");
+        let chunk = self.chunk_elems(n);
+        let chunks: Vec<(usize, usize)> = (0..tile.len.div_ceil(chunk))
+            .map(|i| (i * chunk, chunk.min(tile.len - i * chunk)))
+            .collect();
+        let readback_bytes = |len: usize| -> u64 {
+            match kernel {
+                Kernel::Probe => (4 * n * n) as u64,
+                Kernel::Merge => (len * out_dt.size()).div_ceil(4) as u64 * 4,
+            }
+        };
+        let mut pending: Option<(usize, usize, usize)> = None; // (slot, start, len)
+        for (i, &(start, len)) in chunks.iter().enumerate() {
+            let slot = &buffers.slots[i % 2];
+            prepare(slot);
+            let params = chunk_params(tile, len, out_dt, eps);
+            self.upload(slot, tile, start, &params)
+                .with_context(|| format!("chunk at element {start}"))?;
+            let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
+            match kernel {
+                Kernel::Probe => {
+                    encoder.clear_buffer(&slot.hist, 0, None);
+                    self.dispatch(
+                        &mut encoder,
+                        &self.ctx.probe_pipeline,
+                        &slot.probe_group,
+                        &params,
+                    );
+                    encoder.copy_buffer_to_buffer(
+                        &slot.hist,
+                        0,
+                        &slot.readback,
+                        0,
+                        readback_bytes(len),
+                    );
+                }
+                Kernel::Merge => {
+                    self.dispatch(
+                        &mut encoder,
+                        &self.ctx.merge_pipeline,
+                        &slot.merge_group,
+                        &params,
+                    );
+                    encoder.copy_buffer_to_buffer(
+                        &slot.out,
+                        0,
+                        &slot.readback,
+                        0,
+                        readback_bytes(len),
+                    );
+                }
+            }
+            self.ctx.queue.submit(Some(encoder.finish()));
+            if let Some((s, ps, pl)) = pending.take() {
+                let what = format!("{} of chunk at element {ps}", kernel.name());
+                self.read_back(&buffers.slots[s], readback_bytes(pl), &what, |b| {
+                    finish(ps, pl, b)
+                })?;
+            }
+            pending = Some((i % 2, start, len));
+        }
+        if let Some((s, ps, pl)) = pending {
+            let what = format!("{} of chunk at element {ps}", kernel.name());
+            self.read_back(&buffers.slots[s], readback_bytes(pl), &what, |b| {
+                finish(ps, pl, b)
+            })?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Kernel {
+    Probe,
+    Merge,
+}
+
+impl Kernel {
+    fn name(self) -> &'static str {
+        match self {
+            Kernel::Probe => "probe",
+            Kernel::Merge => "merge",
+        }
+    }
+}
+
+impl Backend for GpuBackend {
+    fn describe(&self) -> String {
+        self.ctx.describe()
+    }
+
+    fn probe(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts> {
+        let n = tile.agents.len();
+        let mut counts = TileCounts::zeros(n);
+        self.run_chunks(
+            tile,
+            tile.dtype,
+            epsilon,
+            |_| {},
+            Kernel::Probe,
+            |_, _, bytes| {
+                for (h, w) in counts
+                    .hist
+                    .iter_mut()
+                    .zip(bytemuck::cast_slice::<u8, u32>(bytes))
+                {
+                    *h += *w as u64;
+                }
+            },
+        )?;
+        Ok(counts)
+    }
+
+    fn merge(&self, tile: &Tile, params: &MergeParams, out: &mut [u8]) -> Result<()> {
+        let n = tile.agents.len();
+        ensure!(
+            params.reciprocals.len() > n,
+            "internal: reciprocals table shorter than agents + 1"
+        );
+        let lambdas = bytemuck::cast_slice::<f32, u8>(params.lambdas).to_vec();
+        let recips = bytemuck::cast_slice::<f32, u8>(&params.reciprocals[..=n]).to_vec();
+        let q = &self.ctx.queue;
+        let size = params.out_dtype.size();
+        self.run_chunks(
+            tile,
+            params.out_dtype,
+            params.epsilon,
+            |slot| {
+                q.write_buffer(&slot.lambdas, 0, &lambdas);
+                q.write_buffer(&slot.recips, 0, &recips);
+            },
+            Kernel::Merge,
+            |start, len, bytes| {
+                out[start * size..(start + len) * size].copy_from_slice(&bytes[..len * size])
+            },
+        )
+    }
+}

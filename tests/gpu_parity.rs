@@ -1,0 +1,383 @@
+//! The GPU backend (lavapipe in CI) against the CPU backend, byte for byte, through the CLI.
+//!
+//! Without a GPU adapter these tests say so and pass, unless RLMERGE_REQUIRE_GPU is set (CI sets
+//! it after installing lavapipe), where a missing adapter fails them.
+
+mod common;
+use common::*;
+use safetensors::tensor::Dtype;
+use std::path::Path;
+
+fn gpu_available() -> bool {
+    let ok = !rlmerge::backend::gpu::list_adapters().is_empty();
+    if !ok {
+        assert!(
+            std::env::var_os("RLMERGE_REQUIRE_GPU").is_none(),
+            "RLMERGE_REQUIRE_GPU is set but wgpu sees no adapter (install mesa-vulkan-drivers libvulkan1)"
+        );
+        eprintln!("no GPU adapter: GPU parity test skipped");
+    }
+    ok
+}
+
+fn shapes() -> Vec<(&'static str, Vec<usize>)> {
+    vec![
+        ("model.embed_tokens.weight", vec![37, 29]),
+        ("model.layers.0.self_attn.q_proj.weight", vec![31, 17]),
+        ("model.layers.0.mlp.up_proj.weight", vec![1013]),
+        ("model.layers.0.input_layernorm.weight", vec![3]),
+        ("lm_head.weight", vec![1]),
+    ]
+}
+
+const DENSITIES: [f64; 8] = [0.03, 0.46, 0.54, 0.2, 0.7, 0.1, 0.9, 0.33];
+
+const VARIANTS: [&[&str]; 4] = [
+    &["--method", "ram"],
+    &["--method", "ram+"],
+    &["--method", "ram+", "--rule", "official"],
+    &["--method", "ram+", "--scope", "tensor"],
+];
+
+/// Merges with `--device cpu` and `--device gpu` (plus `extra`) and asserts identical tensors.
+fn assert_same(f: &Fixture, name: &str, args: &[&str], gpu_extra: &[&str]) {
+    let cpu = f.dir.path().join(format!("{name}-cpu"));
+    let gpu = f.dir.path().join(format!("{name}-gpu"));
+    merge_cmd(f, &cpu, &[args, &["--device", "cpu"]].concat())
+        .assert()
+        .success();
+    merge_cmd(f, &gpu, &[args, &["--device", "gpu"], gpu_extra].concat())
+        .assert()
+        .success();
+    compare(&cpu, &gpu, &format!("{name} {args:?} {gpu_extra:?}"));
+}
+
+fn compare(a: &Path, b: &Path, what: &str) {
+    let (x, y) = (read_folder(a), read_folder(b));
+    assert_eq!(
+        x.keys().collect::<Vec<_>>(),
+        y.keys().collect::<Vec<_>>(),
+        "{what}"
+    );
+    for (k, (dt, shape, bytes)) in &x {
+        let (dt2, shape2, bytes2) = &y[k];
+        assert_eq!((dt, shape), (dt2, shape2), "{what}: {k}");
+        if bytes != bytes2 {
+            let s = size_of(*dt);
+            let e = (0..bytes.len() / s)
+                .find(|&e| bytes[e * s..(e + 1) * s] != bytes2[e * s..(e + 1) * s])
+                .unwrap();
+            panic!(
+                "{what}: tensor {k} differs at element {e}: cpu {:?} gpu {:?}",
+                &bytes[e * s..(e + 1) * s],
+                &bytes2[e * s..(e + 1) * s]
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_equals_cpu_for_every_dtype_variant_and_agent_count() {
+    if !gpu_available() {
+        return;
+    }
+    for (d, dtype) in [Dtype::BF16, Dtype::F16, Dtype::F32]
+        .into_iter()
+        .enumerate()
+    {
+        for n in 1..=8 {
+            let f = fixture(
+                500 + 10 * d as u64 + n as u64,
+                dtype,
+                &shapes(),
+                &DENSITIES[..n],
+                1 + n % 2,
+            );
+            for (v, args) in VARIANTS.iter().enumerate() {
+                assert_same(&f, &format!("v{v}"), args, &[]);
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_probe_counts_equal_cpu() {
+    if !gpu_available() {
+        return;
+    }
+    for dtype in [Dtype::BF16, Dtype::F16, Dtype::F32] {
+        let f = fixture(41, dtype, &shapes(), &DENSITIES[..5], 2);
+        let analyze = |device: &str, extra: &[&str]| -> serde_json::Value {
+            let mut cmd = rlmerge();
+            cmd.args([
+                "analyze",
+                "--json",
+                "--per-tensor",
+                "--quiet",
+                "--device",
+                device,
+            ])
+            .args(extra);
+            cmd.arg("--base").arg(&f.base);
+            for a in &f.agents {
+                cmd.arg("--model").arg(a);
+            }
+            serde_json::from_slice(&cmd.assert().success().get_output().stdout).unwrap()
+        };
+        let cpu = analyze("cpu", &[]);
+        assert_eq!(cpu, analyze("gpu", &[]), "{dtype:?}");
+        assert_eq!(
+            cpu,
+            analyze("gpu", &["--gpu-chunk-elems", "10", "--tile-elems", "33"]),
+            "{dtype:?}"
+        );
+    }
+}
+
+#[test]
+fn gpu_output_dtype_conversions_equal_cpu() {
+    if !gpu_available() {
+        return;
+    }
+    for (dtype, outs) in [
+        (Dtype::BF16, ["f16", "f32"]),
+        (Dtype::F16, ["bf16", "f32"]),
+        (Dtype::F32, ["bf16", "f16"]),
+    ] {
+        let f = fixture(61, dtype, &shapes(), &DENSITIES[..3], 1);
+        for out in outs {
+            assert_same(
+                &f,
+                &format!("to-{out}"),
+                &["--method", "ram+", "--out-dtype", out],
+                &[],
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_chunking_and_tiling_do_not_change_the_bytes() {
+    if !gpu_available() {
+        return;
+    }
+    let f = fixture(71, Dtype::BF16, &shapes(), &DENSITIES[..4], 1);
+    let cpu = f.dir.path().join("cpu");
+    merge_cmd(&f, &cpu, &["--device", "cpu", "--method", "ram+"])
+        .assert()
+        .success();
+    // Chunks from a few elements (many bindings per tensor) up to whole tiles.
+    for (tile, chunk) in [
+        ("1", "2"),
+        ("7", "6"),
+        ("4096", "10"),
+        ("4096", "1024"),
+        ("1000000", "1048576"),
+    ] {
+        let gpu = f.dir.path().join(format!("gpu-{tile}-{chunk}"));
+        merge_cmd(
+            &f,
+            &gpu,
+            &[
+                "--device",
+                "gpu",
+                "--method",
+                "ram+",
+                "--tile-elems",
+                tile,
+                "--gpu-chunk-elems",
+                chunk,
+            ],
+        )
+        .assert()
+        .success();
+        compare(&cpu, &gpu, &format!("tile {tile} chunk {chunk}"));
+    }
+}
+
+/// Every f16 bit pattern decoded (f16 → f32) and a spread of f32 bit patterns (subnormals, NaN,
+/// infinities, rounding ties) encoded to bf16 and f16: agents equal the base, so c = 0 everywhere
+/// and the output is the base converted.
+#[test]
+fn gpu_codecs_equal_cpu_on_every_f16_and_many_f32_patterns() {
+    if !gpu_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let raw_folder = |name: &str, dtype: &str, bytes: &[u8], numel: usize| {
+        let p = dir.path().join(name);
+        std::fs::create_dir_all(&p).unwrap();
+        let header = format!(
+            r#"{{"w":{{"dtype":"{dtype}","shape":[{numel}],"data_offsets":[0,{}]}}}}"#,
+            bytes.len()
+        );
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header.as_bytes());
+        file.extend_from_slice(bytes);
+        std::fs::write(p.join("model.safetensors"), file).unwrap();
+        p
+    };
+    let f16_bytes: Vec<u8> = (0..=u16::MAX).flat_map(|h| h.to_le_bytes()).collect();
+    let mut x = 0x9e37_79b9u32;
+    let mut f32_bits: Vec<u32> = vec![
+        0,
+        0x8000_0000,
+        1,
+        0x007f_ffff,
+        0x7f80_0000,
+        0xff80_0000,
+        0x7fc0_0000,
+        0x7f80_0001,
+        0x3f80_8000,
+        0x3f81_8000,
+    ];
+    f32_bits.extend(0x3380_0000u32..0x3380_0400); // around f16's smallest subnormal
+    f32_bits.extend(0x4780_0000u32 - 0x400..0x4780_0000 + 0x400); // around f16's overflow
+    for _ in 0..200_000 {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        f32_bits.push(x);
+    }
+    let f32_bytes: Vec<u8> = f32_bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+    for (dtype, bytes, numel, outs) in [
+        ("F16", &f16_bytes, 65536usize, vec!["f32", "bf16"]),
+        ("F32", &f32_bytes, f32_bits.len(), vec!["f16", "bf16"]),
+    ] {
+        let base = raw_folder(&format!("{dtype}-base"), dtype, bytes, numel);
+        let agent = raw_folder(&format!("{dtype}-agent"), dtype, bytes, numel);
+        for out in outs {
+            let mut outputs = vec![];
+            for device in ["cpu", "gpu"] {
+                let o = dir.path().join(format!("{dtype}-{out}-{device}"));
+                rlmerge()
+                    .args([
+                        "merge",
+                        "--quiet",
+                        "--method",
+                        "ram",
+                        "--device",
+                        device,
+                        "--out-dtype",
+                        out,
+                    ])
+                    .arg("--base")
+                    .arg(&base)
+                    .arg("--model")
+                    .arg(&agent)
+                    .arg("-o")
+                    .arg(&o)
+                    .assert()
+                    .success();
+                outputs.push(o);
+            }
+            compare(&outputs[0], &outputs[1], &format!("{dtype} → {out}"));
+        }
+    }
+}
+
+/// One tensor past the 128 MiB binding of lavapipe: several chunks, and a chunk with more than
+/// 65 535 workgroups, so the 2-D dispatch is used.
+#[test]
+fn gpu_tensor_larger_than_one_binding() {
+    if !gpu_available() {
+        return;
+    }
+    let numel = (1usize << 25) + 3; // 33 554 435 bf16 elements: odd, and over 65 535 × 256 pairs
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng(5);
+    let base: Vec<f32> = (0..numel)
+        .map(|i| if i % 5 == 0 { 0.25 } else { -0.5 })
+        .collect();
+    let agent: Vec<f32> = base
+        .iter()
+        .map(|&b| if rng.chance(0.05) { b + 0.125 } else { b })
+        .collect();
+    let mk = |name: &str, v: Vec<f32>| {
+        let p = dir.path().join(name);
+        write_folder(
+            &p,
+            &[T {
+                name: "big".into(),
+                dtype: Dtype::BF16,
+                shape: vec![numel],
+                values: v,
+            }],
+            1,
+        );
+        p
+    };
+    let (b, a) = (mk("base", base), mk("agent", agent));
+    let mut outs = vec![];
+    for (device, extra) in [
+        ("cpu", vec![]),
+        (
+            "gpu",
+            vec!["--gpu-chunk-elems", "40000000", "--tile-elems", "40000000"],
+        ),
+    ] {
+        let o = dir.path().join(device);
+        rlmerge()
+            .args(["merge", "--quiet", "--method", "ram+", "--device", device])
+            .args(&extra)
+            .arg("--base")
+            .arg(&b)
+            .arg("--model")
+            .arg(&a)
+            .arg("-o")
+            .arg(&o)
+            .assert()
+            .success();
+        outs.push(o);
+    }
+    compare(&outs[0], &outs[1], "big tensor");
+}
+
+/// A device error (here a binding past the adapter's limit, injected) fails the merge with an
+/// error naming the tensor and tile, exit 1, and no output — never a panic.
+#[test]
+fn gpu_device_errors_fail_cleanly() {
+    if !gpu_available() {
+        return;
+    }
+    let f = fixture(81, Dtype::F32, &[("w", vec![40_000_000])], &[0.1], 1);
+    let out = f.dir.path().join("out");
+    let output = merge_cmd(
+        &f,
+        &out,
+        &[
+            "--device",
+            "gpu",
+            "--gpu-chunk-elems",
+            "40000000",
+            "--tile-elems",
+            "40000000",
+        ],
+    )
+    .env("RLMERGE_TEST_GPU_IGNORE_LIMITS", "1")
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("tensor 'w'") && stderr.contains("tile 0"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn device_gpu_without_adapter_says_how_to_get_one() {
+    // With no backend enabled wgpu sees no adapter, whatever the machine has.
+    let f = fixture(91, Dtype::BF16, &shapes(), &DENSITIES[..2], 1);
+    let out = f.dir.path().join("out");
+    let output = merge_cmd(&f, &out, &["--device", "gpu"])
+        .env("WGPU_BACKEND", "gl")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("mesa-vulkan-drivers"), "{stderr}");
+    assert!(!out.exists());
+}
