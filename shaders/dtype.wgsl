@@ -85,7 +85,7 @@ fn f32_to_f16(v: f32) -> u32 {
     return r;
 }
 
-// The raw bits of element e from a buffer segment starting at word `at`: a 16-bit half or a word.
+// A 16-bit half or an f32 word, decoded.
 fn decode_bits(bits: u32, dt: u32) -> f32 {
     if (dt == DT_BF16) {
         return bf16_to_f32(bits);
@@ -104,9 +104,4 @@ fn encode_bits(v: f32, dt: u32) -> u32 {
         return f32_to_f16(v);
     }
     return bitcast<u32>(v);
-}
-
-// Bits of element e of a packed 16-bit array given the word holding it.
-fn half_of(word: u32, e: u32) -> u32 {
-    return (word >> ((e & 1u) * 16u)) & 0xffffu;
 }

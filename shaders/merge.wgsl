@@ -1,61 +1,14 @@
 // SPEC §2 selective merge for the RAM family, in the spec's arithmetic order: τ = a − b in f32;
 // Σ of active τ in agent order; c = 1 → b + λ·τ; c ≥ 2 → b + Σ·f32(1/c) with the reciprocal from
 // the host (never divide here); c = 0 → the base's bits. One invocation per pair of elements, so a
-// packed 16-bit output word is written by one invocation. Needs dtype.wgsl prepended.
+// packed 16-bit output word is written by one invocation. Needs dtype.wgsl and chunk.wgsl prepended.
 
-struct Params {
-    len: u32,
-    pairs: u32,
-    n: u32,
-    in_dt: u32,
-    out_dt: u32,
-    stride: u32,
-    eps: f32,
-    zero: u32,
-    groups_x: u32,
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> base: array<u32>;
-@group(0) @binding(2) var<storage, read> agents: array<u32>;
 @group(0) @binding(3) var<storage, read> lambdas: array<f32>;
 @group(0) @binding(4) var<storage, read> recips: array<f32>;
 @group(0) @binding(5) var<storage, read_write> out: array<u32>;
 
-const WG: u32 = 256u;
-
-fn elem_bits(word_at: u32, e: u32, dt: u32, from_base: bool) -> u32 {
-    if (dt == DT_F32) {
-        if (from_base) {
-            return base[e];
-        }
-        return agents[word_at + e];
-    }
-    var w: u32;
-    if (from_base) {
-        w = base[e >> 1u];
-    } else {
-        w = agents[word_at + (e >> 1u)];
-    }
-    return half_of(w, e);
-}
-
-// The output bits of element e.
-fn merge_one(e: u32) -> u32 {
-    let bb = elem_bits(0u, e, p.in_dt, true);
-    let b = decode_bits(bb, p.in_dt);
-    var sum = 0.0;
-    var c = 0u;
-    var lam = 1.0;
-    for (var t = 0u; t < p.n; t = t + 1u) {
-        let a = decode_bits(elem_bits(t * p.stride, e, p.in_dt, false), p.in_dt);
-        let tau = a - b;
-        if (abs(tau) > p.eps) {
-            sum = sum + tau;
-            c = c + 1u;
-            lam = lambdas[t];
-        }
-    }
+// The output bits of one element from its base bits and value, Σ of active τ, count and λ.
+fn finish(bb: u32, b: f32, sum: f32, c: u32, lam: f32) -> u32 {
     if (c == 0u) {
         if (p.out_dt == p.in_dt) {
             return bb;
@@ -73,16 +26,28 @@ fn merge_one(e: u32) -> u32 {
 
 @compute @workgroup_size(256)
 fn merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let g = (wid.y * p.groups_x + wid.x) * WG + li;
+    let g = pair_index(wid, li);
     if (g >= p.pairs) {
         return;
     }
+    let bb = load_pair(true, 0u, g);
+    let b = decode_pair(bb);
+    var sum = vec2<f32>(0.0, 0.0);
+    var c = vec2<u32>(0u, 0u);
+    var lam = vec2<f32>(1.0, 1.0);
+    for (var t = 0u; t < p.n; t = t + 1u) {
+        let tau = tau_pair(b, t, g);
+        let changed = is_active(tau);
+        sum = select(sum, sum + tau, changed);
+        c = c + select(vec2<u32>(0u, 0u), vec2<u32>(1u, 1u), changed);
+        lam = select(lam, vec2<f32>(lambdas[t], lambdas[t]), changed);
+    }
     let e0 = 2u * g;
-    let v0 = merge_one(e0);
-    var v1 = 0u;
+    let v0 = finish(bb.x, b.x, sum.x, c.x, lam.x);
     let has_second = e0 + 1u < p.len;
+    var v1 = 0u;
     if (has_second) {
-        v1 = merge_one(e0 + 1u);
+        v1 = finish(bb.y, b.y, sum.y, c.y, lam.y);
     }
     if (p.out_dt == DT_F32) {
         out[e0] = v0;

@@ -10,6 +10,7 @@ use super::{Backend, MergeParams, Tile, TileCounts};
 use crate::checkpoint::DType;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Most agents the shaders take: masks are one u32, the workgroup histogram 32².
 pub const GPU_MAX_AGENTS: usize = 32;
@@ -20,10 +21,11 @@ const WORKGROUP: u32 = 256;
 const MAX_GROUPS_PER_DIM: u32 = 65_535;
 
 const DTYPE_WGSL: &str = include_str!("../../shaders/dtype.wgsl");
+const CHUNK_WGSL: &str = include_str!("../../shaders/chunk.wgsl");
 const PROBE_WGSL: &str = include_str!("../../shaders/probe.wgsl");
 const MERGE_WGSL: &str = include_str!("../../shaders/merge.wgsl");
 
-/// The uniform block both shaders read (`struct Params` in the WGSL).
+/// The uniform block both shaders read (`struct Params` in shaders/chunk.wgsl).
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct Params {
@@ -249,9 +251,9 @@ fn one_line(text: &str) -> String {
         .join(" ")
 }
 
-/// A compute pipeline from `dtype.wgsl` + a kernel file; its layout comes from the shader.
+/// A compute pipeline from `dtype.wgsl` + `chunk.wgsl` + a kernel file; its layout comes from the shader.
 fn compute_pipeline(device: &wgpu::Device, entry: &str, kernel: &str) -> wgpu::ComputePipeline {
-    let source = format!("{DTYPE_WGSL}\n{kernel}");
+    let source = format!("{DTYPE_WGSL}\n{CHUNK_WGSL}\n{kernel}");
     let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
         label: Some(entry),
         source: wgpu::ShaderSource::Wgsl(source.into()),
@@ -287,10 +289,25 @@ struct Buffers {
     slots: [Slot; 2],
 }
 
+/// Where a backend's time went, summed over chunks.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PhaseTimes {
+    pub chunks: u64,
+    /// Copying inputs into the queue's staging memory.
+    pub upload: Duration,
+    /// Recording and submitting the dispatch and the copy to the readback buffer.
+    pub submit: Duration,
+    /// Waiting for the device: transfer, compute and the map of the readback buffer.
+    pub wait: Duration,
+    /// Copying mapped results out.
+    pub readback: Duration,
+}
+
 pub struct GpuBackend {
     ctx: GpuContext,
     chunk_elems_cap: usize,
     buffers: Mutex<Option<Buffers>>,
+    times: Mutex<PhaseTimes>,
 }
 
 impl GpuBackend {
@@ -299,7 +316,17 @@ impl GpuBackend {
             ctx,
             chunk_elems_cap: DEFAULT_CHUNK_ELEMS,
             buffers: Mutex::new(None),
+            times: Mutex::new(PhaseTimes::default()),
         }
+    }
+
+    /// Time spent per phase since the backend was made (benchmarks report it).
+    pub fn phase_times(&self) -> PhaseTimes {
+        *self.times.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn add_time(&self, f: impl FnOnce(&mut PhaseTimes)) {
+        f(&mut self.times.lock().unwrap_or_else(|p| p.into_inner()));
     }
 
     /// Caps the elements per chunk (tests use it to cross binding boundaries on small tensors).
@@ -478,6 +505,7 @@ impl GpuBackend {
         slice.map_async(wgpu::MapMode::Read, move |r| {
             let _ = sender.send(r);
         });
+        let waited = Instant::now();
         self.ctx
             .device
             .poll(wgpu::PollType::wait_indefinitely())
@@ -490,12 +518,17 @@ impl GpuBackend {
             Some(Err(e)) => bail!("mapping the GPU {what} result failed: {e}"),
             None => bail!("mapping the GPU {what} result was abandoned"),
         }
+        let copied = Instant::now();
         let view = slice
             .get_mapped_range()
             .map_err(|e| anyhow!("reading the GPU {what} result failed: {e}"))?;
         take(&view);
         drop(view);
         slot.readback.unmap();
+        self.add_time(|t| {
+            t.wait += copied - waited;
+            t.readback += copied.elapsed();
+        });
         Ok(())
     }
 
@@ -534,8 +567,10 @@ impl GpuBackend {
             let slot = &buffers.slots[i % 2];
             prepare(slot);
             let params = chunk_params(tile, len, out_dt, eps);
+            let uploaded = Instant::now();
             self.upload(slot, tile, start, &params)
                 .with_context(|| format!("chunk at element {start}"))?;
+            let submitted = Instant::now();
             let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
             match kernel {
                 Kernel::Probe => {
@@ -571,6 +606,11 @@ impl GpuBackend {
                 }
             }
             self.ctx.queue.submit(Some(encoder.finish()));
+            self.add_time(|t| {
+                t.chunks += 1;
+                t.upload += submitted - uploaded;
+                t.submit += submitted.elapsed();
+            });
             if let Some((s, ps, pl)) = pending.take() {
                 let what = format!("{} of chunk at element {ps}", kernel.name());
                 self.read_back(&buffers.slots[s], readback_bytes(pl), &what, |b| {
@@ -654,5 +694,40 @@ impl Backend for GpuBackend {
                 out[start * size..(start + len) * size].copy_from_slice(&bytes[..len * size])
             },
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shaders parse and validate without any adapter, so a shader error fails every CI run.
+    #[test]
+    fn shaders_validate_with_naga() {
+        for (name, kernel) in [("probe", PROBE_WGSL), ("merge", MERGE_WGSL)] {
+            let source = format!("{DTYPE_WGSL}\n{CHUNK_WGSL}\n{kernel}");
+            let module = naga::front::wgsl::parse_str(&source)
+                .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(&source)));
+            naga::valid::Validator::new(
+                naga::valid::ValidationFlags::all(),
+                naga::valid::Capabilities::empty(),
+            )
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{name}: {e:?}"));
+        }
+    }
+
+    #[test]
+    fn params_match_the_wgsl_struct_size() {
+        // 9 u32/f32 fields, padded to 16 bytes for the uniform's layout.
+        assert_eq!(std::mem::size_of::<Params>(), 48);
+    }
+
+    #[test]
+    fn errors_fold_to_one_line() {
+        assert_eq!(
+            one_line("Validation Error\n\nCaused by:\n  In X\n    limit"),
+            "Validation Error Caused by: In X limit"
+        );
     }
 }

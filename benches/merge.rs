@@ -1,0 +1,155 @@
+//! Merge throughput in bytes of bf16 input per second, for each backend: the tile kernels alone,
+//! and the whole engine (read, probe, merge, write) on a synthetic base + 3 RL-like agents.
+//!
+//! `cargo bench --bench merge`. `RLMERGE_BENCH_MODEL_MB` sets the end-to-end model size (default
+//! 256). The GPU groups run where wgpu finds an adapter (lavapipe included) and print where the
+//! GPU backend's time went per chunk (upload, submit, wait, readback).
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use rlmerge::backend::cpu::CpuBackend;
+use rlmerge::backend::gpu::{AdapterChoice, GpuBackend, GpuContext};
+use rlmerge::backend::{Backend, MergeParams, Tile};
+use rlmerge::checkpoint::DType;
+use rlmerge::demo::{self, ModelShape, SplitMix64};
+use rlmerge::engine::{self, Inputs, MergeOptions, DEFAULT_TILE_ELEMS};
+use rlmerge::method::{defaults, reciprocals, BoostRule, BoostScope, Method, DEFAULT_EPSILON};
+
+/// A bf16 base tile and 3 agents changing 3 %, 46 %, 54 % of its elements.
+fn tile_data(len: usize) -> (Vec<u8>, Vec<Vec<u8>>) {
+    let mut rng = SplitMix64::new(7);
+    let base: Vec<u16> = (0..len)
+        .map(|_| half::bf16::from_f32((rng.next_f64() as f32 - 0.5) * 0.1).to_bits() | 0x0080)
+        .collect();
+    let agents = [0.032, 0.462, 0.543]
+        .iter()
+        .map(|&d| {
+            base.iter()
+                .flat_map(|&b| (if rng.next_f64() < d { b + 2 } else { b }).to_le_bytes())
+                .collect()
+        })
+        .collect();
+    (base.iter().flat_map(|b| b.to_le_bytes()).collect(), agents)
+}
+
+enum Bench {
+    Cpu(CpuBackend),
+    Gpu(GpuBackend),
+}
+
+impl Bench {
+    fn backend(&self) -> &dyn Backend {
+        match self {
+            Bench::Cpu(b) => b,
+            Bench::Gpu(b) => b,
+        }
+    }
+
+    /// Where the GPU backend's time went, per chunk.
+    fn report_phases(&self, name: &str) {
+        if let Bench::Gpu(gpu) = self {
+            let t = gpu.phase_times();
+            let per = |d: std::time::Duration| d.as_secs_f64() * 1e3 / t.chunks.max(1) as f64;
+            eprintln!(
+                "{name}: {} chunks; per chunk upload {:.2} ms, submit {:.2} ms, wait {:.2} ms, readback {:.2} ms",
+                t.chunks,
+                per(t.upload),
+                per(t.submit),
+                per(t.wait),
+                per(t.readback)
+            );
+        }
+    }
+}
+
+fn backends() -> Vec<(&'static str, Bench)> {
+    let mut v = vec![("cpu", Bench::Cpu(CpuBackend::new(0).unwrap()))];
+    match GpuContext::open(AdapterChoice::Any) {
+        Ok(Some(ctx)) => {
+            eprintln!("gpu backend: {}", ctx.describe());
+            v.push(("gpu", Bench::Gpu(GpuBackend::new(ctx))));
+        }
+        _ => eprintln!("no GPU adapter: GPU benchmarks skipped"),
+    }
+    v
+}
+
+fn kernels(c: &mut Criterion) {
+    let len = DEFAULT_TILE_ELEMS;
+    let (base, agents) = tile_data(len);
+    let slices: Vec<&[u8]> = agents.iter().map(|a| a.as_slice()).collect();
+    let tile = Tile {
+        dtype: DType::BF16,
+        len,
+        base: &base,
+        agents: &slices,
+    };
+    let inv = reciprocals(3);
+    let mut out = vec![0u8; len * 2];
+    let mut g = c.benchmark_group("tile_bf16_3_agents");
+    g.throughput(Throughput::Bytes((len * 2 * 4) as u64));
+    for (name, bench) in backends() {
+        let backend = bench.backend();
+        g.bench_function(format!("{name}/probe"), |b| {
+            b.iter(|| backend.probe(&tile, DEFAULT_EPSILON).unwrap())
+        });
+        for (method, lambdas) in [
+            ("merge_ram", [1.0f32; 3]),
+            ("merge_ram_plus", [1.2, 1.1257, 1.0919]),
+        ] {
+            let params = MergeParams {
+                epsilon: DEFAULT_EPSILON,
+                lambdas: &lambdas,
+                reciprocals: &inv,
+                out_dtype: DType::BF16,
+            };
+            g.bench_function(format!("{name}/{method}"), |b| {
+                b.iter(|| backend.merge(&tile, &params, &mut out).unwrap())
+            });
+        }
+        bench.report_phases(name);
+    }
+    g.finish();
+}
+
+fn end_to_end(c: &mut Criterion) {
+    let mb: u64 = std::env::var("RLMERGE_BENCH_MODEL_MB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    let dir = tempfile::tempdir().unwrap();
+    let (base, agents) =
+        demo::write_example(dir.path(), &ModelShape::of_bf16_bytes(mb << 20), 1).unwrap();
+    let inputs = Inputs::open(&base, &agents).unwrap();
+    let mut g = c.benchmark_group("end_to_end_bf16_3_agents");
+    g.sample_size(10);
+    g.throughput(Throughput::Bytes(inputs.pass_bytes()));
+    let plus = Method::RamPlus {
+        rule: BoostRule::Paper {
+            r: defaults::R,
+            alpha: defaults::ALPHA_GLOBAL,
+        },
+        scope: BoostScope::Global,
+    };
+    for (name, bench) in backends() {
+        let backend = bench.backend();
+        for (method_name, method) in [("ram", Method::Ram), ("ram_plus_global", plus)] {
+            let options = MergeOptions {
+                method,
+                epsilon: DEFAULT_EPSILON,
+                out_dtype: None,
+                shard_size: 5_000_000_000,
+                tile_elems: DEFAULT_TILE_ELEMS,
+                force: true,
+                show_progress: false,
+            };
+            let out = dir.path().join(format!("{name}-{method_name}"));
+            g.bench_function(format!("{name}/{method_name}"), |b| {
+                b.iter(|| engine::merge(&inputs, &options, backend, &out).unwrap())
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, kernels, end_to_end);
+criterion_main!(benches);
