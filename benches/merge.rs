@@ -33,14 +33,14 @@ fn tile_data(len: usize) -> (Vec<u8>, Vec<Vec<u8>>) {
 
 enum Bench {
     Cpu(CpuBackend),
-    Gpu(GpuBackend),
+    Gpu(Box<GpuBackend>),
 }
 
 impl Bench {
     fn backend(&self) -> &dyn Backend {
         match self {
             Bench::Cpu(b) => b,
-            Bench::Gpu(b) => b,
+            Bench::Gpu(b) => b.as_ref(),
         }
     }
 
@@ -66,7 +66,7 @@ fn backends() -> Vec<(&'static str, Bench)> {
     match GpuContext::open(AdapterChoice::Any) {
         Ok(Some(ctx)) => {
             eprintln!("gpu backend: {}", ctx.describe());
-            v.push(("gpu", Bench::Gpu(GpuBackend::new(ctx))));
+            v.push(("gpu", Bench::Gpu(Box::new(GpuBackend::new(ctx)))));
         }
         _ => eprintln!("no GPU adapter: GPU benchmarks skipped"),
     }
