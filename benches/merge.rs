@@ -48,6 +48,9 @@ impl Bench {
     fn report_phases(&self, name: &str) {
         if let Bench::Gpu(gpu) = self {
             let t = gpu.phase_times();
+            if t.chunks == 0 {
+                return; // its benchmarks were filtered out
+            }
             let per = |d: std::time::Duration| d.as_secs_f64() * 1e3 / t.chunks.max(1) as f64;
             eprintln!(
                 "{name}: {} chunks; per chunk upload {:.2} ms, submit {:.2} ms, wait {:.2} ms, readback {:.2} ms",

@@ -192,16 +192,6 @@ impl TileBuffers {
         Ok(())
     }
 
-    /// The tile just read: `len` elements of `dtype` for the base and the first `present` agents.
-    fn tile<'a>(&'a self, dtype: DType, len: usize, agents: &'a [&'a [u8]]) -> Tile<'a> {
-        Tile {
-            dtype,
-            len,
-            base: &self.base,
-            agents,
-        }
-    }
-
     fn agent_slices(&self, present: usize) -> Vec<&[u8]> {
         self.agents[..present]
             .iter()
@@ -216,6 +206,33 @@ fn tiles(numel: usize, tile_elems: usize) -> impl Iterator<Item = (usize, usize)
     (0..numel.div_ceil(step)).map(move |i| (i * step, step.min(numel - i * step)))
 }
 
+/// Reads `plan` tile by tile for the base and the `present` agents and hands each tile, with its
+/// index, to `visit`; the one tiling loop of both passes.
+fn for_each_tile(
+    inputs: &Inputs,
+    plan: &TensorPlan,
+    present: &[usize],
+    tile_elems: usize,
+    buffers: &mut TileBuffers,
+    progress: &ProgressBar,
+    mut visit: impl FnMut(usize, &Tile) -> Result<()>,
+) -> Result<()> {
+    let dtype = plan.base.entry.dtype;
+    for (i, (start, len)) in tiles(plan.numel(), tile_elems).enumerate() {
+        buffers.read(inputs, plan, present, start, len)?;
+        let agents = buffers.agent_slices(present.len());
+        let tile = Tile {
+            dtype,
+            len,
+            base: &buffers.base,
+            agents: &agents,
+        };
+        visit(i, &tile)?;
+        progress.inc((len * dtype.size() * (1 + present.len())) as u64);
+    }
+    Ok(())
+}
+
 /// Probes one tensor over all its tiles; the counts are indexed by global agent.
 fn probe_tensor(
     inputs: &Inputs,
@@ -228,18 +245,22 @@ fn probe_tensor(
 ) -> Result<TileCounts> {
     let n = inputs.agents.len();
     let present = plan.present();
-    let dtype = plan.base.entry.dtype;
     let mut local = TileCounts::zeros(present.len());
-    for (i, (start, len)) in tiles(plan.numel(), tile_elems).enumerate() {
-        buffers.read(inputs, plan, &present, start, len)?;
-        let agents = buffers.agent_slices(present.len());
-        let tile = buffers.tile(dtype, len, &agents);
-        let counts = backend
-            .probe(&tile, epsilon)
-            .with_context(|| format!("probe of tensor '{}' failed at tile {i}", plan.name()))?;
-        local.add(&counts);
-        progress.inc((len * dtype.size() * (1 + present.len())) as u64);
-    }
+    for_each_tile(
+        inputs,
+        plan,
+        &present,
+        tile_elems,
+        buffers,
+        progress,
+        |i, tile| {
+            let counts = backend
+                .probe(tile, epsilon)
+                .with_context(|| format!("probe of tensor '{}' failed at tile {i}", plan.name()))?;
+            local.add(&counts);
+            Ok(())
+        },
+    )?;
     // Spread the present agents' rows into the N-wide global layout.
     let mut global = TileCounts::zeros(n);
     for (slot, &t) in present.iter().enumerate() {
@@ -397,18 +418,21 @@ pub fn merge(
             reciprocals: &reciprocals,
             out_dtype: out_t.dtype,
         };
-        let dtype = plan.base.entry.dtype;
-        for (i, (start, len)) in tiles(plan.numel(), options.tile_elems).enumerate() {
-            buffers.read(inputs, plan, &present, start, len)?;
-            let agents = buffers.agent_slices(present.len());
-            let tile = buffers.tile(dtype, len, &agents);
-            out.resize(len * out_t.dtype.size(), 0);
-            backend
-                .merge(&tile, &params, &mut out)
-                .with_context(|| format!("merge of tensor '{}' failed at tile {i}", plan.name()))?;
-            writer.write(plan.name(), &out)?;
-            bar.inc((len * dtype.size() * (1 + present.len())) as u64);
-        }
+        for_each_tile(
+            inputs,
+            plan,
+            &present,
+            options.tile_elems,
+            &mut buffers,
+            &bar,
+            |i, tile| {
+                out.resize(tile.len * out_t.dtype.size(), 0);
+                backend.merge(tile, &params, &mut out).with_context(|| {
+                    format!("merge of tensor '{}' failed at tile {i}", plan.name())
+                })?;
+                writer.write(plan.name(), &out)
+            },
+        )?;
     }
     bar.finish_and_clear();
     let shards = writer.finish()?;

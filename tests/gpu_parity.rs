@@ -20,18 +20,6 @@ fn gpu_available() -> bool {
     ok
 }
 
-fn shapes() -> Vec<(&'static str, Vec<usize>)> {
-    vec![
-        ("model.embed_tokens.weight", vec![37, 29]),
-        ("model.layers.0.self_attn.q_proj.weight", vec![31, 17]),
-        ("model.layers.0.mlp.up_proj.weight", vec![1013]),
-        ("model.layers.0.input_layernorm.weight", vec![3]),
-        ("lm_head.weight", vec![1]),
-    ]
-}
-
-const DENSITIES: [f64; 8] = [0.03, 0.46, 0.54, 0.2, 0.7, 0.1, 0.9, 0.33];
-
 const VARIANTS: [&[&str]; 4] = [
     &["--method", "ram"],
     &["--method", "ram+"],
@@ -62,17 +50,12 @@ fn compare(a: &Path, b: &Path, what: &str) {
     for (k, (dt, shape, bytes)) in &x {
         let (dt2, shape2, bytes2) = &y[k];
         assert_eq!((dt, shape), (dt2, shape2), "{what}: {k}");
-        if bytes != bytes2 {
-            let s = size_of(*dt);
-            let e = (0..bytes.len() / s)
-                .find(|&e| bytes[e * s..(e + 1) * s] != bytes2[e * s..(e + 1) * s])
-                .unwrap();
-            panic!(
-                "{what}: tensor {k} differs at element {e}: cpu {:?} gpu {:?}",
-                &bytes[e * s..(e + 1) * s],
-                &bytes2[e * s..(e + 1) * s]
-            );
-        }
+        assert_same_bytes(
+            &format!("{what}: tensor {k} (gpu vs cpu)"),
+            *dt,
+            bytes2,
+            bytes,
+        );
     }
 }
 
@@ -89,7 +72,7 @@ fn gpu_equals_cpu_for_every_dtype_variant_and_agent_count() {
             let f = fixture(
                 500 + 10 * d as u64 + n as u64,
                 dtype,
-                &shapes(),
+                &odd_shapes(),
                 &DENSITIES[..n],
                 1 + n % 2,
             );
@@ -106,7 +89,7 @@ fn gpu_probe_counts_equal_cpu() {
         return;
     }
     for dtype in [Dtype::BF16, Dtype::F16, Dtype::F32] {
-        let f = fixture(41, dtype, &shapes(), &DENSITIES[..5], 2);
+        let f = fixture(41, dtype, &odd_shapes(), &DENSITIES[..5], 2);
         let analyze = |device: &str, extra: &[&str]| -> serde_json::Value {
             let mut cmd = rlmerge();
             cmd.args([
@@ -144,7 +127,7 @@ fn gpu_output_dtype_conversions_equal_cpu() {
         (Dtype::F16, ["bf16", "f32"]),
         (Dtype::F32, ["bf16", "f16"]),
     ] {
-        let f = fixture(61, dtype, &shapes(), &DENSITIES[..3], 1);
+        let f = fixture(61, dtype, &odd_shapes(), &DENSITIES[..3], 1);
         for out in outs {
             assert_same(
                 &f,
@@ -161,7 +144,7 @@ fn gpu_chunking_and_tiling_do_not_change_the_bytes() {
     if !gpu_available() {
         return;
     }
-    let f = fixture(71, Dtype::BF16, &shapes(), &DENSITIES[..4], 1);
+    let f = fixture(71, Dtype::BF16, &odd_shapes(), &DENSITIES[..4], 1);
     let cpu = f.dir.path().join("cpu");
     merge_cmd(&f, &cpu, &["--device", "cpu", "--method", "ram+"])
         .assert()
@@ -370,7 +353,7 @@ fn gpu_device_errors_fail_cleanly() {
 #[test]
 fn device_gpu_without_adapter_says_how_to_get_one() {
     // With no backend enabled wgpu sees no adapter, whatever the machine has.
-    let f = fixture(91, Dtype::BF16, &shapes(), &DENSITIES[..2], 1);
+    let f = fixture(91, Dtype::BF16, &odd_shapes(), &DENSITIES[..2], 1);
     let out = f.dir.path().join("out");
     let output = merge_cmd(&f, &out, &["--device", "gpu"])
         .env("WGPU_BACKEND", "gl")
@@ -380,4 +363,46 @@ fn device_gpu_without_adapter_says_how_to_get_one() {
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("mesa-vulkan-drivers"), "{stderr}");
     assert!(!out.exists());
+}
+
+#[test]
+fn devices_lists_adapters_and_merges_name_the_backend() {
+    if !gpu_available() {
+        return;
+    }
+    let adapters = rlmerge::backend::gpu::list_adapters();
+    let listed = String::from_utf8(
+        rlmerge()
+            .arg("devices")
+            .assert()
+            .success()
+            .get_output()
+            .stdout
+            .clone(),
+    )
+    .unwrap();
+    for a in &adapters {
+        assert!(listed.contains(&a.info.name), "{listed}");
+    }
+    assert!(listed.contains("max storage binding"), "{listed}");
+    let f = fixture(95, Dtype::BF16, &odd_shapes(), &DENSITIES[..2], 1);
+    for (device, want) in [("gpu", "backend: gpu: "), ("cpu", "backend: cpu (")] {
+        let out = f.dir.path().join(device);
+        let mut cmd = rlmerge();
+        cmd.args(["merge", "--device", device])
+            .arg("--base")
+            .arg(&f.base);
+        for a in &f.agents {
+            cmd.arg("--model").arg(a);
+        }
+        let output = cmd
+            .arg("-o")
+            .arg(&out)
+            .assert()
+            .success()
+            .get_output()
+            .clone();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(want), "{stderr}");
+    }
 }

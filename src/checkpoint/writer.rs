@@ -261,7 +261,7 @@ impl CheckpointWriter {
         }
         let mut bytes =
             serde_json::to_vec(&serde_json::Value::Object(map)).expect("header serializes");
-        while bytes.len() % 8 != 0 {
+        while !bytes.len().is_multiple_of(8) {
             bytes.push(b' ');
         }
         bytes

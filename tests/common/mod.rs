@@ -319,27 +319,23 @@ pub fn reference_counts(base: &[T], agents: &[Vec<T>], eps: f32) -> Vec<(u64, u6
     counts
 }
 
-/// λ from (unique, shared) by the paper rule.
-pub fn lambda_paper(c: (u64, u64), r: f64, alpha: f64) -> f64 {
-    let rho = if c.1 == 0 {
-        0.0
-    } else if c.0 == 0 {
-        f64::INFINITY
-    } else {
-        c.1 as f64 / c.0 as f64
-    };
-    1.0 + r * rho.min(alpha)
+/// ρ = shared / unique from (unique, shared): 0 with no shared change, ∞ with no unique one.
+fn rho(c: (u64, u64)) -> f64 {
+    match c {
+        (_, 0) => 0.0,
+        (0, _) => f64::INFINITY,
+        (u, s) => s as f64 / u as f64,
+    }
 }
 
+/// λ from (unique, shared) by the paper rule.
+pub fn lambda_paper(c: (u64, u64), r: f64, alpha: f64) -> f64 {
+    1.0 + r * rho(c).min(alpha)
+}
+
+/// λ from (unique, shared) by the authors' released script.
 pub fn lambda_official(c: (u64, u64), big_r: f64) -> f64 {
-    let rho = if c.1 == 0 {
-        0.0
-    } else if c.0 == 0 {
-        f64::INFINITY
-    } else {
-        c.1 as f64 / c.0 as f64
-    };
-    1.0 + (big_r.max(1.0) - 1.0) * rho.min(1.0)
+    1.0 + (big_r.max(1.0) - 1.0) * rho(c).min(1.0)
 }
 
 /// The merged bytes of one tensor per SPEC §2, computed the plain way.
@@ -372,6 +368,37 @@ pub fn reference_merge(base: &T, agents: &[&T], eps: f32, lambdas: &[f32], out: 
         bytes.extend(to_bytes(out, &[v]));
     }
     bytes
+}
+
+/// Tensor shapes that are not a multiple of anything: odd lengths, tiny vectors, 2-D matrices.
+pub fn odd_shapes() -> Vec<(&'static str, Vec<usize>)> {
+    vec![
+        ("model.embed_tokens.weight", vec![37, 29]),
+        ("model.layers.0.self_attn.q_proj.weight", vec![31, 17]),
+        ("model.layers.0.mlp.up_proj.weight", vec![1013]),
+        ("model.layers.0.input_layernorm.weight", vec![3]),
+        ("lm_head.weight", vec![1]),
+    ]
+}
+
+/// Agent densities for up to 8 agents: sparse, dense and in between, so changes partly overlap.
+pub const DENSITIES: [f64; 8] = [0.03, 0.46, 0.54, 0.2, 0.7, 0.1, 0.9, 0.33];
+
+/// Panics with the first differing element (decoded) unless `got` equals `want`.
+pub fn assert_same_bytes(what: &str, dtype: Dtype, got: &[u8], want: &[u8]) {
+    if got == want {
+        return;
+    }
+    assert_eq!(got.len(), want.len(), "{what}: byte lengths differ");
+    let s = size_of(dtype);
+    let e = (0..got.len() / s)
+        .find(|&e| got[e * s..(e + 1) * s] != want[e * s..(e + 1) * s])
+        .expect("unequal slices of equal length differ somewhere");
+    panic!(
+        "{what} differs first at element {e}: got {:?} want {:?}",
+        from_bytes(dtype, &got[e * s..(e + 1) * s]),
+        from_bytes(dtype, &want[e * s..(e + 1) * s])
+    );
 }
 
 pub fn rlmerge() -> assert_cmd::Command {
