@@ -381,3 +381,145 @@ fn parameters_of_another_rule_are_usage_errors() {
         assert!(!out.exists());
     }
 }
+
+#[test]
+fn huge_header_length() {
+    let c = case();
+    std::fs::create_dir_all(&c.bad).unwrap();
+    let mut bytes = u64::MAX.to_le_bytes().to_vec();
+    bytes.extend_from_slice(b"{}");
+    std::fs::write(c.bad.join("model.safetensors"), bytes).unwrap();
+    expect_failure(&c, &[&bad_path(&c, "model.safetensors"), "header length"]);
+    // Within the limit but past the end of the file: no allocation of that size, an error.
+    let mut bytes = 90_000_000u64.to_le_bytes().to_vec();
+    bytes.extend_from_slice(b"{}");
+    std::fs::write(c.bad.join("model.safetensors"), bytes).unwrap();
+    expect_failure(&c, &[&bad_path(&c, "model.safetensors"), "truncated"]);
+}
+
+#[test]
+fn overlapping_data_offsets() {
+    let c = case();
+    write_raw(
+        &c.bad.join("model.safetensors"),
+        r#"{"a.weight":{"dtype":"BF16","shape":[4,5],"data_offsets":[0,40]},"b.weight":{"dtype":"BF16","shape":[7],"data_offsets":[30,44]}}"#,
+        &[0; 54],
+    );
+    expect_failure(&c, &[&bad_path(&c, "model.safetensors"), "overlapping"]);
+}
+
+#[test]
+fn out_of_order_offsets_are_fine() {
+    let c = case();
+    // b's data comes first in the file: legal, and read correctly.
+    let a: Vec<u8> = to_bytes(
+        Dtype::BF16,
+        &tensor("a.weight", Dtype::BF16, &[4, 5], 1.0).values,
+    );
+    let b: Vec<u8> = to_bytes(
+        Dtype::BF16,
+        &tensor("b.weight", Dtype::BF16, &[7], 1.0).values,
+    );
+    let mut data = b.clone();
+    data.extend_from_slice(&a);
+    write_raw(
+        &c.bad.join("model.safetensors"),
+        r#"{"a.weight":{"dtype":"BF16","shape":[4,5],"data_offsets":[14,54]},"b.weight":{"dtype":"BF16","shape":[7],"data_offsets":[0,14]}}"#,
+        &data,
+    );
+    let out = c.dir.path().join("out");
+    let mut cmd = rlmerge();
+    cmd.args(["merge", "--quiet", "--method", "ram"])
+        .arg("--base")
+        .arg(&c.base);
+    cmd.arg("--model")
+        .arg(&c.bad)
+        .arg("-o")
+        .arg(&out)
+        .assert()
+        .success();
+    let base_a = tensor("a.weight", Dtype::BF16, &[4, 5], 0.0);
+    let bad_a = tensor("a.weight", Dtype::BF16, &[4, 5], 1.0);
+    assert_eq!(
+        read_folder(&out)["a.weight"].2,
+        reference_merge(&base_a, &[&bad_a], 1e-5, &[1.0], Dtype::BF16)
+    );
+}
+
+#[test]
+fn shape_whose_element_count_overflows() {
+    let c = case();
+    write_raw(
+        &c.bad.join("model.safetensors"),
+        r#"{"a.weight":{"dtype":"BF16","shape":[4294967296,4294967296,16],"data_offsets":[0,40]}}"#,
+        &[0; 40],
+    );
+    expect_failure(
+        &c,
+        &[&bad_path(&c, "model.safetensors"), "a.weight", "overflows"],
+    );
+}
+
+#[test]
+fn duplicate_tensor_names() {
+    let c = case();
+    write_raw(
+        &c.bad.join("model.safetensors"),
+        r#"{"a.weight":{"dtype":"BF16","shape":[4,5],"data_offsets":[0,40]},"a.weight":{"dtype":"BF16","shape":[7],"data_offsets":[40,54]}}"#,
+        &[0; 54],
+    );
+    expect_failure(
+        &c,
+        &[
+            &bad_path(&c, "model.safetensors"),
+            "a.weight",
+            "appears twice",
+        ],
+    );
+}
+
+#[test]
+fn non_utf8_tensor_name() {
+    let c = case();
+    let mut header =
+        br#"{"a.weight":{"dtype":"BF16","shape":[4,5],"data_offsets":[0,40]},"b"#.to_vec();
+    header.extend_from_slice(&[0xff, 0xfe]);
+    header.extend_from_slice(br#"":{"dtype":"BF16","shape":[7],"data_offsets":[40,54]}}"#);
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&header);
+    bytes.extend_from_slice(&[0; 54]);
+    std::fs::create_dir_all(&c.bad).unwrap();
+    std::fs::write(c.bad.join("model.safetensors"), bytes).unwrap();
+    expect_failure(&c, &[&bad_path(&c, "model.safetensors"), "UTF-8"]);
+}
+
+#[test]
+fn index_pointing_outside_the_model_folder() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    std::fs::write(
+        c.bad.join("model.safetensors.index.json"),
+        r#"{"metadata": {}, "weight_map": {"a.weight": "../good/model.safetensors", "b.weight": "model.safetensors"}}"#,
+    )
+    .unwrap();
+    expect_failure(
+        &c,
+        &[
+            "index.json",
+            "../good/model.safetensors",
+            "inside the model folder",
+        ],
+    );
+}
+
+#[test]
+fn symlink_loops() {
+    let c = case();
+    std::fs::create_dir_all(&c.bad).unwrap();
+    std::os::unix::fs::symlink("model.safetensors", c.bad.join("model.safetensors")).unwrap();
+    expect_failure(&c, &[&bad_path(&c, "model.safetensors")]);
+    // A folder that is a link to itself.
+    std::fs::remove_dir_all(&c.bad).unwrap();
+    std::os::unix::fs::symlink(&c.bad, &c.bad).unwrap();
+    expect_failure(&c, &[&c.bad.display().to_string()]);
+}

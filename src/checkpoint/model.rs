@@ -38,9 +38,11 @@ impl ModelFolder {
         }
         let index_path = dir.join(INDEX_FILE);
         let single_path = dir.join(SINGLE_FILE);
-        let shard_names: Vec<String> = if index_path.is_file() {
+        // Present even as a broken or looping link: opening it then says what is wrong with it.
+        let present = |p: &Path| p.symlink_metadata().is_ok();
+        let shard_names: Vec<String> = if present(&index_path) {
             read_index_shards(&index_path)?
-        } else if single_path.is_file() {
+        } else if present(&single_path) {
             vec![SINGLE_FILE.to_string()]
         } else {
             bail!(
@@ -53,7 +55,7 @@ impl ModelFolder {
         let mut by_name = HashMap::new();
         for (i, name) in shard_names.iter().enumerate() {
             let path = dir.join(name);
-            if !path.is_file() {
+            if !present(&path) {
                 bail!(
                     "{}: names shard {name}, which is missing at {}",
                     index_path.display(),
@@ -76,7 +78,7 @@ impl ModelFolder {
             }
             shards.push(file);
         }
-        if index_path.is_file() {
+        if present(&index_path) {
             check_index_matches(&index_path, &shard_names, &tensors)?;
         }
         Ok(ModelFolder {

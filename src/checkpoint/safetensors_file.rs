@@ -101,6 +101,39 @@ impl SafetensorsFile {
 
 /// Parses the JSON header. Offsets must be in range and sized for shape × dtype; unsupported dtypes
 /// are an error naming the tensor.
+/// The header's top-level entries in file order. Unlike a JSON map, a repeated name is an error
+/// rather than silently keeping the last one.
+struct HeaderEntries(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for HeaderEntries {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Entries;
+        impl<'de> serde::de::Visitor<'de> for Entries {
+            type Value = HeaderEntries;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object of tensors")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<HeaderEntries, A::Error> {
+                let mut seen = std::collections::HashSet::new();
+                let mut entries = Vec::new();
+                while let Some((name, value)) = map.next_entry::<String, serde_json::Value>()? {
+                    if !seen.insert(name.clone()) {
+                        return Err(serde::de::Error::custom(format!(
+                            "tensor '{name}' appears twice"
+                        )));
+                    }
+                    entries.push((name, value));
+                }
+                Ok(HeaderEntries(entries))
+            }
+        }
+        deserializer.deserialize_map(Entries)
+    }
+}
+
 /// The `__metadata__` map of a header, as key/value pairs.
 type HeaderMetadata = Vec<(String, String)>;
 
@@ -110,14 +143,11 @@ fn parse_header(
     data_len: u64,
 ) -> Result<(Vec<TensorEntry>, HeaderMetadata)> {
     let text = std::str::from_utf8(header).context("corrupt header: not UTF-8")?;
-    let value: serde_json::Value =
+    let HeaderEntries(entries) =
         serde_json::from_str(text.trim_end_matches(' ')).context("corrupt header JSON")?;
-    let obj = value
-        .as_object()
-        .context("corrupt header: the JSON is not an object")?;
-    let mut tensors = Vec::with_capacity(obj.len());
+    let mut tensors = Vec::with_capacity(entries.len());
     let mut metadata = Vec::new();
-    for (name, info) in obj {
+    for (name, info) in &entries {
         if name == "__metadata__" {
             if let Some(m) = info.as_object() {
                 for (k, v) in m {
