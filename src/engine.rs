@@ -146,6 +146,13 @@ impl Inputs {
             .sum()
     }
 
+    /// Fails if any input file changed since it was opened.
+    pub fn check_unchanged(&self) -> Result<()> {
+        std::iter::once(&self.base)
+            .chain(&self.agents)
+            .try_for_each(|m| m.check_unchanged())
+    }
+
     pub fn agent_labels(&self) -> Vec<String> {
         self.agents
             .iter()
@@ -309,6 +316,7 @@ pub fn probe_all(
         tensors.push(TensorStats::new(plan, counts));
     }
     bar.finish_and_clear();
+    inputs.check_unchanged()?;
     Ok(ProbeReport {
         agents: inputs.agent_labels(),
         epsilon,
@@ -480,6 +488,7 @@ pub fn merge(
     };
     copy_base_files(&inputs.base.dir, folder.path(), out_dtype)?;
     recipe::write(folder.path(), &recipe)?;
+    inputs.check_unchanged()?;
     folder.commit()?;
     Ok(MergeSummary {
         recipe,

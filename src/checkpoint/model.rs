@@ -103,6 +103,11 @@ impl ModelFolder {
         &self.shards[tensor.shard].path
     }
 
+    /// Fails if any shard changed since it was opened.
+    pub fn check_unchanged(&self) -> Result<()> {
+        self.shards.iter().try_for_each(|s| s.check_unchanged())
+    }
+
     /// Total bytes of tensor data.
     pub fn data_bytes(&self) -> u64 {
         self.tensors.iter().map(|t| t.entry.byte_len()).sum()

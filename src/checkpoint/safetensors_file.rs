@@ -37,16 +37,18 @@ pub struct SafetensorsFile {
     pub tensors: Vec<TensorEntry>,
     /// The `__metadata__` string map, if any.
     pub metadata: HeaderMetadata,
+    /// Size and modification time at open, to notice a file changed while it is read.
+    stamp: (u64, Option<std::time::SystemTime>),
 }
 
 impl SafetensorsFile {
     /// Opens and validates `path`: header length, JSON, dtypes, shapes, offsets against the file size.
     pub fn open(path: &Path) -> Result<SafetensorsFile> {
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-        let file_len = file
+        let meta = file
             .metadata()
-            .with_context(|| format!("cannot stat {}", path.display()))?
-            .len();
+            .with_context(|| format!("cannot stat {}", path.display()))?;
+        let file_len = meta.len();
         let fail = |msg: String| -> anyhow::Error { anyhow::anyhow!("{}: {msg}", path.display()) };
         if file_len < 8 {
             return Err(fail(format!(
@@ -79,7 +81,26 @@ impl SafetensorsFile {
             file,
             tensors,
             metadata,
+            stamp: (file_len, meta.modified().ok()),
         })
+    }
+
+    /// Fails if the open file's size or modification time moved since it was opened: bytes read
+    /// before and after such a change may not belong together.
+    pub fn check_unchanged(&self) -> Result<()> {
+        let meta = self
+            .file
+            .metadata()
+            .with_context(|| format!("cannot stat {}", self.path.display()))?;
+        if (meta.len(), meta.modified().ok()) != self.stamp {
+            bail!(
+                "{} changed while it was being read (size {} -> {} bytes, or its modification time)",
+                self.path.display(),
+                self.stamp.0,
+                meta.len()
+            );
+        }
+        Ok(())
     }
 
     /// Reads `buf.len()` bytes of `tensor` starting at byte `start` within it.

@@ -94,12 +94,6 @@ pub struct OutputFolder {
 impl OutputFolder {
     /// Refuses an existing `final_dir` unless `force`; the old folder is replaced only at commit.
     pub fn create(final_dir: &Path, force: bool) -> Result<OutputFolder> {
-        if final_dir.exists() && !force {
-            bail!(
-                "output folder {} already exists (use --force to replace it)",
-                final_dir.display()
-            );
-        }
         let name = final_dir
             .file_name()
             .with_context(|| format!("invalid output path {}", final_dir.display()))?
@@ -114,6 +108,14 @@ impl OutputFolder {
             "the parent folder of the output, {}, does not exist",
             parent.display()
         );
+        // First, so an output a killed merge had moved aside counts as existing.
+        clean_stale(&parent, &name, final_dir)?;
+        if final_dir.exists() && !force {
+            bail!(
+                "output folder {} already exists (use --force to replace it)",
+                final_dir.display()
+            );
+        }
         let tmp_dir = parent.join(format!(".{name}.rlmerge-tmp-{}", std::process::id()));
         if tmp_dir.exists() {
             std::fs::remove_dir_all(&tmp_dir)
@@ -179,6 +181,44 @@ impl Drop for OutputFolder {
             let _ = std::fs::remove_dir_all(&self.tmp_dir);
         }
     }
+}
+
+/// Whether process `pid` is alive; `None` where that cannot be told (no /proc).
+fn process_alive(pid: u32) -> Option<bool> {
+    let proc = Path::new("/proc");
+    proc.is_dir().then(|| proc.join(pid.to_string()).exists())
+}
+
+/// Removes what killed merges into `final_dir` left beside it: `.NAME.rlmerge-tmp-PID` folders of
+/// dead processes; a `.NAME.rlmerge-old-PID` (the previous output, moved aside at commit) goes back
+/// into place if the kill came before the new output replaced it, and is removed otherwise.
+fn clean_stale(parent: &Path, name: &str, final_dir: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return Ok(());
+    };
+    for entry in entries.flatten() {
+        let file = entry.file_name().to_string_lossy().to_string();
+        let Some(rest) = file.strip_prefix(&format!(".{name}.rlmerge-")) else {
+            continue;
+        };
+        let (kind, pid) = match rest.split_once('-') {
+            Some((kind @ ("tmp" | "old"), pid)) => (kind, pid),
+            _ => continue,
+        };
+        let Ok(pid) = pid.parse::<u32>() else { continue };
+        if pid == std::process::id() || process_alive(pid) != Some(false) {
+            continue;
+        }
+        let path = entry.path();
+        if kind == "old" && !final_dir.exists() {
+            std::fs::rename(&path, final_dir)
+                .with_context(|| format!("cannot restore {} to {}", path.display(), final_dir.display()))?;
+        } else {
+            std::fs::remove_dir_all(&path)
+                .with_context(|| format!("cannot remove {}, left by a killed merge", path.display()))?;
+        }
+    }
+    Ok(())
 }
 
 /// Writes planned tensors into shards, in order, from a stream of bytes per tensor.
