@@ -8,7 +8,7 @@ use crate::backend::Backend;
 use crate::checkpoint::writer::parse_size;
 use crate::checkpoint::DType;
 use crate::demo;
-use crate::engine::{self, Inputs, MergeOptions, DEFAULT_TILE_ELEMS};
+use crate::engine::{self, Inputs, MergeOptions, Pass};
 use crate::method::{defaults, BoostRule, BoostScope, Method, DEFAULT_EPSILON};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -70,9 +70,13 @@ pub struct InputArgs {
     /// Where to compute.
     #[arg(long, value_enum, default_value = "auto")]
     pub device: DeviceChoice,
-    /// Elements per tile (tuning and tests; the result does not depend on it).
-    #[arg(long, default_value_t = DEFAULT_TILE_ELEMS, hide = true)]
-    pub tile_elems: usize,
+    /// Elements per tile [default: the backend's preference] (tuning and tests; the result does
+    /// not depend on it).
+    #[arg(long, hide = true)]
+    pub tile_elems: Option<usize>,
+    /// Merge NaN and ±Inf by IEEE rules instead of refusing inputs that hold them.
+    #[arg(long)]
+    pub allow_nonfinite: bool,
     /// Caps elements per GPU dispatch chunk (tests; the result does not depend on it).
     #[arg(long, hide = true)]
     pub gpu_chunk_elems: Option<usize>,
@@ -225,7 +229,7 @@ impl InputArgs {
         if !(self.epsilon.is_finite() && self.epsilon >= 0.0) {
             return Err(usage("--epsilon must be finite and ≥ 0"));
         }
-        if self.tile_elems == 0 {
+        if self.tile_elems == Some(0) {
             return Err(usage("--tile-elems must be ≥ 1"));
         }
         Ok(())
@@ -257,6 +261,16 @@ impl InputArgs {
                     Ok(Box::new(CpuBackend::new(self.threads)?))
                 }
             },
+        }
+    }
+
+    fn pass(&self, backend: &dyn Backend) -> Pass {
+        Pass {
+            epsilon: self.epsilon,
+            tile_elems: self
+                .tile_elems
+                .unwrap_or_else(|| backend.preferred_tile_elems()),
+            allow_nonfinite: self.allow_nonfinite,
         }
     }
 
@@ -332,10 +346,9 @@ fn run_merge(args: &MergeArgs, out: &mut impl Write) -> Result<()> {
     }
     let options = MergeOptions {
         method,
-        epsilon: args.inputs.epsilon,
+        pass: args.inputs.pass(backend.as_ref()),
         out_dtype: args.out_dtype,
         shard_size: args.shard_size,
-        tile_elems: args.inputs.tile_elems,
         force: args.force,
         show_progress: args.inputs.show_progress(),
     };
@@ -365,8 +378,7 @@ fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
     let report = engine::probe_all(
         &inputs,
         backend.as_ref(),
-        args.inputs.epsilon,
-        args.inputs.tile_elems,
+        &args.inputs.pass(backend.as_ref()),
         args.inputs.show_progress(),
     )?;
     if args.json {
@@ -400,13 +412,12 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
     }
     let backend: Box<dyn Backend> = Box::new(CpuBackend::new(0)?);
     let show = !args.quiet && std::io::stderr().is_terminal();
-    let report = engine::probe_all(
-        &inputs,
-        backend.as_ref(),
-        DEFAULT_EPSILON,
-        DEFAULT_TILE_ELEMS,
-        show,
-    )?;
+    let demo_pass = Pass {
+        epsilon: DEFAULT_EPSILON,
+        tile_elems: backend.preferred_tile_elems(),
+        allow_nonfinite: false,
+    };
+    let report = engine::probe_all(&inputs, backend.as_ref(), &demo_pass, show)?;
     writeln!(
         out,
         "$ rlmerge analyze --base {} --model … (3 agents)\n",
@@ -422,10 +433,9 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
             },
             scope: BoostScope::Global,
         },
-        epsilon: DEFAULT_EPSILON,
+        pass: demo_pass,
         out_dtype: None,
         shard_size: 5_000_000_000,
-        tile_elems: DEFAULT_TILE_ELEMS,
         force: true,
         show_progress: show,
     };

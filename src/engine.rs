@@ -3,6 +3,7 @@
 //! [`Backend`], and stream the merged bytes into the output checkpoint.
 
 use crate::backend::{Backend, MergeParams, Tile, TileCounts};
+use crate::checkpoint::dtype::{decode_one, first_nonfinite};
 use crate::checkpoint::folder_files::copy_base_files;
 use crate::checkpoint::{
     CheckpointWriter, DType, ModelFolder, ModelTensor, OutputFolder, OutputTensor,
@@ -12,11 +13,8 @@ use crate::recipe::{self, AgentSummary, Recipe};
 use crate::report::{ProbeReport, TensorStats};
 use anyhow::{bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use rayon::prelude::*;
 use std::path::{Path, PathBuf};
-
-/// Default elements per tile: 8 MiB of bf16 per input, small next to any model, large enough that
-/// per-tile overhead vanishes.
-pub const DEFAULT_TILE_ELEMS: usize = 4 << 20;
 
 /// The base and the agents, opened and checked against each other.
 pub struct Inputs {
@@ -199,12 +197,59 @@ impl TileBuffers {
         Ok(())
     }
 
+    /// Fails on the first NaN or ±Inf of the tile just read, naming tensor, file and element.
+    fn check_finite(
+        &self,
+        inputs: &Inputs,
+        plan: &TensorPlan,
+        present: &[usize],
+        start: usize,
+    ) -> Result<()> {
+        let dtype = plan.base.entry.dtype;
+        let sources: Vec<(&ModelFolder, &ModelTensor, &Vec<u8>)> =
+            std::iter::once((&inputs.base, &plan.base, &self.base))
+                .chain(present.iter().enumerate().map(|(slot, &t)| {
+                    let at = plan.agents[t]
+                        .as_ref()
+                        .expect("present agents have the tensor");
+                    (&inputs.agents[t], at, &self.agents[slot])
+                }))
+                .collect();
+        // One input per core: the scan is memory-bound.
+        let hits: Vec<Option<usize>> = sources
+            .par_iter()
+            .map(|(_, _, bytes)| first_nonfinite(dtype, bytes))
+            .collect();
+        for ((model, tensor, bytes), hit) in sources.iter().zip(hits) {
+            if let Some(i) = hit {
+                let value = decode_one(dtype, bytes, i);
+                bail!(
+                    "tensor '{}' in {} has a non-finite value ({value}) at element {}; \
+                     rlmerge refuses NaN and infinity unless --allow-nonfinite",
+                    plan.name(),
+                    model.file_of(tensor).display(),
+                    start + i
+                );
+            }
+        }
+        Ok(())
+    }
+
     fn agent_slices(&self, present: usize) -> Vec<&[u8]> {
         self.agents[..present]
             .iter()
             .map(|v| v.as_slice())
             .collect()
     }
+}
+
+/// How a pass walks the tensors (both passes share it).
+#[derive(Clone, Debug)]
+pub struct Pass {
+    pub epsilon: f32,
+    pub tile_elems: usize,
+    /// Merge NaN/±Inf by IEEE rules instead of refusing them.
+    pub allow_nonfinite: bool,
 }
 
 /// Tiles of a tensor: (start, len) element ranges of at most `tile_elems`.
@@ -219,14 +264,17 @@ fn for_each_tile(
     inputs: &Inputs,
     plan: &TensorPlan,
     present: &[usize],
-    tile_elems: usize,
+    pass: &Pass,
     buffers: &mut TileBuffers,
     progress: &ProgressBar,
     mut visit: impl FnMut(usize, &Tile) -> Result<()>,
 ) -> Result<()> {
     let dtype = plan.base.entry.dtype;
-    for (i, (start, len)) in tiles(plan.numel(), tile_elems).enumerate() {
+    for (i, (start, len)) in tiles(plan.numel(), pass.tile_elems).enumerate() {
         buffers.read(inputs, plan, present, start, len)?;
+        if !pass.allow_nonfinite {
+            buffers.check_finite(inputs, plan, present, start)?;
+        }
         let agents = buffers.agent_slices(present.len());
         let tile = Tile {
             dtype,
@@ -245,8 +293,7 @@ fn probe_tensor(
     inputs: &Inputs,
     plan: &TensorPlan,
     backend: &dyn Backend,
-    epsilon: f32,
-    tile_elems: usize,
+    pass: &Pass,
     buffers: &mut TileBuffers,
     progress: &ProgressBar,
 ) -> Result<TileCounts> {
@@ -257,12 +304,12 @@ fn probe_tensor(
         inputs,
         plan,
         &present,
-        tile_elems,
+        pass,
         buffers,
         progress,
         |i, tile| {
             let counts = backend
-                .probe(tile, epsilon)
+                .probe(tile, pass.epsilon)
                 .with_context(|| format!("probe of tensor '{}' failed at tile {i}", plan.name()))?;
             local.add(&counts);
             Ok(())
@@ -296,30 +343,21 @@ fn progress_bar(total: u64, show: bool, message: &str) -> ProgressBar {
 pub fn probe_all(
     inputs: &Inputs,
     backend: &dyn Backend,
-    epsilon: f32,
-    tile_elems: usize,
+    pass: &Pass,
     show_progress: bool,
 ) -> Result<ProbeReport> {
     let bar = progress_bar(inputs.pass_bytes(), show_progress, "probe");
     let mut buffers = TileBuffers::new(inputs.agents.len());
     let mut tensors = Vec::with_capacity(inputs.tensors.len());
     for plan in &inputs.tensors {
-        let counts = probe_tensor(
-            inputs,
-            plan,
-            backend,
-            epsilon,
-            tile_elems,
-            &mut buffers,
-            &bar,
-        )?;
+        let counts = probe_tensor(inputs, plan, backend, pass, &mut buffers, &bar)?;
         tensors.push(TensorStats::new(plan, counts));
     }
     bar.finish_and_clear();
     inputs.check_unchanged()?;
     Ok(ProbeReport {
         agents: inputs.agent_labels(),
-        epsilon,
+        epsilon: pass.epsilon,
         tensors,
     })
 }
@@ -328,11 +366,10 @@ pub fn probe_all(
 #[derive(Clone, Debug)]
 pub struct MergeOptions {
     pub method: Method,
-    pub epsilon: f32,
+    pub pass: Pass,
     /// `None`: each tensor keeps the base's dtype.
     pub out_dtype: Option<DType>,
     pub shard_size: u64,
-    pub tile_elems: usize,
     pub force: bool,
     pub show_progress: bool,
 }
@@ -357,8 +394,7 @@ pub fn merge(
         Some(probe_all(
             inputs,
             backend,
-            options.epsilon,
-            options.tile_elems,
+            &options.pass,
             options.show_progress,
         )?)
     } else {
@@ -398,15 +434,7 @@ pub fn merge(
     for (plan, out_t) in inputs.tensors.iter().zip(&out_tensors) {
         let present = plan.present();
         let lambdas: Vec<f64> = if per_tensor_scope {
-            let counts = probe_tensor(
-                inputs,
-                plan,
-                backend,
-                options.epsilon,
-                options.tile_elems,
-                &mut buffers,
-                &bar,
-            )?;
+            let counts = probe_tensor(inputs, plan, backend, &options.pass, &mut buffers, &bar)?;
             let stats = TensorStats::new(plan, counts);
             let lambdas: Vec<f64> = stats
                 .agent_counts()
@@ -421,7 +449,7 @@ pub fn merge(
         };
         let present_lambdas: Vec<f32> = present.iter().map(|&t| lambdas[t] as f32).collect();
         let params = MergeParams {
-            epsilon: options.epsilon,
+            epsilon: options.pass.epsilon,
             lambdas: &present_lambdas,
             reciprocals: &reciprocals,
             out_dtype: out_t.dtype,
@@ -430,7 +458,7 @@ pub fn merge(
             inputs,
             plan,
             &present,
-            options.tile_elems,
+            &options.pass,
             &mut buffers,
             &bar,
             |i, tile| {
@@ -449,7 +477,7 @@ pub fn merge(
         Some(r) => Some(r),
         None if per_tensor_scope => Some(ProbeReport {
             agents: inputs.agent_labels(),
-            epsilon: options.epsilon,
+            epsilon: options.pass.epsilon,
             tensors: tensor_stats,
         }),
         None => None,
@@ -477,7 +505,8 @@ pub fn merge(
         tool: "rlmerge".into(),
         version: env!("CARGO_PKG_VERSION").into(),
         method: options.method,
-        epsilon: options.epsilon,
+        epsilon: options.pass.epsilon,
+        allow_nonfinite: options.pass.allow_nonfinite,
         base: inputs.base.dir.display().to_string(),
         agents,
         tensor_lambdas,

@@ -25,6 +25,8 @@ pub struct Recipe {
     pub version: String,
     pub method: Method,
     pub epsilon: f32,
+    /// NaN/±Inf inputs were merged by IEEE rules instead of refused.
+    pub allow_nonfinite: bool,
     pub base: String,
     pub agents: Vec<AgentSummary>,
     /// Tensor scope: λ per agent for each tensor.

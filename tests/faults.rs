@@ -11,7 +11,10 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 fn digest(dir: &Path) -> u64 {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     files.sort();
     let mut h = DefaultHasher::new();
     for f in files {
@@ -22,7 +25,10 @@ fn digest(dir: &Path) -> u64 {
 }
 
 fn input_digests(f: &Fixture) -> Vec<u64> {
-    std::iter::once(&f.base).chain(&f.agents).map(|d| digest(d)).collect()
+    std::iter::once(&f.base)
+        .chain(&f.agents)
+        .map(|d| digest(d))
+        .collect()
 }
 
 /// Names in `dir` that a merge leaves only while it runs.
@@ -37,16 +43,38 @@ fn leftovers(dir: &Path) -> Vec<String> {
 /// A merge slowed down by one-element tiles, so a test can act while it runs.
 fn slow_merge(f: &Fixture, out: &Path) -> Child {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rlmerge"));
-    cmd.args(["merge", "--quiet", "--device", "cpu", "--threads", "1", "--tile-elems", "1", "--method", "ram+"]);
+    cmd.args([
+        "merge",
+        "--quiet",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--tile-elems",
+        "1",
+        "--method",
+        "ram+",
+    ]);
     cmd.arg("--base").arg(&f.base);
     for a in &f.agents {
         cmd.arg("--model").arg(a);
     }
-    cmd.arg("-o").arg(out).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+    cmd.arg("-o")
+        .arg(out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
 }
 
 fn slow_fixture(seed: u64) -> Fixture {
-    fixture(seed, Dtype::BF16, &[("w", vec![400, 503]), ("v", vec![1001])], &DENSITIES[..3], 1)
+    fixture(
+        seed,
+        Dtype::BF16,
+        &[("w", vec![400, 503]), ("v", vec![1001])],
+        &DENSITIES[..3],
+        1,
+    )
 }
 
 /// Waits until the merge has created its temporary folder (it is under way).
@@ -69,9 +97,14 @@ fn sigkill_mid_merge_leaves_no_output_and_the_next_run_cleans_up() {
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
     assert!(!out.exists(), "a killed merge left an output folder");
-    assert!(!leftovers(f.dir.path()).is_empty(), "expected the killed merge's temporary folder");
+    assert!(
+        !leftovers(f.dir.path()).is_empty(),
+        "expected the killed merge's temporary folder"
+    );
     // The next merge into the same path removes the dead process's folder and succeeds.
-    merge_cmd(&f, &out, &["--method", "ram+"]).assert().success();
+    merge_cmd(&f, &out, &["--method", "ram+"])
+        .assert()
+        .success();
     assert_eq!(leftovers(f.dir.path()), Vec::<String>::new());
     assert_eq!(input_digests(&f), before, "inputs changed");
     read_folder(&out);
@@ -87,7 +120,11 @@ fn an_output_moved_aside_by_a_killed_commit_is_restored() {
     let aside = f.dir.path().join(".out.rlmerge-old-999999999");
     std::fs::rename(&out, &aside).unwrap();
     let output = merge_cmd(&f, &out, &[]).output().unwrap();
-    assert_eq!(output.status.code(), Some(1), "the restored output must not be overwritten without --force");
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "the restored output must not be overwritten without --force"
+    );
     assert!(String::from_utf8_lossy(&output.stderr).contains("already exists"));
     assert_eq!(digest(&out), want);
     assert_eq!(leftovers(f.dir.path()), Vec::<String>::new());
@@ -101,7 +138,12 @@ fn input_truncated_while_merging_fails_cleanly() {
     wait_until_running(f.dir.path());
     let victim = f.agents[1].join("model-00002-of-00002.safetensors");
     let len = std::fs::metadata(&victim).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&victim).unwrap().set_len(len / 2).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&victim)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
     let status = child.wait().unwrap();
     let mut stderr = String::new();
     std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
@@ -120,8 +162,12 @@ fn input_rewritten_while_merging_fails_cleanly() {
     // Same size, other bytes: caught by the size/mtime check before the output is committed.
     let victim = f.agents[0].join("model.safetensors");
     std::thread::sleep(Duration::from_millis(20)); // a distinct modification time
-    // In place, never truncated, so only the modification time tells.
-    let file = std::fs::OpenOptions::new().read(true).write(true).open(&victim).unwrap();
+                                                   // In place, never truncated, so only the modification time tells.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&victim)
+        .unwrap();
     let last = file.metadata().unwrap().len() - 1;
     let mut byte = [0u8];
     std::os::unix::fs::FileExt::read_exact_at(&file, &mut byte, last).unwrap();
@@ -130,7 +176,10 @@ fn input_rewritten_while_merging_fails_cleanly() {
     let mut stderr = String::new();
     std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
     assert_eq!(status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("changed while it was being read"), "{stderr}");
+    assert!(
+        stderr.contains("changed while it was being read"),
+        "{stderr}"
+    );
     assert!(!out.exists());
 }
 
@@ -159,7 +208,11 @@ fn disk_full_fails_cleanly() {
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("No space left on device"), "{stderr}");
     assert!(!exists, "output folder left on the full disk");
-    assert_eq!(listing, Vec::<String>::new(), "temporary files left on the full disk");
+    assert_eq!(
+        listing,
+        Vec::<String>::new(),
+        "temporary files left on the full disk"
+    );
     assert_eq!(input_digests(&f), before);
 }
 
@@ -169,7 +222,9 @@ fn concurrent_merges_and_a_merge_of_a_merge_are_correct() {
     let (a, b) = (f.dir.path().join("a"), f.dir.path().join("b"));
     let spawn = |out: &Path, method: &str| {
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rlmerge"));
-        cmd.args(["merge", "--quiet", "--method", method]).arg("--base").arg(&f.base);
+        cmd.args(["merge", "--quiet", "--method", method])
+            .arg("--base")
+            .arg(&f.base);
         for m in &f.agents {
             cmd.arg("--model").arg(m);
         }
@@ -182,7 +237,10 @@ fn concurrent_merges_and_a_merge_of_a_merge_are_correct() {
         let merged = read_folder(out);
         for (i, base) in f.base_tensors.iter().enumerate() {
             let agents: Vec<&T> = f.agent_tensors.iter().map(|t| &t[i]).collect();
-            assert_eq!(merged[&base.name].2, reference_merge(base, &agents, 1e-5, &lambdas, Dtype::BF16));
+            assert_eq!(
+                merged[&base.name].2,
+                reference_merge(base, &agents, 1e-5, &lambdas, Dtype::BF16)
+            );
         }
     }
     // The merged model as an agent of a second merge.
@@ -206,7 +264,13 @@ fn concurrent_merges_and_a_merge_of_a_merge_are_correct() {
             values: from_bytes(Dtype::BF16, &first[&base.name].2),
             ..base.clone()
         };
-        let want = reference_merge(base, &[&merged_a, &f.agent_tensors[0][i]], 1e-5, &[1.0, 1.0], Dtype::BF16);
+        let want = reference_merge(
+            base,
+            &[&merged_a, &f.agent_tensors[0][i]],
+            1e-5,
+            &[1.0, 1.0],
+            Dtype::BF16,
+        );
         assert_eq!(second[&base.name].2, want, "{}", base.name);
     }
 }

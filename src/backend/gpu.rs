@@ -17,6 +17,8 @@ pub const GPU_MAX_AGENTS: usize = 32;
 /// Elements per chunk unless the binding limit asks for fewer: several chunks per engine tile keep
 /// the two buffer sets busy.
 const DEFAULT_CHUNK_ELEMS: usize = 1 << 20;
+/// Engine tiles of several chunks, so the two buffer sets overlap within a tile.
+const PREFERRED_TILE_ELEMS: usize = 4 * DEFAULT_CHUNK_ELEMS;
 const WORKGROUP: u32 = 256;
 const MAX_GROUPS_PER_DIM: u32 = 65_535;
 
@@ -647,6 +649,10 @@ impl Kernel {
 impl Backend for GpuBackend {
     fn describe(&self) -> String {
         self.ctx.describe()
+    }
+
+    fn preferred_tile_elems(&self) -> usize {
+        PREFERRED_TILE_ELEMS
     }
 
     fn probe(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts> {

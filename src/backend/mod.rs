@@ -63,6 +63,9 @@ pub trait Backend: Send + Sync {
     /// What runs the work, for the user ("cpu (2 threads)", "gpu: llvmpipe (Vulkan)").
     fn describe(&self) -> String;
 
+    /// Elements per engine tile this backend runs best with (results never depend on it).
+    fn preferred_tile_elems(&self) -> usize;
+
     /// SPEC §1 over the tile: per agent, elements changed and shared with k others.
     fn probe(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts>;
 

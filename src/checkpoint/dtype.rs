@@ -126,6 +126,67 @@ pub fn encode(dtype: DType, values: &[f32], out: &mut [u8]) {
     }
 }
 
+/// The first element of `bytes` that is NaN or ±Inf (all exponent bits set), if any. Scans u64
+/// words, several elements per test (SWAR), so the common all-finite case runs at memory speed.
+pub fn first_nonfinite(dtype: DType, bytes: &[u8]) -> Option<usize> {
+    // Per lane: the exponent mask, and the lanes' low and high bits for the zero-lane test.
+    let (exp, low, high) = match dtype {
+        DType::BF16 => (
+            0x7f80_7f80_7f80_7f80u64,
+            0x0001_0001_0001_0001u64,
+            0x8000_8000_8000_8000u64,
+        ),
+        DType::F16 => (
+            0x7c00_7c00_7c00_7c00,
+            0x0001_0001_0001_0001,
+            0x8000_8000_8000_8000,
+        ),
+        DType::F32 => (
+            0x7f80_0000_7f80_0000,
+            0x0000_0001_0000_0001,
+            0x8000_0000_8000_0000,
+        ),
+    };
+    // A lane whose exponent bits are all set becomes zero after `& exp ^ exp`; the classic
+    // has-zero-lane test then flags the word (exp keeps each lane's top bit clear, so no borrow).
+    let flagged = |w: u64| {
+        let t = (w & exp) ^ exp;
+        (t.wrapping_sub(low) & !t & high) != 0
+    };
+    const BLOCK: usize = 4096;
+    let size = dtype.size();
+    let words = bytes.len() / 8;
+    for block in (0..words).step_by(BLOCK) {
+        let end = (block + BLOCK).min(words);
+        let hit = bytes[block * 8..end * 8]
+            .chunks_exact(8)
+            .fold(false, |acc, c| {
+                acc | flagged(u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            });
+        if hit {
+            return first_nonfinite_scalar(dtype, &bytes[block * 8..end * 8])
+                .map(|i| block * 8 / size + i);
+        }
+    }
+    let tail = words * 8;
+    first_nonfinite_scalar(dtype, &bytes[tail..]).map(|i| tail / size + i)
+}
+
+/// Element by element: for the block that holds a hit, and the bytes after the last whole word.
+fn first_nonfinite_scalar(dtype: DType, bytes: &[u8]) -> Option<usize> {
+    match dtype {
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 == 0x7f80),
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00),
+        DType::F32 => bytes.chunks_exact(4).position(|b| {
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000
+        }),
+    }
+}
+
 /// bf16 bits → f32 (exact).
 #[inline(always)]
 pub fn bf16_bits_to_f32(bits: u16) -> f32 {
@@ -236,6 +297,56 @@ mod tests {
         let mut back2 = vec![0f32; vals.len()];
         decode(DType::F16, bytemuck::cast_slice(&aligned), &mut back2);
         assert_eq!(back, back2);
+    }
+
+    #[test]
+    fn nonfinite_values_are_found_in_every_dtype() {
+        for dt in [DType::BF16, DType::F16, DType::F32] {
+            for (bad, at) in [
+                (f32::NAN, 5000),
+                (f32::INFINITY, 0),
+                (f32::NEG_INFINITY, 8191),
+            ] {
+                let mut vals = vec![1.5f32; 9000];
+                vals[at] = bad;
+                vals[8999] = f32::NAN;
+                let mut bytes = vec![0u8; vals.len() * dt.size()];
+                encode(dt, &vals, &mut bytes);
+                assert_eq!(first_nonfinite(dt, &bytes), Some(at), "{dt} {bad}");
+            }
+            let mut bytes = vec![0u8; 100 * dt.size()];
+            encode(dt, &[65504.0; 100], &mut bytes);
+            assert_eq!(first_nonfinite(dt, &bytes), None, "{dt}");
+            // Every position, including the tail after the last whole word, against a plain scan.
+            for len in [1usize, 3, 5, 4099] {
+                for at in 0..len.min(9) {
+                    let mut vals = vec![-2.0f32; len];
+                    vals[len - 1 - at] = f32::NAN;
+                    let mut bytes = vec![0u8; len * dt.size()];
+                    encode(dt, &vals, &mut bytes);
+                    assert_eq!(
+                        first_nonfinite(dt, &bytes),
+                        Some(len - 1 - at),
+                        "{dt} len {len}"
+                    );
+                }
+            }
+        }
+        // Every 16-bit pattern, in each lane of a word: SWAR agrees with the scalar test.
+        for dt in [DType::BF16, DType::F16] {
+            for h in 0..=u16::MAX {
+                for lane in 0..4 {
+                    let mut words = [0x3c00u16; 4];
+                    words[lane] = h;
+                    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    assert_eq!(
+                        first_nonfinite(dt, &bytes),
+                        first_nonfinite_scalar(dt, &bytes),
+                        "{dt} {h:#x}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

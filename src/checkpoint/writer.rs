@@ -205,17 +205,25 @@ fn clean_stale(parent: &Path, name: &str, final_dir: &Path) -> Result<()> {
             Some((kind @ ("tmp" | "old"), pid)) => (kind, pid),
             _ => continue,
         };
-        let Ok(pid) = pid.parse::<u32>() else { continue };
+        let Ok(pid) = pid.parse::<u32>() else {
+            continue;
+        };
         if pid == std::process::id() || process_alive(pid) != Some(false) {
             continue;
         }
         let path = entry.path();
         if kind == "old" && !final_dir.exists() {
-            std::fs::rename(&path, final_dir)
-                .with_context(|| format!("cannot restore {} to {}", path.display(), final_dir.display()))?;
+            std::fs::rename(&path, final_dir).with_context(|| {
+                format!(
+                    "cannot restore {} to {}",
+                    path.display(),
+                    final_dir.display()
+                )
+            })?;
         } else {
-            std::fs::remove_dir_all(&path)
-                .with_context(|| format!("cannot remove {}, left by a killed merge", path.display()))?;
+            std::fs::remove_dir_all(&path).with_context(|| {
+                format!("cannot remove {}, left by a killed merge", path.display())
+            })?;
         }
     }
     Ok(())

@@ -1,0 +1,227 @@
+//! Odd values: NaN and ±Inf are refused (error naming tensor, file and element) unless
+//! --allow-nonfinite, then merged by IEEE rules; subnormals and −0.0 are exact. Both backends.
+
+mod common;
+use common::*;
+use safetensors::tensor::Dtype;
+use std::path::{Path, PathBuf};
+
+fn devices() -> Vec<&'static str> {
+    if rlmerge::backend::gpu::list_adapters().is_empty() {
+        assert!(
+            std::env::var_os("RLMERGE_REQUIRE_GPU").is_none(),
+            "no GPU adapter"
+        );
+        vec!["cpu"]
+    } else {
+        vec!["cpu", "gpu"]
+    }
+}
+
+fn folder(dir: &Path, name: &str, dtype: Dtype, values: Vec<f32>) -> PathBuf {
+    let p = dir.join(name);
+    let n = values.len();
+    write_folder(
+        &p,
+        &[T {
+            name: "w".into(),
+            dtype,
+            shape: vec![n],
+            values,
+        }],
+        1,
+    );
+    p
+}
+
+fn merge(base: &Path, agents: &[&PathBuf], out: &Path, extra: &[&str]) -> std::process::Output {
+    let mut cmd = rlmerge();
+    cmd.args(["merge", "--quiet"])
+        .args(extra)
+        .arg("--base")
+        .arg(base);
+    for a in agents {
+        cmd.arg("--model").arg(a);
+    }
+    cmd.arg("-o").arg(out).output().unwrap()
+}
+
+#[test]
+fn nonfinite_inputs_are_refused_with_the_tensor_and_element() {
+    let dir = tempfile::tempdir().unwrap();
+    for dtype in [Dtype::BF16, Dtype::F16, Dtype::F32] {
+        let clean: Vec<f32> = (0..5000).map(|i| (i % 7) as f32 * 0.25).collect();
+        for (who, bad, at) in [
+            ("base", f32::NAN, 4321),
+            ("agent", f32::INFINITY, 7),
+            ("agent", f32::NEG_INFINITY, 4999),
+        ] {
+            let mut dirty = clean.clone();
+            dirty[at] = bad;
+            let tag = format!("{dtype:?}-{who}-{at}");
+            let (b, a) = if who == "base" {
+                (
+                    folder(dir.path(), &format!("{tag}-b"), dtype, dirty),
+                    folder(dir.path(), &format!("{tag}-a"), dtype, clean.clone()),
+                )
+            } else {
+                (
+                    folder(dir.path(), &format!("{tag}-b"), dtype, clean.clone()),
+                    folder(dir.path(), &format!("{tag}-a"), dtype, dirty),
+                )
+            };
+            for device in devices() {
+                let out = dir.path().join(format!("{tag}-{device}"));
+                let o = merge(
+                    &b,
+                    &[&a],
+                    &out,
+                    &["--device", device, "--tile-elems", "1000"],
+                );
+                let err = String::from_utf8_lossy(&o.stderr);
+                assert_eq!(o.status.code(), Some(1), "{err}");
+                let file = if who == "base" { &b } else { &a }.join("model.safetensors");
+                for needle in [
+                    "tensor 'w'",
+                    &file.display().to_string(),
+                    &format!("element {at}"),
+                    "--allow-nonfinite",
+                ] {
+                    assert!(err.contains(needle), "{needle} not in {err}");
+                }
+                assert!(!out.exists());
+            }
+        }
+    }
+}
+
+#[test]
+fn allowed_nonfinite_values_follow_ieee_on_both_backends() {
+    let dir = tempfile::tempdir().unwrap();
+    // Element: 0 base NaN; 1 agent NaN; 2 agent +Inf; 3 agent −Inf; 4 both agents ±Inf (NaN sum);
+    // 5 base +Inf with an ordinary agent change; 6 an ordinary element.
+    let base = vec![f32::NAN, 1.0, 1.0, 1.0, 1.0, f32::INFINITY, 2.0];
+    let a1 = vec![
+        f32::NAN,
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::INFINITY,
+        3.0,
+        2.5,
+    ];
+    let a2 = vec![
+        f32::NAN,
+        1.0,
+        1.0,
+        1.0,
+        f32::NEG_INFINITY,
+        f32::INFINITY,
+        2.0,
+    ];
+    let b = folder(dir.path(), "b", Dtype::F32, base.clone());
+    let p1 = folder(dir.path(), "a1", Dtype::F32, a1.clone());
+    let p2 = folder(dir.path(), "a2", Dtype::F32, a2.clone());
+    let mut outputs = vec![];
+    for device in devices() {
+        let out = dir.path().join(device);
+        let o = merge(
+            &b,
+            &[&p1, &p2],
+            &out,
+            &["--device", device, "--allow-nonfinite", "--method", "ram"],
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        outputs.push(read_folder(&out)["w"].2.clone());
+    }
+    let got = from_bytes(Dtype::F32, &outputs[0]);
+    assert!(got[0].is_nan(), "base NaN passes through");
+    assert_eq!(got[1], 1.0, "an agent's NaN is no change");
+    assert_eq!(got[2], f32::INFINITY);
+    assert_eq!(got[3], f32::NEG_INFINITY);
+    assert!(got[4].is_nan(), "+Inf + −Inf");
+    assert!(got[5].is_nan() || got[5] == f32::INFINITY);
+    assert_eq!(got[6], 2.5);
+    let want = reference_merge(
+        &T {
+            name: "w".into(),
+            dtype: Dtype::F32,
+            shape: vec![7],
+            values: base,
+        },
+        &[
+            &T {
+                name: "w".into(),
+                dtype: Dtype::F32,
+                shape: vec![7],
+                values: a1,
+            },
+            &T {
+                name: "w".into(),
+                dtype: Dtype::F32,
+                shape: vec![7],
+                values: a2,
+            },
+        ],
+        1e-5,
+        &[1.0, 1.0],
+        Dtype::F32,
+    );
+    assert_eq!(outputs[0], want, "cpu vs reference");
+    for o in &outputs[1..] {
+        assert_eq!(o, &outputs[0], "gpu vs cpu");
+    }
+    // The recipe says so.
+    let recipe = std::fs::read_to_string(dir.path().join("cpu/rlmerge_recipe.json")).unwrap();
+    assert!(recipe.contains("\"allow_nonfinite\": true"));
+}
+
+#[test]
+fn subnormals_and_negative_zero_are_exact_on_both_backends() {
+    let dir = tempfile::tempdir().unwrap();
+    for dtype in [Dtype::BF16, Dtype::F16, Dtype::F32] {
+        // Smallest subnormals of each dtype, −0.0, and their neighbours.
+        let tiny = match dtype {
+            Dtype::BF16 => f32::from_bits(0x0001_0000),
+            Dtype::F16 => 5.960_464_5e-8,
+            _ => f32::from_bits(1),
+        };
+        let base = vec![-0.0, 0.0, tiny, -tiny, 3.0 * tiny, -0.0, 0.5, tiny];
+        let a1 = vec![0.0, -0.0, 2.0 * tiny, tiny, 0.0, 0.25, 0.5, 0.5];
+        let a2 = vec![-0.0, 0.0, tiny, -tiny, -0.0, -0.25, -0.5, tiny];
+        let b = folder(dir.path(), &format!("{dtype:?}-b"), dtype, base.clone());
+        let p1 = folder(dir.path(), &format!("{dtype:?}-1"), dtype, a1.clone());
+        let p2 = folder(dir.path(), &format!("{dtype:?}-2"), dtype, a2.clone());
+        let mk = |v: &Vec<f32>| T {
+            name: "w".into(),
+            dtype,
+            shape: vec![8],
+            values: v.clone(),
+        };
+        for eps in ["1e-5", "0"] {
+            let want = reference_merge(
+                &mk(&base),
+                &[&mk(&a1), &mk(&a2)],
+                eps.parse().unwrap(),
+                &[1.0, 1.0],
+                dtype,
+            );
+            for device in devices() {
+                let out = dir.path().join(format!("{dtype:?}-{eps}-{device}"));
+                let o = merge(
+                    &b,
+                    &[&p1, &p2],
+                    &out,
+                    &["--device", device, "--method", "ram", "--epsilon", eps],
+                );
+                assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+                assert_same_bytes(
+                    &format!("{dtype:?} ε={eps} {device}"),
+                    dtype,
+                    &read_folder(&out)["w"].2,
+                    &want,
+                );
+            }
+        }
+    }
+}
