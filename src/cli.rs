@@ -36,6 +36,23 @@ pub enum Command {
     Demo(DemoArgs),
     /// List the GPU adapters wgpu sees, with the limits that size rlmerge's tiles.
     Devices,
+    /// Check a merged folder against the checksums its recipe recorded (outputs and inputs).
+    Verify(VerifyArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct VerifyArgs {
+    /// The merged folder.
+    pub dir: PathBuf,
+    /// Also recompute the merge from the recipe's inputs and compare the bytes.
+    #[arg(long)]
+    pub against: bool,
+    /// Where to recompute with --against.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub device: DeviceChoice,
+    /// Worker threads of the CPU backend (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
 }
 
 /// Where the probe and merge passes run.
@@ -236,32 +253,7 @@ impl InputArgs {
     }
 
     fn backend(&self) -> Result<Box<dyn Backend>> {
-        let gpu = |ctx: GpuContext| -> Box<dyn Backend> {
-            let backend = GpuBackend::new(ctx);
-            Box::new(match self.gpu_chunk_elems {
-                Some(n) => backend.with_chunk_elems(n),
-                None => backend,
-            })
-        };
-        match self.device {
-            DeviceChoice::Cpu => Ok(Box::new(CpuBackend::new(self.threads)?)),
-            DeviceChoice::Gpu => match GpuContext::open(AdapterChoice::Any)? {
-                Some(ctx) => Ok(gpu(ctx)),
-                None => Err(anyhow::anyhow!(
-                    "--device gpu: wgpu found no GPU adapter (Vulkan, Metal or DX12). On Linux without a GPU, \
-                     install Mesa's software Vulkan driver lavapipe (Debian/Ubuntu: apt-get install \
-                     mesa-vulkan-drivers libvulkan1); or use --device cpu"
-                )),
-            },
-            DeviceChoice::Auto => match GpuContext::open(AdapterChoice::HardwareOnly) {
-                Ok(Some(ctx)) => Ok(gpu(ctx)),
-                Ok(None) => Ok(Box::new(CpuBackend::new(self.threads)?)),
-                Err(e) => {
-                    eprintln!("warning: {e:#}; using the CPU backend");
-                    Ok(Box::new(CpuBackend::new(self.threads)?))
-                }
-            },
-        }
+        make_backend(self.device, self.threads, self.gpu_chunk_elems)
     }
 
     fn pass(&self, backend: &dyn Backend) -> Pass {
@@ -279,6 +271,40 @@ impl InputArgs {
     }
 }
 
+/// The backend `device` asks for (see [`DeviceChoice`]).
+fn make_backend(
+    device: DeviceChoice,
+    threads: usize,
+    gpu_chunk_elems: Option<usize>,
+) -> Result<Box<dyn Backend>> {
+    let gpu = |ctx: GpuContext| -> Box<dyn Backend> {
+        let backend = GpuBackend::new(ctx);
+        Box::new(match gpu_chunk_elems {
+            Some(n) => backend.with_chunk_elems(n),
+            None => backend,
+        })
+    };
+    match device {
+        DeviceChoice::Cpu => Ok(Box::new(CpuBackend::new(threads)?)),
+        DeviceChoice::Gpu => match GpuContext::open(AdapterChoice::Any)? {
+            Some(ctx) => Ok(gpu(ctx)),
+            None => Err(anyhow::anyhow!(
+                "--device gpu: wgpu found no GPU adapter (Vulkan, Metal or DX12). On Linux without a GPU, \
+                 install Mesa's software Vulkan driver lavapipe (Debian/Ubuntu: apt-get install \
+                 mesa-vulkan-drivers libvulkan1); or use --device cpu"
+            )),
+        },
+        DeviceChoice::Auto => match GpuContext::open(AdapterChoice::HardwareOnly) {
+            Ok(Some(ctx)) => Ok(gpu(ctx)),
+            Ok(None) => Ok(Box::new(CpuBackend::new(threads)?)),
+            Err(e) => {
+                eprintln!("warning: {e:#}; using the CPU backend");
+                Ok(Box::new(CpuBackend::new(threads)?))
+            }
+        },
+    }
+}
+
 fn warn_all(warnings: &[String]) {
     for w in warnings {
         eprintln!("warning: {w}");
@@ -292,6 +318,41 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Analyze(args) => run_analyze(&args, &mut out),
         Command::Demo(args) => run_demo(&args, &mut out),
         Command::Devices => run_devices(&mut out),
+        Command::Verify(args) => run_verify(&args, &mut out),
+    }
+}
+
+fn run_verify(args: &VerifyArgs, out: &mut impl Write) -> Result<()> {
+    let backend = if args.against {
+        Some(make_backend(args.device, args.threads, None)?)
+    } else {
+        None
+    };
+    let v = crate::verify::verify(&args.dir, backend.as_deref())?;
+    for line in &v.ok {
+        writeln!(out, "ok    {line}")?;
+    }
+    for line in &v.skipped {
+        writeln!(out, "skip  {line}")?;
+    }
+    for line in &v.problems {
+        writeln!(out, "FAIL  {line}")?;
+    }
+    if v.problems.is_empty() {
+        writeln!(
+            out,
+            "{} verified: {} checks passed",
+            args.dir.display(),
+            v.ok.len()
+        )?;
+        Ok(())
+    } else {
+        anyhow::bail!(
+            "{}: {} problem(s) found (first: {})",
+            args.dir.display(),
+            v.problems.len(),
+            v.problems[0]
+        )
     }
 }
 

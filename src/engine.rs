@@ -5,11 +5,12 @@
 use crate::backend::{Backend, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode_one, first_nonfinite};
 use crate::checkpoint::folder_files::copy_base_files;
+use crate::checkpoint::safetensors_file::crc32_of_file;
 use crate::checkpoint::{
     CheckpointWriter, DType, ModelFolder, ModelTensor, OutputFolder, OutputTensor,
 };
 use crate::method::{self, AgentCounts, BoostScope, Method};
-use crate::recipe::{self, AgentSummary, Recipe};
+use crate::recipe::{self, AgentSummary, InputChecksums, Recipe};
 use crate::report::{ProbeReport, TensorStats};
 use anyhow::{bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -501,6 +502,20 @@ pub fn merge(
         .out_dtype
         .or_else(|| inputs.base.main_dtype())
         .unwrap_or(DType::F32);
+    let mut outputs = shards;
+    for name in copy_base_files(&inputs.base.dir, folder.path(), out_dtype)? {
+        outputs.push(crc32_of_file(&folder.path().join(name))?);
+    }
+    // Tensors were hashed as they were read; only what the merge never read is read now.
+    let input_sums = std::iter::once(&inputs.base)
+        .chain(&inputs.agents)
+        .map(|m| {
+            Ok(InputChecksums {
+                path: std::fs::canonicalize(&m.dir).unwrap_or_else(|_| m.dir.clone()),
+                files: m.checksums()?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
     let recipe = Recipe {
         tool: "rlmerge".into(),
         version: env!("CARGO_PKG_VERSION").into(),
@@ -512,16 +527,16 @@ pub fn merge(
         tensor_lambdas,
         out_dtype: options.out_dtype.map(|d| d.to_string()),
         shard_size: options.shard_size,
-        shards: shards.clone(),
         warnings: inputs.warnings.clone(),
+        inputs: input_sums,
+        outputs,
     };
-    copy_base_files(&inputs.base.dir, folder.path(), out_dtype)?;
     recipe::write(folder.path(), &recipe)?;
     inputs.check_unchanged()?;
     folder.commit()?;
     Ok(MergeSummary {
+        shards: recipe.shards().map(|f| f.file.clone()).collect(),
         recipe,
-        shards,
         report,
     })
 }

@@ -12,3 +12,4 @@ pub mod engine;
 pub mod method;
 pub mod recipe;
 pub mod report;
+pub mod verify;

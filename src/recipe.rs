@@ -1,16 +1,17 @@
 //! What a merged folder records about how it was made: `rlmerge_recipe.json` (machine-readable) and
 //! the README.md model card.
 
+use crate::checkpoint::safetensors_file::FileChecksum;
 use crate::method::{AgentCounts, Method};
 use anyhow::{Context, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::fmt::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 pub const RECIPE_FILE: &str = "rlmerge_recipe.json";
 pub const CARD_FILE: &str = "README.md";
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AgentSummary {
     pub path: String,
     /// λ_t (global scope and `ram`); `None` for tensor scope, see `tensor_lambdas`.
@@ -19,7 +20,15 @@ pub struct AgentSummary {
     pub counts: Option<AgentCounts>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+/// The weight files of one input model as the merge read them.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct InputChecksums {
+    /// The folder, resolved to an absolute path.
+    pub path: PathBuf,
+    pub files: Vec<FileChecksum>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Recipe {
     pub tool: String,
     pub version: String,
@@ -30,13 +39,38 @@ pub struct Recipe {
     pub base: String,
     pub agents: Vec<AgentSummary>,
     /// Tensor scope: λ per agent for each tensor.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tensor_lambdas: Vec<(String, Vec<f64>)>,
     /// `None`: each tensor kept the base's dtype.
     pub out_dtype: Option<String>,
     pub shard_size: u64,
-    pub shards: Vec<String>,
     pub warnings: Vec<String>,
+    /// Base first, then the agents in order.
+    pub inputs: Vec<InputChecksums>,
+    /// Every file written beside this recipe but the model card: shards, index, config and
+    /// tokenizer copies.
+    pub outputs: Vec<FileChecksum>,
+}
+
+impl Recipe {
+    /// The output's weight shards.
+    pub fn shards(&self) -> impl Iterator<Item = &FileChecksum> {
+        self.outputs
+            .iter()
+            .filter(|f| f.file.ends_with(".safetensors"))
+    }
+
+    /// Reads `rlmerge_recipe.json` from a merged folder.
+    pub fn read(dir: &Path) -> Result<Recipe> {
+        let path = dir.join(RECIPE_FILE);
+        let text = std::fs::read_to_string(&path).with_context(|| {
+            format!(
+                "cannot read {} (not a folder rlmerge wrote?)",
+                path.display()
+            )
+        })?;
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid recipe", path.display()))
+    }
 }
 
 /// Writes the recipe and the model card into `dir`.
@@ -95,7 +129,7 @@ pub fn model_card(r: &Recipe) -> String {
     let _ = writeln!(
         s,
         "\n## Output\n\n{} shard(s), dtype {}. The exact recipe is in `{RECIPE_FILE}`.",
-        r.shards.len(),
+        r.shards().count(),
         r.out_dtype.as_deref().unwrap_or("as the base")
     );
     if !r.warnings.is_empty() {

@@ -1,7 +1,7 @@
 //! A Hugging Face model folder: `model.safetensors`, or shards listed by `model.safetensors.index.json`.
 
 use super::dtype::DType;
-use super::safetensors_file::{SafetensorsFile, TensorEntry};
+use super::safetensors_file::{crc32_of_file, FileChecksum, SafetensorsFile, TensorEntry};
 use anyhow::{bail, Context, Result};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -101,6 +101,20 @@ impl ModelFolder {
     /// Path of the file holding `tensor` (for messages).
     pub fn file_of(&self, tensor: &ModelTensor) -> &Path {
         &self.shards[tensor.shard].path
+    }
+
+    /// Size and CRC-32 of every file that holds weights (shards, and the index when sharded).
+    pub fn checksums(&self) -> Result<Vec<FileChecksum>> {
+        let mut sums = self
+            .shards
+            .iter()
+            .map(|s| s.checksum())
+            .collect::<Result<Vec<_>>>()?;
+        let index = self.dir.join(INDEX_FILE);
+        if index.symlink_metadata().is_ok() {
+            sums.push(crc32_of_file(&index)?);
+        }
+        Ok(sums)
     }
 
     /// Fails if any shard changed since it was opened.

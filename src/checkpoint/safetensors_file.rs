@@ -39,6 +39,62 @@ pub struct SafetensorsFile {
     pub metadata: HeaderMetadata,
     /// Size and modification time at open, to notice a file changed while it is read.
     stamp: (u64, Option<std::time::SystemTime>),
+    /// Bytes of the JSON header (after the 8 length bytes).
+    header_len: u64,
+    /// CRC-32 of the 8 length bytes and the header.
+    header_crc: crc32fast::Hasher,
+    /// Per tensor (same order as `tensors`): CRC-32 of its bytes read so far from the start, in order.
+    tensor_crcs: Vec<std::sync::Mutex<(u64, crc32fast::Hasher)>>,
+}
+
+/// A file's size and CRC-32, as the recipe records it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FileChecksum {
+    pub file: String,
+    pub size: u64,
+    pub crc32: String,
+}
+
+/// CRC-32 of a whole file, read in 8 MiB blocks.
+pub fn crc32_of_file(path: &Path) -> Result<FileChecksum> {
+    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let size = file.metadata()?.len();
+    let mut hasher = crc32fast::Hasher::new();
+    hash_range(&file, path, 0, size, &mut hasher)?;
+    Ok(FileChecksum {
+        file: path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .to_string(),
+        size,
+        crc32: format!("{:08x}", hasher.finalize()),
+    })
+}
+
+/// Feeds bytes `from..to` of `file` to `hasher`.
+fn hash_range(
+    file: &File,
+    path: &Path,
+    from: u64,
+    to: u64,
+    hasher: &mut crc32fast::Hasher,
+) -> Result<()> {
+    let mut buf = vec![0u8; (8 << 20).min((to - from) as usize)];
+    let mut at = from;
+    while at < to {
+        let n = ((to - at) as usize).min(buf.len());
+        file.read_exact_at(&mut buf[..n], at).with_context(|| {
+            format!(
+                "cannot read {} (bytes {at}..{})",
+                path.display(),
+                at + n as u64
+            )
+        })?;
+        hasher.update(&buf[..n]);
+        at += n as u64;
+    }
+    Ok(())
 }
 
 impl SafetensorsFile {
@@ -76,12 +132,56 @@ impl SafetensorsFile {
         let data_len = file_len - data_start;
         let (tensors, metadata) =
             parse_header(&header, data_start, data_len).map_err(|e| fail(format!("{e:#}")))?;
+        let mut header_crc = crc32fast::Hasher::new();
+        header_crc.update(&len_bytes);
+        header_crc.update(&header);
+        let tensor_crcs = tensors
+            .iter()
+            .map(|_| std::sync::Mutex::new((0, crc32fast::Hasher::new())))
+            .collect();
         Ok(SafetensorsFile {
             path: path.to_path_buf(),
             file,
             tensors,
             metadata,
             stamp: (file_len, meta.modified().ok()),
+            header_len,
+            header_crc,
+            tensor_crcs,
+        })
+    }
+
+    /// The file's size and CRC-32. Tensor bytes already read in order from their start are not read
+    /// again: their running CRCs are combined with the header's in file order, and only what was
+    /// never read (tensors not merged, gaps) is read now.
+    pub fn checksum(&self) -> Result<FileChecksum> {
+        let mut total = self.header_crc.clone();
+        let mut at = 8 + self.header_len;
+        for (t, crc) in self.tensors.iter().zip(&self.tensor_crcs) {
+            if t.offset > at {
+                hash_range(&self.file, &self.path, at, t.offset, &mut total)?;
+            }
+            let (done, part) = &*crc.lock().unwrap_or_else(|p| p.into_inner());
+            total.combine(part);
+            hash_range(
+                &self.file,
+                &self.path,
+                t.offset + done,
+                t.offset + t.byte_len(),
+                &mut total,
+            )?;
+            at = t.offset + t.byte_len();
+        }
+        hash_range(&self.file, &self.path, at, self.stamp.0, &mut total)?;
+        Ok(FileChecksum {
+            file: self
+                .path
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .to_string(),
+            size: self.stamp.0,
+            crc32: format!("{:08x}", total.finalize()),
         })
     }
 
@@ -106,7 +206,8 @@ impl SafetensorsFile {
     /// Reads `buf.len()` bytes of `tensor` starting at byte `start` within it.
     pub fn read(&self, tensor: &TensorEntry, start: u64, buf: &mut [u8]) -> Result<()> {
         debug_assert!(start + buf.len() as u64 <= tensor.byte_len());
-        self.file
+        let result = self
+            .file
             .read_exact_at(buf, tensor.offset + start)
             .with_context(|| {
                 format!(
@@ -116,7 +217,26 @@ impl SafetensorsFile {
                     start,
                     start + buf.len() as u64
                 )
-            })
+            });
+        // Extend the tensor's running CRC when this read continues it (the first pass over it).
+        if result.is_ok() {
+            // Empty tensors can share an offset with the next one: match the name too.
+            let first = self.tensors.partition_point(|t| t.offset < tensor.offset);
+            let found = self.tensors[first..]
+                .iter()
+                .take_while(|t| t.offset == tensor.offset)
+                .position(|t| t.name == tensor.name);
+            if let Some(i) = found.map(|i| first + i) {
+                let mut crc = self.tensor_crcs[i]
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                if crc.0 == start {
+                    crc.1.update(buf);
+                    crc.0 += buf.len() as u64;
+                }
+            }
+        }
+        result
     }
 }
 

@@ -4,6 +4,7 @@
 
 use super::dtype::DType;
 use super::model::{INDEX_FILE, SINGLE_FILE};
+use super::safetensors_file::{crc32_of_file, FileChecksum};
 use anyhow::{bail, ensure, Context, Result};
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -239,6 +240,9 @@ pub struct CheckpointWriter {
     slot: usize,
     written: u64,
     out: Option<BufWriter<File>>,
+    /// CRC-32 and size of the shard being written, and of those finished.
+    crc: (crc32fast::Hasher, u64),
+    done: Vec<FileChecksum>,
 }
 
 const WRITE_BUFFER: usize = 8 << 20;
@@ -258,6 +262,8 @@ impl CheckpointWriter {
             slot: 0,
             written: 0,
             out: None,
+            crc: (crc32fast::Hasher::new(), 0),
+            done: Vec::new(),
         };
         w.open_shard()?;
         w.skip_empty()?;
@@ -286,9 +292,13 @@ impl CheckpointWriter {
             File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
         let mut out = BufWriter::with_capacity(WRITE_BUFFER, file);
         let header = self.header(self.shard);
-        out.write_all(&(header.len() as u64).to_le_bytes())
+        let len = (header.len() as u64).to_le_bytes();
+        out.write_all(&len)
             .and_then(|_| out.write_all(&header))
             .with_context(|| format!("cannot write {}", path.display()))?;
+        self.crc = (crc32fast::Hasher::new(), (len.len() + header.len()) as u64);
+        self.crc.0.update(&len);
+        self.crc.0.update(&header);
         self.out = Some(out);
         Ok(())
     }
@@ -341,6 +351,12 @@ impl CheckpointWriter {
             out.into_inner()
                 .map_err(|e| e.into_error())
                 .with_context(|| format!("cannot write {}", path.display()))?;
+            let (crc, size) = std::mem::replace(&mut self.crc, (crc32fast::Hasher::new(), 0));
+            self.done.push(FileChecksum {
+                file: shard_file_name(self.shard, self.shards.len()),
+                size,
+                crc32: format!("{:08x}", crc.finalize()),
+            });
         }
         Ok(())
     }
@@ -365,13 +381,15 @@ impl CheckpointWriter {
             .expect("a shard is open while tensors remain")
             .write_all(bytes)
             .with_context(|| format!("cannot write tensor '{name}' to {}", path.display()))?;
+        self.crc.0.update(bytes);
+        self.crc.1 += bytes.len() as u64;
         self.written += bytes.len() as u64;
         self.skip_empty()
     }
 
     /// Flushes the last shard, checks every tensor was written, and writes the index when sharded.
-    /// Returns the shard file names.
-    pub fn finish(mut self) -> Result<Vec<String>> {
+    /// Returns each written file (shards, then the index) with its size and CRC-32.
+    pub fn finish(mut self) -> Result<Vec<FileChecksum>> {
         if let Some(t) = self.current_tensor() {
             bail!("internal: tensor '{}' was not completely written", t.name);
         }
@@ -396,8 +414,9 @@ impl CheckpointWriter {
             let path = self.dir.join(INDEX_FILE);
             std::fs::write(&path, serde_json::to_string_pretty(&index)? + "\n")
                 .with_context(|| format!("cannot write {}", path.display()))?;
+            self.done.push(crc32_of_file(&path)?);
         }
-        Ok(names)
+        Ok(self.done)
     }
 }
 

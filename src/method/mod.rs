@@ -1,14 +1,14 @@
 //! The merge methods rlmerge implements, their parameters, and the scalar reference math
 //! (SPEC §1–3). Backends run this math over tiles; nothing else defines it.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// The probe threshold: an element is "changed" by an agent when |τ| > ε (SPEC §1).
 pub const DEFAULT_EPSILON: f32 = 1e-5;
 
 /// How RAM+ turns the overlap-unique ratio ρ into the unique boost λ (SPEC §3).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "rule", rename_all = "lowercase")]
 pub enum BoostRule {
     /// λ = 1 + r · min(ρ, α): the paper's formula.
@@ -18,7 +18,7 @@ pub enum BoostRule {
 }
 
 /// Over what ρ is counted: the whole model (one λ per agent) or each tensor (one λ per agent and tensor).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum BoostScope {
     Global,
@@ -26,7 +26,7 @@ pub enum BoostScope {
 }
 
 /// A merge method of the RAM family.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "method")]
 pub enum Method {
     /// Reinforced Agent Merging: unique updates kept as they are (λ = 1).
@@ -102,7 +102,7 @@ pub mod defaults {
 }
 
 /// One agent's unique and shared element counts, over whatever scope they were summed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AgentCounts {
     /// |U_t|: changed by this agent alone.
     pub unique: u64,

@@ -1,0 +1,189 @@
+//! `rlmerge verify`: re-reads a merged folder and checks it against the checksums its recipe
+//! recorded — every output file and every input file — and, with `--against`, recomputes the merge
+//! from the recipe and compares the bytes.
+
+use crate::backend::Backend;
+use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
+use crate::checkpoint::{DType, ModelFolder};
+use crate::engine::{self, Inputs, MergeOptions, Pass};
+use crate::recipe::Recipe;
+use anyhow::{Context, Result};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// What verification found: lines that passed, and problems (any problem fails the command).
+#[derive(Default, Debug)]
+pub struct Verification {
+    pub ok: Vec<String>,
+    pub skipped: Vec<String>,
+    pub problems: Vec<String>,
+}
+
+fn check_file(dir: &Path, want: &FileChecksum, what: &str, v: &mut Verification) {
+    let path = dir.join(&want.file);
+    match crc32_of_file(&path) {
+        Ok(got) if got == *want => v.ok.push(format!(
+            "{what} {} ({} bytes, crc32 {})",
+            path.display(),
+            got.size,
+            got.crc32
+        )),
+        Ok(got) => v.problems.push(format!(
+            "{what} {} differs from the recipe: {} bytes crc32 {} (recorded {} bytes crc32 {})",
+            path.display(),
+            got.size,
+            got.crc32,
+            want.size,
+            want.crc32
+        )),
+        Err(e) => v.problems.push(format!("{what} {}: {e:#}", path.display())),
+    }
+}
+
+/// Verifies `out_dir`; with `against`, also recomputes the merge on `backend` into a temporary
+/// folder beside it and compares every shard byte for byte.
+pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verification> {
+    let recipe = Recipe::read(out_dir)?;
+    let mut v = Verification::default();
+    for f in &recipe.outputs {
+        check_file(out_dir, f, "output", &mut v);
+    }
+    // Structure: every shard's header and the index parse and agree (also catches extra shards).
+    match ModelFolder::open(out_dir) {
+        Ok(m) => {
+            let recorded: Vec<&str> = recipe.shards().map(|f| f.file.as_str()).collect();
+            for s in &m.shards {
+                let name = s
+                    .path
+                    .file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .to_string();
+                if !recorded.contains(&name.as_str()) {
+                    v.problems
+                        .push(format!("shard {} is not in the recipe", s.path.display()));
+                }
+            }
+            v.ok.push(format!(
+                "structure: {} shard(s), {} tensors, headers and index consistent",
+                m.shards.len(),
+                m.tensors.len()
+            ));
+        }
+        Err(e) => v.problems.push(format!("structure: {e:#}")),
+    }
+    let mut inputs_intact = true;
+    for input in &recipe.inputs {
+        if !input.path.is_dir() {
+            inputs_intact = false;
+            v.skipped.push(format!(
+                "input {} not found: not checked",
+                input.path.display()
+            ));
+            continue;
+        }
+        for f in &input.files {
+            let before = v.problems.len();
+            check_file(&input.path, f, "input", &mut v);
+            inputs_intact &= v.problems.len() == before;
+        }
+    }
+    if let Some(backend) = against {
+        if inputs_intact {
+            recompute_and_compare(&recipe, out_dir, backend, &mut v)?;
+        } else {
+            v.problems.push("--against: the inputs are missing or changed since the merge, so it cannot be recomputed".into());
+        }
+    }
+    Ok(v)
+}
+
+fn recompute_and_compare(
+    recipe: &Recipe,
+    out_dir: &Path,
+    backend: &dyn Backend,
+    v: &mut Verification,
+) -> Result<()> {
+    let base = recipe
+        .inputs
+        .first()
+        .context("the recipe lists no inputs")?;
+    let agents: Vec<PathBuf> = recipe.inputs[1..].iter().map(|i| i.path.clone()).collect();
+    let inputs = Inputs::open(&base.path, &agents)?;
+    let options = MergeOptions {
+        method: recipe.method,
+        pass: Pass {
+            epsilon: recipe.epsilon,
+            tile_elems: backend.preferred_tile_elems(),
+            allow_nonfinite: recipe.allow_nonfinite,
+        },
+        out_dtype: recipe
+            .out_dtype
+            .as_deref()
+            .map(|d| {
+                DType::parse_user(d).with_context(|| format!("recipe: unknown out_dtype '{d}'"))
+            })
+            .transpose()?,
+        shard_size: recipe.shard_size,
+        force: true,
+        show_progress: false,
+    };
+    let name = out_dir
+        .file_name()
+        .unwrap_or_default()
+        .to_string_lossy()
+        .to_string();
+    let again = out_dir.with_file_name(format!(".{name}.rlmerge-verify-{}", std::process::id()));
+    let result = engine::merge(&inputs, &options, backend, &again).and_then(|_| {
+        for shard in recipe.shards() {
+            match first_difference(&out_dir.join(&shard.file), &again.join(&shard.file))? {
+                None => v.ok.push(format!("recomputed {} is identical", shard.file)),
+                Some(at) => v.problems.push(format!(
+                    "recomputed {} differs from the output at byte {at}",
+                    shard.file
+                )),
+            }
+        }
+        Ok(())
+    });
+    let _ = std::fs::remove_dir_all(&again);
+    result
+}
+
+/// The first byte offset where two files differ (a length difference counts), or `None`.
+fn first_difference(a: &Path, b: &Path) -> Result<Option<u64>> {
+    let open =
+        |p: &Path| std::fs::File::open(p).with_context(|| format!("cannot open {}", p.display()));
+    let (mut fa, mut fb) = (open(a)?, open(b)?);
+    let (mut ba, mut bb) = (vec![0u8; 8 << 20], vec![0u8; 8 << 20]);
+    let mut at = 0u64;
+    loop {
+        let na = read_full(&mut fa, &mut ba)?;
+        let nb = read_full(&mut fb, &mut bb)?;
+        if let Some(i) = ba[..na.min(nb)]
+            .iter()
+            .zip(&bb[..na.min(nb)])
+            .position(|(x, y)| x != y)
+        {
+            return Ok(Some(at + i as u64));
+        }
+        if na != nb {
+            return Ok(Some(at + na.min(nb) as u64));
+        }
+        if na == 0 {
+            return Ok(None);
+        }
+        at += na as u64;
+    }
+}
+
+fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}

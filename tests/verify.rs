@@ -1,0 +1,195 @@
+//! `rlmerge verify`: the recipe's checksums catch a flipped byte in any output or input file, and
+//! `--against` recomputes the merge and compares bytes.
+
+mod common;
+use common::*;
+use safetensors::tensor::Dtype;
+use std::path::Path;
+
+fn verify(dir: &Path, extra: &[&str]) -> std::process::Output {
+    rlmerge()
+        .arg("verify")
+        .arg(dir)
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+fn flip(path: &Path, at: usize) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let i = at % bytes.len();
+    bytes[i] ^= 0x10;
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn crc(path: &Path) -> String {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&std::fs::read(path).unwrap());
+    format!("{:08x}", h.finalize())
+}
+
+fn merged(f: &Fixture, name: &str, extra: &[&str]) -> std::path::PathBuf {
+    let out = f.dir.path().join(name);
+    merge_cmd(f, &out, extra).assert().success();
+    out
+}
+
+#[test]
+fn recorded_checksums_match_the_files_for_any_tiling() {
+    let f = fixture(1, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 2);
+    for (name, extra) in [
+        ("a", vec!["--method", "ram+"]),
+        ("b", vec!["--method", "ram+", "--tile-elems", "7"]),
+        ("c", vec!["--method", "ram", "--shard-size", "1500"]),
+    ] {
+        let out = merged(&f, name, &extra);
+        let recipe: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.join("rlmerge_recipe.json")).unwrap(),
+        )
+        .unwrap();
+        let inputs = recipe["inputs"].as_array().unwrap();
+        assert_eq!(inputs.len(), 4);
+        for input in inputs {
+            let dir = Path::new(input["path"].as_str().unwrap());
+            for file in input["files"].as_array().unwrap() {
+                let p = dir.join(file["file"].as_str().unwrap());
+                assert_eq!(file["crc32"].as_str().unwrap(), crc(&p), "{}", p.display());
+                assert_eq!(
+                    file["size"].as_u64().unwrap(),
+                    std::fs::metadata(&p).unwrap().len()
+                );
+            }
+        }
+        for file in recipe["outputs"].as_array().unwrap() {
+            assert_eq!(
+                file["crc32"].as_str().unwrap(),
+                crc(&out.join(file["file"].as_str().unwrap()))
+            );
+        }
+        let o = verify(&out, &["--against", "--device", "cpu"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    }
+}
+
+#[test]
+fn a_flipped_byte_in_any_output_file_is_caught() {
+    let f = fixture(2, Dtype::F16, &odd_shapes(), &DENSITIES[..2], 1);
+    let out = merged(&f, "out", &["--shard-size", "1500"]);
+    let files: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|n| n != "rlmerge_recipe.json" && n != "README.md")
+        .collect();
+    assert!(files.len() >= 5, "{files:?}");
+    for file in &files {
+        for at in [3usize, 97, 1_000_003] {
+            let copy = f.dir.path().join("copy");
+            let _ = std::fs::remove_dir_all(&copy);
+            std::process::Command::new("cp")
+                .arg("-r")
+                .arg(&out)
+                .arg(&copy)
+                .status()
+                .unwrap();
+            flip(&copy.join(file), at);
+            let o = verify(&copy, &[]);
+            let text = String::from_utf8_lossy(&o.stdout).to_string()
+                + &String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(1), "{file}@{at}: {text}");
+            assert!(
+                text.contains(&format!("FAIL  output {}", copy.join(file).display())),
+                "{text}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_changed_input_is_caught_and_blocks_against() {
+    let f = fixture(3, Dtype::BF16, &odd_shapes(), &DENSITIES[..2], 1);
+    let out = merged(&f, "out", &[]);
+    assert!(verify(&out, &[]).status.success());
+    let victim = f.agents[1].join("model-00002-of-00002.safetensors");
+    flip(&victim, 40);
+    let o = verify(&out, &["--against", "--device", "cpu"]);
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("FAIL  input") && text.contains("model-00002-of-00002.safetensors"),
+        "{text}"
+    );
+    assert!(text.contains("cannot be recomputed"), "{text}");
+}
+
+#[test]
+fn missing_inputs_are_skipped_but_needed_for_against() {
+    let f = fixture(4, Dtype::BF16, &odd_shapes(), &DENSITIES[..2], 1);
+    let out = merged(&f, "out", &[]);
+    std::fs::rename(&f.agents[0], f.dir.path().join("moved")).unwrap();
+    let o = verify(&out, &[]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{text}");
+    assert!(text.contains("skip  input"), "{text}");
+    assert_eq!(
+        verify(&out, &["--against", "--device", "cpu"])
+            .status
+            .code(),
+        Some(1)
+    );
+}
+
+#[test]
+fn against_catches_a_consistent_but_wrong_output() {
+    let f = fixture(5, Dtype::F32, &odd_shapes(), &DENSITIES[..3], 1);
+    let out = merged(&f, "out", &[]);
+    // Change a tensor byte and record the new checksum: the recipe check passes, recomputing does not.
+    let shard = out.join("model.safetensors");
+    let len = std::fs::metadata(&shard).unwrap().len() as usize;
+    flip(&shard, len - 2);
+    let recipe_path = out.join("rlmerge_recipe.json");
+    let mut recipe: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&recipe_path).unwrap()).unwrap();
+    for o in recipe["outputs"].as_array_mut().unwrap() {
+        if o["file"] == "model.safetensors" {
+            o["crc32"] = crc(&shard).into();
+        }
+    }
+    std::fs::write(&recipe_path, serde_json::to_string(&recipe).unwrap()).unwrap();
+    assert!(verify(&out, &[]).status.success());
+    let mut devices = vec!["cpu"];
+    if !rlmerge::backend::gpu::list_adapters().is_empty() {
+        devices.push("gpu");
+    }
+    for device in devices {
+        let o = verify(&out, &["--against", "--device", device]);
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(o.status.code(), Some(1), "{text}");
+        assert!(
+            text.contains(&format!(
+                "recomputed model.safetensors differs from the output at byte {}",
+                len - 2
+            )),
+            "{text}"
+        );
+    }
+    assert_eq!(
+        std::fs::read_dir(f.dir.path())
+            .unwrap()
+            .filter(|e| e
+                .as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .contains("rlmerge-verify"))
+            .count(),
+        0
+    );
+}
+
+#[test]
+fn verify_of_a_folder_without_recipe_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = verify(dir.path(), &[]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("rlmerge_recipe.json"));
+}
