@@ -198,13 +198,16 @@ impl TileBuffers {
         Ok(())
     }
 
-    /// Fails on the first NaN or ±Inf of the tile just read, naming tensor, file and element.
-    fn check_finite(
+    /// One parallel pass over the tile just read, an input per core while the bytes are in cache:
+    /// feeds each input's running checksum and, when `finite_only`, fails on the first NaN or ±Inf,
+    /// naming tensor, file and element.
+    fn inspect(
         &self,
         inputs: &Inputs,
         plan: &TensorPlan,
         present: &[usize],
         start: usize,
+        finite_only: bool,
     ) -> Result<()> {
         let dtype = plan.base.entry.dtype;
         let sources: Vec<(&ModelFolder, &ModelTensor, &Vec<u8>)> =
@@ -216,10 +219,17 @@ impl TileBuffers {
                     (&inputs.agents[t], at, &self.agents[slot])
                 }))
                 .collect();
-        // One input per core: the scan is memory-bound.
+        let offset = (start * dtype.size()) as u64;
         let hits: Vec<Option<usize>> = sources
             .par_iter()
-            .map(|(_, _, bytes)| first_nonfinite(dtype, bytes))
+            .map(|(model, tensor, bytes)| {
+                model.record_read(tensor, offset, bytes);
+                if finite_only {
+                    first_nonfinite(dtype, bytes)
+                } else {
+                    None
+                }
+            })
             .collect();
         for ((model, tensor, bytes), hit) in sources.iter().zip(hits) {
             if let Some(i) = hit {
@@ -273,9 +283,7 @@ fn for_each_tile(
     let dtype = plan.base.entry.dtype;
     for (i, (start, len)) in tiles(plan.numel(), pass.tile_elems).enumerate() {
         buffers.read(inputs, plan, present, start, len)?;
-        if !pass.allow_nonfinite {
-            buffers.check_finite(inputs, plan, present, start)?;
-        }
+        buffers.inspect(inputs, plan, present, start, !pass.allow_nonfinite)?;
         let agents = buffers.agent_slices(present.len());
         let tile = Tile {
             dtype,

@@ -98,6 +98,11 @@ impl ModelFolder {
         self.shards[tensor.shard].read(&tensor.entry, start, buf)
     }
 
+    /// Feeds bytes just read to the shard's running checksum (see [`SafetensorsFile::record_read`]).
+    pub fn record_read(&self, tensor: &ModelTensor, start: u64, bytes: &[u8]) {
+        self.shards[tensor.shard].record_read(&tensor.entry, start, bytes)
+    }
+
     /// Path of the file holding `tensor` (for messages).
     pub fn file_of(&self, tensor: &ModelTensor) -> &Path {
         &self.shards[tensor.shard].path

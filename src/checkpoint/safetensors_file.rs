@@ -206,8 +206,7 @@ impl SafetensorsFile {
     /// Reads `buf.len()` bytes of `tensor` starting at byte `start` within it.
     pub fn read(&self, tensor: &TensorEntry, start: u64, buf: &mut [u8]) -> Result<()> {
         debug_assert!(start + buf.len() as u64 <= tensor.byte_len());
-        let result = self
-            .file
+        self.file
             .read_exact_at(buf, tensor.offset + start)
             .with_context(|| {
                 format!(
@@ -217,26 +216,27 @@ impl SafetensorsFile {
                     start,
                     start + buf.len() as u64
                 )
-            });
-        // Extend the tensor's running CRC when this read continues it (the first pass over it).
-        if result.is_ok() {
-            // Empty tensors can share an offset with the next one: match the name too.
-            let first = self.tensors.partition_point(|t| t.offset < tensor.offset);
-            let found = self.tensors[first..]
-                .iter()
-                .take_while(|t| t.offset == tensor.offset)
-                .position(|t| t.name == tensor.name);
-            if let Some(i) = found.map(|i| first + i) {
-                let mut crc = self.tensor_crcs[i]
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner());
-                if crc.0 == start {
-                    crc.1.update(buf);
-                    crc.0 += buf.len() as u64;
-                }
+            })
+    }
+
+    /// Extends `tensor`'s running CRC with `bytes` read at byte `start` within it, when they continue
+    /// it (the first in-order pass over the tensor); re-reads change nothing.
+    pub fn record_read(&self, tensor: &TensorEntry, start: u64, bytes: &[u8]) {
+        // Empty tensors can share an offset with the next one: match the name too.
+        let first = self.tensors.partition_point(|t| t.offset < tensor.offset);
+        let found = self.tensors[first..]
+            .iter()
+            .take_while(|t| t.offset == tensor.offset)
+            .position(|t| t.name == tensor.name);
+        if let Some(i) = found.map(|i| first + i) {
+            let mut crc = self.tensor_crcs[i]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if crc.0 == start {
+                crc.1.update(bytes);
+                crc.0 += bytes.len() as u64;
             }
         }
-        result
     }
 }
 
