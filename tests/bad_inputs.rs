@@ -98,6 +98,15 @@ fn expect_failure(c: &Case, needles: &[&str]) -> String {
     errors[0].to_string()
 }
 
+/// An agent whose only file is a raw safetensors `header` followed by `data_len` zero bytes must fail
+/// with an error naming the file and each of `needles`.
+fn header_fails(header: &str, data_len: usize, needles: &[&str]) {
+    let c = case();
+    write_raw(&c.bad.join("model.safetensors"), header, &vec![0; data_len]);
+    let file = bad_path(&c, "model.safetensors");
+    expect_failure(&c, &[&[file.as_str()], needles].concat());
+}
+
 fn bad_path(c: &Case, file: &str) -> String {
     c.bad.join(file).display().to_string()
 }
@@ -149,65 +158,37 @@ fn truncated_file() {
 
 #[test]
 fn corrupt_header_json() {
-    let c = case();
-    write_raw(
-        &c.bad.join("model.safetensors"),
+    header_fails(
         r#"{"a.weight": {"dtype": "BF16", "shape": [4, 5], "#,
-        &[0; 54],
-    );
-    expect_failure(
-        &c,
-        &[&bad_path(&c, "model.safetensors"), "corrupt header JSON"],
+        54,
+        &["corrupt header JSON"],
     );
 }
 
 #[test]
 fn data_offsets_out_of_range() {
-    let c = case();
-    write_raw(
-        &c.bad.join("model.safetensors"),
+    header_fails(
         r#"{"a.weight":{"dtype":"BF16","shape":[4,5],"data_offsets":[0,40]},"b.weight":{"dtype":"BF16","shape":[7],"data_offsets":[40,5400]}}"#,
-        &[0; 54],
-    );
-    expect_failure(
-        &c,
-        &[
-            &bad_path(&c, "model.safetensors"),
-            "b.weight",
-            "out of range",
-        ],
+        54,
+        &["b.weight", "out of range"],
     );
 }
 
 #[test]
 fn data_offsets_not_matching_shape() {
-    let c = case();
-    write_raw(
-        &c.bad.join("model.safetensors"),
+    header_fails(
         r#"{"a.weight":{"dtype":"BF16","shape":[4,5],"data_offsets":[0,38]},"b.weight":{"dtype":"BF16","shape":[7],"data_offsets":[38,52]}}"#,
-        &[0; 54],
-    );
-    expect_failure(
-        &c,
-        &[&bad_path(&c, "model.safetensors"), "a.weight", "needs 40"],
+        54,
+        &["a.weight", "needs 40"],
     );
 }
 
 #[test]
 fn unsupported_dtype() {
-    let c = case();
-    write_raw(
-        &c.bad.join("model.safetensors"),
+    header_fails(
         r#"{"a.weight":{"dtype":"I64","shape":[4,5],"data_offsets":[0,160]}}"#,
-        &[0; 160],
-    );
-    expect_failure(
-        &c,
-        &[
-            &bad_path(&c, "model.safetensors"),
-            "a.weight",
-            "unsupported dtype I64",
-        ],
+        160,
+        &["a.weight", "unsupported dtype I64"],
     );
 }
 
@@ -448,33 +429,19 @@ fn out_of_order_offsets_are_fine() {
 
 #[test]
 fn shape_whose_element_count_overflows() {
-    let c = case();
-    write_raw(
-        &c.bad.join("model.safetensors"),
+    header_fails(
         r#"{"a.weight":{"dtype":"BF16","shape":[4294967296,4294967296,16],"data_offsets":[0,40]}}"#,
-        &[0; 40],
-    );
-    expect_failure(
-        &c,
-        &[&bad_path(&c, "model.safetensors"), "a.weight", "overflows"],
+        40,
+        &["a.weight", "overflows"],
     );
 }
 
 #[test]
 fn duplicate_tensor_names() {
-    let c = case();
-    write_raw(
-        &c.bad.join("model.safetensors"),
+    header_fails(
         r#"{"a.weight":{"dtype":"BF16","shape":[4,5],"data_offsets":[0,40]},"a.weight":{"dtype":"BF16","shape":[7],"data_offsets":[40,54]}}"#,
-        &[0; 54],
-    );
-    expect_failure(
-        &c,
-        &[
-            &bad_path(&c, "model.safetensors"),
-            "a.weight",
-            "appears twice",
-        ],
+        54,
+        &["a.weight", "appears twice"],
     );
 }
 

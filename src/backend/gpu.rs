@@ -95,12 +95,6 @@ fn backends_from_env() -> wgpu::Backends {
 }
 
 fn new_instance() -> wgpu::Instance {
-    // Headless: with XDG_RUNTIME_DIR unset, libwayland (loaded by Mesa's Vulkan drivers) prints
-    // "error: XDG_RUNTIME_DIR is invalid" on stderr. We never present, so any folder quiets it.
-    // This runs before any worker thread exists, so changing the environment is race-free.
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir());
-    }
     wgpu::Instance::new(wgpu::InstanceDescriptor {
         backends: backends_from_env(),
         ..wgpu::InstanceDescriptor::new_without_display_handle_from_env()
