@@ -220,17 +220,16 @@ impl TileBuffers {
                 }))
                 .collect();
         let offset = (start * dtype.size()) as u64;
-        let hits: Vec<Option<usize>> = sources
-            .par_iter()
-            .map(|(model, tensor, bytes)| {
-                model.record_read(tensor, offset, bytes);
-                if finite_only {
-                    first_nonfinite(dtype, bytes)
-                } else {
-                    None
-                }
-            })
-            .collect();
+        let scan = |(model, tensor, bytes): &(&ModelFolder, &ModelTensor, &Vec<u8>)| {
+            model.record_read(tensor, offset, bytes);
+            finite_only.then(|| first_nonfinite(dtype, bytes)).flatten()
+        };
+        // Spreading a small tile over threads costs more than scanning it.
+        let hits: Vec<Option<usize>> = if self.base.len() >= 1 << 16 {
+            sources.par_iter().map(scan).collect()
+        } else {
+            sources.iter().map(scan).collect()
+        };
         for ((model, tensor, bytes), hit) in sources.iter().zip(hits) {
             if let Some(i) = hit {
                 let value = decode_one(dtype, bytes, i);
