@@ -174,75 +174,57 @@ impl TileBuffers {
         }
     }
 
-    /// Reads elements `start..start + len` of `plan` for the base and the `present` agents.
-    fn read(
+    /// Reads elements `start..start + len` of `plan` for the base and the `present` agents, one
+    /// input per core, and inspects each while its bytes are in cache: feeds the input's running
+    /// checksum and, when `finite_only`, fails on the first NaN or ±Inf, naming tensor, file and
+    /// element.
+    fn load(
         &mut self,
         inputs: &Inputs,
         plan: &TensorPlan,
         present: &[usize],
-        start: usize,
-        len: usize,
-    ) -> Result<()> {
-        let size = plan.base.entry.dtype.size();
-        let (offset, bytes) = ((start * size) as u64, len * size);
-        self.base.resize(bytes, 0);
-        inputs.base.read(&plan.base, offset, &mut self.base)?;
-        for (slot, &t) in present.iter().enumerate() {
-            let buf = &mut self.agents[slot];
-            buf.resize(bytes, 0);
-            let at = plan.agents[t]
-                .as_ref()
-                .expect("present agents have the tensor");
-            inputs.agents[t].read(at, offset, buf)?;
-        }
-        Ok(())
-    }
-
-    /// One parallel pass over the tile just read, an input per core while the bytes are in cache:
-    /// feeds each input's running checksum and, when `finite_only`, fails on the first NaN or ±Inf,
-    /// naming tensor, file and element.
-    fn inspect(
-        &self,
-        inputs: &Inputs,
-        plan: &TensorPlan,
-        present: &[usize],
-        start: usize,
+        (start, len): (usize, usize),
         finite_only: bool,
     ) -> Result<()> {
         let dtype = plan.base.entry.dtype;
-        let sources: Vec<(&ModelFolder, &ModelTensor, &Vec<u8>)> =
-            std::iter::once((&inputs.base, &plan.base, &self.base))
-                .chain(present.iter().enumerate().map(|(slot, &t)| {
-                    let at = plan.agents[t]
-                        .as_ref()
-                        .expect("present agents have the tensor");
-                    (&inputs.agents[t], at, &self.agents[slot])
-                }))
-                .collect();
-        let offset = (start * dtype.size()) as u64;
-        let scan = |(model, tensor, bytes): &(&ModelFolder, &ModelTensor, &Vec<u8>)| {
-            model.record_read(tensor, offset, bytes);
-            finite_only.then(|| first_nonfinite(dtype, bytes)).flatten()
-        };
-        // Spreading a small tile over threads costs more than scanning it.
-        let hits: Vec<Option<usize>> = if self.base.len() >= 1 << 16 {
-            sources.par_iter().map(scan).collect()
-        } else {
-            sources.iter().map(scan).collect()
-        };
-        for ((model, tensor, bytes), hit) in sources.iter().zip(hits) {
-            if let Some(i) = hit {
-                let value = decode_one(dtype, bytes, i);
-                bail!(
-                    "tensor '{}' in {} has a non-finite value ({value}) at element {}; \
+        let (offset, bytes) = ((start * dtype.size()) as u64, len * dtype.size());
+        let sources = std::iter::once((&inputs.base, &plan.base)).chain(present.iter().map(|&t| {
+            let at = plan.agents[t]
+                .as_ref()
+                .expect("present agents have the tensor");
+            (&inputs.agents[t], at)
+        }));
+        let jobs: Vec<_> = sources
+            .zip(std::iter::once(&mut self.base).chain(self.agents.iter_mut()))
+            .collect();
+        let load_one =
+            |(model, tensor, buf): (&ModelFolder, &ModelTensor, &mut Vec<u8>)| -> Result<()> {
+                buf.resize(bytes, 0);
+                model.read(tensor, offset, buf)?;
+                model.record_read(tensor, offset, buf);
+                match finite_only.then(|| first_nonfinite(dtype, buf)).flatten() {
+                    None => Ok(()),
+                    Some(i) => bail!(
+                        "tensor '{}' in {} has a non-finite value ({}) at element {}; \
                      rlmerge refuses NaN and infinity unless --allow-nonfinite",
-                    plan.name(),
-                    model.file_of(tensor).display(),
-                    start + i
-                );
-            }
-        }
-        Ok(())
+                        plan.name(),
+                        model.file_of(tensor).display(),
+                        decode_one(dtype, buf, i),
+                        start + i
+                    ),
+                }
+            };
+        let jobs = jobs.into_iter().map(|((m, t), b)| (m, t, b));
+        // Spreading a small tile over threads costs more than reading it; results keep input order.
+        let results: Vec<Result<()>> = if bytes >= 1 << 17 {
+            jobs.collect::<Vec<_>>()
+                .into_par_iter()
+                .map(load_one)
+                .collect()
+        } else {
+            jobs.map(load_one).collect()
+        };
+        results.into_iter().collect()
     }
 
     fn agent_slices(&self, present: usize) -> Vec<&[u8]> {
@@ -281,8 +263,7 @@ fn for_each_tile(
 ) -> Result<()> {
     let dtype = plan.base.entry.dtype;
     for (i, (start, len)) in tiles(plan.numel(), pass.tile_elems).enumerate() {
-        buffers.read(inputs, plan, present, start, len)?;
-        buffers.inspect(inputs, plan, present, start, !pass.allow_nonfinite)?;
+        buffers.load(inputs, plan, present, (start, len), !pass.allow_nonfinite)?;
         let agents = buffers.agent_slices(present.len());
         let tile = Tile {
             dtype,
