@@ -5,17 +5,19 @@
 use crate::backend::{Backend, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode_one, first_nonfinite};
 use crate::checkpoint::folder_files::copy_base_files;
-use crate::checkpoint::safetensors_file::crc32_of_file;
+use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
 use crate::checkpoint::{
     CheckpointWriter, DType, ModelFolder, ModelTensor, OutputFolder, OutputTensor,
 };
 use crate::method::{self, AgentCounts, BoostScope, Method};
 use crate::recipe::{self, AgentSummary, InputChecksums, Recipe};
 use crate::report::{ProbeReport, TensorStats};
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{channel, sync_channel, Receiver, SyncSender};
+use std::thread::JoinHandle;
 
 /// The base and the agents, opened and checked against each other.
 pub struct Inputs {
@@ -351,6 +353,82 @@ pub fn probe_all(
     })
 }
 
+/// The output writer on a thread of its own, so writing one tile overlaps merging the next. Tiles
+/// queue in a bounded channel and their buffers come back for reuse.
+struct WriterThread {
+    tiles: Option<SyncSender<(String, Vec<u8>)>>,
+    recycled: Receiver<Vec<u8>>,
+    thread: Option<JoinHandle<Result<Vec<FileChecksum>>>>,
+}
+
+impl WriterThread {
+    fn spawn(mut writer: CheckpointWriter) -> Result<WriterThread> {
+        let (tiles, queue) = sync_channel::<(String, Vec<u8>)>(2);
+        let (give_back, recycled) = channel();
+        let thread = std::thread::Builder::new()
+            .name("rlmerge-writer".into())
+            .spawn(move || {
+                for (name, bytes) in queue {
+                    writer.write(&name, &bytes)?;
+                    let _ = give_back.send(bytes);
+                }
+                writer.finish()
+            })
+            .context("cannot start the writer thread")?;
+        Ok(WriterThread {
+            tiles: Some(tiles),
+            recycled,
+            thread: Some(thread),
+        })
+    }
+
+    /// An empty buffer for the next tile, reused when the writer has one back.
+    fn buffer(&self) -> Vec<u8> {
+        self.recycled.try_recv().unwrap_or_default()
+    }
+
+    /// Queues the bytes of tensor `name`; an error from the writer surfaces here or at `finish`.
+    fn write(&mut self, name: &str, bytes: Vec<u8>) -> Result<()> {
+        let sent = self
+            .tiles
+            .as_ref()
+            .map(|t| t.send((name.to_string(), bytes)));
+        match sent {
+            Some(Ok(())) => Ok(()),
+            // The writer stopped: its own error says why.
+            _ => {
+                self.join()?;
+                bail!("the writer thread stopped")
+            }
+        }
+    }
+
+    fn join(&mut self) -> Result<Vec<FileChecksum>> {
+        self.tiles = None;
+        match self.thread.take() {
+            Some(t) => t
+                .join()
+                .map_err(|_| anyhow!("the writer thread panicked"))?,
+            None => bail!("the writer thread already stopped"),
+        }
+    }
+
+    /// Waits for every queued tile to be written and the shards closed; see [`CheckpointWriter::finish`].
+    fn finish(mut self) -> Result<Vec<FileChecksum>> {
+        self.join()
+    }
+}
+
+impl Drop for WriterThread {
+    /// On failure, wait for the thread so it stops writing before the temporary folder is removed.
+    fn drop(&mut self) {
+        self.tiles = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// Everything a merge needs besides the inputs and the backend.
 #[derive(Clone, Debug)]
 pub struct MergeOptions {
@@ -405,7 +483,11 @@ pub fn merge(
             shape: p.base.entry.shape.clone(),
         })
         .collect();
-    let mut writer = CheckpointWriter::new(folder.path(), out_tensors.clone(), options.shard_size)?;
+    let mut writer = WriterThread::spawn(CheckpointWriter::new(
+        folder.path(),
+        out_tensors.clone(),
+        options.shard_size,
+    )?)?;
     let per_tensor_scope = matches!(
         options.method,
         Method::RamPlus {
@@ -416,7 +498,6 @@ pub fn merge(
     let scan_bytes = inputs.pass_bytes() * if per_tensor_scope { 2 } else { 1 };
     let bar = progress_bar(scan_bytes, options.show_progress, "merge");
     let mut buffers = TileBuffers::new(n);
-    let mut out = Vec::new();
     let reciprocals = method::reciprocals(n);
     let mut tensor_lambdas = Vec::new();
     let mut tensor_stats = Vec::new();
@@ -451,11 +532,12 @@ pub fn merge(
             &mut buffers,
             &bar,
             |i, tile| {
+                let mut out = writer.buffer();
                 out.resize(tile.len * out_t.dtype.size(), 0);
                 backend.merge(tile, &params, &mut out).with_context(|| {
                     format!("merge of tensor '{}' failed at tile {i}", plan.name())
                 })?;
-                writer.write(plan.name(), &out)
+                writer.write(plan.name(), out)
             },
         )?;
     }
