@@ -142,7 +142,7 @@ fn end_to_end(c: &mut Criterion) {
                 pass: Pass {
                     epsilon: DEFAULT_EPSILON,
                     tile_elems: backend.preferred_tile_elems(),
-                    allow_nonfinite: false,
+                    scan_nonfinite: true,
                 },
                 out_dtype: None,
                 shard_size: 5_000_000_000,

@@ -262,7 +262,7 @@ impl InputArgs {
             tile_elems: self
                 .tile_elems
                 .unwrap_or_else(|| backend.preferred_tile_elems()),
-            allow_nonfinite: self.allow_nonfinite,
+            scan_nonfinite: !self.allow_nonfinite,
         }
     }
 
@@ -476,7 +476,7 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
     let demo_pass = Pass {
         epsilon: DEFAULT_EPSILON,
         tile_elems: backend.preferred_tile_elems(),
-        allow_nonfinite: false,
+        scan_nonfinite: true,
     };
     let report = engine::probe_all(&inputs, backend.as_ref(), &demo_pass, show)?;
     writeln!(

@@ -242,8 +242,9 @@ impl TileBuffers {
 pub struct Pass {
     pub epsilon: f32,
     pub tile_elems: usize,
-    /// Merge NaN/±Inf by IEEE rules instead of refusing them.
-    pub allow_nonfinite: bool,
+    /// Fail on NaN/±Inf in any input tile. Off when the user allows them (`--allow-nonfinite`:
+    /// merged by IEEE rules), and in a merge pass after a probe pass already scanned every byte.
+    pub scan_nonfinite: bool,
 }
 
 /// Tiles of a tensor: (start, len) element ranges of at most `tile_elems`.
@@ -265,7 +266,7 @@ fn for_each_tile(
 ) -> Result<()> {
     let dtype = plan.base.entry.dtype;
     for (i, (start, len)) in tiles(plan.numel(), pass.tile_elems).enumerate() {
-        buffers.load(inputs, plan, present, (start, len), !pass.allow_nonfinite)?;
+        buffers.load(inputs, plan, present, (start, len), pass.scan_nonfinite)?;
         let agents = buffers.agent_slices(present.len());
         let tile = Tile {
             dtype,
@@ -496,6 +497,12 @@ pub fn merge(
         }
     );
     let scan_bytes = inputs.pass_bytes() * if per_tensor_scope { 2 } else { 1 };
+    // RAM+ probes every tensor before merging it (globally or just before), and inputs cannot
+    // change unnoticed, so the merge pass need not scan the same bytes for NaN/Inf again.
+    let merge_pass = Pass {
+        scan_nonfinite: options.pass.scan_nonfinite && options.method.boost().is_none(),
+        ..options.pass.clone()
+    };
     let bar = progress_bar(scan_bytes, options.show_progress, "merge");
     let mut buffers = TileBuffers::new(n);
     let reciprocals = method::reciprocals(n);
@@ -528,7 +535,7 @@ pub fn merge(
             inputs,
             plan,
             &present,
-            &options.pass,
+            &merge_pass,
             &mut buffers,
             &bar,
             |i, tile| {
@@ -591,7 +598,7 @@ pub fn merge(
         version: env!("CARGO_PKG_VERSION").into(),
         method: options.method,
         epsilon: options.pass.epsilon,
-        allow_nonfinite: options.pass.allow_nonfinite,
+        allow_nonfinite: !options.pass.scan_nonfinite,
         base: inputs.base.dir.display().to_string(),
         agents,
         tensor_lambdas,

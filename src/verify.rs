@@ -115,7 +115,7 @@ fn recompute_and_compare(
         pass: Pass {
             epsilon: recipe.epsilon,
             tile_elems: backend.preferred_tile_elems(),
-            allow_nonfinite: recipe.allow_nonfinite,
+            scan_nonfinite: !recipe.allow_nonfinite,
         },
         out_dtype: recipe
             .out_dtype

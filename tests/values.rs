@@ -70,16 +70,27 @@ fn nonfinite_inputs_are_refused_with_the_tensor_and_element() {
                     folder(dir.path(), &format!("{tag}-a"), dtype, dirty),
                 )
             };
-            for device in devices() {
-                let out = dir.path().join(format!("{tag}-{device}"));
+            // ram is caught by the merge pass's scan, ram+ already by its probe pass.
+            for (device, method) in devices()
+                .into_iter()
+                .flat_map(|d| [(d, "ram"), (d, "ram+")])
+            {
+                let out = dir.path().join(format!("{tag}-{device}-{method}"));
                 let o = merge(
                     &b,
                     &[&a],
                     &out,
-                    &["--device", device, "--tile-elems", "1000"],
+                    &[
+                        "--device",
+                        device,
+                        "--method",
+                        method,
+                        "--tile-elems",
+                        "1000",
+                    ],
                 );
                 let err = String::from_utf8_lossy(&o.stderr);
-                assert_eq!(o.status.code(), Some(1), "{err}");
+                assert_eq!(o.status.code(), Some(1), "{method}: {err}");
                 let file = if who == "base" { &b } else { &a }.join("model.safetensors");
                 for needle in [
                     "tensor 'w'",
