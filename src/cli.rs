@@ -473,18 +473,6 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
     }
     let backend: Box<dyn Backend> = Box::new(CpuBackend::new(0)?);
     let show = !args.quiet && std::io::stderr().is_terminal();
-    let demo_pass = Pass {
-        epsilon: DEFAULT_EPSILON,
-        tile_elems: backend.preferred_tile_elems(),
-        scan_nonfinite: true,
-    };
-    let report = engine::probe_all(&inputs, backend.as_ref(), &demo_pass, show)?;
-    writeln!(
-        out,
-        "$ rlmerge analyze --base {} --model … (3 agents)\n",
-        base.display()
-    )?;
-    write!(out, "{}", report.render_text(false))?;
     let merged = args.dir.join("merged-ram-plus");
     let options = MergeOptions {
         method: Method::RamPlus {
@@ -494,13 +482,28 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
             },
             scope: BoostScope::Global,
         },
-        pass: demo_pass,
+        pass: Pass {
+            epsilon: DEFAULT_EPSILON,
+            tile_elems: backend.preferred_tile_elems(),
+            scan_nonfinite: true,
+        },
         out_dtype: None,
         shard_size: 5_000_000_000,
         force: true,
         show_progress: show,
     };
+    // Global RAM+ probes the whole model first; its report is the analysis to show.
     let summary = engine::merge(&inputs, &options, backend.as_ref(), &merged)?;
+    let report = summary
+        .report
+        .as_ref()
+        .context("internal: ram+ produced no probe report")?;
+    writeln!(
+        out,
+        "$ rlmerge analyze --base {} --model … (3 agents)\n",
+        base.display()
+    )?;
+    write!(out, "{}", report.render_text(false))?;
     writeln!(
         out,
         "\n$ rlmerge merge --method ram+ … -o {}\n",

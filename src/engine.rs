@@ -196,8 +196,9 @@ impl TileBuffers {
                 .expect("present agents have the tensor");
             (&inputs.agents[t], at)
         }));
-        let jobs: Vec<_> = sources
+        let jobs: Vec<(&ModelFolder, &ModelTensor, &mut Vec<u8>)> = sources
             .zip(std::iter::once(&mut self.base).chain(self.agents.iter_mut()))
+            .map(|((model, tensor), buf)| (model, tensor, buf))
             .collect();
         let load_one =
             |(model, tensor, buf): (&ModelFolder, &ModelTensor, &mut Vec<u8>)| -> Result<()> {
@@ -216,15 +217,11 @@ impl TileBuffers {
                     ),
                 }
             };
-        let jobs = jobs.into_iter().map(|((m, t), b)| (m, t, b));
         // Spreading a small tile over threads costs more than reading it; results keep input order.
         let results: Vec<Result<()>> = if bytes >= 1 << 17 {
-            jobs.collect::<Vec<_>>()
-                .into_par_iter()
-                .map(load_one)
-                .collect()
+            jobs.into_par_iter().map(load_one).collect()
         } else {
-            jobs.map(load_one).collect()
+            jobs.into_iter().map(load_one).collect()
         };
         results.into_iter().collect()
     }
