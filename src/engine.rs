@@ -2,7 +2,7 @@
 //! (whole model for global RAM+, per tensor for tensor scope) and the merge pass through a
 //! [`Backend`], and stream the merged bytes into the output checkpoint.
 
-use crate::backend::{Backend, MergeParams, Tile, TileCounts};
+use crate::backend::{ranges, Backend, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode_one, first_nonfinite};
 use crate::checkpoint::folder_files::copy_base_files;
 use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
@@ -244,12 +244,6 @@ pub struct Pass {
     pub scan_nonfinite: bool,
 }
 
-/// Tiles of a tensor: (start, len) element ranges of at most `tile_elems`.
-fn tiles(numel: usize, tile_elems: usize) -> impl Iterator<Item = (usize, usize)> {
-    let step = tile_elems.max(1);
-    (0..numel.div_ceil(step)).map(move |i| (i * step, step.min(numel - i * step)))
-}
-
 /// Reads `plan` tile by tile for the base and the `present` agents and hands each tile, with its
 /// index, to `visit`; the one tiling loop of both passes.
 fn for_each_tile(
@@ -262,7 +256,7 @@ fn for_each_tile(
     mut visit: impl FnMut(usize, &Tile) -> Result<()>,
 ) -> Result<()> {
     let dtype = plan.base.entry.dtype;
-    for (i, (start, len)) in tiles(plan.numel(), pass.tile_elems).enumerate() {
+    for (i, (start, len)) in ranges(plan.numel(), pass.tile_elems).enumerate() {
         buffers.load(inputs, plan, present, (start, len), pass.scan_nonfinite)?;
         let agents = buffers.agent_slices(present.len());
         let tile = Tile {

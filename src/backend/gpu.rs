@@ -6,7 +6,7 @@
 //! chunks alternate between two buffer sets so the upload and dispatch of one overlap the readback
 //! of the other.
 
-use super::{Backend, MergeParams, Tile, TileCounts};
+use super::{ranges, Backend, MergeParams, Tile, TileCounts};
 use crate::checkpoint::DType;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use std::sync::{Arc, Mutex};
@@ -548,18 +548,21 @@ impl GpuBackend {
         let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
         self.ensure_buffers(&mut guard, n)?;
         let buffers = guard.as_ref().expect("buffers were just ensured");
-        let chunk = self.chunk_elems(n);
-        let chunks: Vec<(usize, usize)> = (0..tile.len.div_ceil(chunk))
-            .map(|i| (i * chunk, chunk.min(tile.len - i * chunk)))
-            .collect();
         let readback_bytes = |len: usize| -> u64 {
             match kernel {
                 Kernel::Probe => (4 * n * n) as u64,
                 Kernel::Merge => (len * out_dt.size()).div_ceil(4) as u64 * 4,
             }
         };
-        let mut pending: Option<(usize, usize, usize)> = None; // (slot, start, len)
-        for (i, &(start, len)) in chunks.iter().enumerate() {
+        // Waits for a submitted chunk's results and hands them on.
+        let mut drain = |(slot, start, len): (usize, usize, usize)| {
+            let what = format!("{} of chunk at element {start}", kernel.name());
+            self.read_back(&buffers.slots[slot], readback_bytes(len), &what, |b| {
+                finish(start, len, b)
+            })
+        };
+        let mut pending = None; // (slot, start, len) submitted but not yet read back
+        for (i, (start, len)) in ranges(tile.len, self.chunk_elems(n)).enumerate() {
             let slot = &buffers.slots[i % 2];
             prepare(slot);
             let params = chunk_params(tile, len, out_dt, eps);
@@ -567,59 +570,29 @@ impl GpuBackend {
             self.upload(slot, tile, start, &params)
                 .with_context(|| format!("chunk at element {start}"))?;
             let submitted = Instant::now();
+            let (pipeline, group, result) = match kernel {
+                Kernel::Probe => (&self.ctx.probe_pipeline, &slot.probe_group, &slot.hist),
+                Kernel::Merge => (&self.ctx.merge_pipeline, &slot.merge_group, &slot.out),
+            };
             let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
-            match kernel {
-                Kernel::Probe => {
-                    encoder.clear_buffer(&slot.hist, 0, None);
-                    self.dispatch(
-                        &mut encoder,
-                        &self.ctx.probe_pipeline,
-                        &slot.probe_group,
-                        &params,
-                    );
-                    encoder.copy_buffer_to_buffer(
-                        &slot.hist,
-                        0,
-                        &slot.readback,
-                        0,
-                        readback_bytes(len),
-                    );
-                }
-                Kernel::Merge => {
-                    self.dispatch(
-                        &mut encoder,
-                        &self.ctx.merge_pipeline,
-                        &slot.merge_group,
-                        &params,
-                    );
-                    encoder.copy_buffer_to_buffer(
-                        &slot.out,
-                        0,
-                        &slot.readback,
-                        0,
-                        readback_bytes(len),
-                    );
-                }
+            if let Kernel::Probe = kernel {
+                encoder.clear_buffer(&slot.hist, 0, None);
             }
+            self.dispatch(&mut encoder, pipeline, group, &params);
+            encoder.copy_buffer_to_buffer(result, 0, &slot.readback, 0, readback_bytes(len));
             self.ctx.queue.submit(Some(encoder.finish()));
             self.add_time(|t| {
                 t.chunks += 1;
                 t.upload += submitted - uploaded;
                 t.submit += submitted.elapsed();
             });
-            if let Some((s, ps, pl)) = pending.take() {
-                let what = format!("{} of chunk at element {ps}", kernel.name());
-                self.read_back(&buffers.slots[s], readback_bytes(pl), &what, |b| {
-                    finish(ps, pl, b)
-                })?;
+            // The other slot's chunk reads back while this one runs.
+            if let Some(previous) = pending.replace((i % 2, start, len)) {
+                drain(previous)?;
             }
-            pending = Some((i % 2, start, len));
         }
-        if let Some((s, ps, pl)) = pending {
-            let what = format!("{} of chunk at element {ps}", kernel.name());
-            self.read_back(&buffers.slots[s], readback_bytes(pl), &what, |b| {
-                finish(ps, pl, b)
-            })?;
+        if let Some(last) = pending {
+            drain(last)?;
         }
         Ok(())
     }

@@ -9,6 +9,13 @@ pub mod gpu;
 use crate::checkpoint::DType;
 use anyhow::Result;
 
+/// Consecutive `(start, len)` ranges of at most `step` (≥ 1) covering `0..total`: the engine's tiles
+/// and a backend's chunks of a tile.
+pub fn ranges(total: usize, step: usize) -> impl Iterator<Item = (usize, usize)> {
+    let step = step.max(1);
+    (0..total.div_ceil(step)).map(move |i| (i * step, step.min(total - i * step)))
+}
+
 /// One tile: the same element range of the base and of each agent that has the tensor, raw bytes.
 pub struct Tile<'a> {
     /// dtype of the base and every agent (validated equal by the engine).
