@@ -460,7 +460,7 @@ pub fn merge(
         None
     };
     let global_counts: Option<Vec<AgentCounts>> =
-        global_report.as_ref().map(|r| r.agent_counts(&r.total()));
+        global_report.as_ref().map(|r| r.total_agent_counts());
     let global_lambdas: Vec<f64> = match &global_counts {
         Some(counts) => counts.iter().map(|&c| options.method.lambda(c)).collect(),
         None => vec![1.0; n],
@@ -551,7 +551,7 @@ pub fn merge(
         }),
         None => None,
     };
-    let agent_counts = report.as_ref().map(|r| r.agent_counts(&r.total()));
+    let agent_counts = report.as_ref().map(|r| r.total_agent_counts());
     let agents = inputs
         .agents
         .iter()

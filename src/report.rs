@@ -175,8 +175,9 @@ impl ProbeReport {
         self.group(self.tensors.iter()).counts
     }
 
-    pub fn agent_counts(&self, counts: &TileCounts) -> Vec<AgentCounts> {
-        agent_counts(counts)
+    /// Each agent's unique and shared counts over the whole model.
+    pub fn total_agent_counts(&self) -> Vec<AgentCounts> {
+        agent_counts(&self.total())
     }
 
     pub fn elements(&self) -> u64 {

@@ -331,10 +331,6 @@ impl GpuBackend {
         self
     }
 
-    pub fn context(&self) -> &GpuContext {
-        &self.ctx
-    }
-
     /// Elements per chunk for `n` agents: every binding (the agents' one is the largest) within
     /// the adapter's limits, and even, so 16-bit chunks start on a word.
     fn chunk_elems(&self, n: usize) -> usize {

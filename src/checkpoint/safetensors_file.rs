@@ -35,8 +35,6 @@ pub struct SafetensorsFile {
     file: File,
     /// Tensors in the order of their data offsets.
     pub tensors: Vec<TensorEntry>,
-    /// The `__metadata__` string map, if any.
-    pub metadata: HeaderMetadata,
     /// Size and modification time at open, to notice a file changed while it is read.
     stamp: (u64, Option<std::time::SystemTime>),
     /// Bytes of the JSON header (after the 8 length bytes).
@@ -130,7 +128,7 @@ impl SafetensorsFile {
             .with_context(|| format!("cannot read the header of {}", path.display()))?;
         let data_start = 8 + header_len;
         let data_len = file_len - data_start;
-        let (tensors, metadata) =
+        let tensors =
             parse_header(&header, data_start, data_len).map_err(|e| fail(format!("{e:#}")))?;
         let mut header_crc = crc32fast::Hasher::new();
         header_crc.update(&len_bytes);
@@ -143,7 +141,6 @@ impl SafetensorsFile {
             path: path.to_path_buf(),
             file,
             tensors,
-            metadata,
             stamp: (file_len, meta.modified().ok()),
             header_len,
             header_crc,
@@ -275,26 +272,14 @@ impl<'de> serde::Deserialize<'de> for HeaderEntries {
     }
 }
 
-/// The `__metadata__` map of a header, as key/value pairs.
-type HeaderMetadata = Vec<(String, String)>;
-
-fn parse_header(
-    header: &[u8],
-    data_start: u64,
-    data_len: u64,
-) -> Result<(Vec<TensorEntry>, HeaderMetadata)> {
+fn parse_header(header: &[u8], data_start: u64, data_len: u64) -> Result<Vec<TensorEntry>> {
     let text = std::str::from_utf8(header).context("corrupt header: not UTF-8")?;
     let HeaderEntries(entries) =
         serde_json::from_str(text.trim_end_matches(' ')).context("corrupt header JSON")?;
     let mut tensors = Vec::with_capacity(entries.len());
-    let mut metadata = Vec::new();
     for (name, info) in &entries {
+        // Free-form string metadata: not needed to read tensors.
         if name == "__metadata__" {
-            if let Some(m) = info.as_object() {
-                for (k, v) in m {
-                    metadata.push((k.clone(), v.as_str().unwrap_or_default().to_string()));
-                }
-            }
             continue;
         }
         let bad = |what: &str| anyhow::anyhow!("tensor '{name}': {what}");
@@ -363,5 +348,5 @@ fn parse_header(
             );
         }
     }
-    Ok((tensors, metadata))
+    Ok(tensors)
 }
