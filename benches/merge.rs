@@ -12,7 +12,10 @@ use rlmerge::backend::{Backend, MergeParams, Tile};
 use rlmerge::checkpoint::DType;
 use rlmerge::demo::{self, ModelShape, SplitMix64};
 use rlmerge::engine::{self, Inputs, MergeOptions, Pass};
-use rlmerge::method::{defaults, reciprocals, BoostRule, BoostScope, Method, DEFAULT_EPSILON};
+use rlmerge::method::settings::{Scalar, Setting};
+use rlmerge::method::{
+    defaults, reciprocals, BoostRule, BoostScope, Kind, Method, MethodConfig, DEFAULT_EPSILON,
+};
 
 /// A bf16 base tile and 3 agents changing 3 %, 46 %, 54 % of its elements.
 fn tile_data(len: usize) -> (Vec<u8>, Vec<Vec<u8>>) {
@@ -136,7 +139,23 @@ fn end_to_end(c: &mut Criterion) {
     };
     for (name, bench) in backends() {
         let backend = bench.backend();
-        for (method_name, method) in [("ram", Method::Ram), ("ram_plus_global", plus)] {
+        let methods = [
+            ("ram", Method::Ram),
+            ("ram_plus_global", plus.clone()),
+            (
+                "task_arithmetic",
+                mergekit(Kind::TaskArithmetic, &[("weight", 0.5)]),
+            ),
+            (
+                "ties",
+                mergekit(Kind::Ties, &[("weight", 1.0), ("density", 0.5)]),
+            ),
+            (
+                "dare_ties",
+                mergekit(Kind::DareTies, &[("weight", 1.0), ("density", 0.5)]),
+            ),
+        ];
+        for (method_name, method) in methods {
             let options = MergeOptions {
                 method,
                 pass: Pass {
@@ -148,6 +167,7 @@ fn end_to_end(c: &mut Criterion) {
                 shard_size: 5_000_000_000,
                 force: true,
                 show_progress: false,
+                extra_files: Vec::new(),
             };
             let out = dir.path().join(format!("{name}-{method_name}"));
             g.bench_function(format!("{name}/{method_name}"), |b| {
@@ -156,6 +176,19 @@ fn end_to_end(c: &mut Criterion) {
         }
     }
     g.finish();
+}
+
+/// A mergekit-family method with the same parameters for every model.
+fn mergekit(kind: Kind, params: &[(&str, f64)]) -> Method {
+    Method::Combine(MethodConfig {
+        kind,
+        parameters: params
+            .iter()
+            .map(|&(k, v)| (k.to_string(), Setting::Scalar(Scalar::Number(v))))
+            .collect(),
+        models: vec![Default::default(); 3],
+        seed: 0,
+    })
 }
 
 criterion_group!(benches, kernels, end_to_end);

@@ -7,9 +7,11 @@ use crate::backend::gpu::{list_adapters, AdapterChoice, GpuBackend, GpuContext};
 use crate::backend::Backend;
 use crate::checkpoint::writer::parse_size;
 use crate::checkpoint::DType;
+use crate::config::{cli_setting, parse_dtype_name, MERGEKIT_CONFIG_FILE};
 use crate::demo;
 use crate::engine::{self, Inputs, MergeOptions, Pass};
-use crate::method::{defaults, BoostRule, BoostScope, Method, DEFAULT_EPSILON};
+use crate::method::settings::Setting;
+use crate::method::{defaults, BoostRule, BoostScope, Kind, Method, MethodConfig, DEFAULT_EPSILON};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::io::{IsTerminal, Write};
@@ -30,6 +32,10 @@ pub struct Cli {
 pub enum Command {
     /// Merge agents fine-tuned from one base into a new Hugging Face folder.
     Merge(MergeArgs),
+    /// Run a mergekit YAML recipe (its model names must be local folders).
+    Run(RunArgs),
+    /// List every merge method with its parameters, defaults and reference.
+    Methods,
     /// Probe the task vectors: what each agent changed, what is shared, ρ_t and λ_t.
     Analyze(AnalyzeArgs),
     /// Write a small built-in example (a base and three agents), analyze it and merge it with RAM+.
@@ -71,10 +77,17 @@ pub enum DeviceChoice {
 pub struct InputArgs {
     /// The base model folder all agents were fine-tuned from.
     #[arg(long, value_name = "DIR")]
-    pub base: PathBuf,
+    pub base: Option<PathBuf>,
     /// An agent model folder (repeat for each agent).
-    #[arg(long = "model", value_name = "DIR", required = true)]
+    #[arg(long = "model", value_name = "DIR")]
     pub models: Vec<PathBuf>,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
+}
+
+/// How and where the passes run.
+#[derive(Args, Debug)]
+pub struct ComputeArgs {
     /// Threshold: an element is changed when |θ_t − θ₀| > ε (absolute).
     #[arg(long, default_value_t = DEFAULT_EPSILON)]
     pub epsilon: f32,
@@ -100,16 +113,6 @@ pub struct InputArgs {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum MethodName {
-    /// Reinforced Agent Merging: mean over active agents on shared elements, unique kept.
-    #[value(name = "ram")]
-    Ram,
-    /// RAM+: unique elements boosted by λ_t from the overlap-unique ratio.
-    #[value(name = "ram+", alias = "ramplus", alias = "ram_plus")]
-    RamPlus,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum RuleName {
     /// λ = 1 + r·min(ρ, α) (the paper).
     Paper,
@@ -121,9 +124,16 @@ pub enum RuleName {
 pub struct MergeArgs {
     #[command(flatten)]
     pub inputs: InputArgs,
-    /// Merge method.
-    #[arg(long, value_enum, default_value = "ram+")]
-    pub method: MethodName,
+    /// A mergekit YAML recipe giving the models, method and parameters (instead of --base,
+    /// --model and --method).
+    #[arg(long, value_name = "RECIPE.yml", conflicts_with_all = ["base", "models", "method"])]
+    pub config: Option<PathBuf>,
+    /// Merge method (`rlmerge methods` lists them with their parameters).
+    #[arg(long, value_enum, hide_possible_values = true)]
+    pub method: Option<Kind>,
+    /// A method parameter for every model, as KEY=VALUE (repeat), e.g. --param density=0.5.
+    #[arg(long = "param", value_name = "KEY=VALUE", value_parser = cli_setting)]
+    pub params: Vec<(String, Setting)>,
     /// RAM+ boost rule.
     #[arg(long, value_enum)]
     pub rule: Option<RuleName>,
@@ -139,7 +149,14 @@ pub struct MergeArgs {
     /// RAM+ official rule: R [default 1.2].
     #[arg(long)]
     pub rescale_factor: Option<f64>,
-    /// Output dtype [default: each tensor's dtype in the base].
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// Where and how the merged folder is written.
+#[derive(Args, Debug)]
+pub struct OutputArgs {
+    /// Output dtype [default: the recipe's out_dtype/dtype, else each tensor's dtype in the base].
     #[arg(long, value_parser = parse_dtype)]
     pub out_dtype: Option<DType>,
     /// Largest output shard (5GB = 5·10⁹ bytes, 5GiB = 5·2³⁰).
@@ -148,9 +165,24 @@ pub struct MergeArgs {
     /// Replace the output folder if it exists (only once the new one is complete).
     #[arg(long)]
     pub force: bool,
+    /// Seed of random masks (dare_linear, dare_ties): the same seed gives the same bytes on every
+    /// backend and tiling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// Output folder.
     #[arg(short = 'o', long = "out", value_name = "OUT_DIR")]
     pub out: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The mergekit YAML recipe.
+    #[arg(value_name = "RECIPE.yml")]
+    pub recipe: PathBuf,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
+    #[command(flatten)]
+    pub output: OutputArgs,
 }
 
 #[derive(Args, Debug)]
@@ -182,7 +214,7 @@ pub struct DemoArgs {
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
-    DType::parse_user(s).ok_or_else(|| format!("unknown dtype '{s}' (use bf16, f16 or f32)"))
+    parse_dtype_name(s).ok_or_else(|| format!("unknown dtype '{s}' (use bf16, f16 or f32)"))
 }
 
 /// An error in how the command was called (exit code 2), as opposed to a failed merge (1).
@@ -195,8 +227,9 @@ fn usage(msg: impl Into<String>) -> anyhow::Error {
 }
 
 impl MergeArgs {
-    /// The method with its parameters, after checking they fit together.
-    pub fn method(&self) -> Result<Method> {
+    /// The method with its parameters for `agents` merged models, after checking they fit together.
+    pub fn method(&self, agents: usize) -> Result<Method> {
+        let kind = self.method.unwrap_or(Kind::RamPlus);
         let boost_flags = [
             ("--rule", self.rule.is_some()),
             ("--scope", self.scope.is_some()),
@@ -204,13 +237,43 @@ impl MergeArgs {
             ("--alpha", self.alpha.is_some()),
             ("--rescale-factor", self.rescale_factor.is_some()),
         ];
-        if self.method == MethodName::Ram {
-            if let Some((flag, _)) = boost_flags.iter().find(|(_, set)| *set) {
+        let boost_flag = boost_flags.iter().find(|(_, set)| *set).map(|(f, _)| *f);
+        if !matches!(kind, Kind::RamPlus | Kind::RamplusTl) {
+            if let Some(flag) = boost_flag {
                 return Err(usage(format!("{flag} applies to --method ram+ only")));
             }
+        }
+        match kind {
+            Kind::Ram | Kind::RamPlus | Kind::RamplusTl => {
+                if let Some((k, _)) = self.params.first() {
+                    return Err(usage(format!(
+                        "--param {k}: RAM methods take flags (--epsilon, --rule, --r, --alpha …), not --param"
+                    )));
+                }
+            }
+            _ => {
+                let config = MethodConfig {
+                    kind,
+                    parameters: self.params.iter().cloned().collect(),
+                    models: vec![Default::default(); agents],
+                    seed: self.output.seed,
+                };
+                config.check(agents).map_err(|e| usage(e.to_string()))?;
+                return Ok(Method::Combine(config));
+            }
+        }
+        if kind == Kind::Ram {
             return Ok(Method::Ram);
         }
-        let scope = self.scope.unwrap_or(BoostScope::Global);
+        if kind == Kind::RamplusTl && (self.rule.is_some() || self.scope.is_some()) {
+            return Err(usage(
+                "ramplus_tl is the paper rule in tensor scope; use --method ram+ to choose",
+            ));
+        }
+        let scope = match kind {
+            Kind::RamplusTl => BoostScope::Tensor,
+            _ => self.scope.unwrap_or(BoostScope::Global),
+        };
         let rule = match self.rule.unwrap_or(RuleName::Paper) {
             RuleName::Paper => {
                 if self.rescale_factor.is_some() {
@@ -242,6 +305,18 @@ impl MergeArgs {
 }
 
 impl InputArgs {
+    /// The base and agent folders given with --base and --model.
+    fn folders(&self) -> Result<(PathBuf, Vec<PathBuf>)> {
+        match (&self.base, self.models.is_empty()) {
+            (Some(b), false) => Ok((b.clone(), self.models.clone())),
+            _ => Err(usage(
+                "give the models with --base DIR and --model DIR (repeat for each agent), or a recipe with --config",
+            )),
+        }
+    }
+}
+
+impl ComputeArgs {
     fn check(&self) -> Result<()> {
         if !(self.epsilon.is_finite() && self.epsilon >= 0.0) {
             return Err(usage("--epsilon must be finite and ≥ 0"));
@@ -315,6 +390,8 @@ pub fn run(cli: Cli) -> Result<()> {
     let mut out = std::io::stdout().lock();
     match cli.command {
         Command::Merge(args) => run_merge(&args, &mut out),
+        Command::Run(args) => run_recipe(&args, &mut out),
+        Command::Methods => run_methods(&mut out),
         Command::Analyze(args) => run_analyze(&args, &mut out),
         Command::Demo(args) => run_demo(&args, &mut out),
         Command::Devices => run_devices(&mut out),
@@ -397,50 +474,128 @@ fn print_lambdas(out: &mut impl Write, agents: &[crate::recipe::AgentSummary]) -
 }
 
 fn run_merge(args: &MergeArgs, out: &mut impl Write) -> Result<()> {
-    args.inputs.check()?;
-    let method = args.method()?;
-    let inputs = Inputs::open(&args.inputs.base, &args.inputs.models)?;
+    let job = match &args.config {
+        Some(path) => crate::config::read(path, args.output.seed)?,
+        None => {
+            let (base, agents) = args.inputs.folders()?;
+            // Methods without θ₀ (linear, passthrough) merge the --model folders; the base then
+            // only gives the layout and the config files.
+            let method = args.method(agents.len())?;
+            crate::config::Job {
+                base,
+                agents,
+                method,
+                epsilon: None,
+                out_dtype: None,
+                text: String::new(),
+            }
+        }
+    };
+    merge_job(job, &args.inputs.compute, &args.output, out)
+}
+
+fn run_recipe(args: &RunArgs, out: &mut impl Write) -> Result<()> {
+    let job = crate::config::read(&args.recipe, args.output.seed)?;
+    merge_job(job, &args.compute, &args.output, out)
+}
+
+/// Runs a merge job with the compute and output options; the one path of `merge` and `run`.
+fn merge_job(
+    job: crate::config::Job,
+    compute: &ComputeArgs,
+    output: &OutputArgs,
+    out: &mut impl Write,
+) -> Result<()> {
+    compute.check()?;
+    let inputs = Inputs::open(&job.base, &job.agents)?;
     warn_all(&inputs.warnings);
-    let backend = args.inputs.backend()?;
-    if !args.inputs.quiet {
+    let backend = compute.backend()?;
+    if !compute.quiet {
         eprintln!("backend: {}", backend.describe());
     }
+    let mut pass = compute.pass(backend.as_ref());
+    if let Some(e) = job.epsilon {
+        pass.epsilon = e;
+    }
     let options = MergeOptions {
-        method,
-        pass: args.inputs.pass(backend.as_ref()),
-        out_dtype: args.out_dtype,
-        shard_size: args.shard_size,
-        force: args.force,
-        show_progress: args.inputs.show_progress(),
+        method: job.method.clone(),
+        pass,
+        out_dtype: output.out_dtype.or(job.out_dtype),
+        shard_size: output.shard_size,
+        force: output.force,
+        show_progress: compute.show_progress(),
+        extra_files: if job.text.is_empty() {
+            Vec::new()
+        } else {
+            vec![(MERGEKIT_CONFIG_FILE.to_string(), job.text.clone())]
+        },
     };
     let summary =
-        engine::merge(&inputs, &options, backend.as_ref(), &args.out).with_context(|| {
+        engine::merge(&inputs, &options, backend.as_ref(), &output.out).with_context(|| {
             format!(
                 "merge into {} failed; nothing was written there",
-                args.out.display()
+                output.out.display()
             )
         })?;
     writeln!(
         out,
-        "merged {} agent(s) into {} with {} ({} shard(s))",
+        "merged {} model(s) into {} with {} ({} shard(s))",
         inputs.agents.len(),
-        args.out.display(),
-        method,
+        output.out.display(),
+        job.method,
         summary.shards.len()
     )?;
+    if matches!(job.method, Method::Combine(_)) {
+        return Ok(());
+    }
     print_lambdas(out, &summary.recipe.agents)
 }
 
+fn run_methods(out: &mut impl Write) -> Result<()> {
+    for kind in Kind::ALL {
+        let status = if kind.implemented() {
+            ""
+        } else {
+            "  [not implemented yet]"
+        };
+        writeln!(
+            out,
+            "{:<17} {} ({}){status}",
+            kind.name(),
+            kind.about(),
+            kind.reference()
+        )?;
+        for p in kind.params() {
+            let scope = match p.scope {
+                crate::method::catalog::Scope::Shared => "shared",
+                crate::method::catalog::Scope::PerModel => "per model",
+            };
+            writeln!(
+                out,
+                "    {:<16} {:<10} default {:<16} {}",
+                p.name, scope, p.default, p.about
+            )?;
+        }
+    }
+    writeln!(
+        out,
+        "\nSet parameters in a mergekit recipe (rlmerge run RECIPE.yml -o OUT) or with --param KEY=VALUE."
+    )?;
+    Ok(())
+}
+
 fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
-    args.inputs.check()?;
-    let inputs = Inputs::open(&args.inputs.base, &args.inputs.models)?;
+    let compute = &args.inputs.compute;
+    compute.check()?;
+    let (base, agents) = args.inputs.folders()?;
+    let inputs = Inputs::open(&base, &agents)?;
     warn_all(&inputs.warnings);
-    let backend = args.inputs.backend()?;
+    let backend = compute.backend()?;
     let report = engine::probe_all(
         &inputs,
         backend.as_ref(),
-        &args.inputs.pass(backend.as_ref()),
-        args.inputs.show_progress(),
+        &compute.pass(backend.as_ref()),
+        compute.show_progress(),
     )?;
     if args.json {
         writeln!(
@@ -491,6 +646,7 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
         shard_size: 5_000_000_000,
         force: true,
         show_progress: show,
+        extra_files: Vec::new(),
     };
     // Global RAM+ probes the whole model first; its report is the analysis to show.
     let summary = engine::merge(&inputs, &options, backend.as_ref(), &merged)?;

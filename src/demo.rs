@@ -63,7 +63,7 @@ impl ModelShape {
         }
     }
 
-    /// Tensor names and shapes in Qwen2/Llama naming.
+    /// Tensor names and shapes of a Qwen2 model (Hugging Face naming, as mergekit expects them).
     pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
         let (h, i) = (self.hidden, self.intermediate);
         let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab, h])];
@@ -71,6 +71,10 @@ impl ModelShape {
             let p = format!("model.layers.{l}");
             for proj in ["q_proj", "k_proj", "v_proj", "o_proj"] {
                 t.push((format!("{p}.self_attn.{proj}.weight"), vec![h, h]));
+                // Qwen2's attention has biases on q, k and v.
+                if proj != "o_proj" {
+                    t.push((format!("{p}.self_attn.{proj}.bias"), vec![h]));
+                }
             }
             t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
             t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));

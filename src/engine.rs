@@ -2,14 +2,17 @@
 //! (whole model for global RAM+, per tensor for tensor scope) and the merge pass through a
 //! [`Backend`], and stream the merged bytes into the output checkpoint.
 
-use crate::backend::{ranges, Backend, MergeParams, Tile, TileCounts};
-use crate::checkpoint::dtype::{decode_one, first_nonfinite};
+use crate::backend::{ranges, Backend, CombineParams, MergeParams, Tile, TileCounts};
+use crate::checkpoint::dtype::{decode, decode_one, encode, first_nonfinite};
 use crate::checkpoint::folder_files::copy_base_files;
 use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
 use crate::checkpoint::{
     CheckpointWriter, DType, ModelFolder, ModelTensor, OutputFolder, OutputTensor,
 };
-use crate::method::{self, AgentCounts, BoostScope, Method};
+use crate::method::combine::CombineSpec;
+use crate::method::settings::{layer_index, layer_t, TensorPlace};
+use crate::method::stats::{self, Values, Visit};
+use crate::method::{self, AgentCounts, BoostScope, Method, MethodConfig};
 use crate::recipe::{self, AgentSummary, InputChecksums, Recipe};
 use crate::report::{ProbeReport, TensorStats};
 use anyhow::{anyhow, bail, ensure, Context, Result};
@@ -253,7 +256,7 @@ fn for_each_tile(
     pass: &Pass,
     buffers: &mut TileBuffers,
     progress: &ProgressBar,
-    mut visit: impl FnMut(usize, &Tile) -> Result<()>,
+    mut visit: impl FnMut(usize, u64, &Tile) -> Result<()>,
 ) -> Result<()> {
     let dtype = plan.base.entry.dtype;
     for (i, (start, len)) in ranges(plan.numel(), pass.tile_elems).enumerate() {
@@ -265,7 +268,7 @@ fn for_each_tile(
             base: &buffers.base,
             agents: &agents,
         };
-        visit(i, &tile)?;
+        visit(i, start as u64, &tile)?;
         progress.inc((len * dtype.size() * (1 + present.len())) as u64);
     }
     Ok(())
@@ -290,7 +293,7 @@ fn probe_tensor(
         pass,
         buffers,
         progress,
-        |i, tile| {
+        |i, _, tile| {
             let counts = backend
                 .probe(tile, pass.epsilon)
                 .with_context(|| format!("probe of tensor '{}' failed at tile {i}", plan.name()))?;
@@ -431,6 +434,8 @@ pub struct MergeOptions {
     pub shard_size: u64,
     pub force: bool,
     pub show_progress: bool,
+    /// Files written beside the weights as given, e.g. the mergekit recipe: (name, text).
+    pub extra_files: Vec<(String, String)>,
 }
 
 /// What a finished merge reports.
@@ -438,6 +443,83 @@ pub struct MergeSummary {
     pub recipe: Recipe,
     pub shards: Vec<String>,
     pub report: Option<ProbeReport>,
+}
+
+/// The base's values in the output dtype (a tensor no merged model has); same dtype: its bits.
+fn pass_base(tile: &Tile, out_dtype: DType, out: &mut [u8]) {
+    if out_dtype == tile.dtype {
+        out.copy_from_slice(tile.base);
+    } else {
+        let mut values = vec![0.0f32; tile.len];
+        decode(tile.dtype, tile.base, &mut values);
+        encode(out_dtype, &values, out);
+    }
+}
+
+/// One tensor's combine rule: its settings resolved, then the statistics it needs gathered by
+/// scans over its tiles (on the CPU, in element order, so every backend merges with the same rule).
+fn combine_spec(
+    inputs: &Inputs,
+    plan: &TensorPlan,
+    config: &MethodConfig,
+    at: TensorPlace,
+    present: &[usize],
+    pass: &Pass,
+    buffers: &mut TileBuffers,
+) -> Result<CombineSpec> {
+    let numel = plan.numel() as u64;
+    let recipe = config
+        .tensor_recipe(at, numel, present)
+        .with_context(|| format!("tensor '{}'", plan.name()))?;
+    ensure!(
+        numel <= u32::MAX as u64,
+        "tensor '{}' has {numel} elements; {} indexes elements with 32 bits",
+        plan.name(),
+        config.kind.name()
+    );
+    let scan_pass = Pass {
+        scan_nonfinite: false,
+        ..pass.clone()
+    };
+    let hidden = ProgressBar::hidden();
+    let n = present.len();
+    let (mut base, mut x, mut tau) = (Vec::new(), vec![Vec::new(); n], vec![Vec::new(); n]);
+    let mut scan = |visit: &mut Visit| -> Result<()> {
+        for_each_tile(
+            inputs,
+            plan,
+            present,
+            &scan_pass,
+            buffers,
+            &hidden,
+            |_, start, tile| {
+                base.resize(tile.len, 0.0);
+                decode(tile.dtype, tile.base, &mut base);
+                for t in 0..n {
+                    x[t].resize(tile.len, 0.0);
+                    decode(tile.dtype, tile.agents[t], &mut x[t]);
+                    tau[t].clear();
+                    tau[t].extend(x[t].iter().zip(&base).map(|(a, b)| a - b));
+                }
+                visit(&Values {
+                    start,
+                    base: &base,
+                    x: &x,
+                    tau: &tau,
+                })
+            },
+        )
+    };
+    stats::build_spec(
+        &recipe,
+        numel,
+        &plan.base.entry.shape,
+        config.seed,
+        plan.name(),
+        present,
+        &mut scan,
+    )
+    .with_context(|| format!("statistics of tensor '{}'", plan.name()))
 }
 
 /// Runs the merge into `out_dir`, which appears only when everything is written.
@@ -499,8 +581,60 @@ pub fn merge(
     let reciprocals = method::reciprocals(n);
     let mut tensor_lambdas = Vec::new();
     let mut tensor_stats = Vec::new();
+    let layers = inputs
+        .tensors
+        .iter()
+        .filter_map(|t| layer_index(t.name()))
+        .max()
+        .map_or(0, |m| m + 1);
     for (plan, out_t) in inputs.tensors.iter().zip(&out_tensors) {
         let present = plan.present();
+        if let Method::Combine(config) = &options.method {
+            let spec = if present.is_empty() {
+                None
+            } else {
+                let at = TensorPlace {
+                    name: plan.name(),
+                    t: layer_t(layer_index(plan.name()), layers),
+                };
+                Some(combine_spec(
+                    inputs,
+                    plan,
+                    config,
+                    at,
+                    &present,
+                    &options.pass,
+                    &mut buffers,
+                )?)
+            };
+            for_each_tile(
+                inputs,
+                plan,
+                &present,
+                &merge_pass,
+                &mut buffers,
+                &bar,
+                |i, start, tile| {
+                    let mut out = writer.buffer();
+                    out.resize(tile.len * out_t.dtype.size(), 0);
+                    match &spec {
+                        None => pass_base(tile, out_t.dtype, &mut out),
+                        Some(spec) => {
+                            let params = CombineParams {
+                                spec,
+                                start,
+                                out_dtype: out_t.dtype,
+                            };
+                            backend.combine(tile, &params, &mut out).with_context(|| {
+                                format!("merge of tensor '{}' failed at tile {i}", plan.name())
+                            })?
+                        }
+                    }
+                    writer.write(plan.name(), out)
+                },
+            )?;
+            continue;
+        }
         let lambdas: Vec<f64> = if per_tensor_scope {
             let counts = probe_tensor(inputs, plan, backend, &options.pass, &mut buffers, &bar)?;
             let stats = TensorStats::new(plan, counts);
@@ -529,7 +663,7 @@ pub fn merge(
             &merge_pass,
             &mut buffers,
             &bar,
-            |i, tile| {
+            |i, _, tile| {
                 let mut out = writer.buffer();
                 out.resize(tile.len * out_t.dtype.size(), 0);
                 backend.merge(tile, &params, &mut out).with_context(|| {
@@ -574,6 +708,11 @@ pub fn merge(
     for name in copy_base_files(&inputs.base.dir, folder.path(), out_dtype)? {
         outputs.push(crc32_of_file(&folder.path().join(name))?);
     }
+    for (name, text) in &options.extra_files {
+        let path = folder.path().join(name);
+        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+        outputs.push(crc32_of_file(&path)?);
+    }
     // Tensors were hashed as they were read; only what the merge never read is read now.
     let input_sums = std::iter::once(&inputs.base)
         .chain(&inputs.agents)
@@ -587,7 +726,7 @@ pub fn merge(
     let recipe = Recipe {
         tool: "rlmerge".into(),
         version: env!("CARGO_PKG_VERSION").into(),
-        method: options.method,
+        method: options.method.clone(),
         epsilon: options.pass.epsilon,
         allow_nonfinite: !options.pass.scan_nonfinite,
         base: inputs.base.dir.display().to_string(),

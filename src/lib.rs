@@ -7,6 +7,7 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod cli;
+pub mod config;
 pub mod demo;
 pub mod engine;
 pub mod method;

@@ -2,6 +2,7 @@
 //! the README.md model card.
 
 use crate::checkpoint::safetensors_file::FileChecksum;
+use crate::config::MERGEKIT_CONFIG_FILE;
 use crate::method::{AgentCounts, Method};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -98,24 +99,41 @@ pub fn model_card(r: &Recipe) -> String {
         r.method.name()
     );
     let _ = writeln!(s, "# Merged model\n");
-    let _ = writeln!(
-        s,
-        "This model merges {} reinforcement-learning-trained agents into their common base with \
-         rlmerge {} using **{}**: parameters no agent changed \
-         (|τ| ≤ ε = {:e}) keep the base value, parameters changed by several agents take the mean of \
-         their task vectors over those agents only, and parameters changed by one agent keep that \
-         agent's update{} (Reinforced Agent Merging, [arXiv:2601.13572](https://arxiv.org/abs/2601.13572)).\n",
-        r.agents.len(),
-        r.version,
-        r.method,
-        r.epsilon,
-        if r.method.boost().is_some() { ", scaled by λ_t" } else { "" }
-    );
+    match &r.method {
+        Method::Combine(c) => {
+            let _ = writeln!(
+                s,
+                "This model merges {} model(s) with rlmerge {} using **{}** — {} ({}), \
+                 with mergekit's semantics.\n",
+                r.agents.len(),
+                r.version,
+                c.kind.name(),
+                c.kind.about(),
+                c.kind.reference()
+            );
+        }
+        _ => {
+            let _ = writeln!(
+                s,
+                "This model merges {} reinforcement-learning-trained agents into their common base with \
+                 rlmerge {} using **{}**: parameters no agent changed \
+                 (|τ| ≤ ε = {:e}) keep the base value, parameters changed by several agents take the mean of \
+                 their task vectors over those agents only, and parameters changed by one agent keep that \
+                 agent's update{} (Reinforced Agent Merging, [arXiv:2601.13572](https://arxiv.org/abs/2601.13572)).\n",
+                r.agents.len(),
+                r.version,
+                r.method,
+                r.epsilon,
+                if r.method.boost().is_some() { ", scaled by λ_t" } else { "" }
+            );
+        }
+    }
     let _ = writeln!(s, "## Inputs\n\n- base: `{}`", r.base);
     for (t, a) in r.agents.iter().enumerate() {
-        let lambda = match a.lambda {
-            Some(l) => format!("λ = {l:.6}"),
-            None => "λ per tensor (see rlmerge_recipe.json)".into(),
+        let lambda = match (a.lambda, &r.method) {
+            (_, Method::Combine(_)) => "parameters in the recipe".into(),
+            (Some(l), _) => format!("λ = {l:.6}"),
+            (None, _) => "λ per tensor (see rlmerge_recipe.json)".into(),
         };
         let counts = match a.counts {
             Some(c) => format!(
@@ -128,9 +146,14 @@ pub fn model_card(r: &Recipe) -> String {
     }
     let _ = writeln!(
         s,
-        "\n## Output\n\n{} shard(s), dtype {}. The exact recipe is in `{RECIPE_FILE}`.",
+        "\n## Output\n\n{} shard(s), dtype {}. The exact recipe is in `{RECIPE_FILE}`{}.",
         r.shards().count(),
-        r.out_dtype.as_deref().unwrap_or("as the base")
+        r.out_dtype.as_deref().unwrap_or("as the base"),
+        if r.outputs.iter().any(|f| f.file == MERGEKIT_CONFIG_FILE) {
+            format!(" and the mergekit configuration in `{MERGEKIT_CONFIG_FILE}`")
+        } else {
+            String::new()
+        }
     );
     if !r.warnings.is_empty() {
         let _ = writeln!(s, "\n## Notes\n");

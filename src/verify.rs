@@ -111,7 +111,7 @@ fn recompute_and_compare(
     let agents: Vec<PathBuf> = recipe.inputs[1..].iter().map(|i| i.path.clone()).collect();
     let inputs = Inputs::open(&base.path, &agents)?;
     let options = MergeOptions {
-        method: recipe.method,
+        method: recipe.method.clone(),
         pass: Pass {
             epsilon: recipe.epsilon,
             tile_elems: backend.preferred_tile_elems(),
@@ -127,6 +127,7 @@ fn recompute_and_compare(
         shard_size: recipe.shard_size,
         force: true,
         show_progress: false,
+        extra_files: Vec::new(),
     };
     let name = out_dir
         .file_name()

@@ -407,3 +407,39 @@ fn devices_lists_adapters_and_merges_name_the_backend() {
         assert!(stderr.contains(want), "{stderr}");
     }
 }
+
+/// Every mergekit-family method: GPU equals CPU byte for byte for each dtype, with chunks small
+/// enough to cut rows, rank ties and random masks across dispatches.
+#[test]
+fn gpu_equals_cpu_for_every_method() {
+    if !gpu_available() {
+        return;
+    }
+    for (d, dtype) in [Dtype::BF16, Dtype::F16, Dtype::F32]
+        .into_iter()
+        .enumerate()
+    {
+        let f = fixture(700 + d as u64, dtype, &odd_shapes(), &DENSITIES[..3], 2);
+        for (i, (method, params)) in METHODS.iter().enumerate() {
+            let owned = method_args(method, params);
+            let args: Vec<&str> = owned.iter().map(String::as_str).collect();
+            assert_same(&f, &format!("m{i}"), &args, &["--gpu-chunk-elems", "998"]);
+        }
+        // Two-model methods: slerp (row-wise coefficients) and passthrough.
+        let f = fixture(720 + d as u64, dtype, &odd_shapes(), &DENSITIES[..1], 1);
+        for (i, (method, params)) in [("slerp", &["t=0.3"][..]), ("passthrough", &["scale=0.7"])]
+            .into_iter()
+            .enumerate()
+        {
+            let owned = method_args(method, params);
+            let args: Vec<&str> = owned.iter().map(String::as_str).collect();
+            assert_same(&f, &format!("s{i}"), &args, &["--gpu-chunk-elems", "6"]);
+            assert_same(
+                &f,
+                &format!("t{i}"),
+                &[&args[..], &["--out-dtype", "f32"]].concat(),
+                &[],
+            );
+        }
+    }
+}

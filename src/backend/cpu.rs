@@ -2,8 +2,9 @@
 //! fallback where no GPU adapter exists. Tiles are cut into chunks spread over a rayon pool; each
 //! chunk is decoded to f32 agent by agent so the inner loops vectorize.
 
-use super::{Backend, MergeParams, Tile, TileCounts};
+use super::{Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode, encode};
+use crate::method::combine::{masked_reciprocal, CombineSpec, Normalize};
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 
@@ -78,6 +79,153 @@ impl Backend for CpuBackend {
         });
         Ok(())
     }
+
+    fn combine(&self, tile: &Tile, params: &CombineParams, out: &mut [u8]) -> Result<()> {
+        let out_size = params.out_dtype.size();
+        debug_assert_eq!(out.len(), tile.len * out_size);
+        let table = reciprocal_table(params.spec);
+        self.pool.install(|| {
+            out.par_chunks_mut(CHUNK * out_size)
+                .enumerate()
+                .for_each_init(
+                    || CombineScratch::new(tile.agents.len()),
+                    |s, (c, out)| {
+                        let start = c * CHUNK;
+                        let len = out.len() / out_size;
+                        combine_chunk(tile, params, &table, start, len, s, out);
+                    },
+                );
+        });
+        Ok(())
+    }
+}
+
+/// f32(1/Σ w) for every agreement mask of up to this many agents is tabled once per tile.
+const RECIPROCAL_TABLE_AGENTS: usize = 12;
+
+/// The per-mask reciprocals of a consensus merge with normalization (empty otherwise, or when
+/// there are too many agents to table: then each element computes its own, identically).
+fn reciprocal_table(spec: &CombineSpec) -> Vec<f32> {
+    match &spec.normalize {
+        Normalize::PerElement(w) if w.len() <= RECIPROCAL_TABLE_AGENTS => (0..1u64 << w.len())
+            .map(|m| masked_reciprocal(w, m))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Per-worker buffers for one chunk of the combine rule.
+struct CombineScratch {
+    base: Vec<f32>,
+    agent: Vec<f32>,
+    /// d_t for every agent, agent-major.
+    d: Vec<f32>,
+    sum: Vec<f32>,
+    delta: Vec<f32>,
+    mask: Vec<u64>,
+}
+
+impl CombineScratch {
+    fn new(agents: usize) -> CombineScratch {
+        CombineScratch {
+            base: vec![0.0; CHUNK],
+            agent: vec![0.0; CHUNK],
+            d: vec![0.0; CHUNK * agents],
+            sum: vec![0.0; CHUNK],
+            delta: vec![0.0; CHUNK],
+            mask: vec![0; CHUNK],
+        }
+    }
+}
+
+/// SPEC §4 over elements `start..start + len` of the tile, in the order of
+/// [`crate::method::combine::combine_element`].
+fn combine_chunk(
+    tile: &Tile,
+    p: &CombineParams,
+    table: &[f32],
+    start: usize,
+    len: usize,
+    s: &mut CombineScratch,
+    out: &mut [u8],
+) {
+    let spec = p.spec;
+    let n = tile.agents.len();
+    let size = tile.dtype.size();
+    let first = p.start + start as u64;
+    let base = &mut s.base[..len];
+    let agent = &mut s.agent[..len];
+    let sum = &mut s.sum[..len];
+    decode(tile.dtype, chunk_bytes(tile.base, start, len, size), base);
+    sum.fill(0.0);
+    // One coefficient row for the whole tensor, or a lookup per element.
+    let fixed_row = (spec.row_len == 0).then(|| spec.row(0));
+    let coef = |i: usize, t: usize| -> f32 {
+        match fixed_row {
+            Some(row) => row[t],
+            None => spec.row(first + i as u64)[t],
+        }
+    };
+    for (t, bytes) in tile.agents.iter().enumerate() {
+        decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);
+        let d = &mut s.d[t * CHUNK..t * CHUNK + len];
+        let keep = spec.keep[t];
+        for (i, ((d, &x), &b)) in d.iter_mut().zip(agent.iter()).zip(base.iter()).enumerate() {
+            let v = if spec.delta { x - b } else { x };
+            let kept = keep.keeps(v, (first + i as u64) as u32);
+            *d = if kept { v * coef(i, 1 + t) } else { 0.0 };
+        }
+        for (s, &d) in sum.iter_mut().zip(d.iter()) {
+            *s += d;
+        }
+    }
+    let delta = &mut s.delta[..len];
+    let mask = &mut s.mask[..len];
+    delta.fill(0.0);
+    mask.fill(0);
+    for t in 0..n {
+        let d = &s.d[t * CHUNK..t * CHUNK + len];
+        for (((acc, m), &d), &s) in delta.iter_mut().zip(mask.iter_mut()).zip(d).zip(sum.iter()) {
+            let agrees = !spec.consensus || if s >= 0.0 { d > 0.0 } else { d < 0.0 };
+            if agrees {
+                *acc += d;
+                *m |= 1 << t;
+            }
+        }
+    }
+    match &spec.normalize {
+        Normalize::None => {}
+        Normalize::Fixed(r) => delta.iter_mut().for_each(|x| *x *= r),
+        Normalize::PerElement(w) => {
+            for (x, &m) in delta.iter_mut().zip(mask.iter()) {
+                *x *= if table.is_empty() {
+                    masked_reciprocal(w, m)
+                } else {
+                    table[m as usize]
+                };
+            }
+        }
+    }
+    if spec.lambda != 1.0 {
+        delta.iter_mut().for_each(|x| *x *= spec.lambda);
+    }
+    let result = &mut s.sum[..len];
+    for (i, ((r, &b), &d)) in result
+        .iter_mut()
+        .zip(base.iter())
+        .zip(delta.iter())
+        .enumerate()
+    {
+        let bc = coef(i, 0);
+        *r = if bc == 0.0 {
+            d
+        } else if bc == 1.0 {
+            b + d
+        } else {
+            bc * b + d
+        };
+    }
+    encode(p.out_dtype, result, out);
 }
 
 /// Per-worker buffers for one chunk of the probe.

@@ -6,8 +6,9 @@
 //! chunks alternate between two buffer sets so the upload and dispatch of one overlap the readback
 //! of the other.
 
-use super::{ranges, Backend, MergeParams, Tile, TileCounts};
+use super::{ranges, Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::checkpoint::DType;
+use crate::method::combine::{Keep, Normalize};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -26,6 +27,9 @@ const DTYPE_WGSL: &str = include_str!("../../shaders/dtype.wgsl");
 const CHUNK_WGSL: &str = include_str!("../../shaders/chunk.wgsl");
 const PROBE_WGSL: &str = include_str!("../../shaders/probe.wgsl");
 const MERGE_WGSL: &str = include_str!("../../shaders/merge.wgsl");
+const COMBINE_WGSL: &str = include_str!("../../shaders/combine.wgsl");
+/// Most agents a consensus merge with normalization takes here: one reciprocal per agreement mask.
+const GPU_MAX_TABLE_AGENTS: usize = 16;
 
 /// The uniform block both shaders read (`struct Params` in shaders/chunk.wgsl).
 #[repr(C)]
@@ -63,6 +67,38 @@ fn chunk_params(tile: &Tile, len: usize, out_dt: DType, eps: f32) -> Params {
         zero: 0,
         groups_x: groups.min(MAX_GROUPS_PER_DIM),
         _pad: [0; 3],
+    }
+}
+
+/// The uniform block of the combine kernel (`struct Comb` in shaders/combine.wgsl).
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Comb {
+    start: u32,
+    row_len: u32,
+    first_row: u32,
+    delta: u32,
+    consensus: u32,
+    norm_mode: u32,
+    lambda: f32,
+    fixed_recip: f32,
+}
+
+/// An agent's keep rule as the 8 words `rules` holds.
+fn rule_words(k: &Keep) -> [u32; 8] {
+    match *k {
+        Keep::All => [0; 8],
+        Keep::Band { lo, hi } => [
+            1,
+            lo.value,
+            lo.index,
+            hi.value,
+            hi.index,
+            lo.high_first as u32 | (hi.high_first as u32) << 1,
+            0,
+            0,
+        ],
+        Keep::Random { threshold, key } => [2, 0, 0, 0, 0, threshold, key[0], key[1]],
     }
 }
 
@@ -134,6 +170,7 @@ pub struct GpuContext {
     pub limits: wgpu::Limits,
     probe_pipeline: wgpu::ComputePipeline,
     merge_pipeline: wgpu::ComputePipeline,
+    combine_pipeline: wgpu::ComputePipeline,
     /// The first asynchronous device error (validation, out of memory, device lost), if any.
     error: Arc<Mutex<Option<String>>>,
 }
@@ -204,6 +241,7 @@ impl GpuContext {
         });
         let probe_pipeline = compute_pipeline(&device, "probe", PROBE_WGSL);
         let merge_pipeline = compute_pipeline(&device, "merge", MERGE_WGSL);
+        let combine_pipeline = compute_pipeline(&device, "combine", COMBINE_WGSL);
         let ctx = GpuContext {
             device,
             queue,
@@ -211,6 +249,7 @@ impl GpuContext {
             limits,
             probe_pipeline,
             merge_pipeline,
+            combine_pipeline,
             error,
         };
         ctx.check().context("compiling the shaders failed")?;
@@ -274,8 +313,13 @@ struct Slot {
     out: wgpu::Buffer,
     hist: wgpu::Buffer,
     readback: wgpu::Buffer,
+    comb: wgpu::Buffer,
+    rules: wgpu::Buffer,
+    coefs: wgpu::Buffer,
+    table: wgpu::Buffer,
     merge_group: wgpu::BindGroup,
     probe_group: wgpu::BindGroup,
+    combine_group: wgpu::BindGroup,
 }
 
 /// Buffers sized for `chunk_elems` elements of up to `agents` agents.
@@ -331,8 +375,8 @@ impl GpuBackend {
         self
     }
 
-    /// Elements per chunk for `n` agents: every binding (the agents' one is the largest) within
-    /// the adapter's limits, and even, so 16-bit chunks start on a word.
+    /// Elements per chunk for `n` agents: every binding (the agents' or the coefficients' is the
+    /// largest) within the adapter's limits, and even, so 16-bit chunks start on a word.
     fn chunk_elems(&self, n: usize) -> usize {
         // Fault injection for tests: exceed the binding limit to provoke a device validation error.
         if std::env::var_os("RLMERGE_TEST_GPU_IGNORE_LIMITS").is_some() {
@@ -340,7 +384,9 @@ impl GpuBackend {
         }
         let l = &self.ctx.limits;
         let bind = l.max_storage_buffer_binding_size.min(l.max_buffer_size);
-        let by_limit = (bind / (4 * n.max(1) as u64)) as usize;
+        // Per element: 4 bytes per agent, or the 8 of a two-coefficient row (row-wise slerp).
+        // (Less two: the coefficient buffer has a row to spare.)
+        let by_limit = ((bind / (4 * n as u64).max(8)) as usize).saturating_sub(2);
         (by_limit.min(self.chunk_elems_cap) & !1).max(2)
     }
 
@@ -406,6 +452,20 @@ impl GpuBackend {
                 layout: &self.ctx.probe_pipeline.get_bind_group_layout(0),
                 entries: &entries(&[&params, &base, &agents, &hist]),
             });
+            let comb = d.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("comb"),
+                size: std::mem::size_of::<Comb>() as u64,
+                usage: wgpu::BufferUsages::UNIFORM | dst,
+                mapped_at_creation: false,
+            });
+            let rules = storage("rules", 32 * GPU_MAX_AGENTS as u64, dst);
+            let coefs = storage("coefs", coef_floats(chunk) as u64 * 4, dst);
+            let table = storage("reciprocal table", 4 << GPU_MAX_TABLE_AGENTS, dst);
+            let combine_group = d.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("combine"),
+                layout: &self.ctx.combine_pipeline.get_bind_group_layout(0),
+                entries: &entries(&[&params, &base, &agents, &comb, &rules, &coefs, &table, &out]),
+            });
             Slot {
                 params,
                 base,
@@ -415,8 +475,13 @@ impl GpuBackend {
                 out,
                 hist,
                 readback,
+                comb,
+                rules,
+                coefs,
+                table,
                 merge_group,
                 probe_group,
+                combine_group,
             }
         };
         let slots = [make_slot(), make_slot()];
@@ -531,7 +596,7 @@ impl GpuBackend {
         tile: &Tile,
         out_dt: DType,
         eps: f32,
-        prepare: impl Fn(&Slot),
+        prepare: impl Fn(&Slot, usize, usize) -> Result<()>,
         kernel: Kernel,
         mut finish: impl FnMut(usize, usize, &[u8]),
     ) -> Result<()> {
@@ -547,7 +612,7 @@ impl GpuBackend {
         let readback_bytes = |len: usize| -> u64 {
             match kernel {
                 Kernel::Probe => (4 * n * n) as u64,
-                Kernel::Merge => (len * out_dt.size()).div_ceil(4) as u64 * 4,
+                Kernel::Merge | Kernel::Combine => (len * out_dt.size()).div_ceil(4) as u64 * 4,
             }
         };
         // Waits for a submitted chunk's results and hands them on.
@@ -560,7 +625,7 @@ impl GpuBackend {
         let mut pending = None; // (slot, start, len) submitted but not yet read back
         for (i, (start, len)) in ranges(tile.len, self.chunk_elems(n)).enumerate() {
             let slot = &buffers.slots[i % 2];
-            prepare(slot);
+            prepare(slot, start, len)?;
             let params = chunk_params(tile, len, out_dt, eps);
             let uploaded = Instant::now();
             self.upload(slot, tile, start, &params)
@@ -569,6 +634,7 @@ impl GpuBackend {
             let (pipeline, group, result) = match kernel {
                 Kernel::Probe => (&self.ctx.probe_pipeline, &slot.probe_group, &slot.hist),
                 Kernel::Merge => (&self.ctx.merge_pipeline, &slot.merge_group, &slot.out),
+                Kernel::Combine => (&self.ctx.combine_pipeline, &slot.combine_group, &slot.out),
             };
             let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
             if let Kernel::Probe = kernel {
@@ -598,6 +664,7 @@ impl GpuBackend {
 enum Kernel {
     Probe,
     Merge,
+    Combine,
 }
 
 impl Kernel {
@@ -605,6 +672,7 @@ impl Kernel {
         match self {
             Kernel::Probe => "probe",
             Kernel::Merge => "merge",
+            Kernel::Combine => "combine",
         }
     }
 }
@@ -625,7 +693,7 @@ impl Backend for GpuBackend {
             tile,
             tile.dtype,
             epsilon,
-            |_| {},
+            |_, _, _| Ok(()),
             Kernel::Probe,
             |_, _, bytes| {
                 for (h, w) in counts
@@ -638,6 +706,10 @@ impl Backend for GpuBackend {
             },
         )?;
         Ok(counts)
+    }
+
+    fn combine(&self, tile: &Tile, params: &CombineParams, out: &mut [u8]) -> Result<()> {
+        self.combine_tile(tile, params, out)
     }
 
     fn merge(&self, tile: &Tile, params: &MergeParams, out: &mut [u8]) -> Result<()> {
@@ -654,11 +726,95 @@ impl Backend for GpuBackend {
             tile,
             params.out_dtype,
             params.epsilon,
-            |slot| {
+            |slot, _, _| {
                 q.write_buffer(&slot.lambdas, 0, &lambdas);
                 q.write_buffer(&slot.recips, 0, &recips);
+                Ok(())
             },
             Kernel::Merge,
+            |start, len, bytes| {
+                out[start * size..(start + len) * size].copy_from_slice(&bytes[..len * size])
+            },
+        )
+    }
+}
+
+/// Floats the coefficient buffer holds: one row per element of a chunk (+1 for a row straddling
+/// its start) for the two-input row-wise methods, or one row of every agent.
+fn coef_floats(chunk: usize) -> usize {
+    ((chunk + 1) * 2).max(GPU_MAX_AGENTS + 1)
+}
+
+impl GpuBackend {
+    fn combine_tile(&self, tile: &Tile, params: &CombineParams, out: &mut [u8]) -> Result<()> {
+        let spec = params.spec;
+        let n = tile.agents.len();
+        ensure!(
+            spec.agents() == n,
+            "internal: combine rule for {} agents, tile has {n}",
+            spec.agents()
+        );
+        let end = params.start + tile.len as u64;
+        ensure!(
+            end <= u32::MAX as u64,
+            "the GPU backend indexes tensors with 32 bits; this one has more than {} elements (use --device cpu)",
+            u32::MAX
+        );
+        let (norm_mode, fixed_recip, table) = match &spec.normalize {
+            Normalize::None => (0, 1.0, Vec::new()),
+            Normalize::Fixed(r) => (1, *r, Vec::new()),
+            Normalize::PerElement(w) => {
+                ensure!(
+                    n <= GPU_MAX_TABLE_AGENTS,
+                    "the GPU backend normalizes a consensus merge of at most {GPU_MAX_TABLE_AGENTS} models, got {n} (use --device cpu)"
+                );
+                let table: Vec<f32> = (0..1u64 << n)
+                    .map(|m| crate::method::combine::masked_reciprocal(w, m))
+                    .collect();
+                (2, 1.0, table)
+            }
+        };
+        let rules: Vec<u32> = spec.keep.iter().flat_map(rule_words).collect();
+        let q = &self.ctx.queue;
+        let size = params.out_dtype.size();
+        let row_floats = n + 1;
+        self.run_chunks(
+            tile,
+            params.out_dtype,
+            0.0,
+            |slot, start, len| {
+                let first = params.start + start as u64;
+                let first_row = spec.row_index(first);
+                let rows = spec.row_index(first + len as u64 - 1) - first_row + 1;
+                let floats = rows as usize * row_floats;
+                ensure!(
+                    floats <= slot.coefs.size() as usize / 4,
+                    "internal: {floats} coefficients do not fit the GPU buffer"
+                );
+                let from = first_row as usize * row_floats;
+                let comb = Comb {
+                    start: first as u32,
+                    row_len: spec.row_len.min(u32::MAX as u64) as u32,
+                    first_row: first_row as u32,
+                    delta: spec.delta as u32,
+                    consensus: spec.consensus as u32,
+                    norm_mode,
+                    lambda: spec.lambda,
+                    fixed_recip,
+                };
+                q.write_buffer(&slot.comb, 0, bytemuck::bytes_of(&comb));
+                q.write_buffer(&slot.rules, 0, bytemuck::cast_slice(&rules));
+                q.write_buffer(
+                    &slot.coefs,
+                    0,
+                    bytemuck::cast_slice(&spec.coefs[from..from + floats]),
+                );
+                if !table.is_empty() {
+                    q.write_buffer(&slot.table, 0, bytemuck::cast_slice(&table));
+                }
+                Ok(())
+            },
+            Kernel::Combine,
             |start, len, bytes| {
                 out[start * size..(start + len) * size].copy_from_slice(&bytes[..len * size])
             },
@@ -673,7 +829,11 @@ mod tests {
     /// The shaders parse and validate without any adapter, so a shader error fails every CI run.
     #[test]
     fn shaders_validate_with_naga() {
-        for (name, kernel) in [("probe", PROBE_WGSL), ("merge", MERGE_WGSL)] {
+        for (name, kernel) in [
+            ("probe", PROBE_WGSL),
+            ("merge", MERGE_WGSL),
+            ("combine", COMBINE_WGSL),
+        ] {
             let source = format!("{DTYPE_WGSL}\n{CHUNK_WGSL}\n{kernel}");
             let module = naga::front::wgsl::parse_str(&source)
                 .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(&source)));

@@ -7,6 +7,7 @@ pub mod cpu;
 pub mod gpu;
 
 use crate::checkpoint::DType;
+use crate::method::combine::CombineSpec;
 use anyhow::Result;
 
 /// Consecutive `(start, len)` ranges of at most `step` (≥ 1) covering `0..total`: the engine's tiles
@@ -65,6 +66,14 @@ pub struct MergeParams<'a> {
     pub out_dtype: DType,
 }
 
+/// Parameters of the generalized task-arithmetic merge of one tile (SPEC §4).
+pub struct CombineParams<'a> {
+    pub spec: &'a CombineSpec,
+    /// Index in the tensor of the tile's first element (random masks and coefficient rows).
+    pub start: u64,
+    pub out_dtype: DType,
+}
+
 /// A compute backend.
 pub trait Backend: Send + Sync {
     /// What runs the work, for the user ("cpu (2 threads)", "gpu: llvmpipe (Vulkan)").
@@ -78,4 +87,7 @@ pub trait Backend: Send + Sync {
 
     /// SPEC §2 over the tile into `out` (`tile.len × out_dtype.size()` bytes).
     fn merge(&self, tile: &Tile, params: &MergeParams, out: &mut [u8]) -> Result<()>;
+
+    /// SPEC §4's generalized task-arithmetic rule over the tile into `out`.
+    fn combine(&self, tile: &Tile, params: &CombineParams, out: &mut [u8]) -> Result<()>;
 }

@@ -1,6 +1,14 @@
 //! The merge methods rlmerge implements, their parameters, and the scalar reference math
 //! (SPEC §1–3). Backends run this math over tiles; nothing else defines it.
 
+pub mod catalog;
+pub mod combine;
+pub mod plan;
+pub mod settings;
+pub mod stats;
+
+pub use catalog::Kind;
+pub use plan::MethodConfig;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -25,8 +33,9 @@ pub enum BoostScope {
     Tensor,
 }
 
-/// A merge method of the RAM family.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+/// A merge method: the RAM family, or a mergekit-family method run by the generalized
+/// task-arithmetic core ([`combine`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "method")]
 pub enum Method {
     /// Reinforced Agent Merging: unique updates kept as they are (λ = 1).
@@ -35,6 +44,9 @@ pub enum Method {
     /// RAM+: unique updates boosted by λ_t from the overlap-unique ratio.
     #[serde(rename = "ram+")]
     RamPlus { rule: BoostRule, scope: BoostScope },
+    /// linear, task_arithmetic, ties, dare_*, breadcrumbs*, model_stock, slerp, passthrough.
+    #[serde(rename = "combine")]
+    Combine(MethodConfig),
 }
 
 impl Method {
@@ -42,6 +54,7 @@ impl Method {
         match self {
             Method::Ram => "ram",
             Method::RamPlus { .. } => "ram+",
+            Method::Combine(c) => c.kind.name(),
         }
     }
 
@@ -59,8 +72,8 @@ impl Method {
     /// The boost rule, if the method boosts.
     pub fn boost(&self) -> Option<BoostRule> {
         match self {
-            Method::Ram => None,
             Method::RamPlus { rule, .. } => Some(*rule),
+            _ => None,
         }
     }
 
@@ -74,6 +87,7 @@ impl fmt::Display for Method {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Method::Ram => f.write_str("ram"),
+            Method::Combine(c) => f.write_str(c.kind.name()),
             Method::RamPlus { rule, scope } => {
                 let scope = match scope {
                     BoostScope::Global => "global",

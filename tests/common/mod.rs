@@ -415,3 +415,41 @@ pub fn merge_cmd(f: &Fixture, out: &Path, extra: &[&str]) -> assert_cmd::Command
     cmd.arg("-o").arg(out).args(extra);
     cmd
 }
+
+/// The methods with CLI parameters that exercise each part of the core (tests/methods.rs, tests/gpu_parity.rs).
+pub const METHODS: [(&str, &[&str]); 9] = [
+    ("linear", &["weight=0.7"]),
+    ("task_arithmetic", &["weight=0.6", "lambda=1.3"]),
+    ("ties", &["weight=1", "density=0.4"]),
+    ("dare_linear", &["weight=0.8", "density=0.5"]),
+    ("dare_ties", &["weight=1", "density=0.6"]),
+    ("breadcrumbs", &["weight=1", "density=0.7", "gamma=0.05"]),
+    (
+        "breadcrumbs_ties",
+        &["weight=0.9", "density=0.5", "gamma=0.1", "normalize=true"],
+    ),
+    ("model_stock", &[]),
+    (
+        "ties",
+        &[
+            "weight=0.5",
+            "density=0.3",
+            "rescale=true",
+            "normalize=false",
+        ],
+    ),
+];
+
+pub fn method_args(method: &str, params: &[&str]) -> Vec<String> {
+    let mut v = vec![
+        "--method".to_string(),
+        method.to_string(),
+        "--seed".into(),
+        "3".into(),
+    ];
+    for p in params {
+        v.push("--param".into());
+        v.push(p.to_string());
+    }
+    v
+}

@@ -1,0 +1,151 @@
+// SPEC §4: the generalized task-arithmetic rule (src/method/combine.rs, `combine_element`), one
+// invocation per pair of elements. Per element: v_t = θ_t − θ₀ or θ_t; d_t = keep_t ? v_t·c_t : 0;
+// with consensus only the d_t of Σ d_t's sign count; Δ · f32(1/Σw) (host-computed reciprocals, never
+// a division here); Δ · λ; out = bc·θ₀ + Δ. Every product is made opaque so none fuses into an FMA.
+// Needs dtype.wgsl and chunk.wgsl prepended.
+
+struct Comb {
+    start: u32,       // tensor index of the chunk's first element
+    row_len: u32,     // elements per coefficient row; 0 = one row
+    first_row: u32,   // row of the chunk's first element (the coefs buffer starts there)
+    delta: u32,       // 1: v = θ_t − θ₀; 0: v = θ_t
+    consensus: u32,
+    norm_mode: u32,   // 0 none, 1 fixed reciprocal, 2 per-mask table
+    lambda: f32,
+    fixed_recip: f32,
+}
+
+@group(0) @binding(3) var<uniform> c: Comb;
+// Per agent, 8 words: kind (0 all, 1 rank band, 2 random), then for a band: lo value, lo index,
+// hi value, hi index, tie flags (bit 0: lo high-first, bit 1: hi high-first); for random: words
+// 5–7 = threshold, hash key 0, hash key 1.
+@group(0) @binding(4) var<storage, read> rules: array<u32>;
+@group(0) @binding(5) var<storage, read> coefs: array<f32>;
+@group(0) @binding(6) var<storage, read> recips: array<f32>;
+@group(0) @binding(7) var<storage, read_write> out: array<u32>;
+
+fn opaque(x: f32) -> f32 {
+    return bitcast<f32>(bitcast<u32>(x) ^ p.zero);
+}
+
+// Raw bits of element i of the agent segment starting at word `at`.
+fn agent_bits(at: u32, i: u32) -> u32 {
+    if (p.in_dt == DT_F32) {
+        return agents[at + i];
+    }
+    return (agents[at + i / 2u] >> (16u * (i & 1u))) & 0xffffu;
+}
+
+fn mix32(v: u32) -> u32 {
+    var x = v;
+    x = x ^ (x >> 16u);
+    x = x * 0x7feb352du;
+    x = x ^ (x >> 15u);
+    x = x * 0x846ca68bu;
+    x = x ^ (x >> 16u);
+    return x;
+}
+
+// src/method/combine.rs `RankCut::inside`.
+fn inside(key: u32, idx: u32, value: u32, index: u32, high_first: bool) -> bool {
+    return key > value || (key == value && ((idx < index) != high_first));
+}
+
+fn keeps(t: u32, v: f32, idx: u32) -> bool {
+    let r = t * 8u;
+    let kind = rules[r];
+    if (kind == 1u) {
+        let key = bitcast<u32>(v) & 0x7fffffffu;
+        let flags = rules[r + 5u];
+        return inside(key, idx, rules[r + 3u], rules[r + 4u], (flags & 2u) != 0u)
+            && !inside(key, idx, rules[r + 1u], rules[r + 2u], (flags & 1u) != 0u);
+    }
+    if (kind == 2u) {
+        let h = mix32(mix32(idx ^ rules[r + 6u]) + rules[r + 7u]);
+        return h < rules[r + 5u];
+    }
+    return true;
+}
+
+// The coefficient row (relative to the chunk's first row) of chunk element i.
+fn row_of(i: u32) -> u32 {
+    if (c.row_len == 0u) {
+        return 0u;
+    }
+    return (c.start + i) / c.row_len - c.first_row;
+}
+
+// d_t of chunk element i.
+fn d_of(t: u32, i: u32, b: f32, row: u32) -> f32 {
+    let x = decode_bits(agent_bits(t * p.stride, i), p.in_dt);
+    var v = x;
+    if (c.delta == 1u) {
+        v = x - b;
+    }
+    if (!keeps(t, v, c.start + i)) {
+        return 0.0;
+    }
+    return opaque(v * coefs[row * (p.n + 1u) + 1u + t]);
+}
+
+fn combine_one(i: u32, bb: u32) -> u32 {
+    let b = decode_bits(bb, p.in_dt);
+    let row = row_of(i);
+    var sum = 0.0;
+    for (var t = 0u; t < p.n; t = t + 1u) {
+        sum = sum + d_of(t, i, b, row);
+    }
+    var delta = 0.0;
+    var mask = 0u;
+    for (var t = 0u; t < p.n; t = t + 1u) {
+        let d = d_of(t, i, b, row);
+        var agrees = true;
+        if (c.consensus == 1u) {
+            agrees = select((d < 0.0), (d > 0.0), (sum >= 0.0));
+        }
+        if (agrees) {
+            delta = delta + d;
+            mask = mask | (1u << t);
+        }
+    }
+    if (c.norm_mode == 1u) {
+        delta = opaque(delta * c.fixed_recip);
+    } else if (c.norm_mode == 2u) {
+        delta = opaque(delta * recips[mask]);
+    }
+    if (c.lambda != 1.0) {
+        delta = opaque(delta * c.lambda);
+    }
+    let bc = coefs[row * (p.n + 1u)];
+    var r = delta;
+    if (bc == 1.0) {
+        r = b + delta;
+    } else if (bc != 0.0) {
+        r = opaque(bc * b) + delta;
+    }
+    return encode_bits(r, p.out_dt);
+}
+
+@compute @workgroup_size(256)
+fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let g = pair_index(wid, li);
+    if (g >= p.pairs) {
+        return;
+    }
+    let bb = load_pair(true, 0u, g);
+    let e0 = 2u * g;
+    let v0 = combine_one(e0, bb.x);
+    let has_second = e0 + 1u < p.len;
+    var v1 = 0u;
+    if (has_second) {
+        v1 = combine_one(e0 + 1u, bb.y);
+    }
+    if (p.out_dt == DT_F32) {
+        out[e0] = v0;
+        if (has_second) {
+            out[e0 + 1u] = v1;
+        }
+    } else {
+        out[g] = v0 | (v1 << 16u);
+    }
+}

@@ -1,0 +1,366 @@
+//! mergekit's YAML merge configuration: read, checked key by key, and turned into a merge job.
+//! Unknown keys and the parts rlmerge does not support yet are errors that name the key and line.
+
+use crate::checkpoint::DType;
+use crate::method::settings::{Scalar, Settings};
+use crate::method::{defaults, BoostRule, BoostScope, Kind, Method, MethodConfig};
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// The file rlmerge saves the recipe under in the output folder, as mergekit does.
+pub const MERGEKIT_CONFIG_FILE: &str = "mergekit_config.yml";
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    merge_method: String,
+    #[serde(default)]
+    models: Option<Vec<ModelEntry>>,
+    #[serde(default)]
+    slices: Option<Vec<SliceEntry>>,
+    #[serde(default)]
+    modules: Option<serde_yaml::Value>,
+    #[serde(default)]
+    base_model: Option<String>,
+    #[serde(default)]
+    parameters: Option<Settings>,
+    #[serde(default)]
+    dtype: Option<String>,
+    #[serde(default)]
+    out_dtype: Option<String>,
+    #[serde(default)]
+    tokenizer_source: Option<serde_yaml::Value>,
+    #[serde(default)]
+    tokenizer: Option<serde_yaml::Value>,
+    #[serde(default)]
+    chat_template: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelEntry {
+    model: String,
+    #[serde(default)]
+    parameters: Option<Settings>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SliceEntry {
+    sources: Vec<SliceSource>,
+    #[serde(default)]
+    base_model: Option<String>,
+    #[serde(default)]
+    residual_weight: Option<f64>,
+    #[serde(default)]
+    parameters: Option<Settings>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SliceSource {
+    model: String,
+    layer_range: [usize; 2],
+    #[serde(default)]
+    parameters: Option<Settings>,
+}
+
+/// What a recipe asks for, resolved to local folders.
+#[derive(Debug)]
+pub struct Job {
+    pub base: PathBuf,
+    pub agents: Vec<PathBuf>,
+    pub method: Method,
+    /// RAM's ε when the recipe sets it.
+    pub epsilon: Option<f32>,
+    pub out_dtype: Option<DType>,
+    /// The recipe's text, saved beside the merged weights.
+    pub text: String,
+}
+
+/// mergekit's dtype names and ours.
+pub fn parse_dtype_name(s: &str) -> Option<DType> {
+    match s {
+        "bfloat16" => Some(DType::BF16),
+        "float16" | "half" => Some(DType::F16),
+        "float32" | "float" => Some(DType::F32),
+        other => DType::parse_user(other),
+    }
+}
+
+/// A model reference as a local folder: as written (relative to the working directory), else
+/// relative to the recipe's folder.
+fn local_folder(reference: &str, recipe_dir: &Path) -> Result<PathBuf> {
+    if reference.contains('+') && !Path::new(reference).exists() {
+        bail!("model '{reference}': LoRA references (model+lora) are not supported yet");
+    }
+    let direct = PathBuf::from(reference);
+    if direct.is_dir() {
+        return Ok(direct);
+    }
+    let beside = recipe_dir.join(reference);
+    if beside.is_dir() {
+        return Ok(beside);
+    }
+    bail!(
+        "model '{reference}' is not a local folder (looked in {} and {}); rlmerge does not download \
+         models: put the Hugging Face folder on disk and name its path",
+        std::env::current_dir().map_or_else(|_| ".".into(), |d| d.display().to_string()),
+        recipe_dir.display()
+    )
+}
+
+/// Layers of a model, from its config.json.
+fn layer_count(dir: &Path) -> Result<usize> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "cannot read {} (slices need the layer count)",
+            path.display()
+        )
+    })?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
+    ["num_hidden_layers", "n_layer", "num_layers"]
+        .iter()
+        .find_map(|k| json.get(k).and_then(|v| v.as_u64()))
+        .map(|n| n as usize)
+        .with_context(|| format!("{}: no num_hidden_layers", path.display()))
+}
+
+fn number(settings: &Settings, key: &str) -> Result<Option<f64>> {
+    match settings.get(key) {
+        None => Ok(None),
+        Some(crate::method::settings::Setting::Scalar(s)) => Ok(Some(s.as_f64(key)?)),
+        Some(_) => bail!("parameter '{key}' of a RAM method must be a single number"),
+    }
+}
+
+/// Reads a mergekit YAML recipe.
+pub fn read(path: &Path, seed: u64) -> Result<Job> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read recipe {}", path.display()))?;
+    parse(&text, path.parent().unwrap_or(Path::new(".")), seed)
+        .with_context(|| format!("recipe {}", path.display()))
+}
+
+/// Parses recipe `text`; model paths resolve against the working directory, then `dir`.
+pub fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
+    let raw: RawConfig = serde_yaml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let unsupported = |key: &str| -> Result<()> {
+        bail!(
+            "'{key}' is not supported yet by rlmerge (line {})",
+            line_of(text, key)
+        )
+    };
+    if raw.modules.is_some() {
+        unsupported("modules")?;
+    }
+    if raw.tokenizer.is_some() {
+        unsupported("tokenizer")?;
+    }
+    if raw.chat_template.is_some() {
+        unsupported("chat_template")?;
+    }
+    match &raw.tokenizer_source {
+        None => {}
+        Some(serde_yaml::Value::String(s)) if s == "base" => {}
+        Some(_) => bail!(
+            "tokenizer_source: only 'base' is supported yet (line {}); the tokenizer is copied from the base model",
+            line_of(text, "tokenizer_source")
+        ),
+    }
+    let kind = Kind::from_name(&raw.merge_method).with_context(|| {
+        format!(
+            "unknown merge_method '{}' (line {}); `rlmerge methods` lists them",
+            raw.merge_method,
+            line_of(text, "merge_method")
+        )
+    })?;
+    // (model, its parameters) in order, from `models` or from one full-range slice.
+    let mut entries: Vec<(String, Settings)> = Vec::new();
+    let mut base_ref = raw.base_model.clone();
+    let mut shared = raw.parameters.clone().unwrap_or_default();
+    match (&raw.models, &raw.slices) {
+        (Some(_), Some(_)) => bail!("a recipe has either 'models' or 'slices', not both"),
+        (None, None) => bail!("the recipe lists no models ('models' or 'slices')"),
+        (Some(models), None) => {
+            for m in models {
+                entries.push((m.model.clone(), m.parameters.clone().unwrap_or_default()));
+            }
+        }
+        (None, Some(slices)) => {
+            let line = line_of(text, "slices");
+            if slices.len() != 1 {
+                bail!("'slices' with {} slices is not supported yet (line {line}); one slice over all layers is", slices.len());
+            }
+            let slice = &slices[0];
+            if slice.residual_weight.is_some() {
+                bail!(
+                    "'residual_weight' in a slice is not supported yet (line {})",
+                    line_of(text, "residual_weight")
+                );
+            }
+            if let Some(b) = &slice.base_model {
+                base_ref = Some(b.clone());
+            }
+            for (k, v) in slice.parameters.clone().unwrap_or_default() {
+                shared.insert(k, v);
+            }
+            for s in &slice.sources {
+                let folder = local_folder(&s.model, dir)?;
+                let layers = layer_count(&folder)?;
+                if s.layer_range != [0, layers] {
+                    bail!(
+                        "slice source '{}' takes layers {:?} of {layers}; only slices over all layers are supported yet (line {line})",
+                        s.model, s.layer_range
+                    );
+                }
+                entries.push((s.model.clone(), s.parameters.clone().unwrap_or_default()));
+            }
+        }
+    }
+    let out_dtype =
+        match raw.out_dtype.as_ref().or(raw.dtype.as_ref()) {
+            None => None,
+            Some(d) => Some(parse_dtype_name(d).with_context(|| {
+                format!("unknown dtype '{d}' (use bfloat16, float16 or float32)")
+            })?),
+        };
+    let base_ref = match (base_ref, kind.uses_base()) {
+        (Some(b), _) => b,
+        (None, false) => entries
+            .first()
+            .map(|e| e.0.clone())
+            .context("the recipe lists no models")?,
+        (None, true) => bail!("merge_method {} needs base_model", kind.name()),
+    };
+    let base = local_folder(&base_ref, dir)?;
+    // The base is not merged as an agent when listed among the models (mergekit excludes it).
+    let merged: Vec<(String, Settings)> = if kind.uses_base() {
+        entries
+            .into_iter()
+            .filter(|(m, _)| *m != base_ref)
+            .collect()
+    } else {
+        entries
+    };
+    let agents = merged
+        .iter()
+        .map(|(m, _)| local_folder(m, dir))
+        .collect::<Result<Vec<_>>>()?;
+    let model_settings: Vec<Settings> = merged.into_iter().map(|(_, s)| s).collect();
+    let epsilon = number(&shared, "epsilon")?.map(|e| e as f32);
+    let method = match kind {
+        Kind::Ram | Kind::RamPlus | Kind::RamplusTl => {
+            if model_settings.iter().any(|s| !s.is_empty()) {
+                bail!("{} takes no per-model parameters", kind.name());
+            }
+            let allowed: &[&str] = match kind {
+                Kind::Ram => &["epsilon"],
+                _ => &["epsilon", "r", "alpha"],
+            };
+            if let Some(k) = shared.keys().find(|k| !allowed.contains(&k.as_str())) {
+                bail!(
+                    "unknown parameter '{k}' for {} (line {}; it takes: {})",
+                    kind.name(),
+                    line_of(text, k),
+                    allowed.join(", ")
+                );
+            }
+            match kind {
+                Kind::Ram => Method::Ram,
+                _ => Method::RamPlus {
+                    rule: BoostRule::Paper {
+                        r: number(&shared, "r")?.unwrap_or(defaults::R),
+                        alpha: number(&shared, "alpha")?.unwrap_or(defaults::ALPHA_TENSOR),
+                    },
+                    scope: BoostScope::Tensor,
+                },
+            }
+        }
+        _ => {
+            let config = MethodConfig {
+                kind,
+                parameters: shared,
+                models: model_settings,
+                seed,
+            };
+            config.check(agents.len()).map_err(|e| {
+                // Point at the line of an unknown parameter when the error names one.
+                let msg = e.to_string();
+                match msg.split('\'').nth(1) {
+                    Some(key) if msg.starts_with("unknown parameter") => {
+                        anyhow::anyhow!("{msg} (line {})", line_of(text, key))
+                    }
+                    _ => e,
+                }
+            })?;
+            Method::Combine(config)
+        }
+    };
+    Ok(Job {
+        base,
+        agents,
+        method,
+        epsilon,
+        out_dtype,
+        text: text.to_string(),
+    })
+}
+
+/// The 1-based line where `key:` first appears as a key, in block or flow style ("?" if it does not).
+fn line_of(text: &str, key: &str) -> String {
+    let is_key_at = |line: &str, at: usize| {
+        let before = line[..at].chars().next_back();
+        let after = line[at + key.len()..].trim_start();
+        matches!(before, None | Some(' ' | '{' | ',' | '-' | '\t')) && after.starts_with(':')
+    };
+    text.lines()
+        .position(|l| l.match_indices(key).any(|(at, _)| is_key_at(l, at)))
+        .map_or_else(|| "?".into(), |i| (i + 1).to_string())
+}
+
+/// A `KEY=VALUE` CLI parameter as a setting (numbers, true/false, else text).
+pub fn cli_setting(kv: &str) -> Result<(String, crate::method::settings::Setting), String> {
+    let (k, v) = kv
+        .split_once('=')
+        .ok_or_else(|| format!("'{kv}': expected KEY=VALUE"))?;
+    let v = v.trim();
+    let scalar = match v {
+        "true" => Scalar::Bool(true),
+        "false" => Scalar::Bool(false),
+        _ => match v.parse::<f64>() {
+            Ok(x) => Scalar::Number(x),
+            Err(_) => Scalar::Text(v.to_string()),
+        },
+    };
+    Ok((
+        k.trim().to_string(),
+        crate::method::settings::Setting::Scalar(scalar),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_keys_name_key_and_line() {
+        let e = parse(
+            "merge_method: ties\nbase_model: x\nfoo: 1\n",
+            Path::new("."),
+            0,
+        )
+        .unwrap_err();
+        let msg = format!("{e:#}");
+        assert!(msg.contains("foo") && msg.contains("line 3"), "{msg}");
+        let e = parse("merge_method: ties\nmodules:\n  a: 1\n", Path::new("."), 0).unwrap_err();
+        let msg = format!("{e:#}");
+        assert!(
+            msg.contains("modules") && msg.contains("not supported yet") && msg.contains("line 2"),
+            "{msg}"
+        );
+    }
+}

@@ -1,0 +1,337 @@
+//! The generalized task-arithmetic core (SPEC §4): one per-element rule that every
+//! mergekit-family method compiles to — sparsify × weight → optional sign consensus → optional
+//! normalization → λ → add to (a multiple of) the base. Backends run exactly this arithmetic;
+//! [`combine_element`] is its scalar reference.
+
+use serde::{Deserialize, Serialize};
+
+/// The rank cut "among the `k` largest |v|": an element with magnitude key `key` at tensor index
+/// `idx` is inside when `key > value`, or when `key == value` and `idx < index` — ties at the
+/// threshold go to the lower index first (SPEC §4's top-k rule, a stable descending sort) — or, with
+/// `high_first`, `idx >= index`: the higher index first (a stable ascending sort, as breadcrumbs
+/// ranks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankCut {
+    pub value: u32,
+    pub index: u32,
+    pub high_first: bool,
+}
+
+impl RankCut {
+    /// The cut with no element inside (k = 0).
+    pub const EMPTY: RankCut = RankCut {
+        value: u32::MAX,
+        index: 0,
+        high_first: false,
+    };
+
+    /// The cut with every element inside (k = n).
+    pub const FULL: RankCut = RankCut {
+        value: 0,
+        index: u32::MAX,
+        high_first: false,
+    };
+
+    #[inline]
+    pub fn inside(&self, key: u32, idx: u32) -> bool {
+        key > self.value || (key == self.value && ((idx < self.index) != self.high_first))
+    }
+}
+
+/// Which elements of one agent's vector survive sparsification.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Keep {
+    All,
+    /// Ranks (by |v| descending, ties by index) in `[lo, hi)`: inside `hi`, outside `lo`.
+    Band {
+        lo: RankCut,
+        hi: RankCut,
+    },
+    /// Bernoulli: kept when the element's hash is below `threshold` (= density · 2³²).
+    Random {
+        threshold: u32,
+        key: [u32; 2],
+    },
+}
+
+/// The magnitude key of a value: its |v| bits, ordered like |v| for every non-NaN value.
+#[inline]
+pub fn magnitude_key(v: f32) -> u32 {
+    v.to_bits() & 0x7fff_ffff
+}
+
+/// Wellons' lowbias32 integer hash (u32 only, so the shaders compute the same).
+#[inline]
+pub fn mix32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^= x >> 16;
+    x
+}
+
+/// The per-element hash of DARE-style random masks: a function of (seed, tensor, agent) through
+/// `key` and of the element's index in the tensor only — never of tiles or backends.
+#[inline]
+pub fn element_hash(key: [u32; 2], idx: u32) -> u32 {
+    mix32(mix32(idx ^ key[0]).wrapping_add(key[1]))
+}
+
+/// The (seed, tensor name, agent) part of the hash, computed on the host.
+pub fn hash_key(seed: u64, tensor: &str, agent: usize) -> [u32; 2] {
+    // FNV-1a over the name, then SplitMix64 finalizers.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in tensor.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    let mut z = seed ^ splitmix(h ^ splitmix(agent as u64 + 1));
+    z = splitmix(z);
+    [z as u32, (z >> 32) as u32]
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The keep threshold of a Bernoulli(density) mask.
+pub fn random_threshold(density: f64) -> u32 {
+    (density.clamp(0.0, 1.0) * 4_294_967_296.0).min(u32::MAX as f64) as u32
+}
+
+impl Keep {
+    #[inline]
+    pub fn keeps(&self, v: f32, idx: u32) -> bool {
+        match *self {
+            Keep::All => true,
+            Keep::Band { lo, hi } => {
+                let key = magnitude_key(v);
+                hi.inside(key, idx) && !lo.inside(key, idx)
+            }
+            Keep::Random { threshold, key } => element_hash(key, idx) < threshold,
+        }
+    }
+}
+
+/// How Δ is normalized.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Normalize {
+    None,
+    /// Multiply by this f32(1/Σ w) (no consensus: one divisor per tensor).
+    Fixed(f32),
+    /// Multiply by f32(1 / Σ_{t agrees} w_t), the sum in agent order in f32 (1 where it is 0).
+    PerElement(Vec<f32>),
+}
+
+/// One tensor's combine rule over its present agents.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CombineSpec {
+    /// v_t = θ_t − θ₀ (task vectors) when true, θ_t itself when false.
+    pub delta: bool,
+    pub keep: Vec<Keep>,
+    /// TIES sign consensus ("sum"): only d_t with the sign of Σ d_t count (zeros never do).
+    pub consensus: bool,
+    pub normalize: Normalize,
+    /// Multiplies Δ when ≠ 1.
+    pub lambda: f32,
+    /// Elements per coefficient row (0: one row for the whole tensor).
+    pub row_len: u64,
+    /// Per row: `[base coefficient, c_0 … c_{n−1}]`; out = bc·θ₀ + Δ (bc = 1: θ₀ + Δ exactly,
+    /// bc = 0: Δ alone), d_t = v_t · c_t.
+    pub coefs: Vec<f32>,
+}
+
+impl CombineSpec {
+    pub fn agents(&self) -> usize {
+        self.keep.len()
+    }
+
+    /// The coefficient row number of tensor element `idx`.
+    pub fn row_index(&self, idx: u64) -> u64 {
+        idx.checked_div(self.row_len).unwrap_or(0)
+    }
+
+    /// The coefficient row of tensor element `idx`.
+    pub fn row(&self, idx: u64) -> &[f32] {
+        let n1 = self.agents() + 1;
+        let r = self.row_index(idx) as usize;
+        &self.coefs[r * n1..(r + 1) * n1]
+    }
+}
+
+/// f32(1/Σ w) over the agents in `mask`, summed in agent order in f32; 1 when the sum is 0.
+pub fn masked_reciprocal(weights: &[f32], mask: u64) -> f32 {
+    let mut s = 0.0f32;
+    for (t, &w) in weights.iter().enumerate() {
+        if mask >> t & 1 == 1 {
+            s += w;
+        }
+    }
+    if s == 0.0 {
+        1.0
+    } else {
+        1.0 / s
+    }
+}
+
+/// SPEC §4 for one element: base value `b`, agent values `x`, index `idx` in the tensor.
+pub fn combine_element(spec: &CombineSpec, b: f32, x: &[f32], idx: u64) -> f32 {
+    let row = spec.row(idx);
+    let mut d = vec![0.0f32; x.len()];
+    let mut sum = 0.0f32;
+    for (t, &xt) in x.iter().enumerate() {
+        let v = if spec.delta { xt - b } else { xt };
+        if spec.keep[t].keeps(v, idx as u32) {
+            d[t] = v * row[1 + t];
+        }
+        sum += d[t];
+    }
+    let mut delta = 0.0f32;
+    let mut mask = 0u64;
+    for (t, &dt) in d.iter().enumerate() {
+        let agrees = !spec.consensus || if sum >= 0.0 { dt > 0.0 } else { dt < 0.0 };
+        if agrees {
+            delta += dt;
+            mask |= 1 << t;
+        }
+    }
+    match &spec.normalize {
+        Normalize::None => {}
+        Normalize::Fixed(r) => delta *= r,
+        Normalize::PerElement(w) => delta *= masked_reciprocal(w, mask),
+    }
+    if spec.lambda != 1.0 {
+        delta *= spec.lambda;
+    }
+    let bc = row[0];
+    if bc == 0.0 {
+        delta
+    } else if bc == 1.0 {
+        b + delta
+    } else {
+        bc * b + delta
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(
+        keep: Vec<Keep>,
+        consensus: bool,
+        normalize: Normalize,
+        coefs: Vec<f32>,
+    ) -> CombineSpec {
+        CombineSpec {
+            delta: true,
+            keep,
+            consensus,
+            normalize,
+            lambda: 1.0,
+            row_len: 0,
+            coefs,
+        }
+    }
+
+    /// TIES by hand: τ = (+2, −1, +0.5) with weights 1: Σ = 1.5 > 0, so the agreeing set is
+    /// {0, 2}: Δ = 2.5, divided by w₀ + w₂ = 2 → 1.25.
+    #[test]
+    fn ties_consensus_by_hand() {
+        let s = spec(
+            vec![Keep::All; 3],
+            true,
+            Normalize::PerElement(vec![1.0; 3]),
+            vec![1.0, 1.0, 1.0, 1.0],
+        );
+        assert_eq!(combine_element(&s, 10.0, &[12.0, 9.0, 10.5], 0), 11.25);
+        // Σ d < 0: only the negative one counts: Δ = −3 / 1.
+        assert_eq!(combine_element(&s, 0.0, &[1.0, -3.0, 0.0], 0), -3.0);
+        // All zero: Σ = 0 counts as +, nobody agrees, divisor 0 → 1, result = base.
+        assert_eq!(combine_element(&s, 4.0, &[4.0, 4.0, 4.0], 0), 4.0);
+    }
+
+    /// Task arithmetic: θ₀ + λ Σ w_t τ_t, no normalization.
+    #[test]
+    fn task_arithmetic_by_hand() {
+        let mut s = spec(
+            vec![Keep::All; 2],
+            false,
+            Normalize::None,
+            vec![1.0, 0.5, 2.0],
+        );
+        s.lambda = 0.5;
+        // τ = (2, −1): Δ = 0.5·2 + 2·(−1) = −1; λ → −0.5; θ = 1 − 0.5.
+        assert_eq!(combine_element(&s, 1.0, &[3.0, 0.0], 0), 0.5);
+    }
+
+    /// Linear: Σ w θ / Σ w, no base term.
+    #[test]
+    fn linear_by_hand() {
+        let s = CombineSpec {
+            delta: false,
+            ..spec(
+                vec![Keep::All; 2],
+                false,
+                Normalize::Fixed(0.25),
+                vec![0.0, 1.0, 3.0],
+            )
+        };
+        // (1·2 + 3·6) / 4 = 5.
+        assert_eq!(combine_element(&s, 100.0, &[2.0, 6.0], 0), 5.0);
+    }
+
+    /// Band keep: the two largest of |v| = (3, 1, 3, 2) with the tie at 3 broken by index.
+    #[test]
+    fn rank_cuts_break_ties_by_index() {
+        let k = magnitude_key(3.0);
+        let top1 = Keep::Band {
+            lo: RankCut::EMPTY,
+            hi: RankCut {
+                value: k,
+                index: 1,
+                high_first: false,
+            },
+        };
+        assert!(top1.keeps(3.0, 0));
+        assert!(!top1.keeps(-3.0, 2));
+        assert!(!top1.keeps(2.0, 3));
+        // Ranks [1, 3): drop the top one (index 0), keep index 2's 3.0 and index 3's 2.0.
+        let band = Keep::Band {
+            lo: RankCut {
+                value: k,
+                index: 1,
+                high_first: false,
+            },
+            hi: RankCut {
+                value: magnitude_key(2.0),
+                index: u32::MAX,
+                high_first: false,
+            },
+        };
+        let kept: Vec<bool> = [3.0f32, 1.0, -3.0, 2.0]
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| band.keeps(v, i as u32))
+            .collect();
+        assert_eq!(kept, [false, false, true, true]);
+    }
+
+    #[test]
+    fn random_masks_depend_on_tensor_agent_and_index_only() {
+        let a = hash_key(7, "w", 0);
+        assert_eq!(a, hash_key(7, "w", 0));
+        assert_ne!(a, hash_key(7, "w", 1));
+        assert_ne!(a, hash_key(7, "v", 0));
+        assert_ne!(a, hash_key(8, "w", 0));
+        let keep = Keep::Random {
+            threshold: random_threshold(0.3),
+            key: a,
+        };
+        let kept = (0..100_000u32).filter(|&i| keep.keeps(1.0, i)).count();
+        assert!((29_000..31_000).contains(&kept), "{kept}");
+    }
+}

@@ -1,0 +1,338 @@
+//! From a mergekit-family method and its settings to one tensor's recipe: what each agent's
+//! sparsifier keeps, the weights, consensus and normalization, and which statistics the probe
+//! pass must gather before [`super::combine::CombineSpec`] can be built.
+
+use super::catalog::Kind;
+use super::settings::{Scalar, Settings, TensorPlace};
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+
+/// A mergekit-family method with its settings as the recipe gave them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MethodConfig {
+    pub kind: Kind,
+    /// Method-wide `parameters:`.
+    #[serde(default)]
+    pub parameters: Settings,
+    /// Each merged model's own `parameters:`, in agent order.
+    #[serde(default)]
+    pub models: Vec<Settings>,
+    /// Seed of the random masks (DARE).
+    pub seed: u64,
+}
+
+/// What one agent's sparsifier keeps, in ranks by |τ| descending (ties by lower index).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Sparsify {
+    All,
+    /// Ranks in `[lo, hi)`; ties at a cut go to the lower index first, or to the higher with
+    /// `high_first`.
+    Ranks {
+        lo: u64,
+        hi: u64,
+        high_first: bool,
+    },
+    Random {
+        density: f64,
+    },
+}
+
+/// How the base enters the result.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum BaseTerm {
+    /// θ₀ + Δ (task vectors).
+    Add,
+    /// Δ alone (θ_t absolute, e.g. linear).
+    None,
+    /// Model Stock: t from the task vectors' mean pairwise cosine.
+    ModelStock,
+    /// Row-wise slerp from θ₀ toward the one agent by `t`.
+    Slerp { t: f64 },
+}
+
+/// One tensor's method recipe, before statistics.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorRecipe {
+    pub weights: Vec<f64>,
+    pub sparsify: Vec<Sparsify>,
+    /// L1-rescale each sparsified vector.
+    pub rescale: bool,
+    pub consensus: bool,
+    pub normalize: bool,
+    pub lambda: f64,
+    pub base: BaseTerm,
+}
+
+/// The tensor-wise settings lookup: model setting first, then method-wide, then the default.
+struct Lookup<'a> {
+    config: &'a MethodConfig,
+    at: TensorPlace<'a>,
+}
+
+impl Lookup<'_> {
+    fn find(&self, name: &str, model: Option<usize>) -> Option<Scalar> {
+        model
+            .and_then(|m| self.config.models.get(m))
+            .and_then(|s| s.get(name))
+            .and_then(|s| s.resolve(self.at))
+            .or_else(|| {
+                self.config
+                    .parameters
+                    .get(name)
+                    .and_then(|s| s.resolve(self.at))
+            })
+    }
+
+    fn number(&self, name: &str, model: Option<usize>, default: Option<f64>) -> Result<f64> {
+        let value = match (self.find(name, model), default) {
+            (Some(v), _) => v.as_f64(name)?,
+            (None, Some(d)) => d,
+            (None, None) => match model {
+                Some(m) => bail!(
+                    "method {} needs parameter '{name}' for model {} (tensor '{}')",
+                    self.config.kind.name(),
+                    m + 1,
+                    self.at.name
+                ),
+                None => bail!(
+                    "method {} needs parameter '{name}' (tensor '{}')",
+                    self.config.kind.name(),
+                    self.at.name
+                ),
+            },
+        };
+        if !value.is_finite() {
+            bail!("parameter '{name}' must be finite, got {value}");
+        }
+        Ok(value)
+    }
+
+    fn flag(&self, name: &str, default: bool) -> Result<bool> {
+        self.find(name, None)
+            .map_or(Ok(default), |v| v.as_bool(name))
+    }
+}
+
+/// Ranks of `magnitude` (TIES): the top k = max(1, ⌊density·n⌋).
+fn top_k(density: f64, n: u64) -> Sparsify {
+    if density >= 1.0 {
+        Sparsify::All
+    } else if density <= 0.0 || n == 0 {
+        Sparsify::Ranks {
+            lo: 0,
+            hi: 0,
+            high_first: false,
+        }
+    } else {
+        let k = ((density * n as f64) as u64).max(1);
+        Sparsify::Ranks {
+            lo: 0,
+            hi: k,
+            high_first: false,
+        }
+    }
+}
+
+/// Ranks of `magnitude_outliers` (breadcrumbs): drop ⌊γ·n⌋ largest, keep ⌊density·n⌋ below them;
+/// when too few remain below, the outlier drop shrinks. mergekit ranks these by an ascending sort,
+/// so among equal magnitudes the higher index ranks higher (as a stable sort would order them).
+fn breadcrumbs(density: f64, gamma: f64, n: u64) -> Sparsify {
+    if density >= 1.0 {
+        return Sparsify::All;
+    }
+    let target = (density.max(0.0) * n as f64) as u64;
+    let top = (gamma.max(0.0) * n as f64) as u64;
+    let bottom = n.saturating_sub(target + top);
+    let lo = n - bottom - target.min(n - bottom);
+    Sparsify::Ranks {
+        lo,
+        hi: lo + target.min(n - bottom),
+        high_first: true,
+    }
+}
+
+impl MethodConfig {
+    /// The recipe of tensor `at` with `numel` elements merged from the `present` agents.
+    pub fn tensor_recipe(
+        &self,
+        at: TensorPlace,
+        numel: u64,
+        present: &[usize],
+    ) -> Result<TensorRecipe> {
+        let l = Lookup { config: self, at };
+        let kind = self.kind;
+        let per = |name: &str, default: Option<f64>| -> Result<Vec<f64>> {
+            present
+                .iter()
+                .map(|&m| l.number(name, Some(m), default))
+                .collect()
+        };
+        let gta = |sparsify: Vec<Sparsify>, consensus: bool, normalize: bool, rescale: bool| {
+            Ok::<_, anyhow::Error>(TensorRecipe {
+                weights: per("weight", None)?,
+                sparsify,
+                rescale: l.flag("rescale", rescale)?,
+                consensus,
+                normalize: l.flag("normalize", normalize)?,
+                lambda: l.number("lambda", None, Some(1.0))?,
+                base: BaseTerm::Add,
+            })
+        };
+        let densities = || per("density", Some(1.0));
+        let recipe = match kind {
+            Kind::TaskArithmetic | Kind::Ties | Kind::Breadcrumbs | Kind::BreadcrumbsTies => {
+                let d = densities()?;
+                let sparsify: Vec<Sparsify> = match kind {
+                    Kind::TaskArithmetic => vec![Sparsify::All; present.len()],
+                    Kind::Ties => d.iter().map(|&d| top_k(d, numel)).collect(),
+                    _ => {
+                        let g = per("gamma", Some(0.01))?;
+                        d.iter()
+                            .zip(&g)
+                            .map(|(&d, &g)| breadcrumbs(d, g, numel))
+                            .collect()
+                    }
+                };
+                let consensus = matches!(kind, Kind::Ties | Kind::BreadcrumbsTies);
+                gta(sparsify, consensus, kind == Kind::Ties, false)?
+            }
+            Kind::DareLinear | Kind::DareTies => {
+                let sparsify = densities()?
+                    .into_iter()
+                    .map(|density| {
+                        if density >= 1.0 {
+                            Sparsify::All
+                        } else {
+                            Sparsify::Random { density }
+                        }
+                    })
+                    .collect();
+                gta(sparsify, kind == Kind::DareTies, false, true)?
+            }
+            Kind::Linear => TensorRecipe {
+                weights: per("weight", None)?,
+                sparsify: vec![Sparsify::All; present.len()],
+                rescale: false,
+                consensus: false,
+                normalize: l.flag("normalize", true)?,
+                lambda: 1.0,
+                base: BaseTerm::None,
+            },
+            Kind::Passthrough => {
+                if present.len() != 1 {
+                    bail!("passthrough takes exactly one model, got {}", present.len());
+                }
+                TensorRecipe {
+                    weights: per("scale", Some(1.0))?,
+                    sparsify: vec![Sparsify::All],
+                    rescale: false,
+                    consensus: false,
+                    normalize: false,
+                    lambda: 1.0,
+                    base: BaseTerm::None,
+                }
+            }
+            Kind::ModelStock => {
+                if l.flag("filter_wise", false)? {
+                    bail!("model_stock with filter_wise: true is not supported yet");
+                }
+                TensorRecipe {
+                    weights: vec![1.0; present.len()],
+                    sparsify: vec![Sparsify::All; present.len()],
+                    rescale: false,
+                    consensus: false,
+                    normalize: false,
+                    lambda: 1.0,
+                    base: BaseTerm::ModelStock,
+                }
+            }
+            Kind::Slerp => TensorRecipe {
+                weights: vec![1.0; present.len()],
+                sparsify: vec![Sparsify::All; present.len()],
+                rescale: false,
+                consensus: false,
+                normalize: false,
+                lambda: 1.0,
+                base: BaseTerm::Slerp {
+                    t: l.number("t", None, None)?,
+                },
+            },
+            other => bail!(
+                "merge method '{}' is not implemented in rlmerge yet (see `rlmerge methods`)",
+                other.name()
+            ),
+        };
+        Ok(recipe)
+    }
+
+    /// Checks what can be checked before any tensor is read.
+    pub fn check(&self, agents: usize) -> Result<()> {
+        let kind = self.kind;
+        if !kind.implemented() {
+            bail!(
+                "merge method '{}' is not implemented in rlmerge yet (see `rlmerge methods`)",
+                kind.name()
+            );
+        }
+        let need = |ok: bool, what: &str| -> Result<()> {
+            if ok {
+                Ok(())
+            } else {
+                bail!(
+                    "{} needs {what}, got {agents} model(s) besides the base",
+                    kind.name()
+                )
+            }
+        };
+        match kind {
+            Kind::Slerp => need(agents == 1, "exactly one model besides the base")?,
+            Kind::ModelStock => need(agents >= 2, "at least two models besides the base")?,
+            Kind::Passthrough => need(agents == 1, "exactly one model")?,
+            _ => {}
+        }
+        let known: Vec<&str> = kind.params().iter().map(|p| p.name).collect();
+        let all = self.parameters.keys().map(|k| (k, None)).chain(
+            self.models
+                .iter()
+                .enumerate()
+                .flat_map(|(m, s)| s.keys().map(move |k| (k, Some(m)))),
+        );
+        for (key, model) in all {
+            if !known.contains(&key.as_str()) {
+                let place = model.map_or(String::new(), |m| format!(" of model {}", m + 1));
+                bail!(
+                    "unknown parameter '{key}'{place} for method {} (it takes: {})",
+                    kind.name(),
+                    known.join(", ")
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_follow_mergekit() {
+        let top = |hi| Sparsify::Ranks {
+            lo: 0,
+            hi,
+            high_first: false,
+        };
+        assert_eq!(top_k(0.5, 10), top(5));
+        assert_eq!(top_k(0.01, 10), top(1));
+        assert_eq!(top_k(1.0, 10), Sparsify::All);
+        // 100 elements, density 0.9, γ 0.05: drop the top 5, keep 90, drop the bottom 5.
+        let band = |lo, hi| Sparsify::Ranks {
+            lo,
+            hi,
+            high_first: true,
+        };
+        assert_eq!(breadcrumbs(0.9, 0.05, 100), band(5, 95));
+        // density 0.98 + γ 0.05 > 1: the bottom drop is 0, so the top drop shrinks to 2.
+        assert_eq!(breadcrumbs(0.98, 0.05, 100), band(2, 100));
+    }
+}

@@ -1,0 +1,199 @@
+//! Method parameters as mergekit recipes write them: a scalar, a gradient over the layers, or a
+//! list of `{filter, value}` picked by tensor name — resolved per tensor.
+
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// One value of a setting.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Scalar {
+    Bool(bool),
+    Number(f64),
+    Text(String),
+}
+
+/// A parameter setting (mergekit's `ParameterSetting`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Setting {
+    Scalar(Scalar),
+    /// Values spread evenly over the layers: layer position t ∈ [0, 1] interpolates numbers
+    /// linearly and picks booleans and strings by index.
+    Gradient(Vec<Scalar>),
+    /// The first entry whose filter is absent, `*`, or a substring of the tensor name.
+    Conditional(Vec<Conditional>),
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Conditional {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filter: Option<String>,
+    pub value: ConditionalValue,
+}
+
+/// A conditional's value: a scalar or a gradient (conditions do not nest).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ConditionalValue {
+    Scalar(Scalar),
+    Gradient(Vec<Scalar>),
+}
+
+/// Named settings, as under `parameters:`.
+pub type Settings = BTreeMap<String, Setting>;
+
+/// Where a tensor sits, for resolving settings: its name and its layer position t ∈ [0, 1]
+/// (layer i of L: i / (L − 1); tensors outside the layers: 0, as mergekit does).
+#[derive(Clone, Copy, Debug)]
+pub struct TensorPlace<'a> {
+    pub name: &'a str,
+    pub t: f64,
+}
+
+fn gradient(values: &[Scalar], t: f64) -> Option<Scalar> {
+    if values.is_empty() {
+        return None;
+    }
+    let numbers: Option<Vec<f64>> = values
+        .iter()
+        .map(|v| match v {
+            Scalar::Number(x) => Some(*x),
+            _ => None,
+        })
+        .collect();
+    let Some(numbers) = numbers else {
+        return Some(values[(t * (values.len() - 1) as f64) as usize].clone());
+    };
+    let scaled = t * (numbers.len() - 1) as f64;
+    let i0 = scaled as usize;
+    let i1 = (i0 + 1).min(numbers.len() - 1);
+    let frac = scaled - i0 as f64;
+    Some(Scalar::Number(
+        (1.0 - frac) * numbers[i0] + frac * numbers[i1],
+    ))
+}
+
+impl Setting {
+    /// The value for one tensor; `None` when no conditional matches (the parameter is unset).
+    pub fn resolve(&self, at: TensorPlace) -> Option<Scalar> {
+        match self {
+            Setting::Scalar(s) => Some(s.clone()),
+            Setting::Gradient(v) => gradient(v, at.t),
+            Setting::Conditional(list) => list
+                .iter()
+                .find(|c| match c.filter.as_deref() {
+                    None | Some("*") => true,
+                    Some(f) => at.name.contains(f),
+                })
+                .and_then(|c| match &c.value {
+                    ConditionalValue::Scalar(s) => Some(s.clone()),
+                    ConditionalValue::Gradient(v) => gradient(v, at.t),
+                }),
+        }
+    }
+}
+
+impl Scalar {
+    pub fn as_f64(&self, name: &str) -> Result<f64> {
+        match self {
+            Scalar::Number(x) => Ok(*x),
+            Scalar::Text(s) => match s.trim().parse::<f64>() {
+                Ok(x) => Ok(x),
+                Err(_) => bail!("parameter '{name}' must be a number, got '{s}'"),
+            },
+            Scalar::Bool(b) => bail!("parameter '{name}' must be a number, got {b}"),
+        }
+    }
+
+    pub fn as_bool(&self, name: &str) -> Result<bool> {
+        match self {
+            Scalar::Bool(b) => Ok(*b),
+            Scalar::Number(x) if *x == 0.0 || *x == 1.0 => Ok(*x == 1.0),
+            Scalar::Text(s) if s == "true" || s == "false" => Ok(s == "true"),
+            other => bail!("parameter '{name}' must be true or false, got {other:?}"),
+        }
+    }
+}
+
+/// The layer position t of a tensor: `(layer, layers)` from names like `model.layers.7.mlp…`.
+pub fn layer_index(name: &str) -> Option<usize> {
+    let parts: Vec<&str> = name.split('.').collect();
+    parts.windows(2).find_map(|w| {
+        matches!(w[0], "layers" | "h" | "blocks" | "layer")
+            .then(|| w[1].parse().ok())
+            .flatten()
+    })
+}
+
+/// t for layer `i` of `layers` (mergekit: i / (L − 1), 1 for a single layer; 0 outside layers).
+pub fn layer_t(layer: Option<usize>, layers: usize) -> f64 {
+    match layer {
+        None => 0.0,
+        Some(_) if layers <= 1 => 1.0,
+        Some(i) => i as f64 / (layers - 1) as f64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(name: &str, t: f64) -> TensorPlace<'_> {
+        TensorPlace { name, t }
+    }
+
+    #[test]
+    fn gradients_interpolate_over_layers() {
+        let g = Setting::Gradient(vec![
+            Scalar::Number(0.0),
+            Scalar::Number(0.5),
+            Scalar::Number(1.0),
+        ]);
+        // t = 0.25 → halfway between the first two points.
+        assert_eq!(g.resolve(at("x", 0.25)), Some(Scalar::Number(0.25)));
+        assert_eq!(g.resolve(at("x", 1.0)), Some(Scalar::Number(1.0)));
+        let g = Setting::Gradient(vec![
+            Scalar::Number(0.0),
+            Scalar::Number(0.3),
+            Scalar::Number(0.5),
+            Scalar::Number(0.7),
+            Scalar::Number(1.0),
+        ]);
+        // mergekit's slerp example: 5 points, layer 3 of 5 → t = 0.75 → 0.7.
+        let v = g.resolve(at("x", 0.75)).unwrap().as_f64("t").unwrap();
+        assert!((v - 0.7).abs() < 1e-12);
+    }
+
+    #[test]
+    fn filters_pick_the_first_match() {
+        let s: Setting = serde_yaml::from_str(
+            "- filter: self_attn\n  value: [0, 1]\n- filter: mlp\n  value: 0.3\n- value: 0.5\n",
+        )
+        .unwrap();
+        assert_eq!(
+            s.resolve(at("model.layers.0.self_attn.q_proj.weight", 1.0)),
+            Some(Scalar::Number(1.0))
+        );
+        assert_eq!(
+            s.resolve(at("model.layers.0.mlp.up_proj.weight", 0.0)),
+            Some(Scalar::Number(0.3))
+        );
+        assert_eq!(
+            s.resolve(at("lm_head.weight", 0.0)),
+            Some(Scalar::Number(0.5))
+        );
+    }
+
+    #[test]
+    fn layer_positions() {
+        assert_eq!(layer_index("model.layers.12.mlp.up_proj.weight"), Some(12));
+        assert_eq!(layer_index("transformer.h.3.attn.c_attn.weight"), Some(3));
+        assert_eq!(layer_index("model.embed_tokens.weight"), None);
+        assert_eq!(layer_t(Some(3), 4), 1.0);
+        assert_eq!(layer_t(None, 4), 0.0);
+        assert_eq!(layer_t(Some(0), 1), 1.0);
+    }
+}

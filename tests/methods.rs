@@ -1,0 +1,355 @@
+//! The mergekit-family methods through the CLI: hand-computed small cases (SPEC §4), DARE's kept
+//! fraction and L1 rescale measured statistically, mergekit's documented recipes run unchanged, and
+//! recipe errors.
+
+mod common;
+use common::*;
+use safetensors::tensor::Dtype;
+use std::path::{Path, PathBuf};
+
+fn t(name: &str, shape: &[usize], values: &[f32]) -> T {
+    T {
+        name: name.into(),
+        dtype: Dtype::F32,
+        shape: shape.to_vec(),
+        values: values.to_vec(),
+    }
+}
+
+/// Writes one-tensor f32 models `base`, `a`, `b`, … under `dir`.
+fn models(dir: &Path, shape: &[usize], base: &[f32], agents: &[&[f32]]) {
+    write_folder(&dir.join("base"), &[t("model.layers.0.w", shape, base)], 1);
+    for (i, a) in agents.iter().enumerate() {
+        let name = ((b'a' + i as u8) as char).to_string();
+        write_folder(&dir.join(name), &[t("model.layers.0.w", shape, a)], 1);
+    }
+}
+
+/// Runs recipe `yaml` in `dir` (model names relative to it) and returns the merged tensor.
+fn run(dir: &Path, yaml: &str, extra: &[&str]) -> Vec<f32> {
+    let recipe = dir.join("recipe.yml");
+    std::fs::write(&recipe, yaml).unwrap();
+    let out = dir.join("out");
+    rlmerge()
+        .current_dir(dir)
+        .args(["run", "recipe.yml", "-q", "--force", "-o", "out"])
+        .args(extra)
+        .assert()
+        .success();
+    let (dt, _, bytes) = read_folder(&out).remove("model.layers.0.w").unwrap();
+    from_bytes(dt, &bytes)
+}
+
+fn assert_close(got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+            "element {i}: got {g}, want {w} ({got:?})"
+        );
+    }
+}
+
+#[test]
+fn task_arithmetic_by_hand() {
+    let d = tempfile::tempdir().unwrap();
+    // τ_a = (1, 0, −2, 0), τ_b = (0.5, 1, 1, 0); Δ = τ_a + 0.5 τ_b = (1.25, 0.5, −1.5, 0); λ = 2.
+    models(
+        d.path(),
+        &[4],
+        &[1., 2., 3., 4.],
+        &[&[2., 2., 1., 4.], &[1.5, 3., 4., 4.]],
+    );
+    let y = "merge_method: task_arithmetic\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1}\n  - model: b\n    parameters: {weight: 0.5}\nparameters: {lambda: 2}\n";
+    assert_close(&run(d.path(), y, &[]), &[3.5, 3.0, 0.0, 4.0]);
+}
+
+#[test]
+fn ties_by_hand() {
+    let d = tempfile::tempdir().unwrap();
+    models(
+        d.path(),
+        &[4],
+        &[1., 2., 3., 4.],
+        &[&[2., 2., 1., 4.], &[1.5, 3., 4., 4.]],
+    );
+    // density 0.5 → k = 2. τ̂_a keeps |1| and |−2| (indices 0, 2); τ̂_b keeps the two 1s (1, 2).
+    // Σ = (1, 1, −1, 0): index 2 goes negative, so only a's −2 counts; index 3 has no change.
+    let y = "merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, density: 0.5}\n  - model: b\n    parameters: {weight: 1, density: 0.5}\n";
+    assert_close(&run(d.path(), y, &[]), &[2.0, 3.0, 1.0, 4.0]);
+    // Ties at the threshold go to the lower index: τ = (1, 1, 1, 1), k = 2 keeps indices 0 and 1.
+    models(d.path(), &[4], &[0.; 4], &[&[1.; 4], &[0.; 4]]);
+    assert_close(&run(d.path(), y, &[]), &[1.0, 1.0, 0.0, 0.0]);
+}
+
+#[test]
+fn breadcrumbs_by_hand() {
+    let d = tempfile::tempdir().unwrap();
+    let tau: Vec<f32> = (1..=10).map(|i| i as f32).collect();
+    models(d.path(), &[10], &[0.; 10], &[&tau]);
+    // 10 elements, density 0.5, γ 0.2: drop the 2 largest and the 3 smallest, keep 4..=8.
+    let y = "merge_method: breadcrumbs\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, density: 0.5, gamma: 0.2}\n";
+    assert_close(
+        &run(d.path(), y, &[]),
+        &[0., 0., 0., 4., 5., 6., 7., 8., 0., 0.],
+    );
+}
+
+#[test]
+fn linear_and_passthrough_by_hand() {
+    let d = tempfile::tempdir().unwrap();
+    models(d.path(), &[2], &[9., 9.], &[&[2., 4.], &[4., 8.]]);
+    // (1·2 + 3·4) / 4 = 3.5, (1·4 + 3·8) / 4 = 7; the base only gives the layout.
+    let y = "merge_method: linear\nmodels:\n  - model: a\n    parameters: {weight: 1}\n  - model: b\n    parameters: {weight: 3}\n";
+    assert_close(&run(d.path(), y, &[]), &[3.5, 7.0]);
+    let y = "merge_method: passthrough\nmodels:\n  - model: b\n    parameters: {scale: 0.5}\n";
+    assert_close(&run(d.path(), y, &[]), &[2.0, 4.0]);
+}
+
+#[test]
+fn slerp_by_hand() {
+    let d = tempfile::tempdir().unwrap();
+    // Row 0: orthogonal unit vectors, t = 0.5: both coefficients sin(π/4)/sin(π/2) = √½.
+    // Row 1: parallel rows: plain lerp, 0.5·(2, 0) + 0.5·(4, 0) = (3, 0).
+    models(d.path(), &[2, 2], &[1., 0., 2., 0.], &[&[0., 1., 4., 0.]]);
+    let y = "merge_method: slerp\nbase_model: base\nmodels:\n  - model: base\n  - model: a\nparameters:\n  t: 0.5\n";
+    let h = 0.5f32.sqrt();
+    assert_close(&run(d.path(), y, &[]), &[h, h, 3.0, 0.0]);
+}
+
+#[test]
+fn model_stock_by_hand() {
+    let d = tempfile::tempdir().unwrap();
+    // Parallel task vectors (cos 1): t = 2·1 / (1 + 1) = 1 → the mean of the models.
+    models(d.path(), &[2], &[0., 0.], &[&[1., 0.], &[2., 0.]]);
+    let y = "merge_method: model_stock\nbase_model: base\nmodels:\n  - model: a\n  - model: b\n";
+    assert_close(&run(d.path(), y, &[]), &[1.5, 0.0]);
+    // Orthogonal ones (cos 0): t = 0 → the base.
+    models(d.path(), &[2], &[5., 5.], &[&[6., 5.], &[5., 6.]]);
+    assert_close(&run(d.path(), y, &[]), &[5.0, 5.0]);
+}
+
+/// DARE keeps each element with probability `density` and rescales the survivors so the task
+/// vector's L1 norm is unchanged; the mask depends on the seed, never on tiling or backend.
+#[test]
+fn dare_keeps_density_and_l1_norm() {
+    let d = tempfile::tempdir().unwrap();
+    let n = 200_000;
+    let base = vec![0.0f32; n];
+    let tau: Vec<f32> = (0..n).map(|i| 0.01 * (1 + i % 7) as f32).collect();
+    models(d.path(), &[n], &base, &[&tau]);
+    for density in [0.1, 0.3, 0.8] {
+        let y = format!("merge_method: dare_linear\nbase_model: base\nmodels:\n  - model: a\n    parameters: {{weight: 1, density: {density}}}\n");
+        let out = run(d.path(), &y, &["--seed", "7"]);
+        let kept = out.iter().filter(|&&x| x != 0.0).count() as f64 / n as f64;
+        // Binomial: σ = √(p(1−p)/n) ≤ 0.0012; allow 5σ.
+        assert!(
+            (kept - density).abs() < 0.006,
+            "density {density}: kept {kept}"
+        );
+        let l1_in: f64 = tau.iter().map(|&x| x as f64).sum();
+        let l1_out: f64 = out.iter().map(|&x| x.abs() as f64).sum();
+        assert!(
+            (l1_out / l1_in - 1.0).abs() < 1e-5,
+            "density {density}: L1 {l1_out} vs {l1_in}"
+        );
+        // Kept elements are τ · ‖τ‖₁/‖m⊙τ‖₁, one factor for the tensor.
+        let factor = out
+            .iter()
+            .zip(&tau)
+            .find(|(o, _)| **o != 0.0)
+            .map(|(o, t)| o / t)
+            .unwrap();
+        assert!(
+            (factor as f64 - 1.0 / kept).abs() < 0.02 / density,
+            "factor {factor}"
+        );
+        // Same seed, other tiles: same bytes. Other seed: another mask.
+        assert_eq!(
+            run(d.path(), &y, &["--seed", "7", "--tile-elems", "4099"]),
+            out
+        );
+        assert_ne!(run(d.path(), &y, &["--seed", "8"]), out);
+    }
+}
+
+/// Every method and every tile size gives the same bytes (ranks, masks and statistics are
+/// computed over whole tensors, whatever the tiling).
+#[test]
+fn results_do_not_depend_on_tiles() {
+    let f = fixture(900, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 2);
+    for (i, (method, params)) in METHODS.iter().enumerate() {
+        let whole = f.dir.path().join(format!("{i}-{method}-whole"));
+        let small = f.dir.path().join(format!("{i}-{method}-small"));
+        let owned = method_args(method, params);
+        let args: Vec<&str> = owned.iter().map(String::as_str).collect();
+        merge_cmd(&f, &whole, &args).assert().success();
+        merge_cmd(&f, &small, &[&args[..], &["--tile-elems", "37"]].concat())
+            .assert()
+            .success();
+        assert_eq!(read_folder(&whole), read_folder(&small), "{method}");
+    }
+}
+
+/// The demo's Qwen2 folders, where the fixtures' model names point.
+fn demo_models() -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    rlmerge()
+        .args(["demo", "--write-only", "-q"])
+        .arg(d.path())
+        .assert()
+        .success();
+    d
+}
+
+fn fixtures() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/recipes");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yml"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// mergekit's documented recipes (ties, dare_ties, slerp, model_stock, linear, ram, and more) run
+/// unchanged; the recipe is saved as mergekit_config.yml, the output dtype follows `dtype`, and
+/// `rlmerge verify` accepts the result.
+#[test]
+fn mergekit_recipes_run_unchanged() {
+    let d = demo_models();
+    let names: Vec<String> = fixtures()
+        .iter()
+        .map(|p| p.file_stem().unwrap().to_string_lossy().into())
+        .collect();
+    for want in ["ties", "dare_ties", "slerp", "model_stock", "linear", "ram"] {
+        assert!(
+            names.iter().any(|n| n == want),
+            "fixture {want}.yml missing"
+        );
+    }
+    for recipe in fixtures() {
+        let name = recipe.file_stem().unwrap().to_string_lossy().to_string();
+        let out = d.path().join(format!("out-{name}"));
+        rlmerge()
+            .current_dir(d.path())
+            .arg("run")
+            .arg(&recipe)
+            .args(["-q", "-o"])
+            .arg(&out)
+            .assert()
+            .success();
+        let text = std::fs::read_to_string(&recipe).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(out.join("mergekit_config.yml")).unwrap(),
+            text,
+            "{name}"
+        );
+        let want = if text.contains("dtype: float16") {
+            Dtype::F16
+        } else if text.contains("dtype: float32") {
+            Dtype::F32
+        } else {
+            Dtype::BF16
+        };
+        for (tensor, (dt, _, _)) in read_folder(&out) {
+            assert_eq!(dt, want, "{name}: {tensor}");
+        }
+        rlmerge().arg("verify").arg(&out).assert().success();
+    }
+}
+
+/// `merge --config` is `run`.
+#[test]
+fn merge_config_equals_run() {
+    let d = demo_models();
+    let recipe = fixtures()
+        .into_iter()
+        .find(|p| p.ends_with("ties.yml"))
+        .unwrap();
+    for (i, cmd) in [&["run"][..], &["merge", "--config"][..]]
+        .iter()
+        .enumerate()
+    {
+        rlmerge()
+            .current_dir(d.path())
+            .args(*cmd)
+            .arg(&recipe)
+            .args(["-q", "-o", &format!("o{i}")])
+            .assert()
+            .success();
+    }
+    assert_eq!(
+        read_folder(&d.path().join("o0")),
+        read_folder(&d.path().join("o1"))
+    );
+}
+
+/// Recipe errors name the key and line, exit non-zero and leave no output.
+#[test]
+fn recipe_errors_are_clear() {
+    let d = tempfile::tempdir().unwrap();
+    models(d.path(), &[2], &[0., 0.], &[&[1., 0.], &[0., 1.]]);
+    let cases: [(&str, &[&str]); 7] = [
+        ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\nfrobnicate: 1\n", &["frobnicate", "line 5"]),
+        ("merge_method: ties\nbase_model: base\nmodules:\n  x: {}\n", &["modules", "not supported yet", "line 3"]),
+        ("merge_method: ties\nbase_model: base\nslices:\n  - sources:\n      - model: a\n        layer_range: [0, 1]\n", &["config.json"]),
+        ("merge_method: sce\nbase_model: base\nmodels:\n  - model: a\n", &["sce", "not implemented"]),
+        ("merge_method: nonsense\nmodels:\n  - model: a\n", &["unknown merge_method 'nonsense'", "line 1"]),
+        ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {density: 0.5}\n", &["needs parameter 'weight'", "model.layers.0.w"]),
+        ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, gamma: 0.1}\n", &["unknown parameter 'gamma'", "line 5"]),
+    ];
+    for (yaml, wants) in cases {
+        std::fs::write(d.path().join("r.yml"), yaml).unwrap();
+        let out = rlmerge()
+            .current_dir(d.path())
+            .args(["run", "r.yml", "-q", "-o", "out"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{yaml}");
+        for w in wants {
+            assert!(err.contains(w), "{yaml}: want '{w}' in: {err}");
+        }
+        assert!(!d.path().join("out").exists(), "{yaml}: output left behind");
+    }
+}
+
+#[test]
+fn methods_lists_every_method_with_parameters() {
+    let out = rlmerge().arg("methods").output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    for m in [
+        "linear",
+        "task_arithmetic",
+        "ties",
+        "dare_linear",
+        "dare_ties",
+        "breadcrumbs",
+        "breadcrumbs_ties",
+        "della",
+        "della_linear",
+        "model_stock",
+        "slerp",
+        "nuslerp",
+        "multislerp",
+        "karcher",
+        "sce",
+        "nearswap",
+        "passthrough",
+        "fisher",
+        "ram",
+        "ramplus_tl",
+    ] {
+        assert!(
+            text.lines().any(|l| l.starts_with(&format!("{m} "))),
+            "{m} missing:\n{text}"
+        );
+    }
+    assert!(
+        text.contains("density") && text.contains("arXiv:2306.01708"),
+        "{text}"
+    );
+}
