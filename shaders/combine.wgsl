@@ -61,7 +61,7 @@ fn keeps(t: u32, v: f32, idx: u32) -> bool {
             && !inside(key, idx, rules[r + 1u], rules[r + 2u], (flags & 1u) != 0u);
     }
     if (kind == 2u) {
-        let h = mix32(mix32(idx ^ rules[r + 6u]) + rules[r + 7u]);
+        let h = mix32(idx ^ rules[r + 6u]) ^ rules[r + 7u];
         return h < rules[r + 5u];
     }
     return true;

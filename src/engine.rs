@@ -11,13 +11,14 @@ use crate::checkpoint::{
 };
 use crate::method::combine::CombineSpec;
 use crate::method::settings::{layer_index, layer_t, TensorPlace};
-use crate::method::stats::{self, Values, Visit};
+use crate::method::stats::{self, AgentChunk, AgentVisit, Scans, Values, Visit, SCAN_CHUNK};
 use crate::method::{self, AgentCounts, BoostScope, Method, MethodConfig};
 use crate::recipe::{self, AgentSummary, InputChecksums, Recipe};
 use crate::report::{ProbeReport, TensorStats};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{channel, sync_channel, Receiver, SyncSender};
 use std::thread::JoinHandle;
@@ -256,7 +257,7 @@ fn for_each_tile(
     pass: &Pass,
     buffers: &mut TileBuffers,
     progress: &ProgressBar,
-    mut visit: impl FnMut(usize, u64, &Tile) -> Result<()>,
+    mut visit: impl FnMut(usize, u64, &Tile) -> Result<ControlFlow<()>>,
 ) -> Result<()> {
     let dtype = plan.base.entry.dtype;
     for (i, (start, len)) in ranges(plan.numel(), pass.tile_elems).enumerate() {
@@ -268,8 +269,11 @@ fn for_each_tile(
             base: &buffers.base,
             agents: &agents,
         };
-        visit(i, start as u64, &tile)?;
+        let flow = visit(i, start as u64, &tile)?;
         progress.inc((len * dtype.size() * (1 + present.len())) as u64);
+        if flow.is_break() {
+            break;
+        }
     }
     Ok(())
 }
@@ -298,7 +302,7 @@ fn probe_tensor(
                 .probe(tile, pass.epsilon)
                 .with_context(|| format!("probe of tensor '{}' failed at tile {i}", plan.name()))?;
             local.add(&counts);
-            Ok(())
+            Ok(ControlFlow::Continue(()))
         },
     )?;
     // Spread the present agents' rows into the N-wide global layout.
@@ -456,6 +460,9 @@ fn pass_base(tile: &Tile, out_dtype: DType, out: &mut [u8]) {
     }
 }
 
+/// Elements per tile of a statistics scan, at least.
+const SCAN_TILE_ELEMS: usize = 1 << 20;
+
 /// One tensor's combine rule: its settings resolved, then the statistics it needs gathered by
 /// scans over its tiles (on the CPU, in element order, so every backend merges with the same rule).
 fn combine_spec(
@@ -477,38 +484,17 @@ fn combine_spec(
         plan.name(),
         config.kind.name()
     );
-    let scan_pass = Pass {
-        scan_nonfinite: false,
-        ..pass.clone()
-    };
-    let hidden = ProgressBar::hidden();
-    let n = present.len();
-    let (mut base, mut x, mut tau) = (Vec::new(), vec![Vec::new(); n], vec![Vec::new(); n]);
-    let mut scan = |visit: &mut Visit| -> Result<()> {
-        for_each_tile(
-            inputs,
-            plan,
-            present,
-            &scan_pass,
-            buffers,
-            &hidden,
-            |_, start, tile| {
-                base.resize(tile.len, 0.0);
-                decode(tile.dtype, tile.base, &mut base);
-                for t in 0..n {
-                    x[t].resize(tile.len, 0.0);
-                    decode(tile.dtype, tile.agents[t], &mut x[t]);
-                    tau[t].clear();
-                    tau[t].extend(x[t].iter().zip(&base).map(|(a, b)| a - b));
-                }
-                visit(&Values {
-                    start,
-                    base: &base,
-                    x: &x,
-                    tau: &tau,
-                })
-            },
-        )
+    let mut scans = TensorScans {
+        inputs,
+        plan,
+        present,
+        // Larger tiles than the merge's: fewer parallel steps (the merge pass scans for NaN/Inf).
+        pass: Pass {
+            scan_nonfinite: false,
+            tile_elems: pass.tile_elems.max(SCAN_TILE_ELEMS),
+            ..pass.clone()
+        },
+        buffers,
     };
     stats::build_spec(
         &recipe,
@@ -517,9 +503,106 @@ fn combine_spec(
         config.seed,
         plan.name(),
         present,
-        &mut scan,
+        &mut scans,
     )
     .with_context(|| format!("statistics of tensor '{}'", plan.name()))
+}
+
+/// The statistics scans of one tensor, over the same tile reads as the merge pass.
+struct TensorScans<'a> {
+    inputs: &'a Inputs,
+    plan: &'a TensorPlan,
+    present: &'a [usize],
+    pass: Pass,
+    buffers: &'a mut TileBuffers,
+}
+
+impl Scans for TensorScans<'_> {
+    fn tiles(&mut self, visit: &mut Visit) -> Result<()> {
+        let n = self.present.len();
+        let (mut base, mut x, mut tau) = (Vec::new(), vec![Vec::new(); n], vec![Vec::new(); n]);
+        let hidden = ProgressBar::hidden();
+        for_each_tile(
+            self.inputs,
+            self.plan,
+            self.present,
+            &self.pass,
+            self.buffers,
+            &hidden,
+            |_, start, tile| {
+                base.resize(tile.len, 0.0);
+                decode(tile.dtype, tile.base, &mut base);
+                let base_values = &base;
+                x.par_iter_mut()
+                    .zip(tau.par_iter_mut())
+                    .zip(tile.agents.par_iter())
+                    .for_each(|((x, tau), bytes)| {
+                        x.resize(tile.len, 0.0);
+                        decode(tile.dtype, bytes, x);
+                        tau.clear();
+                        tau.extend(x.iter().zip(base_values).map(|(a, b)| a - b));
+                    });
+                visit(&Values {
+                    start,
+                    base: &base,
+                    x: &x,
+                    tau: &tau,
+                })
+            },
+        )
+    }
+
+    fn per_agent(&mut self, visit: &AgentVisit) -> Result<()> {
+        let mut done = vec![false; self.present.len()];
+        let hidden = ProgressBar::hidden();
+        for_each_tile(
+            self.inputs,
+            self.plan,
+            self.present,
+            &self.pass,
+            self.buffers,
+            &hidden,
+            |_, start, tile| {
+                let size = tile.dtype.size();
+                let flows: Vec<bool> = (0..done.len())
+                    .into_par_iter()
+                    .map(|t| {
+                        if done[t] {
+                            return true;
+                        }
+                        let mut scratch = [[0.0f32; SCAN_CHUNK]; 3];
+                        let [base, x, tau] = &mut scratch;
+                        for (cs, cl) in ranges(tile.len, SCAN_CHUNK) {
+                            let bytes = cs * size..(cs + cl) * size;
+                            decode(tile.dtype, &tile.base[bytes.clone()], &mut base[..cl]);
+                            decode(tile.dtype, &tile.agents[t][bytes], &mut x[..cl]);
+                            for ((d, &a), &b) in tau.iter_mut().zip(&x[..cl]).zip(&base[..cl]) {
+                                *d = a - b;
+                            }
+                            let chunk = AgentChunk {
+                                start: start + cs as u64,
+                                base: &base[..cl],
+                                x: &x[..cl],
+                                tau: &tau[..cl],
+                            };
+                            if visit(t, &chunk).is_break() {
+                                return true;
+                            }
+                        }
+                        false
+                    })
+                    .collect();
+                for (d, f) in done.iter_mut().zip(flows) {
+                    *d |= f;
+                }
+                Ok(if done.iter().all(|&d| d) {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                })
+            },
+        )
+    }
 }
 
 /// Runs the merge into `out_dir`, which appears only when everything is written.
@@ -630,7 +713,8 @@ pub fn merge(
                             })?
                         }
                     }
-                    writer.write(plan.name(), out)
+                    writer.write(plan.name(), out)?;
+                    Ok(ControlFlow::Continue(()))
                 },
             )?;
             continue;
@@ -669,7 +753,8 @@ pub fn merge(
                 backend.merge(tile, &params, &mut out).with_context(|| {
                     format!("merge of tensor '{}' failed at tile {i}", plan.name())
                 })?;
-                writer.write(plan.name(), out)
+                writer.write(plan.name(), out)?;
+                Ok(ControlFlow::Continue(()))
             },
         )?;
     }

@@ -123,6 +123,7 @@ struct CombineScratch {
     sum: Vec<f32>,
     delta: Vec<f32>,
     mask: Vec<u64>,
+    keep: Vec<u32>,
 }
 
 impl CombineScratch {
@@ -134,6 +135,7 @@ impl CombineScratch {
             sum: vec![0.0; CHUNK],
             delta: vec![0.0; CHUNK],
             mask: vec![0; CHUNK],
+            keep: vec![0; CHUNK],
         }
     }
 }
@@ -160,38 +162,57 @@ fn combine_chunk(
     sum.fill(0.0);
     // One coefficient row for the whole tensor, or a lookup per element.
     let fixed_row = (spec.row_len == 0).then(|| spec.row(0));
-    let coef = |i: usize, t: usize| -> f32 {
-        match fixed_row {
-            Some(row) => row[t],
-            None => spec.row(first + i as u64)[t],
-        }
-    };
+    let coef = |i: usize, t: usize| -> f32 { spec.row(first + i as u64)[t] };
     for (t, bytes) in tile.agents.iter().enumerate() {
         decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);
         let d = &mut s.d[t * CHUNK..t * CHUNK + len];
-        let keep = spec.keep[t];
-        for (i, ((d, &x), &b)) in d.iter_mut().zip(agent.iter()).zip(base.iter()).enumerate() {
-            let v = if spec.delta { x - b } else { x };
-            let kept = keep.keeps(v, (first + i as u64) as u32);
-            *d = if kept { v * coef(i, 1 + t) } else { 0.0 };
+        // v_t, its keep mask, then d_t = v·c where kept (a select on bits, not a branch).
+        if spec.delta {
+            for ((d, &x), &b) in d.iter_mut().zip(agent.iter()).zip(base.iter()) {
+                *d = x - b;
+            }
+        } else {
+            d.copy_from_slice(agent);
+        }
+        let keep = &mut s.keep[..len];
+        spec.keep[t].mask_into(d, first as u32, keep);
+        match fixed_row {
+            Some(row) => {
+                let c = row[1 + t];
+                for (d, &m) in d.iter_mut().zip(keep.iter()) {
+                    *d = f32::from_bits((*d * c).to_bits() & m);
+                }
+            }
+            None => {
+                for (i, (d, &m)) in d.iter_mut().zip(keep.iter()).enumerate() {
+                    *d = f32::from_bits((*d * coef(i, 1 + t)).to_bits() & m);
+                }
+            }
         }
         for (s, &d) in sum.iter_mut().zip(d.iter()) {
             *s += d;
         }
     }
+    // Without consensus every d_t counts: Δ is the sum just taken, in the same order.
     let delta = &mut s.delta[..len];
     let mask = &mut s.mask[..len];
-    delta.fill(0.0);
-    mask.fill(0);
-    for t in 0..n {
-        let d = &s.d[t * CHUNK..t * CHUNK + len];
-        for (((acc, m), &d), &s) in delta.iter_mut().zip(mask.iter_mut()).zip(d).zip(sum.iter()) {
-            let agrees = !spec.consensus || if s >= 0.0 { d > 0.0 } else { d < 0.0 };
-            if agrees {
-                *acc += d;
-                *m |= 1 << t;
+    if spec.consensus {
+        delta.fill(0.0);
+        mask.fill(0);
+        for t in 0..n {
+            let d = &s.d[t * CHUNK..t * CHUNK + len];
+            for (((acc, m), &d), &s) in delta.iter_mut().zip(mask.iter_mut()).zip(d).zip(sum.iter())
+            {
+                let agrees = (s >= 0.0 && d > 0.0) | (s < 0.0 && d < 0.0);
+                // Adding +0.0 for a disagreeing d is exact: Δ is never −0.0 (it starts at +0.0 and
+                // only non-zero d are added).
+                let bits = (agrees as u32).wrapping_neg();
+                *acc += f32::from_bits(d.to_bits() & bits);
+                *m |= (agrees as u64) << t;
             }
         }
+    } else {
+        delta.copy_from_slice(sum);
     }
     match &spec.normalize {
         Normalize::None => {}
@@ -210,13 +231,7 @@ fn combine_chunk(
         delta.iter_mut().for_each(|x| *x *= spec.lambda);
     }
     let result = &mut s.sum[..len];
-    for (i, ((r, &b), &d)) in result
-        .iter_mut()
-        .zip(base.iter())
-        .zip(delta.iter())
-        .enumerate()
-    {
-        let bc = coef(i, 0);
+    let base_term = |r: &mut f32, b: f32, d: f32, bc: f32| {
         *r = if bc == 0.0 {
             d
         } else if bc == 1.0 {
@@ -224,6 +239,24 @@ fn combine_chunk(
         } else {
             bc * b + d
         };
+    };
+    match fixed_row.map(|row| row[0]) {
+        Some(0.0) => result.copy_from_slice(delta),
+        Some(1.0) => {
+            for ((r, &b), &d) in result.iter_mut().zip(base.iter()).zip(delta.iter()) {
+                *r = b + d;
+            }
+        }
+        _ => {
+            for (i, ((r, &b), &d)) in result
+                .iter_mut()
+                .zip(base.iter())
+                .zip(delta.iter())
+                .enumerate()
+            {
+                base_term(r, b, d, coef(i, 0));
+            }
+        }
     }
     encode(p.out_dtype, result, out);
 }

@@ -72,10 +72,11 @@ pub fn mix32(mut x: u32) -> u32 {
 }
 
 /// The per-element hash of DARE-style random masks: a function of (seed, tensor, agent) through
-/// `key` and of the element's index in the tensor only — never of tiles or backends.
+/// `key` and of the element's index in the tensor only — never of tiles or backends. One mixing
+/// round: distinct indices give distinct inputs, and lowbias32 spreads them.
 #[inline]
 pub fn element_hash(key: [u32; 2], idx: u32) -> u32 {
-    mix32(mix32(idx ^ key[0]).wrapping_add(key[1]))
+    mix32(idx ^ key[0]) ^ key[1]
 }
 
 /// The (seed, tensor name, agent) part of the hash, computed on the host.
@@ -97,12 +98,52 @@ fn splitmix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// All ones where `element_hash(key, first + i) < threshold`: integer arithmetic only, so the AVX2
+/// build where the CPU has it gives the same bits as the baseline one.
+fn random_mask(key: [u32; 2], threshold: u32, first: u32, out: &mut [u32]) {
+    #[inline(always)]
+    fn body(key: [u32; 2], threshold: u32, first: u32, out: &mut [u32]) {
+        for (i, m) in out.iter_mut().enumerate() {
+            let h = element_hash(key, first.wrapping_add(i as u32));
+            *m = ((h < threshold) as u32).wrapping_neg();
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        fn avx2(key: [u32; 2], threshold: u32, first: u32, out: &mut [u32]) {
+            body(key, threshold, first, out)
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            return unsafe { avx2(key, threshold, first, out) };
+        }
+    }
+    body(key, threshold, first, out)
+}
+
 /// The keep threshold of a Bernoulli(density) mask.
 pub fn random_threshold(density: f64) -> u32 {
     (density.clamp(0.0, 1.0) * 4_294_967_296.0).min(u32::MAX as f64) as u32
 }
 
 impl Keep {
+    /// `out[i]` = all ones where element `first + i` with value `v[i]` is kept, else 0: the
+    /// vectorizable bulk form of [`Keep::keeps`], one loop per rule.
+    pub fn mask_into(&self, v: &[f32], first: u32, out: &mut [u32]) {
+        let idx = |i: usize| first.wrapping_add(i as u32);
+        match *self {
+            Keep::All => out.fill(u32::MAX),
+            Keep::Band { lo, hi } => {
+                for (i, (m, &x)) in out.iter_mut().zip(v).enumerate() {
+                    let key = magnitude_key(x);
+                    *m = ((hi.inside(key, idx(i)) & !lo.inside(key, idx(i))) as u32).wrapping_neg();
+                }
+            }
+            Keep::Random { threshold, key } => random_mask(key, threshold, first, out),
+        }
+    }
+
     #[inline]
     pub fn keeps(&self, v: f32, idx: u32) -> bool {
         match *self {

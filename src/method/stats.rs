@@ -8,6 +8,9 @@ use super::combine::{
 };
 use super::plan::{BaseTerm, Sparsify, TensorRecipe};
 use anyhow::Result;
+use rayon::prelude::*;
+use std::ops::ControlFlow;
+use std::sync::Mutex;
 
 /// One tile's values: `base` = θ₀, `x[t]` = θ_t, `tau[t]` = θ_t − θ₀ in f32; `start` = tensor
 /// index of element 0.
@@ -18,9 +21,20 @@ pub struct Values<'a> {
     pub tau: &'a [Vec<f32>],
 }
 
-impl Values<'_> {
-    /// What the method sparsifies: task vectors or the models themselves.
-    fn v(&self, delta: bool) -> &[Vec<f32>] {
+/// What a whole-tile scan does with each tile: `Break` ends the scan early.
+pub type Visit<'v> = dyn FnMut(&Values) -> Result<ControlFlow<()>> + 'v;
+
+/// One agent's values over a short run of elements (cache-sized).
+pub struct AgentChunk<'a> {
+    /// Tensor index of element 0.
+    pub start: u64,
+    pub base: &'a [f32],
+    pub x: &'a [f32],
+    pub tau: &'a [f32],
+}
+
+impl AgentChunk<'_> {
+    fn v(&self, delta: bool) -> &[f32] {
         if delta {
             self.tau
         } else {
@@ -29,112 +43,273 @@ impl Values<'_> {
     }
 }
 
-/// What a scan does with each tile.
-pub type Visit<'v> = dyn FnMut(&Values) -> Result<()> + 'v;
+/// What a per-agent scan does with agent `t`'s next chunk: `Break` when that agent is done.
+pub type AgentVisit<'v> = dyn Fn(usize, &AgentChunk) -> ControlFlow<()> + Sync + 'v;
 
-/// Runs the visit over every tile of the tensor, in order.
-pub type Scan<'s> = dyn FnMut(&mut Visit) -> Result<()> + 's;
+/// The two ways to scan a tensor's tiles.
+pub trait Scans {
+    /// Whole tiles in order, every agent at once (for statistics across agents).
+    fn tiles(&mut self, visit: &mut Visit) -> Result<()>;
+    /// Each agent's values in element order, chunk by chunk, agents in parallel; ends when every
+    /// agent is done or the tensor is.
+    fn per_agent(&mut self, visit: &AgentVisit) -> Result<()>;
+}
+
+/// Per-agent state of a per-agent scan: each agent's state is only touched by the thread running
+/// that agent, so its lock is never contended.
+fn states<S>(items: impl IntoIterator<Item = S>) -> Vec<Mutex<S>> {
+    items.into_iter().map(Mutex::new).collect()
+}
+
+fn unlock<S>(m: Mutex<S>) -> S {
+    m.into_inner().unwrap_or_else(|p| p.into_inner())
+}
+
+fn lock<S>(m: &Mutex<S>) -> std::sync::MutexGuard<'_, S> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 const BINS: usize = 1 << 16;
 
+/// Up to this many elements in a threshold's histogram bin are remembered in the second pass
+/// (low bits and index, 8 bytes each), so ties at the threshold resolve without a third pass.
+const BIN_MEMORY: u64 = 1 << 22;
+
+/// Walks down from the largest bin to the one holding rank k − 1: (bin, elements above it).
+fn locate(h: &[u64], k: u64) -> (usize, u64) {
+    let mut above = 0u64;
+    for bin in (0..h.len()).rev() {
+        if above + h[bin] >= k {
+            return (bin, above);
+        }
+        above += h[bin];
+    }
+    unreachable!("k is at most the element count")
+}
+
+/// Calls `f(index, key)` for each element with a non-zero magnitude key: a bit mask per 64
+/// elements first (vectorizable), then only the set bits — cheap on sparse task vectors.
+fn for_each_nonzero(v: &[f32], mut f: impl FnMut(usize, u32)) {
+    for (block, x) in v.chunks(64).enumerate() {
+        let mut bits = 0u64;
+        for (i, &e) in x.iter().enumerate() {
+            bits |= ((magnitude_key(e) != 0) as u64) << i;
+        }
+        while bits != 0 {
+            let i = bits.trailing_zeros() as usize;
+            f(block * 64 + i, magnitude_key(x[i]));
+            bits &= bits - 1;
+        }
+    }
+}
+
+fn nonzero_count(v: &[f32]) -> u64 {
+    v.iter().map(|&e| (magnitude_key(e) != 0) as u64).sum()
+}
+
+/// The third pass's search for where cut `cut` splits the elements tied at key `key`: the index
+/// just past the `m`-th of them.
+struct TieSearch {
+    cut: usize,
+    key: u32,
+    m: u64,
+    seen: u64,
+    found: Option<u32>,
+}
+
+/// The second pass's record of one cut's bin.
+struct BinScan {
+    agent: usize,
+    bin: u32,
+    low: Vec<u64>,
+    /// (low 16 bits, index) of every element in the bin, in index order, when it has few enough.
+    members: Option<Vec<(u16, u32)>>,
+}
+
 /// Resolves rank cuts (`(agent, k, high_first)`, 0 < k < n: the k largest, ties at the threshold
-/// to the lower index first unless `high_first`) to exact thresholds.
+/// to the lower index first unless `high_first`) to exact thresholds: a histogram of the keys'
+/// high 16 bits, then of the low 16 bits within the threshold's bin — two scans, and a third
+/// (stopping early) only when a cut splits a tie in a bin too full to remember.
 fn rank_cuts(
-    scan: &mut Scan,
+    scan: &mut dyn Scans,
     delta: bool,
     agents: usize,
     wanted: &[(usize, u64, bool)],
+) -> Result<Vec<RankCut>> {
+    rank_cuts_remembering(scan, delta, agents, wanted, BIN_MEMORY)
+}
+
+/// [`rank_cuts`], remembering bins of at most `bin_memory` elements.
+fn rank_cuts_remembering(
+    scan: &mut dyn Scans,
+    delta: bool,
+    agents: usize,
+    wanted: &[(usize, u64, bool)],
+    bin_memory: u64,
 ) -> Result<Vec<RankCut>> {
     if wanted.is_empty() {
         return Ok(Vec::new());
     }
     // Pass 1: histogram of the high 16 bits of each wanted agent's magnitude keys.
-    let mut high = vec![Vec::new(); agents];
-    for &(t, _, _) in wanted {
-        high[t] = vec![0u64; BINS];
-    }
-    scan(&mut |tile| {
-        for (t, h) in high.iter_mut().enumerate().filter(|(_, h)| !h.is_empty()) {
-            for &x in &tile.v(delta)[t] {
-                h[(magnitude_key(x) >> 16) as usize] += 1;
-            }
+    let cut_agent = |t: usize| wanted.iter().any(|w| w.0 == t);
+    // Zeros are counted by difference: RL task vectors are mostly zero, and counting them one by
+    // one would serialize on a single counter.
+    let high = states((0..agents).map(|t| {
+        if cut_agent(t) {
+            (vec![0u64; BINS], 0u64)
+        } else {
+            (Vec::new(), 0)
         }
-        Ok(())
+    }));
+    scan.per_agent(&|t, c| {
+        if !cut_agent(t) {
+            return ControlFlow::Break(());
+        }
+        let mut guard = lock(&high[t]);
+        let (h, seen) = &mut *guard;
+        let v = c.v(delta);
+        *seen += v.len() as u64;
+        for_each_nonzero(v, |_, key| h[(key >> 16) as usize] += 1);
+        ControlFlow::Continue(())
     })?;
-    // Walk down from the largest bin to the one holding rank k − 1.
-    let locate = |h: &[u64], k: u64| -> (usize, u64) {
-        let mut above = 0u64;
-        for bin in (0..h.len()).rev() {
-            if above + h[bin] >= k {
-                return (bin, above);
+    let high: Vec<Vec<u64>> = high
+        .into_iter()
+        .map(|m| {
+            let (mut h, seen) = unlock(m);
+            if !h.is_empty() {
+                let counted: u64 = h.iter().sum();
+                h[0] += seen - counted;
             }
-            above += h[bin];
-        }
-        unreachable!("k is at most the element count")
-    };
+            h
+        })
+        .collect();
+    let hist_of = |t: usize| &high[t];
     let coarse: Vec<(usize, u64)> = wanted
         .iter()
-        .map(|&(t, k, _)| locate(&high[t], k))
+        .map(|&(t, k, _)| locate(hist_of(t), k))
+        .collect();
+    // Pass 2: within each cut's bin, a histogram of the low 16 bits (and the members).
+    let bins: Vec<BinScan> = wanted
+        .iter()
+        .zip(&coarse)
+        .map(|(&(t, _, _), &(bin, _))| BinScan {
+            agent: t,
+            bin: bin as u32,
+            low: vec![0u64; BINS],
+            members: (hist_of(t)[bin] <= bin_memory).then(Vec::new),
+        })
         .collect();
     drop(high);
-    // Pass 2: within each cut's bin, a histogram of the low 16 bits.
-    let mut low = vec![vec![0u64; BINS]; wanted.len()];
-    scan(&mut |tile| {
-        for (c, &(t, _, _)) in wanted.iter().enumerate() {
-            let bin = coarse[c].0 as u32;
-            for &x in &tile.v(delta)[t] {
-                let key = magnitude_key(x);
-                if key >> 16 == bin {
-                    low[c][(key & 0xffff) as usize] += 1;
+    // Each agent's cuts, as that agent's state.
+    let mut per_agent: Vec<Vec<BinScan>> = (0..agents).map(|_| Vec::new()).collect();
+    for b in bins {
+        per_agent[b.agent].push(b);
+    }
+    let per_agent = states(per_agent);
+    scan.per_agent(&|t, c| {
+        let mut bins = lock(&per_agent[t]);
+        if bins.is_empty() {
+            return ControlFlow::Break(());
+        }
+        for b in bins.iter_mut() {
+            let v = c.v(delta);
+            // Zeros (in bin 0) are counted by difference, and never needed as members (below).
+            for_each_nonzero(v, |j, key| {
+                if key >> 16 == b.bin {
+                    b.low[(key & 0xffff) as usize] += 1;
+                    if let Some(m) = &mut b.members {
+                        m.push((key as u16, (c.start + j as u64) as u32));
+                    }
                 }
+            });
+            if b.bin == 0 {
+                let zeros = v.len() as u64 - nonzero_count(v);
+                b.low[0] += zeros;
             }
         }
-        Ok(())
+        ControlFlow::Continue(())
     })?;
+    // Back in the order of `wanted` (each agent's cuts kept their relative order).
+    let mut per_agent: Vec<std::vec::IntoIter<BinScan>> = per_agent
+        .into_iter()
+        .map(|m| unlock(m).into_iter())
+        .collect();
+    let bins: Vec<BinScan> = wanted
+        .iter()
+        .map(|w| per_agent[w.0].next().expect("one bin per cut"))
+        .collect();
     let mut cuts = Vec::with_capacity(wanted.len());
     // (cut, agent, key, m): the cut's index goes just past the m-th tied element in index order.
     let mut ties = Vec::new();
     for (c, &(t, k, high_first)) in wanted.iter().enumerate() {
         let (bin, above) = coarse[c];
-        let (fine, gt) = locate(&low[c], k - above);
+        let b = &bins[c];
+        let (fine, gt) = locate(&b.low, k - above);
         let key = ((bin as u32) << 16) | fine as u32;
         let need = k - above - gt;
-        let equal = low[c][fine];
+        let equal = b.low[fine];
         // Lower first: the first `need` tied elements are inside. Higher first: all but the first
         // `equal − need`.
         let m = if high_first { equal - need } else { need };
-        let all_or_none = if high_first { 0 } else { u32::MAX };
+        let mut index = if high_first { 0 } else { u32::MAX };
+        // A threshold of exactly zero: which zeros count as kept changes nothing (a kept zero adds
+        // ±0, never agrees in a consensus, and no sum starts at −0), so no split is searched.
+        if m > 0 && m < equal && key != 0 {
+            match &b.members {
+                Some(members) => {
+                    let split = members
+                        .iter()
+                        .filter(|&&(low, _)| low as usize == fine)
+                        .nth(m as usize - 1)
+                        .expect("the bin holds `equal` tied elements");
+                    index = split.1 + 1;
+                }
+                None => ties.push((c, t, key, m)),
+            }
+        }
         cuts.push(RankCut {
             value: key,
-            index: all_or_none,
+            index,
             high_first,
         });
-        if m > 0 && m < equal {
-            ties.push((c, t, key, m));
-        }
     }
     if ties.is_empty() {
         return Ok(cuts);
     }
-    // Pass 3: where a cut splits the elements tied at its threshold, the index of the split.
-    let mut seen = vec![0u64; ties.len()];
-    scan(&mut |tile| {
-        for (i, &(c, t, key, need)) in ties.iter().enumerate() {
-            if seen[i] >= need {
-                continue;
-            }
-            for (j, &x) in tile.v(delta)[t].iter().enumerate() {
-                if magnitude_key(x) == key {
-                    seen[i] += 1;
-                    if seen[i] == need {
-                        cuts[c].index = (tile.start + j as u64 + 1) as u32;
+    // Pass 3: where a cut splits a tie the second pass could not remember, the index of the split.
+    let mut searches: Vec<Vec<TieSearch>> = (0..agents).map(|_| Vec::new()).collect();
+    for &(cut, t, key, m) in &ties {
+        searches[t].push(TieSearch {
+            cut,
+            key,
+            m,
+            seen: 0,
+            found: None,
+        });
+    }
+    let searches = states(searches);
+    scan.per_agent(&|t, chunk| {
+        let mut open = lock(&searches[t]);
+        for s in open.iter_mut().filter(|s| s.found.is_none()) {
+            for (j, &x) in chunk.v(delta).iter().enumerate() {
+                if magnitude_key(x) == s.key {
+                    s.seen += 1;
+                    if s.seen == s.m {
+                        s.found = Some((chunk.start + j as u64 + 1) as u32);
                         break;
                     }
                 }
             }
         }
-        Ok(())
+        if open.iter().all(|s| s.found.is_some()) {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
     })?;
+    for s in searches.into_iter().flat_map(unlock) {
+        cuts[s.cut].index = s.found.expect("the split lies within the tensor");
+    }
     Ok(cuts)
 }
 
@@ -158,7 +333,7 @@ pub fn build_spec(
     seed: u64,
     name: &str,
     present: &[usize],
-    scan: &mut Scan,
+    scan: &mut dyn Scans,
 ) -> Result<CombineSpec> {
     let n = recipe.weights.len();
     let delta = recipe.base == BaseTerm::Add;
@@ -211,40 +386,55 @@ pub fn build_spec(
     let want_rows = matches!(recipe.base, BaseTerm::Slerp { .. });
     let mut l1 = vec![(0.0f64, 0.0f64); n];
     let mut gram = vec![0.0f64; n * n];
+    let pairs: Vec<(usize, usize)> = (0..n).flat_map(|a| (a..n).map(move |b| (a, b))).collect();
     let mut row_moments = vec![[0.0f64; 3]; if want_rows { rows } else { 0 }];
-    if want_l1 || want_gram || want_rows {
-        scan(&mut |tile| {
-            for t in (0..n).filter(|&t| rescale[t]) {
-                let (all, kept) = &mut l1[t];
-                for (j, &x) in tile.v(delta)[t].iter().enumerate() {
-                    let a = (x as f64).abs();
-                    *all += a;
-                    if keep[t].keeps(x, (tile.start + j as u64) as u32) {
-                        *kept += a;
-                    }
-                }
+    if want_l1 || want_rows {
+        let l1_state = states(l1.iter().copied());
+        let rows_state = Mutex::new(std::mem::take(&mut row_moments));
+        scan.per_agent(&|t, c| {
+            if rescale[t] {
+                let v = c.v(delta);
+                let mut mask = [0u32; SCAN_CHUNK];
+                let mask = &mut mask[..v.len()];
+                keep[t].mask_into(v, c.start as u32, mask);
+                let mut l = lock(&l1_state[t]);
+                l.0 += abs_sum(v, None);
+                l.1 += abs_sum(v, Some(mask));
             }
-            if want_gram {
-                for a in 0..n {
-                    for b in a..n {
-                        let dot: f64 = tile.tau[a]
-                            .iter()
-                            .zip(&tile.tau[b])
-                            .map(|(&x, &y)| x as f64 * y as f64)
-                            .sum();
-                        gram[a * n + b] += dot;
-                    }
-                }
-            }
-            if want_rows {
-                for (j, (&b, &x)) in tile.base.iter().zip(&tile.x[0]).enumerate() {
-                    let m = &mut row_moments[((tile.start + j as u64) / row_len) as usize];
+            if want_rows && t == 0 {
+                let mut rows = lock(&rows_state);
+                for (j, (&b, &x)) in c.base.iter().zip(c.x).enumerate() {
+                    let m = &mut rows[((c.start + j as u64) / row_len) as usize];
                     m[0] += b as f64 * b as f64;
                     m[1] += x as f64 * x as f64;
                     m[2] += b as f64 * x as f64;
                 }
             }
-            Ok(())
+            if rescale[t] || (want_rows && t == 0) {
+                ControlFlow::Continue(())
+            } else {
+                ControlFlow::Break(())
+            }
+        })?;
+        l1 = l1_state.into_iter().map(unlock).collect();
+        row_moments = unlock(rows_state);
+    }
+    if want_gram {
+        scan.tiles(&mut |tile| {
+            let dots: Vec<f64> = pairs
+                .par_iter()
+                .map(|&(a, b)| {
+                    tile.tau[a]
+                        .iter()
+                        .zip(&tile.tau[b])
+                        .map(|(&x, &y)| x as f64 * y as f64)
+                        .sum()
+                })
+                .collect();
+            for (&(a, b), dot) in pairs.iter().zip(dots) {
+                gram[a * n + b] += dot;
+            }
+            Ok(ControlFlow::Continue(()))
         })?;
     }
 
@@ -299,6 +489,32 @@ pub fn build_spec(
     })
 }
 
+/// Elements per chunk of a per-agent scan: a few arrays of it stay in L1.
+pub const SCAN_CHUNK: usize = 4096;
+
+/// Σ|x| (of the kept x when `mask` is given) over a chunk: eight f32 lanes over eight elements
+/// each, then f64 — a fixed order, so every run and thread count gives the same sum.
+fn abs_sum(values: &[f32], mask: Option<&[u32]>) -> f64 {
+    let mut total = 0.0f64;
+    for (block, x) in values.chunks(64).enumerate() {
+        let mut lanes = [0.0f32; 8];
+        match mask {
+            None => {
+                for (i, &v) in x.iter().enumerate() {
+                    lanes[i % 8] += v.abs();
+                }
+            }
+            Some(m) => {
+                for (i, (&v, &m)) in x.iter().zip(&m[block * 64..]).enumerate() {
+                    lanes[i % 8] += f32::from_bits(v.to_bits() & m & 0x7fff_ffff);
+                }
+            }
+        }
+        total += lanes.iter().map(|&l| l as f64).sum::<f64>();
+    }
+    total
+}
+
 /// Model Stock's interpolation t from the Gram sums of the task vectors (upper triangle):
 /// cos = mean over pairs of dot / max(‖a‖‖b‖, 1e-6) clamped to [−1, 1]; t = N·cos / (1 + (N−1)·cos),
 /// 0 where the denominator vanishes.
@@ -339,33 +555,68 @@ pub fn slerp_coefs(t: f64, m: &[f64; 3]) -> (f64, f64) {
 mod tests {
     use super::*;
 
-    fn scan_of(v: Vec<Vec<f32>>, tile: usize) -> impl FnMut(&mut Visit) -> Result<()> {
-        move |visit| {
-            let len = v[0].len();
+    /// In-memory task vectors (base 0) cut into tiles of `tile` elements.
+    struct Memory {
+        v: Vec<Vec<f32>>,
+        tile: usize,
+    }
+
+    impl Scans for Memory {
+        fn tiles(&mut self, visit: &mut Visit) -> Result<()> {
+            let len = self.v[0].len();
             let base = vec![0.0f32; len];
-            let mut start = 0;
-            while start < len {
-                let end = (start + tile).min(len);
-                let part: Vec<Vec<f32>> = v.iter().map(|a| a[start..end].to_vec()).collect();
-                visit(&Values {
+            for start in (0..len).step_by(self.tile) {
+                let end = (start + self.tile).min(len);
+                let part: Vec<Vec<f32>> = self.v.iter().map(|a| a[start..end].to_vec()).collect();
+                let values = Values {
                     start: start as u64,
                     base: &base[start..end],
                     x: &part,
                     tau: &part,
-                })?;
-                start = end;
+                };
+                if visit(&values)?.is_break() {
+                    break;
+                }
             }
             Ok(())
         }
+
+        fn per_agent(&mut self, visit: &AgentVisit) -> Result<()> {
+            let len = self.v[0].len();
+            let base = vec![0.0f32; len];
+            for (t, v) in self.v.iter().enumerate() {
+                for start in (0..len).step_by(self.tile) {
+                    let end = (start + self.tile).min(len);
+                    let chunk = AgentChunk {
+                        start: start as u64,
+                        base: &base[start..end],
+                        x: &v[start..end],
+                        tau: &v[start..end],
+                    };
+                    if visit(t, &chunk).is_break() {
+                        break;
+                    }
+                }
+            }
+            Ok(())
+        }
+    }
+
+    fn scan_of(v: Vec<Vec<f32>>, tile: usize) -> Memory {
+        Memory { v, tile }
     }
 
     /// Exact top-k with ties at the threshold going to lower indices, for any tiling.
     #[test]
     fn rank_cuts_are_exact_with_ties() {
         let v = vec![vec![0.5f32, -2.0, 1.0, 2.0, -1.0, 1.0, 0.0, 1.0]];
-        for tile in [1, 3, 8] {
+        for (tile, memory) in [(1, 0), (3, 0), (8, 0), (1, 100), (3, 100), (8, 100)] {
+            let cuts_of = |want| {
+                rank_cuts_remembering(&mut scan_of(v.clone(), tile), true, 1, &[want], memory)
+                    .unwrap()
+            };
             // k = 4: 2, 2 (indices 1, 3) then two of the three 1.0s: indices 2 and 4.
-            let cuts = rank_cuts(&mut scan_of(v.clone(), tile), true, 1, &[(0, 4, false)]).unwrap();
+            let cuts = cuts_of((0, 4, false));
             assert_eq!(cuts[0].value, magnitude_key(1.0));
             assert_eq!(cuts[0].index, 5, "tile {tile}");
             let kept: Vec<usize> = (0..8)
@@ -373,7 +624,7 @@ mod tests {
                 .collect();
             assert_eq!(kept, [1, 2, 3, 4]);
             // Higher index first: the 1.0s at indices 7 and 5.
-            let cuts = rank_cuts(&mut scan_of(v.clone(), tile), true, 1, &[(0, 4, true)]).unwrap();
+            let cuts = cuts_of((0, 4, true));
             let kept: Vec<usize> = (0..8)
                 .filter(|&i| cuts[0].inside(magnitude_key(v[0][i]), i as u32))
                 .collect();
