@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# End-to-end benchmark: rlmerge on a synthetic base + 3 agents next to the time to read every
+# input (cat) and copy the base (cp). Prints, per method: median wall time of RUNS runs, input
+# GB/s, ratio to the read-and-copy time, and peak RSS.
+#
+#   benches/end_to_end.sh [MODEL_SIZE=1GiB] [RUNS=5] [DIR=target/bench-models] [DEVICE=cpu]
+set -euo pipefail
+size=${1:-1GiB}
+runs=${2:-5}
+dir=${3:-target/bench-models}
+device=${4:-cpu}
+cd "$(dirname "$0")/.."
+cargo build --release --quiet
+bin=target/release/rlmerge
+if [ ! -f "$dir/.size-$size" ]; then
+    rm -rf "$dir"
+    "$bin" demo "$dir" --model-size "$size" --write-only --quiet >/dev/null
+    touch "$dir/.size-$size"
+fi
+files=("$dir"/base/*.safetensors "$dir"/coding-agent/*.safetensors "$dir"/tool-agent/*.safetensors \
+    "$dir"/memory-agent/*.safetensors)
+bytes=$(cat "${files[@]}" | wc -c)
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+
+median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+# Seconds of one command (warm cache: every input was read just before).
+seconds() { /usr/bin/time -f "%e %M" "$@" 2>&1 >/dev/null | tail -1; }
+
+cat "${files[@]}" >/dev/null
+read_s=$(for _ in $(seq "$runs"); do seconds cat "${files[@]}" | cut -d' ' -f1; done | median)
+cp_s=$(for _ in $(seq "$runs"); do rm -rf "$out/cp"; seconds cp -r "$dir/base" "$out/cp" | cut -d' ' -f1; done | median)
+limit=$(echo "$read_s + $cp_s" | bc -l)
+printf 'inputs: %s bytes; cat %.2f s + cp %.2f s = read limit %.2f s (median of %s)\n\n' "$bytes" "$read_s" "$cp_s" "$limit" "$runs"
+printf '%-18s %9s %8s %9s %10s\n' method "median s" "GB/s" "x limit" "peak RSS"
+for method in "ram" "ram+" "task_arithmetic --param weight=0.5" \
+    "ties --param weight=1 --param density=0.5" "dare_ties --param weight=1 --param density=0.5"; do
+    samples=()
+    rss=0
+    for _ in $(seq "$runs"); do
+        # shellcheck disable=SC2086
+        r=$(seconds "$bin" merge -q --device "$device" --base "$dir/base" --model "$dir/coding-agent" \
+            --model "$dir/tool-agent" --model "$dir/memory-agent" --method $method -o "$out/m" --force)
+        samples+=("${r% *}")
+        rss=$(( ${r#* } > rss ? ${r#* } : rss ))
+    done
+    t=$(printf '%s\n' "${samples[@]}" | median)
+    printf '%-18s %9.2f %8.2f %9.2f %7d MiB\n' "${method%% *}" "$t" \
+        "$(echo "$bytes / $t / 1000000000" | bc -l)" "$(echo "$t / $limit" | bc -l)" $((rss / 1024))
+done
