@@ -449,6 +449,16 @@ pub struct MergeSummary {
     pub report: Option<ProbeReport>,
 }
 
+/// How one tensor's tiles are merged.
+enum TileRule {
+    /// RAM / RAM+ with these λ of the present agents.
+    Ram(Vec<f32>),
+    /// A mergekit-family method.
+    Combine(CombineSpec),
+    /// No merged model has the tensor: the base's values.
+    Base,
+}
+
 /// The base's values in the output dtype (a tensor no merged model has); same dtype: its bits.
 fn pass_base(tile: &Tile, out_dtype: DType, out: &mut [u8]) {
     if out_dtype == tile.dtype {
@@ -672,15 +682,15 @@ pub fn merge(
         .map_or(0, |m| m + 1);
     for (plan, out_t) in inputs.tensors.iter().zip(&out_tensors) {
         let present = plan.present();
-        if let Method::Combine(config) = &options.method {
-            let spec = if present.is_empty() {
-                None
-            } else {
+        // What each tile of this tensor goes through.
+        let rule = match &options.method {
+            Method::Combine(_) if present.is_empty() => TileRule::Base,
+            Method::Combine(config) => {
                 let at = TensorPlace {
                     name: plan.name(),
                     t: layer_t(layer_index(plan.name()), layers),
                 };
-                Some(combine_spec(
+                TileRule::Combine(combine_spec(
                     inputs,
                     plan,
                     config,
@@ -689,56 +699,25 @@ pub fn merge(
                     &options.pass,
                     &mut buffers,
                 )?)
-            };
-            for_each_tile(
-                inputs,
-                plan,
-                &present,
-                &merge_pass,
-                &mut buffers,
-                &bar,
-                |i, start, tile| {
-                    let mut out = writer.buffer();
-                    out.resize(tile.len * out_t.dtype.size(), 0);
-                    match &spec {
-                        None => pass_base(tile, out_t.dtype, &mut out),
-                        Some(spec) => {
-                            let params = CombineParams {
-                                spec,
-                                start,
-                                out_dtype: out_t.dtype,
-                            };
-                            backend.combine(tile, &params, &mut out).with_context(|| {
-                                format!("merge of tensor '{}' failed at tile {i}", plan.name())
-                            })?
-                        }
-                    }
-                    writer.write(plan.name(), out)?;
-                    Ok(ControlFlow::Continue(()))
-                },
-            )?;
-            continue;
-        }
-        let lambdas: Vec<f64> = if per_tensor_scope {
-            let counts = probe_tensor(inputs, plan, backend, &options.pass, &mut buffers, &bar)?;
-            let stats = TensorStats::new(plan, counts);
-            let lambdas: Vec<f64> = stats
-                .agent_counts()
-                .iter()
-                .map(|&c| options.method.lambda(c))
-                .collect();
-            tensor_lambdas.push((plan.name().to_string(), lambdas.clone()));
-            tensor_stats.push(stats);
-            lambdas
-        } else {
-            global_lambdas.clone()
-        };
-        let present_lambdas: Vec<f32> = present.iter().map(|&t| lambdas[t] as f32).collect();
-        let params = MergeParams {
-            epsilon: options.pass.epsilon,
-            lambdas: &present_lambdas,
-            reciprocals: &reciprocals,
-            out_dtype: out_t.dtype,
+            }
+            _ => {
+                let lambdas: Vec<f64> = if per_tensor_scope {
+                    let counts =
+                        probe_tensor(inputs, plan, backend, &options.pass, &mut buffers, &bar)?;
+                    let stats = TensorStats::new(plan, counts);
+                    let lambdas: Vec<f64> = stats
+                        .agent_counts()
+                        .iter()
+                        .map(|&c| options.method.lambda(c))
+                        .collect();
+                    tensor_lambdas.push((plan.name().to_string(), lambdas.clone()));
+                    tensor_stats.push(stats);
+                    lambdas
+                } else {
+                    global_lambdas.clone()
+                };
+                TileRule::Ram(present.iter().map(|&t| lambdas[t] as f32).collect())
+            }
         };
         for_each_tile(
             inputs,
@@ -747,12 +726,34 @@ pub fn merge(
             &merge_pass,
             &mut buffers,
             &bar,
-            |i, _, tile| {
+            |i, start, tile| {
                 let mut out = writer.buffer();
                 out.resize(tile.len * out_t.dtype.size(), 0);
-                backend.merge(tile, &params, &mut out).with_context(|| {
-                    format!("merge of tensor '{}' failed at tile {i}", plan.name())
-                })?;
+                let out_dtype = out_t.dtype;
+                match &rule {
+                    TileRule::Base => {
+                        pass_base(tile, out_dtype, &mut out);
+                        Ok(())
+                    }
+                    TileRule::Ram(lambdas) => {
+                        let params = MergeParams {
+                            epsilon: options.pass.epsilon,
+                            lambdas,
+                            reciprocals: &reciprocals,
+                            out_dtype,
+                        };
+                        backend.merge(tile, &params, &mut out)
+                    }
+                    TileRule::Combine(spec) => {
+                        let params = CombineParams {
+                            spec,
+                            start,
+                            out_dtype,
+                        };
+                        backend.combine(tile, &params, &mut out)
+                    }
+                }
+                .with_context(|| format!("merge of tensor '{}' failed at tile {i}", plan.name()))?;
                 writer.write(plan.name(), out)?;
                 Ok(ControlFlow::Continue(()))
             },

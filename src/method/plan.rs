@@ -63,6 +63,21 @@ pub struct TensorRecipe {
     pub base: BaseTerm,
 }
 
+impl TensorRecipe {
+    /// Every model whole with weight 1; the base term's statistics set the coefficients.
+    fn interpolation(models: usize, base: BaseTerm) -> TensorRecipe {
+        TensorRecipe {
+            weights: vec![1.0; models],
+            sparsify: vec![Sparsify::All; models],
+            rescale: false,
+            consensus: false,
+            normalize: false,
+            lambda: 1.0,
+            base,
+        }
+    }
+}
+
 /// The tensor-wise settings lookup: model setting first, then method-wide, then the default.
 struct Lookup<'a> {
     config: &'a MethodConfig,
@@ -236,27 +251,14 @@ impl MethodConfig {
                 if l.flag("filter_wise", false)? {
                     bail!("model_stock with filter_wise: true is not supported yet");
                 }
-                TensorRecipe {
-                    weights: vec![1.0; present.len()],
-                    sparsify: vec![Sparsify::All; present.len()],
-                    rescale: false,
-                    consensus: false,
-                    normalize: false,
-                    lambda: 1.0,
-                    base: BaseTerm::ModelStock,
-                }
+                TensorRecipe::interpolation(present.len(), BaseTerm::ModelStock)
             }
-            Kind::Slerp => TensorRecipe {
-                weights: vec![1.0; present.len()],
-                sparsify: vec![Sparsify::All; present.len()],
-                rescale: false,
-                consensus: false,
-                normalize: false,
-                lambda: 1.0,
-                base: BaseTerm::Slerp {
+            Kind::Slerp => TensorRecipe::interpolation(
+                present.len(),
+                BaseTerm::Slerp {
                     t: l.number("t", None, None)?,
                 },
-            },
+            ),
             other => bail!(
                 "merge method '{}' is not implemented in rlmerge yet (see `rlmerge methods`)",
                 other.name()
