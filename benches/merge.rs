@@ -188,6 +188,7 @@ fn mergekit(kind: Kind, params: &[(&str, f64)]) -> Method {
             .collect(),
         models: vec![Default::default(); 3],
         seed: 0,
+        with_base: true,
     })
 }
 

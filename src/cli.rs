@@ -257,6 +257,7 @@ impl MergeArgs {
                     parameters: self.params.iter().cloned().collect(),
                     models: vec![Default::default(); agents],
                     seed: self.output.seed,
+                    with_base: true,
                 };
                 config.check(agents).map_err(|e| usage(e.to_string()))?;
                 return Ok(Method::Combine(config));

@@ -228,7 +228,15 @@ pub fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
                 format!("unknown dtype '{d}' (use bfloat16, float16 or float32)")
             })?),
         };
-    let base_ref = match (base_ref, kind.uses_base()) {
+    // θ₀ enters the formula: always for most methods, for nuslerp/multislerp when named.
+    let with_base = kind.uses_base() || (kind.base_optional() && base_ref.is_some());
+    // Karcher averages every input, the base_model among them (mergekit's group entries).
+    if let (Kind::Karcher, Some(b)) = (kind, &base_ref) {
+        if !entries.iter().any(|(m, _)| m == b) {
+            entries.insert(0, (b.clone(), Settings::new()));
+        }
+    }
+    let base_ref = match (base_ref, with_base) {
         (Some(b), _) => b,
         (None, false) => entries
             .first()
@@ -238,7 +246,7 @@ pub fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
     };
     let base = local_folder(&base_ref, dir)?;
     // The base is not merged as an agent when listed among the models (mergekit excludes it).
-    let merged: Vec<(String, Settings)> = if kind.uses_base() {
+    let merged: Vec<(String, Settings)> = if with_base {
         entries
             .into_iter()
             .filter(|(m, _)| *m != base_ref)
@@ -286,6 +294,7 @@ pub fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
                 parameters: shared,
                 models: model_settings,
                 seed,
+                with_base,
             };
             config.check(agents.len()).map_err(|e| {
                 // Point at the line of an unknown parameter when the error names one.

@@ -425,6 +425,11 @@ fn gpu_equals_cpu_for_every_method() {
             let args: Vec<&str> = owned.iter().map(String::as_str).collect();
             assert_same(&f, &format!("m{i}"), &args, &["--gpu-chunk-elems", "998"]);
         }
+        // nuslerp takes exactly two models.
+        let f = fixture(740 + d as u64, dtype, &odd_shapes(), &DENSITIES[..2], 1);
+        let owned = method_args("nuslerp", &["weight=0.4"]);
+        let args: Vec<&str> = owned.iter().map(String::as_str).collect();
+        assert_same(&f, "nu", &args, &["--gpu-chunk-elems", "998"]);
         // Two-model methods: slerp (row-wise coefficients) and passthrough.
         let f = fixture(720 + d as u64, dtype, &odd_shapes(), &DENSITIES[..1], 1);
         for (i, (method, params)) in [("slerp", &["t=0.3"][..]), ("passthrough", &["scale=0.7"])]

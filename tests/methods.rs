@@ -129,6 +129,25 @@ fn model_stock_by_hand() {
     assert_close(&run(d.path(), y, &[]), &[5.0, 5.0]);
 }
 
+#[test]
+fn spherical_methods_by_hand() {
+    let d = tempfile::tempdir().unwrap();
+    let h = 0.5f32.sqrt();
+    // nuslerp: orthogonal task vectors, t = w₁/(w₀ + w₁) = 0.5 → both coefficients sin(π/4).
+    models(d.path(), &[2], &[0., 0.], &[&[1., 0.], &[0., 1.]]);
+    let y = "merge_method: nuslerp\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1}\n  - model: b\n    parameters: {weight: 1}\n";
+    assert_close(&run(d.path(), y, &[]), &[h, h]);
+    // multislerp: (2, 0) and (0, 2), equal weights: the unit mean's direction (√½, √½) times the
+    // mean norm 2.
+    models(d.path(), &[2], &[0., 0.], &[&[2., 0.], &[0., 2.]]);
+    let y = "merge_method: multislerp\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1}\n  - model: b\n    parameters: {weight: 1}\n";
+    assert_close(&run(d.path(), y, &[]), &[2.0 * h, 2.0 * h]);
+    // karcher: (3, 0) and (0, 1): the geodesic midpoint (√½, √½) times the mean norm 2.
+    models(d.path(), &[2], &[9., 9.], &[&[3., 0.], &[0., 1.]]);
+    let y = "merge_method: karcher\nmodels:\n  - model: a\n  - model: b\n";
+    assert_close(&run(d.path(), y, &[]), &[2.0 * h, 2.0 * h]);
+}
+
 /// DARE keeps each element with probability `density` and rescales the survivors so the task
 /// vector's L1 norm is unchanged; the mask depends on the seed, never on tiling or backend.
 #[test]

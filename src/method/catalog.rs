@@ -137,21 +137,22 @@ impl Kind {
     pub fn implemented(self) -> bool {
         !matches!(
             self,
-            Kind::Della
-                | Kind::DellaLinear
-                | Kind::Nuslerp
-                | Kind::Multislerp
-                | Kind::Karcher
-                | Kind::Sce
-                | Kind::Nearswap
-                | Kind::Fisher
+            Kind::Della | Kind::DellaLinear | Kind::Sce | Kind::Nearswap | Kind::Fisher
         )
     }
 
     /// Whether the base model's tensors enter the formula as θ₀ (else it only gives names,
     /// shapes and the config files, and every listed model is merged).
     pub fn uses_base(self) -> bool {
-        !matches!(self, Kind::Linear | Kind::Passthrough)
+        !matches!(
+            self,
+            Kind::Linear | Kind::Passthrough | Kind::Karcher | Kind::Nuslerp | Kind::Multislerp
+        )
+    }
+
+    /// Methods where θ₀ enters only when the recipe names a base_model.
+    pub fn base_optional(self) -> bool {
+        matches!(self, Kind::Nuslerp | Kind::Multislerp)
     }
 
     pub fn about(self) -> &'static str {
@@ -253,11 +254,29 @@ impl Kind {
             Kind::DellaLinear => gta(&[DELLA_EPS], "false", "true"),
             Kind::ModelStock => vec![p("filter_wise", Shared, "false", "one angle per row")],
             Kind::Slerp => vec![p("t", Shared, "required", "0 = base, 1 = the other model")],
-            Kind::Nuslerp => vec![WEIGHT, p("nuslerp_flatten", Shared, "true", "")],
-            Kind::Multislerp => vec![WEIGHT],
+            Kind::Nuslerp => vec![
+                WEIGHT,
+                p(
+                    "nuslerp_flatten",
+                    Shared,
+                    "true",
+                    "one angle per tensor (false: not yet)",
+                ),
+                p(
+                    "nuslerp_row_wise",
+                    Shared,
+                    "false",
+                    "angles per column (not yet)",
+                ),
+            ],
+            Kind::Multislerp => vec![
+                WEIGHT,
+                p("normalize_weights", Shared, "true", "weights sum to 1"),
+                p("eps", Shared, "1e-8", "accepted; rlmerge uses 1e-8"),
+            ],
             Kind::Karcher => vec![
-                p("max_iter", Shared, "10", ""),
-                p("tol", Shared, "1e-5", ""),
+                p("max_iter", Shared, "10", "Karcher iterations"),
+                p("tol", Shared, "1e-5", "convergence tolerance"),
             ],
             Kind::Sce => vec![
                 WEIGHT,

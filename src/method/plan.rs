@@ -19,6 +19,13 @@ pub struct MethodConfig {
     pub models: Vec<Settings>,
     /// Seed of the random masks (DARE).
     pub seed: u64,
+    /// Whether θ₀ enters the formula (methods where the base is optional: nuslerp, multislerp).
+    #[serde(default = "yes")]
+    pub with_base: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// What one agent's sparsifier keeps, in ranks by |τ| descending (ties by lower index).
@@ -38,7 +45,7 @@ pub enum Sparsify {
 }
 
 /// How the base enters the result.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum BaseTerm {
     /// θ₀ + Δ (task vectors).
     Add,
@@ -48,11 +55,33 @@ pub enum BaseTerm {
     ModelStock,
     /// Row-wise slerp from θ₀ toward the one agent by `t`.
     Slerp { t: f64 },
+    /// Slerp between the two models' vectors (task vectors with a base), whole tensors.
+    Nuslerp { t: f64 },
+    /// Spherical weighted mean of the vectors, scaled by their weighted mean norm.
+    Multislerp { weights: Vec<f64> },
+    /// Karcher mean of the unit vectors on the sphere, scaled by the mean norm.
+    Karcher { max_iter: usize, tol: f64 },
+}
+
+impl BaseTerm {
+    /// The Gram matrix these coefficients need: of the task vectors (`Some(true)`), of the
+    /// models (`Some(false)`), or none.
+    pub fn gram_of(&self, delta: bool) -> Option<bool> {
+        match self {
+            BaseTerm::ModelStock => Some(true),
+            BaseTerm::Nuslerp { .. } | BaseTerm::Multislerp { .. } | BaseTerm::Karcher { .. } => {
+                Some(delta)
+            }
+            _ => None,
+        }
+    }
 }
 
 /// One tensor's method recipe, before statistics.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TensorRecipe {
+    /// v_t = θ_t − θ₀ (and out = θ₀ + …) when true; v_t = θ_t when false.
+    pub delta: bool,
     pub weights: Vec<f64>,
     pub sparsify: Vec<Sparsify>,
     /// L1-rescale each sparsified vector.
@@ -65,8 +94,9 @@ pub struct TensorRecipe {
 
 impl TensorRecipe {
     /// Every model whole with weight 1; the base term's statistics set the coefficients.
-    fn interpolation(models: usize, base: BaseTerm) -> TensorRecipe {
+    fn interpolation(models: usize, delta: bool, base: BaseTerm) -> TensorRecipe {
         TensorRecipe {
+            delta,
             weights: vec![1.0; models],
             sparsify: vec![Sparsify::All; models],
             rescale: false,
@@ -184,6 +214,7 @@ impl MethodConfig {
         };
         let gta = |sparsify: Vec<Sparsify>, consensus: bool, normalize: bool, rescale: bool| {
             Ok::<_, anyhow::Error>(TensorRecipe {
+                delta: true,
                 weights: per("weight", None)?,
                 sparsify,
                 rescale: l.flag("rescale", rescale)?,
@@ -225,6 +256,7 @@ impl MethodConfig {
                 gta(sparsify, kind == Kind::DareTies, false, true)?
             }
             Kind::Linear => TensorRecipe {
+                delta: false,
                 weights: per("weight", None)?,
                 sparsify: vec![Sparsify::All; present.len()],
                 rescale: false,
@@ -238,6 +270,7 @@ impl MethodConfig {
                     bail!("passthrough takes exactly one model, got {}", present.len());
                 }
                 TensorRecipe {
+                    delta: false,
                     weights: per("scale", Some(1.0))?,
                     sparsify: vec![Sparsify::All],
                     rescale: false,
@@ -251,12 +284,53 @@ impl MethodConfig {
                 if l.flag("filter_wise", false)? {
                     bail!("model_stock with filter_wise: true is not supported yet");
                 }
-                TensorRecipe::interpolation(present.len(), BaseTerm::ModelStock)
+                TensorRecipe::interpolation(present.len(), false, BaseTerm::ModelStock)
             }
             Kind::Slerp => TensorRecipe::interpolation(
                 present.len(),
+                false,
                 BaseTerm::Slerp {
                     t: l.number("t", None, None)?,
+                },
+            ),
+            // A single model is returned as it is (mergekit's multislerp and karcher).
+            Kind::Multislerp | Kind::Karcher if present.len() == 1 => {
+                TensorRecipe::interpolation(1, false, BaseTerm::None)
+            }
+            Kind::Nuslerp => {
+                if l.flag("nuslerp_row_wise", false)? || !l.flag("nuslerp_flatten", true)? {
+                    bail!("nuslerp with nuslerp_row_wise or nuslerp_flatten: false is not supported yet");
+                }
+                if present.len() != 2 {
+                    bail!("nuslerp takes exactly two models, got {}", present.len());
+                }
+                let w = per("weight", None)?;
+                let total = w[0] + w[1];
+                let t = if total.abs() < 1e-6 {
+                    0.5
+                } else {
+                    w[1] / total
+                };
+                TensorRecipe::interpolation(2, self.with_base, BaseTerm::Nuslerp { t })
+            }
+            Kind::Multislerp => {
+                let mut weights = per("weight", None)?;
+                if l.flag("normalize_weights", true)? {
+                    let sum: f64 = weights.iter().sum();
+                    weights.iter_mut().for_each(|w| *w /= sum);
+                }
+                TensorRecipe::interpolation(
+                    present.len(),
+                    self.with_base,
+                    BaseTerm::Multislerp { weights },
+                )
+            }
+            Kind::Karcher => TensorRecipe::interpolation(
+                present.len(),
+                false,
+                BaseTerm::Karcher {
+                    max_iter: l.number("max_iter", None, Some(10.0))?.max(0.0) as usize,
+                    tol: l.number("tol", None, Some(1e-5))?,
                 },
             ),
             other => bail!(

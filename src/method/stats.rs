@@ -336,7 +336,7 @@ pub fn build_spec(
     scan: &mut dyn Scans,
 ) -> Result<CombineSpec> {
     let n = recipe.weights.len();
-    let delta = recipe.base == BaseTerm::Add;
+    let delta = recipe.delta;
     // Rank cuts first: the masks must be known before any kept-element statistic.
     let mut wanted = Vec::new();
     for (t, s) in recipe.sparsify.iter().enumerate() {
@@ -382,7 +382,8 @@ pub fn build_spec(
     };
     let rows = numel.checked_div(row_len).map_or(1, |r| r as usize);
     let want_l1 = rescale.iter().any(|&r| r);
-    let want_gram = recipe.base == BaseTerm::ModelStock;
+    let gram_of_tau = recipe.base.gram_of(delta);
+    let want_gram = gram_of_tau.is_some();
     let want_rows = matches!(recipe.base, BaseTerm::Slerp { .. });
     let mut l1 = vec![(0.0f64, 0.0f64); n];
     let mut gram = vec![0.0f64; n * n];
@@ -424,15 +425,22 @@ pub fn build_spec(
             let dots: Vec<f64> = pairs
                 .par_iter()
                 .map(|&(a, b)| {
-                    tile.tau[a]
-                        .iter()
-                        .zip(&tile.tau[b])
+                    let v = if gram_of_tau == Some(true) {
+                        tile.tau
+                    } else {
+                        tile.x
+                    };
+                    v[a].iter()
+                        .zip(&v[b])
                         .map(|(&x, &y)| x as f64 * y as f64)
                         .sum()
                 })
                 .collect();
             for (&(a, b), dot) in pairs.iter().zip(dots) {
                 gram[a * n + b] += dot;
+                if a != b {
+                    gram[b * n + a] += dot;
+                }
             }
             Ok(ControlFlow::Continue(()))
         })?;
@@ -468,6 +476,27 @@ pub fn build_spec(
                 coefs.push(a as f32);
                 coefs.push(b as f32);
             }
+        }
+        BaseTerm::Nuslerp { t } => {
+            coefs.push(if delta { 1.0 } else { 0.0 });
+            let (a, b) = nuslerp_coefs(t, &gram);
+            coefs.extend([a as f32, b as f32]);
+        }
+        BaseTerm::Multislerp { ref weights } => {
+            coefs.push(if delta { 1.0 } else { 0.0 });
+            coefs.extend(
+                multislerp_coefs(weights, &gram)?
+                    .into_iter()
+                    .map(|c| c as f32),
+            );
+        }
+        BaseTerm::Karcher { max_iter, tol } => {
+            coefs.push(0.0);
+            coefs.extend(
+                karcher_coefs(&gram, n, max_iter, tol)
+                    .into_iter()
+                    .map(|c| c as f32),
+            );
         }
     }
     let normalize = if !recipe.normalize {
@@ -513,6 +542,125 @@ fn abs_sum(values: &[f32], mask: Option<&[u32]>) -> f64 {
         total += lanes.iter().map(|&l| l as f64).sum::<f64>();
     }
     total
+}
+
+/// nuslerp's coefficients of (v₀, v₁) from their 2×2 Gram matrix: the slerp of the directions,
+/// applied to the unnormalized vectors; lerp when the vectors are collinear.
+pub fn nuslerp_coefs(t: f64, gram: &[f64]) -> (f64, f64) {
+    let n0 = gram[0].sqrt().max(1e-7);
+    let n1 = gram[3].sqrt().max(1e-7);
+    let cos = (gram[1] / (n0 * n1)).clamp(-1.0, 1.0);
+    if 1.0 - cos * cos <= 1e-16 {
+        return (1.0 - t, t);
+    }
+    let theta = cos.acos();
+    let s = theta.sin();
+    (((1.0 - t) * theta).sin() / s, (t * theta).sin() / s)
+}
+
+/// multislerp's coefficients from the Gram matrix: the weighted mean of the unit vectors,
+/// normalized and scaled by the weighted mean norm. (mergekit's tangent-space step sums to zero
+/// exactly — Σ w_i (u_i − ⟨u_i, m̂⟩ m̂) = m − ‖m‖ m̂ — so it moves nothing but rounding.)
+pub fn multislerp_coefs(weights: &[f64], gram: &[f64]) -> Result<Vec<f64>> {
+    const EPS: f64 = 1e-8;
+    let n = weights.len();
+    let norm: Vec<f64> = (0..n).map(|i| gram[i * n + i].sqrt()).collect();
+    let unit = |i: usize, j: usize| gram[i * n + j] / ((norm[i] + EPS) * (norm[j] + EPS));
+    let mut mean_sq = 0.0;
+    for i in 0..n {
+        for j in 0..n {
+            mean_sq += weights[i] * weights[j] * unit(i, j);
+        }
+    }
+    let mean_norm = mean_sq.max(0.0).sqrt();
+    // Every vector zero (a tensor no agent changed): the sum is zero too, whatever the weights.
+    if norm.iter().all(|&x| x == 0.0) {
+        return Ok(vec![0.0; n]);
+    }
+    if mean_norm < EPS {
+        if n == 2 {
+            return Ok(weights.to_vec());
+        }
+        anyhow::bail!(
+            "multislerp: the weighted sum of the unit vectors is zero (antipodal inputs with balancing weights); use other weights"
+        );
+    }
+    let avg_norm: f64 = weights.iter().zip(&norm).map(|(w, n)| w * n).sum();
+    Ok((0..n)
+        .map(|i| weights[i] / ((norm[i] + EPS) * mean_norm) * avg_norm)
+        .collect())
+}
+
+/// karcher's coefficients from the Gram matrix of the models: the weighted Karcher mean of the
+/// unit vectors (equal weights), iterated in the span of the inputs, scaled by the mean norm.
+pub fn karcher_coefs(gram: &[f64], n: usize, max_iter: usize, tol: f64) -> Vec<f64> {
+    let norm: Vec<f64> = (0..n).map(|i| gram[i * n + i].sqrt()).collect();
+    let valid: Vec<usize> = (0..n).filter(|&i| norm[i] > tol).collect();
+    if valid.is_empty() {
+        return vec![0.0; n];
+    }
+    // Inner products of unit vectors, and of coefficient vectors over them.
+    let u = |i: usize, j: usize| gram[i * n + j] / (norm[i] * norm[j]);
+    // Zero coefficients skip u(i, j): an invalid input's norm may be 0.
+    let dot = |a: &[f64], b: &[f64]| -> f64 {
+        let mut s = 0.0;
+        for (i, &ai) in a.iter().enumerate().filter(|(_, &x)| x != 0.0) {
+            for (j, &bj) in b.iter().enumerate().filter(|(_, &x)| x != 0.0) {
+                s += ai * bj * u(i, j);
+            }
+        }
+        s
+    };
+    let alpha = 1.0 / valid.len() as f64;
+    let mut mean = vec![0.0; n];
+    for &i in &valid {
+        mean[i] = alpha;
+    }
+    let mean_norm = dot(&mean, &mean).max(0.0).sqrt();
+    if mean_norm < tol {
+        mean = vec![0.0; n];
+        mean[valid[0]] = 1.0;
+    } else {
+        mean.iter_mut().for_each(|a| *a /= mean_norm);
+    }
+    for _ in 0..max_iter {
+        let mut tangent = vec![0.0; n];
+        for &j in &valid {
+            let mut e = vec![0.0; n];
+            e[j] = 1.0;
+            let d = dot(&mean, &e).clamp(-1.0, 1.0);
+            let theta = d.acos();
+            if theta < tol {
+                continue;
+            }
+            let beta = alpha * theta / theta.sin();
+            for i in 0..n {
+                tangent[i] += beta * (e[i] - d * mean[i]);
+            }
+        }
+        let tn = dot(&tangent, &tangent).max(0.0).sqrt();
+        if tn < tol {
+            break;
+        }
+        for i in 0..n {
+            mean[i] = tn.cos() * mean[i] + tn.sin() * tangent[i] / tn;
+        }
+        let un = dot(&mean, &mean).max(0.0).sqrt();
+        if un > tol {
+            mean.iter_mut().for_each(|a| *a /= un);
+        }
+    }
+    // scale = Σ α_i ‖v_i‖ over every input (mergekit's α = 1/N for all of them).
+    let scale: f64 = norm.iter().sum::<f64>() / n as f64;
+    (0..n)
+        .map(|i| {
+            if norm[i] > 0.0 {
+                scale * mean[i] / norm[i]
+            } else {
+                0.0
+            }
+        })
+        .collect()
 }
 
 /// Model Stock's interpolation t from the Gram sums of the task vectors (upper triangle):
