@@ -13,6 +13,8 @@ struct Comb {
     norm_mode: u32,   // 0 none, 1 fixed reciprocal, 2 per-mask table
     lambda: f32,
     fixed_recip: f32,
+    nearswap: u32,    // 1: NearSwap instead of the rule above (one model)
+    nearswap_t: f32,
 }
 
 @group(0) @binding(3) var<uniform> c: Comb;
@@ -88,8 +90,61 @@ fn d_of(t: u32, i: u32, b: f32, row: u32) -> f32 {
     return opaque(v * coefs[row * (p.n + 1u) + 1u + t]);
 }
 
+// a / b rounded to nearest even for 0 < a < b, both normal, with integer arithmetic only:
+// src/method/combine.rs `div_rn`, step for step. A subnormal quotient is 0.
+fn div_rn(a: f32, b: f32) -> f32 {
+    let xa = bitcast<u32>(a);
+    let xb = bitcast<u32>(b);
+    var ma = (xa & 0x7fffffu) | 0x800000u;
+    let mb = (xb & 0x7fffffu) | 0x800000u;
+    var e = i32((xa >> 23u) & 0xffu) - i32((xb >> 23u) & 0xffu);
+    if (ma < mb) {
+        ma = ma << 1u;
+        e = e - 1;
+    }
+    var q = 0u;
+    var r = ma;
+    for (var k = 0u; k < 25u; k = k + 1u) {
+        q = q << 1u;
+        if (r >= mb) {
+            r = r - mb;
+            q = q | 1u;
+        }
+        r = r << 1u;
+    }
+    let guard = q & 1u;
+    var m = q >> 1u;
+    if (guard == 1u && (r != 0u || (m & 1u) == 1u)) {
+        m = m + 1u;
+        if (m == 0x1000000u) {
+            m = m >> 1u;
+            e = e + 1;
+        }
+    }
+    let biased = e + 127;
+    if (biased <= 0) {
+        return 0.0;
+    }
+    return bitcast<f32>((u32(biased) << 23u) | (m & 0x7fffffu));
+}
+
+// src/method/combine.rs `nearswap`.
+fn nearswap(t: f32, b: f32, x: f32) -> f32 {
+    let d = max(abs(x - b), 1e-6);
+    var w = 0.0;
+    if (t >= d) {
+        w = 1.0;
+    } else if (t > 0.0) {
+        w = div_rn(t, d);
+    }
+    return opaque(w * x) + opaque((1.0 - w) * b);
+}
+
 fn combine_one(i: u32, bb: u32) -> u32 {
     let b = decode_bits(bb, p.in_dt);
+    if (c.nearswap == 1u) {
+        return encode_bits(nearswap(c.nearswap_t, b, decode_bits(agent_bits(0u, i), p.in_dt)), p.out_dt);
+    }
     let row = row_of(i);
     var sum = 0.0;
     for (var t = 0u; t < p.n; t = t + 1u) {

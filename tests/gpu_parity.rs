@@ -432,9 +432,13 @@ fn gpu_equals_cpu_for_every_method() {
         assert_same(&f, "nu", &args, &["--gpu-chunk-elems", "998"]);
         // Two-model methods: slerp (row-wise coefficients) and passthrough.
         let f = fixture(720 + d as u64, dtype, &odd_shapes(), &DENSITIES[..1], 1);
-        for (i, (method, params)) in [("slerp", &["t=0.3"][..]), ("passthrough", &["scale=0.7"])]
-            .into_iter()
-            .enumerate()
+        for (i, (method, params)) in [
+            ("slerp", &["t=0.3"][..]),
+            ("passthrough", &["scale=0.7"]),
+            ("nearswap", &["t=0.004"]),
+        ]
+        .into_iter()
+        .enumerate()
         {
             let owned = method_args(method, params);
             let args: Vec<&str> = owned.iter().map(String::as_str).collect();

@@ -148,6 +148,17 @@ fn spherical_methods_by_hand() {
     assert_close(&run(d.path(), y, &[]), &[2.0 * h, 2.0 * h]);
 }
 
+#[test]
+fn nearswap_by_hand() {
+    let d = tempfile::tempdir().unwrap();
+    // t = 0.5: |τ| = 0.25 ≤ t → the model's value; |τ| = 2 → w = 0.25: 0.25·2 + 0.75·0 = 0.5;
+    // τ = 0 → the base.
+    models(d.path(), &[3], &[0., 0., 7.], &[&[0.25, 2., 7.]]);
+    let y =
+        "merge_method: nearswap\nbase_model: base\nmodels:\n  - model: a\nparameters: {t: 0.5}\n";
+    assert_close(&run(d.path(), y, &[]), &[0.25, 0.5, 7.0]);
+}
+
 /// DARE keeps each element with probability `density` and rescales the survivors so the task
 /// vector's L1 norm is unchanged; the mask depends on the seed, never on tiling or backend.
 #[test]

@@ -4,7 +4,7 @@
 
 use super::{Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode, encode};
-use crate::method::combine::{masked_reciprocal, CombineSpec, Normalize};
+use crate::method::combine::{masked_reciprocal, nearswap, CombineSpec, Normalize};
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 
@@ -159,6 +159,18 @@ fn combine_chunk(
     let agent = &mut s.agent[..len];
     let sum = &mut s.sum[..len];
     decode(tile.dtype, chunk_bytes(tile.base, start, len, size), base);
+    if let Some(t) = spec.nearswap {
+        decode(
+            tile.dtype,
+            chunk_bytes(tile.agents[0], start, len, size),
+            agent,
+        );
+        for ((r, &b), &x) in sum.iter_mut().zip(base.iter()).zip(agent.iter()) {
+            *r = nearswap(t, b, x);
+        }
+        encode(p.out_dtype, sum, out);
+        return;
+    }
     sum.fill(0.0);
     // One coefficient row for the whole tensor, or a lookup per element.
     let fixed_row = (spec.row_len == 0).then(|| spec.row(0));

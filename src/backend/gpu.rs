@@ -82,6 +82,9 @@ struct Comb {
     norm_mode: u32,
     lambda: f32,
     fixed_recip: f32,
+    nearswap: u32,
+    nearswap_t: f32,
+    _pad: [u32; 2],
 }
 
 /// An agent's keep rule as the 8 words `rules` holds.
@@ -801,6 +804,9 @@ impl GpuBackend {
                     norm_mode,
                     lambda: spec.lambda,
                     fixed_recip,
+                    nearswap: spec.nearswap.is_some() as u32,
+                    nearswap_t: spec.nearswap.unwrap_or(0.0),
+                    _pad: [0; 2],
                 };
                 q.write_buffer(&slot.comb, 0, bytemuck::bytes_of(&comb));
                 q.write_buffer(&slot.rules, 0, bytemuck::cast_slice(&rules));

@@ -137,7 +137,7 @@ impl Kind {
     pub fn implemented(self) -> bool {
         !matches!(
             self,
-            Kind::Della | Kind::DellaLinear | Kind::Sce | Kind::Nearswap | Kind::Fisher
+            Kind::Della | Kind::DellaLinear | Kind::Sce | Kind::Fisher
         )
     }
 

@@ -183,6 +183,10 @@ pub struct CombineSpec {
     /// Per row: `[base coefficient, c_0 … c_{n−1}]`; out = bc·θ₀ + Δ (bc = 1: θ₀ + Δ exactly,
     /// bc = 0: Δ alone), d_t = v_t · c_t.
     pub coefs: Vec<f32>,
+    /// NearSwap instead of the rule above (one model): w = clamp(t / max(|τ|, 1e-6), 0, 1),
+    /// out = w·θ₁ + (1 − w)·θ₀.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nearswap: Option<f32>,
 }
 
 impl CombineSpec {
@@ -203,6 +207,62 @@ impl CombineSpec {
     }
 }
 
+/// The smallest |τ| NearSwap divides by.
+pub const NEARSWAP_FLOOR: f32 = 1e-6;
+
+/// NearSwap for one element: w = clamp(t / max(|x − b|, 1e-6), 0, 1), w·x + (1 − w)·b, with the
+/// quotient from [`div_rn`] so every backend rounds it the same way.
+#[inline]
+pub fn nearswap(t: f32, b: f32, x: f32) -> f32 {
+    let d = (x - b).abs().max(NEARSWAP_FLOOR);
+    let w = if t <= 0.0 {
+        0.0
+    } else if t >= d {
+        1.0
+    } else {
+        div_rn(t, d)
+    };
+    w * x + (1.0 - w) * b
+}
+
+/// a / b rounded to nearest even, for 0 < a < b, both normal, from integer arithmetic alone (the
+/// shaders compute the same; GPU division is not correctly rounded). A subnormal quotient is 0.
+#[inline]
+pub fn div_rn(a: f32, b: f32) -> f32 {
+    let (xa, xb) = (a.to_bits(), b.to_bits());
+    let mut ma = (xa & 0x7f_ffff) | 0x80_0000;
+    let mb = (xb & 0x7f_ffff) | 0x80_0000;
+    let mut e = ((xa >> 23) & 0xff) as i32 - ((xb >> 23) & 0xff) as i32;
+    if ma < mb {
+        ma <<= 1;
+        e -= 1;
+    }
+    // Restoring division: 25 quotient bits of ma / mb ∈ [1, 2), the last one a guard bit.
+    let (mut q, mut r) = (0u32, ma);
+    for _ in 0..25 {
+        q <<= 1;
+        if r >= mb {
+            r -= mb;
+            q |= 1;
+        }
+        r <<= 1;
+    }
+    let (guard, sticky) = (q & 1, r != 0);
+    let mut m = q >> 1;
+    if guard == 1 && (sticky || m & 1 == 1) {
+        m += 1;
+        if m == 1 << 24 {
+            m >>= 1;
+            e += 1;
+        }
+    }
+    let biased = e + 127;
+    if biased <= 0 {
+        return 0.0;
+    }
+    f32::from_bits(((biased as u32) << 23) | (m & 0x7f_ffff))
+}
+
 /// f32(1/Σ w) over the agents in `mask`, summed in agent order in f32; 1 when the sum is 0.
 pub fn masked_reciprocal(weights: &[f32], mask: u64) -> f32 {
     let mut s = 0.0f32;
@@ -220,6 +280,9 @@ pub fn masked_reciprocal(weights: &[f32], mask: u64) -> f32 {
 
 /// SPEC §4 for one element: base value `b`, agent values `x`, index `idx` in the tensor.
 pub fn combine_element(spec: &CombineSpec, b: f32, x: &[f32], idx: u64) -> f32 {
+    if let Some(t) = spec.nearswap {
+        return nearswap(t, b, x[0]);
+    }
     let row = spec.row(idx);
     let mut d = vec![0.0f32; x.len()];
     let mut sum = 0.0f32;
@@ -275,6 +338,7 @@ mod tests {
             lambda: 1.0,
             row_len: 0,
             coefs,
+            nearswap: None,
         }
     }
 
@@ -359,6 +423,30 @@ mod tests {
             .map(|(i, &v)| band.keeps(v, i as u32))
             .collect();
         assert_eq!(kept, [false, false, true, true]);
+    }
+
+    /// The integer division equals IEEE division (correctly rounded) wherever it is used.
+    #[test]
+    fn div_rn_is_correctly_rounded() {
+        let mut z = 12345u64;
+        let mut next = || {
+            z = z
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (z >> 33) as u32
+        };
+        for _ in 0..1_000_000 {
+            let a = f32::from_bits(0x0080_0000 + next() % 0x7e00_0000);
+            let b = f32::from_bits(0x0080_0000 + next() % 0x7e00_0000);
+            let (a, b) = if a < b { (a, b) } else { (b, a) };
+            if a == b || (a / b) < f32::MIN_POSITIVE {
+                continue;
+            }
+            assert_eq!(div_rn(a, b).to_bits(), (a / b).to_bits(), "{a} / {b}");
+        }
+        assert_eq!(div_rn(1.0, 3.0), 1.0 / 3.0);
+        assert_eq!(nearswap(0.5, 0.0, 2.0), 0.25 * 2.0);
+        assert_eq!(nearswap(3.0, 0.0, 2.0), 2.0);
     }
 
     #[test]

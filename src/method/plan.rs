@@ -61,6 +61,8 @@ pub enum BaseTerm {
     Multislerp { weights: Vec<f64> },
     /// Karcher mean of the unit vectors on the sphere, scaled by the mean norm.
     Karcher { max_iter: usize, tol: f64 },
+    /// NearSwap toward the one model where it is within about `t` of the base.
+    Nearswap { t: f64 },
 }
 
 impl BaseTerm {
@@ -325,6 +327,13 @@ impl MethodConfig {
                     BaseTerm::Multislerp { weights },
                 )
             }
+            Kind::Nearswap => TensorRecipe::interpolation(
+                present.len(),
+                true,
+                BaseTerm::Nearswap {
+                    t: l.number("t", None, None)?,
+                },
+            ),
             Kind::Karcher => TensorRecipe::interpolation(
                 present.len(),
                 false,
@@ -361,7 +370,9 @@ impl MethodConfig {
             }
         };
         match kind {
-            Kind::Slerp => need(agents == 1, "exactly one model besides the base")?,
+            Kind::Slerp | Kind::Nearswap => {
+                need(agents == 1, "exactly one model besides the base")?
+            }
             Kind::ModelStock => need(agents >= 2, "at least two models besides the base")?,
             Kind::Passthrough => need(agents == 1, "exactly one model")?,
             _ => {}

@@ -490,6 +490,7 @@ pub fn build_spec(
                     .map(|c| c as f32),
             );
         }
+        BaseTerm::Nearswap { .. } => coefs.extend([1.0, 1.0]),
         BaseTerm::Karcher { max_iter, tol } => {
             coefs.push(0.0);
             coefs.extend(
@@ -515,6 +516,10 @@ pub fn build_spec(
         lambda: recipe.lambda as f32,
         row_len,
         coefs,
+        nearswap: match recipe.base {
+            BaseTerm::Nearswap { t } => Some(t as f32),
+            _ => None,
+        },
     })
 }
 
