@@ -15,6 +15,11 @@ struct Comb {
     fixed_recip: f32,
     nearswap: u32,    // 1: NearSwap instead of the rule above (one model)
     nearswap_t: f32,
+    element_keep: u32,    // 1: SCE's variance cut (value, index; low index first) applies
+    element_value: u32,
+    element_index: u32,
+    inv_n: f32,
+    sign_of_values: u32,  // 1: the consensus sign is that of Σ kept v (SCE)
 }
 
 @group(0) @binding(3) var<uniform> c: Comb;
@@ -77,14 +82,39 @@ fn row_of(i: u32) -> u32 {
     return (c.start + i) / c.row_len - c.first_row;
 }
 
-// d_t of chunk element i.
-fn d_of(t: u32, i: u32, b: f32, row: u32) -> f32 {
+// v_t of chunk element i.
+fn v_of(t: u32, i: u32, b: f32) -> f32 {
     let x = decode_bits(agent_bits(t * p.stride, i), p.in_dt);
-    var v = x;
     if (c.delta == 1u) {
-        v = x - b;
+        return x - b;
     }
-    if (!keeps(t, v, c.start + i)) {
+    return x;
+}
+
+// SCE: whether element i is among the highest-variance ones (src/method/combine.rs
+// `variance_key`, same order of operations).
+fn element_kept(i: u32, b: f32) -> bool {
+    if (c.element_keep == 0u) {
+        return true;
+    }
+    var sum = 0.0;
+    for (var t = 0u; t < p.n; t = t + 1u) {
+        sum = sum + v_of(t, i, b);
+    }
+    let mean = opaque(sum * c.inv_n);
+    var sq = 0.0;
+    for (var t = 0u; t < p.n; t = t + 1u) {
+        let e = v_of(t, i, b) - mean;
+        sq = sq + opaque(e * e);
+    }
+    let key = bitcast<u32>(opaque(sq * c.inv_n)) & 0x7fffffffu;
+    return inside(key, c.start + i, c.element_value, c.element_index, false);
+}
+
+// d_t of chunk element i (0 where not kept).
+fn d_of(t: u32, i: u32, b: f32, row: u32, elem: bool) -> f32 {
+    let v = v_of(t, i, b);
+    if (!elem || !keeps(t, v, c.start + i)) {
         return 0.0;
     }
     return opaque(v * coefs[row * (p.n + 1u) + 1u + t]);
@@ -146,14 +176,26 @@ fn combine_one(i: u32, bb: u32) -> u32 {
         return encode_bits(nearswap(c.nearswap_t, b, decode_bits(agent_bits(0u, i), p.in_dt)), p.out_dt);
     }
     let row = row_of(i);
+    let elem = element_kept(i, b);
     var sum = 0.0;
+    var sum_v = 0.0;
     for (var t = 0u; t < p.n; t = t + 1u) {
-        sum = sum + d_of(t, i, b, row);
+        let d = d_of(t, i, b, row, elem);
+        sum = sum + d;
+        if (c.sign_of_values == 1u) {
+            let v = v_of(t, i, b);
+            if (elem && keeps(t, v, c.start + i)) {
+                sum_v = sum_v + v;
+            }
+        }
+    }
+    if (c.sign_of_values == 1u) {
+        sum = sum_v;
     }
     var delta = 0.0;
     var mask = 0u;
     for (var t = 0u; t < p.n; t = t + 1u) {
-        let d = d_of(t, i, b, row);
+        let d = d_of(t, i, b, row, elem);
         var agrees = true;
         if (c.consensus == 1u) {
             agrees = select((d < 0.0), (d > 0.0), (sum >= 0.0));

@@ -149,6 +149,26 @@ fn spherical_methods_by_hand() {
 }
 
 #[test]
+fn sce_by_hand() {
+    let d = tempfile::tempdir().unwrap();
+    // τ_a = (1, 2, 0, −1), τ_b = (1, −2, 0, 3): variances (0, 4, 0, 4). select_topk 0.5 of the two
+    // non-zero ones keeps one, the tie going to index 1. There Σ τ̂ = 0 counts as +, so only a
+    // (weight ½ of the equal mean squares) agrees: 2·½ / ½ = 2.
+    models(
+        d.path(),
+        &[4],
+        &[0.; 4],
+        &[&[1., 2., 0., -1.], &[1., -2., 0., 3.]],
+    );
+    let y = "merge_method: sce\nbase_model: base\nmodels:\n  - model: a\n  - model: b\nparameters: {select_topk: 0.5}\n";
+    assert_close(&run(d.path(), y, &[]), &[0.0, 2.0, 0.0, 0.0]);
+    // No selection: weights = mean squares 1.5 and 3.5 over their sum; each element takes the
+    // weighted mean of the agents on the majority sign.
+    let y = "merge_method: sce\nbase_model: base\nmodels:\n  - model: a\n  - model: b\n";
+    assert_close(&run(d.path(), y, &[]), &[1.0, 2.0, 0.0, 3.0]);
+}
+
+#[test]
 fn nearswap_by_hand() {
     let d = tempfile::tempdir().unwrap();
     // t = 0.5: |τ| = 0.25 ≤ t → the model's value; |τ| = 2 → w = 0.25: 0.25·2 + 0.75·0 = 0.5;
@@ -325,7 +345,7 @@ fn recipe_errors_are_clear() {
         ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\nfrobnicate: 1\n", &["frobnicate", "line 5"]),
         ("merge_method: ties\nbase_model: base\nmodules:\n  x: {}\n", &["modules", "not supported yet", "line 3"]),
         ("merge_method: ties\nbase_model: base\nslices:\n  - sources:\n      - model: a\n        layer_range: [0, 1]\n", &["config.json"]),
-        ("merge_method: sce\nbase_model: base\nmodels:\n  - model: a\n", &["sce", "not implemented"]),
+        ("merge_method: della\nbase_model: base\nmodels:\n  - model: a\n", &["della", "not implemented"]),
         ("merge_method: nonsense\nmodels:\n  - model: a\n", &["unknown merge_method 'nonsense'", "line 1"]),
         ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {density: 0.5}\n", &["needs parameter 'weight'", "model.layers.0.w"]),
         ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, gamma: 0.1}\n", &["unknown parameter 'gamma'", "line 5"]),

@@ -4,7 +4,7 @@
 
 use super::{Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode, encode};
-use crate::method::combine::{masked_reciprocal, nearswap, CombineSpec, Normalize};
+use crate::method::combine::{masked_reciprocal, nearswap, variance_key, CombineSpec, Normalize};
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 
@@ -107,8 +107,9 @@ const RECIPROCAL_TABLE_AGENTS: usize = 12;
 /// there are too many agents to table: then each element computes its own, identically).
 fn reciprocal_table(spec: &CombineSpec) -> Vec<f32> {
     match &spec.normalize {
-        Normalize::PerElement(w) if w.len() <= RECIPROCAL_TABLE_AGENTS => (0..1u64 << w.len())
-            .map(|m| masked_reciprocal(w, m))
+        Normalize::PerElement(w, floor) if w.len() <= RECIPROCAL_TABLE_AGENTS => (0..1u64
+            << w.len())
+            .map(|m| masked_reciprocal(w, *floor, m))
             .collect(),
         _ => Vec::new(),
     }
@@ -124,6 +125,8 @@ struct CombineScratch {
     delta: Vec<f32>,
     mask: Vec<u64>,
     keep: Vec<u32>,
+    element: Vec<u32>,
+    sum_v: Vec<f32>,
 }
 
 impl CombineScratch {
@@ -136,6 +139,8 @@ impl CombineScratch {
             delta: vec![0.0; CHUNK],
             mask: vec![0; CHUNK],
             keep: vec![0; CHUNK],
+            element: vec![0; CHUNK],
+            sum_v: vec![0.0; CHUNK],
         }
     }
 }
@@ -175,10 +180,10 @@ fn combine_chunk(
     // One coefficient row for the whole tensor, or a lookup per element.
     let fixed_row = (spec.row_len == 0).then(|| spec.row(0));
     let coef = |i: usize, t: usize| -> f32 { spec.row(first + i as u64)[t] };
+    // v_t of every agent first: SCE's element selection looks at all of them.
     for (t, bytes) in tile.agents.iter().enumerate() {
         decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);
         let d = &mut s.d[t * CHUNK..t * CHUNK + len];
-        // v_t, its keep mask, then d_t = v·c where kept (a select on bits, not a branch).
         if spec.delta {
             for ((d, &x), &b) in d.iter_mut().zip(agent.iter()).zip(base.iter()) {
                 *d = x - b;
@@ -186,8 +191,36 @@ fn combine_chunk(
         } else {
             d.copy_from_slice(agent);
         }
+    }
+    let element = &mut s.element[..len];
+    match spec.element_keep {
+        None => element.fill(u32::MAX),
+        Some((cut, inv_n)) => {
+            let mut v = vec![0.0f32; n];
+            for (i, m) in element.iter_mut().enumerate() {
+                for (t, v) in v.iter_mut().enumerate() {
+                    *v = s.d[t * CHUNK + i];
+                }
+                let key = variance_key(&v, inv_n);
+                *m = (cut.inside(key, (first + i as u64) as u32) as u32).wrapping_neg();
+            }
+        }
+    }
+    let sum_v = &mut s.sum_v[..len];
+    sum_v.fill(0.0);
+    for t in 0..n {
+        let d = &mut s.d[t * CHUNK..t * CHUNK + len];
+        // The keep mask, then d_t = v·c where kept (a select on bits, not a branch).
         let keep = &mut s.keep[..len];
         spec.keep[t].mask_into(d, first as u32, keep);
+        for (k, &e) in keep.iter_mut().zip(element.iter()) {
+            *k &= e;
+        }
+        if spec.sign_of_values {
+            for ((s, &v), &m) in sum_v.iter_mut().zip(d.iter()).zip(keep.iter()) {
+                *s += f32::from_bits(v.to_bits() & m);
+            }
+        }
         match fixed_row {
             Some(row) => {
                 let c = row[1 + t];
@@ -204,6 +237,9 @@ fn combine_chunk(
         for (s, &d) in sum.iter_mut().zip(d.iter()) {
             *s += d;
         }
+    }
+    if spec.sign_of_values {
+        sum.copy_from_slice(sum_v);
     }
     // Without consensus every d_t counts: Δ is the sum just taken, in the same order.
     let delta = &mut s.delta[..len];
@@ -229,10 +265,10 @@ fn combine_chunk(
     match &spec.normalize {
         Normalize::None => {}
         Normalize::Fixed(r) => delta.iter_mut().for_each(|x| *x *= r),
-        Normalize::PerElement(w) => {
+        Normalize::PerElement(w, floor) => {
             for (x, &m) in delta.iter_mut().zip(mask.iter()) {
                 *x *= if table.is_empty() {
-                    masked_reciprocal(w, m)
+                    masked_reciprocal(w, *floor, m)
                 } else {
                     table[m as usize]
                 };

@@ -84,7 +84,12 @@ struct Comb {
     fixed_recip: f32,
     nearswap: u32,
     nearswap_t: f32,
-    _pad: [u32; 2],
+    element_keep: u32,
+    element_value: u32,
+    element_index: u32,
+    inv_n: f32,
+    sign_of_values: u32,
+    _pad: u32,
 }
 
 /// An agent's keep rule as the 8 words `rules` holds.
@@ -766,13 +771,13 @@ impl GpuBackend {
         let (norm_mode, fixed_recip, table) = match &spec.normalize {
             Normalize::None => (0, 1.0, Vec::new()),
             Normalize::Fixed(r) => (1, *r, Vec::new()),
-            Normalize::PerElement(w) => {
+            Normalize::PerElement(w, floor) => {
                 ensure!(
                     n <= GPU_MAX_TABLE_AGENTS,
                     "the GPU backend normalizes a consensus merge of at most {GPU_MAX_TABLE_AGENTS} models, got {n} (use --device cpu)"
                 );
                 let table: Vec<f32> = (0..1u64 << n)
-                    .map(|m| crate::method::combine::masked_reciprocal(w, m))
+                    .map(|m| crate::method::combine::masked_reciprocal(w, *floor, m))
                     .collect();
                 (2, 1.0, table)
             }
@@ -806,7 +811,12 @@ impl GpuBackend {
                     fixed_recip,
                     nearswap: spec.nearswap.is_some() as u32,
                     nearswap_t: spec.nearswap.unwrap_or(0.0),
-                    _pad: [0; 2],
+                    element_keep: spec.element_keep.is_some() as u32,
+                    element_value: spec.element_keep.map_or(0, |(c, _)| c.value),
+                    element_index: spec.element_keep.map_or(0, |(c, _)| c.index),
+                    inv_n: spec.element_keep.map_or(0.0, |(_, i)| i),
+                    sign_of_values: spec.sign_of_values as u32,
+                    _pad: 0,
                 };
                 q.write_buffer(&slot.comb, 0, bytemuck::bytes_of(&comb));
                 q.write_buffer(&slot.rules, 0, bytemuck::cast_slice(&rules));

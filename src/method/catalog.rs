@@ -135,10 +135,7 @@ impl Kind {
 
     /// Methods this build can run; the others are listed and refused with a clear error.
     pub fn implemented(self) -> bool {
-        !matches!(
-            self,
-            Kind::Della | Kind::DellaLinear | Kind::Sce | Kind::Fisher
-        )
+        !matches!(self, Kind::Della | Kind::DellaLinear | Kind::Fisher)
     }
 
     /// Whether the base model's tensors enter the formula as θ₀ (else it only gives names,
@@ -279,8 +276,8 @@ impl Kind {
                 p("tol", Shared, "1e-5", "convergence tolerance"),
             ],
             Kind::Sce => vec![
-                WEIGHT,
                 p("select_topk", Shared, "1.0", "fraction kept by variance"),
+                INT8_MASK,
             ],
             Kind::Nearswap => vec![p("t", Shared, "required", "similarity threshold")],
             Kind::Passthrough => vec![p("scale", PerModel, "none", "multiplies the tensor")],

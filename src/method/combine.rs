@@ -157,14 +157,18 @@ impl Keep {
     }
 }
 
+/// SCE's element selection: the rank cut over [`variance_key`], and the 1/n that key uses.
+pub type VarianceCut = (RankCut, f32);
+
 /// How Δ is normalized.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Normalize {
     None,
     /// Multiply by this f32(1/Σ w) (no consensus: one divisor per tensor).
     Fixed(f32),
-    /// Multiply by f32(1 / Σ_{t agrees} w_t), the sum in agent order in f32 (1 where it is 0).
-    PerElement(Vec<f32>),
+    /// Multiply by f32(1 / Σ_{t agrees} w_t), the sum in agent order in f32: 1 where the sum is
+    /// 0 (floor 0, TIES), or 1 / max(Σ, floor) (SCE's clamp).
+    PerElement(Vec<f32>, f32),
 }
 
 /// One tensor's combine rule over its present agents.
@@ -187,6 +191,13 @@ pub struct CombineSpec {
     /// out = w·θ₁ + (1 − w)·θ₀.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nearswap: Option<f32>,
+    /// SCE: elements outside this cut of [`variance_key`] (over the agents' v) are dropped for
+    /// every agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub element_keep: Option<VarianceCut>,
+    /// The consensus sign is that of Σ kept v_t (SCE) rather than of Σ d_t (TIES).
+    #[serde(default)]
+    pub sign_of_values: bool,
 }
 
 impl CombineSpec {
@@ -264,18 +275,37 @@ pub fn div_rn(a: f32, b: f32) -> f32 {
 }
 
 /// f32(1/Σ w) over the agents in `mask`, summed in agent order in f32; 1 when the sum is 0.
-pub fn masked_reciprocal(weights: &[f32], mask: u64) -> f32 {
+pub fn masked_reciprocal(weights: &[f32], floor: f32, mask: u64) -> f32 {
     let mut s = 0.0f32;
     for (t, &w) in weights.iter().enumerate() {
         if mask >> t & 1 == 1 {
             s += w;
         }
     }
-    if s == 0.0 {
+    if floor > 0.0 {
+        1.0 / s.max(floor)
+    } else if s == 0.0 {
         1.0
     } else {
         1.0 / s
     }
+}
+
+/// SCE's selection key of one element: the bits of the population variance of its values over
+/// the agents, μ = (Σ v)·(1/n), var = Σ (v − μ)² · (1/n), in agent order in f32.
+#[inline]
+pub fn variance_key(v: &[f32], inv_n: f32) -> u32 {
+    let mut sum = 0.0f32;
+    for &x in v {
+        sum += x;
+    }
+    let mean = sum * inv_n;
+    let mut sq = 0.0f32;
+    for &x in v {
+        let e = x - mean;
+        sq += e * e;
+    }
+    magnitude_key(sq * inv_n)
 }
 
 /// SPEC §4 for one element: base value `b`, agent values `x`, index `idx` in the tensor.
@@ -284,14 +314,24 @@ pub fn combine_element(spec: &CombineSpec, b: f32, x: &[f32], idx: u64) -> f32 {
         return nearswap(t, b, x[0]);
     }
     let row = spec.row(idx);
+    let v: Vec<f32> = x
+        .iter()
+        .map(|&xt| if spec.delta { xt - b } else { xt })
+        .collect();
+    let element_kept = spec
+        .element_keep
+        .is_none_or(|(cut, inv_n)| cut.inside(variance_key(&v, inv_n), idx as u32));
     let mut d = vec![0.0f32; x.len()];
-    let mut sum = 0.0f32;
-    for (t, &xt) in x.iter().enumerate() {
-        let v = if spec.delta { xt - b } else { xt };
-        if spec.keep[t].keeps(v, idx as u32) {
-            d[t] = v * row[1 + t];
+    let (mut sum, mut sum_v) = (0.0f32, 0.0f32);
+    for (t, &vt) in v.iter().enumerate() {
+        if element_kept && spec.keep[t].keeps(vt, idx as u32) {
+            d[t] = vt * row[1 + t];
+            sum_v += vt;
         }
         sum += d[t];
+    }
+    if spec.sign_of_values {
+        sum = sum_v;
     }
     let mut delta = 0.0f32;
     let mut mask = 0u64;
@@ -305,7 +345,7 @@ pub fn combine_element(spec: &CombineSpec, b: f32, x: &[f32], idx: u64) -> f32 {
     match &spec.normalize {
         Normalize::None => {}
         Normalize::Fixed(r) => delta *= r,
-        Normalize::PerElement(w) => delta *= masked_reciprocal(w, mask),
+        Normalize::PerElement(w, floor) => delta *= masked_reciprocal(w, *floor, mask),
     }
     if spec.lambda != 1.0 {
         delta *= spec.lambda;
@@ -339,6 +379,8 @@ mod tests {
             row_len: 0,
             coefs,
             nearswap: None,
+            element_keep: None,
+            sign_of_values: false,
         }
     }
 
@@ -349,7 +391,7 @@ mod tests {
         let s = spec(
             vec![Keep::All; 3],
             true,
-            Normalize::PerElement(vec![1.0; 3]),
+            Normalize::PerElement(vec![1.0; 3], 0.0),
             vec![1.0, 1.0, 1.0, 1.0],
         );
         assert_eq!(combine_element(&s, 10.0, &[12.0, 9.0, 10.5], 0), 11.25);

@@ -63,6 +63,9 @@ pub enum BaseTerm {
     Karcher { max_iter: usize, tol: f64 },
     /// NearSwap toward the one model where it is within about `t` of the base.
     Nearswap { t: f64 },
+    /// SCE: θ₀ + the consensus mean of the task vectors on the `density` highest-variance
+    /// elements, weighted by each vector's mean square there.
+    Sce { density: f64 },
 }
 
 impl BaseTerm {
@@ -327,6 +330,17 @@ impl MethodConfig {
                     BaseTerm::Multislerp { weights },
                 )
             }
+            Kind::Sce => TensorRecipe {
+                consensus: true,
+                normalize: true,
+                ..TensorRecipe::interpolation(
+                    present.len(),
+                    true,
+                    BaseTerm::Sce {
+                        density: l.number("select_topk", None, Some(1.0))?,
+                    },
+                )
+            },
             Kind::Nearswap => TensorRecipe::interpolation(
                 present.len(),
                 true,

@@ -4,7 +4,8 @@
 //! order, so every backend merges with the same coefficients.
 
 use super::combine::{
-    hash_key, magnitude_key, random_threshold, CombineSpec, Keep, Normalize, RankCut,
+    hash_key, magnitude_key, random_threshold, variance_key, CombineSpec, Keep, Normalize, RankCut,
+    VarianceCut,
 };
 use super::plan::{BaseTerm, Sparsify, TensorRecipe};
 use anyhow::Result;
@@ -454,7 +455,16 @@ pub fn build_spec(
             1.0
         }
     };
-    let weights_f32: Vec<f32> = recipe.weights.iter().map(|&w| w as f32).collect();
+    // SCE: the variance cut, then each agent's weight from its mean square on the kept elements.
+    let (element_keep, sce_weights) = match recipe.base {
+        BaseTerm::Sce { density } => sce_statistics(scan, n, numel, density)?,
+        _ => (None, Vec::new()),
+    };
+    let weights_f32: Vec<f32> = if sce_weights.is_empty() {
+        recipe.weights.iter().map(|&w| w as f32).collect()
+    } else {
+        sce_weights.iter().map(|&w| w as f32).collect()
+    };
     let mut coefs = Vec::with_capacity(rows * (n + 1));
     match recipe.base {
         BaseTerm::Add | BaseTerm::None => {
@@ -491,6 +501,10 @@ pub fn build_spec(
             );
         }
         BaseTerm::Nearswap { .. } => coefs.extend([1.0, 1.0]),
+        BaseTerm::Sce { .. } => {
+            coefs.push(1.0);
+            coefs.extend(sce_weights.iter().map(|&w| w as f32));
+        }
         BaseTerm::Karcher { max_iter, tol } => {
             coefs.push(0.0);
             coefs.extend(
@@ -503,7 +517,13 @@ pub fn build_spec(
     let normalize = if !recipe.normalize {
         Normalize::None
     } else if recipe.consensus {
-        Normalize::PerElement(weights_f32)
+        // SCE divides by max(Σ w, 1e-6); TIES by Σ w, or 1 where it is 0.
+        let floor = if element_keep.is_some() || !sce_weights.is_empty() {
+            1e-6
+        } else {
+            0.0
+        };
+        Normalize::PerElement(weights_f32, floor)
     } else {
         let sum: f32 = weights_f32.iter().sum();
         Normalize::Fixed(if sum.abs() < 1e-8 { 1.0 } else { 1.0 / sum })
@@ -516,6 +536,8 @@ pub fn build_spec(
         lambda: recipe.lambda as f32,
         row_len,
         coefs,
+        sign_of_values: matches!(recipe.base, BaseTerm::Sce { .. }),
+        element_keep,
         nearswap: match recipe.base {
             BaseTerm::Nearswap { t } => Some(t as f32),
             _ => None,
@@ -547,6 +569,135 @@ fn abs_sum(values: &[f32], mask: Option<&[u32]>) -> f64 {
         total += lanes.iter().map(|&l| l as f64).sum::<f64>();
     }
     total
+}
+
+/// SCE's statistics: the cut keeping the ⌊density · (elements of non-zero variance)⌋ elements
+/// of highest variance over the agents' task vectors (none when density ≥ 1), and each agent's
+/// weight, its mean square on the kept elements over the sum of them (1/n if that sum < 1e-6).
+fn sce_statistics(
+    scan: &mut dyn Scans,
+    n: usize,
+    numel: u64,
+    density: f64,
+) -> Result<(Option<VarianceCut>, Vec<f64>)> {
+    let inv_n = 1.0f32 / n as f32;
+    let keys = |tile: &Values, out: &mut Vec<u32>| {
+        out.clear();
+        let mut v = vec![0.0f32; tile.tau.len()];
+        out.extend((0..tile.base.len()).map(|i| {
+            for (t, v) in v.iter_mut().enumerate() {
+                *v = tile.tau[t][i];
+            }
+            variance_key(&v, inv_n)
+        }));
+    };
+    let element_keep = if density >= 1.0 {
+        None
+    } else {
+        Some((
+            key_rank_cut(scan, &keys, |nonzero| {
+                (density.max(0.0) * nonzero as f64) as u64
+            })?,
+            inv_n,
+        ))
+    };
+    let mut squares = vec![0.0f64; n];
+    let mut buf = Vec::new();
+    scan.tiles(&mut |tile| {
+        keys(tile, &mut buf);
+        for (t, sq) in squares.iter_mut().enumerate() {
+            for (i, &x) in tile.tau[t].iter().enumerate() {
+                let kept = element_keep
+                    .is_none_or(|(cut, _)| cut.inside(buf[i], (tile.start + i as u64) as u32));
+                if kept {
+                    *sq += x as f64 * x as f64;
+                }
+            }
+        }
+        Ok(ControlFlow::Continue(()))
+    })?;
+    let means: Vec<f64> = squares.iter().map(|s| s / numel.max(1) as f64).collect();
+    let total: f64 = means.iter().sum();
+    let weights = if total.abs() < 1e-6 {
+        vec![1.0 / n as f64; n]
+    } else {
+        means.iter().map(|m| m / total).collect()
+    };
+    Ok((element_keep, weights))
+}
+
+/// The rank cut of the k largest of a per-element key computed from whole tiles (`keys`), k from
+/// the count of non-zero keys: the same two histogram scans as [`rank_cuts`], then a third only
+/// when the cut splits a tie too large to remember. Zero keys are never kept.
+fn key_rank_cut(
+    scan: &mut dyn Scans,
+    keys: &dyn Fn(&Values, &mut Vec<u32>),
+    k_of_nonzero: impl Fn(u64) -> u64,
+) -> Result<RankCut> {
+    let mut high = vec![0u64; BINS];
+    let mut buf = Vec::new();
+    scan.tiles(&mut |tile| {
+        keys(tile, &mut buf);
+        for &key in buf.iter().filter(|&&k| k != 0) {
+            high[(key >> 16) as usize] += 1;
+        }
+        Ok(ControlFlow::Continue(()))
+    })?;
+    let nonzero: u64 = high.iter().sum();
+    let k = k_of_nonzero(nonzero).min(nonzero);
+    if k == 0 {
+        return Ok(RankCut::EMPTY);
+    }
+    let (bin, above) = locate(&high, k);
+    let remember = high[bin] <= BIN_MEMORY;
+    let mut low = vec![0u64; BINS];
+    let mut members: Vec<(u16, u32)> = Vec::new();
+    scan.tiles(&mut |tile| {
+        keys(tile, &mut buf);
+        for (i, &key) in buf.iter().enumerate() {
+            if key != 0 && key >> 16 == bin as u32 {
+                low[(key & 0xffff) as usize] += 1;
+                if remember {
+                    members.push((key as u16, (tile.start + i as u64) as u32));
+                }
+            }
+        }
+        Ok(ControlFlow::Continue(()))
+    })?;
+    let (fine, gt) = locate(&low, k - above);
+    let value = ((bin as u32) << 16) | fine as u32;
+    let need = k - above - gt;
+    let mut cut = RankCut {
+        value,
+        index: u32::MAX,
+        high_first: false,
+    };
+    if need < low[fine] {
+        if remember {
+            let split = members
+                .iter()
+                .filter(|&&(l, _)| l as usize == fine)
+                .nth(need as usize - 1)
+                .expect("the bin holds the tied elements");
+            cut.index = split.1 + 1;
+        } else {
+            let mut seen = 0u64;
+            scan.tiles(&mut |tile| {
+                keys(tile, &mut buf);
+                for (i, &key) in buf.iter().enumerate() {
+                    if key == value {
+                        seen += 1;
+                        if seen == need {
+                            cut.index = (tile.start + i as u64 + 1) as u32;
+                            return Ok(ControlFlow::Break(()));
+                        }
+                    }
+                }
+                Ok(ControlFlow::Continue(()))
+            })?;
+        }
+    }
+    Ok(cut)
 }
 
 /// nuslerp's coefficients of (v₀, v₁) from their 2×2 Gram matrix: the slerp of the directions,

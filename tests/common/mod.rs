@@ -417,7 +417,7 @@ pub fn merge_cmd(f: &Fixture, out: &Path, extra: &[&str]) -> assert_cmd::Command
 }
 
 /// The methods with CLI parameters that exercise each part of the core (tests/methods.rs, tests/gpu_parity.rs).
-pub const METHODS: [(&str, &[&str]); 11] = [
+pub const METHODS: [(&str, &[&str]); 13] = [
     ("linear", &["weight=0.7"]),
     ("task_arithmetic", &["weight=0.6", "lambda=1.3"]),
     ("ties", &["weight=1", "density=0.4"]),
@@ -440,6 +440,8 @@ pub const METHODS: [(&str, &[&str]); 11] = [
     ),
     ("multislerp", &["weight=0.4"]),
     ("karcher", &[]),
+    ("sce", &["select_topk=0.4"]),
+    ("sce", &[]),
 ];
 
 pub fn method_args(method: &str, params: &[&str]) -> Vec<String> {
