@@ -194,7 +194,7 @@ fn combine_chunk(
     }
     let element = &mut s.element[..len];
     match spec.element_keep {
-        None => element.fill(u32::MAX),
+        None => {}
         Some((cut, inv_n)) => {
             let mut v = vec![0.0f32; n];
             for (i, m) in element.iter_mut().enumerate() {
@@ -213,8 +213,10 @@ fn combine_chunk(
         // The keep mask, then d_t = v·c where kept (a select on bits, not a branch).
         let keep = &mut s.keep[..len];
         spec.keep[t].mask_into(d, first as u32, keep);
-        for (k, &e) in keep.iter_mut().zip(element.iter()) {
-            *k &= e;
+        if spec.element_keep.is_some() {
+            for (k, &e) in keep.iter_mut().zip(element.iter()) {
+                *k &= e;
+            }
         }
         if spec.sign_of_values {
             for ((s, &v), &m) in sum_v.iter_mut().zip(d.iter()).zip(keep.iter()) {
