@@ -23,13 +23,16 @@ struct Comb {
 }
 
 @group(0) @binding(3) var<uniform> c: Comb;
-// Per agent, 8 words: kind (0 all, 1 rank band, 2 random), then for a band: lo value, lo index,
-// hi value, hi index, tie flags (bit 0: lo high-first, bit 1: hi high-first); for random: words
-// 5–7 = threshold, hash key 0, hash key 1.
+// Per agent, 8 words: kind (0 all, 1 rank band, 2 random, 3 row rank), then for a band: lo value,
+// lo index, hi value, hi index, tie flags (bit 0: lo high-first, bit 1: hi high-first); for
+// random: words 5–7 = threshold, hash key 0, hash key 1; for row rank: words 1–2 = p0, step (f32
+// bits), 6–7 = hash key.
 @group(0) @binding(4) var<storage, read> rules: array<u32>;
 @group(0) @binding(5) var<storage, read> coefs: array<f32>;
 @group(0) @binding(6) var<storage, read> recips: array<f32>;
 @group(0) @binding(7) var<storage, read_write> out: array<u32>;
+// DELLA: agent t's row rank of chunk element i at ranks[t * rank_stride + i].
+@group(0) @binding(8) var<storage, read> ranks: array<u32>;
 
 fn opaque(x: f32) -> f32 {
     return bitcast<f32>(bitcast<u32>(x) ^ p.zero);
@@ -71,7 +74,20 @@ fn keeps(t: u32, v: f32, idx: u32) -> bool {
         let h = mix32(idx ^ rules[r + 6u]) ^ rules[r + 7u];
         return h < rules[r + 5u];
     }
+    if (kind == 3u) {
+        // src/method/combine.rs `rank_threshold`.
+        let rank = ranks[t * rank_stride() + (idx - c.start)];
+        let p = bitcast<f32>(rules[r + 1u]) + opaque(f32(rank - 1u) * bitcast<f32>(rules[r + 2u]));
+        let threshold = u32(opaque(p * 4294967296.0));
+        let h = mix32(idx ^ rules[r + 6u]) ^ rules[r + 7u];
+        return h < threshold;
+    }
     return true;
+}
+
+// Words per agent in `ranks`: the chunk length rounded up to even.
+fn rank_stride() -> u32 {
+    return (p.len + 1u) / 2u * 2u;
 }
 
 // The coefficient row (relative to the chunk's first row) of chunk element i.

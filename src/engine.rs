@@ -9,7 +9,7 @@ use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
 use crate::checkpoint::{
     CheckpointWriter, DType, ModelFolder, ModelTensor, OutputFolder, OutputTensor,
 };
-use crate::method::combine::CombineSpec;
+use crate::method::combine::{row_ranks, CombineSpec};
 use crate::method::settings::{layer_index, layer_t, TensorPlace};
 use crate::method::stats::{self, AgentChunk, AgentVisit, Scans, Values, Visit, SCAN_CHUNK};
 use crate::method::{self, AgentCounts, BoostScope, Method, MethodConfig};
@@ -470,6 +470,36 @@ fn pass_base(tile: &Tile, out_dtype: DType, out: &mut [u8]) {
     }
 }
 
+/// `tile_elems` rounded down to whole rows of `row_len` (at least one row; 0: no rows).
+fn whole_rows(tile_elems: usize, row_len: u64) -> usize {
+    match row_len as usize {
+        0 => tile_elems,
+        r => (tile_elems - tile_elems % r).max(r),
+    }
+}
+
+/// Each present agent's DELLA row ranks over a tile of whole rows (empty when the rule needs none).
+fn tile_ranks(tile: &Tile, spec: &CombineSpec) -> Vec<Vec<u32>> {
+    if spec.rank_rows == 0 {
+        return Vec::new();
+    }
+    let mut base = vec![0.0f32; tile.len];
+    decode(tile.dtype, tile.base, &mut base);
+    tile.agents
+        .par_iter()
+        .map(|bytes| {
+            let mut v = vec![0.0f32; tile.len];
+            decode(tile.dtype, bytes, &mut v);
+            if spec.delta {
+                v.iter_mut().zip(&base).for_each(|(x, b)| *x -= b);
+            }
+            let mut ranks = Vec::new();
+            row_ranks(&v, spec.rank_rows as usize, &mut ranks);
+            ranks
+        })
+        .collect()
+}
+
 /// Elements per tile of a statistics scan, at least.
 const SCAN_TILE_ELEMS: usize = 1 << 20;
 
@@ -494,6 +524,8 @@ fn combine_spec(
         plan.name(),
         config.kind.name()
     );
+    let rank_rows = stats::rank_rows(&recipe, numel, &plan.base.entry.shape)
+        .with_context(|| format!("tensor '{}'", plan.name()))?;
     let mut scans = TensorScans {
         inputs,
         plan,
@@ -501,7 +533,7 @@ fn combine_spec(
         // Larger tiles than the merge's: fewer parallel steps (the merge pass scans for NaN/Inf).
         pass: Pass {
             scan_nonfinite: false,
-            tile_elems: pass.tile_elems.max(SCAN_TILE_ELEMS),
+            tile_elems: whole_rows(pass.tile_elems.max(SCAN_TILE_ELEMS), rank_rows),
             ..pass.clone()
         },
         buffers,
@@ -719,11 +751,19 @@ pub fn merge(
                 TileRule::Ram(present.iter().map(|&t| lambdas[t] as f32).collect())
             }
         };
+        // DELLA ranks whole rows: its tiles hold whole rows.
+        let tensor_pass = match &rule {
+            TileRule::Combine(spec) if spec.rank_rows > 0 => Pass {
+                tile_elems: whole_rows(merge_pass.tile_elems, spec.rank_rows),
+                ..merge_pass.clone()
+            },
+            _ => merge_pass.clone(),
+        };
         for_each_tile(
             inputs,
             plan,
             &present,
-            &merge_pass,
+            &tensor_pass,
             &mut buffers,
             &bar,
             |i, start, tile| {
@@ -745,10 +785,12 @@ pub fn merge(
                         backend.merge(tile, &params, &mut out)
                     }
                     TileRule::Combine(spec) => {
+                        let ranks = tile_ranks(tile, spec);
                         let params = CombineParams {
                             spec,
                             start,
                             out_dtype,
+                            ranks: &ranks,
                         };
                         backend.combine(tile, &params, &mut out)
                     }

@@ -223,6 +223,42 @@ fn dare_keeps_density_and_l1_norm() {
     }
 }
 
+/// DELLA keeps an element with probability from density − ε (smallest |τ| of its row) to
+/// density + ε (largest), then L1-rescales.
+#[test]
+fn della_keeps_by_rank_within_rows() {
+    let d = tempfile::tempdir().unwrap();
+    let (rows, cols) = (400, 500);
+    // Within every row |τ| grows with the column, so rank = column + 1.
+    let tau: Vec<f32> = (0..rows * cols)
+        .map(|i| 0.001 * (1 + i % cols) as f32 * if i % 3 == 0 { -1.0 } else { 1.0 })
+        .collect();
+    models(d.path(), &[rows, cols], &vec![0.0; rows * cols], &[&tau]);
+    let y = "merge_method: della_linear\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, density: 0.5, epsilon: 0.3}\n";
+    let out = run(d.path(), y, &["--seed", "5"]);
+    let kept_in = |c0: usize, c1: usize| {
+        let (mut kept, mut all) = (0usize, 0usize);
+        for r in 0..rows {
+            for c in c0..c1 {
+                all += 1;
+                kept += (out[r * cols + c] != 0.0) as usize;
+            }
+        }
+        kept as f64 / all as f64
+    };
+    // Expected p at the first and last 50 columns: 0.2 + 0.6·(24.5/499) ≈ 0.23 and ≈ 0.77.
+    let (low, high, all) = (kept_in(0, 50), kept_in(cols - 50, cols), kept_in(0, cols));
+    assert!((low - 0.229).abs() < 0.02, "lowest columns kept {low}");
+    assert!((high - 0.771).abs() < 0.02, "highest columns kept {high}");
+    assert!((all - 0.5).abs() < 0.01, "kept {all}");
+    let l1_in: f64 = tau.iter().map(|x| x.abs() as f64).sum();
+    let l1_out: f64 = out.iter().map(|x| x.abs() as f64).sum();
+    assert!(
+        (l1_out / l1_in - 1.0).abs() < 1e-5,
+        "L1 {l1_out} vs {l1_in}"
+    );
+}
+
 /// Every method and every tile size gives the same bytes (ranks, masks and statistics are
 /// computed over whole tensors, whatever the tiling).
 #[test]
@@ -345,7 +381,7 @@ fn recipe_errors_are_clear() {
         ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\nfrobnicate: 1\n", &["frobnicate", "line 5"]),
         ("merge_method: ties\nbase_model: base\nmodules:\n  x: {}\n", &["modules", "not supported yet", "line 3"]),
         ("merge_method: ties\nbase_model: base\nslices:\n  - sources:\n      - model: a\n        layer_range: [0, 1]\n", &["config.json"]),
-        ("merge_method: della\nbase_model: base\nmodels:\n  - model: a\n", &["della", "not implemented"]),
+        ("merge_method: fisher\nbase_model: base\nmodels:\n  - model: a\n", &["fisher", "not implemented"]),
         ("merge_method: nonsense\nmodels:\n  - model: a\n", &["unknown merge_method 'nonsense'", "line 1"]),
         ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {density: 0.5}\n", &["needs parameter 'weight'", "model.layers.0.w"]),
         ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, gamma: 0.1}\n", &["unknown parameter 'gamma'", "line 5"]),

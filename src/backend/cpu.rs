@@ -212,7 +212,8 @@ fn combine_chunk(
         let d = &mut s.d[t * CHUNK..t * CHUNK + len];
         // The keep mask, then d_t = v·c where kept (a select on bits, not a branch).
         let keep = &mut s.keep[..len];
-        spec.keep[t].mask_into(d, first as u32, keep);
+        let ranks = p.ranks.get(t).map_or(&[][..], |r| &r[start..start + len]);
+        spec.keep[t].mask_into(d, first as u32, ranks, keep);
         if spec.element_keep.is_some() {
             for (k, &e) in keep.iter_mut().zip(element.iter()) {
                 *k &= e;

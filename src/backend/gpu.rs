@@ -107,6 +107,9 @@ fn rule_words(k: &Keep) -> [u32; 8] {
             0,
         ],
         Keep::Random { threshold, key } => [2, 0, 0, 0, 0, threshold, key[0], key[1]],
+        Keep::RowRank { p0, step, key } => {
+            [3, p0.to_bits(), step.to_bits(), 0, 0, 0, key[0], key[1]]
+        }
     }
 }
 
@@ -323,6 +326,7 @@ struct Slot {
     readback: wgpu::Buffer,
     comb: wgpu::Buffer,
     rules: wgpu::Buffer,
+    ranks: wgpu::Buffer,
     coefs: wgpu::Buffer,
     table: wgpu::Buffer,
     merge_group: wgpu::BindGroup,
@@ -467,12 +471,16 @@ impl GpuBackend {
                 mapped_at_creation: false,
             });
             let rules = storage("rules", 32 * GPU_MAX_AGENTS as u64, dst);
+            // DELLA's row ranks: one u32 per element and agent, laid out like `agents` in f32.
+            let ranks = storage("ranks", words * 4 * n as u64, dst);
             let coefs = storage("coefs", coef_floats(chunk) as u64 * 4, dst);
             let table = storage("reciprocal table", 4 << GPU_MAX_TABLE_AGENTS, dst);
             let combine_group = d.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: Some("combine"),
                 layout: &self.ctx.combine_pipeline.get_bind_group_layout(0),
-                entries: &entries(&[&params, &base, &agents, &comb, &rules, &coefs, &table, &out]),
+                entries: &entries(&[
+                    &params, &base, &agents, &comb, &rules, &coefs, &table, &out, &ranks,
+                ]),
             });
             Slot {
                 params,
@@ -485,6 +493,7 @@ impl GpuBackend {
                 readback,
                 comb,
                 rules,
+                ranks,
                 coefs,
                 table,
                 merge_group,
@@ -827,6 +836,16 @@ impl GpuBackend {
                 );
                 if !table.is_empty() {
                     q.write_buffer(&slot.table, 0, bytemuck::cast_slice(&table));
+                }
+                // Each agent's ranks at its f32-sized segment (words per agent: the chunk's
+                // f32 stride, even).
+                let stride = len.div_ceil(2) * 2;
+                for (t, r) in params.ranks.iter().enumerate() {
+                    q.write_buffer(
+                        &slot.ranks,
+                        (t * stride * 4) as u64,
+                        bytemuck::cast_slice(&r[start..start + len]),
+                    );
                 }
                 Ok(())
             },

@@ -72,6 +72,8 @@ pub struct CombineParams<'a> {
     /// Index in the tensor of the tile's first element (random masks and coefficient rows).
     pub start: u64,
     pub out_dtype: DType,
+    /// DELLA: each agent's row ranks over the tile (whole rows); empty otherwise.
+    pub ranks: &'a [Vec<u32>],
 }
 
 /// A compute backend.

@@ -135,7 +135,7 @@ impl Kind {
 
     /// Methods this build can run; the others are listed and refused with a clear error.
     pub fn implemented(self) -> bool {
-        !matches!(self, Kind::Della | Kind::DellaLinear | Kind::Fisher)
+        !matches!(self, Kind::Fisher)
     }
 
     /// Whether the base model's tensors enter the formula as θ₀ (else it only gives names,

@@ -39,7 +39,7 @@ impl RankCut {
 }
 
 /// Which elements of one agent's vector survive sparsification.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Keep {
     All,
     /// Ranks (by |v| descending, ties by index) in `[lo, hi)`: inside `hi`, outside `lo`.
@@ -52,6 +52,37 @@ pub enum Keep {
         threshold: u32,
         key: [u32; 2],
     },
+    /// DELLA: Bernoulli with p = `p0` + (rank − 1)·`step`, rank = the element's 1-based rank by
+    /// |v| ascending within its row (ties by index; see [`row_ranks`]).
+    RowRank {
+        p0: f32,
+        step: f32,
+        key: [u32; 2],
+    },
+}
+
+/// DELLA's keep threshold for an element of 1-based `rank`: ⌊p · 2³²⌋ with
+/// p = p0 + (rank − 1)·step in f32 (the shaders compute the same).
+#[inline]
+pub fn rank_threshold(p0: f32, step: f32, rank: u32) -> u32 {
+    let p = p0 + (rank - 1) as f32 * step;
+    (p * 4_294_967_296.0f32) as u32
+}
+
+/// 1-based ranks of |v| ascending within each row of `row_len` elements (ties: lower index
+/// first, as a stable sort), for a run of whole rows.
+pub fn row_ranks(v: &[f32], row_len: usize, out: &mut Vec<u32>) {
+    out.clear();
+    out.resize(v.len(), 0);
+    let mut order: Vec<u32> = Vec::with_capacity(row_len);
+    for (row, ranks) in v.chunks(row_len).zip(out.chunks_mut(row_len)) {
+        order.clear();
+        order.extend(0..row.len() as u32);
+        order.sort_by_key(|&i| (magnitude_key(row[i as usize]), i));
+        for (pos, &i) in order.iter().enumerate() {
+            ranks[i as usize] = pos as u32 + 1;
+        }
+    }
 }
 
 /// The magnitude key of a value: its |v| bits, ordered like |v| for every non-NaN value.
@@ -128,11 +159,17 @@ pub fn random_threshold(density: f64) -> u32 {
 }
 
 impl Keep {
-    /// `out[i]` = all ones where element `first + i` with value `v[i]` is kept, else 0: the
-    /// vectorizable bulk form of [`Keep::keeps`], one loop per rule.
-    pub fn mask_into(&self, v: &[f32], first: u32, out: &mut [u32]) {
+    /// `out[i]` = all ones where element `first + i` with value `v[i]` (and, for DELLA, row rank
+    /// `ranks[i]`) is kept, else 0: the vectorizable bulk form of [`Keep::keeps`].
+    pub fn mask_into(&self, v: &[f32], first: u32, ranks: &[u32], out: &mut [u32]) {
         let idx = |i: usize| first.wrapping_add(i as u32);
         match *self {
+            Keep::RowRank { p0, step, key } => {
+                for (i, (m, &r)) in out.iter_mut().zip(ranks).enumerate() {
+                    let keep = element_hash(key, idx(i)) < rank_threshold(p0, step, r);
+                    *m = (keep as u32).wrapping_neg();
+                }
+            }
             Keep::All => out.fill(u32::MAX),
             Keep::Band { lo, hi } => {
                 for (i, (m, &x)) in out.iter_mut().zip(v).enumerate() {
@@ -144,9 +181,14 @@ impl Keep {
         }
     }
 
+    /// Whether the element with value `v`, tensor index `idx` and row rank `rank` (DELLA only) is
+    /// kept.
     #[inline]
-    pub fn keeps(&self, v: f32, idx: u32) -> bool {
+    pub fn keeps(&self, v: f32, idx: u32, rank: u32) -> bool {
         match *self {
+            Keep::RowRank { p0, step, key } => {
+                element_hash(key, idx) < rank_threshold(p0, step, rank)
+            }
             Keep::All => true,
             Keep::Band { lo, hi } => {
                 let key = magnitude_key(v);
@@ -198,6 +240,10 @@ pub struct CombineSpec {
     /// The consensus sign is that of Σ kept v_t (SCE) rather than of Σ d_t (TIES).
     #[serde(default)]
     pub sign_of_values: bool,
+    /// Row length of DELLA's rank rows (0: no keep rule needs ranks). Tiles then hold whole rows
+    /// and come with each agent's [`row_ranks`].
+    #[serde(default)]
+    pub rank_rows: u64,
 }
 
 impl CombineSpec {
@@ -308,8 +354,9 @@ pub fn variance_key(v: &[f32], inv_n: f32) -> u32 {
     magnitude_key(sq * inv_n)
 }
 
-/// SPEC §4 for one element: base value `b`, agent values `x`, index `idx` in the tensor.
-pub fn combine_element(spec: &CombineSpec, b: f32, x: &[f32], idx: u64) -> f32 {
+/// SPEC §4 for one element: base value `b`, agent values `x`, index `idx` in the tensor, and each
+/// agent's row rank (DELLA; empty otherwise).
+pub fn combine_element(spec: &CombineSpec, b: f32, x: &[f32], idx: u64, ranks: &[u32]) -> f32 {
     if let Some(t) = spec.nearswap {
         return nearswap(t, b, x[0]);
     }
@@ -324,7 +371,8 @@ pub fn combine_element(spec: &CombineSpec, b: f32, x: &[f32], idx: u64) -> f32 {
     let mut d = vec![0.0f32; x.len()];
     let (mut sum, mut sum_v) = (0.0f32, 0.0f32);
     for (t, &vt) in v.iter().enumerate() {
-        if element_kept && spec.keep[t].keeps(vt, idx as u32) {
+        let rank = ranks.get(t).copied().unwrap_or(1);
+        if element_kept && spec.keep[t].keeps(vt, idx as u32, rank) {
             d[t] = vt * row[1 + t];
             sum_v += vt;
         }
@@ -381,6 +429,7 @@ mod tests {
             nearswap: None,
             element_keep: None,
             sign_of_values: false,
+            rank_rows: 0,
         }
     }
 
@@ -394,11 +443,11 @@ mod tests {
             Normalize::PerElement(vec![1.0; 3], 0.0),
             vec![1.0, 1.0, 1.0, 1.0],
         );
-        assert_eq!(combine_element(&s, 10.0, &[12.0, 9.0, 10.5], 0), 11.25);
+        assert_eq!(combine_element(&s, 10.0, &[12.0, 9.0, 10.5], 0, &[]), 11.25);
         // Σ d < 0: only the negative one counts: Δ = −3 / 1.
-        assert_eq!(combine_element(&s, 0.0, &[1.0, -3.0, 0.0], 0), -3.0);
+        assert_eq!(combine_element(&s, 0.0, &[1.0, -3.0, 0.0], 0, &[]), -3.0);
         // All zero: Σ = 0 counts as +, nobody agrees, divisor 0 → 1, result = base.
-        assert_eq!(combine_element(&s, 4.0, &[4.0, 4.0, 4.0], 0), 4.0);
+        assert_eq!(combine_element(&s, 4.0, &[4.0, 4.0, 4.0], 0, &[]), 4.0);
     }
 
     /// Task arithmetic: θ₀ + λ Σ w_t τ_t, no normalization.
@@ -412,7 +461,7 @@ mod tests {
         );
         s.lambda = 0.5;
         // τ = (2, −1): Δ = 0.5·2 + 2·(−1) = −1; λ → −0.5; θ = 1 − 0.5.
-        assert_eq!(combine_element(&s, 1.0, &[3.0, 0.0], 0), 0.5);
+        assert_eq!(combine_element(&s, 1.0, &[3.0, 0.0], 0, &[]), 0.5);
     }
 
     /// Linear: Σ w θ / Σ w, no base term.
@@ -428,7 +477,7 @@ mod tests {
             )
         };
         // (1·2 + 3·6) / 4 = 5.
-        assert_eq!(combine_element(&s, 100.0, &[2.0, 6.0], 0), 5.0);
+        assert_eq!(combine_element(&s, 100.0, &[2.0, 6.0], 0, &[]), 5.0);
     }
 
     /// Band keep: the two largest of |v| = (3, 1, 3, 2) with the tie at 3 broken by index.
@@ -443,9 +492,9 @@ mod tests {
                 high_first: false,
             },
         };
-        assert!(top1.keeps(3.0, 0));
-        assert!(!top1.keeps(-3.0, 2));
-        assert!(!top1.keeps(2.0, 3));
+        assert!(top1.keeps(3.0, 0, 1));
+        assert!(!top1.keeps(-3.0, 2, 1));
+        assert!(!top1.keeps(2.0, 3, 1));
         // Ranks [1, 3): drop the top one (index 0), keep index 2's 3.0 and index 3's 2.0.
         let band = Keep::Band {
             lo: RankCut {
@@ -462,7 +511,7 @@ mod tests {
         let kept: Vec<bool> = [3.0f32, 1.0, -3.0, 2.0]
             .iter()
             .enumerate()
-            .map(|(i, &v)| band.keeps(v, i as u32))
+            .map(|(i, &v)| band.keeps(v, i as u32, 1))
             .collect();
         assert_eq!(kept, [false, false, true, true]);
     }
@@ -502,7 +551,7 @@ mod tests {
             threshold: random_threshold(0.3),
             key: a,
         };
-        let kept = (0..100_000u32).filter(|&i| keep.keeps(1.0, i)).count();
+        let kept = (0..100_000u32).filter(|&i| keep.keeps(1.0, i, 1)).count();
         assert!((29_000..31_000).contains(&kept), "{kept}");
     }
 }

@@ -42,6 +42,12 @@ pub enum Sparsify {
     Random {
         density: f64,
     },
+    /// DELLA's magnitude-ranked drop: keep probability from density − ε (smallest |τ| of its
+    /// row) to density + ε (largest).
+    RowRank {
+        density: f64,
+        epsilon: f64,
+    },
 }
 
 /// How the base enters the result.
@@ -259,6 +265,29 @@ impl MethodConfig {
                     })
                     .collect();
                 gta(sparsify, kind == Kind::DareTies, false, true)?
+            }
+            Kind::Della | Kind::DellaLinear => {
+                let eps = per("epsilon", Some(0.15))?;
+                let sparsify = densities()?
+                    .into_iter()
+                    .zip(eps)
+                    .map(|(density, epsilon)| {
+                        if density >= 1.0 {
+                            Ok(Sparsify::All)
+                        } else if density <= 0.0 {
+                            Ok(Sparsify::Ranks {
+                                lo: 0,
+                                hi: 0,
+                                high_first: false,
+                            })
+                        } else if density + epsilon >= 1.0 || density - epsilon <= 0.0 {
+                            bail!("della: epsilon must keep density ± epsilon within (0, 1), got density {density}, epsilon {epsilon}")
+                        } else {
+                            Ok(Sparsify::RowRank { density, epsilon })
+                        }
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                gta(sparsify, kind == Kind::Della, kind == Kind::Della, true)?
             }
             Kind::Linear => TensorRecipe {
                 delta: false,

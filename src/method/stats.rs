@@ -4,8 +4,8 @@
 //! order, so every backend merges with the same coefficients.
 
 use super::combine::{
-    hash_key, magnitude_key, random_threshold, variance_key, CombineSpec, Keep, Normalize, RankCut,
-    VarianceCut,
+    hash_key, magnitude_key, random_threshold, row_ranks, variance_key, CombineSpec, Keep,
+    Normalize, RankCut, VarianceCut,
 };
 use super::plan::{BaseTerm, Sparsify, TensorRecipe};
 use anyhow::Result;
@@ -338,6 +338,7 @@ pub fn build_spec(
 ) -> Result<CombineSpec> {
     let n = recipe.weights.len();
     let delta = recipe.delta;
+    let rank_rows = rank_rows(recipe, numel, shape)?;
     // Rank cuts first: the masks must be known before any kept-element statistic.
     let mut wanted = Vec::new();
     for (t, s) in recipe.sparsify.iter().enumerate() {
@@ -366,7 +367,20 @@ pub fn build_spec(
                 threshold: random_threshold(density),
                 key: hash_key(seed, name, present[t]),
             },
+            Sparsify::RowRank { density, epsilon } => Keep::RowRank {
+                p0: (density - epsilon) as f32,
+                step: if rank_rows > 1 {
+                    (2.0 * epsilon / (rank_rows - 1) as f64) as f32
+                } else {
+                    0.0
+                },
+                key: hash_key(seed, name, present[t]),
+            },
         })
+        .collect();
+    let ranked: Vec<bool> = keep
+        .iter()
+        .map(|k| matches!(k, Keep::RowRank { .. }))
         .collect();
 
     // One pass of moments when anything needs them.
@@ -394,11 +408,11 @@ pub fn build_spec(
         let l1_state = states(l1.iter().copied());
         let rows_state = Mutex::new(std::mem::take(&mut row_moments));
         scan.per_agent(&|t, c| {
-            if rescale[t] {
+            if rescale[t] && !ranked[t] {
                 let v = c.v(delta);
                 let mut mask = [0u32; SCAN_CHUNK];
                 let mask = &mut mask[..v.len()];
-                keep[t].mask_into(v, c.start as u32, mask);
+                keep[t].mask_into(v, c.start as u32, &[], mask);
                 let mut l = lock(&l1_state[t]);
                 l.0 += abs_sum(v, None);
                 l.1 += abs_sum(v, Some(mask));
@@ -412,7 +426,7 @@ pub fn build_spec(
                     m[2] += b as f64 * x as f64;
                 }
             }
-            if rescale[t] || (want_rows && t == 0) {
+            if (rescale[t] && !ranked[t]) || (want_rows && t == 0) {
                 ControlFlow::Continue(())
             } else {
                 ControlFlow::Break(())
@@ -420,6 +434,22 @@ pub fn build_spec(
         })?;
         l1 = l1_state.into_iter().map(unlock).collect();
         row_moments = unlock(rows_state);
+    }
+    // DELLA's masks need each row's ranks: whole-row tiles.
+    if (0..n).any(|t| rescale[t] && ranked[t]) {
+        let mut ranks = Vec::new();
+        let mut mask = Vec::new();
+        scan.tiles(&mut |tile| {
+            for t in (0..n).filter(|&t| rescale[t] && ranked[t]) {
+                let v = if delta { &tile.tau[t] } else { &tile.x[t] };
+                row_ranks(v, rank_rows as usize, &mut ranks);
+                mask.resize(v.len(), 0);
+                keep[t].mask_into(v, tile.start as u32, &ranks, &mut mask);
+                l1[t].0 += abs_sum(v, None);
+                l1[t].1 += abs_sum(v, Some(&mask));
+            }
+            Ok(ControlFlow::Continue(()))
+        })?;
     }
     if want_gram {
         scan.tiles(&mut |tile| {
@@ -537,6 +567,7 @@ pub fn build_spec(
         row_len,
         coefs,
         sign_of_values: matches!(recipe.base, BaseTerm::Sce { .. }),
+        rank_rows,
         element_keep,
         nearswap: match recipe.base {
             BaseTerm::Nearswap { t } => Some(t as f32),
@@ -569,6 +600,27 @@ fn abs_sum(values: &[f32], mask: Option<&[u32]>) -> f64 {
         total += lanes.iter().map(|&l| l as f64).sum::<f64>();
     }
     total
+}
+
+/// The row length of DELLA's ranks for a tensor of `shape` (0 when no keep rule ranks rows):
+/// the last dimension of a matrix, the whole of a vector (mergekit ranks along dimension 1 after
+/// making vectors one row).
+pub fn rank_rows(recipe: &TensorRecipe, numel: u64, shape: &[usize]) -> Result<u64> {
+    if !recipe
+        .sparsify
+        .iter()
+        .any(|s| matches!(s, Sparsify::RowRank { .. }))
+    {
+        return Ok(0);
+    }
+    match shape {
+        [_] | [] => Ok(numel.max(1)),
+        [_, cols] => Ok((*cols as u64).max(1)),
+        _ => anyhow::bail!(
+            "della on a tensor of {} dimensions is not supported yet",
+            shape.len()
+        ),
+    }
 }
 
 /// SCE's statistics: the cut keeping the ⌊density · (elements of non-zero variance)⌋ elements

@@ -417,7 +417,7 @@ pub fn merge_cmd(f: &Fixture, out: &Path, extra: &[&str]) -> assert_cmd::Command
 }
 
 /// The methods with CLI parameters that exercise each part of the core (tests/methods.rs, tests/gpu_parity.rs).
-pub const METHODS: [(&str, &[&str]); 13] = [
+pub const METHODS: [(&str, &[&str]); 15] = [
     ("linear", &["weight=0.7"]),
     ("task_arithmetic", &["weight=0.6", "lambda=1.3"]),
     ("ties", &["weight=1", "density=0.4"]),
@@ -442,6 +442,8 @@ pub const METHODS: [(&str, &[&str]); 13] = [
     ("karcher", &[]),
     ("sce", &["select_topk=0.4"]),
     ("sce", &[]),
+    ("della", &["weight=1", "density=0.5", "epsilon=0.2"]),
+    ("della_linear", &["weight=0.7", "density=0.4"]),
 ];
 
 pub fn method_args(method: &str, params: &[&str]) -> Vec<String> {
