@@ -554,14 +554,9 @@ fn merge_job(
 
 fn run_methods(out: &mut impl Write) -> Result<()> {
     for kind in Kind::ALL {
-        let status = if kind.implemented() {
-            ""
-        } else {
-            "  [not implemented yet]"
-        };
         writeln!(
             out,
-            "{:<17} {} ({}){status}",
+            "{:<17} {} ({})",
             kind.name(),
             kind.about(),
             kind.reference()

@@ -2,7 +2,7 @@
 //! Unknown keys and the parts rlmerge does not support yet are errors that name the key and line.
 
 use crate::checkpoint::DType;
-use crate::method::settings::{Scalar, Settings};
+use crate::method::settings::{Scalar, Setting, Settings};
 use crate::method::{defaults, BoostRule, BoostScope, Kind, Method, MethodConfig};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
@@ -258,7 +258,17 @@ pub fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         .iter()
         .map(|(m, _)| local_folder(m, dir))
         .collect::<Result<Vec<_>>>()?;
-    let model_settings: Vec<Settings> = merged.into_iter().map(|(_, s)| s).collect();
+    let mut model_settings: Vec<Settings> = merged.into_iter().map(|(_, s)| s).collect();
+    // Fisher folders are local folders too, found the same way as models.
+    for s in model_settings.iter_mut() {
+        if let Some(Setting::Scalar(Scalar::Text(p))) = s.get("fisher") {
+            let folder = local_folder(p, dir)?;
+            s.insert(
+                "fisher".into(),
+                Setting::Scalar(Scalar::Text(folder.display().to_string())),
+            );
+        }
+    }
     let epsilon = number(&shared, "epsilon")?.map(|e| e as f32);
     let method = match kind {
         Kind::Ram | Kind::RamPlus | Kind::RamplusTl => {

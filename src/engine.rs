@@ -9,10 +9,10 @@ use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
 use crate::checkpoint::{
     CheckpointWriter, DType, ModelFolder, ModelTensor, OutputFolder, OutputTensor,
 };
-use crate::method::combine::{row_ranks, CombineSpec};
+use crate::method::combine::{fisher_coefs, row_ranks, CombineSpec};
 use crate::method::settings::{layer_index, layer_t, TensorPlace};
 use crate::method::stats::{self, AgentChunk, AgentVisit, Scans, Values, Visit, SCAN_CHUNK};
-use crate::method::{self, AgentCounts, BoostScope, Method, MethodConfig};
+use crate::method::{self, AgentCounts, BoostScope, Kind, Method, MethodConfig};
 use crate::recipe::{self, AgentSummary, InputChecksums, Recipe};
 use crate::report::{ProbeReport, TensorStats};
 use anyhow::{anyhow, bail, ensure, Context, Result};
@@ -449,6 +449,76 @@ pub struct MergeSummary {
     pub report: Option<ProbeReport>,
 }
 
+/// Fisher merging's second input: each merged model's diagonal Fisher, a folder of safetensors
+/// with the model's tensor names and shapes (any of bf16, f16, f32).
+struct FisherInputs {
+    folders: Vec<ModelFolder>,
+}
+
+impl FisherInputs {
+    /// Opens every model's Fisher folder and checks it has each tensor that model merges.
+    fn open(config: &MethodConfig, inputs: &Inputs) -> Result<FisherInputs> {
+        let folders = config
+            .fisher_folders(inputs.agents.len())?
+            .iter()
+            .map(|d| ModelFolder::open(d).context("cannot open a Fisher folder"))
+            .collect::<Result<Vec<_>>>()?;
+        for plan in &inputs.tensors {
+            for t in plan.present() {
+                let f = &folders[t];
+                let Some(ft) = f.get(plan.name()) else {
+                    bail!(
+                        "tensor '{}' is missing in the Fisher folder {} (model {})",
+                        plan.name(),
+                        f.dir.display(),
+                        t + 1
+                    );
+                };
+                ensure!(
+                    ft.entry.shape == plan.base.entry.shape,
+                    "tensor '{}' in {} has shape {:?}, but the model's is {:?}",
+                    plan.name(),
+                    f.file_of(ft).display(),
+                    ft.entry.shape,
+                    plan.base.entry.shape
+                );
+            }
+        }
+        Ok(FisherInputs { folders })
+    }
+
+    /// The coefficient rows of elements `start..start + len` of `plan` (see
+    /// [`crate::method::combine::fisher_coefs`]); λ is the spec's tensor row.
+    fn tile_coefs(
+        &self,
+        plan: &TensorPlan,
+        present: &[usize],
+        spec: &CombineSpec,
+        (start, len): (u64, usize),
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let fisher = present
+            .iter()
+            .map(|&t| {
+                let f = &self.folders[t];
+                let ft = f.get(plan.name()).expect("checked at open");
+                let size = ft.entry.dtype.size();
+                let mut bytes = vec![0u8; len * size];
+                f.read(ft, start * size as u64, &mut bytes)?;
+                let mut values = vec![0.0f32; len];
+                decode(ft.entry.dtype, &bytes, &mut values);
+                Ok(values)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let lambdas: Vec<f64> = spec.coefs[1..=present.len()]
+            .iter()
+            .map(|&l| l as f64)
+            .collect();
+        fisher_coefs(&lambdas, &fisher, len, out);
+        Ok(())
+    }
+}
+
 /// How one tensor's tiles are merged.
 enum TileRule {
     /// RAM / RAM+ with these λ of the present agents.
@@ -706,6 +776,10 @@ pub fn merge(
     let reciprocals = method::reciprocals(n);
     let mut tensor_lambdas = Vec::new();
     let mut tensor_stats = Vec::new();
+    let fisher = match &options.method {
+        Method::Combine(c) if c.kind == Kind::Fisher => Some(FisherInputs::open(c, inputs)?),
+        _ => None,
+    };
     let layers = inputs
         .tensors
         .iter()
@@ -786,11 +860,16 @@ pub fn merge(
                     }
                     TileRule::Combine(spec) => {
                         let ranks = tile_ranks(tile, spec);
+                        let mut coefs = Vec::new();
+                        if let Some(f) = &fisher {
+                            f.tile_coefs(plan, &present, spec, (start, tile.len), &mut coefs)?;
+                        }
                         let params = CombineParams {
                             spec,
                             start,
                             out_dtype,
                             ranks: &ranks,
+                            coefs: &coefs,
                         };
                         backend.combine(tile, &params, &mut out)
                     }

@@ -425,6 +425,46 @@ fn gpu_equals_cpu_for_every_method() {
             let args: Vec<&str> = owned.iter().map(String::as_str).collect();
             assert_same(&f, &format!("m{i}"), &args, &["--gpu-chunk-elems", "998"]);
         }
+        // Fisher: per-element coefficients from f32 Fisher folders (the models are `dtype`).
+        let f = fixture(760 + d as u64, dtype, &odd_shapes(), &DENSITIES[..3], 1);
+        let mut rng = Rng(77 + d as u64);
+        let mut recipe = String::from("merge_method: fisher\nmodels:\n");
+        for (a, agent) in f.agents.iter().enumerate() {
+            let fisher: Vec<T> = odd_shapes()
+                .into_iter()
+                .map(|(name, shape)| T {
+                    name: name.into(),
+                    dtype: Dtype::F32,
+                    values: (0..shape.iter().product::<usize>())
+                        .map(|i| if i % 5 == 0 { 0.0 } else { rng.f32() })
+                        .collect(),
+                    shape,
+                })
+                .collect();
+            let dir = f.dir.path().join(format!("fisher{a}"));
+            write_folder(&dir, &fisher, 1);
+            recipe += &format!(
+                "  - model: {}\n    parameters: {{fisher: {}, weight: {}}}\n",
+                agent.display(),
+                dir.display(),
+                1 + a
+            );
+        }
+        std::fs::write(f.dir.path().join("fisher.yml"), recipe).unwrap();
+        let mut outs = vec![];
+        for (device, extra) in [("cpu", &[][..]), ("gpu", &["--gpu-chunk-elems", "998"][..])] {
+            let o = f.dir.path().join(format!("fisher-{device}"));
+            rlmerge()
+                .args(["run", "-q", "--device", device])
+                .arg(f.dir.path().join("fisher.yml"))
+                .arg("-o")
+                .arg(&o)
+                .args(extra)
+                .assert()
+                .success();
+            outs.push(o);
+        }
+        compare(&outs[0], &outs[1], "fisher");
         // nuslerp takes exactly two models.
         let f = fixture(740 + d as u64, dtype, &odd_shapes(), &DENSITIES[..2], 1);
         let owned = method_args("nuslerp", &["weight=0.4"]);

@@ -169,6 +169,48 @@ fn sce_by_hand() {
 }
 
 #[test]
+fn fisher_by_hand() {
+    let d = tempfile::tempdir().unwrap();
+    models(d.path(), &[2], &[9., 9.], &[&[2., 4.], &[6., 8.]]);
+    write_folder(
+        &d.path().join("fa"),
+        &[t("model.layers.0.w", &[2], &[1., 0.])],
+        1,
+    );
+    write_folder(
+        &d.path().join("fb"),
+        &[t("model.layers.0.w", &[2], &[3., 0.])],
+        1,
+    );
+    // Element 0: (1·1·2 + 2·3·6) / (1·1 + 2·3) = 38/7. Element 1: every F is 0, so the plain
+    // weighted mean (1·4 + 2·8) / 3.
+    let y = "merge_method: fisher\nmodels:\n  - model: a\n    parameters: {fisher: fa}\n  - model: b\n    parameters: {fisher: fb, weight: 2}\n";
+    assert_close(&run(d.path(), y, &[]), &[38.0 / 7.0, 20.0 / 3.0]);
+    // A Fisher folder without the tensor, or no Fisher folder: clear errors, no output.
+    write_folder(&d.path().join("fc"), &[t("other", &[2], &[1., 1.])], 1);
+    for (yaml, want) in [
+        (
+            y.replace("fisher: fb", "fisher: fc"),
+            "missing in the Fisher folder",
+        ),
+        (
+            y.replace("{fisher: fb, weight: 2}", "{weight: 2}"),
+            "needs parameter 'fisher'",
+        ),
+    ] {
+        std::fs::write(d.path().join("f.yml"), yaml).unwrap();
+        let out = rlmerge()
+            .current_dir(d.path())
+            .args(["run", "f.yml", "-q", "-o", "fout"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{err}");
+        assert!(!d.path().join("fout").exists());
+    }
+}
+
+#[test]
 fn nearswap_by_hand() {
     let d = tempfile::tempdir().unwrap();
     // t = 0.5: |τ| = 0.25 ≤ t → the model's value; |τ| = 2 → w = 0.25: 0.25·2 + 0.75·0 = 0.5;
@@ -381,7 +423,7 @@ fn recipe_errors_are_clear() {
         ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\nfrobnicate: 1\n", &["frobnicate", "line 5"]),
         ("merge_method: ties\nbase_model: base\nmodules:\n  x: {}\n", &["modules", "not supported yet", "line 3"]),
         ("merge_method: ties\nbase_model: base\nslices:\n  - sources:\n      - model: a\n        layer_range: [0, 1]\n", &["config.json"]),
-        ("merge_method: fisher\nbase_model: base\nmodels:\n  - model: a\n", &["fisher", "not implemented"]),
+        ("merge_method: fisher\nbase_model: base\nmodels:\n  - model: a\n", &["fisher", "needs parameter 'fisher'"]),
         ("merge_method: nonsense\nmodels:\n  - model: a\n", &["unknown merge_method 'nonsense'", "line 1"]),
         ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {density: 0.5}\n", &["needs parameter 'weight'", "model.layers.0.w"]),
         ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, gamma: 0.1}\n", &["unknown parameter 'gamma'", "line 5"]),

@@ -178,8 +178,14 @@ fn combine_chunk(
     }
     sum.fill(0.0);
     // One coefficient row for the whole tensor, or a lookup per element.
-    let fixed_row = (spec.row_len == 0).then(|| spec.row(0));
-    let coef = |i: usize, t: usize| -> f32 { spec.row(first + i as u64)[t] };
+    let fixed_row = (spec.row_len == 0 && !spec.tile_coefs).then(|| spec.row(0));
+    let coef = |i: usize, t: usize| -> f32 {
+        if spec.tile_coefs {
+            p.coefs[(start + i) * (n + 1) + t]
+        } else {
+            spec.row(first + i as u64)[t]
+        }
+    };
     // v_t of every agent first: SCE's element selection looks at all of them.
     for (t, bytes) in tile.agents.iter().enumerate() {
         decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);

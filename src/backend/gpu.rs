@@ -396,9 +396,10 @@ impl GpuBackend {
         }
         let l = &self.ctx.limits;
         let bind = l.max_storage_buffer_binding_size.min(l.max_buffer_size);
-        // Per element: 4 bytes per agent, or the 8 of a two-coefficient row (row-wise slerp).
-        // (Less two: the coefficient buffer has a row to spare.)
-        let by_limit = ((bind / (4 * n as u64).max(8)) as usize).saturating_sub(2);
+        // Per element: 4 bytes per agent, or a coefficient row of 4 bytes per agent plus one
+        // (at least two: row-wise slerp; one per element: Fisher). Less two: the coefficient
+        // buffer has a row to spare.
+        let by_limit = ((bind / (4 * (n as u64 + 1)).max(8)) as usize).saturating_sub(2);
         (by_limit.min(self.chunk_elems_cap) & !1).max(2)
     }
 
@@ -473,7 +474,7 @@ impl GpuBackend {
             let rules = storage("rules", 32 * GPU_MAX_AGENTS as u64, dst);
             // DELLA's row ranks: one u32 per element and agent, laid out like `agents` in f32.
             let ranks = storage("ranks", words * 4 * n as u64, dst);
-            let coefs = storage("coefs", coef_floats(chunk) as u64 * 4, dst);
+            let coefs = storage("coefs", coef_floats(chunk, n) as u64 * 4, dst);
             let table = storage("reciprocal table", 4 << GPU_MAX_TABLE_AGENTS, dst);
             let combine_group = d.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: Some("combine"),
@@ -756,10 +757,10 @@ impl Backend for GpuBackend {
     }
 }
 
-/// Floats the coefficient buffer holds: one row per element of a chunk (+1 for a row straddling
-/// its start) for the two-input row-wise methods, or one row of every agent.
-fn coef_floats(chunk: usize) -> usize {
-    ((chunk + 1) * 2).max(GPU_MAX_AGENTS + 1)
+/// Floats the coefficient buffer holds: a row per element of a chunk (+1 for a row straddling its
+/// start) — two floats for row-wise slerp, `agents + 1` for Fisher — or one row of every agent.
+fn coef_floats(chunk: usize, agents: usize) -> usize {
+    ((chunk + 1) * (agents + 1).max(2)).max(GPU_MAX_AGENTS + 1)
 }
 
 impl GpuBackend {
@@ -808,7 +809,12 @@ impl GpuBackend {
                     floats <= slot.coefs.size() as usize / 4,
                     "internal: {floats} coefficients do not fit the GPU buffer"
                 );
-                let from = first_row as usize * row_floats;
+                // Fisher's rows come with the tile; the others' with the tensor.
+                let (source, from) = if spec.tile_coefs {
+                    (params.coefs, start * row_floats)
+                } else {
+                    (&spec.coefs[..], first_row as usize * row_floats)
+                };
                 let comb = Comb {
                     start: first as u32,
                     row_len: spec.row_len.min(u32::MAX as u64) as u32,
@@ -832,7 +838,7 @@ impl GpuBackend {
                 q.write_buffer(
                     &slot.coefs,
                     0,
-                    bytemuck::cast_slice(&spec.coefs[from..from + floats]),
+                    bytemuck::cast_slice(&source[from..from + floats]),
                 );
                 if !table.is_empty() {
                     q.write_buffer(&slot.table, 0, bytemuck::cast_slice(&table));

@@ -74,6 +74,8 @@ pub struct CombineParams<'a> {
     pub out_dtype: DType,
     /// DELLA: each agent's row ranks over the tile (whole rows); empty otherwise.
     pub ranks: &'a [Vec<u32>],
+    /// Fisher: one coefficient row per tile element (`CombineSpec::tile_coefs`); empty otherwise.
+    pub coefs: &'a [f32],
 }
 
 /// A compute backend.

@@ -133,17 +133,17 @@ impl Kind {
         }
     }
 
-    /// Methods this build can run; the others are listed and refused with a clear error.
-    pub fn implemented(self) -> bool {
-        !matches!(self, Kind::Fisher)
-    }
-
     /// Whether the base model's tensors enter the formula as θ₀ (else it only gives names,
     /// shapes and the config files, and every listed model is merged).
     pub fn uses_base(self) -> bool {
         !matches!(
             self,
-            Kind::Linear | Kind::Passthrough | Kind::Karcher | Kind::Nuslerp | Kind::Multislerp
+            Kind::Linear
+                | Kind::Passthrough
+                | Kind::Karcher
+                | Kind::Nuslerp
+                | Kind::Multislerp
+                | Kind::Fisher
         )
     }
 
@@ -281,7 +281,15 @@ impl Kind {
             ],
             Kind::Nearswap => vec![p("t", Shared, "required", "similarity threshold")],
             Kind::Passthrough => vec![p("scale", PerModel, "none", "multiplies the tensor")],
-            Kind::Fisher => vec![WEIGHT],
+            Kind::Fisher => vec![
+                p("weight", PerModel, "1.0", "λ, the model's weight"),
+                p(
+                    "fisher",
+                    PerModel,
+                    "required",
+                    "folder of the model's diagonal Fisher (safetensors)",
+                ),
+            ],
         }
     }
 }

@@ -244,6 +244,33 @@ pub struct CombineSpec {
     /// and come with each agent's [`row_ranks`].
     #[serde(default)]
     pub rank_rows: u64,
+    /// Fisher: every element has its own coefficient row, computed by the host per tile and
+    /// passed with it (`CombineParams::coefs`) instead of `coefs` (`row_len` is 1).
+    #[serde(default)]
+    pub tile_coefs: bool,
+}
+
+/// Fisher merging's coefficient rows for a run of elements: for element i,
+/// `[0, c_0 … c_{n−1}]` with c_t = λ_t F_t / Σ_s λ_s F_s (f64, rounded once), or λ_t / Σ λ where
+/// every F is 0 — so Σ_t c_t θ_t is the Fisher-weighted mean.
+pub fn fisher_coefs(lambdas: &[f64], fisher: &[Vec<f32>], len: usize, out: &mut Vec<f32>) {
+    let n = lambdas.len();
+    out.clear();
+    out.reserve(len * (n + 1));
+    let plain: f64 = lambdas.iter().sum();
+    for i in 0..len {
+        let total: f64 = (0..n).map(|t| lambdas[t] * fisher[t][i] as f64).sum();
+        out.push(0.0);
+        for t in 0..n {
+            out.push(if total != 0.0 {
+                (lambdas[t] * fisher[t][i] as f64 / total) as f32
+            } else if plain != 0.0 {
+                (lambdas[t] / plain) as f32
+            } else {
+                0.0
+            });
+        }
+    }
 }
 
 impl CombineSpec {
@@ -430,6 +457,7 @@ mod tests {
             element_keep: None,
             sign_of_values: false,
             rank_rows: 0,
+            tile_coefs: false,
         }
     }
 

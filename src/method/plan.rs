@@ -72,6 +72,8 @@ pub enum BaseTerm {
     /// SCE: θ₀ + the consensus mean of the task vectors on the `density` highest-variance
     /// elements, weighted by each vector's mean square there.
     Sce { density: f64 },
+    /// Fisher merging: Σ λ_t F_t θ_t / Σ λ_t F_t, coefficients per element from the Fisher files.
+    Fisher,
 }
 
 impl BaseTerm {
@@ -370,6 +372,10 @@ impl MethodConfig {
                     },
                 )
             },
+            Kind::Fisher => TensorRecipe {
+                weights: per("weight", Some(1.0))?,
+                ..TensorRecipe::interpolation(present.len(), false, BaseTerm::Fisher)
+            },
             Kind::Nearswap => TensorRecipe::interpolation(
                 present.len(),
                 true,
@@ -385,23 +391,29 @@ impl MethodConfig {
                     tol: l.number("tol", None, Some(1e-5))?,
                 },
             ),
-            other => bail!(
-                "merge method '{}' is not implemented in rlmerge yet (see `rlmerge methods`)",
-                other.name()
-            ),
+            Kind::Ram | Kind::RamPlus | Kind::RamplusTl => {
+                bail!("internal: {} is not a combine method", kind.name())
+            }
         };
         Ok(recipe)
+    }
+
+    /// Fisher merging: each merged model's `fisher` folder, in agent order.
+    pub fn fisher_folders(&self, agents: usize) -> Result<Vec<std::path::PathBuf>> {
+        (0..agents)
+            .map(|m| match self.models.get(m).and_then(|s| s.get("fisher")) {
+                Some(super::settings::Setting::Scalar(Scalar::Text(p))) => Ok(p.into()),
+                _ => bail!(
+                    "fisher needs parameter 'fisher' (a folder of diagonal Fisher safetensors with the model's tensor names) for model {}",
+                    m + 1
+                ),
+            })
+            .collect()
     }
 
     /// Checks what can be checked before any tensor is read.
     pub fn check(&self, agents: usize) -> Result<()> {
         let kind = self.kind;
-        if !kind.implemented() {
-            bail!(
-                "merge method '{}' is not implemented in rlmerge yet (see `rlmerge methods`)",
-                kind.name()
-            );
-        }
         let need = |ok: bool, what: &str| -> Result<()> {
             if ok {
                 Ok(())

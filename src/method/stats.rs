@@ -390,6 +390,7 @@ pub fn build_spec(
         .map(|s| recipe.rescale && *s != Sparsify::All)
         .collect();
     let row_len = match recipe.base {
+        BaseTerm::Fisher => 1,
         BaseTerm::Slerp { .. } => {
             (numel / shape.first().copied().unwrap_or(1).max(1) as u64).max(1)
         }
@@ -495,7 +496,7 @@ pub fn build_spec(
     } else {
         sce_weights.iter().map(|&w| w as f32).collect()
     };
-    let mut coefs = Vec::with_capacity(rows * (n + 1));
+    let mut coefs = Vec::new();
     match recipe.base {
         BaseTerm::Add | BaseTerm::None => {
             coefs.push(if recipe.base == BaseTerm::Add {
@@ -531,6 +532,11 @@ pub fn build_spec(
             );
         }
         BaseTerm::Nearswap { .. } => coefs.extend([1.0, 1.0]),
+        // The per-element rows come with each tile; this row keeps λ for them.
+        BaseTerm::Fisher => {
+            coefs.push(0.0);
+            coefs.extend(recipe.weights.iter().map(|&w| w as f32));
+        }
         BaseTerm::Sce { .. } => {
             coefs.push(1.0);
             coefs.extend(sce_weights.iter().map(|&w| w as f32));
@@ -568,6 +574,7 @@ pub fn build_spec(
         coefs,
         sign_of_values: matches!(recipe.base, BaseTerm::Sce { .. }),
         rank_rows,
+        tile_coefs: recipe.base == BaseTerm::Fisher,
         element_keep,
         nearswap: match recipe.base {
             BaseTerm::Nearswap { t } => Some(t as f32),
