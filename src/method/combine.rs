@@ -258,19 +258,20 @@ pub fn fisher_coefs(lambdas: &[f64], fisher: &[Vec<f32>], len: usize, out: &mut 
     out.clear();
     out.reserve(len * (n + 1));
     let plain: f64 = lambdas.iter().sum();
-    for i in 0..len {
-        let total: f64 = (0..n).map(|t| lambdas[t] * fisher[t][i] as f64).sum();
+    let weighted = |t: usize, i: usize| lambdas[t] * fisher[t][i] as f64;
+    (0..len).for_each(|i| {
+        let total: f64 = (0..n).map(|t| weighted(t, i)).sum();
         out.push(0.0);
-        for t in 0..n {
-            out.push(if total != 0.0 {
-                (lambdas[t] * fisher[t][i] as f64 / total) as f32
+        out.extend((0..n).map(|t| {
+            if total != 0.0 {
+                (weighted(t, i) / total) as f32
             } else if plain != 0.0 {
                 (lambdas[t] / plain) as f32
             } else {
                 0.0
-            });
-        }
-    }
+            }
+        }));
+    });
 }
 
 impl CombineSpec {
