@@ -629,91 +629,92 @@ struct TensorScans<'a> {
     buffers: &'a mut TileBuffers,
 }
 
+impl TensorScans<'_> {
+    /// The tensor's tiles in order, read as the merge pass reads them (no progress shown).
+    fn each_tile(
+        &mut self,
+        visit: impl FnMut(usize, u64, &Tile) -> Result<ControlFlow<()>>,
+    ) -> Result<()> {
+        let hidden = ProgressBar::hidden();
+        for_each_tile(
+            self.inputs,
+            self.plan,
+            self.present,
+            &self.pass,
+            self.buffers,
+            &hidden,
+            visit,
+        )
+    }
+}
+
 impl Scans for TensorScans<'_> {
     fn tiles(&mut self, visit: &mut Visit) -> Result<()> {
         let n = self.present.len();
         let (mut base, mut x, mut tau) = (Vec::new(), vec![Vec::new(); n], vec![Vec::new(); n]);
-        let hidden = ProgressBar::hidden();
-        for_each_tile(
-            self.inputs,
-            self.plan,
-            self.present,
-            &self.pass,
-            self.buffers,
-            &hidden,
-            |_, start, tile| {
-                base.resize(tile.len, 0.0);
-                decode(tile.dtype, tile.base, &mut base);
-                let base_values = &base;
-                x.par_iter_mut()
-                    .zip(tau.par_iter_mut())
-                    .zip(tile.agents.par_iter())
-                    .for_each(|((x, tau), bytes)| {
-                        x.resize(tile.len, 0.0);
-                        decode(tile.dtype, bytes, x);
-                        tau.clear();
-                        tau.extend(x.iter().zip(base_values).map(|(a, b)| a - b));
-                    });
-                visit(&Values {
-                    start,
-                    base: &base,
-                    x: &x,
-                    tau: &tau,
-                })
-            },
-        )
+        self.each_tile(|_, start, tile| {
+            base.resize(tile.len, 0.0);
+            decode(tile.dtype, tile.base, &mut base);
+            let base_values = &base;
+            x.par_iter_mut()
+                .zip(tau.par_iter_mut())
+                .zip(tile.agents.par_iter())
+                .for_each(|((x, tau), bytes)| {
+                    x.resize(tile.len, 0.0);
+                    decode(tile.dtype, bytes, x);
+                    tau.clear();
+                    tau.extend(x.iter().zip(base_values).map(|(a, b)| a - b));
+                });
+            visit(&Values {
+                start,
+                base: &base,
+                x: &x,
+                tau: &tau,
+            })
+        })
     }
 
     fn per_agent(&mut self, visit: &AgentVisit) -> Result<()> {
         let mut done = vec![false; self.present.len()];
-        let hidden = ProgressBar::hidden();
-        for_each_tile(
-            self.inputs,
-            self.plan,
-            self.present,
-            &self.pass,
-            self.buffers,
-            &hidden,
-            |_, start, tile| {
-                let size = tile.dtype.size();
-                let flows: Vec<bool> = (0..done.len())
-                    .into_par_iter()
-                    .map(|t| {
-                        if done[t] {
+        self.each_tile(|_, start, tile| {
+            let size = tile.dtype.size();
+            let flows: Vec<bool> = (0..done.len())
+                .into_par_iter()
+                .map(|t| {
+                    if done[t] {
+                        return true;
+                    }
+                    let mut scratch = [[0.0f32; SCAN_CHUNK]; 3];
+                    let [base, x, tau] = &mut scratch;
+                    for (cs, cl) in ranges(tile.len, SCAN_CHUNK) {
+                        let bytes = cs * size..(cs + cl) * size;
+                        decode(tile.dtype, &tile.base[bytes.clone()], &mut base[..cl]);
+                        decode(tile.dtype, &tile.agents[t][bytes], &mut x[..cl]);
+                        for ((d, &a), &b) in tau.iter_mut().zip(&x[..cl]).zip(&base[..cl]) {
+                            *d = a - b;
+                        }
+                        let chunk = AgentChunk {
+                            start: start + cs as u64,
+                            base: &base[..cl],
+                            x: &x[..cl],
+                            tau: &tau[..cl],
+                        };
+                        if visit(t, &chunk).is_break() {
                             return true;
                         }
-                        let mut scratch = [[0.0f32; SCAN_CHUNK]; 3];
-                        let [base, x, tau] = &mut scratch;
-                        for (cs, cl) in ranges(tile.len, SCAN_CHUNK) {
-                            let bytes = cs * size..(cs + cl) * size;
-                            decode(tile.dtype, &tile.base[bytes.clone()], &mut base[..cl]);
-                            decode(tile.dtype, &tile.agents[t][bytes], &mut x[..cl]);
-                            for ((d, &a), &b) in tau.iter_mut().zip(&x[..cl]).zip(&base[..cl]) {
-                                *d = a - b;
-                            }
-                            let chunk = AgentChunk {
-                                start: start + cs as u64,
-                                base: &base[..cl],
-                                x: &x[..cl],
-                                tau: &tau[..cl],
-                            };
-                            if visit(t, &chunk).is_break() {
-                                return true;
-                            }
-                        }
-                        false
-                    })
-                    .collect();
-                for (d, f) in done.iter_mut().zip(flows) {
-                    *d |= f;
-                }
-                Ok(if done.iter().all(|&d| d) {
-                    ControlFlow::Break(())
-                } else {
-                    ControlFlow::Continue(())
+                    }
+                    false
                 })
-            },
-        )
+                .collect();
+            for (d, f) in done.iter_mut().zip(flows) {
+                *d |= f;
+            }
+            Ok(if done.iter().all(|&d| d) {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            })
+        })
     }
 }
 
