@@ -4,7 +4,9 @@
 
 use super::{Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode, encode};
-use crate::method::combine::{masked_reciprocal, nearswap, variance_key, CombineSpec, Normalize};
+use crate::method::combine::{
+    masked_reciprocal, nearswap, variance_key, CombineSpec, Keep, Normalize,
+};
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 
@@ -216,6 +218,16 @@ fn combine_chunk(
     sum_v.fill(0.0);
     for t in 0..n {
         let d = &mut s.d[t * CHUNK..t * CHUNK + len];
+        // Nothing dropped and one coefficient: d_t = v·c, and on to the sum.
+        let plain = !spec.sign_of_values && spec.element_keep.is_none();
+        if let (Keep::All, true, Some(row)) = (spec.keep[t], plain, fixed_row) {
+            let c = row[1 + t];
+            for (s, d) in sum.iter_mut().zip(d.iter_mut()) {
+                *d *= c;
+                *s += *d;
+            }
+            continue;
+        }
         // The keep mask, then d_t = v·c where kept (a select on bits, not a branch).
         let keep = &mut s.keep[..len];
         let ranks = p.ranks.get(t).map_or(&[][..], |r| &r[start..start + len]);
@@ -250,7 +262,12 @@ fn combine_chunk(
     if spec.sign_of_values {
         sum.copy_from_slice(sum_v);
     }
-    // Without consensus every d_t counts: Δ is the sum just taken, in the same order.
+    // Without consensus every d_t counts: Δ is the sum just taken, in the same order — the
+    // buffers trade places instead of copying it.
+    if !spec.consensus {
+        std::mem::swap(&mut s.sum, &mut s.delta);
+    }
+    let sum = &s.sum[..len];
     let delta = &mut s.delta[..len];
     let mask = &mut s.mask[..len];
     if spec.consensus {
@@ -268,8 +285,6 @@ fn combine_chunk(
                 *m |= (agrees as u64) << t;
             }
         }
-    } else {
-        delta.copy_from_slice(sum);
     }
     match &spec.normalize {
         Normalize::None => {}
