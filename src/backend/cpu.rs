@@ -5,7 +5,7 @@
 use super::{Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode, encode};
 use crate::method::combine::{
-    masked_reciprocal, nearswap, variance_key, CombineSpec, Keep, Normalize,
+    self, masked_reciprocal, nearswap, variance_key, CombineSpec, Keep, Normalize,
 };
 use anyhow::{Context, Result};
 use rayon::prelude::*;
@@ -109,10 +109,9 @@ const RECIPROCAL_TABLE_AGENTS: usize = 12;
 /// there are too many agents to table: then each element computes its own, identically).
 fn reciprocal_table(spec: &CombineSpec) -> Vec<f32> {
     match &spec.normalize {
-        Normalize::PerElement(w, floor) if w.len() <= RECIPROCAL_TABLE_AGENTS => (0..1u64
-            << w.len())
-            .map(|m| masked_reciprocal(w, *floor, m))
-            .collect(),
+        Normalize::PerElement(w, floor) if w.len() <= RECIPROCAL_TABLE_AGENTS => {
+            combine::reciprocal_table(w, *floor)
+        }
         _ => Vec::new(),
     }
 }

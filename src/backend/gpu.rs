@@ -786,10 +786,7 @@ impl GpuBackend {
                     n <= GPU_MAX_TABLE_AGENTS,
                     "the GPU backend normalizes a consensus merge of at most {GPU_MAX_TABLE_AGENTS} models, got {n} (use --device cpu)"
                 );
-                let table: Vec<f32> = (0..1u64 << n)
-                    .map(|m| crate::method::combine::masked_reciprocal(w, *floor, m))
-                    .collect();
-                (2, 1.0, table)
+                (2, 1.0, crate::method::combine::reciprocal_table(w, *floor))
             }
         };
         let rules: Vec<u32> = spec.keep.iter().flat_map(rule_words).collect();

@@ -365,6 +365,14 @@ pub fn masked_reciprocal(weights: &[f32], floor: f32, mask: u64) -> f32 {
     }
 }
 
+/// [`masked_reciprocal`] for every agreement mask of `weights.len()` agents, indexed by mask:
+/// what a backend looks up instead of summing per element.
+pub fn reciprocal_table(weights: &[f32], floor: f32) -> Vec<f32> {
+    (0..1u64 << weights.len())
+        .map(|m| masked_reciprocal(weights, floor, m))
+        .collect()
+}
+
 /// SCE's selection key of one element: the bits of the population variance of its values over
 /// the agents, μ = (Σ v)·(1/n), var = Σ (v − μ)² · (1/n), in agent order in f32.
 #[inline]

@@ -127,6 +127,44 @@ struct BinScan {
     members: Option<Vec<(u16, u32)>>,
 }
 
+impl BinScan {
+    /// The cut keeping the `k` largest keys, `above` of which lie above this bin. When the cut
+    /// splits the elements tied at its threshold, the split index comes from the remembered
+    /// members, or — when the bin was too full to remember — the returned `m` says to search for
+    /// the m-th tied element in index order. A threshold of exactly zero needs no split: which
+    /// zeros count as kept changes nothing (a kept zero adds ±0, never agrees in a consensus, and
+    /// no sum starts at −0).
+    fn resolve(&self, k: u64, above: u64, high_first: bool) -> (RankCut, Option<u64>) {
+        let (fine, gt) = locate(&self.low, k - above);
+        let value = (self.bin << 16) | fine as u32;
+        let need = k - above - gt;
+        let equal = self.low[fine];
+        // Lower first: the first `need` tied elements are inside. Higher first: all but the first
+        // `equal − need`.
+        let m = if high_first { equal - need } else { need };
+        let mut cut = RankCut {
+            value,
+            index: if high_first { 0 } else { u32::MAX },
+            high_first,
+        };
+        if m == 0 || m >= equal || value == 0 {
+            return (cut, None);
+        }
+        match &self.members {
+            Some(members) => {
+                let split = members
+                    .iter()
+                    .filter(|&&(low, _)| low as usize == fine)
+                    .nth(m as usize - 1)
+                    .expect("the bin holds `equal` tied elements");
+                cut.index = split.1 + 1;
+                (cut, None)
+            }
+            None => (cut, Some(m)),
+        }
+    }
+}
+
 /// Resolves rank cuts (`(agent, k, high_first)`, 0 < k < n: the k largest, ties at the threshold
 /// to the lower index first unless `high_first`) to exact thresholds: a histogram of the keys'
 /// high 16 bits, then of the low 16 bits within the threshold's bin — two scans, and a third
@@ -243,36 +281,11 @@ fn rank_cuts_remembering(
     // (cut, agent, key, m): the cut's index goes just past the m-th tied element in index order.
     let mut ties = Vec::new();
     for (c, &(t, k, high_first)) in wanted.iter().enumerate() {
-        let (bin, above) = coarse[c];
-        let b = &bins[c];
-        let (fine, gt) = locate(&b.low, k - above);
-        let key = ((bin as u32) << 16) | fine as u32;
-        let need = k - above - gt;
-        let equal = b.low[fine];
-        // Lower first: the first `need` tied elements are inside. Higher first: all but the first
-        // `equal − need`.
-        let m = if high_first { equal - need } else { need };
-        let mut index = if high_first { 0 } else { u32::MAX };
-        // A threshold of exactly zero: which zeros count as kept changes nothing (a kept zero adds
-        // ±0, never agrees in a consensus, and no sum starts at −0), so no split is searched.
-        if m > 0 && m < equal && key != 0 {
-            match &b.members {
-                Some(members) => {
-                    let split = members
-                        .iter()
-                        .filter(|&&(low, _)| low as usize == fine)
-                        .nth(m as usize - 1)
-                        .expect("the bin holds `equal` tied elements");
-                    index = split.1 + 1;
-                }
-                None => ties.push((c, t, key, m)),
-            }
+        let (cut, search) = bins[c].resolve(k, coarse[c].1, high_first);
+        if let Some(m) = search {
+            ties.push((c, t, cut.value, m));
         }
-        cuts.push(RankCut {
-            value: key,
-            index,
-            high_first,
-        });
+        cuts.push(cut);
     }
     if ties.is_empty() {
         return Ok(cuts);
@@ -708,53 +721,42 @@ fn key_rank_cut(
         return Ok(RankCut::EMPTY);
     }
     let (bin, above) = locate(&high, k);
-    let remember = high[bin] <= BIN_MEMORY;
-    let mut low = vec![0u64; BINS];
-    let mut members: Vec<(u16, u32)> = Vec::new();
+    let mut b = BinScan {
+        agent: 0,
+        bin: bin as u32,
+        low: vec![0u64; BINS],
+        members: (high[bin] <= BIN_MEMORY).then(Vec::new),
+    };
     scan.tiles(&mut |tile| {
         keys(tile, &mut buf);
         for (i, &key) in buf.iter().enumerate() {
-            if key != 0 && key >> 16 == bin as u32 {
-                low[(key & 0xffff) as usize] += 1;
-                if remember {
-                    members.push((key as u16, (tile.start + i as u64) as u32));
+            if key != 0 && key >> 16 == b.bin {
+                b.low[(key & 0xffff) as usize] += 1;
+                if let Some(m) = &mut b.members {
+                    m.push((key as u16, (tile.start + i as u64) as u32));
                 }
             }
         }
         Ok(ControlFlow::Continue(()))
     })?;
-    let (fine, gt) = locate(&low, k - above);
-    let value = ((bin as u32) << 16) | fine as u32;
-    let need = k - above - gt;
-    let mut cut = RankCut {
-        value,
-        index: u32::MAX,
-        high_first: false,
-    };
-    if need < low[fine] {
-        if remember {
-            let split = members
-                .iter()
-                .filter(|&&(l, _)| l as usize == fine)
-                .nth(need as usize - 1)
-                .expect("the bin holds the tied elements");
-            cut.index = split.1 + 1;
-        } else {
-            let mut seen = 0u64;
-            scan.tiles(&mut |tile| {
-                keys(tile, &mut buf);
-                for (i, &key) in buf.iter().enumerate() {
-                    if key == value {
-                        seen += 1;
-                        if seen == need {
-                            cut.index = (tile.start + i as u64 + 1) as u32;
-                            return Ok(ControlFlow::Break(()));
-                        }
+    // Zero keys are never counted, so the threshold is above zero.
+    let (mut cut, search) = b.resolve(k, above, false);
+    if let Some(need) = search {
+        let value = cut.value;
+        let mut seen = 0u64;
+        scan.tiles(&mut |tile| {
+            keys(tile, &mut buf);
+            for (i, &key) in buf.iter().enumerate() {
+                if key == value {
+                    seen += 1;
+                    if seen == need {
+                        cut.index = (tile.start + i as u64 + 1) as u32;
+                        return Ok(ControlFlow::Break(()));
                     }
                 }
-                Ok(ControlFlow::Continue(()))
-            })?;
-        }
+            }
+            Ok(ControlFlow::Continue(()))
+        })?;
     }
     Ok(cut)
 }
