@@ -5,7 +5,7 @@
 use crate::backend::{ranges, Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode, decode_one, encode, first_nonfinite};
 use crate::checkpoint::folder_files::copy_base_files;
-use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
+use crate::checkpoint::safetensors_file::crc32_of_file;
 use crate::checkpoint::{
     CheckpointWriter, DType, ModelFolder, ModelTensor, OutputFolder, OutputTensor,
 };
@@ -15,13 +15,13 @@ use crate::method::stats::{self, AgentChunk, AgentVisit, Scans, Values, Visit, S
 use crate::method::{self, AgentCounts, BoostScope, Kind, Method, MethodConfig};
 use crate::recipe::{self, AgentSummary, InputChecksums, Recipe};
 use crate::report::{ProbeReport, TensorStats};
-use anyhow::{anyhow, bail, ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{channel, sync_channel, Receiver, SyncSender};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 /// The base and the agents, opened and checked against each other.
 pub struct Inputs {
@@ -180,10 +180,10 @@ impl TileBuffers {
         }
     }
 
-    /// Reads elements `start..start + len` of `plan` for the base and the `present` agents, one
-    /// input per core, and inspects each while its bytes are in cache: feeds the input's running
-    /// checksum and, when `finite_only`, fails on the first NaN or ±Inf, naming tensor, file and
-    /// element.
+    /// Reads elements `start..start + len` of `plan` for the base and the `present` agents (one
+    /// input per core when `spread`, else on the calling thread), and inspects each while its
+    /// bytes are in cache: feeds the input's running checksum and, when `finite_only`, fails on
+    /// the first NaN or ±Inf, naming tensor, file and element.
     fn load(
         &mut self,
         inputs: &Inputs,
@@ -191,6 +191,7 @@ impl TileBuffers {
         present: &[usize],
         (start, len): (usize, usize),
         finite_only: bool,
+        spread: bool,
     ) -> Result<()> {
         let dtype = plan.base.entry.dtype;
         let (offset, bytes) = ((start * dtype.size()) as u64, len * dtype.size());
@@ -222,7 +223,7 @@ impl TileBuffers {
                 }
             };
         // Spreading a small tile over threads costs more than reading it; results keep input order.
-        let results: Vec<Result<()>> = if bytes >= 1 << 17 {
+        let results: Vec<Result<()>> = if spread && bytes >= 1 << 17 {
             jobs.into_par_iter().map(load_one).collect()
         } else {
             jobs.into_iter().map(load_one).collect()
@@ -248,8 +249,9 @@ pub struct Pass {
     pub scan_nonfinite: bool,
 }
 
-/// Reads `plan` tile by tile for the base and the `present` agents and hands each tile, with its
-/// index, to `visit`; the one tiling loop of both passes.
+/// Reads `plan` tile by tile, in order, for the base and the `present` agents and hands each tile,
+/// with its index, to `visit`: the statistics scans, which need element order. The probe and
+/// merge passes run [`par_tiles`].
 fn for_each_tile(
     inputs: &Inputs,
     plan: &TensorPlan,
@@ -261,7 +263,14 @@ fn for_each_tile(
 ) -> Result<()> {
     let dtype = plan.base.entry.dtype;
     for (i, (start, len)) in ranges(plan.numel(), pass.tile_elems).enumerate() {
-        buffers.load(inputs, plan, present, (start, len), pass.scan_nonfinite)?;
+        buffers.load(
+            inputs,
+            plan,
+            present,
+            (start, len),
+            pass.scan_nonfinite,
+            true,
+        )?;
         let agents = buffers.agent_slices(present.len());
         let tile = Tile {
             dtype,
@@ -278,33 +287,109 @@ fn for_each_tile(
     Ok(())
 }
 
+/// The tile loop of the probe and merge passes: every tile of `plan`, read for the base and the
+/// `present` agents and handed to `visit` on the backend's tile workers
+/// ([`Backend::run_workers`]). Each worker has its own tile buffers and a `state` from `init`, and
+/// takes tile after tile, so reading, computing and writing a tile happen on one core while its
+/// bytes are in cache, and the cores never wait for each other. Tiles start in order and finish in
+/// any order. Returns the workers' states; on failure, the error of the earliest failing tile (the
+/// tiles before it all ran, so the same input always reports the same error).
+#[allow(clippy::too_many_arguments)]
+fn par_tiles<S: Send>(
+    inputs: &Inputs,
+    plan: &TensorPlan,
+    present: &[usize],
+    pass: &Pass,
+    backend: &dyn Backend,
+    progress: &ProgressBar,
+    init: impl Fn() -> S + Sync,
+    visit: impl Fn(&mut S, usize, u64, &Tile) -> Result<()> + Sync,
+) -> Result<Vec<S>> {
+    let dtype = plan.base.entry.dtype;
+    let (numel, step) = (plan.numel(), pass.tile_elems.max(1));
+    let count = numel.div_ceil(step);
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first_error: Mutex<Option<(usize, anyhow::Error)>> = Mutex::new(None);
+    let states = Mutex::new(Vec::new());
+    let worker = || {
+        let mut buffers = TileBuffers::new(present.len());
+        let mut state = init();
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= count || failed.load(Ordering::Relaxed) {
+                break;
+            }
+            let (start, len) = (i * step, step.min(numel - i * step));
+            let done = buffers
+                .load(
+                    inputs,
+                    plan,
+                    present,
+                    (start, len),
+                    pass.scan_nonfinite,
+                    false,
+                )
+                .and_then(|()| {
+                    let agents = buffers.agent_slices(present.len());
+                    let tile = Tile {
+                        dtype,
+                        len,
+                        base: &buffers.base,
+                        agents: &agents,
+                    };
+                    visit(&mut state, i, start as u64, &tile)
+                });
+            match done {
+                Ok(()) => progress.inc((len * dtype.size() * (1 + present.len())) as u64),
+                Err(e) => {
+                    failed.store(true, Ordering::Relaxed);
+                    let mut first = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                    if first.as_ref().is_none_or(|(j, _)| i < *j) {
+                        *first = Some((i, e));
+                    }
+                }
+            }
+        }
+        states.lock().unwrap_or_else(|p| p.into_inner()).push(state);
+    };
+    backend.run_workers(&worker);
+    if let Some((_, e)) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    Ok(states.into_inner().unwrap_or_else(|p| p.into_inner()))
+}
+
 /// Probes one tensor over all its tiles; the counts are indexed by global agent.
 fn probe_tensor(
     inputs: &Inputs,
     plan: &TensorPlan,
     backend: &dyn Backend,
     pass: &Pass,
-    buffers: &mut TileBuffers,
     progress: &ProgressBar,
 ) -> Result<TileCounts> {
     let n = inputs.agents.len();
     let present = plan.present();
     let mut local = TileCounts::zeros(present.len());
-    for_each_tile(
+    let workers = par_tiles(
         inputs,
         plan,
         &present,
         pass,
-        buffers,
+        backend,
         progress,
-        |i, _, tile| {
+        || TileCounts::zeros(present.len()),
+        |sum, i, _, tile| {
             let counts = backend
                 .probe(tile, pass.epsilon)
                 .with_context(|| format!("probe of tensor '{}' failed at tile {i}", plan.name()))?;
-            local.add(&counts);
-            Ok(ControlFlow::Continue(()))
+            sum.add(&counts);
+            Ok(())
         },
     )?;
+    for counts in &workers {
+        local.add(counts);
+    }
     // Spread the present agents' rows into the N-wide global layout.
     let mut global = TileCounts::zeros(n);
     for (slot, &t) in present.iter().enumerate() {
@@ -337,10 +422,9 @@ pub fn probe_all(
     show_progress: bool,
 ) -> Result<ProbeReport> {
     let bar = progress_bar(inputs.pass_bytes(), show_progress, "probe");
-    let mut buffers = TileBuffers::new(inputs.agents.len());
     let mut tensors = Vec::with_capacity(inputs.tensors.len());
     for plan in &inputs.tensors {
-        let counts = probe_tensor(inputs, plan, backend, pass, &mut buffers, &bar)?;
+        let counts = probe_tensor(inputs, plan, backend, pass, &bar)?;
         tensors.push(TensorStats::new(plan, counts));
     }
     bar.finish_and_clear();
@@ -350,82 +434,6 @@ pub fn probe_all(
         epsilon: pass.epsilon,
         tensors,
     })
-}
-
-/// The output writer on a thread of its own, so writing one tile overlaps merging the next. Tiles
-/// queue in a bounded channel and their buffers come back for reuse.
-struct WriterThread {
-    tiles: Option<SyncSender<(String, Vec<u8>)>>,
-    recycled: Receiver<Vec<u8>>,
-    thread: Option<JoinHandle<Result<Vec<FileChecksum>>>>,
-}
-
-impl WriterThread {
-    fn spawn(mut writer: CheckpointWriter) -> Result<WriterThread> {
-        let (tiles, queue) = sync_channel::<(String, Vec<u8>)>(2);
-        let (give_back, recycled) = channel();
-        let thread = std::thread::Builder::new()
-            .name("rlmerge-writer".into())
-            .spawn(move || {
-                for (name, bytes) in queue {
-                    writer.write(&name, &bytes)?;
-                    let _ = give_back.send(bytes);
-                }
-                writer.finish()
-            })
-            .context("cannot start the writer thread")?;
-        Ok(WriterThread {
-            tiles: Some(tiles),
-            recycled,
-            thread: Some(thread),
-        })
-    }
-
-    /// An empty buffer for the next tile, reused when the writer has one back.
-    fn buffer(&self) -> Vec<u8> {
-        self.recycled.try_recv().unwrap_or_default()
-    }
-
-    /// Queues the bytes of tensor `name`; an error from the writer surfaces here or at `finish`.
-    fn write(&mut self, name: &str, bytes: Vec<u8>) -> Result<()> {
-        let sent = self
-            .tiles
-            .as_ref()
-            .map(|t| t.send((name.to_string(), bytes)));
-        match sent {
-            Some(Ok(())) => Ok(()),
-            // The writer stopped: its own error says why.
-            _ => {
-                self.join()?;
-                bail!("the writer thread stopped")
-            }
-        }
-    }
-
-    fn join(&mut self) -> Result<Vec<FileChecksum>> {
-        self.tiles = None;
-        match self.thread.take() {
-            Some(t) => t
-                .join()
-                .map_err(|_| anyhow!("the writer thread panicked"))?,
-            None => bail!("the writer thread already stopped"),
-        }
-    }
-
-    /// Waits for every queued tile to be written and the shards closed; see [`CheckpointWriter::finish`].
-    fn finish(mut self) -> Result<Vec<FileChecksum>> {
-        self.join()
-    }
-}
-
-impl Drop for WriterThread {
-    /// On failure, wait for the thread so it stops writing before the temporary folder is removed.
-    fn drop(&mut self) {
-        self.tiles = None;
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
 }
 
 /// Everything a merge needs besides the inputs and the backend.
@@ -753,11 +761,7 @@ pub fn merge(
             shape: p.base.entry.shape.clone(),
         })
         .collect();
-    let mut writer = WriterThread::spawn(CheckpointWriter::new(
-        folder.path(),
-        out_tensors.clone(),
-        options.shard_size,
-    )?)?;
+    let writer = CheckpointWriter::new(folder.path(), out_tensors.clone(), options.shard_size)?;
     let per_tensor_scope = matches!(
         options.method,
         Method::RamPlus {
@@ -787,7 +791,7 @@ pub fn merge(
         .filter_map(|t| layer_index(t.name()))
         .max()
         .map_or(0, |m| m + 1);
-    for (plan, out_t) in inputs.tensors.iter().zip(&out_tensors) {
+    for (index, (plan, out_t)) in inputs.tensors.iter().zip(&out_tensors).enumerate() {
         let present = plan.present();
         // What each tile of this tensor goes through.
         let rule = match &options.method {
@@ -809,8 +813,7 @@ pub fn merge(
             }
             _ => {
                 let lambdas: Vec<f64> = if per_tensor_scope {
-                    let counts =
-                        probe_tensor(inputs, plan, backend, &options.pass, &mut buffers, &bar)?;
+                    let counts = probe_tensor(inputs, plan, backend, &options.pass, &bar)?;
                     let stats = TensorStats::new(plan, counts);
                     let lambdas: Vec<f64> = stats
                         .agent_counts()
@@ -834,20 +837,21 @@ pub fn merge(
             },
             _ => merge_pass.clone(),
         };
-        for_each_tile(
+        par_tiles(
             inputs,
             plan,
             &present,
             &tensor_pass,
-            &mut buffers,
+            backend,
             &bar,
-            |i, start, tile| {
-                let mut out = writer.buffer();
-                out.resize(tile.len * out_t.dtype.size(), 0);
+            Vec::new,
+            |out, i, start, tile| {
                 let out_dtype = out_t.dtype;
+                out.resize(tile.len * out_dtype.size(), 0);
+                let out = &mut out[..tile.len * out_dtype.size()];
                 match &rule {
                     TileRule::Base => {
-                        pass_base(tile, out_dtype, &mut out);
+                        pass_base(tile, out_dtype, out);
                         Ok(())
                     }
                     TileRule::Ram(lambdas) => {
@@ -857,7 +861,7 @@ pub fn merge(
                             reciprocals: &reciprocals,
                             out_dtype,
                         };
-                        backend.merge(tile, &params, &mut out)
+                        backend.merge(tile, &params, out)
                     }
                     TileRule::Combine(spec) => {
                         let ranks = tile_ranks(tile, spec);
@@ -872,12 +876,11 @@ pub fn merge(
                             ranks: &ranks,
                             coefs: &coefs,
                         };
-                        backend.combine(tile, &params, &mut out)
+                        backend.combine(tile, &params, out)
                     }
                 }
                 .with_context(|| format!("merge of tensor '{}' failed at tile {i}", plan.name()))?;
-                writer.write(plan.name(), out)?;
-                Ok(ControlFlow::Continue(()))
+                writer.write_at(index, start * out_dtype.size() as u64, out)
             },
         )?;
     }

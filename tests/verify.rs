@@ -41,6 +41,20 @@ fn recorded_checksums_match_the_files_for_any_tiling() {
         ("a", vec!["--method", "ram+"]),
         ("b", vec!["--method", "ram+", "--tile-elems", "7"]),
         ("c", vec!["--method", "ram", "--shard-size", "1500"]),
+        // Statistics scans read in order, then the merge pass in parallel tiles of another size.
+        (
+            "d",
+            vec![
+                "--method",
+                "ties",
+                "--param",
+                "weight=1",
+                "--param",
+                "density=0.4",
+                "--tile-elems",
+                "5",
+            ],
+        ),
     ] {
         let out = merged(&f, name, &extra);
         let recipe: serde_json::Value = serde_json::from_str(

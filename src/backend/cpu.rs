@@ -10,9 +10,10 @@ use crate::method::combine::{
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 
-/// Tiles of 256 Ki elements (512 KiB of bf16 per input) stay in cache from the read through the
-/// finiteness scan to the merge: 2.0 s against 2.6 s with 4 Mi-element tiles for 4 × 1 GB here.
-const PREFERRED_TILE_ELEMS: usize = 1 << 18;
+/// Tiles of 64 Ki elements (128 KiB of bf16 per input): a worker's tile stays in its core's L2
+/// from the read through the checks, the merge and the write. `ram` on base + 3 × 1.08 GB bf16,
+/// 2 cores: 1.6 s at 64 Ki, 1.8 s at 32 Ki, 2.0 s at 256 Ki.
+const PREFERRED_TILE_ELEMS: usize = 1 << 16;
 
 /// Elements a worker handles at once: small enough to stay in L1/L2 with a few agents.
 const CHUNK: usize = 4096;
@@ -47,37 +48,41 @@ impl Backend for CpuBackend {
         PREFERRED_TILE_ELEMS
     }
 
+    fn run_workers(&self, worker: &(dyn Fn() + Sync)) {
+        self.pool.broadcast(|_| worker());
+    }
+
     fn probe(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts> {
         let n = tile.agents.len();
-        let chunks = tile.len.div_ceil(CHUNK);
-        Ok(self.pool.install(|| {
-            (0..chunks)
-                .into_par_iter()
-                .map_init(ProbeScratch::new, |s, c| {
-                    let start = c * CHUNK;
-                    probe_chunk(tile, epsilon, start, CHUNK.min(tile.len - start), s)
-                })
-                .reduce(
-                    || TileCounts::zeros(n),
-                    |mut a, b| {
-                        a.add(&b);
-                        a
-                    },
-                )
-        }))
+        let chunk = |s: &mut ProbeScratch, c: usize| {
+            let start = c * CHUNK;
+            probe_chunk(tile, epsilon, start, CHUNK.min(tile.len - start), s)
+        };
+        let sum = |mut a: TileCounts, b: TileCounts| {
+            a.add(&b);
+            a
+        };
+        let chunks = 0..tile.len.div_ceil(CHUNK);
+        Ok(if self.on_worker() {
+            with_scratch(n, ProbeScratch::new, |s| {
+                chunks.map(|c| chunk(s, c)).fold(TileCounts::zeros(n), sum)
+            })
+        } else {
+            self.pool.install(|| {
+                chunks
+                    .into_par_iter()
+                    .map_init(ProbeScratch::new, chunk)
+                    .reduce(|| TileCounts::zeros(n), sum)
+            })
+        })
     }
 
     fn merge(&self, tile: &Tile, params: &MergeParams, out: &mut [u8]) -> Result<()> {
         let out_size = params.out_dtype.size();
         debug_assert_eq!(out.len(), tile.len * out_size);
-        self.pool.install(|| {
-            out.par_chunks_mut(CHUNK * out_size)
-                .enumerate()
-                .for_each_init(ChunkScratch::new, |s, (c, out)| {
-                    let start = c * CHUNK;
-                    let len = out.len() / out_size;
-                    merge_chunk(tile, params, start, len, s, out);
-                });
+        let n = tile.agents.len();
+        self.each_chunk(n, out, out_size, ChunkScratch::new, |s, start, out| {
+            merge_chunk(tile, params, start, out.len() / out_size, s, out)
         });
         Ok(())
     }
@@ -86,20 +91,81 @@ impl Backend for CpuBackend {
         let out_size = params.out_dtype.size();
         debug_assert_eq!(out.len(), tile.len * out_size);
         let table = reciprocal_table(params.spec);
-        self.pool.install(|| {
-            out.par_chunks_mut(CHUNK * out_size)
-                .enumerate()
-                .for_each_init(
-                    || CombineScratch::new(tile.agents.len()),
-                    |s, (c, out)| {
-                        let start = c * CHUNK;
-                        let len = out.len() / out_size;
-                        combine_chunk(tile, params, &table, start, len, s, out);
-                    },
-                );
-        });
+        let n = tile.agents.len();
+        self.each_chunk(
+            n,
+            out,
+            out_size,
+            || CombineScratch::new(n),
+            |s, start, out| {
+                combine_chunk(tile, params, &table, start, out.len() / out_size, s, out)
+            },
+        );
         Ok(())
     }
+}
+
+impl CpuBackend {
+    /// Whether the caller is one of this backend's tile workers ([`Backend::run_workers`]): the
+    /// other workers are busy with tiles of their own, so a tile runs on its worker alone.
+    fn on_worker(&self) -> bool {
+        self.pool.current_thread_index().is_some()
+    }
+
+    /// Runs `f(scratch, first element, out chunk)` over `out` in chunks of [`CHUNK`] elements of
+    /// `out_size` bytes: on the calling worker (with its kept buffers for `agents` agents), or
+    /// spread over the pool for a caller outside it.
+    fn each_chunk<S: 'static>(
+        &self,
+        agents: usize,
+        out: &mut [u8],
+        out_size: usize,
+        init: impl Fn() -> S + Send + Sync,
+        f: impl Fn(&mut S, usize, &mut [u8]) + Send + Sync,
+    ) {
+        if self.on_worker() {
+            with_scratch(agents, &init, |s| {
+                for (c, out) in out.chunks_mut(CHUNK * out_size).enumerate() {
+                    f(s, c * CHUNK, out);
+                }
+            });
+        } else {
+            self.pool.install(|| {
+                out.par_chunks_mut(CHUNK * out_size)
+                    .enumerate()
+                    .for_each_init(&init, |s, (c, out)| f(s, c * CHUNK, out));
+            });
+        }
+    }
+}
+
+thread_local! {
+    /// A tile worker's chunk buffers and the agent count they were made for, kept between tiles.
+    static SCRATCH: std::cell::RefCell<Option<(usize, Box<dyn std::any::Any>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's buffers of type `S` for `agents` agents, made by `init` when the
+/// thread has none such (its first tile, or a tensor of another kind).
+fn with_scratch<S: 'static, R>(
+    agents: usize,
+    init: impl Fn() -> S,
+    f: impl FnOnce(&mut S) -> R,
+) -> R {
+    SCRATCH.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        let keep = slot
+            .as_ref()
+            .is_some_and(|(n, b)| *n == agents && b.is::<S>());
+        if !keep {
+            *slot = Some((agents, Box::new(init())));
+        }
+        let s = slot
+            .as_mut()
+            .and_then(|(_, b)| b.downcast_mut::<S>())
+            .expect("just stored");
+        f(s)
+    })
 }
 
 /// f32(1/Σ w) for every agreement mask of up to this many agents is tabled once per tile.

@@ -704,6 +704,15 @@ impl Backend for GpuBackend {
         PREFERRED_TILE_ELEMS
     }
 
+    /// Two workers: while one waits for the device with its tile, the other reads the next.
+    fn run_workers(&self, worker: &(dyn Fn() + Sync)) {
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(worker);
+            }
+        });
+    }
+
     fn probe(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts> {
         let n = tile.agents.len();
         let mut counts = TileCounts::zeros(n);

@@ -86,6 +86,12 @@ pub trait Backend: Send + Sync {
     /// Elements per engine tile this backend runs best with (results never depend on it).
     fn preferred_tile_elems(&self) -> usize;
 
+    /// Runs `worker` once on each of the backend's tile workers, all at once, and returns when
+    /// every one has returned. The engine's tile loop runs inside: each worker reads a tile, runs
+    /// it through this backend and writes it, then takes the next. Calls from a worker may run
+    /// on that worker alone (the engine spreads tiles, not a tile's chunks).
+    fn run_workers(&self, worker: &(dyn Fn() + Sync));
+
     /// SPEC §1 over the tile: per agent, elements changed and shared with k others.
     fn probe(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts>;
 

@@ -1,5 +1,6 @@
 //! Reading and writing Hugging Face safetensors checkpoints, tile by tile.
 
+pub mod crc;
 pub mod dtype;
 pub mod folder_files;
 pub mod model;

@@ -3,6 +3,7 @@
 //! Only the header is held in memory; tensor bytes are read tile by tile into caller buffers, so the
 //! resident set stays bounded whatever the file size (an mmap would keep every touched page).
 
+use super::crc::{self, CrcStream};
 use super::dtype::DType;
 use anyhow::{bail, Context, Result};
 use std::fs::File;
@@ -41,8 +42,8 @@ pub struct SafetensorsFile {
     header_len: u64,
     /// CRC-32 of the 8 length bytes and the header.
     header_crc: crc32fast::Hasher,
-    /// Per tensor (same order as `tensors`): CRC-32 of its bytes read so far from the start, in order.
-    tensor_crcs: Vec<std::sync::Mutex<(u64, crc32fast::Hasher)>>,
+    /// Per tensor (same order as `tensors`): CRC-32 of its bytes read so far, from its start.
+    tensor_crcs: Vec<std::sync::Mutex<CrcStream>>,
 }
 
 /// A file's size and CRC-32, as the recipe records it.
@@ -135,7 +136,7 @@ impl SafetensorsFile {
         header_crc.update(&header);
         let tensor_crcs = tensors
             .iter()
-            .map(|_| std::sync::Mutex::new((0, crc32fast::Hasher::new())))
+            .map(|_| std::sync::Mutex::new(CrcStream::default()))
             .collect();
         Ok(SafetensorsFile {
             path: path.to_path_buf(),
@@ -158,12 +159,12 @@ impl SafetensorsFile {
             if t.offset > at {
                 hash_range(&self.file, &self.path, at, t.offset, &mut total)?;
             }
-            let (done, part) = &*crc.lock().unwrap_or_else(|p| p.into_inner());
-            total.combine(part);
+            let stream = crc::lock(crc);
+            total.combine(stream.crc());
             hash_range(
                 &self.file,
                 &self.path,
-                t.offset + done,
+                t.offset + stream.done(),
                 t.offset + t.byte_len(),
                 &mut total,
             )?;
@@ -216,8 +217,8 @@ impl SafetensorsFile {
             })
     }
 
-    /// Extends `tensor`'s running CRC with `bytes` read at byte `start` within it, when they continue
-    /// it (the first in-order pass over the tensor); re-reads change nothing.
+    /// Adds `bytes`, read at byte `start` within `tensor`, to the tensor's running CRC (see
+    /// [`CrcStream`]: tiles may come in any order; re-reads change nothing).
     pub fn record_read(&self, tensor: &TensorEntry, start: u64, bytes: &[u8]) {
         // Empty tensors can share an offset with the next one: match the name too.
         let first = self.tensors.partition_point(|t| t.offset < tensor.offset);
@@ -226,13 +227,7 @@ impl SafetensorsFile {
             .take_while(|t| t.offset == tensor.offset)
             .position(|t| t.name == tensor.name);
         if let Some(i) = found.map(|i| first + i) {
-            let mut crc = self.tensor_crcs[i]
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            if crc.0 == start {
-                crc.1.update(bytes);
-                crc.0 += bytes.len() as u64;
-            }
+            CrcStream::record(&self.tensor_crcs[i], start, bytes);
         }
     }
 }

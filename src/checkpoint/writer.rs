@@ -1,14 +1,20 @@
 //! Streaming safetensors output: shards planned up front (every size is known before the first byte),
-//! headers written first, tensor bytes appended tile by tile, all inside a temporary folder that
-//! becomes the output only by one rename at the very end.
+//! headers written first, tensor bytes written tile by tile at their final offsets, all inside a
+//! temporary folder that becomes the output only by one rename at the very end.
 
+use super::crc::{self, CrcStream};
 use super::dtype::DType;
 use super::model::{INDEX_FILE, SINGLE_FILE};
 use super::safetensors_file::{crc32_of_file, FileChecksum};
 use anyhow::{bail, ensure, Context, Result};
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+fn write_all_at(file: &File, bytes: &[u8], offset: u64) -> std::io::Result<()> {
+    file.write_all_at(bytes, offset)
+}
 
 /// One tensor to be written.
 #[derive(Clone, Debug)]
@@ -230,140 +236,106 @@ fn clean_stale(parent: &Path, name: &str, final_dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Writes planned tensors into shards, in order, from a stream of bytes per tensor.
+/// One output shard: created with its header up front; tensor bytes land at their offsets.
+struct ShardFile {
+    path: PathBuf,
+    file: File,
+    /// Header (with its 8 length bytes) plus tensor data.
+    size: u64,
+    /// CRC-32 of the bytes written so far, folded in file order.
+    crc: Mutex<CrcStream>,
+}
+
+/// Writes planned tensors into shards. Every shard's layout is known before the first byte, so
+/// tiles are written at their final offsets from any thread, in any order ([`Self::write_at`]);
+/// [`Self::write`] appends tensor after tensor for callers that produce them in order.
 pub struct CheckpointWriter {
     dir: PathBuf,
     tensors: Vec<OutputTensor>,
     shards: Vec<Vec<usize>>,
-    /// Position: shard index, index within it, bytes written into the current tensor.
-    shard: usize,
-    slot: usize,
-    written: u64,
-    out: Option<BufWriter<File>>,
-    /// CRC-32 and size of the shard being written, and of those finished.
-    crc: (crc32fast::Hasher, u64),
-    done: Vec<FileChecksum>,
+    files: Vec<ShardFile>,
+    /// Per tensor: its shard and the file offset of its first byte.
+    places: Vec<(usize, u64)>,
+    /// Where [`Self::write`] appends next: tensor index, bytes written into it.
+    cursor: (usize, u64),
 }
 
-const WRITE_BUFFER: usize = 8 << 20;
-
 impl CheckpointWriter {
+    /// Creates every shard file with its header.
     pub fn new(
         dir: &Path,
         tensors: Vec<OutputTensor>,
         max_shard_bytes: u64,
     ) -> Result<CheckpointWriter> {
         let shards = plan_shards(&tensors, max_shard_bytes);
-        let mut w = CheckpointWriter {
+        let mut places = vec![(0, 0); tensors.len()];
+        let mut files = Vec::with_capacity(shards.len());
+        for (s, members) in shards.iter().enumerate() {
+            let path = dir.join(shard_file_name(s, shards.len()));
+            let header = shard_header(&tensors, members);
+            let mut head = (header.len() as u64).to_le_bytes().to_vec();
+            head.extend_from_slice(&header);
+            let mut at = head.len() as u64;
+            for &i in members {
+                places[i] = (s, at);
+                at += tensors[i].byte_len();
+            }
+            let file =
+                File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+            write_all_at(&file, &head, 0)
+                .with_context(|| format!("cannot write {}", path.display()))?;
+            let mut crc = crc32fast::Hasher::new();
+            crc.update(&head);
+            files.push(ShardFile {
+                path,
+                file,
+                size: at,
+                crc: Mutex::new(CrcStream::starting_with(crc, head.len() as u64)),
+            });
+        }
+        Ok(CheckpointWriter {
             dir: dir.to_path_buf(),
             tensors,
             shards,
-            shard: 0,
-            slot: 0,
-            written: 0,
-            out: None,
-            crc: (crc32fast::Hasher::new(), 0),
-            done: Vec::new(),
-        };
-        w.open_shard()?;
-        w.skip_empty()?;
-        Ok(w)
+            files,
+            places,
+            cursor: (0, 0),
+        })
     }
 
     pub fn shard_count(&self) -> usize {
         self.shards.len()
     }
 
-    /// The tensor the next bytes belong to.
-    pub fn current_tensor(&self) -> Option<&OutputTensor> {
-        self.shards
-            .get(self.shard)
-            .and_then(|s| s.get(self.slot))
-            .map(|&i| &self.tensors[i])
-    }
-
-    fn shard_path(&self, shard: usize) -> PathBuf {
-        self.dir.join(shard_file_name(shard, self.shards.len()))
-    }
-
-    fn open_shard(&mut self) -> Result<()> {
-        let path = self.shard_path(self.shard);
-        let file =
-            File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
-        let mut out = BufWriter::with_capacity(WRITE_BUFFER, file);
-        let header = self.header(self.shard);
-        let len = (header.len() as u64).to_le_bytes();
-        out.write_all(&len)
-            .and_then(|_| out.write_all(&header))
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        self.crc = (crc32fast::Hasher::new(), (len.len() + header.len()) as u64);
-        self.crc.0.update(&len);
-        self.crc.0.update(&header);
-        self.out = Some(out);
-        Ok(())
-    }
-
-    /// The JSON header of `shard`, space-padded to a multiple of 8 bytes so data stays aligned.
-    fn header(&self, shard: usize) -> Vec<u8> {
-        let mut map = serde_json::Map::new();
-        map.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
-        let mut offset = 0u64;
-        for &i in &self.shards[shard] {
-            let t = &self.tensors[i];
-            let end = offset + t.byte_len();
-            map.insert(
-                t.name.clone(),
-                serde_json::json!({"dtype": t.dtype.safetensors_name(), "shape": t.shape, "data_offsets": [offset, end]}),
-            );
-            offset = end;
-        }
-        let mut bytes =
-            serde_json::to_vec(&serde_json::Value::Object(map)).expect("header serializes");
-        while !bytes.len().is_multiple_of(8) {
-            bytes.push(b' ');
-        }
-        bytes
-    }
-
-    /// Moves past tensors with no data and, at the end of a shard, on to the next shard.
-    fn skip_empty(&mut self) -> Result<()> {
-        loop {
-            match self.current_tensor() {
-                Some(t) if self.written == t.byte_len() => {
-                    self.slot += 1;
-                    self.written = 0;
-                }
-                Some(_) => return Ok(()),
-                None if self.shard + 1 < self.shards.len() => {
-                    self.close_shard()?;
-                    self.shard += 1;
-                    self.slot = 0;
-                    self.open_shard()?;
-                }
-                None => return Ok(()),
-            }
-        }
-    }
-
-    fn close_shard(&mut self) -> Result<()> {
-        if let Some(out) = self.out.take() {
-            let path = self.shard_path(self.shard);
-            out.into_inner()
-                .map_err(|e| e.into_error())
-                .with_context(|| format!("cannot write {}", path.display()))?;
-            let (crc, size) = std::mem::replace(&mut self.crc, (crc32fast::Hasher::new(), 0));
-            self.done.push(FileChecksum {
-                file: shard_file_name(self.shard, self.shards.len()),
-                size,
-                crc32: format!("{:08x}", crc.finalize()),
-            });
-        }
+    /// Writes `bytes` of tensor `index` (in the planned list) starting at byte `start` within it.
+    pub fn write_at(&self, index: usize, start: u64, bytes: &[u8]) -> Result<()> {
+        let t = &self.tensors[index];
+        ensure!(
+            start + bytes.len() as u64 <= t.byte_len(),
+            "internal: bytes {start}..{} are past the end of tensor '{}' ({} bytes)",
+            start + bytes.len() as u64,
+            t.name,
+            t.byte_len()
+        );
+        let (shard, offset) = self.places[index];
+        let f = &self.files[shard];
+        write_all_at(&f.file, bytes, offset + start)
+            .with_context(|| format!("cannot write tensor '{}' to {}", t.name, f.path.display()))?;
+        CrcStream::record(&f.crc, offset + start, bytes);
         Ok(())
     }
 
     /// Appends bytes of tensor `name`, which must be the one the plan expects next.
     pub fn write(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
-        let t = self.current_tensor().with_context(|| {
+        // Past finished (and empty) tensors, unless more bytes of nothing are for this one.
+        while self
+            .tensors
+            .get(self.cursor.0)
+            .is_some_and(|t| self.cursor.1 == t.byte_len() && (t.name != name || !bytes.is_empty()))
+        {
+            self.cursor = (self.cursor.0 + 1, 0);
+        }
+        let t = self.tensors.get(self.cursor.0).with_context(|| {
             format!("internal: tensor '{name}' written after the last planned tensor")
         })?;
         ensure!(
@@ -371,37 +343,37 @@ impl CheckpointWriter {
             "internal: tensor '{name}' written where '{}' was planned",
             t.name
         );
-        ensure!(
-            self.written + bytes.len() as u64 <= t.byte_len(),
-            "internal: too many bytes for tensor '{name}'"
-        );
-        let path = self.shard_path(self.shard);
-        self.out
-            .as_mut()
-            .expect("a shard is open while tensors remain")
-            .write_all(bytes)
-            .with_context(|| format!("cannot write tensor '{name}' to {}", path.display()))?;
-        self.crc.0.update(bytes);
-        self.crc.1 += bytes.len() as u64;
-        self.written += bytes.len() as u64;
-        self.skip_empty()
+        self.write_at(self.cursor.0, self.cursor.1, bytes)?;
+        self.cursor.1 += bytes.len() as u64;
+        Ok(())
     }
 
-    /// Flushes the last shard, checks every tensor was written, and writes the index when sharded.
-    /// Returns each written file (shards, then the index) with its size and CRC-32.
-    pub fn finish(mut self) -> Result<Vec<FileChecksum>> {
-        if let Some(t) = self.current_tensor() {
-            bail!("internal: tensor '{}' was not completely written", t.name);
-        }
-        self.close_shard()?;
+    /// Checks every byte of every shard was written, and writes the index when sharded. Returns
+    /// each written file (shards, then the index) with its size and CRC-32.
+    pub fn finish(self) -> Result<Vec<FileChecksum>> {
         let n = self.shards.len();
-        let names: Vec<String> = (0..n).map(|i| shard_file_name(i, n)).collect();
+        let mut done = Vec::with_capacity(n + 1);
+        for (s, f) in self.files.iter().enumerate() {
+            let stream = crc::lock(&f.crc);
+            if stream.done() < f.size {
+                let missing = self.shards[s]
+                    .iter()
+                    .find(|&&i| self.places[i].1 + self.tensors[i].byte_len() > stream.done())
+                    .map_or("?", |&i| self.tensors[i].name.as_str());
+                bail!("internal: tensor '{missing}' was not completely written");
+            }
+            done.push(FileChecksum {
+                file: shard_file_name(s, n),
+                size: f.size,
+                crc32: format!("{:08x}", stream.crc().clone().finalize()),
+            });
+        }
         if n > 1 {
             let mut weight_map = serde_json::Map::new();
             let mut tensors_sorted: Vec<(String, String)> = Vec::new();
             for (s, shard) in self.shards.iter().enumerate() {
                 for &i in shard {
-                    tensors_sorted.push((self.tensors[i].name.clone(), names[s].clone()));
+                    tensors_sorted.push((self.tensors[i].name.clone(), shard_file_name(s, n)));
                 }
             }
             tensors_sorted.sort();
@@ -414,10 +386,32 @@ impl CheckpointWriter {
             let path = self.dir.join(INDEX_FILE);
             std::fs::write(&path, serde_json::to_string_pretty(&index)? + "\n")
                 .with_context(|| format!("cannot write {}", path.display()))?;
-            self.done.push(crc32_of_file(&path)?);
+            done.push(crc32_of_file(&path)?);
         }
-        Ok(self.done)
+        Ok(done)
     }
+}
+
+/// The JSON header of a shard holding `members`, space-padded to a multiple of 8 bytes so data
+/// stays aligned.
+fn shard_header(tensors: &[OutputTensor], members: &[usize]) -> Vec<u8> {
+    let mut map = serde_json::Map::new();
+    map.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    let mut offset = 0u64;
+    for &i in members {
+        let t = &tensors[i];
+        let end = offset + t.byte_len();
+        map.insert(
+            t.name.clone(),
+            serde_json::json!({"dtype": t.dtype.safetensors_name(), "shape": t.shape, "data_offsets": [offset, end]}),
+        );
+        offset = end;
+    }
+    let mut bytes = serde_json::to_vec(&serde_json::Value::Object(map)).expect("header serializes");
+    while !bytes.len().is_multiple_of(8) {
+        bytes.push(b' ');
+    }
+    bytes
 }
 
 #[cfg(test)]

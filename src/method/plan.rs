@@ -146,16 +146,15 @@ impl Lookup<'_> {
             (Some(v), _) => v.as_f64(name)?,
             (None, Some(d)) => d,
             (None, None) => match model {
+                // The caller names the tensor.
                 Some(m) => bail!(
-                    "method {} needs parameter '{name}' for model {} (tensor '{}')",
+                    "method {} needs parameter '{name}' for model {}",
                     self.config.kind.name(),
-                    m + 1,
-                    self.at.name
+                    m + 1
                 ),
                 None => bail!(
-                    "method {} needs parameter '{name}' (tensor '{}')",
-                    self.config.kind.name(),
-                    self.at.name
+                    "method {} needs parameter '{name}'",
+                    self.config.kind.name()
                 ),
             },
         };
