@@ -4,6 +4,8 @@
 # GB/s, ratio to the read-and-copy time, and peak RSS.
 #
 #   benches/end_to_end.sh [MODEL_SIZE=1GiB] [RUNS=5] [DIR=target/bench-models] [DEVICE=cpu]
+#
+# BENCH_VERBOSE=1 prints every run; BENCH_METHODS="ram ties" runs only those.
 set -euo pipefail
 size=${1:-1GiB}
 runs=${2:-5}
@@ -24,24 +26,34 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
 median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
-# Seconds of one command (warm cache: every input was read just before).
-seconds() { /usr/bin/time -f "%e %M" "$@" 2>&1 >/dev/null | tail -1; }
+# Seconds and peak RSS of one command (warm cache: every input was read just before). Outputs of
+# earlier runs are deleted and dirty pages flushed first, so each run writes a new folder, as cp
+# does, and pays for nobody's writeback or deletion.
+seconds() {
+    rm -rf "$out/cp" "$out/m"
+    sync
+    /usr/bin/time -f "%e %M" "$@" 2>&1 >/dev/null | tail -1
+}
 
 cat "${files[@]}" >/dev/null
 read_s=$(for _ in $(seq "$runs"); do seconds cat "${files[@]}" | cut -d' ' -f1; done | median)
-cp_s=$(for _ in $(seq "$runs"); do rm -rf "$out/cp"; seconds cp -r "$dir/base" "$out/cp" | cut -d' ' -f1; done | median)
+cp_s=$(for _ in $(seq "$runs"); do seconds cp -r "$dir/base" "$out/cp" | cut -d' ' -f1; done | median)
 limit=$(echo "$read_s + $cp_s" | bc -l)
 printf 'inputs: %s bytes; cat %.2f s + cp %.2f s = read limit %.2f s (median of %s)\n\n' "$bytes" "$read_s" "$cp_s" "$limit" "$runs"
 printf '%-18s %9s %8s %9s %10s\n' method "median s" "GB/s" "x limit" "peak RSS"
 for method in "ram" "ram+" "task_arithmetic --param weight=0.5" \
     "ties --param weight=1 --param density=0.5" "dare_ties --param weight=1 --param density=0.5"; do
+    if [ -n "${BENCH_METHODS:-}" ] && [[ " $BENCH_METHODS " != *" ${method%% *} "* ]]; then
+        continue
+    fi
     samples=()
     rss=0
     for _ in $(seq "$runs"); do
         # shellcheck disable=SC2086
         r=$(seconds "$bin" merge -q --device "$device" --base "$dir/base" --model "$dir/coding-agent" \
-            --model "$dir/tool-agent" --model "$dir/memory-agent" --method $method -o "$out/m" --force)
+            --model "$dir/tool-agent" --model "$dir/memory-agent" --method $method -o "$out/m")
         samples+=("${r% *}")
+        if [ -n "${BENCH_VERBOSE:-}" ]; then echo "  ${method%% *}: $r s KiB" >&2; fi
         rss=$(( ${r#* } > rss ? ${r#* } : rss ))
     done
     t=$(printf '%s\n' "${samples[@]}" | median)

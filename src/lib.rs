@@ -13,4 +13,5 @@ pub mod engine;
 pub mod method;
 pub mod recipe;
 pub mod report;
+mod simd;
 pub mod verify;

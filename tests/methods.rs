@@ -304,18 +304,48 @@ fn della_keeps_by_rank_within_rows() {
 /// Every method and every tile size gives the same bytes (ranks, masks and statistics are
 /// computed over whole tensors, whatever the tiling).
 #[test]
-fn results_do_not_depend_on_tiles() {
+fn results_do_not_depend_on_tiles_or_simd() {
     let f = fixture(900, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 2);
-    for (i, (method, params)) in METHODS.iter().enumerate() {
+    let ram: [(&str, &[&str]); 2] = [("ram", &[]), ("ram+", &[])];
+    for (i, (method, params)) in METHODS.iter().chain(&ram).enumerate() {
         let whole = f.dir.path().join(format!("{i}-{method}-whole"));
         let small = f.dir.path().join(format!("{i}-{method}-small"));
+        let baseline = f.dir.path().join(format!("{i}-{method}-baseline"));
         let owned = method_args(method, params);
         let args: Vec<&str> = owned.iter().map(String::as_str).collect();
         merge_cmd(&f, &whole, &args).assert().success();
         merge_cmd(&f, &small, &[&args[..], &["--tile-elems", "37"]].concat())
             .assert()
             .success();
-        assert_eq!(read_folder(&whole), read_folder(&small), "{method}");
+        // Where the CPU has AVX2, the kernels' baseline build must give the same bytes.
+        merge_cmd(&f, &baseline, &args)
+            .env("RLMERGE_SIMD", "baseline")
+            .assert()
+            .success();
+        let want = read_folder(&whole);
+        assert_eq!(want, read_folder(&small), "{method}: tiles");
+        assert_eq!(want, read_folder(&baseline), "{method}: SIMD");
+    }
+    // The 16- and 32-bit codecs, both builds.
+    for dtype in [Dtype::F16, Dtype::F32] {
+        let f = fixture(901, dtype, &odd_shapes(), &DENSITIES[..3], 2);
+        for method in ["ram", "ties"] {
+            let owned = method_args(
+                method,
+                &["weight=1", "density=0.5"][..2 * (method == "ties") as usize],
+            );
+            let args: Vec<&str> = owned.iter().map(String::as_str).collect();
+            let (a, b) = (
+                f.dir.path().join(method),
+                f.dir.path().join(format!("{method}-b")),
+            );
+            merge_cmd(&f, &a, &args).assert().success();
+            merge_cmd(&f, &b, &args)
+                .env("RLMERGE_SIMD", "baseline")
+                .assert()
+                .success();
+            assert_eq!(read_folder(&a), read_folder(&b), "{method} {dtype:?}: SIMD");
+        }
     }
 }
 

@@ -7,6 +7,7 @@ use crate::checkpoint::dtype::{decode, encode};
 use crate::method::combine::{
     self, masked_reciprocal, nearswap, variance_key, CombineSpec, Keep, Normalize,
 };
+use crate::simd::multiversion;
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 
@@ -15,8 +16,10 @@ use rayon::prelude::*;
 /// 2 cores: 1.6 s at 64 Ki, 1.8 s at 32 Ki, 2.0 s at 256 Ki.
 const PREFERRED_TILE_ELEMS: usize = 1 << 16;
 
-/// Elements a worker handles at once: small enough to stay in L1/L2 with a few agents.
-const CHUNK: usize = 4096;
+/// Elements a kernel handles at once: the f32 working rows of a chunk (base, agent, sums…)
+/// stay in L1. `ram` on base + 3 × 1.08 GB, 2 cores: 1.25 s at 1 Ki and 512, 1.4 s at 2 Ki,
+/// 1.5 s at 4 Ki.
+const CHUNK: usize = 1024;
 
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
@@ -212,190 +215,192 @@ impl CombineScratch {
     }
 }
 
-/// SPEC §4 over elements `start..start + len` of the tile, in the order of
-/// [`crate::method::combine::combine_element`].
-fn combine_chunk(
-    tile: &Tile,
-    p: &CombineParams,
-    table: &[f32],
-    start: usize,
-    len: usize,
-    s: &mut CombineScratch,
-    out: &mut [u8],
-) {
-    let spec = p.spec;
-    let n = tile.agents.len();
-    let size = tile.dtype.size();
-    let first = p.start + start as u64;
-    let base = &mut s.base[..len];
-    let agent = &mut s.agent[..len];
-    let sum = &mut s.sum[..len];
-    decode(tile.dtype, chunk_bytes(tile.base, start, len, size), base);
-    if let Some(t) = spec.nearswap {
-        decode(
-            tile.dtype,
-            chunk_bytes(tile.agents[0], start, len, size),
-            agent,
-        );
-        for ((r, &b), &x) in sum.iter_mut().zip(base.iter()).zip(agent.iter()) {
-            *r = nearswap(t, b, x);
-        }
-        encode(p.out_dtype, sum, out);
-        return;
-    }
-    sum.fill(0.0);
-    // One coefficient row for the whole tensor, or a lookup per element.
-    let fixed_row = (spec.row_len == 0 && !spec.tile_coefs).then(|| spec.row(0));
-    let coef = |i: usize, t: usize| -> f32 {
-        if spec.tile_coefs {
-            p.coefs[(start + i) * (n + 1) + t]
-        } else {
-            spec.row(first + i as u64)[t]
-        }
-    };
-    // v_t of every agent first: SCE's element selection looks at all of them.
-    for (t, bytes) in tile.agents.iter().enumerate() {
-        decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);
-        let d = &mut s.d[t * CHUNK..t * CHUNK + len];
-        if spec.delta {
-            for ((d, &x), &b) in d.iter_mut().zip(agent.iter()).zip(base.iter()) {
-                *d = x - b;
+multiversion! {
+    /// SPEC §4 over elements `start..start + len` of the tile, in the order of
+    /// [`crate::method::combine::combine_element`].
+    fn combine_chunk(
+        tile: &Tile,
+        p: &CombineParams,
+        table: &[f32],
+        start: usize,
+        len: usize,
+        s: &mut CombineScratch,
+        out: &mut [u8],
+    ) {
+        let spec = p.spec;
+        let n = tile.agents.len();
+        let size = tile.dtype.size();
+        let first = p.start + start as u64;
+        let base = &mut s.base[..len];
+        let agent = &mut s.agent[..len];
+        let sum = &mut s.sum[..len];
+        decode(tile.dtype, chunk_bytes(tile.base, start, len, size), base);
+        if let Some(t) = spec.nearswap {
+            decode(
+                tile.dtype,
+                chunk_bytes(tile.agents[0], start, len, size),
+                agent,
+            );
+            for ((r, &b), &x) in sum.iter_mut().zip(base.iter()).zip(agent.iter()) {
+                *r = nearswap(t, b, x);
             }
-        } else {
-            d.copy_from_slice(agent);
+            encode(p.out_dtype, sum, out);
+            return;
         }
-    }
-    let element = &mut s.element[..len];
-    match spec.element_keep {
-        None => {}
-        Some((cut, inv_n)) => {
-            let mut v = vec![0.0f32; n];
-            for (i, m) in element.iter_mut().enumerate() {
-                for (t, v) in v.iter_mut().enumerate() {
-                    *v = s.d[t * CHUNK + i];
+        sum.fill(0.0);
+        // One coefficient row for the whole tensor, or a lookup per element.
+        let fixed_row = (spec.row_len == 0 && !spec.tile_coefs).then(|| spec.row(0));
+        let coef = |i: usize, t: usize| -> f32 {
+            if spec.tile_coefs {
+                p.coefs[(start + i) * (n + 1) + t]
+            } else {
+                spec.row(first + i as u64)[t]
+            }
+        };
+        // v_t of every agent first: SCE's element selection looks at all of them.
+        for (t, bytes) in tile.agents.iter().enumerate() {
+            decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);
+            let d = &mut s.d[t * CHUNK..t * CHUNK + len];
+            if spec.delta {
+                for ((d, &x), &b) in d.iter_mut().zip(agent.iter()).zip(base.iter()) {
+                    *d = x - b;
                 }
-                let key = variance_key(&v, inv_n);
-                *m = (cut.inside(key, (first + i as u64) as u32) as u32).wrapping_neg();
+            } else {
+                d.copy_from_slice(agent);
             }
         }
-    }
-    let sum_v = &mut s.sum_v[..len];
-    sum_v.fill(0.0);
-    for t in 0..n {
-        let d = &mut s.d[t * CHUNK..t * CHUNK + len];
-        // Nothing dropped and one coefficient: d_t = v·c, and on to the sum.
-        let plain = !spec.sign_of_values && spec.element_keep.is_none();
-        if let (Keep::All, true, Some(row)) = (spec.keep[t], plain, fixed_row) {
-            let c = row[1 + t];
-            for (s, d) in sum.iter_mut().zip(d.iter_mut()) {
-                *d *= c;
-                *s += *d;
+        let element = &mut s.element[..len];
+        match spec.element_keep {
+            None => {}
+            Some((cut, inv_n)) => {
+                let mut v = vec![0.0f32; n];
+                for (i, m) in element.iter_mut().enumerate() {
+                    for (t, v) in v.iter_mut().enumerate() {
+                        *v = s.d[t * CHUNK + i];
+                    }
+                    let key = variance_key(&v, inv_n);
+                    *m = (cut.inside(key, (first + i as u64) as u32) as u32).wrapping_neg();
+                }
             }
-            continue;
         }
-        // The keep mask, then d_t = v·c where kept (a select on bits, not a branch).
-        let keep = &mut s.keep[..len];
-        let ranks = p.ranks.get(t).map_or(&[][..], |r| &r[start..start + len]);
-        spec.keep[t].mask_into(d, first as u32, ranks, keep);
-        if spec.element_keep.is_some() {
-            for (k, &e) in keep.iter_mut().zip(element.iter()) {
-                *k &= e;
+        let sum_v = &mut s.sum_v[..len];
+        sum_v.fill(0.0);
+        for t in 0..n {
+            let d = &mut s.d[t * CHUNK..t * CHUNK + len];
+            // Nothing dropped and one coefficient: d_t = v·c, and on to the sum.
+            let plain = !spec.sign_of_values && spec.element_keep.is_none();
+            if let (Keep::All, true, Some(row)) = (spec.keep[t], plain, fixed_row) {
+                let c = row[1 + t];
+                for (s, d) in sum.iter_mut().zip(d.iter_mut()) {
+                    *d *= c;
+                    *s += *d;
+                }
+                continue;
+            }
+            // The keep mask, then d_t = v·c where kept (a select on bits, not a branch).
+            let keep = &mut s.keep[..len];
+            let ranks = p.ranks.get(t).map_or(&[][..], |r| &r[start..start + len]);
+            spec.keep[t].mask_into(d, first as u32, ranks, keep);
+            if spec.element_keep.is_some() {
+                for (k, &e) in keep.iter_mut().zip(element.iter()) {
+                    *k &= e;
+                }
+            }
+            if spec.sign_of_values {
+                for ((s, &v), &m) in sum_v.iter_mut().zip(d.iter()).zip(keep.iter()) {
+                    *s += f32::from_bits(v.to_bits() & m);
+                }
+            }
+            match fixed_row {
+                Some(row) => {
+                    let c = row[1 + t];
+                    for (d, &m) in d.iter_mut().zip(keep.iter()) {
+                        *d = f32::from_bits((*d * c).to_bits() & m);
+                    }
+                }
+                None => {
+                    for (i, (d, &m)) in d.iter_mut().zip(keep.iter()).enumerate() {
+                        *d = f32::from_bits((*d * coef(i, 1 + t)).to_bits() & m);
+                    }
+                }
+            }
+            for (s, &d) in sum.iter_mut().zip(d.iter()) {
+                *s += d;
             }
         }
         if spec.sign_of_values {
-            for ((s, &v), &m) in sum_v.iter_mut().zip(d.iter()).zip(keep.iter()) {
-                *s += f32::from_bits(v.to_bits() & m);
-            }
+            sum.copy_from_slice(sum_v);
         }
-        match fixed_row {
-            Some(row) => {
-                let c = row[1 + t];
-                for (d, &m) in d.iter_mut().zip(keep.iter()) {
-                    *d = f32::from_bits((*d * c).to_bits() & m);
+        // Without consensus every d_t counts: Δ is the sum just taken, in the same order — the
+        // buffers trade places instead of copying it.
+        if !spec.consensus {
+            std::mem::swap(&mut s.sum, &mut s.delta);
+        }
+        let sum = &s.sum[..len];
+        let delta = &mut s.delta[..len];
+        let mask = &mut s.mask[..len];
+        if spec.consensus {
+            delta.fill(0.0);
+            mask.fill(0);
+            for t in 0..n {
+                let d = &s.d[t * CHUNK..t * CHUNK + len];
+                for (((acc, m), &d), &s) in delta.iter_mut().zip(mask.iter_mut()).zip(d).zip(sum.iter())
+                {
+                    let agrees = (s >= 0.0 && d > 0.0) | (s < 0.0 && d < 0.0);
+                    // Adding +0.0 for a disagreeing d is exact: Δ is never −0.0 (it starts at +0.0 and
+                    // only non-zero d are added).
+                    let bits = (agrees as u32).wrapping_neg();
+                    *acc += f32::from_bits(d.to_bits() & bits);
+                    *m |= (agrees as u64) << t;
                 }
             }
-            None => {
-                for (i, (d, &m)) in d.iter_mut().zip(keep.iter()).enumerate() {
-                    *d = f32::from_bits((*d * coef(i, 1 + t)).to_bits() & m);
+        }
+        match &spec.normalize {
+            Normalize::None => {}
+            Normalize::Fixed(r) => delta.iter_mut().for_each(|x| *x *= r),
+            Normalize::PerElement(w, floor) => {
+                for (x, &m) in delta.iter_mut().zip(mask.iter()) {
+                    *x *= if table.is_empty() {
+                        masked_reciprocal(w, *floor, m)
+                    } else {
+                        table[m as usize]
+                    };
                 }
             }
         }
-        for (s, &d) in sum.iter_mut().zip(d.iter()) {
-            *s += d;
+        if spec.lambda != 1.0 {
+            delta.iter_mut().for_each(|x| *x *= spec.lambda);
         }
-    }
-    if spec.sign_of_values {
-        sum.copy_from_slice(sum_v);
-    }
-    // Without consensus every d_t counts: Δ is the sum just taken, in the same order — the
-    // buffers trade places instead of copying it.
-    if !spec.consensus {
-        std::mem::swap(&mut s.sum, &mut s.delta);
-    }
-    let sum = &s.sum[..len];
-    let delta = &mut s.delta[..len];
-    let mask = &mut s.mask[..len];
-    if spec.consensus {
-        delta.fill(0.0);
-        mask.fill(0);
-        for t in 0..n {
-            let d = &s.d[t * CHUNK..t * CHUNK + len];
-            for (((acc, m), &d), &s) in delta.iter_mut().zip(mask.iter_mut()).zip(d).zip(sum.iter())
-            {
-                let agrees = (s >= 0.0 && d > 0.0) | (s < 0.0 && d < 0.0);
-                // Adding +0.0 for a disagreeing d is exact: Δ is never −0.0 (it starts at +0.0 and
-                // only non-zero d are added).
-                let bits = (agrees as u32).wrapping_neg();
-                *acc += f32::from_bits(d.to_bits() & bits);
-                *m |= (agrees as u64) << t;
-            }
-        }
-    }
-    match &spec.normalize {
-        Normalize::None => {}
-        Normalize::Fixed(r) => delta.iter_mut().for_each(|x| *x *= r),
-        Normalize::PerElement(w, floor) => {
-            for (x, &m) in delta.iter_mut().zip(mask.iter()) {
-                *x *= if table.is_empty() {
-                    masked_reciprocal(w, *floor, m)
-                } else {
-                    table[m as usize]
-                };
-            }
-        }
-    }
-    if spec.lambda != 1.0 {
-        delta.iter_mut().for_each(|x| *x *= spec.lambda);
-    }
-    let result = &mut s.sum[..len];
-    let base_term = |r: &mut f32, b: f32, d: f32, bc: f32| {
-        *r = if bc == 0.0 {
-            d
-        } else if bc == 1.0 {
-            b + d
-        } else {
-            bc * b + d
+        let result = &mut s.sum[..len];
+        let base_term = |r: &mut f32, b: f32, d: f32, bc: f32| {
+            *r = if bc == 0.0 {
+                d
+            } else if bc == 1.0 {
+                b + d
+            } else {
+                bc * b + d
+            };
         };
-    };
-    match fixed_row.map(|row| row[0]) {
-        Some(0.0) => result.copy_from_slice(delta),
-        Some(1.0) => {
-            for ((r, &b), &d) in result.iter_mut().zip(base.iter()).zip(delta.iter()) {
-                *r = b + d;
+        match fixed_row.map(|row| row[0]) {
+            Some(0.0) => result.copy_from_slice(delta),
+            Some(1.0) => {
+                for ((r, &b), &d) in result.iter_mut().zip(base.iter()).zip(delta.iter()) {
+                    *r = b + d;
+                }
+            }
+            _ => {
+                for (i, ((r, &b), &d)) in result
+                    .iter_mut()
+                    .zip(base.iter())
+                    .zip(delta.iter())
+                    .enumerate()
+                {
+                    base_term(r, b, d, coef(i, 0));
+                }
             }
         }
-        _ => {
-            for (i, ((r, &b), &d)) in result
-                .iter_mut()
-                .zip(base.iter())
-                .zip(delta.iter())
-                .enumerate()
-            {
-                base_term(r, b, d, coef(i, 0));
-            }
-        }
+        encode(p.out_dtype, result, out);
     }
-    encode(p.out_dtype, result, out);
 }
 
 /// Per-worker buffers for one chunk of the probe.
@@ -431,42 +436,44 @@ fn add_mask(counts: &mut TileCounts, mask: u64, hits: u64) {
     }
 }
 
-/// SPEC §1 over elements `start..start + len`: one agent bit per element, then the histogram.
-fn probe_chunk(
-    tile: &Tile,
-    epsilon: f32,
-    start: usize,
-    len: usize,
-    s: &mut ProbeScratch,
-) -> TileCounts {
-    let n = tile.agents.len();
-    let size = tile.dtype.size();
-    let (base, agent, masks) = (&mut s.base[..len], &mut s.agent[..len], &mut s.masks[..len]);
-    decode(tile.dtype, chunk_bytes(tile.base, start, len, size), base);
-    masks.fill(0);
-    for (t, bytes) in tile.agents.iter().enumerate() {
-        decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);
-        for ((m, &a), &b) in masks.iter_mut().zip(agent.iter()).zip(base.iter()) {
-            *m |= (((a - b).abs() > epsilon) as u64) << t;
+multiversion! {
+    /// SPEC §1 over elements `start..start + len`: one agent bit per element, then the histogram.
+    fn probe_chunk(
+        tile: &Tile,
+        epsilon: f32,
+        start: usize,
+        len: usize,
+        s: &mut ProbeScratch,
+    ) -> TileCounts {
+        let n = tile.agents.len();
+        let size = tile.dtype.size();
+        let (base, agent, masks) = (&mut s.base[..len], &mut s.agent[..len], &mut s.masks[..len]);
+        decode(tile.dtype, chunk_bytes(tile.base, start, len, size), base);
+        masks.fill(0);
+        for (t, bytes) in tile.agents.iter().enumerate() {
+            decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);
+            for ((m, &a), &b) in masks.iter_mut().zip(agent.iter()).zip(base.iter()) {
+                *m |= (((a - b).abs() > epsilon) as u64) << t;
+            }
         }
+        let mut counts = TileCounts::zeros(n);
+        if n <= PATTERN_TABLE_AGENTS {
+            // Few agents: count each mask pattern once, then spread patterns into the histogram.
+            let patterns = &mut s.patterns[..1 << n];
+            patterns.fill(0);
+            for &m in masks.iter() {
+                patterns[m as usize] += 1;
+            }
+            for (m, &hits) in patterns.iter().enumerate().skip(1).filter(|(_, &h)| h != 0) {
+                add_mask(&mut counts, m as u64, hits);
+            }
+        } else {
+            for &m in masks.iter().filter(|&&m| m != 0) {
+                add_mask(&mut counts, m, 1);
+            }
+        }
+        counts
     }
-    let mut counts = TileCounts::zeros(n);
-    if n <= PATTERN_TABLE_AGENTS {
-        // Few agents: count each mask pattern once, then spread patterns into the histogram.
-        let patterns = &mut s.patterns[..1 << n];
-        patterns.fill(0);
-        for &m in masks.iter() {
-            patterns[m as usize] += 1;
-        }
-        for (m, &hits) in patterns.iter().enumerate().skip(1).filter(|(_, &h)| h != 0) {
-            add_mask(&mut counts, m as u64, hits);
-        }
-    } else {
-        for &m in masks.iter().filter(|&&m| m != 0) {
-            add_mask(&mut counts, m, 1);
-        }
-    }
-    counts
 }
 
 /// Per-worker buffers for one chunk of the merge.
@@ -492,77 +499,78 @@ impl ChunkScratch {
     }
 }
 
-/// SPEC §2 over elements `start..start + len` of the tile, in the spec's arithmetic order:
-/// τ = a − b; Σ of active τ in agent order; c = 1 → b + λ·τ; c ≥ 2 → b + Σ·f32(1/c); c = 0 → base bits.
-fn merge_chunk(
-    tile: &Tile,
-    p: &MergeParams,
-    start: usize,
-    len: usize,
-    s: &mut ChunkScratch,
-    out: &mut [u8],
-) {
-    let in_size = tile.dtype.size();
-    let base = &mut s.base[..len];
-    let agent = &mut s.agent[..len];
-    let sum = &mut s.sum[..len];
-    let count = &mut s.count[..len];
-    let lambda = &mut s.lambda[..len];
-    let result = &mut s.result[..len];
-    let base_bytes = chunk_bytes(tile.base, start, len, in_size);
-    decode(tile.dtype, base_bytes, base);
-    sum.fill(0.0);
-    count.fill(0);
-    for (t, bytes) in tile.agents.iter().enumerate() {
-        decode(tile.dtype, chunk_bytes(bytes, start, len, in_size), agent);
-        let lam_bits = p.lambdas[t].to_bits();
-        for ((((&a, &b), s), c), l) in agent
-            .iter()
+multiversion! {
+    /// SPEC §2 over elements `start..start + len` of the tile, in the spec's arithmetic order:
+    /// τ = a − b; Σ of active τ in agent order; c = 1 → b + λ·τ; c ≥ 2 → b + Σ·f32(1/c); c = 0 → base bits.
+    fn merge_chunk(
+        tile: &Tile,
+        p: &MergeParams,
+        start: usize,
+        len: usize,
+        s: &mut ChunkScratch,
+        out: &mut [u8],
+    ) {
+        let in_size = tile.dtype.size();
+        let base = &mut s.base[..len];
+        let agent = &mut s.agent[..len];
+        let sum = &mut s.sum[..len];
+        let count = &mut s.count[..len];
+        let lambda = &mut s.lambda[..len];
+        let result = &mut s.result[..len];
+        let base_bytes = chunk_bytes(tile.base, start, len, in_size);
+        decode(tile.dtype, base_bytes, base);
+        sum.fill(0.0);
+        count.fill(0);
+        lambda.fill(-0.0);
+        for (t, bytes) in tile.agents.iter().enumerate() {
+            decode(tile.dtype, chunk_bytes(bytes, start, len, in_size), agent);
+            let lam_bits = p.lambdas[t].to_bits();
+            for ((((&a, &b), s), c), l) in agent
+                .iter()
+                .zip(base.iter())
+                .zip(sum.iter_mut())
+                .zip(count.iter_mut())
+                .zip(lambda.iter_mut())
+            {
+                let tau = a - b;
+                // All-ones where agent t is active: selects as bit masks so the loop vectorizes.
+                let m = ((tau.abs() > p.epsilon) as u32).wrapping_neg();
+                // Adding +0.0 leaves any sum of non-zero τ unchanged, so the masked add is exact.
+                *s += f32::from_bits(tau.to_bits() & m);
+                *c += m & 1;
+                // Σ of the active agents' λ, inactive ones adding −0.0 (x + −0.0 = x for every x):
+                // exactly λ_t where agent t alone is active, the only place it is used. An add,
+                // not a select into memory, which AVX2 would turn into a slow masked store.
+                *l += f32::from_bits((lam_bits & m) | (0x8000_0000 & !m));
+            }
+        }
+        // scale = λ of the single agent (c = 1), else f32(1/c) as `MergeParams::reciprocals`
+        // tables it (`method::reciprocals` divides the same way); c = 0 keeps the base.
+        for (((r, &b), &s), (&c, &l)) in result
+            .iter_mut()
             .zip(base.iter())
-            .zip(sum.iter_mut())
-            .zip(count.iter_mut())
-            .zip(lambda.iter_mut())
+            .zip(sum.iter())
+            .zip(count.iter().zip(lambda.iter()))
         {
-            let tau = a - b;
-            // All-ones where agent t is active: selects as bit masks so the loop vectorizes.
-            let m = ((tau.abs() > p.epsilon) as u32).wrapping_neg();
-            // Adding +0.0 leaves any sum of non-zero τ unchanged, so the masked add is exact.
-            *s += f32::from_bits(tau.to_bits() & m);
-            *c += m & 1;
-            *l = f32::from_bits((lam_bits & m) | (l.to_bits() & !m));
+            let single = ((c == 1) as u32).wrapping_neg();
+            let scale = f32::from_bits((l.to_bits() & single) | ((1.0 / c as f32).to_bits() & !single));
+            let merged = (b + s * scale).to_bits();
+            let keep_base = ((c == 0) as u32).wrapping_neg();
+            *r = f32::from_bits((b.to_bits() & keep_base) | (merged & !keep_base));
         }
-    }
-    // scale = λ of the single agent (c = 1) or f32(1/c) (c ≥ 2): one masked pass per c, not a gather.
-    let scale = lambda;
-    for (k, inv) in p.reciprocals.iter().enumerate().skip(2) {
-        let inv = inv.to_bits();
-        for (x, &c) in scale.iter_mut().zip(count.iter()) {
-            let m = ((c == k as u32) as u32).wrapping_neg();
-            *x = f32::from_bits((inv & m) | (x.to_bits() & !m));
-        }
-    }
-    for (((r, &b), &s), (&c, &x)) in result
-        .iter_mut()
-        .zip(base.iter())
-        .zip(sum.iter())
-        .zip(count.iter().zip(scale.iter()))
-    {
-        let merged = (b + s * x).to_bits();
-        let keep_base = ((c == 0) as u32).wrapping_neg();
-        *r = f32::from_bits((b.to_bits() & keep_base) | (merged & !keep_base));
-    }
-    encode(p.out_dtype, result, out);
-    // c = 0: the base's bits pass through untouched. decode→encode already returns them for every
-    // value but a signalling NaN of a 16-bit type (the encoder quiets it), so only NaN chunks need this.
-    let has_nan = base.iter().fold(false, |acc, b| acc | b.is_nan());
-    if p.out_dtype == tile.dtype && in_size == 2 && has_nan {
-        for ((o, bb), &c) in out
-            .chunks_exact_mut(2)
-            .zip(base_bytes.chunks_exact(2))
-            .zip(count.iter())
-        {
-            if c == 0 {
-                o.copy_from_slice(bb);
+        encode(p.out_dtype, result, out);
+        // c = 0: the base's bits pass through untouched. decode→encode already returns them for every
+        // value but a signalling NaN of a 16-bit type (the encoder quiets it), so only NaN chunks need this.
+        let has_nan = base.iter().fold(false, |acc, b| acc | b.is_nan());
+        if p.out_dtype == tile.dtype && in_size == 2 && has_nan {
+            for ((o, bb), &c) in out
+                .chunks_exact_mut(2)
+                .zip(base_bytes.chunks_exact(2))
+                .zip(count.iter())
+            {
+                if c == 0 {
+                    o.copy_from_slice(bb);
+                }
             }
         }
     }

@@ -2,6 +2,7 @@
 //!
 //! bf16→f32 and f16→f32 are exact; f32→bf16/f16 rounds to nearest, ties to even (SPEC §"Values").
 
+use crate::simd::multiversion;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use std::fmt;
@@ -75,101 +76,107 @@ impl fmt::Display for DType {
     }
 }
 
-/// Decodes little-endian `bytes` of `dtype` into `out` (`out.len()` elements; `bytes` must hold exactly that many).
-pub fn decode(dtype: DType, bytes: &[u8], out: &mut [f32]) {
-    debug_assert_eq!(bytes.len(), out.len() * dtype.size());
-    match dtype {
-        DType::BF16 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
-            }
-        }
-        DType::F16 => match bytemuck::try_cast_slice::<u8, f16>(bytes) {
-            // The slice conversion uses F16C / NEON where the CPU has them.
-            Ok(halves) if cfg!(target_endian = "little") => halves.convert_to_f32_slice(out),
-            _ => {
+multiversion! {
+    /// Decodes little-endian `bytes` of `dtype` into `out` (`out.len()` elements; `bytes` must hold exactly that many).
+    pub fn decode(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+        debug_assert_eq!(bytes.len(), out.len() * dtype.size());
+        match dtype {
+            DType::BF16 => {
                 for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *o = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                    *o = bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
                 }
             }
-        },
-        DType::F32 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            DType::F16 => match bytemuck::try_cast_slice::<u8, f16>(bytes) {
+                // The slice conversion uses F16C / NEON where the CPU has them.
+                Ok(halves) if cfg!(target_endian = "little") => halves.convert_to_f32_slice(out),
+                _ => {
+                    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                        *o = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                    }
+                }
+            },
+            DType::F32 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
             }
         }
     }
 }
 
-/// Encodes `values` into little-endian `out` of `dtype`, rounding to nearest even once.
-pub fn encode(dtype: DType, values: &[f32], out: &mut [u8]) {
-    debug_assert_eq!(out.len(), values.len() * dtype.size());
-    match dtype {
-        DType::BF16 => {
-            for (v, o) in values.iter().zip(out.chunks_exact_mut(2)) {
-                o.copy_from_slice(&f32_to_bf16_bits(*v).to_le_bytes());
-            }
-        }
-        DType::F16 => match bytemuck::try_cast_slice_mut::<u8, f16>(out) {
-            Ok(halves) if cfg!(target_endian = "little") => halves.convert_from_f32_slice(values),
-            _ => {
+multiversion! {
+    /// Encodes `values` into little-endian `out` of `dtype`, rounding to nearest even once.
+    pub fn encode(dtype: DType, values: &[f32], out: &mut [u8]) {
+        debug_assert_eq!(out.len(), values.len() * dtype.size());
+        match dtype {
+            DType::BF16 => {
                 for (v, o) in values.iter().zip(out.chunks_exact_mut(2)) {
-                    o.copy_from_slice(&f16::from_f32(*v).to_bits().to_le_bytes());
+                    o.copy_from_slice(&f32_to_bf16_bits(*v).to_le_bytes());
                 }
             }
-        },
-        DType::F32 => {
-            for (v, o) in values.iter().zip(out.chunks_exact_mut(4)) {
-                o.copy_from_slice(&v.to_le_bytes());
+            DType::F16 => match bytemuck::try_cast_slice_mut::<u8, f16>(out) {
+                Ok(halves) if cfg!(target_endian = "little") => halves.convert_from_f32_slice(values),
+                _ => {
+                    for (v, o) in values.iter().zip(out.chunks_exact_mut(2)) {
+                        o.copy_from_slice(&f16::from_f32(*v).to_bits().to_le_bytes());
+                    }
+                }
+            },
+            DType::F32 => {
+                for (v, o) in values.iter().zip(out.chunks_exact_mut(4)) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
             }
         }
     }
 }
 
-/// The first element of `bytes` that is NaN or ±Inf (all exponent bits set), if any. Scans u64
-/// words, several elements per test (SWAR), so the common all-finite case runs at memory speed.
-pub fn first_nonfinite(dtype: DType, bytes: &[u8]) -> Option<usize> {
-    // Per lane: the exponent mask, and the lanes' low and high bits for the zero-lane test.
-    let (exp, low, high) = match dtype {
-        DType::BF16 => (
-            0x7f80_7f80_7f80_7f80u64,
-            0x0001_0001_0001_0001u64,
-            0x8000_8000_8000_8000u64,
-        ),
-        DType::F16 => (
-            0x7c00_7c00_7c00_7c00,
-            0x0001_0001_0001_0001,
-            0x8000_8000_8000_8000,
-        ),
-        DType::F32 => (
-            0x7f80_0000_7f80_0000,
-            0x0000_0001_0000_0001,
-            0x8000_0000_8000_0000,
-        ),
-    };
-    // A lane whose exponent bits are all set becomes zero after `& exp ^ exp`; the classic
-    // has-zero-lane test then flags the word (exp keeps each lane's top bit clear, so no borrow).
-    let flagged = |w: u64| {
-        let t = (w & exp) ^ exp;
-        (t.wrapping_sub(low) & !t & high) != 0
-    };
-    const BLOCK: usize = 4096;
-    let size = dtype.size();
-    let words = bytes.len() / 8;
-    for block in (0..words).step_by(BLOCK) {
-        let end = (block + BLOCK).min(words);
-        let hit = bytes[block * 8..end * 8]
-            .chunks_exact(8)
-            .fold(false, |acc, c| {
-                acc | flagged(u64::from_le_bytes(c.try_into().expect("8 bytes")))
-            });
-        if hit {
-            return first_nonfinite_scalar(dtype, &bytes[block * 8..end * 8])
-                .map(|i| block * 8 / size + i);
+multiversion! {
+    /// The first element of `bytes` that is NaN or ±Inf (all exponent bits set), if any. Scans u64
+    /// words, several elements per test (SWAR), so the common all-finite case runs at memory speed.
+    pub fn first_nonfinite(dtype: DType, bytes: &[u8]) -> Option<usize> {
+        // Per lane: the exponent mask, and the lanes' low and high bits for the zero-lane test.
+        let (exp, low, high) = match dtype {
+            DType::BF16 => (
+                0x7f80_7f80_7f80_7f80u64,
+                0x0001_0001_0001_0001u64,
+                0x8000_8000_8000_8000u64,
+            ),
+            DType::F16 => (
+                0x7c00_7c00_7c00_7c00,
+                0x0001_0001_0001_0001,
+                0x8000_8000_8000_8000,
+            ),
+            DType::F32 => (
+                0x7f80_0000_7f80_0000,
+                0x0000_0001_0000_0001,
+                0x8000_0000_8000_0000,
+            ),
+        };
+        // A lane whose exponent bits are all set becomes zero after `& exp ^ exp`; the classic
+        // has-zero-lane test then flags the word (exp keeps each lane's top bit clear, so no borrow).
+        let flagged = |w: u64| {
+            let t = (w & exp) ^ exp;
+            (t.wrapping_sub(low) & !t & high) != 0
+        };
+        const BLOCK: usize = 4096;
+        let size = dtype.size();
+        let words = bytes.len() / 8;
+        for block in (0..words).step_by(BLOCK) {
+            let end = (block + BLOCK).min(words);
+            let hit = bytes[block * 8..end * 8]
+                .chunks_exact(8)
+                .fold(false, |acc, c| {
+                    acc | flagged(u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                });
+            if hit {
+                return first_nonfinite_scalar(dtype, &bytes[block * 8..end * 8])
+                    .map(|i| block * 8 / size + i);
+            }
         }
+        let tail = words * 8;
+        first_nonfinite_scalar(dtype, &bytes[tail..]).map(|i| tail / size + i)
     }
-    let tail = words * 8;
-    first_nonfinite_scalar(dtype, &bytes[tail..]).map(|i| tail / size + i)
 }
 
 /// Element by element: for the block that holds a hit, and the bytes after the last whole word.

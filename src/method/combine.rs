@@ -3,6 +3,7 @@
 //! normalization → λ → add to (a multiple of) the base. Backends run exactly this arithmetic;
 //! [`combine_element`] is its scalar reference.
 
+use crate::simd::multiversion;
 use serde::{Deserialize, Serialize};
 
 /// The rank cut "among the `k` largest |v|": an element with magnitude key `key` at tensor index
@@ -129,28 +130,14 @@ fn splitmix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// All ones where `element_hash(key, first + i) < threshold`: integer arithmetic only, so the AVX2
-/// build where the CPU has it gives the same bits as the baseline one.
-fn random_mask(key: [u32; 2], threshold: u32, first: u32, out: &mut [u32]) {
-    #[inline(always)]
-    fn body(key: [u32; 2], threshold: u32, first: u32, out: &mut [u32]) {
+multiversion! {
+    /// All ones where `element_hash(key, first + i) < threshold`.
+    fn random_mask(key: [u32; 2], threshold: u32, first: u32, out: &mut [u32]) {
         for (i, m) in out.iter_mut().enumerate() {
             let h = element_hash(key, first.wrapping_add(i as u32));
             *m = ((h < threshold) as u32).wrapping_neg();
         }
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2")]
-        fn avx2(key: [u32; 2], threshold: u32, first: u32, out: &mut [u32]) {
-            body(key, threshold, first, out)
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { avx2(key, threshold, first, out) };
-        }
-    }
-    body(key, threshold, first, out)
 }
 
 /// The keep threshold of a Bernoulli(density) mask.
