@@ -11,7 +11,9 @@ use crate::checkpoint::{
 };
 use crate::method::combine::{fisher_coefs, row_ranks, CombineSpec};
 use crate::method::settings::{layer_index, layer_t, TensorPlace};
-use crate::method::stats::{self, AgentChunk, AgentVisit, Scans, Values, Visit, SCAN_CHUNK};
+use crate::method::stats::{
+    self, AgentChunk, AgentVisit, AnyOrderVisit, Scans, Values, Visit, SCAN_CHUNK,
+};
 use crate::method::{self, AgentCounts, BoostScope, Kind, Method, MethodConfig};
 use crate::recipe::{self, AgentSummary, InputChecksums, Recipe};
 use crate::report::{ProbeReport, TensorStats};
@@ -288,8 +290,8 @@ fn for_each_tile(
 }
 
 /// The tile loop of the probe and merge passes: every tile of `plan`, read for the base and the
-/// `present` agents and handed to `visit` on the backend's tile workers
-/// ([`Backend::run_workers`]). Each worker has its own tile buffers and a `state` from `init`, and
+/// `present` agents and handed to `visit` on the workers `run_workers` starts (the backend's,
+/// [`Backend::run_workers`], or the CPU's for statistics). Each worker has its own tile buffers and a `state` from `init`, and
 /// takes tile after tile, so reading, computing and writing a tile happen on one core while its
 /// bytes are in cache, and the cores never wait for each other. Tiles start in order and finish in
 /// any order. Returns the workers' states; on failure, the error of the earliest failing tile (the
@@ -300,7 +302,7 @@ fn par_tiles<S: Send>(
     plan: &TensorPlan,
     present: &[usize],
     pass: &Pass,
-    backend: &dyn Backend,
+    run_workers: &dyn Fn(&(dyn Fn() + Sync)),
     progress: &ProgressBar,
     init: impl Fn() -> S + Sync,
     visit: impl Fn(&mut S, usize, u64, &Tile) -> Result<()> + Sync,
@@ -353,7 +355,7 @@ fn par_tiles<S: Send>(
         }
         states.lock().unwrap_or_else(|p| p.into_inner()).push(state);
     };
-    backend.run_workers(&worker);
+    run_workers(&worker);
     if let Some((_, e)) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
     }
@@ -376,7 +378,7 @@ fn probe_tensor(
         plan,
         &present,
         pass,
-        backend,
+        &|w| backend.run_workers(w),
         progress,
         || TileCounts::zeros(present.len()),
         |sum, i, _, tile| {
@@ -656,7 +658,62 @@ impl TensorScans<'_> {
     }
 }
 
+/// Elements per tile of an any-order statistics scan: a multiple of [`SCAN_CHUNK`], small enough
+/// that a worker's tile stays in its core's cache from the read to the last agent's chunk.
+const ANY_ORDER_TILE_ELEMS: usize = 1 << 16;
+
 impl Scans for TensorScans<'_> {
+    fn workers(&self) -> usize {
+        rayon::current_num_threads()
+    }
+
+    fn any_order(&mut self, visit: &AnyOrderVisit) -> Result<()> {
+        let workers = self.workers();
+        let ids = AtomicUsize::new(0);
+        let pass = Pass {
+            tile_elems: ANY_ORDER_TILE_ELEMS,
+            ..self.pass.clone()
+        };
+        par_tiles(
+            self.inputs,
+            self.plan,
+            self.present,
+            &pass,
+            &|w| {
+                rayon::broadcast(|_| w());
+            },
+            &ProgressBar::hidden(),
+            || {
+                let id = ids.fetch_add(1, Ordering::Relaxed);
+                debug_assert!(id < workers);
+                (id, Box::new([[0.0f32; SCAN_CHUNK]; 3]))
+            },
+            |(id, scratch), _, start, tile| {
+                let size = tile.dtype.size();
+                let [base, x, tau] = &mut **scratch;
+                for (cs, cl) in ranges(tile.len, SCAN_CHUNK) {
+                    let bytes = cs * size..(cs + cl) * size;
+                    decode(tile.dtype, &tile.base[bytes.clone()], &mut base[..cl]);
+                    for (t, agent) in tile.agents.iter().enumerate() {
+                        decode(tile.dtype, &agent[bytes.clone()], &mut x[..cl]);
+                        for ((d, &a), &b) in tau.iter_mut().zip(&x[..cl]).zip(&base[..cl]) {
+                            *d = a - b;
+                        }
+                        let chunk = AgentChunk {
+                            start: start + cs as u64,
+                            base: &base[..cl],
+                            x: &x[..cl],
+                            tau: &tau[..cl],
+                        };
+                        visit(*id, t, &chunk);
+                    }
+                }
+                Ok(())
+            },
+        )?;
+        Ok(())
+    }
+
     fn tiles(&mut self, visit: &mut Visit) -> Result<()> {
         let n = self.present.len();
         let (mut base, mut x, mut tau) = (Vec::new(), vec![Vec::new(); n], vec![Vec::new(); n]);
@@ -842,7 +899,7 @@ pub fn merge(
             plan,
             &present,
             &tensor_pass,
-            backend,
+            &|w| backend.run_workers(w),
             &bar,
             Vec::new,
             |out, i, start, tile| {

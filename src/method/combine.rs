@@ -33,9 +33,10 @@ impl RankCut {
         high_first: false,
     };
 
-    #[inline]
+    #[inline(always)]
     pub fn inside(&self, key: u32, idx: u32) -> bool {
-        key > self.value || (key == self.value && ((idx < self.index) != self.high_first))
+        // Bitwise, not short-circuit: no branches, so mask loops vectorize.
+        (key > self.value) | ((key == self.value) & ((idx < self.index) != self.high_first))
     }
 }
 
@@ -149,23 +150,7 @@ impl Keep {
     /// `out[i]` = all ones where element `first + i` with value `v[i]` (and, for DELLA, row rank
     /// `ranks[i]`) is kept, else 0: the vectorizable bulk form of [`Keep::keeps`].
     pub fn mask_into(&self, v: &[f32], first: u32, ranks: &[u32], out: &mut [u32]) {
-        let idx = |i: usize| first.wrapping_add(i as u32);
-        match *self {
-            Keep::RowRank { p0, step, key } => {
-                for (i, (m, &r)) in out.iter_mut().zip(ranks).enumerate() {
-                    let keep = element_hash(key, idx(i)) < rank_threshold(p0, step, r);
-                    *m = (keep as u32).wrapping_neg();
-                }
-            }
-            Keep::All => out.fill(u32::MAX),
-            Keep::Band { lo, hi } => {
-                for (i, (m, &x)) in out.iter_mut().zip(v).enumerate() {
-                    let key = magnitude_key(x);
-                    *m = ((hi.inside(key, idx(i)) & !lo.inside(key, idx(i))) as u32).wrapping_neg();
-                }
-            }
-            Keep::Random { threshold, key } => random_mask(key, threshold, first, out),
-        }
+        keep_mask(*self, v, first, ranks, out)
     }
 
     /// Whether the element with value `v`, tensor index `idx` and row rank `rank` (DELLA only) is
@@ -182,6 +167,29 @@ impl Keep {
                 hi.inside(key, idx) && !lo.inside(key, idx)
             }
             Keep::Random { threshold, key } => element_hash(key, idx) < threshold,
+        }
+    }
+}
+
+multiversion! {
+    /// [`Keep::mask_into`], compiled for the baseline and AVX2.
+    fn keep_mask(keep: Keep, v: &[f32], first: u32, ranks: &[u32], out: &mut [u32]) {
+        let idx = |i: usize| first.wrapping_add(i as u32);
+        match keep {
+            Keep::RowRank { p0, step, key } => {
+                for (i, (m, &r)) in out.iter_mut().zip(ranks).enumerate() {
+                    let keep = element_hash(key, idx(i)) < rank_threshold(p0, step, r);
+                    *m = (keep as u32).wrapping_neg();
+                }
+            }
+            Keep::All => out.fill(u32::MAX),
+            Keep::Band { lo, hi } => {
+                for (i, (m, &x)) in out.iter_mut().zip(v).enumerate() {
+                    let key = magnitude_key(x);
+                    *m = ((hi.inside(key, idx(i)) & !lo.inside(key, idx(i))) as u32).wrapping_neg();
+                }
+            }
+            Keep::Random { threshold, key } => random_mask(key, threshold, first, out),
         }
     }
 }

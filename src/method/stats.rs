@@ -8,6 +8,7 @@ use super::combine::{
     Normalize, RankCut, VarianceCut,
 };
 use super::plan::{BaseTerm, Sparsify, TensorRecipe};
+use crate::simd::multiversion;
 use anyhow::Result;
 use rayon::prelude::*;
 use std::ops::ControlFlow;
@@ -47,13 +48,31 @@ impl AgentChunk<'_> {
 /// What a per-agent scan does with agent `t`'s next chunk: `Break` when that agent is done.
 pub type AgentVisit<'v> = dyn Fn(usize, &AgentChunk) -> ControlFlow<()> + Sync + 'v;
 
-/// The two ways to scan a tensor's tiles.
+/// What an any-order scan does with a chunk: `(worker, agent, chunk)`.
+pub type AnyOrderVisit<'v> = dyn Fn(usize, usize, &AgentChunk) + Sync + 'v;
+
+/// The ways to scan a tensor's tiles.
 pub trait Scans {
     /// Whole tiles in order, every agent at once (for statistics across agents).
     fn tiles(&mut self, visit: &mut Visit) -> Result<()>;
     /// Each agent's values in element order, chunk by chunk, agents in parallel; ends when every
     /// agent is done or the tensor is.
     fn per_agent(&mut self, visit: &AgentVisit) -> Result<()>;
+    /// Threads an any-order scan runs on: `visit`'s worker argument is below this.
+    fn workers(&self) -> usize;
+    /// Every agent's values in chunks of [`SCAN_CHUNK`] elements that start at multiples of
+    /// [`SCAN_CHUNK`] (the last may be shorter), in any order, on [`Self::workers`] threads at
+    /// once — for statistics that do not depend on order (counts), or that keep a result per
+    /// chunk and combine them in order. The fastest scan: every core busy, each tile read once.
+    fn any_order(&mut self, visit: &AnyOrderVisit) -> Result<()>;
+}
+
+/// Per-(worker, agent) states of an any-order scan, at `worker * agents + agent`: each is only
+/// touched by its worker.
+fn worker_states<S>(workers: usize, agents: usize, init: impl Fn(usize) -> S) -> Vec<Mutex<S>> {
+    (0..workers * agents)
+        .map(|i| Mutex::new(init(i % agents)))
+        .collect()
 }
 
 /// Per-agent state of a per-agent scan: each agent's state is only touched by the thread running
@@ -76,6 +95,53 @@ const BINS: usize = 1 << 16;
 /// (low bits and index, 8 bytes each), so ties at the threshold resolve without a third pass.
 const BIN_MEMORY: u64 = 1 << 22;
 
+/// A histogram of 16-bit bins kept as four interleaved u32 counters per bin, element i counting
+/// in counter i mod 4: task-vector magnitudes cluster in a few bins, and runs of increments to
+/// one counter would each wait for the last one's store. u32 suffices: the methods that rank
+/// elements index them with 32 bits.
+struct Bins16 {
+    counts: Vec<u32>,
+    /// Counters per bin − 1.
+    ways: usize,
+}
+
+impl Bins16 {
+    /// For a tensor of `numel` elements: small ones (norms, biases — a third of a model's
+    /// tensors) get one counter per bin, as clearing and summing four would cost more than
+    /// counting.
+    fn new(bins: usize, numel: u64) -> Bins16 {
+        let ways = if numel >= 1 << 20 { 4 } else { 1 };
+        Bins16 {
+            counts: vec![0; bins * ways],
+            ways: ways - 1,
+        }
+    }
+
+    /// Adds every bin's count into `total`.
+    fn add_totals(&self, total: &mut [u64]) {
+        for (t, w) in total
+            .iter_mut()
+            .zip(self.counts.chunks_exact(self.ways + 1))
+        {
+            *t += w.iter().map(|&c| c as u64).sum::<u64>();
+        }
+    }
+
+    /// Counts element `index` in `bin`.
+    #[inline(always)]
+    fn add(&mut self, bin: u32, index: usize) {
+        self.counts[bin as usize * (self.ways + 1) + (index & self.ways)] += 1;
+    }
+
+    /// The count of every bin.
+    fn totals(&self) -> Vec<u64> {
+        self.counts
+            .chunks_exact(self.ways + 1)
+            .map(|w| w.iter().map(|&c| c as u64).sum())
+            .collect()
+    }
+}
+
 /// Walks down from the largest bin to the one holding rank k − 1: (bin, elements above it).
 fn locate(h: &[u64], k: u64) -> (usize, u64) {
     let mut above = 0u64;
@@ -88,18 +154,39 @@ fn locate(h: &[u64], k: u64) -> (usize, u64) {
     unreachable!("k is at most the element count")
 }
 
-/// Calls `f(index, key)` for each element with a non-zero magnitude key: a bit mask per 64
-/// elements first (vectorizable), then only the set bits — cheap on sparse task vectors.
-fn for_each_nonzero(v: &[f32], mut f: impl FnMut(usize, u32)) {
-    for (block, x) in v.chunks(64).enumerate() {
-        let mut bits = 0u64;
-        for (i, &e) in x.iter().enumerate() {
-            bits |= ((magnitude_key(e) != 0) as u64) << i;
+multiversion! {
+    /// Bit `i % 64` of `bits[i / 64]`: whether element i's magnitude key is non-zero and, when
+    /// `in_bin` is given, has those high 16 bits.
+    fn key_bits(v: &[f32], in_bin: Option<u32>, bits: &mut [u64]) {
+        let (bin, any) = (in_bin.unwrap_or(0), in_bin.is_none());
+        for (x, word) in v.chunks(64).zip(bits.iter_mut()) {
+            let mut w = 0u64;
+            for (i, &e) in x.iter().enumerate() {
+                let key = magnitude_key(e);
+                let pass = (key != 0) & ((key >> 16 == bin) | any);
+                w |= (pass as u64) << i;
+            }
+            *word = w;
         }
-        while bits != 0 {
-            let i = bits.trailing_zeros() as usize;
-            f(block * 64 + i, magnitude_key(x[i]));
-            bits &= bits - 1;
+    }
+}
+
+/// Calls `f(index, key)` for each element with a non-zero magnitude key in high bin `in_bin`
+/// (any bin: `None`): a bit mask first (vectorized), then only the set bits — cheap on sparse
+/// task vectors and on a single bin.
+#[inline(always)]
+fn for_each_key(v: &[f32], in_bin: Option<u32>, mut f: impl FnMut(usize, u32)) {
+    let mut bits = [0u64; 64];
+    for (chunk, x) in v.chunks(64 * 64).enumerate() {
+        let words = x.len().div_ceil(64);
+        key_bits(x, in_bin, &mut bits[..words]);
+        for (w, &word) in bits[..words].iter().enumerate() {
+            let mut word = word;
+            while word != 0 {
+                let i = (chunk * 64 + w) * 64 + word.trailing_zeros() as usize;
+                f(i, magnitude_key(v[i]));
+                word &= word - 1;
+            }
         }
     }
 }
@@ -120,14 +207,33 @@ struct TieSearch {
 
 /// The second pass's record of one cut's bin.
 struct BinScan {
-    agent: usize,
     bin: u32,
-    low: Vec<u64>,
+    /// Histogram of the low 16 bits of the keys in the bin.
+    low: Bins16,
     /// (low 16 bits, index) of every element in the bin, in index order, when it has few enough.
     members: Option<Vec<(u16, u32)>>,
 }
 
 impl BinScan {
+    /// Adds another worker's record of the same bin.
+    fn absorb(&mut self, other: BinScan) {
+        for (a, b) in self.low.counts.iter_mut().zip(&other.low.counts) {
+            *a += b;
+        }
+        match (&mut self.members, other.members) {
+            (Some(m), Some(o)) => m.extend(o),
+            _ => self.members = None,
+        }
+    }
+
+    /// Members sorted by index (workers saw their tiles in any order).
+    fn in_index_order(mut self) -> BinScan {
+        if let Some(m) = &mut self.members {
+            m.sort_unstable_by_key(|&(_, index)| index);
+        }
+        self
+    }
+
     /// The cut keeping the `k` largest keys, `above` of which lie above this bin. When the cut
     /// splits the elements tied at its threshold, the split index comes from the remembered
     /// members, or — when the bin was too full to remember — the returned `m` says to search for
@@ -135,10 +241,11 @@ impl BinScan {
     /// zeros count as kept changes nothing (a kept zero adds ±0, never agrees in a consensus, and
     /// no sum starts at −0).
     fn resolve(&self, k: u64, above: u64, high_first: bool) -> (RankCut, Option<u64>) {
-        let (fine, gt) = locate(&self.low, k - above);
+        let low = self.low.totals();
+        let (fine, gt) = locate(&low, k - above);
         let value = (self.bin << 16) | fine as u32;
         let need = k - above - gt;
-        let equal = self.low[fine];
+        let equal = low[fine];
         // Lower first: the first `need` tied elements are inside. Higher first: all but the first
         // `equal − need`.
         let m = if high_first { equal - need } else { need };
@@ -172,54 +279,56 @@ impl BinScan {
 fn rank_cuts(
     scan: &mut dyn Scans,
     delta: bool,
-    agents: usize,
+    (agents, numel): (usize, u64),
     wanted: &[(usize, u64, bool)],
 ) -> Result<Vec<RankCut>> {
-    rank_cuts_remembering(scan, delta, agents, wanted, BIN_MEMORY)
+    rank_cuts_remembering(scan, delta, (agents, numel), wanted, BIN_MEMORY)
 }
 
 /// [`rank_cuts`], remembering bins of at most `bin_memory` elements.
 fn rank_cuts_remembering(
     scan: &mut dyn Scans,
     delta: bool,
-    agents: usize,
+    (agents, numel): (usize, u64),
     wanted: &[(usize, u64, bool)],
     bin_memory: u64,
 ) -> Result<Vec<RankCut>> {
     if wanted.is_empty() {
         return Ok(Vec::new());
     }
-    // Pass 1: histogram of the high 16 bits of each wanted agent's magnitude keys.
+    // Pass 1: histogram of the high 16 bits of each wanted agent's magnitude keys, per worker.
     let cut_agent = |t: usize| wanted.iter().any(|w| w.0 == t);
+    let workers = scan.workers();
     // Zeros are counted by difference: RL task vectors are mostly zero, and counting them one by
     // one would serialize on a single counter.
-    let high = states((0..agents).map(|t| {
-        if cut_agent(t) {
-            (vec![0u64; BINS], 0u64)
-        } else {
-            (Vec::new(), 0)
-        }
-    }));
-    scan.per_agent(&|t, c| {
+    let high = worker_states(workers, agents, |_| (None::<Bins16>, 0u64));
+    scan.any_order(&|w, t, c| {
         if !cut_agent(t) {
-            return ControlFlow::Break(());
+            return;
         }
-        let mut guard = lock(&high[t]);
+        let mut guard = lock(&high[w * agents + t]);
         let (h, seen) = &mut *guard;
+        // The magnitude key's top bit is clear: 2^15 high bins.
+        let h = h.get_or_insert_with(|| Bins16::new(BINS / 2, numel));
         let v = c.v(delta);
         *seen += v.len() as u64;
-        for_each_nonzero(v, |_, key| h[(key >> 16) as usize] += 1);
-        ControlFlow::Continue(())
+        for_each_key(v, None, |j, key| h.add(key >> 16, j));
     })?;
-    let high: Vec<Vec<u64>> = high
-        .into_iter()
-        .map(|m| {
-            let (mut h, seen) = unlock(m);
-            if !h.is_empty() {
-                let counted: u64 = h.iter().sum();
-                h[0] += seen - counted;
+    let high: Vec<(Option<Bins16>, u64)> = high.into_iter().map(unlock).collect();
+    let high: Vec<Vec<u64>> = (0..agents)
+        .map(|t| {
+            if !cut_agent(t) {
+                return Vec::new();
             }
-            h
+            let mut total = vec![0u64; BINS / 2];
+            let mut seen = 0;
+            for (h, s) in (0..workers).map(|w| &high[w * agents + t]) {
+                h.iter().for_each(|h| h.add_totals(&mut total));
+                seen += s;
+            }
+            let counted: u64 = total.iter().sum();
+            total[0] += seen - counted;
+            total
         })
         .collect();
     let hist_of = |t: usize| &high[t];
@@ -227,55 +336,66 @@ fn rank_cuts_remembering(
         .iter()
         .map(|&(t, k, _)| locate(hist_of(t), k))
         .collect();
-    // Pass 2: within each cut's bin, a histogram of the low 16 bits (and the members).
-    let bins: Vec<BinScan> = wanted
-        .iter()
-        .zip(&coarse)
-        .map(|(&(t, _, _), &(bin, _))| BinScan {
-            agent: t,
-            bin: bin as u32,
-            low: vec![0u64; BINS],
-            members: (hist_of(t)[bin] <= bin_memory).then(Vec::new),
-        })
+    // Pass 2: within each cut's bin, a histogram of the low 16 bits (and the members), per
+    // worker; each agent's cuts in the order of `wanted`.
+    let cuts_of: Vec<Vec<usize>> = (0..agents)
+        .map(|t| (0..wanted.len()).filter(|&c| wanted[c].0 == t).collect())
         .collect();
-    drop(high);
-    // Each agent's cuts, as that agent's state.
-    let mut per_agent: Vec<Vec<BinScan>> = (0..agents).map(|_| Vec::new()).collect();
-    for b in bins {
-        per_agent[b.agent].push(b);
-    }
-    let per_agent = states(per_agent);
-    scan.per_agent(&|t, c| {
-        let mut bins = lock(&per_agent[t]);
-        if bins.is_empty() {
-            return ControlFlow::Break(());
+    let new_bins = |t: usize| -> Vec<BinScan> {
+        cuts_of[t]
+            .iter()
+            .map(|&c| {
+                let bin = coarse[c].0;
+                BinScan {
+                    bin: bin as u32,
+                    low: Bins16::new(BINS, hist_of(t)[bin]),
+                    members: (hist_of(t)[bin] <= bin_memory).then(Vec::new),
+                }
+            })
+            .collect()
+    };
+    let scans = worker_states(workers, agents, |_| None::<Vec<BinScan>>);
+    scan.any_order(&|w, t, c| {
+        if cuts_of[t].is_empty() {
+            return;
         }
+        let mut guard = lock(&scans[w * agents + t]);
+        let bins = guard.get_or_insert_with(|| new_bins(t));
+        let v = c.v(delta);
         for b in bins.iter_mut() {
-            let v = c.v(delta);
             // Zeros (in bin 0) are counted by difference, and never needed as members (below).
-            for_each_nonzero(v, |j, key| {
-                if key >> 16 == b.bin {
-                    b.low[(key & 0xffff) as usize] += 1;
-                    if let Some(m) = &mut b.members {
-                        m.push((key as u16, (c.start + j as u64) as u32));
-                    }
+            let bin = b.bin;
+            for_each_key(v, Some(bin), |j, key| {
+                b.low.add(key & 0xffff, j);
+                if let Some(m) = &mut b.members {
+                    m.push((key as u16, (c.start + j as u64) as u32));
                 }
             });
-            if b.bin == 0 {
+            if bin == 0 {
                 let zeros = v.len() as u64 - nonzero_count(v);
-                b.low[0] += zeros;
+                b.low.counts[0] += zeros as u32;
             }
         }
-        ControlFlow::Continue(())
     })?;
-    // Back in the order of `wanted` (each agent's cuts kept their relative order).
-    let mut per_agent: Vec<std::vec::IntoIter<BinScan>> = per_agent
+    // Each cut's workers' records, summed: counts added, members in index order.
+    let mut scans: Vec<Option<Vec<BinScan>>> = scans.into_iter().map(unlock).collect();
+    let mut bins: Vec<Option<BinScan>> = (0..wanted.len()).map(|_| None).collect();
+    for (i, part) in scans.iter_mut().enumerate() {
+        let t = i % agents;
+        for (&c, b) in cuts_of[t].iter().zip(part.take().unwrap_or_default()) {
+            match &mut bins[c] {
+                Some(sum) => sum.absorb(b),
+                slot => *slot = Some(b),
+            }
+        }
+    }
+    let bins: Vec<BinScan> = bins
         .into_iter()
-        .map(|m| unlock(m).into_iter())
-        .collect();
-    let bins: Vec<BinScan> = wanted
-        .iter()
-        .map(|w| per_agent[w.0].next().expect("one bin per cut"))
+        .enumerate()
+        .map(|(c, b)| {
+            b.map(BinScan::in_index_order)
+                .unwrap_or_else(|| new_bins(wanted[c].0).swap_remove(0))
+        })
         .collect();
     let mut cuts = Vec::with_capacity(wanted.len());
     // (cut, agent, key, m): the cut's index goes just past the m-th tied element in index order.
@@ -363,7 +483,7 @@ pub fn build_spec(
             }
         }
     }
-    let found = rank_cuts(scan, delta, n, &wanted)?;
+    let found = rank_cuts(scan, delta, (n, numel), &wanted)?;
     let mut found = found.into_iter();
     let keep: Vec<Keep> = recipe
         .sparsify
@@ -418,7 +538,35 @@ pub fn build_spec(
     let mut gram = vec![0.0f64; n * n];
     let pairs: Vec<(usize, usize)> = (0..n).flat_map(|a| (a..n).map(move |b| (a, b))).collect();
     let mut row_moments = vec![[0.0f64; 3]; if want_rows { rows } else { 0 }];
-    if want_l1 || want_rows {
+    if want_l1 && !want_rows {
+        // L1 norms alone: any order, each chunk's sums kept by chunk index and added in order
+        // after, so the f64 totals are those of an in-order scan.
+        let l1_agent = |t: usize| rescale[t] && !ranked[t];
+        let workers = scan.workers();
+        let parts = worker_states(workers, n, |_| Vec::<(u64, f64, f64)>::new());
+        scan.any_order(&|w, t, c| {
+            if !l1_agent(t) {
+                return;
+            }
+            let v = c.v(delta);
+            let mut mask = [0u32; SCAN_CHUNK];
+            let mask = &mut mask[..v.len()];
+            keep[t].mask_into(v, c.start as u32, &[], mask);
+            let sums = (abs_sum(v, None), abs_sum(v, Some(mask)));
+            lock(&parts[w * n + t]).push((c.start, sums.0, sums.1));
+        })?;
+        let mut parts: Vec<Vec<(u64, f64, f64)>> = parts.into_iter().map(unlock).collect();
+        for (t, l) in l1.iter_mut().enumerate() {
+            let mut chunks: Vec<(u64, f64, f64)> = (0..workers)
+                .flat_map(|w| std::mem::take(&mut parts[w * n + t]))
+                .collect();
+            chunks.sort_unstable_by_key(|c| c.0);
+            for (_, all, kept) in chunks {
+                l.0 += all;
+                l.1 += kept;
+            }
+        }
+    } else if want_l1 || want_rows {
         let l1_state = states(l1.iter().copied());
         let rows_state = Mutex::new(std::mem::take(&mut row_moments));
         scan.per_agent(&|t, c| {
@@ -599,27 +747,34 @@ pub fn build_spec(
 /// Elements per chunk of a per-agent scan: a few arrays of it stay in L1.
 pub const SCAN_CHUNK: usize = 4096;
 
-/// Σ|x| (of the kept x when `mask` is given) over a chunk: eight f32 lanes over eight elements
-/// each, then f64 — a fixed order, so every run and thread count gives the same sum.
-fn abs_sum(values: &[f32], mask: Option<&[u32]>) -> f64 {
-    let mut total = 0.0f64;
-    for (block, x) in values.chunks(64).enumerate() {
-        let mut lanes = [0.0f32; 8];
-        match mask {
-            None => {
-                for (i, &v) in x.iter().enumerate() {
-                    lanes[i % 8] += v.abs();
+multiversion! {
+    /// Σ|x| (of the kept x when `mask` is given) over a chunk: eight f32 lanes over eight elements
+    /// each, then f64 — a fixed order, so every run and thread count gives the same sum. Lane j
+    /// adds elements j, j + 8, … of each block of 64 in turn: eight-wide vector adds.
+    fn abs_sum(values: &[f32], mask: Option<&[u32]>) -> f64 {
+        let mut total = 0.0f64;
+        for (block, x) in values.chunks(64).enumerate() {
+            let mut lanes = [0.0f32; 8];
+            match mask {
+                None => {
+                    for c in x.chunks(8) {
+                        for (l, &v) in lanes.iter_mut().zip(c) {
+                            *l += v.abs();
+                        }
+                    }
+                }
+                Some(m) => {
+                    for (c, mc) in x.chunks(8).zip(m[block * 64..].chunks(8)) {
+                        for ((l, &v), &m) in lanes.iter_mut().zip(c).zip(mc) {
+                            *l += f32::from_bits(v.to_bits() & m & 0x7fff_ffff);
+                        }
+                    }
                 }
             }
-            Some(m) => {
-                for (i, (&v, &m)) in x.iter().zip(&m[block * 64..]).enumerate() {
-                    lanes[i % 8] += f32::from_bits(v.to_bits() & m & 0x7fff_ffff);
-                }
-            }
+            total += lanes.iter().map(|&l| l as f64).sum::<f64>();
         }
-        total += lanes.iter().map(|&l| l as f64).sum::<f64>();
+        total
     }
-    total
 }
 
 /// The row length of DELLA's ranks for a tensor of `shape` (0 when no keep rule ranks rows):
@@ -667,7 +822,7 @@ fn sce_statistics(
         None
     } else {
         Some((
-            key_rank_cut(scan, &keys, |nonzero| {
+            key_rank_cut(scan, numel, &keys, |nonzero| {
                 (density.max(0.0) * nonzero as f64) as u64
             })?,
             inv_n,
@@ -703,18 +858,20 @@ fn sce_statistics(
 /// when the cut splits a tie too large to remember. Zero keys are never kept.
 fn key_rank_cut(
     scan: &mut dyn Scans,
+    numel: u64,
     keys: &dyn Fn(&Values, &mut Vec<u32>),
     k_of_nonzero: impl Fn(u64) -> u64,
 ) -> Result<RankCut> {
-    let mut high = vec![0u64; BINS];
+    let mut bins = Bins16::new(BINS / 2, numel);
     let mut buf = Vec::new();
     scan.tiles(&mut |tile| {
         keys(tile, &mut buf);
-        for &key in buf.iter().filter(|&&k| k != 0) {
-            high[(key >> 16) as usize] += 1;
+        for (i, &key) in buf.iter().enumerate().filter(|(_, &k)| k != 0) {
+            bins.add(key >> 16, i);
         }
         Ok(ControlFlow::Continue(()))
     })?;
+    let high = bins.totals();
     let nonzero: u64 = high.iter().sum();
     let k = k_of_nonzero(nonzero).min(nonzero);
     if k == 0 {
@@ -722,16 +879,15 @@ fn key_rank_cut(
     }
     let (bin, above) = locate(&high, k);
     let mut b = BinScan {
-        agent: 0,
         bin: bin as u32,
-        low: vec![0u64; BINS],
+        low: Bins16::new(BINS, high[bin]),
         members: (high[bin] <= BIN_MEMORY).then(Vec::new),
     };
     scan.tiles(&mut |tile| {
         keys(tile, &mut buf);
         for (i, &key) in buf.iter().enumerate() {
             if key != 0 && key >> 16 == b.bin {
-                b.low[(key & 0xffff) as usize] += 1;
+                b.low.add(key & 0xffff, i);
                 if let Some(m) = &mut b.members {
                     m.push((key as u16, (tile.start + i as u64) as u32));
                 }
@@ -924,18 +1080,29 @@ mod tests {
     struct Memory {
         v: Vec<Vec<f32>>,
         tile: usize,
+        zeros: Vec<f32>,
+    }
+
+    impl Memory {
+        fn chunk(&self, t: usize, start: usize, end: usize) -> AgentChunk<'_> {
+            AgentChunk {
+                start: start as u64,
+                base: &self.zeros[start..end],
+                x: &self.v[t][start..end],
+                tau: &self.v[t][start..end],
+            }
+        }
     }
 
     impl Scans for Memory {
         fn tiles(&mut self, visit: &mut Visit) -> Result<()> {
             let len = self.v[0].len();
-            let base = vec![0.0f32; len];
             for start in (0..len).step_by(self.tile) {
                 let end = (start + self.tile).min(len);
                 let part: Vec<Vec<f32>> = self.v.iter().map(|a| a[start..end].to_vec()).collect();
                 let values = Values {
                     start: start as u64,
-                    base: &base[start..end],
+                    base: &self.zeros[start..end],
                     x: &part,
                     tau: &part,
                 };
@@ -948,19 +1115,29 @@ mod tests {
 
         fn per_agent(&mut self, visit: &AgentVisit) -> Result<()> {
             let len = self.v[0].len();
-            let base = vec![0.0f32; len];
-            for (t, v) in self.v.iter().enumerate() {
+            for t in 0..self.v.len() {
                 for start in (0..len).step_by(self.tile) {
                     let end = (start + self.tile).min(len);
-                    let chunk = AgentChunk {
-                        start: start as u64,
-                        base: &base[start..end],
-                        x: &v[start..end],
-                        tau: &v[start..end],
-                    };
-                    if visit(t, &chunk).is_break() {
+                    if visit(t, &self.chunk(t, start, end)).is_break() {
                         break;
                     }
+                }
+            }
+            Ok(())
+        }
+
+        fn workers(&self) -> usize {
+            2
+        }
+
+        /// Last chunk first, the two workers taking turns.
+        fn any_order(&mut self, visit: &AnyOrderVisit) -> Result<()> {
+            let len = self.v[0].len();
+            let starts: Vec<usize> = (0..len).step_by(SCAN_CHUNK).collect();
+            for (i, &start) in starts.iter().rev().enumerate() {
+                let end = (start + SCAN_CHUNK).min(len);
+                for t in 0..self.v.len() {
+                    visit(i % 2, t, &self.chunk(t, start, end));
                 }
             }
             Ok(())
@@ -968,7 +1145,8 @@ mod tests {
     }
 
     fn scan_of(v: Vec<Vec<f32>>, tile: usize) -> Memory {
-        Memory { v, tile }
+        let zeros = vec![0.0; v[0].len()];
+        Memory { v, tile, zeros }
     }
 
     /// Exact top-k with ties at the threshold going to lower indices, for any tiling.
@@ -977,8 +1155,14 @@ mod tests {
         let v = vec![vec![0.5f32, -2.0, 1.0, 2.0, -1.0, 1.0, 0.0, 1.0]];
         for (tile, memory) in [(1, 0), (3, 0), (8, 0), (1, 100), (3, 100), (8, 100)] {
             let cuts_of = |want| {
-                rank_cuts_remembering(&mut scan_of(v.clone(), tile), true, 1, &[want], memory)
-                    .unwrap()
+                rank_cuts_remembering(
+                    &mut scan_of(v.clone(), tile),
+                    true,
+                    (1, v.len() as u64),
+                    &[want],
+                    memory,
+                )
+                .unwrap()
             };
             // k = 4: 2, 2 (indices 1, 3) then two of the three 1.0s: indices 2 and 4.
             let cuts = cuts_of((0, 4, false));
@@ -994,6 +1178,74 @@ mod tests {
                 .filter(|&i| cuts[0].inside(magnitude_key(v[0][i]), i as u32))
                 .collect();
             assert_eq!(kept, [1, 3, 5, 7], "tile {tile}");
+        }
+    }
+
+    /// Several chunks, several agents, heavy ties: every cut keeps exactly the sort's top k (ties
+    /// by index), whether the threshold's bin is remembered or searched, though the any-order
+    /// passes see the chunks last first on two workers.
+    #[test]
+    fn rank_cuts_match_a_sort_over_many_chunks() {
+        let len = 3 * SCAN_CHUNK + 17;
+        let mut rng = crate::demo::SplitMix64::new(7);
+        // Few distinct magnitudes, zeros, both signs: many ties at any threshold.
+        let v: Vec<Vec<f32>> = (0..3)
+            .map(|t| {
+                (0..len)
+                    .map(|_| {
+                        let r = rng.next_f64();
+                        if r < 0.3 + 0.2 * t as f64 {
+                            0.0
+                        } else {
+                            let m = [0.25f32, 0.5, 0.75, 1.0, 3.0][(r * 1000.0) as usize % 5];
+                            if r < 0.8 {
+                                m
+                            } else {
+                                -m
+                            }
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        for memory in [0, 1 << 20] {
+            for (t, k, high_first) in [
+                (0, 1, false),
+                (1, 777, false),
+                (2, 5000, true),
+                (0, 9000, true),
+            ] {
+                let cut = rank_cuts_remembering(
+                    &mut scan_of(v.clone(), 1000),
+                    true,
+                    (3, len as u64),
+                    &[(t, k, high_first)],
+                    memory,
+                )
+                .unwrap()[0];
+                let mut order: Vec<usize> = (0..len).collect();
+                order.sort_by(|&a, &b| {
+                    let (ka, kb) = (magnitude_key(v[t][a]), magnitude_key(v[t][b]));
+                    kb.cmp(&ka)
+                        .then(if high_first { b.cmp(&a) } else { a.cmp(&b) })
+                });
+                // Which zeros a zero threshold keeps changes nothing (see `BinScan::resolve`).
+                let nonzero = |i: &usize| v[t][*i] != 0.0;
+                let mut want: Vec<usize> = order[..k as usize]
+                    .iter()
+                    .copied()
+                    .filter(nonzero)
+                    .collect();
+                want.sort();
+                let got: Vec<usize> = (0..len)
+                    .filter(|&i| cut.inside(magnitude_key(v[t][i]), i as u32))
+                    .filter(nonzero)
+                    .collect();
+                assert_eq!(
+                    got, want,
+                    "agent {t}, k {k}, high first {high_first}, memory {memory}"
+                );
+            }
         }
     }
 
