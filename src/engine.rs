@@ -251,9 +251,10 @@ pub struct Pass {
     pub scan_nonfinite: bool,
 }
 
-/// Reads `plan` tile by tile, in order, for the base and the `present` agents and hands each tile,
-/// with its index, to `visit`: the statistics scans, which need element order. The probe and
-/// merge passes run [`par_tiles`].
+/// Reads `plan` tile by tile, in order, from the tile holding element `from`, for the base and the
+/// `present` agents and hands each tile, with its index, to `visit`: the statistics scans that
+/// need element order. The probe and merge passes run [`par_tiles`].
+#[allow(clippy::too_many_arguments)]
 fn for_each_tile(
     inputs: &Inputs,
     plan: &TensorPlan,
@@ -261,10 +262,13 @@ fn for_each_tile(
     pass: &Pass,
     buffers: &mut TileBuffers,
     progress: &ProgressBar,
+    from: u64,
     mut visit: impl FnMut(usize, u64, &Tile) -> Result<ControlFlow<()>>,
 ) -> Result<()> {
     let dtype = plan.base.entry.dtype;
-    for (i, (start, len)) in ranges(plan.numel(), pass.tile_elems).enumerate() {
+    let tiles = ranges(plan.numel(), pass.tile_elems).enumerate();
+    // From the tile holding element `from`: tiles keep their places whatever `from` is.
+    for (i, (start, len)) in tiles.skip_while(|(_, (s, l))| (s + l) as u64 <= from) {
         buffers.load(
             inputs,
             plan,
@@ -291,7 +295,8 @@ fn for_each_tile(
 
 /// The tile loop of the probe and merge passes: every tile of `plan`, read for the base and the
 /// `present` agents and handed to `visit` on the workers `run_workers` starts (the backend's,
-/// [`Backend::run_workers`], or the CPU's for statistics). Each worker has its own tile buffers and a `state` from `init`, and
+/// [`Backend::run_workers`], or the CPU's for statistics); with `stride` > 1 only tiles 0,
+/// `stride`, 2·`stride`, … (a sample). Each worker has its own tile buffers and a `state` from `init`, and
 /// takes tile after tile, so reading, computing and writing a tile happen on one core while its
 /// bytes are in cache, and the cores never wait for each other. Tiles start in order and finish in
 /// any order. Returns the workers' states; on failure, the error of the earliest failing tile (the
@@ -304,6 +309,7 @@ fn par_tiles<S: Send>(
     pass: &Pass,
     run_workers: &dyn Fn(&(dyn Fn() + Sync)),
     progress: &ProgressBar,
+    stride: usize,
     init: impl Fn() -> S + Sync,
     visit: impl Fn(&mut S, usize, u64, &Tile) -> Result<()> + Sync,
 ) -> Result<Vec<S>> {
@@ -318,7 +324,7 @@ fn par_tiles<S: Send>(
         let mut buffers = TileBuffers::new(present.len());
         let mut state = init();
         loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
+            let i = next.fetch_add(1, Ordering::Relaxed) * stride;
             if i >= count || failed.load(Ordering::Relaxed) {
                 break;
             }
@@ -380,6 +386,7 @@ fn probe_tensor(
         pass,
         &|w| backend.run_workers(w),
         progress,
+        1,
         || TileCounts::zeros(present.len()),
         |sum, i, _, tile| {
             let counts = backend
@@ -643,16 +650,27 @@ impl TensorScans<'_> {
     /// The tensor's tiles in order, read as the merge pass reads them (no progress shown).
     fn each_tile(
         &mut self,
+        from: u64,
         visit: impl FnMut(usize, u64, &Tile) -> Result<ControlFlow<()>>,
     ) -> Result<()> {
         let hidden = ProgressBar::hidden();
+        // A scan from within the tensor looks for something near `from`: chunk-sized tiles.
+        let pass = Pass {
+            tile_elems: if from > 0 {
+                SCAN_CHUNK
+            } else {
+                self.pass.tile_elems
+            },
+            ..self.pass.clone()
+        };
         for_each_tile(
             self.inputs,
             self.plan,
             self.present,
-            &self.pass,
+            &pass,
             self.buffers,
             &hidden,
+            from,
             visit,
         )
     }
@@ -667,7 +685,7 @@ impl Scans for TensorScans<'_> {
         rayon::current_num_threads()
     }
 
-    fn any_order(&mut self, visit: &AnyOrderVisit) -> Result<()> {
+    fn any_order(&mut self, every: usize, visit: &AnyOrderVisit) -> Result<()> {
         let workers = self.workers();
         let ids = AtomicUsize::new(0);
         let pass = Pass {
@@ -683,6 +701,7 @@ impl Scans for TensorScans<'_> {
                 rayon::broadcast(|_| w());
             },
             &ProgressBar::hidden(),
+            every.max(1),
             || {
                 let id = ids.fetch_add(1, Ordering::Relaxed);
                 debug_assert!(id < workers);
@@ -717,7 +736,7 @@ impl Scans for TensorScans<'_> {
     fn tiles(&mut self, visit: &mut Visit) -> Result<()> {
         let n = self.present.len();
         let (mut base, mut x, mut tau) = (Vec::new(), vec![Vec::new(); n], vec![Vec::new(); n]);
-        self.each_tile(|_, start, tile| {
+        self.each_tile(0, |_, start, tile| {
             base.resize(tile.len, 0.0);
             decode(tile.dtype, tile.base, &mut base);
             let base_values = &base;
@@ -739,9 +758,9 @@ impl Scans for TensorScans<'_> {
         })
     }
 
-    fn per_agent(&mut self, visit: &AgentVisit) -> Result<()> {
+    fn per_agent(&mut self, from: u64, visit: &AgentVisit) -> Result<()> {
         let mut done = vec![false; self.present.len()];
-        self.each_tile(|_, start, tile| {
+        self.each_tile(from, |_, start, tile| {
             let size = tile.dtype.size();
             let flows: Vec<bool> = (0..done.len())
                 .into_par_iter()
@@ -751,7 +770,9 @@ impl Scans for TensorScans<'_> {
                     }
                     let mut scratch = [[0.0f32; SCAN_CHUNK]; 3];
                     let [base, x, tau] = &mut scratch;
-                    for (cs, cl) in ranges(tile.len, SCAN_CHUNK) {
+                    let chunks = ranges(tile.len, SCAN_CHUNK);
+                    for (cs, cl) in chunks.skip_while(|(cs, cl)| start + ((cs + cl) as u64) <= from)
+                    {
                         let bytes = cs * size..(cs + cl) * size;
                         decode(tile.dtype, &tile.base[bytes.clone()], &mut base[..cl]);
                         decode(tile.dtype, &tile.agents[t][bytes], &mut x[..cl]);
@@ -901,6 +922,7 @@ pub fn merge(
             &tensor_pass,
             &|w| backend.run_workers(w),
             &bar,
+            1,
             Vec::new,
             |out, i, start, tile| {
                 let out_dtype = out_t.dtype;

@@ -4,9 +4,7 @@
 
 use super::{Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode, encode};
-use crate::method::combine::{
-    self, masked_reciprocal, nearswap, variance_key, CombineSpec, Keep, Normalize,
-};
+use crate::method::combine::{nearswap, variance_key, Keep, Normalize};
 use crate::simd::multiversion;
 use anyhow::{Context, Result};
 use rayon::prelude::*;
@@ -93,16 +91,13 @@ impl Backend for CpuBackend {
     fn combine(&self, tile: &Tile, params: &CombineParams, out: &mut [u8]) -> Result<()> {
         let out_size = params.out_dtype.size();
         debug_assert_eq!(out.len(), tile.len * out_size);
-        let table = reciprocal_table(params.spec);
         let n = tile.agents.len();
         self.each_chunk(
             n,
             out,
             out_size,
             || CombineScratch::new(n),
-            |s, start, out| {
-                combine_chunk(tile, params, &table, start, out.len() / out_size, s, out)
-            },
+            |s, start, out| combine_chunk(tile, params, start, out.len() / out_size, s, out),
         );
         Ok(())
     }
@@ -171,20 +166,6 @@ fn with_scratch<S: 'static, R>(
     })
 }
 
-/// f32(1/Σ w) for every agreement mask of up to this many agents is tabled once per tile.
-const RECIPROCAL_TABLE_AGENTS: usize = 12;
-
-/// The per-mask reciprocals of a consensus merge with normalization (empty otherwise, or when
-/// there are too many agents to table: then each element computes its own, identically).
-fn reciprocal_table(spec: &CombineSpec) -> Vec<f32> {
-    match &spec.normalize {
-        Normalize::PerElement(w, floor) if w.len() <= RECIPROCAL_TABLE_AGENTS => {
-            combine::reciprocal_table(w, *floor)
-        }
-        _ => Vec::new(),
-    }
-}
-
 /// Per-worker buffers for one chunk of the combine rule.
 struct CombineScratch {
     base: Vec<f32>,
@@ -193,7 +174,8 @@ struct CombineScratch {
     d: Vec<f32>,
     sum: Vec<f32>,
     delta: Vec<f32>,
-    mask: Vec<u64>,
+    /// Σ w of the agreeing agents per element.
+    wsum: Vec<f32>,
     keep: Vec<u32>,
     element: Vec<u32>,
     sum_v: Vec<f32>,
@@ -207,7 +189,7 @@ impl CombineScratch {
             d: vec![0.0; CHUNK * agents],
             sum: vec![0.0; CHUNK],
             delta: vec![0.0; CHUNK],
-            mask: vec![0; CHUNK],
+            wsum: vec![0.0; CHUNK],
             keep: vec![0; CHUNK],
             element: vec![0; CHUNK],
             sum_v: vec![0.0; CHUNK],
@@ -221,7 +203,6 @@ multiversion! {
     fn combine_chunk(
         tile: &Tile,
         p: &CombineParams,
-        table: &[f32],
         start: usize,
         len: usize,
         s: &mut CombineScratch,
@@ -338,33 +319,45 @@ multiversion! {
         }
         let sum = &s.sum[..len];
         let delta = &mut s.delta[..len];
-        let mask = &mut s.mask[..len];
+        // Σ w of the agreeing agents, in agent order as `masked_reciprocal` adds them (adding
+        // +0.0 for the others is exact: the sum is never −0.0), when Δ is normalized per element.
+        let weights = match &spec.normalize {
+            Normalize::PerElement(w, _) if spec.consensus => Some(w),
+            _ => None,
+        };
+        let wsum = &mut s.wsum[..len];
+        wsum.fill(0.0);
         if spec.consensus {
             delta.fill(0.0);
-            mask.fill(0);
             for t in 0..n {
                 let d = &s.d[t * CHUNK..t * CHUNK + len];
-                for (((acc, m), &d), &s) in delta.iter_mut().zip(mask.iter_mut()).zip(d).zip(sum.iter())
+                let w = weights.map_or(0, |w| w[t].to_bits());
+                for (((acc, ws), &d), &s) in delta.iter_mut().zip(wsum.iter_mut()).zip(d).zip(sum.iter())
                 {
                     let agrees = (s >= 0.0 && d > 0.0) | (s < 0.0 && d < 0.0);
                     // Adding +0.0 for a disagreeing d is exact: Δ is never −0.0 (it starts at +0.0 and
                     // only non-zero d are added).
                     let bits = (agrees as u32).wrapping_neg();
                     *acc += f32::from_bits(d.to_bits() & bits);
-                    *m |= (agrees as u64) << t;
+                    *ws += f32::from_bits(w & bits);
                 }
             }
         }
         match &spec.normalize {
             Normalize::None => {}
             Normalize::Fixed(r) => delta.iter_mut().for_each(|x| *x *= r),
-            Normalize::PerElement(w, floor) => {
-                for (x, &m) in delta.iter_mut().zip(mask.iter()) {
-                    *x *= if table.is_empty() {
-                        masked_reciprocal(w, *floor, m)
+            // `masked_reciprocal` of the agreement mask, from its weight sum.
+            Normalize::PerElement(_, floor) => {
+                let floor = *floor;
+                for (x, &s) in delta.iter_mut().zip(wsum.iter()) {
+                    let r = if floor > 0.0 {
+                        1.0 / s.max(floor)
+                    } else if s == 0.0 {
+                        1.0
                     } else {
-                        table[m as usize]
+                        1.0 / s
                     };
+                    *x *= r;
                 }
             }
         }

@@ -184,9 +184,15 @@ multiversion! {
             }
             Keep::All => out.fill(u32::MAX),
             Keep::Band { lo, hi } => {
+                // RankCut::inside as u32 lane masks: LLVM packs bools through 16-bit lanes.
+                let mask = |c: RankCut, key: u32, idx: u32| -> u32 {
+                    let lane = |b: bool| (b as u32).wrapping_neg();
+                    let flip = lane(c.high_first);
+                    lane(key > c.value) | (lane(key == c.value) & (lane(idx < c.index) ^ flip))
+                };
                 for (i, (m, &x)) in out.iter_mut().zip(v).enumerate() {
                     let key = magnitude_key(x);
-                    *m = ((hi.inside(key, idx(i)) & !lo.inside(key, idx(i))) as u32).wrapping_neg();
+                    *m = mask(hi, key, idx(i)) & !mask(lo, key, idx(i));
                 }
             }
             Keep::Random { threshold, key } => random_mask(key, threshold, first, out),

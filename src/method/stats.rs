@@ -57,14 +57,17 @@ pub trait Scans {
     fn tiles(&mut self, visit: &mut Visit) -> Result<()>;
     /// Each agent's values in element order, chunk by chunk, agents in parallel; ends when every
     /// agent is done or the tensor is.
-    fn per_agent(&mut self, visit: &AgentVisit) -> Result<()>;
+    /// Starting at the chunk holding element `from` (0: the whole tensor); from elsewhere, read in
+    /// small tiles, as such a scan is meant to stop soon.
+    fn per_agent(&mut self, from: u64, visit: &AgentVisit) -> Result<()>;
     /// Threads an any-order scan runs on: `visit`'s worker argument is below this.
     fn workers(&self) -> usize;
     /// Every agent's values in chunks of [`SCAN_CHUNK`] elements that start at multiples of
     /// [`SCAN_CHUNK`] (the last may be shorter), in any order, on [`Self::workers`] threads at
     /// once — for statistics that do not depend on order (counts), or that keep a result per
     /// chunk and combine them in order. The fastest scan: every core busy, each tile read once.
-    fn any_order(&mut self, visit: &AnyOrderVisit) -> Result<()>;
+    /// With `every` > 1, a sample: about one chunk in `every`, spread over the tensor.
+    fn any_order(&mut self, every: usize, visit: &AnyOrderVisit) -> Result<()>;
 }
 
 /// Per-(worker, agent) states of an any-order scan, at `worker * agents + agent`: each is only
@@ -130,7 +133,25 @@ impl Bins16 {
     /// Counts element `index` in `bin`.
     #[inline(always)]
     fn add(&mut self, bin: u32, index: usize) {
-        self.counts[bin as usize * (self.ways + 1) + (index & self.ways)] += 1;
+        self.adder().add(bin, index)
+    }
+
+    /// The counters as a plain slice, for hot loops: a field of a struct behind `&mut` would be
+    /// reloaded after every increment, as the compiler cannot tell the two apart.
+    fn adder(&mut self) -> BinsAdder<'_> {
+        BinsAdder {
+            counts: &mut self.counts,
+            ways: self.ways,
+        }
+    }
+
+    /// The count of one bin.
+    fn count(&self, bin: u32) -> u64 {
+        let w = self.ways + 1;
+        self.counts[bin as usize * w..(bin as usize + 1) * w]
+            .iter()
+            .map(|&c| c as u64)
+            .sum()
     }
 
     /// The count of every bin.
@@ -139,6 +160,19 @@ impl Bins16 {
             .chunks_exact(self.ways + 1)
             .map(|w| w.iter().map(|&c| c as u64).sum())
             .collect()
+    }
+}
+
+/// [`Bins16::adder`].
+struct BinsAdder<'a> {
+    counts: &'a mut [u32],
+    ways: usize,
+}
+
+impl BinsAdder<'_> {
+    #[inline(always)]
+    fn add(&mut self, bin: u32, index: usize) {
+        self.counts[bin as usize * (self.ways + 1) + (index & self.ways)] += 1;
     }
 }
 
@@ -152,6 +186,23 @@ fn locate(h: &[u64], k: u64) -> (usize, u64) {
         above += h[bin];
     }
     unreachable!("k is at most the element count")
+}
+
+multiversion! {
+    /// Bit `i % 64` of `nonzero[i / 64]`: whether element i's magnitude key is non-zero; of
+    /// `low[i / 64]`: whether its low 16 bits are.
+    fn key_and_low_bits(v: &[f32], nonzero: &mut [u64], low: &mut [u64]) {
+        for ((x, n), l) in v.chunks(64).zip(nonzero.iter_mut()).zip(low.iter_mut()) {
+            let (mut wn, mut wl) = (0u64, 0u64);
+            for (i, &e) in x.iter().enumerate() {
+                let key = magnitude_key(e);
+                wn |= ((key != 0) as u64) << i;
+                wl |= ((key & 0xffff != 0) as u64) << i;
+            }
+            *n = wn;
+            *l = wl;
+        }
+    }
 }
 
 multiversion! {
@@ -196,56 +247,181 @@ fn nonzero_count(v: &[f32]) -> u64 {
 }
 
 /// The third pass's search for where cut `cut` splits the elements tied at key `key`: the index
-/// just past the `m`-th of them.
+/// just past the `m`-th of them, counting from element `from`, `seen` of them being before it.
 struct TieSearch {
     cut: usize,
     key: u32,
     m: u64,
+    from: u64,
     seen: u64,
     found: Option<u32>,
 }
 
-/// The second pass's record of one cut's bin.
+/// Where a cut splits the elements tied at its threshold, when the bin's record cannot tell: the
+/// `m`-th of them in index order, `before` of them lying before element `from`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Split {
+    m: u64,
+    from: u64,
+    before: u64,
+}
+
+/// One high bin's elements as a scan records them: the (low 16 bits, index) of each while they
+/// fit in `memory`, else a histogram of their low 16 bits; and how many fell in each chunk, so a
+/// split in a bin of one key can be found by reading a single chunk again.
 struct BinScan {
     bin: u32,
-    /// Histogram of the low 16 bits of the keys in the bin.
-    low: Bins16,
-    /// (low 16 bits, index) of every element in the bin, in index order, when it has few enough.
-    members: Option<Vec<(u16, u32)>>,
+    /// Remembered members (in index order once [`Self::in_index_order`] ran), while `low` is None.
+    members: Vec<(u16, u32)>,
+    low: Option<Bins16>,
+    /// Zero keys (bin 0 only), counted by difference; never members, never split.
+    zeros: u64,
+    /// (chunk start, non-zero elements of the bin in it), for chunks that had some.
+    chunks: Vec<(u64, u32)>,
+    in_chunk: u32,
+    /// Members one record may hold before it turns to a histogram.
+    memory: usize,
+    numel: u64,
 }
 
 impl BinScan {
-    /// Adds another worker's record of the same bin.
-    fn absorb(&mut self, other: BinScan) {
-        for (a, b) in self.low.counts.iter_mut().zip(&other.low.counts) {
-            *a += b;
-        }
-        match (&mut self.members, other.members) {
-            (Some(m), Some(o)) => m.extend(o),
-            _ => self.members = None,
+    fn new(bin: u32, memory: usize, numel: u64) -> BinScan {
+        BinScan {
+            bin,
+            members: Vec::new(),
+            low: None,
+            zeros: 0,
+            chunks: Vec::new(),
+            in_chunk: 0,
+            memory,
+            numel,
         }
     }
 
-    /// Members sorted by index (workers saw their tiles in any order).
-    fn in_index_order(mut self) -> BinScan {
-        if let Some(m) = &mut self.members {
-            m.sort_unstable_by_key(|&(_, index)| index);
+    /// The record of a bin whose `count` non-zero elements all have the key `bin << 16`, with
+    /// their counts per chunk when pass 1 followed the bin.
+    fn of_one_key(bin: u32, count: u64, chunks: Option<Vec<(u64, u32)>>, numel: u64) -> BinScan {
+        let mut low = Bins16::new(BINS, 0);
+        low.counts[0] = count as u32;
+        let mut scan = BinScan::new(bin, 0, numel);
+        scan.low = Some(low);
+        scan.chunks = chunks.unwrap_or_default();
+        scan
+    }
+
+    /// Records the non-zero element at tensor index `index` with key `key` (in this bin).
+    #[inline(always)]
+    fn record(&mut self, key: u32, index: u64) {
+        self.in_chunk += 1;
+        match &mut self.low {
+            Some(h) => h.add(key & 0xffff, index as usize),
+            None => {
+                self.members.push((key as u16, index as u32));
+                if self.members.len() > self.memory {
+                    self.turn_to_histogram();
+                }
+            }
         }
+    }
+
+    /// Closes the chunk starting at `start`, which held `zeros` zero keys.
+    fn end_chunk(&mut self, start: u64, zeros: u64) {
+        if self.in_chunk > 0 {
+            self.chunks.push((start, self.in_chunk));
+            self.in_chunk = 0;
+        }
+        if self.bin == 0 {
+            self.zeros += zeros;
+        }
+    }
+
+    /// One chunk's elements of this bin, found by their own mask.
+    fn scan_chunk(&mut self, v: &[f32], start: u64) {
+        for_each_key(v, Some(self.bin), |j, key| {
+            self.record(key, start + j as u64)
+        });
+        let zeros = if self.bin == 0 {
+            v.len() as u64 - nonzero_count(v)
+        } else {
+            0
+        };
+        self.end_chunk(start, zeros);
+    }
+
+    fn turn_to_histogram(&mut self) {
+        if self.low.is_none() {
+            let mut h = Bins16::new(BINS, self.numel);
+            for &(low, index) in &self.members {
+                h.add(low as u32, index as usize);
+            }
+            self.members = Vec::new();
+            self.low = Some(h);
+        }
+    }
+
+    /// Adds another worker's record of the same bin; members stay while both kept theirs and
+    /// together they fit in `limit`.
+    fn absorb(&mut self, mut other: BinScan, limit: usize) {
+        self.zeros += other.zeros;
+        self.chunks.append(&mut other.chunks);
+        let both_listed = self.low.is_none() && other.low.is_none();
+        if both_listed && self.members.len() + other.members.len() <= limit {
+            self.members.append(&mut other.members);
+            return;
+        }
+        self.turn_to_histogram();
+        other.turn_to_histogram();
+        let (Some(a), Some(b)) = (&mut self.low, &other.low) else {
+            unreachable!("both are histograms now")
+        };
+        for (x, y) in a.counts.iter_mut().zip(&b.counts) {
+            *x += y;
+        }
+    }
+
+    /// Members and chunks sorted by index (workers saw their tiles in any order).
+    fn in_index_order(mut self) -> BinScan {
+        self.members.sort_unstable_by_key(|&(_, index)| index);
+        self.chunks.sort_unstable_by_key(|&(start, _)| start);
         self
+    }
+
+    /// `(fine, gt, equal)` for rank `r` ≥ 1 within the bin: the low bits holding it, elements of
+    /// the bin above them, elements equal to them.
+    fn locate_low(&self, r: u64) -> (u32, u64, u64) {
+        match &self.low {
+            Some(h) => {
+                let mut low = h.totals();
+                low[0] += self.zeros;
+                let (fine, gt) = locate(&low, r);
+                (fine as u32, gt, low[fine])
+            }
+            None => {
+                let mut lows: Vec<u16> = self.members.iter().map(|m| m.0).collect();
+                lows.sort_unstable_by(|a, b| b.cmp(a));
+                let i = (r - 1) as usize;
+                if i >= lows.len() {
+                    // Below every member of bin 0: the zeros.
+                    return (0, lows.len() as u64, self.zeros);
+                }
+                let fine = lows[i];
+                let gt = lows.partition_point(|&x| x > fine);
+                let equal = lows[gt..].partition_point(|&x| x == fine);
+                (fine as u32, gt as u64, equal as u64)
+            }
+        }
     }
 
     /// The cut keeping the `k` largest keys, `above` of which lie above this bin. When the cut
     /// splits the elements tied at its threshold, the split index comes from the remembered
-    /// members, or — when the bin was too full to remember — the returned `m` says to search for
-    /// the m-th tied element in index order. A threshold of exactly zero needs no split: which
-    /// zeros count as kept changes nothing (a kept zero adds ±0, never agrees in a consensus, and
-    /// no sum starts at −0).
-    fn resolve(&self, k: u64, above: u64, high_first: bool) -> (RankCut, Option<u64>) {
-        let low = self.low.totals();
-        let (fine, gt) = locate(&low, k - above);
-        let value = (self.bin << 16) | fine as u32;
+    /// members; else the returned [`Split`] says which tied element to search for — from the
+    /// chunk that holds it when every element of the bin has the one key. A threshold of exactly
+    /// zero needs no split: which zeros count as kept changes nothing (a kept zero adds ±0, never
+    /// agrees in a consensus, and no sum starts at −0).
+    fn resolve(&self, k: u64, above: u64, high_first: bool) -> (RankCut, Option<Split>) {
+        let (fine, gt, equal) = self.locate_low(k - above);
+        let value = (self.bin << 16) | fine;
         let need = k - above - gt;
-        let equal = low[fine];
         // Lower first: the first `need` tied elements are inside. Higher first: all but the first
         // `equal − need`.
         let m = if high_first { equal - need } else { need };
@@ -257,194 +433,400 @@ impl BinScan {
         if m == 0 || m >= equal || value == 0 {
             return (cut, None);
         }
-        match &self.members {
-            Some(members) => {
-                let split = members
-                    .iter()
-                    .filter(|&&(low, _)| low as usize == fine)
-                    .nth(m as usize - 1)
-                    .expect("the bin holds `equal` tied elements");
-                cut.index = split.1 + 1;
-                (cut, None)
-            }
-            None => (cut, Some(m)),
+        if self.low.is_none() {
+            let split = self
+                .members
+                .iter()
+                .filter(|&&(low, _)| low as u32 == fine)
+                .nth(m as usize - 1)
+                .expect("the bin holds `equal` tied elements");
+            cut.index = split.1 + 1;
+            return (cut, None);
         }
+        let listed: u64 = self.chunks.iter().map(|&(_, c)| c as u64).sum();
+        let split = if listed == equal {
+            // One key in the bin: the chunk counts count the tied elements.
+            let (mut from, mut before) = (0, 0u64);
+            for &(start, c) in &self.chunks {
+                if before + c as u64 >= m {
+                    from = start;
+                    break;
+                }
+                before += c as u64;
+            }
+            Split { m, from, before }
+        } else {
+            Split {
+                m,
+                from: 0,
+                before: 0,
+            }
+        };
+        (cut, Some(split))
     }
 }
 
+/// Below this many elements a tensor's rank cuts skip the sample (it would read too much of it).
+const SAMPLE_MIN_ELEMS: u64 = 1 << 20;
+
+/// One chunk in this many is sampled to guess each cut's bin.
+const SAMPLE_EVERY: usize = 16;
+
+/// Members the records of one scan may remember in all (8 bytes each).
+fn record_limit(bin_memory: u64, records: usize) -> usize {
+    bin_memory as usize / records.max(1)
+}
+
 /// Resolves rank cuts (`(agent, k, high_first)`, 0 < k < n: the k largest, ties at the threshold
-/// to the lower index first unless `high_first`) to exact thresholds: a histogram of the keys'
-/// high 16 bits, then of the low 16 bits within the threshold's bin — two scans, and a third
-/// (stopping early) only when a cut splits a tie in a bin too full to remember.
+/// to the lower index first unless `high_first`) to exact thresholds, without sorting:
+///
+/// 1. A histogram of the keys' high 16 bits finds each cut's bin. It also notes which bins hold
+///    keys with low bits set and, for bins a 1/16 sample guessed, the count in every chunk.
+/// 2. Only a cut whose bin holds several keys needs a second scan: a histogram of the low 16
+///    bits within the bin, remembering its members while they fit.
+/// 3. A cut that splits elements tied at its threshold needs the index of the split: from the
+///    remembered members, else by reading again the one chunk the counts point to, else by a
+///    search from the start that stops at the split.
+///
+/// Task vectors of 16-bit weights hold few exact magnitudes, so most tensors take step 1, a
+/// sample and a chunk or two: about one scan.
 fn rank_cuts(
     scan: &mut dyn Scans,
     delta: bool,
     (agents, numel): (usize, u64),
     wanted: &[(usize, u64, bool)],
 ) -> Result<Vec<RankCut>> {
-    rank_cuts_remembering(scan, delta, (agents, numel), wanted, BIN_MEMORY)
+    let sizes = (agents, numel, SAMPLE_MIN_ELEMS);
+    rank_cuts_remembering(scan, delta, sizes, wanted, BIN_MEMORY)
 }
 
-/// [`rank_cuts`], remembering bins of at most `bin_memory` elements.
+/// [`rank_cuts`], remembering at most `bin_memory` elements of the bins it records, and sampling
+/// to guess them on tensors of at least `sample_min` elements.
 fn rank_cuts_remembering(
     scan: &mut dyn Scans,
     delta: bool,
-    (agents, numel): (usize, u64),
+    (agents, numel, sample_min): (usize, u64, u64),
     wanted: &[(usize, u64, bool)],
     bin_memory: u64,
 ) -> Result<Vec<RankCut>> {
     if wanted.is_empty() {
         return Ok(Vec::new());
     }
-    // Pass 1: histogram of the high 16 bits of each wanted agent's magnitude keys, per worker.
-    let cut_agent = |t: usize| wanted.iter().any(|w| w.0 == t);
-    let workers = scan.workers();
-    // Zeros are counted by difference: RL task vectors are mostly zero, and counting them one by
-    // one would serialize on a single counter.
-    let high = worker_states(workers, agents, |_| (None::<Bins16>, 0u64));
-    scan.any_order(&|w, t, c| {
-        if !cut_agent(t) {
-            return;
-        }
-        let mut guard = lock(&high[w * agents + t]);
-        let (h, seen) = &mut *guard;
-        // The magnitude key's top bit is clear: 2^15 high bins.
-        let h = h.get_or_insert_with(|| Bins16::new(BINS / 2, numel));
-        let v = c.v(delta);
-        *seen += v.len() as u64;
-        for_each_key(v, None, |j, key| h.add(key >> 16, j));
-    })?;
-    let high: Vec<(Option<Bins16>, u64)> = high.into_iter().map(unlock).collect();
-    let high: Vec<Vec<u64>> = (0..agents)
-        .map(|t| {
-            if !cut_agent(t) {
-                return Vec::new();
-            }
-            let mut total = vec![0u64; BINS / 2];
-            let mut seen = 0;
-            for (h, s) in (0..workers).map(|w| &high[w * agents + t]) {
-                h.iter().for_each(|h| h.add_totals(&mut total));
-                seen += s;
-            }
-            let counted: u64 = total.iter().sum();
-            total[0] += seen - counted;
-            total
-        })
+    let size = (agents, numel);
+    let cut_agent: Vec<bool> = (0..agents)
+        .map(|t| wanted.iter().any(|w| w.0 == t))
         .collect();
-    let hist_of = |t: usize| &high[t];
-    let coarse: Vec<(usize, u64)> = wanted
-        .iter()
-        .map(|&(t, k, _)| locate(hist_of(t), k))
-        .collect();
-    // Pass 2: within each cut's bin, a histogram of the low 16 bits (and the members), per
-    // worker; each agent's cuts in the order of `wanted`.
-    let cuts_of: Vec<Vec<usize>> = (0..agents)
-        .map(|t| (0..wanted.len()).filter(|&c| wanted[c].0 == t).collect())
-        .collect();
-    let new_bins = |t: usize| -> Vec<BinScan> {
-        cuts_of[t]
-            .iter()
-            .map(|&c| {
-                let bin = coarse[c].0;
-                BinScan {
-                    bin: bin as u32,
-                    low: Bins16::new(BINS, hist_of(t)[bin]),
-                    members: (hist_of(t)[bin] <= bin_memory).then(Vec::new),
-                }
-            })
-            .collect()
-    };
-    let scans = worker_states(workers, agents, |_| None::<Vec<BinScan>>);
-    scan.any_order(&|w, t, c| {
-        if cuts_of[t].is_empty() {
-            return;
-        }
-        let mut guard = lock(&scans[w * agents + t]);
-        let bins = guard.get_or_insert_with(|| new_bins(t));
-        let v = c.v(delta);
-        for b in bins.iter_mut() {
-            // Zeros (in bin 0) are counted by difference, and never needed as members (below).
-            let bin = b.bin;
-            for_each_key(v, Some(bin), |j, key| {
-                b.low.add(key & 0xffff, j);
-                if let Some(m) = &mut b.members {
-                    m.push((key as u16, (c.start + j as u64) as u32));
-                }
-            });
-            if bin == 0 {
-                let zeros = v.len() as u64 - nonzero_count(v);
-                b.low.counts[0] += zeros as u32;
+    // Guesses of each cut's bin, from a sample: pass 1 counts those bins per chunk, so that a cut
+    // in one of them, splitting a tie, finds the split by reading one chunk again.
+    let mut guesses: Vec<Vec<u32>> = vec![Vec::new(); agents];
+    if numel >= sample_min {
+        let sample = histogram_pass(scan, delta, size, SAMPLE_EVERY, &cut_agent, &guesses)?;
+        for &(t, k, _) in wanted {
+            let seen = sample[t].seen;
+            if seen > 0 {
+                let k = ((k as f64 * seen as f64 / numel as f64).ceil() as u64).clamp(1, seen);
+                guesses[t].extend(likely_bins(&sample[t].high, k));
             }
         }
-    })?;
-    // Each cut's workers' records, summed: counts added, members in index order.
-    let mut scans: Vec<Option<Vec<BinScan>>> = scans.into_iter().map(unlock).collect();
-    let mut bins: Vec<Option<BinScan>> = (0..wanted.len()).map(|_| None).collect();
-    for (i, part) in scans.iter_mut().enumerate() {
-        let t = i % agents;
-        for (&c, b) in cuts_of[t].iter().zip(part.take().unwrap_or_default()) {
-            match &mut bins[c] {
-                Some(sum) => sum.absorb(b),
-                slot => *slot = Some(b),
-            }
+        for g in &mut guesses {
+            g.sort_unstable();
+            g.dedup();
         }
     }
-    let bins: Vec<BinScan> = bins
-        .into_iter()
-        .enumerate()
-        .map(|(c, b)| {
-            b.map(BinScan::in_index_order)
-                .unwrap_or_else(|| new_bins(wanted[c].0).swap_remove(0))
-        })
+    // Pass 1: each cut agent's histogram of the high 16 bits of its magnitude keys.
+    let pass1 = histogram_pass(scan, delta, size, 1, &cut_agent, &guesses)?;
+    let coarse: Vec<(usize, u64)> = wanted
+        .iter()
+        .map(|&(t, k, _)| locate(&pass1[t].high, k))
         .collect();
+    // A cut in a bin of one key (no low bits set anywhere in it; in bin 0: zeros only) is
+    // resolved now; pass 2 records the bins of the others.
+    let single = |c: usize| !pass1[wanted[c].0].mixed[coarse[c].0];
+    let mut missing: Vec<Vec<u32>> = vec![Vec::new(); agents];
+    for (c, &(t, _, _)) in wanted.iter().enumerate() {
+        let bin = coarse[c].0 as u32;
+        if !single(c) && !missing[t].contains(&bin) {
+            missing[t].push(bin);
+        }
+    }
+    let records = if missing.iter().any(|m| !m.is_empty()) {
+        bin_scans(scan, delta, size, &missing, bin_memory)?
+    } else {
+        Vec::new()
+    };
+    // Each cut from its bin's record: pass 2's, or one made of pass 1's count and chunk counts.
+    let resolve = |c: usize, k: u64, high_first: bool| {
+        let (t, bin) = (wanted[c].0, coarse[c].0 as u32);
+        let above = coarse[c].1;
+        if single(c) {
+            let chunks = pass1[t]
+                .chunks
+                .iter()
+                .find(|(b, _)| *b == bin)
+                .map(|(_, chunks)| chunks.clone());
+            BinScan::of_one_key(bin, pass1[t].high[bin as usize], chunks, numel)
+                .resolve(k, above, high_first)
+        } else {
+            let i = missing[t].iter().position(|&b| b == bin).expect("recorded");
+            records[t][i].resolve(k, above, high_first)
+        }
+    };
     let mut cuts = Vec::with_capacity(wanted.len());
     // (cut, agent, key, m): the cut's index goes just past the m-th tied element in index order.
     let mut ties = Vec::new();
     for (c, &(t, k, high_first)) in wanted.iter().enumerate() {
-        let (cut, search) = bins[c].resolve(k, coarse[c].1, high_first);
-        if let Some(m) = search {
-            ties.push((c, t, cut.value, m));
+        let (cut, split) = resolve(c, k, high_first);
+        if let Some(split) = split {
+            ties.push((c, t, cut.value, split));
         }
         cuts.push(cut);
     }
     if ties.is_empty() {
         return Ok(cuts);
     }
-    // Pass 3: where a cut splits a tie the second pass could not remember, the index of the split.
-    let mut searches: Vec<Vec<TieSearch>> = (0..agents).map(|_| Vec::new()).collect();
-    for &(cut, t, key, m) in &ties {
-        searches[t].push(TieSearch {
-            cut,
-            key,
-            m,
-            seen: 0,
-            found: None,
-        });
+    // Pass 3: where a cut splits a tie no record could place, the index of the split, searched in
+    // index order: from the chunk that holds it when that is known (a read of one chunk each),
+    // else from the start, all such searches in one scan.
+    type Tie = (usize, usize, u32, Split);
+    let (known, from_start): (Vec<&Tie>, Vec<&Tie>) = ties.iter().partition(|tie| tie.3.from > 0);
+    let mut groups: Vec<(u64, Vec<Tie>)> =
+        known.into_iter().map(|t| (t.3.from, vec![*t])).collect();
+    if !from_start.is_empty() {
+        groups.push((0, from_start.into_iter().copied().collect()));
     }
-    let searches = states(searches);
-    scan.per_agent(&|t, chunk| {
-        let mut open = lock(&searches[t]);
-        for s in open.iter_mut().filter(|s| s.found.is_none()) {
-            for (j, &x) in chunk.v(delta).iter().enumerate() {
-                if magnitude_key(x) == s.key {
-                    s.seen += 1;
-                    if s.seen == s.m {
-                        s.found = Some((chunk.start + j as u64 + 1) as u32);
-                        break;
+    for (from, group) in groups {
+        let mut searches: Vec<Vec<TieSearch>> = (0..agents).map(|_| Vec::new()).collect();
+        for &(cut, t, key, split) in &group {
+            searches[t].push(TieSearch {
+                cut,
+                key,
+                m: split.m,
+                from: split.from,
+                seen: split.before,
+                found: None,
+            });
+        }
+        let searches = states(searches);
+        scan.per_agent(from, &|t, chunk| {
+            let mut open = lock(&searches[t]);
+            for s in open.iter_mut().filter(|s| s.found.is_none()) {
+                let skip = s.from.saturating_sub(chunk.start) as usize;
+                for (j, &x) in chunk.v(delta).iter().enumerate().skip(skip) {
+                    if magnitude_key(x) == s.key {
+                        s.seen += 1;
+                        if s.seen == s.m {
+                            s.found = Some((chunk.start + j as u64 + 1) as u32);
+                            break;
+                        }
                     }
                 }
             }
+            if open.iter().all(|s| s.found.is_some()) {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })?;
+        for s in searches.into_iter().flat_map(unlock) {
+            cuts[s.cut].index = s.found.expect("the split lies within the tensor");
         }
-        if open.iter().all(|s| s.found.is_some()) {
-            ControlFlow::Break(())
-        } else {
-            ControlFlow::Continue(())
-        }
-    })?;
-    for s in searches.into_iter().flat_map(unlock) {
-        cuts[s.cut].index = s.found.expect("the split lies within the tensor");
     }
     Ok(cuts)
+}
+
+/// The guessed bins of a cut at rank `k` of a sampled histogram: the bin holding it and the
+/// nearest non-empty bins above and below.
+fn likely_bins(hist: &[u64], k: u64) -> Vec<u32> {
+    let (g, _) = locate(hist, k);
+    let below = (0..g).rev().find(|&b| hist[b] > 0);
+    let above = (g + 1..hist.len()).find(|&b| hist[b] > 0);
+    [Some(g), below, above]
+        .into_iter()
+        .flatten()
+        .map(|b| b as u32)
+        .collect()
+}
+
+/// (chunk start, elements of a bin in the chunk), for chunks that had some.
+type ChunkCounts = Vec<(u64, u32)>;
+
+/// What one worker's pass 1 keeps for one agent.
+struct AgentPass {
+    /// Histogram of the keys' high 16 bits (non-zero keys).
+    high: Bins16,
+    /// Elements seen (zeros are the difference).
+    seen: u64,
+    /// Per high bin: whether a key in it had low bits set.
+    mixed: Vec<bool>,
+    /// Followed bins: (bin, count so far, its chunk counts).
+    follow: Vec<(u32, u64, ChunkCounts)>,
+}
+
+/// What pass 1 found for one agent.
+struct Histogram {
+    /// Non-zero keys per high bin, zeros (bin 0) by difference.
+    high: Vec<u64>,
+    seen: u64,
+    /// Bins whose keys all have zero low bits: one key each, `bin << 16`.
+    mixed: Vec<bool>,
+    /// Each followed bin's chunk counts, in index order.
+    chunks: Vec<(u32, Vec<(u64, u32)>)>,
+}
+
+/// One any-order pass over a sample of one chunk in `every` (1: all): for each agent with
+/// `histogram[t]`, the high-16-bit histogram of its magnitude keys (zeros counted by difference:
+/// RL task vectors are mostly zero, and counting them one by one would serialize on one
+/// counter), which bins hold keys with low bits set, and for each bin in `follow[t]` its count
+/// per chunk (from the histogram's growth, so free per element). Each worker counts in its own
+/// state; they are added after.
+fn histogram_pass(
+    scan: &mut dyn Scans,
+    delta: bool,
+    (agents, numel): (usize, u64),
+    every: usize,
+    histogram: &[bool],
+    follow: &[Vec<u32>],
+) -> Result<Vec<Histogram>> {
+    let workers = scan.workers();
+    let fresh = |t: usize| AgentPass {
+        // The magnitude key's top bit is clear: 2^15 high bins.
+        high: Bins16::new(BINS / 2, numel / every as u64),
+        seen: 0,
+        mixed: vec![false; BINS / 2],
+        follow: follow[t].iter().map(|&b| (b, 0, Vec::new())).collect(),
+    };
+    let states = worker_states(workers, agents, |_| None::<AgentPass>);
+    scan.any_order(every, &|w, t, c| {
+        if !histogram[t] {
+            return;
+        }
+        let mut guard = lock(&states[w * agents + t]);
+        let AgentPass {
+            high,
+            seen,
+            mixed,
+            follow,
+        } = guard.get_or_insert_with(|| fresh(t));
+        let v = c.v(delta);
+        *seen += v.len() as u64;
+        let (mut nonzero, mut low) = ([0u64; SCAN_CHUNK / 64], [0u64; SCAN_CHUNK / 64]);
+        let words = v.len().div_ceil(64);
+        key_and_low_bits(v, &mut nonzero[..words], &mut low[..words]);
+        let mut adder = high.adder();
+        for (w, (&n, &l)) in nonzero[..words].iter().zip(&low[..words]).enumerate() {
+            let mut n = n;
+            while n != 0 {
+                let i = w * 64 + n.trailing_zeros() as usize;
+                adder.add(magnitude_key(v[i]) >> 16, i);
+                n &= n - 1;
+            }
+            // Low bits set: rare where task vectors come from 16-bit weights.
+            let mut l = l;
+            while l != 0 {
+                let i = w * 64 + l.trailing_zeros() as usize;
+                mixed[(magnitude_key(v[i]) >> 16) as usize] = true;
+                l &= l - 1;
+            }
+        }
+        for (bin, before, chunks) in follow.iter_mut() {
+            let now = high.count(*bin);
+            if now > *before {
+                chunks.push((c.start, (now - *before) as u32));
+                *before = now;
+            }
+        }
+    })?;
+    let mut parts: Vec<Option<AgentPass>> = states.into_iter().map(unlock).collect();
+    Ok((0..agents)
+        .map(|t| {
+            let mut h = Histogram {
+                high: Vec::new(),
+                seen: 0,
+                mixed: Vec::new(),
+                chunks: follow[t].iter().map(|&b| (b, Vec::new())).collect(),
+            };
+            if !histogram[t] {
+                return h;
+            }
+            h.high = vec![0u64; BINS / 2];
+            h.mixed = vec![false; BINS / 2];
+            for w in 0..workers {
+                if let Some(part) = parts[w * agents + t].take() {
+                    part.high.add_totals(&mut h.high);
+                    h.seen += part.seen;
+                    h.mixed
+                        .iter_mut()
+                        .zip(&part.mixed)
+                        .for_each(|(a, &b)| *a |= b);
+                    for ((_, all), (_, _, mine)) in h.chunks.iter_mut().zip(part.follow) {
+                        all.extend(mine);
+                    }
+                }
+            }
+            for (_, chunks) in &mut h.chunks {
+                chunks.sort_unstable_by_key(|&(start, _)| start);
+            }
+            let counted: u64 = h.high.iter().sum();
+            h.high[0] += h.seen - counted;
+            h
+        })
+        .collect())
+}
+
+/// Pass 2: a [`BinScan`] of each bin in `bins[t]`, each found by its own mask, together
+/// remembering at most `bin_memory` members.
+fn bin_scans(
+    scan: &mut dyn Scans,
+    delta: bool,
+    (agents, numel): (usize, u64),
+    bins: &[Vec<u32>],
+    bin_memory: u64,
+) -> Result<Vec<Vec<BinScan>>> {
+    let workers = scan.workers();
+    let count: usize = bins.iter().map(Vec::len).sum();
+    let limit = record_limit(bin_memory, count);
+    let per_worker = record_limit(bin_memory, count * workers);
+    let fresh = |t: usize, memory: usize| -> Vec<BinScan> {
+        bins[t]
+            .iter()
+            .map(|&b| BinScan::new(b, memory, numel))
+            .collect()
+    };
+    let states = worker_states(workers, agents, |_| None::<Vec<BinScan>>);
+    scan.any_order(1, &|w, t, c| {
+        if bins[t].is_empty() {
+            return;
+        }
+        let mut guard = lock(&states[w * agents + t]);
+        let records = guard.get_or_insert_with(|| fresh(t, per_worker));
+        for r in records.iter_mut() {
+            r.scan_chunk(c.v(delta), c.start);
+        }
+    })?;
+    let mut parts: Vec<Option<Vec<BinScan>>> = states.into_iter().map(unlock).collect();
+    Ok((0..agents)
+        .map(|t| {
+            let mut sum: Option<Vec<BinScan>> = None;
+            for w in 0..workers {
+                let Some(part) = parts[w * agents + t].take() else {
+                    continue;
+                };
+                sum = Some(match sum {
+                    None => part,
+                    Some(mut sum) => {
+                        for (a, b) in sum.iter_mut().zip(part) {
+                            a.absorb(b, limit);
+                        }
+                        sum
+                    }
+                });
+            }
+            sum.unwrap_or_else(|| fresh(t, limit))
+                .into_iter()
+                .map(BinScan::in_index_order)
+                .collect()
+        })
+        .collect())
 }
 
 /// The cut holding ranks `< k` of `n` elements.
@@ -544,7 +926,7 @@ pub fn build_spec(
         let l1_agent = |t: usize| rescale[t] && !ranked[t];
         let workers = scan.workers();
         let parts = worker_states(workers, n, |_| Vec::<(u64, f64, f64)>::new());
-        scan.any_order(&|w, t, c| {
+        scan.any_order(1, &|w, t, c| {
             if !l1_agent(t) {
                 return;
             }
@@ -569,7 +951,7 @@ pub fn build_spec(
     } else if want_l1 || want_rows {
         let l1_state = states(l1.iter().copied());
         let rows_state = Mutex::new(std::mem::take(&mut row_moments));
-        scan.per_agent(&|t, c| {
+        scan.per_agent(0, &|t, c| {
             if rescale[t] && !ranked[t] {
                 let v = c.v(delta);
                 let mut mask = [0u32; SCAN_CHUNK];
@@ -878,27 +1260,22 @@ fn key_rank_cut(
         return Ok(RankCut::EMPTY);
     }
     let (bin, above) = locate(&high, k);
-    let mut b = BinScan {
-        bin: bin as u32,
-        low: Bins16::new(BINS, high[bin]),
-        members: (high[bin] <= BIN_MEMORY).then(Vec::new),
-    };
+    let mut b = BinScan::new(bin as u32, BIN_MEMORY as usize, numel);
     scan.tiles(&mut |tile| {
         keys(tile, &mut buf);
         for (i, &key) in buf.iter().enumerate() {
             if key != 0 && key >> 16 == b.bin {
-                b.low.add(key & 0xffff, i);
-                if let Some(m) = &mut b.members {
-                    m.push((key as u16, (tile.start + i as u64) as u32));
-                }
+                b.record(key, tile.start + i as u64);
             }
         }
+        b.end_chunk(tile.start, 0);
         Ok(ControlFlow::Continue(()))
     })?;
+    let b = b.in_index_order();
     // Zero keys are never counted, so the threshold is above zero.
     let (mut cut, search) = b.resolve(k, above, false);
-    if let Some(need) = search {
-        let value = cut.value;
+    if let Some(split) = search {
+        let (value, need) = (cut.value, split.m);
         let mut seen = 0u64;
         scan.tiles(&mut |tile| {
             keys(tile, &mut buf);
@@ -1113,10 +1490,11 @@ mod tests {
             Ok(())
         }
 
-        fn per_agent(&mut self, visit: &AgentVisit) -> Result<()> {
+        fn per_agent(&mut self, from: u64, visit: &AgentVisit) -> Result<()> {
             let len = self.v[0].len();
             for t in 0..self.v.len() {
-                for start in (0..len).step_by(self.tile) {
+                let first = from as usize / self.tile * self.tile;
+                for start in (first..len).step_by(self.tile) {
                     let end = (start + self.tile).min(len);
                     if visit(t, &self.chunk(t, start, end)).is_break() {
                         break;
@@ -1131,9 +1509,9 @@ mod tests {
         }
 
         /// Last chunk first, the two workers taking turns.
-        fn any_order(&mut self, visit: &AnyOrderVisit) -> Result<()> {
+        fn any_order(&mut self, every: usize, visit: &AnyOrderVisit) -> Result<()> {
             let len = self.v[0].len();
-            let starts: Vec<usize> = (0..len).step_by(SCAN_CHUNK).collect();
+            let starts: Vec<usize> = (0..len).step_by(SCAN_CHUNK * every).collect();
             for (i, &start) in starts.iter().rev().enumerate() {
                 let end = (start + SCAN_CHUNK).min(len);
                 for t in 0..self.v.len() {
@@ -1158,7 +1536,7 @@ mod tests {
                 rank_cuts_remembering(
                     &mut scan_of(v.clone(), tile),
                     true,
-                    (1, v.len() as u64),
+                    (1, v.len() as u64, 0),
                     &[want],
                     memory,
                 )
@@ -1186,39 +1564,44 @@ mod tests {
     /// passes see the chunks last first on two workers.
     #[test]
     fn rank_cuts_match_a_sort_over_many_chunks() {
-        let len = 3 * SCAN_CHUNK + 17;
+        let len = 40 * SCAN_CHUNK + 17;
         let mut rng = crate::demo::SplitMix64::new(7);
-        // Few distinct magnitudes, zeros, both signs: many ties at any threshold.
+        // Few distinct magnitudes, zeros, both signs: many ties at any threshold. Agent 2 also
+        // has magnitudes that share a high bin with different low bits.
         let v: Vec<Vec<f32>> = (0..3)
             .map(|t| {
                 (0..len)
                     .map(|_| {
                         let r = rng.next_f64();
                         if r < 0.3 + 0.2 * t as f64 {
-                            0.0
+                            return 0.0;
+                        }
+                        let mut m = [0.25f32, 0.5, 0.75, 1.0, 3.0][(r * 1000.0) as usize % 5];
+                        if t == 2 && r > 0.9 {
+                            m = f32::from_bits(m.to_bits() + 1 + (r * 1e4) as u32 % 3);
+                        }
+                        if r < 0.8 {
+                            m
                         } else {
-                            let m = [0.25f32, 0.5, 0.75, 1.0, 3.0][(r * 1000.0) as usize % 5];
-                            if r < 0.8 {
-                                m
-                            } else {
-                                -m
-                            }
+                            -m
                         }
                     })
                     .collect()
             })
             .collect();
-        for memory in [0, 1 << 20] {
-            for (t, k, high_first) in [
-                (0, 1, false),
-                (1, 777, false),
-                (2, 5000, true),
-                (0, 9000, true),
-            ] {
+        let cases = [
+            (0, 1, false),
+            (1, 7777, false),
+            (2, 50_000, true),
+            (2, 20_000, false),
+            (0, 90_000, true),
+        ];
+        for (memory, sample_min) in [(0, 0), (1 << 20, 0), (0, u64::MAX), (1 << 20, u64::MAX)] {
+            for (t, k, high_first) in cases {
                 let cut = rank_cuts_remembering(
                     &mut scan_of(v.clone(), 1000),
                     true,
-                    (3, len as u64),
+                    (3, len as u64, sample_min),
                     &[(t, k, high_first)],
                     memory,
                 )
@@ -1243,7 +1626,7 @@ mod tests {
                     .collect();
                 assert_eq!(
                     got, want,
-                    "agent {t}, k {k}, high first {high_first}, memory {memory}"
+                    "agent {t}, k {k}, high first {high_first}, memory {memory}, sample {sample_min}"
                 );
             }
         }
