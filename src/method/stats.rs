@@ -1137,22 +1137,26 @@ multiversion! {
         let mut total = 0.0f64;
         for (block, x) in values.chunks(64).enumerate() {
             let mut lanes = [0.0f32; 8];
-            match mask {
+            // Whole groups of eight, then the rest (a partial group would become a masked
+            // store, microcoded on AMD).
+            let m = mask.map(|m| &m[block * 64..block * 64 + x.len()]);
+            let whole = x.len() / 8 * 8;
+            let add = |lanes: &mut [f32], x: &[f32], m: Option<&[u32]>| match m {
                 None => {
-                    for c in x.chunks(8) {
-                        for (l, &v) in lanes.iter_mut().zip(c) {
-                            *l += v.abs();
-                        }
+                    for (l, &v) in lanes.iter_mut().zip(x) {
+                        *l += v.abs();
                     }
                 }
                 Some(m) => {
-                    for (c, mc) in x.chunks(8).zip(m[block * 64..].chunks(8)) {
-                        for ((l, &v), &m) in lanes.iter_mut().zip(c).zip(mc) {
-                            *l += f32::from_bits(v.to_bits() & m & 0x7fff_ffff);
-                        }
+                    for ((l, &v), &m) in lanes.iter_mut().zip(x).zip(m) {
+                        *l += f32::from_bits(v.to_bits() & m & 0x7fff_ffff);
                     }
                 }
+            };
+            for g in (0..whole).step_by(8) {
+                add(&mut lanes, &x[g..g + 8], m.map(|m| &m[g..g + 8]));
             }
+            add(&mut lanes[..x.len() - whole], &x[whole..], m.map(|m| &m[whole..]));
             total += lanes.iter().map(|&l| l as f64).sum::<f64>();
         }
         total
