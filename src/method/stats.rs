@@ -114,19 +114,32 @@ impl Bins16 {
     /// counting.
     fn new(bins: usize, numel: u64) -> Bins16 {
         let ways = if numel >= 1 << 20 { 4 } else { 1 };
+        let len = bins * ways;
+        let reused = {
+            let mut pool = lock(&CLEAR_COUNTERS);
+            let found = pool.iter().position(|c| c.len() == len);
+            found.map(|i| pool.swap_remove(i))
+        };
         Bins16 {
-            counts: vec![0; bins * ways],
+            counts: reused.unwrap_or_else(|| vec![0; len]),
             ways: ways - 1,
         }
     }
 
-    /// Adds every bin's count into `total`.
-    fn add_totals(&self, total: &mut [u64]) {
+    /// Adds every bin's count into `total`, clearing the counters as it reads them, and keeps
+    /// them for the next histogram of the same size: a tensor's pass allocates, clears and sums
+    /// several of these, and fresh ones cost page faults and a memset each.
+    fn drain_into(mut self, total: &mut [u64]) {
         for (t, w) in total
             .iter_mut()
-            .zip(self.counts.chunks_exact(self.ways + 1))
+            .zip(self.counts.chunks_exact_mut(self.ways + 1))
         {
             *t += w.iter().map(|&c| c as u64).sum::<u64>();
+            w.fill(0);
+        }
+        let mut pool = lock(&CLEAR_COUNTERS);
+        if pool.len() < 16 {
+            pool.push(std::mem::take(&mut self.counts));
         }
     }
 
@@ -162,6 +175,9 @@ impl Bins16 {
             .collect()
     }
 }
+
+/// Zeroed counter arrays of drained histograms, for the next ones ([`Bins16::drain_into`]).
+static CLEAR_COUNTERS: Mutex<Vec<Vec<u32>>> = Mutex::new(Vec::new());
 
 /// [`Bins16::adder`].
 struct BinsAdder<'a> {
@@ -310,9 +326,12 @@ struct Split {
 /// split in a bin of one key can be found by reading a single chunk again.
 struct BinScan {
     bin: u32,
-    /// Remembered members (in index order once [`Self::in_index_order`] ran), while `low` is None.
+    /// Remembered members (in index order once [`Self::in_index_order`] ran), while `low` and
+    /// `one_key` are None.
     members: Vec<(u16, u32)>,
     low: Option<Bins16>,
+    /// Instead of either: the bin holds this many elements, all with the key `bin << 16`.
+    one_key: Option<u64>,
     /// Zero keys (bin 0 only), counted by difference; never members, never split.
     zeros: u64,
     /// (chunk start, non-zero elements of the bin in it), for chunks that had some.
@@ -329,6 +348,7 @@ impl BinScan {
             bin,
             members: Vec::new(),
             low: None,
+            one_key: None,
             zeros: 0,
             chunks: Vec::new(),
             in_chunk: 0,
@@ -340,10 +360,8 @@ impl BinScan {
     /// The record of a bin whose `count` non-zero elements all have the key `bin << 16`, with
     /// their counts per chunk when pass 1 followed the bin.
     fn of_one_key(bin: u32, count: u64, chunks: Option<Vec<(u64, u32)>>, numel: u64) -> BinScan {
-        let mut low = Bins16::new(BINS, 0);
-        low.counts[0] = count as u32;
         let mut scan = BinScan::new(bin, 0, numel);
-        scan.low = Some(low);
+        scan.one_key = Some(count);
         scan.chunks = chunks.unwrap_or_default();
         scan
     }
@@ -428,6 +446,9 @@ impl BinScan {
     /// `(fine, gt, equal)` for rank `r` ≥ 1 within the bin: the low bits holding it, elements of
     /// the bin above them, elements equal to them.
     fn locate_low(&self, r: u64) -> (u32, u64, u64) {
+        if let Some(count) = self.one_key {
+            return (0, 0, count);
+        }
         match &self.low {
             Some(h) => {
                 let mut low = h.totals();
@@ -472,7 +493,7 @@ impl BinScan {
         if m == 0 || m >= equal || value == 0 {
             return (cut, None);
         }
-        if self.low.is_none() {
+        if self.low.is_none() && self.one_key.is_none() {
             let split = self
                 .members
                 .iter()
@@ -791,7 +812,7 @@ fn histogram_pass(
             h.mixed = vec![false; BINS / 2];
             for w in 0..workers {
                 if let Some(part) = parts[w * agents + t].take() {
-                    part.high.add_totals(&mut h.high);
+                    part.high.drain_into(&mut h.high);
                     h.seen += part.seen;
                     h.mixed
                         .iter_mut()
