@@ -265,7 +265,9 @@ multiversion! {
             }
         }
         let sum_v = &mut s.sum_v[..len];
-        sum_v.fill(0.0);
+        if spec.sign_of_values {
+            sum_v.fill(0.0);
+        }
         for t in 0..n {
             let d = &mut s.d[t * CHUNK..t * CHUNK + len];
             // Nothing dropped and one coefficient: d_t = v·c, and on to the sum.
@@ -326,20 +328,34 @@ multiversion! {
             _ => None,
         };
         let wsum = &mut s.wsum[..len];
-        wsum.fill(0.0);
+        if matches!(spec.normalize, Normalize::PerElement(..)) {
+            wsum.fill(0.0);
+        }
         if spec.consensus {
             delta.fill(0.0);
             for t in 0..n {
                 let d = &s.d[t * CHUNK..t * CHUNK + len];
-                let w = weights.map_or(0, |w| w[t].to_bits());
-                for (((acc, ws), &d), &s) in delta.iter_mut().zip(wsum.iter_mut()).zip(d).zip(sum.iter())
-                {
-                    let agrees = (s >= 0.0 && d > 0.0) | (s < 0.0 && d < 0.0);
-                    // Adding +0.0 for a disagreeing d is exact: Δ is never −0.0 (it starts at +0.0 and
-                    // only non-zero d are added).
-                    let bits = (agrees as u32).wrapping_neg();
-                    *acc += f32::from_bits(d.to_bits() & bits);
-                    *ws += f32::from_bits(w & bits);
+                // Adding +0.0 for a disagreeing d is exact: Δ is never −0.0 (it starts at +0.0
+                // and only non-zero d are added).
+                let agree = |d: f32, s: f32| {
+                    (((s >= 0.0 && d > 0.0) | (s < 0.0 && d < 0.0)) as u32).wrapping_neg()
+                };
+                match weights {
+                    Some(w) => {
+                        let w = w[t].to_bits();
+                        for (((acc, ws), &d), &s) in
+                            delta.iter_mut().zip(wsum.iter_mut()).zip(d).zip(sum.iter())
+                        {
+                            let bits = agree(d, s);
+                            *acc += f32::from_bits(d.to_bits() & bits);
+                            *ws += f32::from_bits(w & bits);
+                        }
+                    }
+                    None => {
+                        for ((acc, &d), &s) in delta.iter_mut().zip(d).zip(sum.iter()) {
+                            *acc += f32::from_bits(d.to_bits() & agree(d, s));
+                        }
+                    }
                 }
             }
         }

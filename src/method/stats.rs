@@ -242,7 +242,11 @@ fn key_and_low_bits_avx2(v: &[f32], nonzero: &mut [u64], low: &mut [u64]) {
     let magnitude = _mm256_set1_epi32(0x7fff_ffff);
     let low_bits = _mm256_set1_epi32(0xffff);
     let zero = _mm256_setzero_si256();
-    for ((x, n), l) in v.chunks_exact(64).zip(nonzero.iter_mut()).zip(low.iter_mut()) {
+    for ((x, n), l) in v
+        .chunks_exact(64)
+        .zip(nonzero.iter_mut())
+        .zip(low.iter_mut())
+    {
         let (mut wn, mut wl) = (0u64, 0u64);
         for (g, group) in x.chunks_exact(8).enumerate() {
             // SAFETY: `group` holds eight f32 (32 bytes); unaligned loads are allowed.
