@@ -492,3 +492,60 @@ fn gpu_equals_cpu_for_every_method() {
         }
     }
 }
+
+/// CPU and integrated adapters (lavapipe here) map their storage buffers instead of copying
+/// through staging buffers; `RLMERGE_GPU_MAPPED=0` takes the staged path discrete GPUs use. Both
+/// give the CPU's bytes, and the backend line says which ran.
+#[test]
+fn gpu_mapped_and_staged_buffers_equal_cpu() {
+    if !gpu_available() {
+        return;
+    }
+    let f = fixture(96, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 2);
+    // The adapter a merge picks: the best ranked, which is the only one where CI runs.
+    let adapters = rlmerge::backend::gpu::list_adapters();
+    let mapped_adapter = adapters.len() == 1 && adapters[0].mapped;
+    let methods: [&[&str]; 3] = [
+        &["--method", "ram"],
+        &["--method", "ram+"],
+        &[
+            "--method",
+            "ties",
+            "--param",
+            "weight=1",
+            "--param",
+            "density=0.4",
+        ],
+    ];
+    for (m, args) in methods.iter().enumerate() {
+        let cpu = f.dir.path().join(format!("{m}-cpu"));
+        merge_cmd(&f, &cpu, &[args, &["--device", "cpu"][..]].concat())
+            .assert()
+            .success();
+        for mapped in ["1", "0"] {
+            let gpu = f.dir.path().join(format!("{m}-gpu-{mapped}"));
+            // Not --quiet: the backend line says whether buffers were mapped.
+            let mut cmd = rlmerge();
+            cmd.arg("merge").arg("--base").arg(&f.base);
+            for a in &f.agents {
+                cmd.arg("--model").arg(a);
+            }
+            let output = cmd
+                .arg("-o")
+                .arg(&gpu)
+                .args(*args)
+                .args(["--device", "gpu", "--gpu-chunk-elems", "998"])
+                .env("RLMERGE_GPU_MAPPED", mapped)
+                .assert()
+                .success()
+                .get_output()
+                .clone();
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            let says_mapped = stderr.contains("mapped buffers");
+            if adapters.len() == 1 {
+                assert_eq!(says_mapped, mapped == "1" && mapped_adapter, "{stderr}");
+            }
+            compare(&cpu, &gpu, &format!("{args:?} mapped={mapped}"));
+        }
+    }
+}

@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 /// Tiles of 64 Ki elements (128 KiB of bf16 per input): a worker's tile stays in its core's L2
 /// from the read through the checks, the merge and the write. `ram` on base + 3 × 1.08 GB bf16,
-/// 2 cores: 1.6 s at 64 Ki, 1.8 s at 32 Ki, 2.0 s at 256 Ki.
+/// 2 cores (before the AVX2 kernels): 1.6 s at 64 Ki, 1.8 s at 32 Ki, 2.0 s at 256 Ki.
 const PREFERRED_TILE_ELEMS: usize = 1 << 16;
 
 /// Elements a kernel handles at once: the f32 working rows of a chunk (base, agent, sums…)

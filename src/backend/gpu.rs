@@ -134,6 +134,8 @@ pub enum AdapterChoice {
 pub struct AdapterSummary {
     pub info: wgpu::AdapterInfo,
     pub limits: wgpu::Limits,
+    /// Whether a merge on it maps its storage buffers (see `mapped_buffers`).
+    pub mapped: bool,
 }
 
 fn backends_from_env() -> wgpu::Backends {
@@ -156,6 +158,7 @@ pub fn list_adapters() -> Vec<AdapterSummary> {
         .map(|a| AdapterSummary {
             info: a.get_info(),
             limits: a.limits(),
+            mapped: mapped_buffers(&a),
         })
         .collect()
 }
@@ -184,6 +187,25 @@ pub struct GpuContext {
     combine_pipeline: wgpu::ComputePipeline,
     /// The first asynchronous device error (validation, out of memory, device lost), if any.
     error: Arc<Mutex<Option<String>>>,
+    /// Chunk inputs and results live in mapped storage buffers (see [`mapped_buffers`]).
+    pub mapped: bool,
+}
+
+/// Whether to map the storage buffers themselves instead of staging through copies: where the
+/// adapter offers `MAPPABLE_PRIMARY_BUFFERS` and its memory is the host's (CPU and integrated
+/// adapters: lavapipe, Apple silicon), which saves a copy each way. `RLMERGE_GPU_MAPPED=0` turns it
+/// off (the tests run both paths).
+fn mapped_buffers(adapter: &wgpu::Adapter) -> bool {
+    let info = adapter.get_info();
+    let host_memory = matches!(
+        info.device_type,
+        wgpu::DeviceType::Cpu | wgpu::DeviceType::IntegratedGpu
+    );
+    host_memory
+        && adapter
+            .features()
+            .contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS)
+        && std::env::var("RLMERGE_GPU_MAPPED").map_or(true, |v| v != "0")
 }
 
 impl GpuContext {
@@ -225,9 +247,15 @@ impl GpuContext {
         let info = adapter.get_info();
         // The adapter's own limits: lavapipe binds 128 MiB, a discrete GPU far more.
         let limits = adapter.limits();
+        let mapped = mapped_buffers(&adapter);
+        let features = if mapped {
+            wgpu::Features::MAPPABLE_PRIMARY_BUFFERS
+        } else {
+            wgpu::Features::empty()
+        };
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("rlmerge"),
-            required_features: wgpu::Features::empty(),
+            required_features: features,
             required_limits: limits.clone(),
             experimental_features: wgpu::ExperimentalFeatures::disabled(),
             memory_hints: wgpu::MemoryHints::Performance,
@@ -262,6 +290,7 @@ impl GpuContext {
             merge_pipeline,
             combine_pipeline,
             error,
+            mapped,
         };
         ctx.check().context("compiling the shaders failed")?;
         Ok(ctx)
@@ -282,8 +311,11 @@ impl GpuContext {
 
     pub fn describe(&self) -> String {
         format!(
-            "gpu: {} ({:?}, {:?})",
-            self.info.name, self.info.backend, self.info.device_type
+            "gpu: {} ({:?}, {:?}{})",
+            self.info.name,
+            self.info.backend,
+            self.info.device_type,
+            if self.mapped { ", mapped buffers" } else { "" }
         )
     }
 }
@@ -339,6 +371,8 @@ struct Buffers {
     agents: usize,
     chunk_elems: usize,
     slots: [Slot; 2],
+    /// Each slot's last submission: a mapped upload waits for it alone.
+    last: [Option<wgpu::SubmissionIndex>; 2],
 }
 
 /// Where a backend's time went, summed over chunks.
@@ -429,16 +463,18 @@ impl GpuBackend {
                 usage: wgpu::BufferUsages::UNIFORM | dst,
                 mapped_at_creation: false,
             });
-            let base = storage("base", words * 4, dst);
-            let agents = storage("agents", words * 4 * n as u64, dst);
+            // Mapped: inputs are written through a map, results read through one, no copies.
+            let (input, result) = if self.ctx.mapped {
+                (wgpu::BufferUsages::MAP_WRITE, wgpu::BufferUsages::MAP_READ)
+            } else {
+                (dst, wgpu::BufferUsages::COPY_SRC)
+            };
+            let base = storage("base", words * 4, input);
+            let agents = storage("agents", words * 4 * n as u64, input);
             let lambdas = storage("lambdas", 4 * GPU_MAX_AGENTS as u64, dst);
             let recips = storage("reciprocals", 4 * (GPU_MAX_AGENTS as u64 + 1), dst);
-            let out = storage("out", words * 4, wgpu::BufferUsages::COPY_SRC);
-            let hist = storage(
-                "hist",
-                4 * (n * n) as u64,
-                dst | wgpu::BufferUsages::COPY_SRC,
-            );
+            let out = storage("out", words * 4, result);
+            let hist = storage("hist", 4 * (n * n) as u64, dst | result);
             let readback = d.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("readback"),
                 // Holds a chunk's merged output or the probe histogram, whichever is larger.
@@ -510,12 +546,21 @@ impl GpuBackend {
             agents: n,
             chunk_elems: chunk,
             slots,
+            last: [None, None],
         });
         Ok(())
     }
 
-    /// Uploads the chunk `params` describes, starting at element `start` of the tile, into `slot`.
-    fn upload(&self, slot: &Slot, tile: &Tile, start: usize, params: &Params) -> Result<()> {
+    /// Uploads the chunk `params` describes, starting at element `start` of the tile, into `slot`;
+    /// `last` is the slot's previous submission (mapped buffers wait for it to be idle).
+    fn upload(
+        &self,
+        slot: &Slot,
+        tile: &Tile,
+        start: usize,
+        params: &Params,
+        last: Option<wgpu::SubmissionIndex>,
+    ) -> Result<()> {
         let size = tile.dtype.size();
         let stride_words = params.stride as usize;
         let len = params.len as usize;
@@ -524,6 +569,35 @@ impl GpuBackend {
         let bytes = len * size;
         // Pad to whole words (a 16-bit chunk of odd length shares its last word with padding).
         let padded = (stride_words * 4) as u64;
+        if self.ctx.mapped {
+            let n = tile.agents.len() as u64;
+            let (base, agents) = (slot.base.slice(..padded), slot.agents.slice(..padded * n));
+            self.map_wait(&[base, agents], wgpu::MapMode::Write, last, "upload")?;
+            let p = padded as usize;
+            let write = |view: &mut wgpu::BufferViewMut, at: usize, src: &[u8]| {
+                view.slice(at..at + src.len()).copy_from_slice(src);
+                let rest = p - src.len();
+                view.slice(at + src.len()..at + p)
+                    .copy_from_slice(&[0u8; 8][..rest]);
+            };
+            let range = start * size..start * size + len * size;
+            let mapped = |slice: wgpu::BufferSlice| {
+                slice
+                    .get_mapped_range_mut()
+                    .map_err(|e| anyhow!("writing the GPU upload failed: {e}"))
+            };
+            let mut view = mapped(base)?;
+            write(&mut view, 0, &tile.base[range.clone()]);
+            drop(view);
+            let mut view = mapped(agents)?;
+            for (t, agent) in tile.agents.iter().enumerate() {
+                write(&mut view, t * p, &agent[range.clone()]);
+            }
+            drop(view);
+            slot.base.unmap();
+            slot.agents.unmap();
+            return Ok(());
+        }
         let put = |buffer: &wgpu::Buffer, offset: u64, src: &[u8]| -> Result<()> {
             let size = wgpu::BufferSize::new(padded).expect("chunks are never empty");
             let mut view = q.write_buffer_with(buffer, offset, size).ok_or_else(|| {
@@ -567,39 +641,71 @@ impl GpuBackend {
         pass.dispatch_workgroups(params.groups_x, groups.div_ceil(params.groups_x), 1);
     }
 
-    /// Waits for `slot`'s readback of `bytes` bytes and hands them to `take`.
+    /// Maps `slices` for `mode`, waiting for submission `after` (their buffers' last use; `None`:
+    /// every submission) — a map of an idle buffer completes in that wait.
+    fn map_wait(
+        &self,
+        slices: &[wgpu::BufferSlice],
+        mode: wgpu::MapMode,
+        after: Option<wgpu::SubmissionIndex>,
+        what: &str,
+    ) -> Result<()> {
+        let (sender, mapped) = std::sync::mpsc::channel();
+        for slice in slices {
+            let sender = sender.clone();
+            slice.map_async(mode, move |r| {
+                let _ = sender.send(r);
+            });
+        }
+        let mut done = 0;
+        let mut wait = wgpu::PollType::Wait {
+            submission_index: after,
+            timeout: None,
+        };
+        for round in 0..2 {
+            self.ctx
+                .device
+                .poll(wait)
+                .map_err(|e| anyhow!("GPU wait for {what} failed: {e}"))?;
+            self.ctx
+                .check()
+                .with_context(|| format!("GPU {what} failed"))?;
+            while let Ok(r) = mapped.try_recv() {
+                r.map_err(|e| anyhow!("mapping the GPU buffers for {what} failed: {e}"))?;
+                done += 1;
+            }
+            if done == slices.len() {
+                return Ok(());
+            }
+            ensure!(
+                round == 0,
+                "mapping the GPU buffers for {what} did not complete"
+            );
+            wait = wgpu::PollType::wait_indefinitely();
+        }
+        unreachable!("the loop returns or fails in its second round")
+    }
+
+    /// Waits for submission `index` (a chunk) and hands the first `bytes` bytes of its result,
+    /// in `buffer`, to `take`.
     fn read_back(
         &self,
-        slot: &Slot,
+        buffer: &wgpu::Buffer,
         bytes: u64,
+        index: wgpu::SubmissionIndex,
         what: &str,
         take: impl FnOnce(&[u8]),
     ) -> Result<()> {
-        let slice = slot.readback.slice(..bytes);
-        let (sender, receiver) = futures_intrusive::channel::shared::oneshot_channel();
-        slice.map_async(wgpu::MapMode::Read, move |r| {
-            let _ = sender.send(r);
-        });
+        let slice = buffer.slice(..bytes);
         let waited = Instant::now();
-        self.ctx
-            .device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| anyhow!("GPU wait for {what} failed: {e}"))?;
-        self.ctx
-            .check()
-            .with_context(|| format!("GPU {what} failed"))?;
-        match pollster::block_on(receiver.receive()) {
-            Some(Ok(())) => {}
-            Some(Err(e)) => bail!("mapping the GPU {what} result failed: {e}"),
-            None => bail!("mapping the GPU {what} result was abandoned"),
-        }
+        self.map_wait(&[slice], wgpu::MapMode::Read, Some(index), what)?;
         let copied = Instant::now();
         let view = slice
             .get_mapped_range()
             .map_err(|e| anyhow!("reading the GPU {what} result failed: {e}"))?;
         take(&view);
         drop(view);
-        slot.readback.unmap();
+        buffer.unmap();
         self.add_time(|t| {
             t.wait += copied - waited;
             t.readback += copied.elapsed();
@@ -626,54 +732,72 @@ impl GpuBackend {
         );
         let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
         self.ensure_buffers(&mut guard, n)?;
-        let buffers = guard.as_ref().expect("buffers were just ensured");
+        let buffers = guard.as_mut().expect("buffers were just ensured");
+        let mut last = std::mem::take(&mut buffers.last);
+        let buffers = &*buffers;
         let readback_bytes = |len: usize| -> u64 {
             match kernel {
                 Kernel::Probe => (4 * n * n) as u64,
                 Kernel::Merge | Kernel::Combine => (len * out_dt.size()).div_ceil(4) as u64 * 4,
             }
         };
+        // Where a slot's result is read: the result buffer itself when mapped, else its copy.
+        fn result_of(slot: &Slot, kernel: Kernel, mapped: bool) -> (&wgpu::Buffer, &wgpu::Buffer) {
+            let result = match kernel {
+                Kernel::Probe => &slot.hist,
+                Kernel::Merge | Kernel::Combine => &slot.out,
+            };
+            (result, if mapped { result } else { &slot.readback })
+        }
         // Waits for a submitted chunk's results and hands them on.
-        let mut drain = |(slot, start, len): (usize, usize, usize)| {
-            let what = format!("{} of chunk at element {start}", kernel.name());
-            self.read_back(&buffers.slots[slot], readback_bytes(len), &what, |b| {
-                finish(start, len, b)
-            })
-        };
-        let mut pending = None; // (slot, start, len) submitted but not yet read back
+        let mut drain =
+            |(slot, start, len, index): (usize, usize, usize, wgpu::SubmissionIndex)| {
+                let what = format!("{} of chunk at element {start}", kernel.name());
+                let (_, read) = result_of(&buffers.slots[slot], kernel, self.ctx.mapped);
+                self.read_back(read, readback_bytes(len), index, &what, |b| {
+                    finish(start, len, b)
+                })
+            };
+        // (slot, start, len, submission) submitted but not yet read back
+        let mut pending = None;
         for (i, (start, len)) in ranges(tile.len, self.chunk_elems(n)).enumerate() {
             let slot = &buffers.slots[i % 2];
             prepare(slot, start, len)?;
             let params = chunk_params(tile, len, out_dt, eps);
             let uploaded = Instant::now();
-            self.upload(slot, tile, start, &params)
+            self.upload(slot, tile, start, &params, last[i % 2].take())
                 .with_context(|| format!("chunk at element {start}"))?;
             let submitted = Instant::now();
-            let (pipeline, group, result) = match kernel {
-                Kernel::Probe => (&self.ctx.probe_pipeline, &slot.probe_group, &slot.hist),
-                Kernel::Merge => (&self.ctx.merge_pipeline, &slot.merge_group, &slot.out),
-                Kernel::Combine => (&self.ctx.combine_pipeline, &slot.combine_group, &slot.out),
+            let (pipeline, group) = match kernel {
+                Kernel::Probe => (&self.ctx.probe_pipeline, &slot.probe_group),
+                Kernel::Merge => (&self.ctx.merge_pipeline, &slot.merge_group),
+                Kernel::Combine => (&self.ctx.combine_pipeline, &slot.combine_group),
             };
             let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
             if let Kernel::Probe = kernel {
                 encoder.clear_buffer(&slot.hist, 0, None);
             }
             self.dispatch(&mut encoder, pipeline, group, &params);
-            encoder.copy_buffer_to_buffer(result, 0, &slot.readback, 0, readback_bytes(len));
-            self.ctx.queue.submit(Some(encoder.finish()));
+            let (result, read) = result_of(slot, kernel, self.ctx.mapped);
+            if !self.ctx.mapped {
+                encoder.copy_buffer_to_buffer(result, 0, read, 0, readback_bytes(len));
+            }
+            let index = self.ctx.queue.submit(Some(encoder.finish()));
+            last[i % 2] = Some(index.clone());
             self.add_time(|t| {
                 t.chunks += 1;
                 t.upload += submitted - uploaded;
                 t.submit += submitted.elapsed();
             });
             // The other slot's chunk reads back while this one runs.
-            if let Some(previous) = pending.replace((i % 2, start, len)) {
+            if let Some(previous) = pending.replace((i % 2, start, len, index)) {
                 drain(previous)?;
             }
         }
         if let Some(last) = pending {
             drain(last)?;
         }
+        guard.as_mut().expect("buffers were just ensured").last = last;
         Ok(())
     }
 }

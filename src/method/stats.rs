@@ -1304,8 +1304,9 @@ fn sce_statistics(
 }
 
 /// The rank cut of the k largest of a per-element key computed from whole tiles (`keys`), k from
-/// the count of non-zero keys: the same two histogram scans as [`rank_cuts`], then a third only
-/// when the cut splits a tie too large to remember. Zero keys are never kept.
+/// the count of non-zero keys: a histogram of the keys' high 16 bits, then of the low 16 bits in
+/// the threshold's bin (SCE's variance keys are rarely of one value), then a third scan only when
+/// the cut splits a tie too large to remember. Zero keys are never kept.
 fn key_rank_cut(
     scan: &mut dyn Scans,
     numel: u64,
