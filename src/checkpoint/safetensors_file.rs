@@ -5,9 +5,9 @@
 
 use super::crc::{self, CrcStream};
 use super::dtype::DType;
+use super::positional::read_exact_at;
 use anyhow::{bail, Context, Result};
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 /// Largest header we accept (the reference implementation's limit).
@@ -83,7 +83,7 @@ fn hash_range(
     let mut at = from;
     while at < to {
         let n = ((to - at) as usize).min(buf.len());
-        file.read_exact_at(&mut buf[..n], at).with_context(|| {
+        read_exact_at(file, &mut buf[..n], at).with_context(|| {
             format!(
                 "cannot read {} (bytes {at}..{})",
                 path.display(),
@@ -111,7 +111,7 @@ impl SafetensorsFile {
             )));
         }
         let mut len_bytes = [0u8; 8];
-        file.read_exact_at(&mut len_bytes, 0)
+        read_exact_at(&file, &mut len_bytes, 0)
             .with_context(|| format!("cannot read {}", path.display()))?;
         let header_len = u64::from_le_bytes(len_bytes);
         if header_len > MAX_HEADER_BYTES {
@@ -125,7 +125,7 @@ impl SafetensorsFile {
             )));
         }
         let mut header = vec![0u8; header_len as usize];
-        file.read_exact_at(&mut header, 8)
+        read_exact_at(&file, &mut header, 8)
             .with_context(|| format!("cannot read the header of {}", path.display()))?;
         let data_start = 8 + header_len;
         let data_len = file_len - data_start;
@@ -204,17 +204,15 @@ impl SafetensorsFile {
     /// Reads `buf.len()` bytes of `tensor` starting at byte `start` within it.
     pub fn read(&self, tensor: &TensorEntry, start: u64, buf: &mut [u8]) -> Result<()> {
         debug_assert!(start + buf.len() as u64 <= tensor.byte_len());
-        self.file
-            .read_exact_at(buf, tensor.offset + start)
-            .with_context(|| {
-                format!(
-                    "{}: cannot read tensor '{}' (bytes {}..{}): file truncated or unreadable",
-                    self.path.display(),
-                    tensor.name,
-                    start,
-                    start + buf.len() as u64
-                )
-            })
+        read_exact_at(&self.file, buf, tensor.offset + start).with_context(|| {
+            format!(
+                "{}: cannot read tensor '{}' (bytes {}..{}): file truncated or unreadable",
+                self.path.display(),
+                tensor.name,
+                start,
+                start + buf.len() as u64
+            )
+        })
     }
 
     /// Adds `bytes`, read at byte `start` within `tensor`, to the tensor's running CRC (see

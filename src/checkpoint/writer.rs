@@ -5,16 +5,12 @@
 use super::crc::{self, CrcStream};
 use super::dtype::DType;
 use super::model::{INDEX_FILE, SINGLE_FILE};
+use super::positional::write_all_at;
 use super::safetensors_file::{crc32_of_file, FileChecksum};
 use anyhow::{bail, ensure, Context, Result};
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-
-fn write_all_at(file: &File, bytes: &[u8], offset: u64) -> std::io::Result<()> {
-    file.write_all_at(bytes, offset)
-}
 
 /// One tensor to be written.
 #[derive(Clone, Debug)]
