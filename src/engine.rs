@@ -676,6 +676,59 @@ impl TensorScans<'_> {
     }
 }
 
+/// The f32 rows of one scan chunk: the base's, then one agent's values and task vector.
+struct ScanRows {
+    base: [f32; SCAN_CHUNK],
+    x: [f32; SCAN_CHUNK],
+    tau: [f32; SCAN_CHUNK],
+}
+
+impl ScanRows {
+    fn new() -> Box<ScanRows> {
+        Box::new(ScanRows {
+            base: [0.0; SCAN_CHUNK],
+            x: [0.0; SCAN_CHUNK],
+            tau: [0.0; SCAN_CHUNK],
+        })
+    }
+
+    /// Decodes the base's elements `cs..cs + cl` of the tile.
+    fn load_base(&mut self, tile: &Tile, (cs, cl): (usize, usize)) {
+        let size = tile.dtype.size();
+        decode(
+            tile.dtype,
+            &tile.base[cs * size..(cs + cl) * size],
+            &mut self.base[..cl],
+        );
+    }
+
+    /// Agent `t`'s chunk over the same elements (after [`Self::load_base`]); the tile starts at
+    /// element `start` of the tensor.
+    fn agent(
+        &mut self,
+        tile: &Tile,
+        t: usize,
+        start: u64,
+        (cs, cl): (usize, usize),
+    ) -> AgentChunk<'_> {
+        let size = tile.dtype.size();
+        decode(
+            tile.dtype,
+            &tile.agents[t][cs * size..(cs + cl) * size],
+            &mut self.x[..cl],
+        );
+        for ((d, &a), &b) in self.tau.iter_mut().zip(&self.x[..cl]).zip(&self.base[..cl]) {
+            *d = a - b;
+        }
+        AgentChunk {
+            start: start + cs as u64,
+            base: &self.base[..cl],
+            x: &self.x[..cl],
+            tau: &self.tau[..cl],
+        }
+    }
+}
+
 /// Elements per tile of an any-order statistics scan: a multiple of [`SCAN_CHUNK`], small enough
 /// that a worker's tile stays in its core's cache from the read to the last agent's chunk.
 const ANY_ORDER_TILE_ELEMS: usize = 1 << 16;
@@ -705,26 +758,13 @@ impl Scans for TensorScans<'_> {
             || {
                 let id = ids.fetch_add(1, Ordering::Relaxed);
                 debug_assert!(id < workers);
-                (id, Box::new([[0.0f32; SCAN_CHUNK]; 3]))
+                (id, ScanRows::new())
             },
-            |(id, scratch), _, start, tile| {
-                let size = tile.dtype.size();
-                let [base, x, tau] = &mut **scratch;
-                for (cs, cl) in ranges(tile.len, SCAN_CHUNK) {
-                    let bytes = cs * size..(cs + cl) * size;
-                    decode(tile.dtype, &tile.base[bytes.clone()], &mut base[..cl]);
-                    for (t, agent) in tile.agents.iter().enumerate() {
-                        decode(tile.dtype, &agent[bytes.clone()], &mut x[..cl]);
-                        for ((d, &a), &b) in tau.iter_mut().zip(&x[..cl]).zip(&base[..cl]) {
-                            *d = a - b;
-                        }
-                        let chunk = AgentChunk {
-                            start: start + cs as u64,
-                            base: &base[..cl],
-                            x: &x[..cl],
-                            tau: &tau[..cl],
-                        };
-                        visit(*id, t, &chunk);
+            |(id, rows), _, start, tile| {
+                for chunk in ranges(tile.len, SCAN_CHUNK) {
+                    rows.load_base(tile, chunk);
+                    for t in 0..tile.agents.len() {
+                        visit(*id, t, &rows.agent(tile, t, start, chunk));
                     }
                 }
                 Ok(())
@@ -761,31 +801,17 @@ impl Scans for TensorScans<'_> {
     fn per_agent(&mut self, from: u64, visit: &AgentVisit) -> Result<()> {
         let mut done = vec![false; self.present.len()];
         self.each_tile(from, |_, start, tile| {
-            let size = tile.dtype.size();
             let flows: Vec<bool> = (0..done.len())
                 .into_par_iter()
                 .map(|t| {
                     if done[t] {
                         return true;
                     }
-                    let mut scratch = [[0.0f32; SCAN_CHUNK]; 3];
-                    let [base, x, tau] = &mut scratch;
+                    let mut rows = ScanRows::new();
                     let chunks = ranges(tile.len, SCAN_CHUNK);
-                    for (cs, cl) in chunks.skip_while(|(cs, cl)| start + ((cs + cl) as u64) <= from)
-                    {
-                        let bytes = cs * size..(cs + cl) * size;
-                        decode(tile.dtype, &tile.base[bytes.clone()], &mut base[..cl]);
-                        decode(tile.dtype, &tile.agents[t][bytes], &mut x[..cl]);
-                        for ((d, &a), &b) in tau.iter_mut().zip(&x[..cl]).zip(&base[..cl]) {
-                            *d = a - b;
-                        }
-                        let chunk = AgentChunk {
-                            start: start + cs as u64,
-                            base: &base[..cl],
-                            x: &x[..cl],
-                            tau: &tau[..cl],
-                        };
-                        if visit(t, &chunk).is_break() {
+                    for chunk in chunks.skip_while(|(cs, cl)| start + ((cs + cl) as u64) <= from) {
+                        rows.load_base(tile, chunk);
+                        if visit(t, &rows.agent(tile, t, start, chunk)).is_break() {
                             return true;
                         }
                     }
