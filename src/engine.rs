@@ -233,11 +233,29 @@ impl TileBuffers {
         results.into_iter().collect()
     }
 
-    fn agent_slices(&self, present: usize) -> Vec<&[u8]> {
-        self.agents[..present]
+    /// [`Self::load`]s elements `start..start + len` and hands them to `visit` as one [`Tile`].
+    #[allow(clippy::too_many_arguments)]
+    fn visit<R>(
+        &mut self,
+        inputs: &Inputs,
+        plan: &TensorPlan,
+        present: &[usize],
+        (start, len): (usize, usize),
+        finite_only: bool,
+        spread: bool,
+        visit: impl FnOnce(&Tile) -> Result<R>,
+    ) -> Result<R> {
+        self.load(inputs, plan, present, (start, len), finite_only, spread)?;
+        let agents: Vec<&[u8]> = self.agents[..present.len()]
             .iter()
             .map(|v| v.as_slice())
-            .collect()
+            .collect();
+        visit(&Tile {
+            dtype: plan.base.entry.dtype,
+            len,
+            base: &self.base,
+            agents: &agents,
+        })
     }
 }
 
@@ -269,22 +287,15 @@ fn for_each_tile(
     let tiles = ranges(plan.numel(), pass.tile_elems).enumerate();
     // From the tile holding element `from`: tiles keep their places whatever `from` is.
     for (i, (start, len)) in tiles.skip_while(|(_, (s, l))| (s + l) as u64 <= from) {
-        buffers.load(
+        let flow = buffers.visit(
             inputs,
             plan,
             present,
             (start, len),
             pass.scan_nonfinite,
             true,
+            |tile| visit(i, start as u64, tile),
         )?;
-        let agents = buffers.agent_slices(present.len());
-        let tile = Tile {
-            dtype,
-            len,
-            base: &buffers.base,
-            agents: &agents,
-        };
-        let flow = visit(i, start as u64, &tile)?;
         progress.inc((len * dtype.size() * (1 + present.len())) as u64);
         if flow.is_break() {
             break;
@@ -329,25 +340,15 @@ fn par_tiles<S: Send>(
                 break;
             }
             let (start, len) = (i * step, step.min(numel - i * step));
-            let done = buffers
-                .load(
-                    inputs,
-                    plan,
-                    present,
-                    (start, len),
-                    pass.scan_nonfinite,
-                    false,
-                )
-                .and_then(|()| {
-                    let agents = buffers.agent_slices(present.len());
-                    let tile = Tile {
-                        dtype,
-                        len,
-                        base: &buffers.base,
-                        agents: &agents,
-                    };
-                    visit(&mut state, i, start as u64, &tile)
-                });
+            let done = buffers.visit(
+                inputs,
+                plan,
+                present,
+                (start, len),
+                pass.scan_nonfinite,
+                false,
+                |tile| visit(&mut state, i, start as u64, tile),
+            );
             match done {
                 Ok(()) => progress.inc((len * dtype.size() * (1 + present.len())) as u64),
                 Err(e) => {
