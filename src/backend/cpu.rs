@@ -4,7 +4,7 @@
 
 use super::{Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode, encode};
-use crate::method::combine::{nearswap, variance_key, Keep, Normalize};
+use crate::method::combine::{keep_scale_add, nearswap, variance_key, Normalize};
 use crate::simd::multiversion;
 use anyhow::{Context, Result};
 use rayon::prelude::*;
@@ -228,7 +228,6 @@ multiversion! {
             encode(p.out_dtype, sum, out);
             return;
         }
-        sum.fill(0.0);
         // One coefficient row for the whole tensor, or a lookup per element.
         let fixed_row = (spec.row_len == 0 && !spec.tile_coefs).then(|| spec.row(0));
         let coef = |i: usize, t: usize| -> f32 {
@@ -238,81 +237,90 @@ multiversion! {
                 spec.row(first + i as u64)[t]
             }
         };
-        // v_t of every agent first: SCE's element selection looks at all of them.
-        for (t, bytes) in tile.agents.iter().enumerate() {
-            decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);
-            let d = &mut s.d[t * CHUNK..t * CHUNK + len];
-            if spec.delta {
-                for ((d, &x), &b) in d.iter_mut().zip(agent.iter()).zip(base.iter()) {
-                    *d = x - b;
-                }
-            } else {
-                d.copy_from_slice(agent);
+        // Each agent's term in one pass over its row where nothing else looks at the masks.
+        let one_pass = !spec.sign_of_values && spec.element_keep.is_none() && n > 0;
+        if let (true, Some(row)) = (one_pass, fixed_row) {
+            for (t, bytes) in tile.agents.iter().enumerate() {
+                decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);
+                let ranks = p.ranks.get(t).map_or(&[][..], |r| &r[start..start + len]);
+                keep_scale_add(
+                    spec.keep[t],
+                    (agent, spec.delta.then_some(&*base)),
+                    (first as u32, ranks),
+                    row[1 + t],
+                    &mut s.d[t * CHUNK..t * CHUNK + len],
+                    sum,
+                    t == 0,
+                );
             }
-        }
-        let element = &mut s.element[..len];
-        match spec.element_keep {
-            None => {}
-            Some((cut, inv_n)) => {
-                let mut v = vec![0.0f32; n];
-                for (i, m) in element.iter_mut().enumerate() {
-                    for (t, v) in v.iter_mut().enumerate() {
-                        *v = s.d[t * CHUNK + i];
+        } else {
+            sum.fill(0.0);
+            // v_t of every agent first: SCE's element selection looks at all of them.
+            for (t, bytes) in tile.agents.iter().enumerate() {
+                decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);
+                let d = &mut s.d[t * CHUNK..t * CHUNK + len];
+                if spec.delta {
+                    for ((d, &x), &b) in d.iter_mut().zip(agent.iter()).zip(base.iter()) {
+                        *d = x - b;
                     }
-                    let key = variance_key(&v, inv_n);
-                    *m = (cut.inside(key, (first + i as u64) as u32) as u32).wrapping_neg();
+                } else {
+                    d.copy_from_slice(agent);
                 }
             }
-        }
-        let sum_v = &mut s.sum_v[..len];
-        if spec.sign_of_values {
-            sum_v.fill(0.0);
-        }
-        for t in 0..n {
-            let d = &mut s.d[t * CHUNK..t * CHUNK + len];
-            // Nothing dropped and one coefficient: d_t = v·c, and on to the sum.
-            let plain = !spec.sign_of_values && spec.element_keep.is_none();
-            if let (Keep::All, true, Some(row)) = (spec.keep[t], plain, fixed_row) {
-                let c = row[1 + t];
-                for (s, d) in sum.iter_mut().zip(d.iter_mut()) {
-                    *d *= c;
-                    *s += *d;
+            let element = &mut s.element[..len];
+            match spec.element_keep {
+                None => {}
+                Some((cut, inv_n)) => {
+                    let mut v = vec![0.0f32; n];
+                    for (i, m) in element.iter_mut().enumerate() {
+                        for (t, v) in v.iter_mut().enumerate() {
+                            *v = s.d[t * CHUNK + i];
+                        }
+                        let key = variance_key(&v, inv_n);
+                        *m = (cut.inside(key, (first + i as u64) as u32) as u32).wrapping_neg();
+                    }
                 }
-                continue;
             }
-            // The keep mask, then d_t = v·c where kept (a select on bits, not a branch).
-            let keep = &mut s.keep[..len];
-            let ranks = p.ranks.get(t).map_or(&[][..], |r| &r[start..start + len]);
-            spec.keep[t].mask_into(d, first as u32, ranks, keep);
-            if spec.element_keep.is_some() {
-                for (k, &e) in keep.iter_mut().zip(element.iter()) {
-                    *k &= e;
+            let sum_v = &mut s.sum_v[..len];
+            if spec.sign_of_values {
+                sum_v.fill(0.0);
+            }
+            for t in 0..n {
+                let d = &mut s.d[t * CHUNK..t * CHUNK + len];
+                // The keep mask, then d_t = v·c where kept (a select on bits, not a branch).
+                let keep = &mut s.keep[..len];
+                let ranks = p.ranks.get(t).map_or(&[][..], |r| &r[start..start + len]);
+                spec.keep[t].mask_into(d, first as u32, ranks, keep);
+                if spec.element_keep.is_some() {
+                    for (k, &e) in keep.iter_mut().zip(element.iter()) {
+                        *k &= e;
+                    }
+                }
+                if spec.sign_of_values {
+                    for ((s, &v), &m) in sum_v.iter_mut().zip(d.iter()).zip(keep.iter()) {
+                        *s += f32::from_bits(v.to_bits() & m);
+                    }
+                }
+                match fixed_row {
+                    Some(row) => {
+                        let c = row[1 + t];
+                        for (d, &m) in d.iter_mut().zip(keep.iter()) {
+                            *d = f32::from_bits((*d * c).to_bits() & m);
+                        }
+                    }
+                    None => {
+                        for (i, (d, &m)) in d.iter_mut().zip(keep.iter()).enumerate() {
+                            *d = f32::from_bits((*d * coef(i, 1 + t)).to_bits() & m);
+                        }
+                    }
+                }
+                for (s, &d) in sum.iter_mut().zip(d.iter()) {
+                    *s += d;
                 }
             }
             if spec.sign_of_values {
-                for ((s, &v), &m) in sum_v.iter_mut().zip(d.iter()).zip(keep.iter()) {
-                    *s += f32::from_bits(v.to_bits() & m);
-                }
+                sum.copy_from_slice(sum_v);
             }
-            match fixed_row {
-                Some(row) => {
-                    let c = row[1 + t];
-                    for (d, &m) in d.iter_mut().zip(keep.iter()) {
-                        *d = f32::from_bits((*d * c).to_bits() & m);
-                    }
-                }
-                None => {
-                    for (i, (d, &m)) in d.iter_mut().zip(keep.iter()).enumerate() {
-                        *d = f32::from_bits((*d * coef(i, 1 + t)).to_bits() & m);
-                    }
-                }
-            }
-            for (s, &d) in sum.iter_mut().zip(d.iter()) {
-                *s += d;
-            }
-        }
-        if spec.sign_of_values {
-            sum.copy_from_slice(sum_v);
         }
         // Without consensus every d_t counts: Δ is the sum just taken, in the same order — the
         // buffers trade places instead of copying it.
@@ -328,13 +336,18 @@ multiversion! {
             _ => None,
         };
         let wsum = &mut s.wsum[..len];
-        if matches!(spec.normalize, Normalize::PerElement(..)) {
+        // Sums start at +0.0: the first agent's term sets them (0.0 + x, as adding to a cleared
+        // row would).
+        if matches!(spec.normalize, Normalize::PerElement(..)) && (n == 0 || weights.is_none()) {
             wsum.fill(0.0);
         }
         if spec.consensus {
-            delta.fill(0.0);
+            if n == 0 {
+                delta.fill(0.0);
+            }
             for t in 0..n {
                 let d = &s.d[t * CHUNK..t * CHUNK + len];
+                let from = |acc: &f32| if t == 0 { 0.0 } else { *acc };
                 // Adding +0.0 for a disagreeing d is exact: Δ is never −0.0 (it starts at +0.0
                 // and only non-zero d are added).
                 let agree = |d: f32, s: f32| {
@@ -347,13 +360,13 @@ multiversion! {
                             delta.iter_mut().zip(wsum.iter_mut()).zip(d).zip(sum.iter())
                         {
                             let bits = agree(d, s);
-                            *acc += f32::from_bits(d.to_bits() & bits);
-                            *ws += f32::from_bits(w & bits);
+                            *acc = from(acc) + f32::from_bits(d.to_bits() & bits);
+                            *ws = from(ws) + f32::from_bits(w & bits);
                         }
                     }
                     None => {
                         for ((acc, &d), &s) in delta.iter_mut().zip(d).zip(sum.iter()) {
-                            *acc += f32::from_bits(d.to_bits() & agree(d, s));
+                            *acc = from(acc) + f32::from_bits(d.to_bits() & agree(d, s));
                         }
                     }
                 }

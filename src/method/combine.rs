@@ -131,16 +131,6 @@ fn splitmix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-multiversion! {
-    /// All ones where `element_hash(key, first + i) < threshold`.
-    fn random_mask(key: [u32; 2], threshold: u32, first: u32, out: &mut [u32]) {
-        for (i, m) in out.iter_mut().enumerate() {
-            let h = element_hash(key, first.wrapping_add(i as u32));
-            *m = ((h < threshold) as u32).wrapping_neg();
-        }
-    }
-}
-
 /// The keep threshold of a Bernoulli(density) mask.
 pub fn random_threshold(density: f64) -> u32 {
     (density.clamp(0.0, 1.0) * 4_294_967_296.0).min(u32::MAX as f64) as u32
@@ -171,31 +161,108 @@ impl Keep {
     }
 }
 
+/// Calls `f(i, mask)` for i in `0..len`, the keep mask of element `first + i` (all ones or 0),
+/// whose value is `v(i)` and row rank `ranks[i]` (DELLA only), in one branch-free loop per kind
+/// of [`Keep`]: the bulk form of [`Keep::keeps`], inlined into loops that the compiler
+/// vectorizes.
+#[inline(always)]
+fn keep_lanes(
+    keep: Keep,
+    len: usize,
+    v: impl Fn(usize) -> f32,
+    first: u32,
+    ranks: &[u32],
+    mut f: impl FnMut(usize, u32),
+) {
+    let idx = |i: usize| first.wrapping_add(i as u32);
+    let lane = |b: bool| (b as u32).wrapping_neg();
+    // RankCut::inside as u32 lane masks: LLVM packs bools through 16-bit lanes.
+    let inside = move |c: RankCut, key: u32, idx: u32| -> u32 {
+        lane(key > c.value) | (lane(key == c.value) & (lane(idx < c.index) ^ lane(c.high_first)))
+    };
+    match keep {
+        Keep::RowRank { p0, step, key } => {
+            for (i, &r) in ranks[..len].iter().enumerate() {
+                f(
+                    i,
+                    lane(element_hash(key, idx(i)) < rank_threshold(p0, step, r)),
+                );
+            }
+        }
+        Keep::All => (0..len).for_each(|i| f(i, u32::MAX)),
+        // The top k (TIES): one cut.
+        Keep::Band { lo, hi } if lo == RankCut::EMPTY => {
+            for i in 0..len {
+                f(i, inside(hi, magnitude_key(v(i)), idx(i)));
+            }
+        }
+        Keep::Band { lo, hi } => {
+            for i in 0..len {
+                let key = magnitude_key(v(i));
+                f(i, inside(hi, key, idx(i)) & !inside(lo, key, idx(i)));
+            }
+        }
+        Keep::Random { threshold, key } => {
+            for i in 0..len {
+                f(i, lane(element_hash(key, idx(i)) < threshold));
+            }
+        }
+    }
+}
+
 multiversion! {
     /// [`Keep::mask_into`], compiled for the baseline and AVX2.
     fn keep_mask(keep: Keep, v: &[f32], first: u32, ranks: &[u32], out: &mut [u32]) {
-        let idx = |i: usize| first.wrapping_add(i as u32);
-        match keep {
-            Keep::RowRank { p0, step, key } => {
-                for (i, (m, &r)) in out.iter_mut().zip(ranks).enumerate() {
-                    let keep = element_hash(key, idx(i)) < rank_threshold(p0, step, r);
-                    *m = (keep as u32).wrapping_neg();
-                }
+        keep_lanes(keep, out.len(), |i| v[i], first, ranks, |i, m| out[i] = m);
+    }
+}
+
+multiversion! {
+    /// One agent's term of the sum, in one pass: `d[i]` = (v·c where kept, else +0.0) with
+    /// v = x[i] − base[i] (x[i] without a base) for `values` = (x, base), element i being
+    /// `first + i` of row rank `ranks[i]` for `at` = (first, ranks), and `sum[i]` += `d[i]` (from +0.0 when
+    /// `first_term`, so no row needs clearing before). The same IEEE operations as
+    /// [`Keep::mask_into`] then scaling and adding row by row.
+    pub fn keep_scale_add(
+        keep: Keep,
+        values: (&[f32], Option<&[f32]>),
+        at: (u32, &[u32]),
+        c: f32,
+        d: &mut [f32],
+        sum: &mut [f32],
+        first_term: bool,
+    ) {
+        #[inline(always)]
+        fn term(
+            keep: Keep,
+            v: impl Fn(usize) -> f32,
+            (first, ranks): (u32, &[u32]),
+            c: f32,
+            d: &mut [f32],
+            sum: &mut [f32],
+            first_term: bool,
+        ) {
+            let sum = &mut sum[..d.len()];
+            let scaled = |i: usize, m: u32| f32::from_bits((v(i) * c).to_bits() & m);
+            if first_term {
+                keep_lanes(keep, d.len(), &v, first, ranks, |i, m| {
+                    d[i] = scaled(i, m);
+                    sum[i] = 0.0 + d[i];
+                });
+            } else {
+                keep_lanes(keep, d.len(), &v, first, ranks, |i, m| {
+                    d[i] = scaled(i, m);
+                    sum[i] += d[i];
+                });
             }
-            Keep::All => out.fill(u32::MAX),
-            Keep::Band { lo, hi } => {
-                // RankCut::inside as u32 lane masks: LLVM packs bools through 16-bit lanes.
-                let mask = |c: RankCut, key: u32, idx: u32| -> u32 {
-                    let lane = |b: bool| (b as u32).wrapping_neg();
-                    let flip = lane(c.high_first);
-                    lane(key > c.value) | (lane(key == c.value) & (lane(idx < c.index) ^ flip))
-                };
-                for (i, (m, &x)) in out.iter_mut().zip(v).enumerate() {
-                    let key = magnitude_key(x);
-                    *m = mask(hi, key, idx(i)) & !mask(lo, key, idx(i));
-                }
+        }
+        let x = &values.0[..d.len()];
+        match values.1 {
+            Some(b) => {
+                let b = &b[..x.len()];
+                term(keep, |i| x[i] - b[i], at, c, d, sum, first_term)
             }
-            Keep::Random { threshold, key } => random_mask(key, threshold, first, out),
+            None => term(keep, |i| x[i], at, c, d, sum, first_term),
         }
     }
 }

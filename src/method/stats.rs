@@ -126,16 +126,16 @@ impl Bins16 {
         }
     }
 
-    /// Adds every bin's count into `total`, clearing the counters as it reads them, and keeps
-    /// them for the next histogram of the same size: a tensor's pass allocates, clears and sums
-    /// several of these, and fresh ones cost page faults and a memset each.
-    fn drain_into(mut self, total: &mut [u64]) {
-        for (t, w) in total
-            .iter_mut()
-            .zip(self.counts.chunks_exact_mut(self.ways + 1))
-        {
-            *t += w.iter().map(|&c| c as u64).sum::<u64>();
-            w.fill(0);
+    /// Adds the counts of bins `lo..lo + total.len()` into `total`, clearing those counters (the
+    /// only ones counted in), and keeps the counters for the next histogram of the same size: a
+    /// tensor's pass allocates, clears and sums several of these, and fresh ones cost page faults
+    /// and a memset each.
+    fn drain_range(mut self, lo: usize, total: &mut [u64]) {
+        let w = self.ways + 1;
+        let counters = &mut self.counts[lo * w..(lo + total.len()) * w];
+        for (t, c) in total.iter_mut().zip(counters.chunks_exact_mut(w)) {
+            *t += c.iter().map(|&c| c as u64).sum::<u64>();
+            c.fill(0);
         }
         let mut pool = lock(&CLEAR_COUNTERS);
         if pool.len() < 16 {
@@ -204,47 +204,132 @@ fn locate(h: &[u64], k: u64) -> (usize, u64) {
     unreachable!("k is at most the element count")
 }
 
-/// Bit `i % 64` of `nonzero[i / 64]`: whether element i's magnitude key is non-zero; of
-/// `low[i / 64]`: whether its low 16 bits are. With AVX2, eight elements per compare and
-/// `movemask` (compilers do not find that for bit packing); the same bits either way.
-fn key_and_low_bits(v: &[f32], nonzero: &mut [u64], low: &mut [u64]) {
-    let whole = v.len() / 64;
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx2() {
-        // SAFETY: the CPU supports AVX2, checked just above; every block read is 64 elements.
-        unsafe { key_and_low_bits_avx2(&v[..whole * 64], nonzero, low) };
-    } else {
-        key_and_low_bits_scalar(&v[..whole * 64], nonzero, low);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    key_and_low_bits_scalar(&v[..whole * 64], nonzero, low);
-    key_and_low_bits_scalar(&v[whole * 64..], &mut nonzero[whole..], &mut low[whole..]);
+/// A run of high bins `lo..=hi` (the top 16 bits of magnitude keys) that a histogram pass
+/// counts bin by bin; keys above and below it are only counted.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Band {
+    lo: u32,
+    hi: u32,
 }
 
-fn key_and_low_bits_scalar(v: &[f32], nonzero: &mut [u64], low: &mut [u64]) {
-    for ((x, n), l) in v.chunks(64).zip(nonzero.iter_mut()).zip(low.iter_mut()) {
+impl Band {
+    /// Every bin: a full histogram.
+    const ALL: Band = Band {
+        lo: 0,
+        hi: (BINS / 2 - 1) as u32,
+    };
+
+    /// The band around some bins (at least one).
+    fn around(bins: &[u32]) -> Band {
+        Band {
+            lo: *bins.iter().min().expect("a bin"),
+            hi: *bins.iter().max().expect("a bin"),
+        }
+    }
+
+    /// The smallest and the largest key in the band.
+    fn keys(self) -> (u32, u32) {
+        (self.lo << 16, (self.hi << 16) | 0xffff)
+    }
+}
+
+/// What [`band_bits`] counts besides its bits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct BandTally {
+    /// Keys above the band.
+    above: u64,
+    /// Zero keys.
+    zeros: u64,
+    /// Smallest and largest non-zero key in the band (`u32::MAX`, 0 when none).
+    min: u32,
+    max: u32,
+}
+
+impl BandTally {
+    const NONE: BandTally = BandTally {
+        above: 0,
+        zeros: 0,
+        min: u32::MAX,
+        max: 0,
+    };
+
+    fn add(&mut self, o: BandTally) {
+        self.above += o.above;
+        self.zeros += o.zeros;
+        self.min = self.min.min(o.min);
+        self.max = self.max.max(o.max);
+    }
+}
+
+/// Bit `i % 64` of `inside[i / 64]`: whether element i's magnitude key is non-zero and in
+/// `band`; of `low[i / 64]`: whether it is also not a multiple of 2^16 (its bin holds more than
+/// one key). Keys above the band and zero keys are only counted. With AVX2, eight elements per
+/// compare and `movemask` (compilers do not find that for bit packing); the same result either way.
+fn band_bits(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) -> BandTally {
+    let whole = v.len() / 64;
+    let (blocks, rest) = v.split_at(whole * 64);
+    #[cfg(target_arch = "x86_64")]
+    let mut tally = if crate::simd::avx2() {
+        // SAFETY: the CPU supports AVX2, checked just above; every block read is 64 elements.
+        unsafe { band_bits_avx2(blocks, band, inside, low) }
+    } else {
+        band_bits_scalar(blocks, band, inside, low)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let mut tally = band_bits_scalar(blocks, band, inside, low);
+    tally.add(band_bits_scalar(
+        rest,
+        band,
+        &mut inside[whole..],
+        &mut low[whole..],
+    ));
+    tally
+}
+
+fn band_bits_scalar(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) -> BandTally {
+    let (first, last) = band.keys();
+    let mut tally = BandTally::NONE;
+    for ((x, n), l) in v.chunks(64).zip(inside.iter_mut()).zip(low.iter_mut()) {
         let (mut wn, mut wl) = (0u64, 0u64);
         for (i, &e) in x.iter().enumerate() {
             let key = magnitude_key(e);
-            wn |= ((key != 0) as u64) << i;
-            wl |= ((key & 0xffff != 0) as u64) << i;
+            let zero = key == 0;
+            let above = key > last;
+            let is_in = !zero & !above & (key >= first);
+            tally.zeros += zero as u64;
+            tally.above += above as u64;
+            if is_in {
+                tally.min = tally.min.min(key);
+                tally.max = tally.max.max(key);
+            }
+            wn |= (is_in as u64) << i;
+            wl |= ((is_in & (key & 0xffff != 0)) as u64) << i;
         }
         *n = wn;
         *l = wl;
     }
+    tally
 }
 
-/// [`key_and_low_bits`] over whole blocks of 64 elements.
+/// [`band_bits`] over whole blocks of 64 elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn key_and_low_bits_avx2(v: &[f32], nonzero: &mut [u64], low: &mut [u64]) {
+fn band_bits_avx2(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) -> BandTally {
     use std::arch::x86_64::*;
+    let (first, last) = band.keys();
+    // Keys are below 2^31: signed compares order them. `first − 1` is −1 for the band from 0.
+    let below_first = _mm256_set1_epi32(first as i32 - 1);
+    let last = _mm256_set1_epi32(last as i32);
     let magnitude = _mm256_set1_epi32(0x7fff_ffff);
     let low_bits = _mm256_set1_epi32(0xffff);
     let zero = _mm256_setzero_si256();
+    let none = _mm256_set1_epi32(i32::MAX);
+    // Per-lane counts (a true compare is −1) and extremes, reduced at the end.
+    let (mut above, mut zeros) = (zero, zero);
+    let (mut min, mut max) = (none, zero);
     for ((x, n), l) in v
         .chunks_exact(64)
-        .zip(nonzero.iter_mut())
+        .zip(inside.iter_mut())
         .zip(low.iter_mut())
     {
         let (mut wn, mut wl) = (0u64, 0u64);
@@ -252,15 +337,42 @@ fn key_and_low_bits_avx2(v: &[f32], nonzero: &mut [u64], low: &mut [u64]) {
             // SAFETY: `group` holds eight f32 (32 bytes); unaligned loads are allowed.
             let bits = unsafe { _mm256_loadu_si256(group.as_ptr().cast()) };
             let key = _mm256_and_si256(bits, magnitude);
-            let key_zero = _mm256_cmpeq_epi32(key, zero);
+            let is_zero = _mm256_cmpeq_epi32(key, zero);
+            let is_above = _mm256_cmpgt_epi32(key, last);
+            let from_first = _mm256_cmpgt_epi32(key, below_first);
+            let is_in = _mm256_andnot_si256(_mm256_or_si256(is_zero, is_above), from_first);
             let low_zero = _mm256_cmpeq_epi32(_mm256_and_si256(key, low_bits), zero);
-            let zn = _mm256_movemask_ps(_mm256_castsi256_ps(key_zero)) as u64;
-            let zl = _mm256_movemask_ps(_mm256_castsi256_ps(low_zero)) as u64;
-            wn |= (!zn & 0xff) << (8 * g);
-            wl |= (!zl & 0xff) << (8 * g);
+            let is_low = _mm256_andnot_si256(low_zero, is_in);
+            above = _mm256_sub_epi32(above, is_above);
+            zeros = _mm256_sub_epi32(zeros, is_zero);
+            max = _mm256_max_epi32(max, _mm256_and_si256(key, is_in));
+            min = _mm256_min_epi32(min, _mm256_blendv_epi8(none, key, is_in));
+            let mi = _mm256_movemask_ps(_mm256_castsi256_ps(is_in)) as u64;
+            let ml = _mm256_movemask_ps(_mm256_castsi256_ps(is_low)) as u64;
+            wn |= mi << (8 * g);
+            wl |= ml << (8 * g);
         }
         *n = wn;
         *l = wl;
+    }
+    let lanes = |v: __m256i| -> [i32; 8] {
+        let mut out = [0i32; 8];
+        // SAFETY: `out` holds eight i32 (32 bytes).
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), v) };
+        out
+    };
+    let min = lanes(min).into_iter().min().unwrap_or(i32::MAX);
+    let max = lanes(max).into_iter().max().unwrap_or(0) as u32;
+    BandTally {
+        above: lanes(above).iter().map(|&c| c as u64).sum(),
+        zeros: lanes(zeros).iter().map(|&c| c as u64).sum(),
+        // `i32::MAX` is also a key (a NaN's): then it is the largest one too.
+        min: if min == i32::MAX && max != i32::MAX as u32 {
+            u32::MAX
+        } else {
+            min as u32
+        },
+        max,
     }
 }
 
@@ -577,38 +689,60 @@ fn rank_cuts_remembering(
         return Ok(Vec::new());
     }
     let size = (agents, numel);
-    let cut_agent: Vec<bool> = (0..agents)
-        .map(|t| wanted.iter().any(|w| w.0 == t))
+    let cut_agent: Vec<Option<Band>> = (0..agents)
+        .map(|t| wanted.iter().any(|w| w.0 == t).then_some(Band::ALL))
         .collect();
-    // Guesses of each cut's bin, from a sample: pass 1 counts those bins per chunk, so that a cut
-    // in one of them, splitting a tie, finds the split by reading one chunk again.
+    // Guesses of each cut's bin, from a sample: pass 1 counts only the band around them bin by
+    // bin, and those bins per chunk, so that a cut in one of them, splitting a tie, finds the
+    // split by reading one chunk again.
     let mut guesses: Vec<Vec<u32>> = vec![Vec::new(); agents];
+    let mut bands = cut_agent.clone();
     if numel >= sample_min {
         let sample = histogram_pass(scan, delta, size, SAMPLE_EVERY, &cut_agent, &guesses)?;
         for &(t, k, _) in wanted {
             let seen = sample[t].seen;
             if seen > 0 {
                 let k = ((k as f64 * seen as f64 / numel as f64).ceil() as u64).clamp(1, seen);
-                guesses[t].extend(likely_bins(&sample[t].high, k));
+                guesses[t].extend(sample[t].likely_bins(k));
             }
         }
-        for g in &mut guesses {
+        for (g, band) in guesses.iter_mut().zip(&mut bands) {
             g.sort_unstable();
             g.dedup();
+            if !g.is_empty() {
+                *band = Some(Band::around(g));
+            }
         }
     }
-    // Pass 1: each cut agent's histogram of the high 16 bits of its magnitude keys.
-    let pass1 = histogram_pass(scan, delta, size, 1, &cut_agent, &guesses)?;
-    let coarse: Vec<(usize, u64)> = wanted
+    // Pass 1: each cut agent's histogram of the high 16 bits of its magnitude keys, in the
+    // guessed band; again over every bin for an agent whose cut the band missed.
+    let mut pass1 = histogram_pass(scan, delta, size, 1, &bands, &guesses)?;
+    let missed: Vec<Option<Band>> = (0..agents)
+        .map(|t| {
+            let miss = wanted
+                .iter()
+                .any(|&(a, k, _)| a == t && pass1[t].locate(k).is_none());
+            miss.then_some(Band::ALL)
+        })
+        .collect();
+    if missed.iter().any(Option::is_some) {
+        let again = histogram_pass(scan, delta, size, 1, &missed, &guesses)?;
+        for (t, h) in again.into_iter().enumerate() {
+            if missed[t].is_some() {
+                pass1[t] = h;
+            }
+        }
+    }
+    let coarse: Vec<(u32, u64)> = wanted
         .iter()
-        .map(|&(t, k, _)| locate(&pass1[t].high, k))
+        .map(|&(t, k, _)| pass1[t].locate(k).expect("a band of every bin"))
         .collect();
     // A cut in a bin of one key (no low bits set anywhere in it; in bin 0: zeros only) is
     // resolved now; pass 2 records the bins of the others.
-    let single = |c: usize| !pass1[wanted[c].0].mixed[coarse[c].0];
+    let single = |c: usize| !pass1[wanted[c].0].mixed(coarse[c].0);
     let mut missing: Vec<Vec<u32>> = vec![Vec::new(); agents];
     for (c, &(t, _, _)) in wanted.iter().enumerate() {
-        let bin = coarse[c].0 as u32;
+        let bin = coarse[c].0;
         if !single(c) && !missing[t].contains(&bin) {
             missing[t].push(bin);
         }
@@ -620,15 +754,14 @@ fn rank_cuts_remembering(
     };
     // Each cut from its bin's record: pass 2's, or one made of pass 1's count and chunk counts.
     let resolve = |c: usize, k: u64, high_first: bool| {
-        let (t, bin) = (wanted[c].0, coarse[c].0 as u32);
-        let above = coarse[c].1;
+        let (t, (bin, above)) = (wanted[c].0, coarse[c]);
         if single(c) {
             let chunks = pass1[t]
                 .chunks
                 .iter()
                 .find(|(b, _)| *b == bin)
                 .map(|(_, chunks)| chunks.clone());
-            BinScan::of_one_key(bin, pass1[t].high[bin as usize], chunks, numel)
+            BinScan::of_one_key(bin, pass1[t].count(bin), chunks, numel)
                 .resolve(k, above, high_first)
         } else {
             let i = missing[t].iter().position(|&b| b == bin).expect("recorded");
@@ -698,86 +831,131 @@ fn rank_cuts_remembering(
     Ok(cuts)
 }
 
-/// The guessed bins of a cut at rank `k` of a sampled histogram: the bin holding it and the
-/// nearest non-empty bins above and below.
-fn likely_bins(hist: &[u64], k: u64) -> Vec<u32> {
-    let (g, _) = locate(hist, k);
-    let below = (0..g).rev().find(|&b| hist[b] > 0);
-    let above = (g + 1..hist.len()).find(|&b| hist[b] > 0);
-    [Some(g), below, above]
-        .into_iter()
-        .flatten()
-        .map(|b| b as u32)
-        .collect()
-}
-
 /// (chunk start, elements of a bin in the chunk), for chunks that had some.
 type ChunkCounts = Vec<(u64, u32)>;
 
 /// What one worker's pass 1 keeps for one agent.
 struct AgentPass {
-    /// Histogram of the keys' high 16 bits (non-zero keys).
+    /// Histogram of the band's keys' high 16 bits (non-zero keys).
     high: Bins16,
-    /// Elements seen (zeros are the difference).
+    /// Keys above the band, zeros, and the range of the band's keys.
+    tally: BandTally,
+    /// Elements seen.
     seen: u64,
-    /// Per high bin: whether a key in it had low bits set.
-    mixed: Vec<bool>,
+    /// Per high bin of the band, a bit: whether a key in it had low bits set.
+    mixed: Vec<u64>,
     /// Followed bins: (bin, count so far, its chunk counts).
     follow: Vec<(u32, u64, ChunkCounts)>,
 }
 
-/// What pass 1 found for one agent.
+/// What pass 1 found for one agent: every key is zero, above the band, in one of its bins, or
+/// below it.
 struct Histogram {
-    /// Non-zero keys per high bin, zeros (bin 0) by difference.
-    high: Vec<u64>,
+    /// Non-zero keys above the band and below it.
+    above: u64,
+    below: u64,
+    zeros: u64,
+    /// Non-zero keys per high bin, from bin `lo` on (the band's bins that have any).
+    lo: u32,
+    counts: Vec<u64>,
     seen: u64,
-    /// Bins whose keys all have zero low bits: one key each, `bin << 16`.
-    mixed: Vec<bool>,
+    /// Per high bin, a bit: whether a key of the band in it had low bits set. A bin without
+    /// holds one key, `bin << 16`.
+    mixed: Vec<u64>,
     /// Each followed bin's chunk counts, in index order.
     chunks: Vec<(u32, Vec<(u64, u32)>)>,
 }
 
-/// One any-order pass over a sample of one chunk in `every` (1: all): for each agent with
-/// `histogram[t]`, the high-16-bit histogram of its magnitude keys (zeros counted by difference:
-/// RL task vectors are mostly zero, and counting them one by one would serialize on one
-/// counter), which bins hold keys with low bits set, and for each bin in `follow[t]` its count
-/// per chunk (from the histogram's growth, so free per element). Each worker counts in its own
-/// state; they are added after.
+impl Histogram {
+    /// Elements in high bin `bin`, zeros in bin 0 (bins of the band, and bin 0).
+    fn count(&self, bin: u32) -> u64 {
+        let counted = bin
+            .checked_sub(self.lo)
+            .and_then(|i| self.counts.get(i as usize));
+        counted.copied().unwrap_or(0) + if bin == 0 { self.zeros } else { 0 }
+    }
+
+    fn mixed(&self, bin: u32) -> bool {
+        self.mixed[bin as usize / 64] >> (bin % 64) & 1 == 1
+    }
+
+    /// The high bin holding rank k − 1 (0 < k ≤ elements) and the elements above it; None when
+    /// that rank lies outside the band, among keys only counted.
+    fn locate(&self, k: u64) -> Option<(u32, u64)> {
+        let mut above = self.above;
+        if above >= k {
+            return None;
+        }
+        for bin in (self.lo..self.lo + self.counts.len() as u32).rev() {
+            let c = self.count(bin);
+            if above + c >= k {
+                return Some((bin, above));
+            }
+            above += c;
+        }
+        if above + self.below >= k {
+            return None;
+        }
+        // Only zeros are left, in bin 0 (not among the counted bins, or it would have held them).
+        Some((0, above + self.below))
+    }
+
+    /// The guessed bins of a cut at rank `k` of this (sampled, whole) histogram: the bin holding
+    /// it and the nearest non-empty bins above and below.
+    fn likely_bins(&self, k: u64) -> Vec<u32> {
+        let (g, _) = self
+            .locate(k)
+            .expect("a histogram of every bin holds every rank");
+        let end = self.lo + self.counts.len() as u32;
+        let below = (0..g).rev().find(|&b| self.count(b) > 0);
+        let above = (g + 1..end).find(|&b| self.count(b) > 0);
+        [Some(g), below, above].into_iter().flatten().collect()
+    }
+}
+
+/// One any-order pass over a sample of one chunk in `every` (1: all): for each agent with a band
+/// `bands[t]`, the histogram of the high 16 bits of its magnitude keys in the band (keys above
+/// and zeros only counted, with vector compares; RL task vectors are mostly zero), which bins of
+/// the band hold keys with low bits set, and for each bin in `follow[t]` its count per chunk
+/// (from the histogram's growth, so free per element). Each worker counts in its own state, and
+/// only the bins its keys reached are summed after.
 fn histogram_pass(
     scan: &mut dyn Scans,
     delta: bool,
     (agents, numel): (usize, u64),
     every: usize,
-    histogram: &[bool],
+    bands: &[Option<Band>],
     follow: &[Vec<u32>],
 ) -> Result<Vec<Histogram>> {
     let workers = scan.workers();
     let fresh = |t: usize| AgentPass {
         // The magnitude key's top bit is clear: 2^15 high bins.
         high: Bins16::new(BINS / 2, numel / every as u64),
+        tally: BandTally::NONE,
         seen: 0,
-        mixed: vec![false; BINS / 2],
+        mixed: vec![0; BINS / 2 / 64],
         follow: follow[t].iter().map(|&b| (b, 0, Vec::new())).collect(),
     };
     let states = worker_states(workers, agents, |_| None::<AgentPass>);
     scan.any_order(every, &|w, t, c| {
-        if !histogram[t] {
+        let Some(band) = bands[t] else {
             return;
-        }
+        };
         let mut guard = lock(&states[w * agents + t]);
         let AgentPass {
             high,
+            tally,
             seen,
             mixed,
             follow,
         } = guard.get_or_insert_with(|| fresh(t));
         let v = c.v(delta);
         *seen += v.len() as u64;
-        let (mut nonzero, mut low) = ([0u64; SCAN_CHUNK / 64], [0u64; SCAN_CHUNK / 64]);
+        let (mut inside, mut low) = ([0u64; SCAN_CHUNK / 64], [0u64; SCAN_CHUNK / 64]);
         let words = v.len().div_ceil(64);
-        key_and_low_bits(v, &mut nonzero[..words], &mut low[..words]);
+        tally.add(band_bits(v, band, &mut inside[..words], &mut low[..words]));
         let mut adder = high.adder();
-        for (w, (&n, &l)) in nonzero[..words].iter().zip(&low[..words]).enumerate() {
+        for (w, (&n, &l)) in inside[..words].iter().zip(&low[..words]).enumerate() {
             let mut n = n;
             while n != 0 {
                 let i = w * 64 + n.trailing_zeros() as usize;
@@ -787,8 +965,8 @@ fn histogram_pass(
             // Low bits set: rare where task vectors come from 16-bit weights.
             let mut l = l;
             while l != 0 {
-                let i = w * 64 + l.trailing_zeros() as usize;
-                mixed[(magnitude_key(v[i]) >> 16) as usize] = true;
+                let bin = magnitude_key(v[w * 64 + l.trailing_zeros() as usize]) >> 16;
+                mixed[bin as usize / 64] |= 1 << (bin % 64);
                 l &= l - 1;
             }
         }
@@ -803,35 +981,47 @@ fn histogram_pass(
     let mut parts: Vec<Option<AgentPass>> = states.into_iter().map(unlock).collect();
     Ok((0..agents)
         .map(|t| {
+            let mine: Vec<AgentPass> = (0..workers)
+                .filter_map(|w| parts[w * agents + t].take())
+                .collect();
+            let mut tally = BandTally::NONE;
+            mine.iter().for_each(|p| tally.add(p.tally));
+            let lo = if tally.min == u32::MAX {
+                0
+            } else {
+                tally.min >> 16
+            };
+            let bins = if tally.min == u32::MAX {
+                0
+            } else {
+                (tally.max >> 16) - lo + 1
+            };
             let mut h = Histogram {
-                high: Vec::new(),
+                above: tally.above,
+                below: 0,
+                zeros: tally.zeros,
+                lo,
+                counts: vec![0; bins as usize],
                 seen: 0,
-                mixed: Vec::new(),
+                mixed: vec![0; BINS / 2 / 64],
                 chunks: follow[t].iter().map(|&b| (b, Vec::new())).collect(),
             };
-            if !histogram[t] {
-                return h;
-            }
-            h.high = vec![0u64; BINS / 2];
-            h.mixed = vec![false; BINS / 2];
-            for w in 0..workers {
-                if let Some(part) = parts[w * agents + t].take() {
-                    part.high.drain_into(&mut h.high);
-                    h.seen += part.seen;
-                    h.mixed
-                        .iter_mut()
-                        .zip(&part.mixed)
-                        .for_each(|(a, &b)| *a |= b);
-                    for ((_, all), (_, _, mine)) in h.chunks.iter_mut().zip(part.follow) {
-                        all.extend(mine);
-                    }
+            for part in mine {
+                h.seen += part.seen;
+                part.high.drain_range(lo as usize, &mut h.counts);
+                h.mixed
+                    .iter_mut()
+                    .zip(&part.mixed)
+                    .for_each(|(a, &b)| *a |= b);
+                for ((_, all), (_, _, mine)) in h.chunks.iter_mut().zip(part.follow) {
+                    all.extend(mine);
                 }
             }
             for (_, chunks) in &mut h.chunks {
                 chunks.sort_unstable_by_key(|&(start, _)| start);
             }
-            let counted: u64 = h.high.iter().sum();
-            h.high[0] += h.seen - counted;
+            let counted: u64 = h.counts.iter().sum();
+            h.below = h.seen - h.zeros - h.above - counted;
             h
         })
         .collect())
@@ -1675,28 +1865,116 @@ mod tests {
                     memory,
                 )
                 .unwrap()[0];
-                let mut order: Vec<usize> = (0..len).collect();
-                order.sort_by(|&a, &b| {
-                    let (ka, kb) = (magnitude_key(v[t][a]), magnitude_key(v[t][b]));
-                    kb.cmp(&ka)
-                        .then(if high_first { b.cmp(&a) } else { a.cmp(&b) })
-                });
-                // Which zeros a zero threshold keeps changes nothing (see `BinScan::resolve`).
-                let nonzero = |i: &usize| v[t][*i] != 0.0;
-                let mut want: Vec<usize> = order[..k as usize]
-                    .iter()
-                    .copied()
-                    .filter(nonzero)
-                    .collect();
-                want.sort();
                 let got: Vec<usize> = (0..len)
-                    .filter(|&i| cut.inside(magnitude_key(v[t][i]), i as u32))
-                    .filter(nonzero)
+                    .filter(|&i| cut.inside(magnitude_key(v[t][i]), i as u32) && v[t][i] != 0.0)
                     .collect();
                 assert_eq!(
-                    got, want,
+                    got,
+                    sorted_top(&v[t], k as usize, high_first),
                     "agent {t}, k {k}, high first {high_first}, memory {memory}, sample {sample_min}"
                 );
+            }
+        }
+    }
+
+    /// The top k of `v[t]` by magnitude, ties to the lower index (`high_first`: the higher), as a
+    /// sort finds them, zeros left out (which zeros a zero threshold keeps changes nothing).
+    fn sorted_top(v: &[f32], k: usize, high_first: bool) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..v.len()).collect();
+        order.sort_by(|&a, &b| {
+            let (ka, kb) = (magnitude_key(v[a]), magnitude_key(v[b]));
+            kb.cmp(&ka)
+                .then(if high_first { b.cmp(&a) } else { a.cmp(&b) })
+        });
+        let mut top: Vec<usize> = order[..k]
+            .iter()
+            .copied()
+            .filter(|&i| v[i] != 0.0)
+            .collect();
+        top.sort();
+        top
+    }
+
+    /// A sample that sees only the large values guesses a band that misses the cut: pass 1
+    /// counts again over every bin, and the cut is still exact.
+    #[test]
+    fn rank_cuts_survive_a_misleading_sample() {
+        let len = 40 * SCAN_CHUNK;
+        let mut rng = crate::demo::SplitMix64::new(11);
+        // The sampled chunks (every 16th) hold large magnitudes, the others small ones and zeros.
+        let v: Vec<f32> = (0..len)
+            .map(|i| {
+                let r = rng.next_f64();
+                let m = if (i / SCAN_CHUNK).is_multiple_of(SAMPLE_EVERY) {
+                    [8.0f32, 16.0][(r * 2.0) as usize]
+                } else if r < 0.3 {
+                    0.0
+                } else {
+                    [0.25f32, 0.5, 0.75][(r * 3.0) as usize]
+                };
+                if r < 0.5 {
+                    m
+                } else {
+                    -m
+                }
+            })
+            .collect();
+        for (k, high_first) in [(5_000, false), (30_000, false), (100_000, true)] {
+            for memory in [0, 1 << 20] {
+                let cut = rank_cuts_remembering(
+                    &mut scan_of(vec![v.clone()], 1000),
+                    true,
+                    (1, len as u64, 0),
+                    &[(0, k as u64, high_first)],
+                    memory,
+                )
+                .unwrap()[0];
+                let got: Vec<usize> = (0..len)
+                    .filter(|&i| cut.inside(magnitude_key(v[i]), i as u32) && v[i] != 0.0)
+                    .collect();
+                assert_eq!(got, sorted_top(&v, k, high_first), "k {k}, memory {memory}");
+            }
+        }
+    }
+
+    /// The vector and the scalar band scans agree on bits, counts and extremes, for bands from
+    /// bin 0, in the middle and at the top, with zeros, denormals and a NaN's key among the values.
+    #[test]
+    fn band_bits_vector_and_scalar_agree() {
+        let mut rng = crate::demo::SplitMix64::new(5);
+        let v: Vec<f32> = (0..1000)
+            .map(|i| match i % 50 {
+                0 => 0.0,
+                1 => -0.0,
+                2 => f32::from_bits(3),
+                3 => f32::from_bits(u32::MAX),
+                _ => ((rng.next_f64() - 0.5) * 4.0) as f32,
+            })
+            .collect();
+        let key_bin = |x: f32| magnitude_key(x) >> 16;
+        let bands = [
+            Band::ALL,
+            Band { lo: 0, hi: 0 },
+            Band::around(&[key_bin(0.3), key_bin(1.5)]),
+            Band::around(&[key_bin(1.0)]),
+            Band::around(&[Band::ALL.hi]),
+        ];
+        for band in bands {
+            for len in [0usize, 63, 64, 1000] {
+                let words = len.div_ceil(64);
+                let (mut a, mut b) = (
+                    (vec![0; words], vec![0; words]),
+                    (vec![0; words], vec![0; words]),
+                );
+                let fast = band_bits(&v[..len], band, &mut a.0, &mut a.1);
+                let slow = band_bits_scalar(&v[..len], band, &mut b.0, &mut b.1);
+                assert_eq!((fast, &a), (slow, &b), "band {band:?}, {len} values");
+                let inside = (0..len)
+                    .filter(|&i| a.0[i / 64] >> (i % 64) & 1 == 1)
+                    .count();
+                let zeros = v[..len].iter().filter(|&&x| magnitude_key(x) == 0).count();
+                assert!(inside as u64 + slow.zeros + slow.above <= len as u64);
+                assert_eq!(slow.zeros, zeros as u64);
             }
         }
     }
