@@ -17,6 +17,7 @@ use crate::method::stats::{
 use crate::method::{self, AgentCounts, BoostScope, Kind, Method, MethodConfig};
 use crate::recipe::{self, AgentSummary, InputChecksums, Recipe};
 use crate::report::{ProbeReport, TensorStats};
+use crate::simd::multiversion;
 use anyhow::{bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
@@ -718,14 +719,21 @@ impl ScanRows {
             &tile.agents[t][cs * size..(cs + cl) * size],
             &mut self.x[..cl],
         );
-        for ((d, &a), &b) in self.tau.iter_mut().zip(&self.x[..cl]).zip(&self.base[..cl]) {
-            *d = a - b;
-        }
+        difference(&self.x[..cl], &self.base[..cl], &mut self.tau[..cl]);
         AgentChunk {
             start: start + cs as u64,
             base: &self.base[..cl],
             x: &self.x[..cl],
             tau: &self.tau[..cl],
+        }
+    }
+}
+
+multiversion! {
+    /// `out[i]` = `x[i]` − `base[i]`.
+    fn difference(x: &[f32], base: &[f32], out: &mut [f32]) {
+        for ((d, &a), &b) in out.iter_mut().zip(x).zip(base) {
+            *d = a - b;
         }
     }
 }

@@ -1180,16 +1180,18 @@ pub fn build_spec(
         let l1_agent = |t: usize| rescale[t] && !ranked[t];
         let workers = scan.workers();
         let parts = worker_states(workers, n, |_| Vec::<(u64, f64, f64)>::new());
+        // Each worker's mask row, made once.
+        let masks = worker_states(workers, 1, |_| vec![0u32; SCAN_CHUNK]);
         scan.any_order(1, &|w, t, c| {
             if !l1_agent(t) {
                 return;
             }
             let v = c.v(delta);
-            let mut mask = [0u32; SCAN_CHUNK];
+            let mut mask = lock(&masks[w]);
             let mask = &mut mask[..v.len()];
             keep[t].mask_into(v, c.start as u32, &[], mask);
-            let sums = (abs_sum(v, None), abs_sum(v, Some(mask)));
-            lock(&parts[w * n + t]).push((c.start, sums.0, sums.1));
+            let (all, kept) = abs_sums(v, mask);
+            lock(&parts[w * n + t]).push((c.start, all, kept));
         })?;
         let mut parts: Vec<Vec<(u64, f64, f64)>> = parts.into_iter().map(unlock).collect();
         for (t, l) in l1.iter_mut().enumerate() {
@@ -1211,9 +1213,10 @@ pub fn build_spec(
                 let mut mask = [0u32; SCAN_CHUNK];
                 let mask = &mut mask[..v.len()];
                 keep[t].mask_into(v, c.start as u32, &[], mask);
+                let (all, kept) = abs_sums(v, mask);
                 let mut l = lock(&l1_state[t]);
-                l.0 += abs_sum(v, None);
-                l.1 += abs_sum(v, Some(mask));
+                l.0 += all;
+                l.1 += kept;
             }
             if want_rows && t == 0 {
                 let mut rows = lock(&rows_state);
@@ -1243,8 +1246,9 @@ pub fn build_spec(
                 row_ranks(v, rank_rows as usize, &mut ranks);
                 mask.resize(v.len(), 0);
                 keep[t].mask_into(v, tile.start as u32, &ranks, &mut mask);
-                l1[t].0 += abs_sum(v, None);
-                l1[t].1 += abs_sum(v, Some(&mask));
+                let (all, kept) = abs_sums(v, &mask);
+                l1[t].0 += all;
+                l1[t].1 += kept;
             }
             Ok(ControlFlow::Continue(()))
         })?;
@@ -1415,6 +1419,12 @@ multiversion! {
         }
         total
     }
+}
+
+/// (Σ|x|, Σ|x| of the kept x) over a chunk, `mask` all ones where x is kept ([`abs_sum`] twice:
+/// LLVM vectorizes the two sums in one loop poorly).
+fn abs_sums(values: &[f32], mask: &[u32]) -> (f64, f64) {
+    (abs_sum(values, None), abs_sum(values, Some(mask)))
 }
 
 /// The row length of DELLA's ranks for a tensor of `shape` (0 when no keep rule ranks rows):
