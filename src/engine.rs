@@ -3,7 +3,7 @@
 //! [`Backend`], and stream the merged bytes into the output checkpoint.
 
 use crate::backend::{ranges, Backend, CombineParams, MergeParams, Tile, TileCounts};
-use crate::checkpoint::dtype::{decode, decode_one, encode, first_nonfinite};
+use crate::checkpoint::dtype::{decode, decode_minus, decode_one, encode, first_nonfinite};
 use crate::checkpoint::folder_files::copy_base_files;
 use crate::checkpoint::safetensors_file::crc32_of_file;
 use crate::checkpoint::{
@@ -17,7 +17,6 @@ use crate::method::stats::{
 use crate::method::{self, AgentCounts, BoostScope, Kind, Method, MethodConfig};
 use crate::recipe::{self, AgentSummary, InputChecksums, Recipe};
 use crate::report::{ProbeReport, TensorStats};
-use crate::simd::multiversion;
 use anyhow::{bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
@@ -704,6 +703,20 @@ impl ScanRows {
         );
     }
 
+    /// Agent `t`'s values over the same elements: τ (after [`Self::load_base`]) with `delta`,
+    /// else θ.
+    fn values(&mut self, tile: &Tile, t: usize, (cs, cl): (usize, usize), delta: bool) -> &[f32] {
+        let size = tile.dtype.size();
+        let bytes = &tile.agents[t][cs * size..(cs + cl) * size];
+        if delta {
+            decode_minus(tile.dtype, bytes, &self.base[..cl], &mut self.tau[..cl]);
+            &self.tau[..cl]
+        } else {
+            decode(tile.dtype, bytes, &mut self.x[..cl]);
+            &self.x[..cl]
+        }
+    }
+
     /// Agent `t`'s chunk over the same elements (after [`Self::load_base`]); the tile starts at
     /// element `start` of the tensor.
     fn agent(
@@ -714,26 +727,14 @@ impl ScanRows {
         (cs, cl): (usize, usize),
     ) -> AgentChunk<'_> {
         let size = tile.dtype.size();
-        decode(
-            tile.dtype,
-            &tile.agents[t][cs * size..(cs + cl) * size],
-            &mut self.x[..cl],
-        );
-        difference(&self.x[..cl], &self.base[..cl], &mut self.tau[..cl]);
+        let bytes = &tile.agents[t][cs * size..(cs + cl) * size];
+        decode(tile.dtype, bytes, &mut self.x[..cl]);
+        decode_minus(tile.dtype, bytes, &self.base[..cl], &mut self.tau[..cl]);
         AgentChunk {
             start: start + cs as u64,
             base: &self.base[..cl],
             x: &self.x[..cl],
             tau: &self.tau[..cl],
-        }
-    }
-}
-
-multiversion! {
-    /// `out[i]` = `x[i]` − `base[i]`.
-    fn difference(x: &[f32], base: &[f32], out: &mut [f32]) {
-        for ((d, &a), &b) in out.iter_mut().zip(x).zip(base) {
-            *d = a - b;
         }
     }
 }
@@ -747,7 +748,7 @@ impl Scans for TensorScans<'_> {
         rayon::current_num_threads()
     }
 
-    fn any_order(&mut self, every: usize, visit: &AnyOrderVisit) -> Result<()> {
+    fn any_order(&mut self, every: usize, delta: bool, visit: &AnyOrderVisit) -> Result<()> {
         let workers = self.workers();
         let ids = AtomicUsize::new(0);
         let pass = Pass {
@@ -771,9 +772,12 @@ impl Scans for TensorScans<'_> {
             },
             |(id, rows), _, start, tile| {
                 for chunk in ranges(tile.len, SCAN_CHUNK) {
-                    rows.load_base(tile, chunk);
+                    if delta {
+                        rows.load_base(tile, chunk);
+                    }
                     for t in 0..tile.agents.len() {
-                        visit(*id, t, &rows.agent(tile, t, start, chunk));
+                        let v = rows.values(tile, t, chunk, delta);
+                        visit(*id, t, start + chunk.0 as u64, v);
                     }
                 }
                 Ok(())

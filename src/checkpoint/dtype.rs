@@ -105,6 +105,33 @@ multiversion! {
 }
 
 multiversion! {
+    /// `out[i]` = element i of `bytes` − `base[i]`: a task vector decoded, in one pass over the
+    /// bytes where the format allows (the same values as [`decode`] then subtracting).
+    pub fn decode_minus(dtype: DType, bytes: &[u8], base: &[f32], out: &mut [f32]) {
+        debug_assert_eq!(bytes.len(), out.len() * dtype.size());
+        let base = &base[..out.len()];
+        match dtype {
+            DType::BF16 => {
+                for ((o, b), &z) in out.iter_mut().zip(bytes.chunks_exact(2)).zip(base) {
+                    *o = bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]])) - z;
+                }
+            }
+            DType::F16 => {
+                decode(dtype, bytes, out);
+                for (o, &z) in out.iter_mut().zip(base) {
+                    *o -= z;
+                }
+            }
+            DType::F32 => {
+                for ((o, b), &z) in out.iter_mut().zip(bytes.chunks_exact(4)).zip(base) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]) - z;
+                }
+            }
+        }
+    }
+}
+
+multiversion! {
     /// Encodes `values` into little-endian `out` of `dtype`, rounding to nearest even once.
     pub fn encode(dtype: DType, values: &[f32], out: &mut [u8]) {
         debug_assert_eq!(out.len(), values.len() * dtype.size());

@@ -48,8 +48,9 @@ impl AgentChunk<'_> {
 /// What a per-agent scan does with agent `t`'s next chunk: `Break` when that agent is done.
 pub type AgentVisit<'v> = dyn Fn(usize, &AgentChunk) -> ControlFlow<()> + Sync + 'v;
 
-/// What an any-order scan does with a chunk: `(worker, agent, chunk)`.
-pub type AnyOrderVisit<'v> = dyn Fn(usize, usize, &AgentChunk) + Sync + 'v;
+/// What an any-order scan does with a chunk: `(worker, agent, tensor index of the chunk's first
+/// element, the agent's values there)`.
+pub type AnyOrderVisit<'v> = dyn Fn(usize, usize, u64, &[f32]) + Sync + 'v;
 
 /// The ways to scan a tensor's tiles.
 pub trait Scans {
@@ -66,8 +67,9 @@ pub trait Scans {
     /// [`SCAN_CHUNK`] (the last may be shorter), in any order, on [`Self::workers`] threads at
     /// once — for statistics that do not depend on order (counts), or that keep a result per
     /// chunk and combine them in order. The fastest scan: every core busy, each tile read once.
-    /// With `every` > 1, a sample: about one chunk in `every`, spread over the tensor.
-    fn any_order(&mut self, every: usize, visit: &AnyOrderVisit) -> Result<()>;
+    /// With `every` > 1, a sample: about one chunk in `every`, spread over the tensor. The values
+    /// are task vectors τ with `delta`, else the agents' θ.
+    fn any_order(&mut self, every: usize, delta: bool, visit: &AnyOrderVisit) -> Result<()>;
 }
 
 /// Per-(worker, agent) states of an any-order scan, at `worker * agents + agent`: each is only
@@ -937,7 +939,7 @@ fn histogram_pass(
         follow: follow[t].iter().map(|&b| (b, 0, Vec::new())).collect(),
     };
     let states = worker_states(workers, agents, |_| None::<AgentPass>);
-    scan.any_order(every, &|w, t, c| {
+    scan.any_order(every, delta, &|w, t, start, v| {
         let Some(band) = bands[t] else {
             return;
         };
@@ -949,7 +951,6 @@ fn histogram_pass(
             mixed,
             follow,
         } = guard.get_or_insert_with(|| fresh(t));
-        let v = c.v(delta);
         *seen += v.len() as u64;
         let (mut inside, mut low) = ([0u64; SCAN_CHUNK / 64], [0u64; SCAN_CHUNK / 64]);
         let words = v.len().div_ceil(64);
@@ -973,7 +974,7 @@ fn histogram_pass(
         for (bin, before, chunks) in follow.iter_mut() {
             let now = high.count(*bin);
             if now > *before {
-                chunks.push((c.start, (now - *before) as u32));
+                chunks.push((start, (now - *before) as u32));
                 *before = now;
             }
         }
@@ -1047,14 +1048,14 @@ fn bin_scans(
             .collect()
     };
     let states = worker_states(workers, agents, |_| None::<Vec<BinScan>>);
-    scan.any_order(1, &|w, t, c| {
+    scan.any_order(1, delta, &|w, t, start, v| {
         if bins[t].is_empty() {
             return;
         }
         let mut guard = lock(&states[w * agents + t]);
         let records = guard.get_or_insert_with(|| fresh(t, per_worker));
         for r in records.iter_mut() {
-            r.scan_chunk(c.v(delta), c.start);
+            r.scan_chunk(v, start);
         }
     })?;
     let mut parts: Vec<Option<Vec<BinScan>>> = states.into_iter().map(unlock).collect();
@@ -1182,16 +1183,15 @@ pub fn build_spec(
         let parts = worker_states(workers, n, |_| Vec::<(u64, f64, f64)>::new());
         // Each worker's mask row, made once.
         let masks = worker_states(workers, 1, |_| vec![0u32; SCAN_CHUNK]);
-        scan.any_order(1, &|w, t, c| {
+        scan.any_order(1, delta, &|w, t, start, v| {
             if !l1_agent(t) {
                 return;
             }
-            let v = c.v(delta);
             let mut mask = lock(&masks[w]);
             let mask = &mut mask[..v.len()];
-            keep[t].mask_into(v, c.start as u32, &[], mask);
+            keep[t].mask_into(v, start as u32, &[], mask);
             let (all, kept) = abs_sums(v, mask);
-            lock(&parts[w * n + t]).push((c.start, all, kept));
+            lock(&parts[w * n + t]).push((start, all, kept));
         })?;
         let mut parts: Vec<Vec<(u64, f64, f64)>> = parts.into_iter().map(unlock).collect();
         for (t, l) in l1.iter_mut().enumerate() {
@@ -1778,13 +1778,14 @@ mod tests {
         }
 
         /// Last chunk first, the two workers taking turns.
-        fn any_order(&mut self, every: usize, visit: &AnyOrderVisit) -> Result<()> {
+        fn any_order(&mut self, every: usize, delta: bool, visit: &AnyOrderVisit) -> Result<()> {
             let len = self.v[0].len();
             let starts: Vec<usize> = (0..len).step_by(SCAN_CHUNK * every).collect();
             for (i, &start) in starts.iter().rev().enumerate() {
                 let end = (start + SCAN_CHUNK).min(len);
                 for t in 0..self.v.len() {
-                    visit(i % 2, t, &self.chunk(t, start, end));
+                    let c = self.chunk(t, start, end);
+                    visit(i % 2, t, start as u64, c.v(delta));
                 }
             }
             Ok(())
