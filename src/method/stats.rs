@@ -157,6 +157,8 @@ impl Bins16 {
         BinsAdder {
             counts: &mut self.counts,
             ways: self.ways,
+            // Counters per bin are 1 or 4: a shift, not a multiply.
+            shift: (self.ways + 1).trailing_zeros(),
         }
     }
 
@@ -178,19 +180,20 @@ impl Bins16 {
     }
 }
 
-/// Zeroed counter arrays of drained histograms, for the next ones ([`Bins16::drain_into`]).
+/// Zeroed counter arrays of drained histograms, for the next ones ([`Bins16::drain_range`]).
 static CLEAR_COUNTERS: Mutex<Vec<Vec<u32>>> = Mutex::new(Vec::new());
 
 /// [`Bins16::adder`].
 struct BinsAdder<'a> {
     counts: &'a mut [u32],
     ways: usize,
+    shift: u32,
 }
 
 impl BinsAdder<'_> {
     #[inline(always)]
     fn add(&mut self, bin: u32, index: usize) {
-        self.counts[bin as usize * (self.ways + 1) + (index & self.ways)] += 1;
+        self.counts[((bin as usize) << self.shift) | (index & self.ways)] += 1;
     }
 }
 
@@ -240,9 +243,10 @@ impl Band {
 struct BandTally {
     /// Keys above the band.
     above: u64,
-    /// Zero keys.
-    zeros: u64,
-    /// Smallest and largest non-zero key in the band (`u32::MAX`, 0 when none).
+    /// Keys in the band (non-zero).
+    inside: u64,
+    /// Smallest and largest key in the band (`u32::MAX`, 0 when none); for a band of every bin
+    /// exact, else the band's own bounds once it holds a key.
     min: u32,
     max: u32,
 }
@@ -250,14 +254,14 @@ struct BandTally {
 impl BandTally {
     const NONE: BandTally = BandTally {
         above: 0,
-        zeros: 0,
+        inside: 0,
         min: u32::MAX,
         max: 0,
     };
 
     fn add(&mut self, o: BandTally) {
         self.above += o.above;
-        self.zeros += o.zeros;
+        self.inside += o.inside;
         self.min = self.min.min(o.min);
         self.max = self.max.max(o.max);
     }
@@ -265,15 +269,22 @@ impl BandTally {
 
 /// Bit `i % 64` of `inside[i / 64]`: whether element i's magnitude key is non-zero and in
 /// `band`; of `low[i / 64]`: whether it is also not a multiple of 2^16 (its bin holds more than
-/// one key). Keys above the band and zero keys are only counted. With AVX2, eight elements per
-/// compare and `movemask` (compilers do not find that for bit packing); the same result either way.
+/// one key). Keys above the band are only counted; zeros and keys below it, neither (the rest).
+/// With AVX2, eight elements per compare and `movemask` (compilers do not find that for bit
+/// packing); the same result either way.
 fn band_bits(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) -> BandTally {
     let whole = v.len() / 64;
     let (blocks, rest) = v.split_at(whole * 64);
     #[cfg(target_arch = "x86_64")]
     let mut tally = if crate::simd::avx2() {
         // SAFETY: the CPU supports AVX2, checked just above; every block read is 64 elements.
-        unsafe { band_bits_avx2(blocks, band, inside, low) }
+        unsafe {
+            if band == Band::ALL {
+                band_bits_avx2::<true>(blocks, band, inside, low)
+            } else {
+                band_bits_avx2::<false>(blocks, band, inside, low)
+            }
+        }
     } else {
         band_bits_scalar(blocks, band, inside, low)
     };
@@ -288,47 +299,69 @@ fn band_bits(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) -> Band
     tally
 }
 
+/// The band's keys as [`band_bits`] reports them: exact for a band of every bin, else the band.
+fn band_extremes(band: Band, min: u32, max: u32, inside: u64) -> (u32, u32) {
+    match (inside, band == Band::ALL) {
+        (0, _) => (u32::MAX, 0),
+        (_, true) => (min, max),
+        (_, false) => band.keys(),
+    }
+}
+
 fn band_bits_scalar(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) -> BandTally {
     let (first, last) = band.keys();
-    let mut tally = BandTally::NONE;
+    let (mut above, mut count, mut min, mut max) = (0, 0, u32::MAX, 0);
     for ((x, n), l) in v.chunks(64).zip(inside.iter_mut()).zip(low.iter_mut()) {
         let (mut wn, mut wl) = (0u64, 0u64);
         for (i, &e) in x.iter().enumerate() {
             let key = magnitude_key(e);
-            let zero = key == 0;
-            let above = key > last;
-            let is_in = !zero & !above & (key >= first);
-            tally.zeros += zero as u64;
-            tally.above += above as u64;
+            above += (key > last) as u64;
+            let is_in = (key != 0) & (key <= last) & (key >= first);
             if is_in {
-                tally.min = tally.min.min(key);
-                tally.max = tally.max.max(key);
+                min = min.min(key);
+                max = max.max(key);
             }
             wn |= (is_in as u64) << i;
             wl |= ((is_in & (key & 0xffff != 0)) as u64) << i;
         }
+        count += wn.count_ones() as u64;
         *n = wn;
         *l = wl;
     }
-    tally
+    let (min, max) = band_extremes(band, min, max, count);
+    BandTally {
+        above,
+        inside: count,
+        min,
+        max,
+    }
 }
 
-/// [`band_bits`] over whole blocks of 64 elements.
+/// [`band_bits`] over whole blocks of 64 elements; the extremes only when `EXTREMES` (the band
+/// of every bin).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn band_bits_avx2(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) -> BandTally {
+fn band_bits_avx2<const EXTREMES: bool>(
+    v: &[f32],
+    band: Band,
+    inside: &mut [u64],
+    low: &mut [u64],
+) -> BandTally {
     use std::arch::x86_64::*;
-    let (first, last) = band.keys();
-    // Keys are below 2^31: signed compares order them. `first − 1` is −1 for the band from 0.
+    let (first, last_key) = band.keys();
+    // Keys are below 2^31: signed compares order them. From bin 0 on, a key is in the band
+    // unless zero; from a later bin, unless below its first key (then it is not zero either).
+    let from_zero = first == 0;
     let below_first = _mm256_set1_epi32(first as i32 - 1);
-    let last = _mm256_set1_epi32(last as i32);
+    let last = _mm256_set1_epi32(last_key as i32);
     let magnitude = _mm256_set1_epi32(0x7fff_ffff);
     let low_bits = _mm256_set1_epi32(0xffff);
     let zero = _mm256_setzero_si256();
     let none = _mm256_set1_epi32(i32::MAX);
     // Per-lane counts (a true compare is −1) and extremes, reduced at the end.
-    let (mut above, mut zeros) = (zero, zero);
+    let mut above = zero;
     let (mut min, mut max) = (none, zero);
+    let mut count = 0u64;
     for ((x, n), l) in v
         .chunks_exact(64)
         .zip(inside.iter_mut())
@@ -339,21 +372,28 @@ fn band_bits_avx2(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) ->
             // SAFETY: `group` holds eight f32 (32 bytes); unaligned loads are allowed.
             let bits = unsafe { _mm256_loadu_si256(group.as_ptr().cast()) };
             let key = _mm256_and_si256(bits, magnitude);
-            let is_zero = _mm256_cmpeq_epi32(key, zero);
             let is_above = _mm256_cmpgt_epi32(key, last);
-            let from_first = _mm256_cmpgt_epi32(key, below_first);
-            let is_in = _mm256_andnot_si256(_mm256_or_si256(is_zero, is_above), from_first);
+            let is_in = if from_zero {
+                _mm256_andnot_si256(
+                    _mm256_or_si256(_mm256_cmpeq_epi32(key, zero), is_above),
+                    _mm256_set1_epi32(-1),
+                )
+            } else {
+                _mm256_andnot_si256(is_above, _mm256_cmpgt_epi32(key, below_first))
+            };
             let low_zero = _mm256_cmpeq_epi32(_mm256_and_si256(key, low_bits), zero);
             let is_low = _mm256_andnot_si256(low_zero, is_in);
             above = _mm256_sub_epi32(above, is_above);
-            zeros = _mm256_sub_epi32(zeros, is_zero);
-            max = _mm256_max_epi32(max, _mm256_and_si256(key, is_in));
-            min = _mm256_min_epi32(min, _mm256_blendv_epi8(none, key, is_in));
+            if EXTREMES {
+                max = _mm256_max_epi32(max, _mm256_and_si256(key, is_in));
+                min = _mm256_min_epi32(min, _mm256_blendv_epi8(none, key, is_in));
+            }
             let mi = _mm256_movemask_ps(_mm256_castsi256_ps(is_in)) as u64;
             let ml = _mm256_movemask_ps(_mm256_castsi256_ps(is_low)) as u64;
             wn |= mi << (8 * g);
             wl |= ml << (8 * g);
         }
+        count += wn.count_ones() as u64;
         *n = wn;
         *l = wl;
     }
@@ -363,17 +403,15 @@ fn band_bits_avx2(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) ->
         unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), v) };
         out
     };
-    let min = lanes(min).into_iter().min().unwrap_or(i32::MAX);
-    let max = lanes(max).into_iter().max().unwrap_or(0) as u32;
+    let (lo, hi) = (
+        lanes(min).into_iter().min().unwrap_or(i32::MAX) as u32,
+        lanes(max).into_iter().max().unwrap_or(0) as u32,
+    );
+    let (min, max) = band_extremes(band, lo, hi, count);
     BandTally {
         above: lanes(above).iter().map(|&c| c as u64).sum(),
-        zeros: lanes(zeros).iter().map(|&c| c as u64).sum(),
-        // `i32::MAX` is also a key (a NaN's): then it is the largest one too.
-        min: if min == i32::MAX && max != i32::MAX as u32 {
-            u32::MAX
-        } else {
-            min as u32
-        },
+        inside: count,
+        min,
         max,
     }
 }
@@ -840,7 +878,7 @@ type ChunkCounts = Vec<(u64, u32)>;
 struct AgentPass {
     /// Histogram of the band's keys' high 16 bits (non-zero keys).
     high: Bins16,
-    /// Keys above the band, zeros, and the range of the band's keys.
+    /// Keys above and in the band, and the range of the band's keys.
     tally: BandTally,
     /// Elements seen.
     seen: u64,
@@ -850,13 +888,15 @@ struct AgentPass {
     follow: Vec<(u32, u64, ChunkCounts)>,
 }
 
-/// What pass 1 found for one agent: every key is zero, above the band, in one of its bins, or
-/// below it.
+/// What pass 1 found for one agent: every key is above the band, in one of its bins, or else
+/// (zero or below the band).
 struct Histogram {
-    /// Non-zero keys above the band and below it.
+    /// Keys above the band.
     above: u64,
-    below: u64,
-    zeros: u64,
+    /// Keys neither above nor in the band: zeros (then bin 0 holds them) when `rest_are_zeros`,
+    /// the band starting at bin 0.
+    rest: u64,
+    rest_are_zeros: bool,
     /// Non-zero keys per high bin, from bin `lo` on (the band's bins that have any).
     lo: u32,
     counts: Vec<u64>,
@@ -874,7 +914,12 @@ impl Histogram {
         let counted = bin
             .checked_sub(self.lo)
             .and_then(|i| self.counts.get(i as usize));
-        counted.copied().unwrap_or(0) + if bin == 0 { self.zeros } else { 0 }
+        let zeros = if bin == 0 && self.rest_are_zeros {
+            self.rest
+        } else {
+            0
+        };
+        counted.copied().unwrap_or(0) + zeros
     }
 
     fn mixed(&self, bin: u32) -> bool {
@@ -895,11 +940,9 @@ impl Histogram {
             }
             above += c;
         }
-        if above + self.below >= k {
-            return None;
-        }
-        // Only zeros are left, in bin 0 (not among the counted bins, or it would have held them).
-        Some((0, above + self.below))
+        // Only zeros can be left, in bin 0 (not among the counted bins, or it would have held
+        // them), if the band starts there.
+        self.rest_are_zeros.then_some((0, above))
     }
 
     /// The guessed bins of a cut at rank `k` of this (sampled, whole) histogram: the bin holding
@@ -917,7 +960,8 @@ impl Histogram {
 
 /// One any-order pass over a sample of one chunk in `every` (1: all): for each agent with a band
 /// `bands[t]`, the histogram of the high 16 bits of its magnitude keys in the band (keys above
-/// and zeros only counted, with vector compares; RL task vectors are mostly zero), which bins of
+/// only counted, with vector compares, and zeros not even that; RL task vectors are mostly
+/// zero), which bins of
 /// the band hold keys with low bits set, and for each bin in `follow[t]` its count per chunk
 /// (from the histogram's growth, so free per element). Each worker counts in its own state, and
 /// only the bins its keys reached are summed after.
@@ -999,8 +1043,8 @@ fn histogram_pass(
             };
             let mut h = Histogram {
                 above: tally.above,
-                below: 0,
-                zeros: tally.zeros,
+                rest: 0,
+                rest_are_zeros: bands[t].is_some_and(|b| b.lo == 0),
                 lo,
                 counts: vec![0; bins as usize],
                 seen: 0,
@@ -1021,8 +1065,8 @@ fn histogram_pass(
             for (_, chunks) in &mut h.chunks {
                 chunks.sort_unstable_by_key(|&(start, _)| start);
             }
-            let counted: u64 = h.counts.iter().sum();
-            h.below = h.seen - h.zeros - h.above - counted;
+            h.rest = h.seen - h.above - tally.inside;
+            debug_assert_eq!(tally.inside, h.counts.iter().sum::<u64>());
             h
         })
         .collect())
@@ -1980,12 +2024,17 @@ mod tests {
                 let fast = band_bits(&v[..len], band, &mut a.0, &mut a.1);
                 let slow = band_bits_scalar(&v[..len], band, &mut b.0, &mut b.1);
                 assert_eq!((fast, &a), (slow, &b), "band {band:?}, {len} values");
-                let inside = (0..len)
-                    .filter(|&i| a.0[i / 64] >> (i % 64) & 1 == 1)
-                    .count();
-                let zeros = v[..len].iter().filter(|&&x| magnitude_key(x) == 0).count();
-                assert!(inside as u64 + slow.zeros + slow.above <= len as u64);
-                assert_eq!(slow.zeros, zeros as u64);
+                let (first, last) = band.keys();
+                let keys = v[..len].iter().map(|&x| magnitude_key(x));
+                let inside = keys.clone().filter(|&k| k != 0 && k >= first && k <= last);
+                let bits = (0..len).filter(|&i| a.0[i / 64] >> (i % 64) & 1 == 1);
+                assert_eq!(slow.inside, bits.count() as u64);
+                assert_eq!(slow.inside, inside.clone().count() as u64);
+                assert_eq!(slow.above, keys.filter(|&k| k > last).count() as u64);
+                if band == Band::ALL && slow.inside > 0 {
+                    assert_eq!(slow.min, inside.clone().min().unwrap());
+                    assert_eq!(slow.max, inside.max().unwrap());
+                }
             }
         }
     }
