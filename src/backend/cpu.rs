@@ -248,8 +248,9 @@ multiversion! {
                     (agent, spec.delta.then_some(&*base)),
                     (first as u32, ranks),
                     row[1 + t],
-                    &mut s.d[t * CHUNK..t * CHUNK + len],
                     sum,
+                    // The consensus reads the terms again.
+                    spec.consensus.then(|| &mut s.d[t * CHUNK..t * CHUNK + len]),
                     t == 0,
                 );
             }

@@ -218,18 +218,19 @@ multiversion! {
 }
 
 multiversion! {
-    /// One agent's term of the sum, in one pass: `d[i]` = (v·c where kept, else +0.0) with
+    /// One agent's term of the sum, in one pass: d = v·c where kept, else +0.0, with
     /// v = x[i] − base[i] (x[i] without a base) for `values` = (x, base), element i being
-    /// `first + i` of row rank `ranks[i]` for `at` = (first, ranks), and `sum[i]` += `d[i]` (from +0.0 when
-    /// `first_term`, so no row needs clearing before). The same IEEE operations as
-    /// [`Keep::mask_into`] then scaling and adding row by row.
+    /// `first + i` of row rank `ranks[i]` for `at` = (first, ranks); `sum[i]` += d (from +0.0
+    /// when `first_term`, so no row needs clearing before), and `terms[i]` = d when a consensus
+    /// needs the terms again. The same IEEE operations as [`Keep::mask_into`] then scaling and
+    /// adding row by row.
     pub fn keep_scale_add(
         keep: Keep,
         values: (&[f32], Option<&[f32]>),
         at: (u32, &[u32]),
         c: f32,
-        d: &mut [f32],
         sum: &mut [f32],
+        terms: Option<&mut [f32]>,
         first_term: bool,
     ) {
         #[inline(always)]
@@ -238,31 +239,37 @@ multiversion! {
             v: impl Fn(usize) -> f32,
             (first, ranks): (u32, &[u32]),
             c: f32,
-            d: &mut [f32],
             sum: &mut [f32],
+            terms: Option<&mut [f32]>,
             first_term: bool,
         ) {
-            let sum = &mut sum[..d.len()];
+            let n = sum.len();
             let scaled = |i: usize, m: u32| f32::from_bits((v(i) * c).to_bits() & m);
-            if first_term {
-                keep_lanes(keep, d.len(), &v, first, ranks, |i, m| {
+            // One loop per case, so none tests the case per element.
+            match (terms, first_term) {
+                (Some(d), true) => keep_lanes(keep, n, &v, first, ranks, |i, m| {
                     d[i] = scaled(i, m);
                     sum[i] = 0.0 + d[i];
-                });
-            } else {
-                keep_lanes(keep, d.len(), &v, first, ranks, |i, m| {
+                }),
+                (Some(d), false) => keep_lanes(keep, n, &v, first, ranks, |i, m| {
                     d[i] = scaled(i, m);
                     sum[i] += d[i];
-                });
+                }),
+                (None, true) => keep_lanes(keep, n, &v, first, ranks, |i, m| {
+                    sum[i] = 0.0 + scaled(i, m);
+                }),
+                (None, false) => keep_lanes(keep, n, &v, first, ranks, |i, m| {
+                    sum[i] += scaled(i, m);
+                }),
             }
         }
-        let x = &values.0[..d.len()];
+        let x = &values.0[..sum.len()];
         match values.1 {
             Some(b) => {
                 let b = &b[..x.len()];
-                term(keep, |i| x[i] - b[i], at, c, d, sum, first_term)
+                term(keep, |i| x[i] - b[i], at, c, sum, terms, first_term)
             }
-            None => term(keep, |i| x[i], at, c, d, sum, first_term),
+            None => term(keep, |i| x[i], at, c, sum, terms, first_term),
         }
     }
 }
