@@ -1,25 +1,53 @@
 //! Run-time choice of the instruction set for the hot loops.
 //!
 //! The kernels are plain Rust loops written so the compiler vectorizes them. [`multiversion!`]
-//! compiles such a function twice on x86-64, for the baseline (SSE2) and for AVX2, and picks the
-//! AVX2 build at run time where the CPU has it. On arm64 the baseline already has NEON. The
-//! results cannot differ: both builds perform the same IEEE operations on the same values (Rust
-//! never contracts `a * b + c` into a fused multiply-add), only more lanes at a time.
+//! compiles such a function three times on x86-64 — for the baseline (SSE2), for AVX2 and for
+//! AVX-512 (F, BW, VL) — and calls the widest build the CPU runs. On arm64 the baseline already
+//! has NEON. The results cannot differ: every build performs the same IEEE operations on the same
+//! values (Rust never contracts `a * b + c` into a fused multiply-add), only more lanes at a time.
 //!
-//! `RLMERGE_SIMD=baseline` turns the AVX2 builds off (the tests compare both).
+//! `RLMERGE_SIMD=baseline` or `RLMERGE_SIMD=avx2` caps the builds used (the tests compare them).
 
-/// Whether the AVX2 builds run: the CPU has AVX2 and `RLMERGE_SIMD` is not `baseline`.
-#[cfg(target_arch = "x86_64")]
-pub fn avx2() -> bool {
-    static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVX2.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx2")
-            && std::env::var("RLMERGE_SIMD").map_or(true, |v| v != "baseline")
+/// The instruction sets the kernels are built for, narrowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    Baseline,
+    Avx2,
+    Avx512,
+}
+
+/// The widest build the CPU runs, capped by `RLMERGE_SIMD` (`baseline`, `avx2`).
+pub fn level() -> Level {
+    static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let cap = match std::env::var("RLMERGE_SIMD").as_deref() {
+            Ok("baseline") => Level::Baseline,
+            Ok("avx2") => Level::Avx2,
+            _ => Level::Avx512,
+        };
+        detected().min(cap)
     })
 }
 
-/// Defines a function whose body is compiled for the baseline and for AVX2, and calls the AVX2
-/// build where the CPU supports it (see the module docs). No generic parameters.
+#[cfg(target_arch = "x86_64")]
+fn detected() -> Level {
+    use std::arch::is_x86_feature_detected as has;
+    if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx2") {
+        Level::Avx512
+    } else if has!("avx2") {
+        Level::Avx2
+    } else {
+        Level::Baseline
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detected() -> Level {
+    Level::Baseline
+}
+
+/// Defines a function whose body is compiled for the baseline, AVX2 and AVX-512, and calls the
+/// widest build [`level`] allows (see the module docs). No generic parameters.
 macro_rules! multiversion {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$meta])*
@@ -32,9 +60,16 @@ macro_rules! multiversion {
                 fn avx2($($arg: $ty),*) $(-> $ret)? {
                     body($($arg),*)
                 }
-                if $crate::simd::avx2() {
-                    // SAFETY: the CPU supports AVX2, checked just above.
-                    return unsafe { avx2($($arg),*) };
+                #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+                fn avx512($($arg: $ty),*) $(-> $ret)? {
+                    body($($arg),*)
+                }
+                match $crate::simd::level() {
+                    // SAFETY: the CPU supports AVX-512 F/BW/VL, detected by `level`.
+                    $crate::simd::Level::Avx512 => return unsafe { avx512($($arg),*) },
+                    // SAFETY: the CPU supports AVX2, detected by `level`.
+                    $crate::simd::Level::Avx2 => return unsafe { avx2($($arg),*) },
+                    $crate::simd::Level::Baseline => {}
                 }
             }
             body($($arg),*)

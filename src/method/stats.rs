@@ -276,7 +276,7 @@ fn band_bits(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) -> Band
     let whole = v.len() / 64;
     let (blocks, rest) = v.split_at(whole * 64);
     #[cfg(target_arch = "x86_64")]
-    let mut tally = if crate::simd::avx2() {
+    let mut tally = if crate::simd::level() >= crate::simd::Level::Avx2 {
         // SAFETY: the CPU supports AVX2, checked just above; every block read is 64 elements.
         unsafe {
             if band == Band::ALL {
