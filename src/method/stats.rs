@@ -270,23 +270,25 @@ impl BandTally {
 /// Bit `i % 64` of `inside[i / 64]`: whether element i's magnitude key is non-zero and in
 /// `band`; of `low[i / 64]`: whether it is also not a multiple of 2^16 (its bin holds more than
 /// one key). Keys above the band are only counted; zeros and keys below it, neither (the rest).
-/// With AVX2, eight elements per compare and `movemask` (compilers do not find that for bit
-/// packing); the same result either way.
+/// With AVX2, eight elements per compare and `movemask`; with AVX-512, sixteen per compare into
+/// mask registers (compilers do not find either for bit packing); the same result every way.
 fn band_bits(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) -> BandTally {
     let whole = v.len() / 64;
     let (blocks, rest) = v.split_at(whole * 64);
     #[cfg(target_arch = "x86_64")]
-    let mut tally = if crate::simd::level() >= crate::simd::Level::Avx2 {
-        // SAFETY: the CPU supports AVX2, checked just above; every block read is 64 elements.
-        unsafe {
-            if band == Band::ALL {
-                band_bits_avx2::<true>(blocks, band, inside, low)
-            } else {
-                band_bits_avx2::<false>(blocks, band, inside, low)
-            }
+    let mut tally = {
+        use crate::simd::{level, Level};
+        let all = band == Band::ALL;
+        match level() {
+            // SAFETY: the CPU supports AVX-512 F/BW/VL, detected by `level`; every block read
+            // is 64 elements.
+            Level::Avx512 if all => unsafe { band_bits_avx512::<true>(blocks, band, inside, low) },
+            Level::Avx512 => unsafe { band_bits_avx512::<false>(blocks, band, inside, low) },
+            // SAFETY: the CPU supports AVX2, detected by `level`; blocks of 64 elements.
+            Level::Avx2 if all => unsafe { band_bits_avx2::<true>(blocks, band, inside, low) },
+            Level::Avx2 => unsafe { band_bits_avx2::<false>(blocks, band, inside, low) },
+            Level::Baseline => band_bits_scalar(blocks, band, inside, low),
         }
-    } else {
-        band_bits_scalar(blocks, band, inside, low)
     };
     #[cfg(not(target_arch = "x86_64"))]
     let mut tally = band_bits_scalar(blocks, band, inside, low);
@@ -410,6 +412,69 @@ fn band_bits_avx2<const EXTREMES: bool>(
     let (min, max) = band_extremes(band, lo, hi, count);
     BandTally {
         above: lanes(above).iter().map(|&c| c as u64).sum(),
+        inside: count,
+        min,
+        max,
+    }
+}
+
+/// [`band_bits_avx2`] with AVX-512: sixteen elements per compare, straight into bit masks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+fn band_bits_avx512<const EXTREMES: bool>(
+    v: &[f32],
+    band: Band,
+    inside: &mut [u64],
+    low: &mut [u64],
+) -> BandTally {
+    use std::arch::x86_64::*;
+    let (first, last_key) = band.keys();
+    // As in `band_bits_avx2`: keys are below 2^31, so signed compares order them.
+    let from_zero = first == 0;
+    let below_first = _mm512_set1_epi32(first as i32 - 1);
+    let last = _mm512_set1_epi32(last_key as i32);
+    let magnitude = _mm512_set1_epi32(0x7fff_ffff);
+    let low_bits = _mm512_set1_epi32(0xffff);
+    let zero = _mm512_setzero_si512();
+    let (mut min, mut max) = (_mm512_set1_epi32(i32::MAX), zero);
+    let (mut above, mut count) = (0u64, 0u64);
+    for ((x, n), l) in v
+        .chunks_exact(64)
+        .zip(inside.iter_mut())
+        .zip(low.iter_mut())
+    {
+        let (mut wn, mut wl, mut wa) = (0u64, 0u64, 0u64);
+        for (g, group) in x.chunks_exact(16).enumerate() {
+            // SAFETY: `group` holds sixteen f32 (64 bytes); unaligned loads are allowed.
+            let bits = unsafe { _mm512_loadu_si512(group.as_ptr().cast()) };
+            let key = _mm512_and_si512(bits, magnitude);
+            let is_above = _mm512_cmpgt_epi32_mask(key, last);
+            let is_in = if from_zero {
+                !(_mm512_cmpeq_epi32_mask(key, zero) | is_above)
+            } else {
+                _mm512_cmpgt_epi32_mask(key, below_first) & !is_above
+            };
+            let is_low = _mm512_mask_test_epi32_mask(is_in, key, low_bits);
+            if EXTREMES {
+                max = _mm512_mask_max_epi32(max, is_in, max, key);
+                min = _mm512_mask_min_epi32(min, is_in, min, key);
+            }
+            wn |= (is_in as u64) << (16 * g);
+            wl |= (is_low as u64) << (16 * g);
+            wa |= (is_above as u64) << (16 * g);
+        }
+        count += wn.count_ones() as u64;
+        above += wa.count_ones() as u64;
+        *n = wn;
+        *l = wl;
+    }
+    let (lo, hi) = (
+        _mm512_reduce_min_epi32(min) as u32,
+        _mm512_reduce_max_epi32(max) as u32,
+    );
+    let (min, max) = band_extremes(band, lo, hi, count);
+    BandTally {
+        above,
         inside: count,
         min,
         max,
@@ -2024,6 +2089,39 @@ mod tests {
                 let fast = band_bits(&v[..len], band, &mut a.0, &mut a.1);
                 let slow = band_bits_scalar(&v[..len], band, &mut b.0, &mut b.1);
                 assert_eq!((fast, &a), (slow, &b), "band {band:?}, {len} values");
+                // Each vector build the CPU runs, over the whole blocks.
+                #[cfg(target_arch = "x86_64")]
+                {
+                    use std::arch::is_x86_feature_detected as has;
+                    let blocks = &v[..len / 64 * 64];
+                    let whole = blocks.len() / 64;
+                    let mut want = (vec![0; whole], vec![0; whole]);
+                    let want_tally = band_bits_scalar(blocks, band, &mut want.0, &mut want.1);
+                    let mut got = (vec![0; whole], vec![0; whole]);
+                    let all = band == Band::ALL;
+                    if has!("avx2") {
+                        // SAFETY: the CPU has AVX2; blocks of 64 elements.
+                        let t = unsafe {
+                            if all {
+                                band_bits_avx2::<true>(blocks, band, &mut got.0, &mut got.1)
+                            } else {
+                                band_bits_avx2::<false>(blocks, band, &mut got.0, &mut got.1)
+                            }
+                        };
+                        assert_eq!((t, &got), (want_tally, &want), "AVX2, band {band:?}");
+                    }
+                    if has!("avx512f") && has!("avx512bw") && has!("avx512vl") {
+                        // SAFETY: the CPU has AVX-512 F/BW/VL; blocks of 64 elements.
+                        let t = unsafe {
+                            if all {
+                                band_bits_avx512::<true>(blocks, band, &mut got.0, &mut got.1)
+                            } else {
+                                band_bits_avx512::<false>(blocks, band, &mut got.0, &mut got.1)
+                            }
+                        };
+                        assert_eq!((t, &got), (want_tally, &want), "AVX-512, band {band:?}");
+                    }
+                }
                 let (first, last) = band.keys();
                 let keys = v[..len].iter().map(|&x| magnitude_key(x));
                 let inside = keys.clone().filter(|&k| k != 0 && k >= first && k <= last);
