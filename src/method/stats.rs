@@ -245,25 +245,17 @@ struct BandTally {
     above: u64,
     /// Keys in the band (non-zero).
     inside: u64,
-    /// Smallest and largest key in the band (`u32::MAX`, 0 when none); for a band of every bin
-    /// exact, else the band's own bounds once it holds a key.
-    min: u32,
-    max: u32,
 }
 
 impl BandTally {
     const NONE: BandTally = BandTally {
         above: 0,
         inside: 0,
-        min: u32::MAX,
-        max: 0,
     };
 
     fn add(&mut self, o: BandTally) {
         self.above += o.above;
         self.inside += o.inside;
-        self.min = self.min.min(o.min);
-        self.max = self.max.max(o.max);
     }
 }
 
@@ -278,15 +270,12 @@ fn band_bits(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) -> Band
     #[cfg(target_arch = "x86_64")]
     let mut tally = {
         use crate::simd::{level, Level};
-        let all = band == Band::ALL;
         match level() {
             // SAFETY: the CPU supports AVX-512 F/BW/VL, detected by `level`; every block read
             // is 64 elements.
-            Level::Avx512 if all => unsafe { band_bits_avx512::<true>(blocks, band, inside, low) },
-            Level::Avx512 => unsafe { band_bits_avx512::<false>(blocks, band, inside, low) },
+            Level::Avx512 => unsafe { band_bits_avx512(blocks, band, inside, low) },
             // SAFETY: the CPU supports AVX2, detected by `level`; blocks of 64 elements.
-            Level::Avx2 if all => unsafe { band_bits_avx2::<true>(blocks, band, inside, low) },
-            Level::Avx2 => unsafe { band_bits_avx2::<false>(blocks, band, inside, low) },
+            Level::Avx2 => unsafe { band_bits_avx2(blocks, band, inside, low) },
             Level::Baseline => band_bits_scalar(blocks, band, inside, low),
         }
     };
@@ -301,28 +290,15 @@ fn band_bits(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) -> Band
     tally
 }
 
-/// The band's keys as [`band_bits`] reports them: exact for a band of every bin, else the band.
-fn band_extremes(band: Band, min: u32, max: u32, inside: u64) -> (u32, u32) {
-    match (inside, band == Band::ALL) {
-        (0, _) => (u32::MAX, 0),
-        (_, true) => (min, max),
-        (_, false) => band.keys(),
-    }
-}
-
 fn band_bits_scalar(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) -> BandTally {
     let (first, last) = band.keys();
-    let (mut above, mut count, mut min, mut max) = (0, 0, u32::MAX, 0);
+    let (mut above, mut count) = (0, 0);
     for ((x, n), l) in v.chunks(64).zip(inside.iter_mut()).zip(low.iter_mut()) {
         let (mut wn, mut wl) = (0u64, 0u64);
         for (i, &e) in x.iter().enumerate() {
             let key = magnitude_key(e);
             above += (key > last) as u64;
             let is_in = (key != 0) & (key <= last) & (key >= first);
-            if is_in {
-                min = min.min(key);
-                max = max.max(key);
-            }
             wn |= (is_in as u64) << i;
             wl |= ((is_in & (key & 0xffff != 0)) as u64) << i;
         }
@@ -330,25 +306,16 @@ fn band_bits_scalar(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) 
         *n = wn;
         *l = wl;
     }
-    let (min, max) = band_extremes(band, min, max, count);
     BandTally {
         above,
         inside: count,
-        min,
-        max,
     }
 }
 
-/// [`band_bits`] over whole blocks of 64 elements; the extremes only when `EXTREMES` (the band
-/// of every bin).
+/// [`band_bits`] over whole blocks of 64 elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn band_bits_avx2<const EXTREMES: bool>(
-    v: &[f32],
-    band: Band,
-    inside: &mut [u64],
-    low: &mut [u64],
-) -> BandTally {
+fn band_bits_avx2(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) -> BandTally {
     use std::arch::x86_64::*;
     let (first, last_key) = band.keys();
     // Keys are below 2^31: signed compares order them. From bin 0 on, a key is in the band
@@ -359,10 +326,8 @@ fn band_bits_avx2<const EXTREMES: bool>(
     let magnitude = _mm256_set1_epi32(0x7fff_ffff);
     let low_bits = _mm256_set1_epi32(0xffff);
     let zero = _mm256_setzero_si256();
-    let none = _mm256_set1_epi32(i32::MAX);
-    // Per-lane counts (a true compare is −1) and extremes, reduced at the end.
+    // Per-lane counts (a true compare is −1), reduced at the end.
     let mut above = zero;
-    let (mut min, mut max) = (none, zero);
     let mut count = 0u64;
     for ((x, n), l) in v
         .chunks_exact(64)
@@ -386,10 +351,6 @@ fn band_bits_avx2<const EXTREMES: bool>(
             let low_zero = _mm256_cmpeq_epi32(_mm256_and_si256(key, low_bits), zero);
             let is_low = _mm256_andnot_si256(low_zero, is_in);
             above = _mm256_sub_epi32(above, is_above);
-            if EXTREMES {
-                max = _mm256_max_epi32(max, _mm256_and_si256(key, is_in));
-                min = _mm256_min_epi32(min, _mm256_blendv_epi8(none, key, is_in));
-            }
             let mi = _mm256_movemask_ps(_mm256_castsi256_ps(is_in)) as u64;
             let ml = _mm256_movemask_ps(_mm256_castsi256_ps(is_low)) as u64;
             wn |= mi << (8 * g);
@@ -405,28 +366,16 @@ fn band_bits_avx2<const EXTREMES: bool>(
         unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), v) };
         out
     };
-    let (lo, hi) = (
-        lanes(min).into_iter().min().unwrap_or(i32::MAX) as u32,
-        lanes(max).into_iter().max().unwrap_or(0) as u32,
-    );
-    let (min, max) = band_extremes(band, lo, hi, count);
     BandTally {
         above: lanes(above).iter().map(|&c| c as u64).sum(),
         inside: count,
-        min,
-        max,
     }
 }
 
 /// [`band_bits_avx2`] with AVX-512: sixteen elements per compare, straight into bit masks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-fn band_bits_avx512<const EXTREMES: bool>(
-    v: &[f32],
-    band: Band,
-    inside: &mut [u64],
-    low: &mut [u64],
-) -> BandTally {
+fn band_bits_avx512(v: &[f32], band: Band, inside: &mut [u64], low: &mut [u64]) -> BandTally {
     use std::arch::x86_64::*;
     let (first, last_key) = band.keys();
     // As in `band_bits_avx2`: keys are below 2^31, so signed compares order them.
@@ -436,7 +385,6 @@ fn band_bits_avx512<const EXTREMES: bool>(
     let magnitude = _mm512_set1_epi32(0x7fff_ffff);
     let low_bits = _mm512_set1_epi32(0xffff);
     let zero = _mm512_setzero_si512();
-    let (mut min, mut max) = (_mm512_set1_epi32(i32::MAX), zero);
     let (mut above, mut count) = (0u64, 0u64);
     for ((x, n), l) in v
         .chunks_exact(64)
@@ -455,10 +403,6 @@ fn band_bits_avx512<const EXTREMES: bool>(
                 _mm512_cmpgt_epi32_mask(key, below_first) & !is_above
             };
             let is_low = _mm512_mask_test_epi32_mask(is_in, key, low_bits);
-            if EXTREMES {
-                max = _mm512_mask_max_epi32(max, is_in, max, key);
-                min = _mm512_mask_min_epi32(min, is_in, min, key);
-            }
             wn |= (is_in as u64) << (16 * g);
             wl |= (is_low as u64) << (16 * g);
             wa |= (is_above as u64) << (16 * g);
@@ -468,16 +412,9 @@ fn band_bits_avx512<const EXTREMES: bool>(
         *n = wn;
         *l = wl;
     }
-    let (lo, hi) = (
-        _mm512_reduce_min_epi32(min) as u32,
-        _mm512_reduce_max_epi32(max) as u32,
-    );
-    let (min, max) = band_extremes(band, lo, hi, count);
     BandTally {
         above,
         inside: count,
-        min,
-        max,
     }
 }
 
@@ -943,8 +880,11 @@ type ChunkCounts = Vec<(u64, u32)>;
 struct AgentPass {
     /// Histogram of the band's keys' high 16 bits (non-zero keys).
     high: Bins16,
-    /// Keys above and in the band, and the range of the band's keys.
+    /// Keys above and in the band.
     tally: BandTally,
+    /// The lowest and highest bin the band's keys reached (`u32::MAX`, 0 while none did): only
+    /// those counters are summed and cleared after.
+    reached: (u32, u32),
     /// Elements seen.
     seen: u64,
     /// Per high bin of the band, a bit: whether a key in it had low bits set.
@@ -1043,6 +983,7 @@ fn histogram_pass(
         // The magnitude key's top bit is clear: 2^15 high bins.
         high: Bins16::new(BINS / 2, numel / every as u64),
         tally: BandTally::NONE,
+        reached: (u32::MAX, 0),
         seen: 0,
         mixed: vec![0; BINS / 2 / 64],
         follow: follow[t].iter().map(|&b| (b, 0, Vec::new())).collect(),
@@ -1056,6 +997,7 @@ fn histogram_pass(
         let AgentPass {
             high,
             tally,
+            reached,
             seen,
             mixed,
             follow,
@@ -1065,11 +1007,14 @@ fn histogram_pass(
         let words = v.len().div_ceil(64);
         tally.add(band_bits(v, band, &mut inside[..words], &mut low[..words]));
         let mut adder = high.adder();
+        let (mut lowest, mut highest) = *reached;
         for (w, (&n, &l)) in inside[..words].iter().zip(&low[..words]).enumerate() {
             let mut n = n;
             while n != 0 {
                 let i = w * 64 + n.trailing_zeros() as usize;
-                adder.add(magnitude_key(v[i]) >> 16, i);
+                let bin = magnitude_key(v[i]) >> 16;
+                adder.add(bin, i);
+                (lowest, highest) = (lowest.min(bin), highest.max(bin));
                 n &= n - 1;
             }
             // Low bits set: rare where task vectors come from 16-bit weights.
@@ -1080,6 +1025,7 @@ fn histogram_pass(
                 l &= l - 1;
             }
         }
+        *reached = (lowest, highest);
         for (bin, before, chunks) in follow.iter_mut() {
             let now = high.count(*bin);
             if now > *before {
@@ -1096,15 +1042,12 @@ fn histogram_pass(
                 .collect();
             let mut tally = BandTally::NONE;
             mine.iter().for_each(|p| tally.add(p.tally));
-            let lo = if tally.min == u32::MAX {
-                0
+            let lowest = mine.iter().map(|p| p.reached.0).min().unwrap_or(u32::MAX);
+            let highest = mine.iter().map(|p| p.reached.1).max().unwrap_or(0);
+            let (lo, bins) = if lowest > highest {
+                (0, 0)
             } else {
-                tally.min >> 16
-            };
-            let bins = if tally.min == u32::MAX {
-                0
-            } else {
-                (tally.max >> 16) - lo + 1
+                (lowest, highest - lowest + 1)
             };
             let mut h = Histogram {
                 above: tally.above,
@@ -2098,27 +2041,14 @@ mod tests {
                     let mut want = (vec![0; whole], vec![0; whole]);
                     let want_tally = band_bits_scalar(blocks, band, &mut want.0, &mut want.1);
                     let mut got = (vec![0; whole], vec![0; whole]);
-                    let all = band == Band::ALL;
                     if has!("avx2") {
                         // SAFETY: the CPU has AVX2; blocks of 64 elements.
-                        let t = unsafe {
-                            if all {
-                                band_bits_avx2::<true>(blocks, band, &mut got.0, &mut got.1)
-                            } else {
-                                band_bits_avx2::<false>(blocks, band, &mut got.0, &mut got.1)
-                            }
-                        };
+                        let t = unsafe { band_bits_avx2(blocks, band, &mut got.0, &mut got.1) };
                         assert_eq!((t, &got), (want_tally, &want), "AVX2, band {band:?}");
                     }
                     if has!("avx512f") && has!("avx512bw") && has!("avx512vl") {
                         // SAFETY: the CPU has AVX-512 F/BW/VL; blocks of 64 elements.
-                        let t = unsafe {
-                            if all {
-                                band_bits_avx512::<true>(blocks, band, &mut got.0, &mut got.1)
-                            } else {
-                                band_bits_avx512::<false>(blocks, band, &mut got.0, &mut got.1)
-                            }
-                        };
+                        let t = unsafe { band_bits_avx512(blocks, band, &mut got.0, &mut got.1) };
                         assert_eq!((t, &got), (want_tally, &want), "AVX-512, band {band:?}");
                     }
                 }
@@ -2127,12 +2057,8 @@ mod tests {
                 let inside = keys.clone().filter(|&k| k != 0 && k >= first && k <= last);
                 let bits = (0..len).filter(|&i| a.0[i / 64] >> (i % 64) & 1 == 1);
                 assert_eq!(slow.inside, bits.count() as u64);
-                assert_eq!(slow.inside, inside.clone().count() as u64);
+                assert_eq!(slow.inside, inside.count() as u64);
                 assert_eq!(slow.above, keys.filter(|&k| k > last).count() as u64);
-                if band == Band::ALL && slow.inside > 0 {
-                    assert_eq!(slow.min, inside.clone().min().unwrap());
-                    assert_eq!(slow.max, inside.max().unwrap());
-                }
             }
         }
     }
