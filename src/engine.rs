@@ -304,58 +304,96 @@ fn for_each_tile(
     Ok(())
 }
 
-/// The tile loop of the probe and merge passes: every tile of `plan`, read for the base and the
-/// `present` agents and handed to `visit` on the workers `run_workers` starts (the backend's,
+/// One tensor's part in a tile loop ([`par_tiles`]): its plan, the agents read with the base,
+/// and its tile size.
+struct TensorTiles<'a> {
+    plan: &'a TensorPlan,
+    present: &'a [usize],
+    tile_elems: usize,
+}
+
+impl TensorTiles<'_> {
+    fn count(&self) -> usize {
+        tile_count(self.plan, self.tile_elems)
+    }
+}
+
+/// Tiles of `tile_elems` elements (at least one) that `plan` is cut into.
+fn tile_count(plan: &TensorPlan, tile_elems: usize) -> usize {
+    plan.numel().div_ceil(tile_elems.max(1))
+}
+
+/// Tiles a batch of tensors' tile loop should hold at least: the workers wait for each other
+/// only at the end of a batch, so small tensors (norms, biases) go together.
+const BATCH_TILES: usize = 256;
+
+/// The tile loop of the probe and merge passes: every tile of `tensors`, one tensor after the
+/// other, read for the base and the tensor's agents and handed to `visit` with (index in
+/// `tensors`, tile index, first element) on the workers `run_workers` starts (the backend's,
 /// [`Backend::run_workers`], or the CPU's for statistics); with `stride` > 1 only tiles 0,
-/// `stride`, 2·`stride`, … (a sample). Each worker has its own tile buffers and a `state` from `init`, and
-/// takes tile after tile, so reading, computing and writing a tile happen on one core while its
-/// bytes are in cache, and the cores never wait for each other. Tiles start in order and finish in
-/// any order. Returns the workers' states; on failure, the error of the earliest failing tile (the
-/// tiles before it all ran, so the same input always reports the same error).
+/// `stride`, 2·`stride`, … (a sample). Each worker has its own tile buffers and a `state` from
+/// `init`, and takes tile after tile, so reading, computing and writing a tile happen on one
+/// core while its bytes are in cache, and the cores wait for each other only at the end. Tiles
+/// start in order and finish in any order. Returns the workers' states; on failure, the error of
+/// the earliest failing tile (the tiles before it all ran, so the same input always reports the
+/// same error).
 #[allow(clippy::too_many_arguments)]
 fn par_tiles<S: Send>(
     inputs: &Inputs,
-    plan: &TensorPlan,
-    present: &[usize],
-    pass: &Pass,
+    tensors: &[TensorTiles],
+    scan_nonfinite: bool,
     run_workers: &dyn Fn(&(dyn Fn() + Sync)),
     progress: &ProgressBar,
     stride: usize,
     init: impl Fn() -> S + Sync,
-    visit: impl Fn(&mut S, usize, u64, &Tile) -> Result<()> + Sync,
+    visit: impl Fn(&mut S, usize, usize, u64, &Tile) -> Result<()> + Sync,
 ) -> Result<Vec<S>> {
-    let dtype = plan.base.entry.dtype;
-    let (numel, step) = (plan.numel(), pass.tile_elems.max(1));
-    let count = numel.div_ceil(step);
+    // The first tile of each tensor in the loop's numbering, then the end.
+    let firsts: Vec<usize> = std::iter::once(0)
+        .chain(tensors.iter().scan(0, |end, t| {
+            *end += t.count();
+            Some(*end)
+        }))
+        .collect();
+    let count = *firsts.last().expect("one entry at least");
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let first_error: Mutex<Option<(usize, anyhow::Error)>> = Mutex::new(None);
     let states = Mutex::new(Vec::new());
     let worker = || {
-        let mut buffers = TileBuffers::new(present.len());
+        let mut buffers = TileBuffers::new(inputs.agents.len());
         let mut state = init();
         loop {
-            let i = next.fetch_add(1, Ordering::Relaxed) * stride;
-            if i >= count || failed.load(Ordering::Relaxed) {
+            let g = next.fetch_add(1, Ordering::Relaxed) * stride;
+            if g >= count || failed.load(Ordering::Relaxed) {
                 break;
             }
+            let j = firsts.partition_point(|&f| f <= g) - 1;
+            let TensorTiles {
+                plan,
+                present,
+                tile_elems,
+            } = tensors[j];
+            let (i, step, numel) = (g - firsts[j], tile_elems.max(1), plan.numel());
             let (start, len) = (i * step, step.min(numel - i * step));
             let done = buffers.visit(
                 inputs,
                 plan,
                 present,
                 (start, len),
-                pass.scan_nonfinite,
+                scan_nonfinite,
                 false,
-                |tile| visit(&mut state, i, start as u64, tile),
+                |tile| visit(&mut state, j, i, start as u64, tile),
             );
             match done {
-                Ok(()) => progress.inc((len * dtype.size() * (1 + present.len())) as u64),
+                Ok(()) => {
+                    progress.inc((len * plan.base.entry.dtype.size() * (1 + present.len())) as u64)
+                }
                 Err(e) => {
                     failed.store(true, Ordering::Relaxed);
                     let mut first = first_error.lock().unwrap_or_else(|p| p.into_inner());
-                    if first.as_ref().is_none_or(|(j, _)| i < *j) {
-                        *first = Some((i, e));
+                    if first.as_ref().is_none_or(|(h, _)| g < *h) {
+                        *first = Some((g, e));
                     }
                 }
             }
@@ -369,43 +407,80 @@ fn par_tiles<S: Send>(
     Ok(states.into_inner().unwrap_or_else(|p| p.into_inner()))
 }
 
-/// Probes one tensor over all its tiles; the counts are indexed by global agent.
-fn probe_tensor(
+/// Probes `plans` over all their tiles in one tile loop; each one's counts are indexed by
+/// global agent.
+fn probe_tensors(
     inputs: &Inputs,
-    plan: &TensorPlan,
+    plans: &[&TensorPlan],
     backend: &dyn Backend,
     pass: &Pass,
     progress: &ProgressBar,
-) -> Result<TileCounts> {
+) -> Result<Vec<TileCounts>> {
     let n = inputs.agents.len();
-    let present = plan.present();
-    let mut local = TileCounts::zeros(present.len());
+    let presents: Vec<Vec<usize>> = plans.iter().map(|p| p.present()).collect();
+    let tensors: Vec<TensorTiles> = plans
+        .iter()
+        .zip(&presents)
+        .map(|(&plan, present)| TensorTiles {
+            plan,
+            present,
+            tile_elems: pass.tile_elems,
+        })
+        .collect();
+    let zeros = || -> Vec<TileCounts> {
+        presents
+            .iter()
+            .map(|p| TileCounts::zeros(p.len()))
+            .collect()
+    };
     let workers = par_tiles(
         inputs,
-        plan,
-        &present,
-        pass,
+        &tensors,
+        pass.scan_nonfinite,
         &|w| backend.run_workers(w),
         progress,
         1,
-        || TileCounts::zeros(present.len()),
-        |sum, i, _, tile| {
-            let counts = backend
-                .probe(tile, pass.epsilon)
-                .with_context(|| format!("probe of tensor '{}' failed at tile {i}", plan.name()))?;
-            sum.add(&counts);
+        zeros,
+        |sums, j, i, _, tile| {
+            let counts = backend.probe(tile, pass.epsilon).with_context(|| {
+                format!("probe of tensor '{}' failed at tile {i}", plans[j].name())
+            })?;
+            sums[j].add(&counts);
             Ok(())
         },
     )?;
-    for counts in &workers {
-        local.add(counts);
+    let mut local = zeros();
+    for sums in &workers {
+        for (l, s) in local.iter_mut().zip(sums) {
+            l.add(s);
+        }
     }
     // Spread the present agents' rows into the N-wide global layout.
-    let mut global = TileCounts::zeros(n);
-    for (slot, &t) in present.iter().enumerate() {
-        global.hist[t * n..t * n + present.len()].copy_from_slice(local.row(slot));
+    Ok(local
+        .iter()
+        .zip(&presents)
+        .map(|(local, present)| {
+            let mut global = TileCounts::zeros(n);
+            for (slot, &t) in present.iter().enumerate() {
+                global.hist[t * n..t * n + present.len()].copy_from_slice(local.row(slot));
+            }
+            global
+        })
+        .collect())
+}
+
+/// Consecutive runs of `plans` of [`BATCH_TILES`] tiles or more (the last may hold fewer).
+fn batches(plans: &[TensorPlan], tile_elems: usize) -> Vec<std::ops::Range<usize>> {
+    let mut runs = Vec::new();
+    let (mut from, mut tiles) = (0, 0);
+    for (i, plan) in plans.iter().enumerate() {
+        tiles += tile_count(plan, tile_elems);
+        if tiles >= BATCH_TILES || i + 1 == plans.len() {
+            runs.push(from..i + 1);
+            (from, tiles) = (i + 1, 0);
+        }
     }
-    Ok(global)
+    runs
 }
 
 fn progress_bar(total: u64, show: bool, message: &str) -> ProgressBar {
@@ -433,9 +508,12 @@ pub fn probe_all(
 ) -> Result<ProbeReport> {
     let bar = progress_bar(inputs.pass_bytes(), show_progress, "probe");
     let mut tensors = Vec::with_capacity(inputs.tensors.len());
-    for plan in &inputs.tensors {
-        let counts = probe_tensor(inputs, plan, backend, pass, &bar)?;
-        tensors.push(TensorStats::new(plan, counts));
+    for run in batches(&inputs.tensors, pass.tile_elems) {
+        let plans: Vec<&TensorPlan> = inputs.tensors[run].iter().collect();
+        let counts = probe_tensors(inputs, &plans, backend, pass, &bar)?;
+        for (plan, counts) in plans.into_iter().zip(counts) {
+            tensors.push(TensorStats::new(plan, counts));
+        }
     }
     bar.finish_and_clear();
     inputs.check_unchanged()?;
@@ -535,6 +613,16 @@ impl FisherInputs {
         fisher_coefs(&lambdas, &fisher, len, out);
         Ok(())
     }
+}
+
+/// A tensor of the merge pass, its rule known, waiting for its batch of tiles.
+struct MergeJob<'a> {
+    /// Index in the plan and the output.
+    index: usize,
+    plan: &'a TensorPlan,
+    present: Vec<usize>,
+    tile_elems: usize,
+    rule: TileRule,
 }
 
 /// How one tensor's tiles are merged.
@@ -751,15 +839,15 @@ impl Scans for TensorScans<'_> {
     fn any_order(&mut self, every: usize, delta: bool, visit: &AnyOrderVisit) -> Result<()> {
         let workers = self.workers();
         let ids = AtomicUsize::new(0);
-        let pass = Pass {
+        let tensor = TensorTiles {
+            plan: self.plan,
+            present: self.present,
             tile_elems: ANY_ORDER_TILE_ELEMS,
-            ..self.pass.clone()
         };
         par_tiles(
             self.inputs,
-            self.plan,
-            self.present,
-            &pass,
+            &[tensor],
+            self.pass.scan_nonfinite,
             &|w| {
                 rayon::broadcast(|_| w());
             },
@@ -770,7 +858,7 @@ impl Scans for TensorScans<'_> {
                 debug_assert!(id < workers);
                 (id, ScanRows::new())
             },
-            |(id, rows), _, start, tile| {
+            |(id, rows), _, _, start, tile| {
                 for chunk in ranges(tile.len, SCAN_CHUNK) {
                     if delta {
                         rows.load_base(tile, chunk);
@@ -908,7 +996,74 @@ pub fn merge(
         .filter_map(|t| layer_index(t.name()))
         .max()
         .map_or(0, |m| m + 1);
-    for (index, (plan, out_t)) in inputs.tensors.iter().zip(&out_tensors).enumerate() {
+    // Tensors whose rules are known wait for a batch of tiles, so the workers wait for each other
+    // once per batch, not once per tensor.
+    let merge_tiles = |jobs: &[MergeJob]| -> Result<()> {
+        let tensors: Vec<TensorTiles> = jobs
+            .iter()
+            .map(|job| TensorTiles {
+                plan: job.plan,
+                present: &job.present,
+                tile_elems: job.tile_elems,
+            })
+            .collect();
+        par_tiles(
+            inputs,
+            &tensors,
+            merge_pass.scan_nonfinite,
+            &|w| backend.run_workers(w),
+            &bar,
+            1,
+            Vec::new,
+            |out, j, i, start, tile| {
+                let MergeJob {
+                    index,
+                    plan,
+                    present,
+                    rule,
+                    ..
+                } = &jobs[j];
+                let out_dtype = out_tensors[*index].dtype;
+                out.resize(tile.len * out_dtype.size(), 0);
+                let out = &mut out[..tile.len * out_dtype.size()];
+                match rule {
+                    TileRule::Base => {
+                        pass_base(tile, out_dtype, out);
+                        Ok(())
+                    }
+                    TileRule::Ram(lambdas) => {
+                        let params = MergeParams {
+                            epsilon: options.pass.epsilon,
+                            lambdas,
+                            reciprocals: &reciprocals,
+                            out_dtype,
+                        };
+                        backend.merge(tile, &params, out)
+                    }
+                    TileRule::Combine(spec) => {
+                        let ranks = tile_ranks(tile, spec);
+                        let mut coefs = Vec::new();
+                        if let Some(f) = &fisher {
+                            f.tile_coefs(plan, present, spec, (start, tile.len), &mut coefs)?;
+                        }
+                        let params = CombineParams {
+                            spec,
+                            start,
+                            out_dtype,
+                            ranks: &ranks,
+                            coefs: &coefs,
+                        };
+                        backend.combine(tile, &params, out)
+                    }
+                }
+                .with_context(|| format!("merge of tensor '{}' failed at tile {i}", plan.name()))?;
+                writer.write_at(*index, start * out_dtype.size() as u64, out)
+            },
+        )?;
+        Ok(())
+    };
+    let mut waiting: Vec<MergeJob> = Vec::new();
+    for (index, plan) in inputs.tensors.iter().enumerate() {
         let present = plan.present();
         // What each tile of this tensor goes through.
         let rule = match &options.method {
@@ -930,7 +1085,8 @@ pub fn merge(
             }
             _ => {
                 let lambdas: Vec<f64> = if per_tensor_scope {
-                    let counts = probe_tensor(inputs, plan, backend, &options.pass, &bar)?;
+                    let counts =
+                        probe_tensors(inputs, &[plan], backend, &options.pass, &bar)?.remove(0);
                     let stats = TensorStats::new(plan, counts);
                     let lambdas: Vec<f64> = stats
                         .agent_counts()
@@ -947,60 +1103,27 @@ pub fn merge(
             }
         };
         // DELLA ranks whole rows: its tiles hold whole rows.
-        let tensor_pass = match &rule {
-            TileRule::Combine(spec) if spec.rank_rows > 0 => Pass {
-                tile_elems: whole_rows(merge_pass.tile_elems, spec.rank_rows),
-                ..merge_pass.clone()
-            },
-            _ => merge_pass.clone(),
+        let tile_elems = match &rule {
+            TileRule::Combine(spec) if spec.rank_rows > 0 => {
+                whole_rows(merge_pass.tile_elems, spec.rank_rows)
+            }
+            _ => merge_pass.tile_elems,
         };
-        par_tiles(
-            inputs,
+        waiting.push(MergeJob {
+            index,
             plan,
-            &present,
-            &tensor_pass,
-            &|w| backend.run_workers(w),
-            &bar,
-            1,
-            Vec::new,
-            |out, i, start, tile| {
-                let out_dtype = out_t.dtype;
-                out.resize(tile.len * out_dtype.size(), 0);
-                let out = &mut out[..tile.len * out_dtype.size()];
-                match &rule {
-                    TileRule::Base => {
-                        pass_base(tile, out_dtype, out);
-                        Ok(())
-                    }
-                    TileRule::Ram(lambdas) => {
-                        let params = MergeParams {
-                            epsilon: options.pass.epsilon,
-                            lambdas,
-                            reciprocals: &reciprocals,
-                            out_dtype,
-                        };
-                        backend.merge(tile, &params, out)
-                    }
-                    TileRule::Combine(spec) => {
-                        let ranks = tile_ranks(tile, spec);
-                        let mut coefs = Vec::new();
-                        if let Some(f) = &fisher {
-                            f.tile_coefs(plan, &present, spec, (start, tile.len), &mut coefs)?;
-                        }
-                        let params = CombineParams {
-                            spec,
-                            start,
-                            out_dtype,
-                            ranks: &ranks,
-                            coefs: &coefs,
-                        };
-                        backend.combine(tile, &params, out)
-                    }
-                }
-                .with_context(|| format!("merge of tensor '{}' failed at tile {i}", plan.name()))?;
-                writer.write_at(index, start * out_dtype.size() as u64, out)
-            },
-        )?;
+            present,
+            tile_elems,
+            rule,
+        });
+        let tiles: usize = waiting
+            .iter()
+            .map(|job| tile_count(job.plan, job.tile_elems))
+            .sum();
+        if tiles >= BATCH_TILES || index + 1 == inputs.tensors.len() {
+            merge_tiles(&waiting)?;
+            waiting.clear();
+        }
     }
     bar.finish_and_clear();
     let shards = writer.finish()?;
