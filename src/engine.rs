@@ -615,7 +615,7 @@ impl FisherInputs {
     }
 }
 
-/// A tensor of the merge pass, its rule known, waiting for its batch of tiles.
+/// A tensor of the merge pass, its rule known, in its batch of tiles.
 struct MergeJob<'a> {
     /// Index in the plan and the output.
     index: usize,
@@ -996,8 +996,8 @@ pub fn merge(
         .filter_map(|t| layer_index(t.name()))
         .max()
         .map_or(0, |m| m + 1);
-    // Tensors whose rules are known wait for a batch of tiles, so the workers wait for each other
-    // once per batch, not once per tensor.
+    // Tensors go in batches: each one's rule first (with the scans its statistics take), then
+    // the batch's tiles in one loop, so the workers wait for each other once per batch.
     let merge_tiles = |jobs: &[MergeJob]| -> Result<()> {
         let tensors: Vec<TensorTiles> = jobs
             .iter()
@@ -1062,11 +1062,9 @@ pub fn merge(
         )?;
         Ok(())
     };
-    let mut waiting: Vec<MergeJob> = Vec::new();
-    for (index, plan) in inputs.tensors.iter().enumerate() {
-        let present = plan.present();
-        // What each tile of this tensor goes through.
-        let rule = match &options.method {
+    // What each tile of a tensor goes through, with the scans its statistics take.
+    let mut rule_of = |plan: &TensorPlan, present: &[usize]| -> Result<TileRule> {
+        Ok(match &options.method {
             Method::Combine(_) if present.is_empty() => TileRule::Base,
             Method::Combine(config) => {
                 let at = TensorPlace {
@@ -1078,7 +1076,7 @@ pub fn merge(
                     plan,
                     config,
                     at,
-                    &present,
+                    present,
                     &options.pass,
                     &mut buffers,
                 )?)
@@ -1101,29 +1099,30 @@ pub fn merge(
                 };
                 TileRule::Ram(present.iter().map(|&t| lambdas[t] as f32).collect())
             }
-        };
-        // DELLA ranks whole rows: its tiles hold whole rows.
-        let tile_elems = match &rule {
-            TileRule::Combine(spec) if spec.rank_rows > 0 => {
-                whole_rows(merge_pass.tile_elems, spec.rank_rows)
-            }
-            _ => merge_pass.tile_elems,
-        };
-        waiting.push(MergeJob {
-            index,
-            plan,
-            present,
-            tile_elems,
-            rule,
-        });
-        let tiles: usize = waiting
-            .iter()
-            .map(|job| tile_count(job.plan, job.tile_elems))
-            .sum();
-        if tiles >= BATCH_TILES || index + 1 == inputs.tensors.len() {
-            merge_tiles(&waiting)?;
-            waiting.clear();
+        })
+    };
+    for run in batches(&inputs.tensors, merge_pass.tile_elems) {
+        let mut jobs = Vec::with_capacity(run.len());
+        for index in run {
+            let plan = &inputs.tensors[index];
+            let present = plan.present();
+            let rule = rule_of(plan, &present)?;
+            // DELLA ranks whole rows: its tiles hold whole rows.
+            let tile_elems = match &rule {
+                TileRule::Combine(spec) if spec.rank_rows > 0 => {
+                    whole_rows(merge_pass.tile_elems, spec.rank_rows)
+                }
+                _ => merge_pass.tile_elems,
+            };
+            jobs.push(MergeJob {
+                index,
+                plan,
+                present,
+                tile_elems,
+                rule,
+            });
         }
+        merge_tiles(&jobs)?;
     }
     bar.finish_and_clear();
     let shards = writer.finish()?;
