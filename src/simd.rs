@@ -29,8 +29,9 @@ pub fn level() -> Level {
     })
 }
 
+/// The widest build the CPU runs, whatever `RLMERGE_SIMD` says.
 #[cfg(target_arch = "x86_64")]
-fn detected() -> Level {
+pub(crate) fn detected() -> Level {
     use std::arch::is_x86_feature_detected as has;
     if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx2") {
         Level::Avx512
@@ -42,7 +43,7 @@ fn detected() -> Level {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn detected() -> Level {
+pub(crate) fn detected() -> Level {
     Level::Baseline
 }
 

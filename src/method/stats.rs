@@ -2035,18 +2035,18 @@ mod tests {
                 // Each vector build the CPU runs, over the whole blocks.
                 #[cfg(target_arch = "x86_64")]
                 {
-                    use std::arch::is_x86_feature_detected as has;
+                    use crate::simd::{detected, Level};
                     let blocks = &v[..len / 64 * 64];
                     let whole = blocks.len() / 64;
                     let mut want = (vec![0; whole], vec![0; whole]);
                     let want_tally = band_bits_scalar(blocks, band, &mut want.0, &mut want.1);
                     let mut got = (vec![0; whole], vec![0; whole]);
-                    if has!("avx2") {
+                    if detected() >= Level::Avx2 {
                         // SAFETY: the CPU has AVX2; blocks of 64 elements.
                         let t = unsafe { band_bits_avx2(blocks, band, &mut got.0, &mut got.1) };
                         assert_eq!((t, &got), (want_tally, &want), "AVX2, band {band:?}");
                     }
-                    if has!("avx512f") && has!("avx512bw") && has!("avx512vl") {
+                    if detected() >= Level::Avx512 {
                         // SAFETY: the CPU has AVX-512 F/BW/VL; blocks of 64 elements.
                         let t = unsafe { band_bits_avx512(blocks, band, &mut got.0, &mut got.1) };
                         assert_eq!((t, &got), (want_tally, &want), "AVX-512, band {band:?}");
