@@ -168,6 +168,7 @@ fn end_to_end(c: &mut Criterion) {
                 force: true,
                 show_progress: false,
                 extra_files: Vec::new(),
+                protect: Vec::new(),
             };
             let out = dir.path().join(format!("{name}-{method_name}"));
             g.bench_function(format!("{name}/{method_name}"), |b| {

@@ -217,14 +217,8 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
     parse_dtype_name(s).ok_or_else(|| format!("unknown dtype '{s}' (use bf16, f16 or f32)"))
 }
 
-/// An error in how the command was called (exit code 2), as opposed to a failed merge (1).
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UsageError(pub String);
-
-fn usage(msg: impl Into<String>) -> anyhow::Error {
-    UsageError(msg.into()).into()
-}
+use crate::error::usage;
+pub use crate::error::UsageError;
 
 impl MergeArgs {
     /// The method with its parameters for `agents` merged models, after checking they fit together.
@@ -489,6 +483,7 @@ fn run_merge(args: &MergeArgs, out: &mut impl Write) -> Result<()> {
                 epsilon: None,
                 out_dtype: None,
                 text: String::new(),
+                source: None,
             }
         }
     };
@@ -530,14 +525,18 @@ fn merge_job(
         } else {
             vec![(MERGEKIT_CONFIG_FILE.to_string(), job.text.clone())]
         },
+        protect: job.source.iter().cloned().collect(),
     };
-    let summary =
-        engine::merge(&inputs, &options, backend.as_ref(), &output.out).with_context(|| {
-            format!(
+    let summary = engine::merge(&inputs, &options, backend.as_ref(), &output.out).map_err(|e| {
+        if crate::error::is_usage(&e) {
+            e // says itself that nothing was touched
+        } else {
+            e.context(format!(
                 "merge into {} failed; nothing was written there",
                 output.out.display()
-            )
-        })?;
+            ))
+        }
+    })?;
     writeln!(
         out,
         "merged {} model(s) into {} with {} ({} shard(s))",
@@ -611,6 +610,15 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
     let shape = args
         .model_size
         .map_or_else(demo::ModelShape::tiny, demo::ModelShape::of_bf16_bytes);
+    let merged = args.dir.join("merged-ram-plus");
+    if merged.symlink_metadata().is_ok() {
+        crate::checkpoint::output_folder::replaceable(&merged).map_err(|why| {
+            usage(format!(
+                "demo: {} exists and will not be replaced: {why}; choose another folder",
+                merged.display()
+            ))
+        })?;
+    }
     let (base, agents) = demo::write_example(&args.dir, &shape, 2026)?;
     let inputs = Inputs::open(&base, &agents)?;
     writeln!(
@@ -624,7 +632,6 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
     }
     let backend: Box<dyn Backend> = Box::new(CpuBackend::new(0)?);
     let show = !args.quiet && std::io::stderr().is_terminal();
-    let merged = args.dir.join("merged-ram-plus");
     let options = MergeOptions {
         method: Method::RamPlus {
             rule: BoostRule::Paper {
@@ -643,6 +650,7 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
         force: true,
         show_progress: show,
         extra_files: Vec::new(),
+        protect: Vec::new(),
     };
     // Global RAM+ probes the whole model first; its report is the analysis to show.
     let summary = engine::merge(&inputs, &options, backend.as_ref(), &merged)?;

@@ -77,6 +77,8 @@ pub struct Job {
     pub out_dtype: Option<DType>,
     /// The recipe's text, saved beside the merged weights.
     pub text: String,
+    /// The recipe file it came from (an output must not overwrite it).
+    pub source: Option<PathBuf>,
 }
 
 /// mergekit's dtype names and ours.
@@ -141,8 +143,10 @@ fn number(settings: &Settings, key: &str) -> Result<Option<f64>> {
 pub fn read(path: &Path, seed: u64) -> Result<Job> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read recipe {}", path.display()))?;
-    parse(&text, path.parent().unwrap_or(Path::new(".")), seed)
-        .with_context(|| format!("recipe {}", path.display()))
+    let mut job = parse(&text, path.parent().unwrap_or(Path::new(".")), seed)
+        .with_context(|| format!("recipe {}", path.display()))?;
+    job.source = Some(path.to_path_buf());
+    Ok(job)
 }
 
 /// Parses recipe `text`; model paths resolve against the working directory, then `dir`.
@@ -326,6 +330,7 @@ pub fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         epsilon,
         out_dtype,
         text: text.to_string(),
+        source: None,
     })
 }
 

@@ -2,7 +2,9 @@
 //! are sparse and partly overlapping (densities ≈ 3.2 %, 46.2 %, 54.3 %), written as real Hugging
 //! Face folders. Also the generator the tests and benchmarks use for larger synthetic checkpoints.
 
-use crate::checkpoint::{CheckpointWriter, DType, OutputTensor};
+use crate::checkpoint::output_folder::{replaceable, DEMO_MANIFEST};
+use crate::checkpoint::{CheckpointWriter, DType, OutputFolder, OutputTensor};
+use crate::error::usage;
 use anyhow::{Context, Result};
 use std::path::Path;
 
@@ -48,19 +50,35 @@ impl ModelShape {
         }
     }
 
-    /// A shape of at least `bytes` of bf16 weights (hidden 1024, vocab 32000, layers rounded up).
+    /// A shape of at least `bytes` of bf16 weights, not much more: hidden 1024 and vocab 32000
+    /// with as many layers as it takes, or for small sizes a narrower model (hidden, vocab and
+    /// intermediate halved until one layer fits).
     pub fn of_bf16_bytes(bytes: u64) -> ModelShape {
-        let (vocab, hidden, intermediate) = (32000usize, 1024usize, 2816usize);
-        let per_layer = 4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden;
-        let fixed = 2 * vocab * hidden + hidden;
-        let elems = (bytes / 2) as usize;
-        let layers = elems.saturating_sub(fixed).div_ceil(per_layer).max(1);
+        let (mut vocab, mut hidden, mut intermediate) = (32000usize, 1024usize, 2816usize);
+        let elems = (bytes / 2).max(1) as usize;
+        let per_layer = |h: usize, i: usize| 4 * h * h + 3 * h * i + 2 * h;
+        let fixed = |v: usize, h: usize| 2 * v * h + h;
+        while hidden > 16 && fixed(vocab, hidden) + per_layer(hidden, intermediate) > elems {
+            (vocab, hidden, intermediate) = ((vocab / 2).max(64), hidden / 2, intermediate / 2);
+        }
+        let layers = elems
+            .saturating_sub(fixed(vocab, hidden))
+            .div_ceil(per_layer(hidden, intermediate))
+            .max(1);
         ModelShape {
             vocab,
             hidden,
             intermediate,
             layers,
         }
+    }
+
+    /// Bytes of this shape's bf16 weights.
+    pub fn bf16_bytes(&self) -> u64 {
+        self.tensors()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64 * 2)
+            .sum()
     }
 
     /// Tensor names and shapes of a Qwen2 model (Hugging Face naming, as mergekit expects them).
@@ -122,8 +140,10 @@ fn base_bits(seed: u64, index: usize, name: &str, numel: usize) -> Vec<u16> {
         .collect()
 }
 
-/// Writes one bf16 model folder; `agent = Some((seed, density))` moves that fraction of elements
-/// by ±1–4 bf16 ULPs (an RL-like sparse task vector), `None` writes the base.
+/// Writes one bf16 model folder at `dir`, through an [`OutputFolder`] so that a killed demo
+/// leaves no partial file: an existing folder is replaced only when a demo wrote it (its manifest
+/// lists every file in it). `agent = Some((seed, density))` moves that fraction of elements by
+/// ±1–4 bf16 ULPs (an RL-like sparse task vector), `None` writes the base.
 fn write_model(
     dir: &Path,
     shape: &ModelShape,
@@ -131,7 +151,9 @@ fn write_model(
     agent: Option<(u64, f64)>,
     shard_size: u64,
 ) -> Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let folder = OutputFolder::create(dir, true, &[])
+        .with_context(|| format!("demo: cannot write {}", dir.display()))?;
+    let tmp = folder.path();
     let tensors: Vec<OutputTensor> = shape
         .tensors()
         .into_iter()
@@ -141,7 +163,7 @@ fn write_model(
             shape,
         })
         .collect();
-    let mut writer = CheckpointWriter::new(dir, tensors.clone(), shard_size)?;
+    let mut writer = CheckpointWriter::new(tmp, tensors.clone(), shard_size)?;
     let mut rng = agent.map(|(s, _)| SplitMix64::new(s));
     let mut bytes = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
@@ -163,22 +185,28 @@ fn write_model(
         bytes.extend(bits.iter().flat_map(|b| b.to_le_bytes()));
         writer.write(&t.name, &bytes)?;
     }
-    writer.finish()?;
-    let write_json = |name: &str, v: serde_json::Value| -> Result<()> {
-        let p = dir.join(name);
+    let mut files: Vec<String> = writer.finish()?.into_iter().map(|f| f.file).collect();
+    let write_json = |files: &mut Vec<String>, name: &str, v: serde_json::Value| -> Result<()> {
+        let p = tmp.join(name);
         std::fs::write(&p, serde_json::to_string_pretty(&v)? + "\n")
-            .with_context(|| format!("cannot write {}", p.display()))
+            .with_context(|| format!("cannot write {}", p.display()))?;
+        files.push(name.to_string());
+        Ok(())
     };
-    write_json("config.json", shape.config_json())?;
+    write_json(&mut files, "config.json", shape.config_json())?;
     write_json(
+        &mut files,
         "generation_config.json",
         serde_json::json!({"bos_token_id": 1, "eos_token_id": 2, "do_sample": false}),
     )?;
     write_json(
+        &mut files,
         "tokenizer_config.json",
         serde_json::json!({"model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast"}),
     )?;
-    Ok(())
+    let manifest = serde_json::json!({ "written_by": "rlmerge demo", "files": files });
+    write_json(&mut files, DEMO_MANIFEST, manifest)?;
+    folder.commit()
 }
 
 /// The demo's agents: folder name, seed, density.
@@ -189,23 +217,24 @@ pub const DEMO_AGENTS: [(&str, u64, f64); 3] = [
 ];
 
 /// Writes `dir/base` and one folder per agent. One agent is sharded so both layouts are exercised.
-/// Returns (base dir, agent dirs).
+/// Folders a demo wrote before are replaced; any other existing folder of those names is refused
+/// before anything is written. Returns (base dir, agent dirs).
 pub fn write_example(
     dir: &Path,
     shape: &ModelShape,
     seed: u64,
 ) -> Result<(std::path::PathBuf, Vec<std::path::PathBuf>)> {
     let base = dir.join("base");
-    let total = shape
-        .tensors()
-        .iter()
-        .map(|(_, s)| s.iter().product::<usize>() as u64 * 2)
-        .sum::<u64>();
+    let total = shape.bf16_bytes();
     for d in std::iter::once("base").chain(DEMO_AGENTS.iter().map(|a| a.0)) {
         let p = dir.join(d);
-        if p.exists() {
-            std::fs::remove_dir_all(&p)
-                .with_context(|| format!("cannot replace {}", p.display()))?;
+        if p.symlink_metadata().is_ok() {
+            replaceable(&p).map_err(|why| {
+                usage(format!(
+                    "demo: {} exists and will not be replaced: {why}; choose another folder",
+                    p.display()
+                ))
+            })?;
         }
     }
     write_model(&base, shape, seed, None, u64::MAX)?;
@@ -222,4 +251,20 @@ pub fn write_example(
         agents.push(p);
     }
     Ok((base, agents))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn synthetic_sizes_are_at_least_and_near_what_was_asked() {
+        for bytes in [1u64 << 20, 64 << 20, 200 << 20, 1 << 30] {
+            let got = ModelShape::of_bf16_bytes(bytes).bf16_bytes();
+            assert!(
+                got >= bytes && got < bytes + bytes / 2 + (1 << 20),
+                "{bytes} → {got}"
+            );
+        }
+    }
 }

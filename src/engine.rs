@@ -160,6 +160,15 @@ impl Inputs {
             .try_for_each(|m| m.check_unchanged())
     }
 
+    /// Every input folder and weight file (which may be links to elsewhere, as in the Hugging
+    /// Face cache): what an output must never overlap.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        std::iter::once(&self.base)
+            .chain(&self.agents)
+            .flat_map(ModelFolder::paths)
+            .collect()
+    }
+
     pub fn agent_labels(&self) -> Vec<String> {
         self.agents
             .iter()
@@ -536,6 +545,8 @@ pub struct MergeOptions {
     pub show_progress: bool,
     /// Files written beside the weights as given, e.g. the mergekit recipe: (name, text).
     pub extra_files: Vec<(String, String)>,
+    /// Paths besides the input models that the output must stay clear of (the recipe file).
+    pub protect: Vec<PathBuf>,
 }
 
 /// What a finished merge reports.
@@ -939,7 +950,16 @@ pub fn merge(
     out_dir: &Path,
 ) -> Result<MergeSummary> {
     let n = inputs.agents.len();
-    let folder = OutputFolder::create(out_dir, options.force)?;
+    let fisher = match &options.method {
+        Method::Combine(c) if c.kind == Kind::Fisher => Some(FisherInputs::open(c, inputs)?),
+        _ => None,
+    };
+    let mut protect = inputs.paths();
+    if let Some(f) = &fisher {
+        protect.extend(f.folders.iter().flat_map(ModelFolder::paths));
+    }
+    protect.extend(options.protect.iter().cloned());
+    let folder = OutputFolder::create(out_dir, options.force, &protect)?;
     let global_report = if options.method.needs_global_probe() {
         Some(probe_all(
             inputs,
@@ -986,10 +1006,6 @@ pub fn merge(
     let reciprocals = method::reciprocals(n);
     let mut tensor_lambdas = Vec::new();
     let mut tensor_stats = Vec::new();
-    let fisher = match &options.method {
-        Method::Combine(c) if c.kind == Kind::Fisher => Some(FisherInputs::open(c, inputs)?),
-        _ => None,
-    };
     let layers = inputs
         .tensors
         .iter()

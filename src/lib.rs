@@ -10,6 +10,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod engine;
+pub mod error;
 pub mod method;
 pub mod recipe;
 pub mod report;

@@ -8,6 +8,12 @@ fn main() -> ExitCode {
     if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
         std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir());
     }
+    // Ctrl-C, SIGTERM, SIGHUP: remove this process's scratch folders, then exit as killed by it.
+    let _ = ctrlc::set_handler(|| {
+        rlmerge::checkpoint::output_folder::remove_live_scratch();
+        eprintln!("error: interrupted; nothing was written at the output path");
+        std::process::exit(130);
+    });
     let cli = rlmerge::cli::Cli::parse();
     match rlmerge::cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -22,7 +28,7 @@ fn main() -> ExitCode {
         }
         Err(err) => {
             eprintln!("error: {err:#}");
-            if err.downcast_ref::<rlmerge::cli::UsageError>().is_some() {
+            if rlmerge::error::is_usage(&err) {
                 ExitCode::from(2)
             } else {
                 ExitCode::from(1)

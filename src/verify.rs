@@ -3,6 +3,7 @@
 //! from the recipe and compares the bytes.
 
 use crate::backend::Backend;
+use crate::checkpoint::output_folder::{sweep, Scratch};
 use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
 use crate::checkpoint::{DType, ModelFolder};
 use crate::engine::{self, Inputs, MergeOptions, Pass};
@@ -10,6 +11,9 @@ use crate::recipe::Recipe;
 use anyhow::{Context, Result};
 use std::io::Read;
 use std::path::{Path, PathBuf};
+
+/// Prefix of the scratch folders `--against` recomputes into, in the system's temporary folder.
+const VERIFY_SCRATCH: &str = "rlmerge-verify";
 
 /// What verification found: lines that passed, and problems (any problem fails the command).
 #[derive(Default, Debug)]
@@ -128,13 +132,14 @@ fn recompute_and_compare(
         force: true,
         show_progress: false,
         extra_files: Vec::new(),
+        protect: Vec::new(),
     };
-    let name = out_dir
-        .file_name()
-        .unwrap_or_default()
-        .to_string_lossy()
-        .to_string();
-    let again = out_dir.with_file_name(format!(".{name}.rlmerge-verify-{}", std::process::id()));
+    // Recomputed in the system's temporary folder, not beside the output: the output's folder
+    // may be read-only. A killed verify's folder is removed by the next one (its lock is free).
+    let tmp = std::env::temp_dir();
+    sweep(&tmp, VERIFY_SCRATCH, |_| Ok(()))?;
+    let scratch = Scratch::create(&tmp, VERIFY_SCRATCH)?;
+    let again = scratch.path().join("recomputed");
     let result = engine::merge(&inputs, &options, backend, &again).and_then(|_| {
         for shard in recipe.shards() {
             match first_difference(&out_dir.join(&shard.file), &again.join(&shard.file))? {
@@ -147,7 +152,7 @@ fn recompute_and_compare(
         }
         Ok(())
     });
-    let _ = std::fs::remove_dir_all(&again);
+    drop(scratch);
     result
 }
 

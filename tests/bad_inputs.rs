@@ -279,7 +279,6 @@ fn output_folder_exists_is_refused_unless_forced() {
     good_model(&c.bad, 1.0);
     let out = c.dir.path().join("out");
     std::fs::create_dir_all(&out).unwrap();
-    std::fs::write(out.join("keep.txt"), b"mine").unwrap();
     let run = |force: bool| {
         let mut cmd = rlmerge();
         cmd.args(["merge", "--quiet"]).arg("--base").arg(&c.base);
@@ -294,32 +293,39 @@ fn output_folder_exists_is_refused_unless_forced() {
         }
         cmd.output().unwrap()
     };
+    // Even an empty folder is not replaced without --force.
     let refused = run(false);
-    assert_eq!(refused.status.code(), Some(1));
+    assert_eq!(refused.status.code(), Some(2));
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(
         err.contains("already exists") && err.contains("--force"),
         "{err}"
     );
-    assert_eq!(std::fs::read(out.join("keep.txt")).unwrap(), b"mine");
+    // An empty folder, and then a folder rlmerge wrote, are replaced with it.
     assert!(run(true).status.success());
-    assert!(!out.join("keep.txt").exists());
+    assert!(out.join("model.safetensors").exists());
+    assert!(run(true).status.success());
     assert!(out.join("model.safetensors").exists());
 }
 
 #[test]
 fn a_failed_forced_merge_keeps_the_old_output() {
     let c = case();
+    good_model(&c.bad, 1.0);
     let out = c.dir.path().join("out");
-    std::fs::create_dir_all(&out).unwrap();
-    std::fs::write(out.join("keep.txt"), b"mine").unwrap();
-    let mut cmd = rlmerge();
-    cmd.args(["merge", "--quiet", "--force"])
-        .arg("--base")
-        .arg(&c.base);
-    cmd.arg("--model").arg(&c.bad).arg("-o").arg(&out);
-    assert_eq!(cmd.output().unwrap().status.code(), Some(1));
-    assert_eq!(std::fs::read(out.join("keep.txt")).unwrap(), b"mine");
+    let merge = |agent: &Path| {
+        let mut cmd = rlmerge();
+        cmd.args(["merge", "--quiet", "--force"])
+            .arg("--base")
+            .arg(&c.base);
+        cmd.arg("--model").arg(agent).arg("-o").arg(&out);
+        cmd.output().unwrap()
+    };
+    assert!(merge(&c.good).status.success());
+    let before = digest(&out);
+    std::fs::write(c.bad.join("model.safetensors"), b"broken").unwrap();
+    assert_eq!(merge(&c.bad).status.code(), Some(1));
+    assert_eq!(digest(&out), before);
 }
 
 #[test]

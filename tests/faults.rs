@@ -5,86 +5,8 @@
 mod common;
 use common::*;
 use safetensors::tensor::Dtype;
-use std::hash::{DefaultHasher, Hash, Hasher};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
-use std::time::{Duration, Instant};
-
-fn digest(dir: &Path) -> u64 {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    files.sort();
-    let mut h = DefaultHasher::new();
-    for f in files {
-        f.file_name().hash(&mut h);
-        std::fs::read(&f).unwrap().hash(&mut h);
-    }
-    h.finish()
-}
-
-fn input_digests(f: &Fixture) -> Vec<u64> {
-    std::iter::once(&f.base)
-        .chain(&f.agents)
-        .map(|d| digest(d))
-        .collect()
-}
-
-/// Names in `dir` that a merge leaves only while it runs.
-fn leftovers(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
-        .filter(|n| n.contains(".rlmerge-"))
-        .collect()
-}
-
-/// A merge slowed down by one-element tiles, so a test can act while it runs.
-fn slow_merge(f: &Fixture, out: &Path) -> Child {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rlmerge"));
-    cmd.args([
-        "merge",
-        "--quiet",
-        "--device",
-        "cpu",
-        "--threads",
-        "1",
-        "--tile-elems",
-        "1",
-        "--method",
-        "ram+",
-    ]);
-    cmd.arg("--base").arg(&f.base);
-    for a in &f.agents {
-        cmd.arg("--model").arg(a);
-    }
-    cmd.arg("-o")
-        .arg(out)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-fn slow_fixture(seed: u64) -> Fixture {
-    fixture(
-        seed,
-        Dtype::BF16,
-        &[("w", vec![400, 503]), ("v", vec![1001])],
-        &DENSITIES[..3],
-        1,
-    )
-}
-
-/// Waits until the merge has created its temporary folder (it is under way).
-fn wait_until_running(parent: &Path) {
-    let t = Instant::now();
-    while leftovers(parent).is_empty() {
-        assert!(t.elapsed() < Duration::from_secs(20), "merge did not start");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
+use std::path::Path;
+use std::time::Duration;
 
 #[test]
 fn sigkill_mid_merge_leaves_no_output_and_the_next_run_cleans_up() {
@@ -116,13 +38,15 @@ fn an_output_moved_aside_by_a_killed_commit_is_restored() {
     let out = f.dir.path().join("out");
     merge_cmd(&f, &out, &[]).assert().success();
     let want = digest(&out);
-    // As if killed between moving the old output aside and renaming the new one in (pid 0 is no merge).
-    let aside = f.dir.path().join(".out.rlmerge-old-999999999");
+    // As if killed between moving the old output aside and renaming the new one in: the old
+    // output under its aside name, the dead merge's lock file free.
+    let aside = f.dir.path().join(".out.rlmerge-old-1-dead");
     std::fs::rename(&out, &aside).unwrap();
+    std::fs::write(f.dir.path().join(".out.rlmerge-tmp-1-dead.lock"), b"").unwrap();
     let output = merge_cmd(&f, &out, &[]).output().unwrap();
     assert_eq!(
         output.status.code(),
-        Some(1),
+        Some(2),
         "the restored output must not be overwritten without --force"
     );
     assert!(String::from_utf8_lossy(&output.stderr).contains("already exists"));

@@ -207,3 +207,27 @@ fn verify_of_a_folder_without_recipe_is_an_error() {
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("rlmerge_recipe.json"));
 }
+
+#[test]
+fn against_recomputes_in_the_temporary_folder_and_cleans_up_after_killed_runs() {
+    let f = fixture(9, Dtype::BF16, &odd_shapes(), &DENSITIES[..2], 1);
+    let out = merged(&f, "out", &[]);
+    let tmp = tempfile::tempdir().unwrap();
+    // What a killed `verify --against` left: its scratch folder, its lock file free.
+    let dead = tmp.path().join("rlmerge-verify-1-dead");
+    std::fs::create_dir_all(dead.join("recomputed")).unwrap();
+    std::fs::write(tmp.path().join("rlmerge-verify-1-dead.lock"), b"").unwrap();
+    let beside = std::fs::read_dir(f.dir.path()).unwrap().count();
+    let o = rlmerge()
+        .env("TMPDIR", tmp.path())
+        .args(["verify", "--against", "--device", "cpu"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("recomputed model.safetensors is identical")
+    );
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+    assert_eq!(std::fs::read_dir(f.dir.path()).unwrap().count(), beside);
+}

@@ -4,10 +4,12 @@ pub mod crc;
 pub mod dtype;
 pub mod folder_files;
 pub mod model;
+pub mod output_folder;
 pub mod positional;
 pub mod safetensors_file;
 pub mod writer;
 
 pub use dtype::DType;
 pub use model::{ModelFolder, ModelTensor};
-pub use writer::{CheckpointWriter, OutputFolder, OutputTensor};
+pub use output_folder::OutputFolder;
+pub use writer::{CheckpointWriter, OutputTensor};

@@ -127,6 +127,14 @@ impl ModelFolder {
         self.shards.iter().try_for_each(|s| s.check_unchanged())
     }
 
+    /// The folder and every file of it that holds weights (shards, index).
+    pub fn paths(&self) -> Vec<PathBuf> {
+        let mut paths = vec![self.dir.clone()];
+        paths.extend(self.shards.iter().map(|s| s.path.clone()));
+        paths.push(self.dir.join(INDEX_FILE));
+        paths
+    }
+
     /// Total bytes of tensor data.
     pub fn data_bytes(&self) -> u64 {
         self.tensors.iter().map(|t| t.entry.byte_len()).sum()

@@ -459,3 +459,90 @@ pub fn method_args(method: &str, params: &[&str]) -> Vec<String> {
     }
     v
 }
+
+/// A hash of the names and bytes of the files in `dir` (faults and safety tests).
+pub fn digest(dir: &Path) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    let mut h = std::hash::DefaultHasher::new();
+    for f in files {
+        f.file_name().hash(&mut h);
+        std::fs::read(&f).unwrap().hash(&mut h);
+    }
+    h.finish()
+}
+
+pub fn input_digests(f: &Fixture) -> Vec<u64> {
+    std::iter::once(&f.base)
+        .chain(&f.agents)
+        .map(|d| digest(d))
+        .collect()
+}
+
+/// Names in `dir` that a merge leaves only while it runs.
+pub fn leftovers(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|n| n.contains(".rlmerge-"))
+        .collect()
+}
+
+/// A merge slowed down by one-element tiles, so a test can act while it runs.
+pub fn slow_merge(f: &Fixture, out: &Path) -> std::process::Child {
+    slow_merge_with(f, out, &[])
+}
+
+/// [`slow_merge`] with more arguments.
+pub fn slow_merge_with(f: &Fixture, out: &Path, extra: &[&str]) -> std::process::Child {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rlmerge"));
+    cmd.args([
+        "merge",
+        "--quiet",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--tile-elems",
+        "1",
+        "--method",
+        "ram+",
+    ]);
+    cmd.arg("--base").arg(&f.base);
+    for a in &f.agents {
+        cmd.arg("--model").arg(a);
+    }
+    cmd.arg("-o")
+        .arg(out)
+        .args(extra)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+pub fn slow_fixture(seed: u64) -> Fixture {
+    fixture(
+        seed,
+        Dtype::BF16,
+        &[("w", vec![400, 503]), ("v", vec![1001])],
+        &DENSITIES[..3],
+        1,
+    )
+}
+
+/// Waits until the merge has created its temporary folder (it is under way).
+pub fn wait_until_running(parent: &Path) {
+    let t = std::time::Instant::now();
+    while leftovers(parent).is_empty() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(20),
+            "merge did not start"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}

@@ -1,0 +1,316 @@
+//! A merge never destroys data: wherever `-o` points, whatever appears there during a merge, and
+//! whatever else runs beside it (issue #12, "Data loss"; README "Guarantees").
+
+mod common;
+use common::*;
+use safetensors::tensor::Dtype;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// A folder `M` holding base, agents and a user's file, the way people keep checkpoints.
+struct Models {
+    _dir: tempfile::TempDir,
+    m: PathBuf,
+    f: Fixture,
+}
+
+fn models() -> Models {
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("M");
+    std::fs::create_dir(&m).unwrap();
+    let mut f = fixture(7, Dtype::BF16, &odd_shapes(), &DENSITIES[..2], 1);
+    // Move the fixture's folders into M.
+    let mut moved = Vec::new();
+    for p in std::iter::once(&f.base).chain(&f.agents) {
+        let to = m.join(p.file_name().unwrap());
+        std::fs::rename(p, &to).unwrap();
+        moved.push(to);
+    }
+    f.base = moved[0].clone();
+    f.agents = moved[1..].to_vec();
+    std::fs::write(m.join("notes.txt"), b"weeks of GPU time").unwrap();
+    Models { _dir: dir, m, f }
+}
+
+/// Digest of every file under `dir`, recursively (names and bytes).
+fn tree(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut all = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                all.push((p.clone(), std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    all.sort();
+    all
+}
+
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).to_string()
+}
+
+#[test]
+fn force_never_writes_at_around_or_inside_an_input() {
+    let Models { m, f, _dir } = models();
+    let before = tree(m.parent().unwrap());
+    let link = m.parent().unwrap().join("alias");
+    std::os::unix::fs::symlink(&m, &link).unwrap();
+    let outs: Vec<(PathBuf, &str)> = vec![
+        (m.clone(), "contains the input"),
+        (f.base.clone(), "is the input"),
+        (f.agents[1].clone(), "is the input"),
+        (f.base.join("sub"), "lies inside the input"),
+        (f.agents[0].join("sub/deeper"), "lies inside the input"),
+        (m.join("."), "contains the input"),
+        (f.base.join("..").join("agent0"), "is the input"),
+        (link.join("base"), "is the input"),
+        (f.base.join("model.safetensors"), "lies inside the input"),
+    ];
+    for (out, why) in &outs {
+        let o = merge_cmd(&f, out, &["--force"]).output().unwrap();
+        assert_eq!(
+            o.status.code(),
+            Some(2),
+            "-o {}: {}",
+            out.display(),
+            stderr(&o)
+        );
+        assert!(
+            stderr(&o).contains(why),
+            "-o {}: {}",
+            out.display(),
+            stderr(&o)
+        );
+    }
+    std::fs::remove_file(&link).unwrap();
+    assert_eq!(tree(m.parent().unwrap()), before, "an input changed");
+}
+
+#[test]
+fn a_recipe_file_is_an_input_too() {
+    let Models { m, f, _dir } = models();
+    let recipe = m.parent().unwrap().join("recipe.yml");
+    let text = format!(
+        "merge_method: ties\nbase_model: {}\nmodels:\n  - model: {}\n    parameters: {{density: 0.5, weight: 1}}\n",
+        f.base.display(),
+        f.agents[0].display()
+    );
+    std::fs::write(&recipe, &text).unwrap();
+    for out in [recipe.clone(), recipe.parent().unwrap().to_path_buf()] {
+        let o = rlmerge()
+            .args(["run", "--quiet", "--force"])
+            .arg(&recipe)
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    }
+    assert_eq!(std::fs::read_to_string(&recipe).unwrap(), text);
+}
+
+#[test]
+fn force_replaces_only_empty_or_rlmerge_folders() {
+    let Models { m, f, _dir } = models();
+    let top = m.parent().unwrap();
+    // A regular file, a FIFO and a device node are never replaced.
+    let file = top.join("file.bin");
+    std::fs::write(&file, b"precious").unwrap();
+    let fifo = top.join("fifo");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    for out in [&file, &fifo, &PathBuf::from("/dev/null")] {
+        let o = merge_cmd(&f, out, &["--force"]).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(stderr(&o).contains("not a folder"), "{}", stderr(&o));
+    }
+    assert_eq!(std::fs::read(&file).unwrap(), b"precious");
+    assert!(leftovers(top).is_empty(), "{:?}", leftovers(top));
+    // A folder of the user's files is not replaced.
+    let theirs = top.join("theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    std::fs::write(theirs.join("eval.json"), b"{}").unwrap();
+    let o = merge_cmd(&f, &theirs, &["--force"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("did not write"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(theirs.join("eval.json")).unwrap(), b"{}");
+    // A merged folder is replaced, but not once the user added a file to it.
+    let out = top.join("out");
+    merge_cmd(&f, &out, &[]).assert().success();
+    merge_cmd(&f, &out, &["--force", "--method", "ram"])
+        .assert()
+        .success();
+    std::fs::write(out.join("results.md"), b"mine").unwrap();
+    let o = merge_cmd(&f, &out, &["--force"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("results.md"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(out.join("results.md")).unwrap(), b"mine");
+}
+
+#[test]
+fn a_folder_that_appears_during_the_merge_is_never_replaced_without_force() {
+    let f = slow_fixture(21);
+    let out = f.dir.path().join("out");
+    let child = slow_merge(&f, &out);
+    wait_until_running(f.dir.path());
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("theirs.txt"), b"appeared").unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("appeared"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(out.join("theirs.txt")).unwrap(), b"appeared");
+    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 1);
+    assert!(leftovers(f.dir.path()).is_empty());
+    // Even an empty folder that appears is not replaced.
+    std::fs::remove_dir_all(&out).unwrap();
+    let child = slow_merge(&f, &out);
+    wait_until_running(f.dir.path());
+    std::fs::create_dir(&out).unwrap();
+    assert_eq!(child.wait_with_output().unwrap().status.code(), Some(1));
+    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0);
+}
+
+#[test]
+fn with_force_a_folder_that_appears_is_replaced_only_if_replaceable() {
+    let f = slow_fixture(22);
+    let out = f.dir.path().join("out");
+    let child = slow_merge_with(&f, &out, &["--force"]);
+    wait_until_running(f.dir.path());
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("theirs.txt"), b"appeared").unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("will not replace"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(out.join("theirs.txt")).unwrap(), b"appeared");
+    assert!(leftovers(f.dir.path()).is_empty());
+}
+
+#[test]
+fn two_merges_into_one_new_output_one_wins_and_one_fails() {
+    let f = slow_fixture(23);
+    let out = f.dir.path().join("out");
+    let (a, b) = (slow_merge(&f, &out), slow_merge(&f, &out));
+    let codes: Vec<Option<i32>> = [a, b]
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap().status.code())
+        .collect();
+    let mut sorted = codes.clone();
+    sorted.sort();
+    assert_eq!(sorted, [Some(0), Some(1)], "{codes:?}");
+    read_folder(&out);
+    rlmerge().arg("verify").arg(&out).assert().success();
+    assert!(leftovers(f.dir.path()).is_empty());
+}
+
+#[test]
+fn a_live_merge_elsewhere_keeps_its_scratch_folder() {
+    let f = slow_fixture(24);
+    let out = f.dir.path().join("out");
+    // Another host's or PID namespace's merge: a PID that is dead here, but its lock is held.
+    let foreign = f.dir.path().join(".out.rlmerge-tmp-1-0123456789abcdef");
+    std::fs::create_dir(&foreign).unwrap();
+    std::fs::write(foreign.join("model.safetensors"), b"in progress").unwrap();
+    let lock = std::fs::File::create(
+        f.dir
+            .path()
+            .join(".out.rlmerge-tmp-1-0123456789abcdef.lock"),
+    )
+    .unwrap();
+    lock.lock().unwrap();
+    // A dead one: its lock file is free.
+    let dead = f
+        .dir
+        .path()
+        .join(".out.rlmerge-tmp-999999-fedcba9876543210");
+    std::fs::create_dir(&dead).unwrap();
+    std::fs::write(
+        f.dir
+            .path()
+            .join(".out.rlmerge-tmp-999999-fedcba9876543210.lock"),
+        b"",
+    )
+    .unwrap();
+    // An old-style folder without a lock file is left alone too.
+    let unknown = f.dir.path().join(".out.rlmerge-tmp-4242");
+    std::fs::create_dir(&unknown).unwrap();
+    merge_cmd(&f, &out, &[]).assert().success();
+    assert_eq!(
+        std::fs::read(foreign.join("model.safetensors")).unwrap(),
+        b"in progress"
+    );
+    assert!(!dead.exists());
+    assert!(unknown.exists());
+    drop(lock);
+}
+
+#[test]
+fn demo_never_replaces_the_users_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("demo");
+    let run = || {
+        rlmerge()
+            .args(["demo", "--quiet"])
+            .arg(&d)
+            .output()
+            .unwrap()
+    };
+    assert!(run().status.success());
+    // Run again: its own folders are replaced.
+    assert!(run().status.success());
+    for sub in ["base", "tool-agent", "merged-ram-plus"] {
+        let mine = d.join(sub).join("mine.txt");
+        std::fs::write(&mine, b"mine").unwrap();
+        let before = tree(&d);
+        let o = run();
+        assert_eq!(o.status.code(), Some(2), "{sub}: {}", stderr(&o));
+        assert!(stderr(&o).contains("mine.txt"), "{}", stderr(&o));
+        assert_eq!(tree(&d), before, "{sub}: the demo touched files");
+        std::fs::remove_file(&mine).unwrap();
+    }
+    // A folder the user made under a demo name.
+    std::fs::remove_dir_all(d.join("coding-agent")).unwrap();
+    std::fs::create_dir(d.join("coding-agent")).unwrap();
+    std::fs::write(d.join("coding-agent/model.safetensors"), b"theirs").unwrap();
+    assert_eq!(run().status.code(), Some(2));
+    assert_eq!(
+        std::fs::read(d.join("coding-agent/model.safetensors")).unwrap(),
+        b"theirs"
+    );
+}
+
+#[test]
+fn sigterm_and_sigint_remove_the_scratch_folder() {
+    for signal in ["TERM", "INT", "HUP"] {
+        let f = slow_fixture(25);
+        let out = f.dir.path().join("out");
+        let child = slow_merge(&f, &out);
+        wait_until_running(f.dir.path());
+        std::thread::sleep(Duration::from_millis(100));
+        let killed = std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(killed.success());
+        let o = child.wait_with_output().unwrap();
+        assert_eq!(o.status.code(), Some(130), "{signal}: {}", stderr(&o));
+        assert!(!out.exists());
+        assert_eq!(leftovers(f.dir.path()), Vec::<String>::new(), "{signal}");
+    }
+}
+
+#[test]
+fn the_output_s_missing_parent_folders_are_created() {
+    let f = fixture(26, Dtype::BF16, &odd_shapes(), &DENSITIES[..2], 1);
+    let out = f.dir.path().join("runs/2026/merged");
+    merge_cmd(&f, &out, &[]).assert().success();
+    read_folder(&out);
+}
