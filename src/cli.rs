@@ -377,7 +377,7 @@ fn make_backend(
 
 fn warn_all(warnings: &[String]) {
     for w in warnings {
-        eprintln!("warning: {w}");
+        eprintln!("warning: {}", crate::error::printable(w));
     }
 }
 

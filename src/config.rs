@@ -94,6 +94,9 @@ pub fn parse_dtype_name(s: &str) -> Option<DType> {
 /// A model reference as a local folder: as written (relative to the working directory), else
 /// relative to the recipe's folder.
 fn local_folder(reference: &str, recipe_dir: &Path) -> Result<PathBuf> {
+    if reference.trim().is_empty() {
+        bail!("a model reference is empty (`model:` needs a folder)");
+    }
     if reference.contains('+') && !Path::new(reference).exists() {
         bail!("model '{reference}': LoRA references (model+lora) are not supported yet");
     }
@@ -151,6 +154,17 @@ pub fn read(path: &Path, seed: u64) -> Result<Job> {
 
 /// Parses recipe `text`; model paths resolve against the working directory, then `dir`.
 pub fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
+    // Editors on Windows start files with a byte order mark; YAML allows it, serde_yaml does not.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    if let Some(line) = text
+        .lines()
+        .position(|l| l.trim_start().trim_start_matches("- ").starts_with("<<:"))
+    {
+        bail!(
+            "YAML merge keys (<<) are not supported (line {}); write the values out",
+            line + 1
+        );
+    }
     let raw: RawConfig = serde_yaml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
     let unsupported = |key: &str| -> Result<()> {
         bail!(

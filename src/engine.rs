@@ -4,11 +4,12 @@
 
 use crate::backend::{ranges, Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode, decode_minus, decode_one, encode, first_nonfinite};
-use crate::checkpoint::folder_files::copy_base_files;
-use crate::checkpoint::safetensors_file::crc32_of_file;
+use crate::checkpoint::folder_files::{check_base_config, copy_base_files};
+use crate::checkpoint::safetensors_file::{crc32_of_file, shape_text};
 use crate::checkpoint::{
     CheckpointWriter, DType, ModelFolder, ModelTensor, OutputFolder, OutputTensor,
 };
+use crate::error::usage;
 use crate::method::combine::{fisher_coefs, row_ranks, CombineSpec};
 use crate::method::settings::{layer_index, layer_t, TensorPlace};
 use crate::method::stats::{
@@ -65,17 +66,40 @@ impl Inputs {
             !agent_dirs.is_empty(),
             "at least one agent model is needed (--model DIR)"
         );
-        ensure!(
-            agent_dirs.len() <= method::MAX_AGENTS,
-            "at most {} agent models can be merged at once, got {}",
-            method::MAX_AGENTS,
-            agent_dirs.len()
-        );
+        if agent_dirs.len() > method::MAX_AGENTS {
+            return Err(usage(format!(
+                "at most {} agent models can be handled at once, got {}",
+                method::MAX_AGENTS,
+                agent_dirs.len()
+            )));
+        }
+        refuse_repeated_agents(agent_dirs)?;
         let base = ModelFolder::open(base_dir).context("cannot open the base model")?;
+        ensure!(
+            !base.tensors.is_empty(),
+            "the base model {} has no tensors (its header is empty)",
+            base_dir.display()
+        );
         let agents = agent_dirs
             .iter()
             .map(|d| ModelFolder::open(d).context("cannot open an agent model"))
             .collect::<Result<Vec<_>>>()?;
+        for agent in &agents {
+            if !agent
+                .tensors
+                .iter()
+                .any(|t| base.get(&t.entry.name).is_some())
+            {
+                bail!(
+                    "{} has none of the base's tensor names (agent: '{}', base: '{}'); was it \
+                     fine-tuned from {}, and saved with the same names?",
+                    agent.dir.display(),
+                    agent.tensors.first().map_or("", |t| t.entry.name.as_str()),
+                    base.tensors[0].entry.name,
+                    base_dir.display()
+                );
+            }
+        }
         let mut warnings = Vec::new();
         let mut tensors = Vec::with_capacity(base.tensors.len());
         for bt in &base.tensors {
@@ -87,14 +111,14 @@ impl Inputs {
                 };
                 if at.entry.dtype != bt.entry.dtype || at.entry.shape != bt.entry.shape {
                     bail!(
-                        "tensor '{}' in {} is {} {:?} but in the base ({}) it is {} {:?}",
+                        "tensor '{}' in {} is {} {} but in the base ({}) it is {} {}",
                         bt.entry.name,
                         agent.file_of(at).display(),
                         at.entry.dtype,
-                        at.entry.shape,
+                        shape_text(&at.entry.shape),
                         base.file_of(bt).display(),
                         bt.entry.dtype,
-                        bt.entry.shape
+                        shape_text(&bt.entry.shape)
                     );
                 }
                 found.push(Some(at.clone()));
@@ -145,6 +169,21 @@ impl Inputs {
         })
     }
 
+    /// Refuses the base given as an agent too, for every use that takes task vectors against
+    /// it (all but methods without a base, which merge the models themselves).
+    pub fn refuse_base_as_agent(&self) -> Result<()> {
+        let base = real_path(&self.base.dir);
+        match self.agents.iter().find(|a| real_path(&a.dir) == base) {
+            Some(a) => Err(usage(format!(
+                "--model {} is the base model {}; its task vector is zero — give each agent \
+                 once, and not the base",
+                a.dir.display(),
+                self.base.dir.display()
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Bytes of tensor data one pass reads (base + every agent tensor).
     pub fn pass_bytes(&self) -> u64 {
         self.tensors
@@ -175,6 +214,28 @@ impl Inputs {
             .map(|a| a.dir.display().to_string())
             .collect()
     }
+}
+
+fn real_path(p: &Path) -> PathBuf {
+    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
+/// Refuses an agent folder given twice (after resolving links): it would count one agent's
+/// changes as shared by two, and move every λ.
+fn refuse_repeated_agents(agent_dirs: &[PathBuf]) -> Result<()> {
+    let mut seen: Vec<(PathBuf, &Path)> = Vec::new();
+    for dir in agent_dirs {
+        let r = real_path(dir);
+        if let Some((_, first)) = seen.iter().find(|(s, _)| *s == r) {
+            return Err(usage(format!(
+                "--model {} is given twice (also as {}); give each agent once",
+                dir.display(),
+                first.display()
+            )));
+        }
+        seen.push((r, dir));
+    }
+    Ok(())
 }
 
 /// Reusable tile buffers: one for the base, one per agent.
@@ -515,6 +576,7 @@ pub fn probe_all(
     pass: &Pass,
     show_progress: bool,
 ) -> Result<ProbeReport> {
+    inputs.refuse_base_as_agent()?;
     let bar = progress_bar(inputs.pass_bytes(), show_progress, "probe");
     let mut tensors = Vec::with_capacity(inputs.tensors.len());
     for run in batches(&inputs.tensors, pass.tile_elems) {
@@ -583,11 +645,11 @@ impl FisherInputs {
                 };
                 ensure!(
                     ft.entry.shape == plan.base.entry.shape,
-                    "tensor '{}' in {} has shape {:?}, but the model's is {:?}",
+                    "tensor '{}' in {} has shape {}, but the model's is {}",
                     plan.name(),
                     f.file_of(ft).display(),
-                    ft.entry.shape,
-                    plan.base.entry.shape
+                    shape_text(&ft.entry.shape),
+                    shape_text(&plan.base.entry.shape)
                 );
             }
         }
@@ -655,6 +717,44 @@ fn pass_base(tile: &Tile, out_dtype: DType, out: &mut [u8]) {
         decode(tile.dtype, tile.base, &mut values);
         encode(out_dtype, &values, out);
     }
+}
+
+/// The output policy (README "Values"): a merged value that is NaN or ±Inf where every input of
+/// that element is finite is an error naming the tensor and element — an overflow of the method's
+/// arithmetic or of the output dtype, never silently written. Where an input is not finite itself
+/// (`--allow-nonfinite`), IEEE rules decide and the value is kept.
+fn check_finite_output(
+    tile: &Tile,
+    out_dtype: DType,
+    out: &[u8],
+    name: &str,
+    start: u64,
+) -> Result<()> {
+    let size = out_dtype.size();
+    let mut from = 0;
+    while let Some(k) = first_nonfinite(out_dtype, &out[from * size..]) {
+        let e = from + k;
+        let inputs_finite = std::iter::once(tile.base)
+            .chain(tile.agents.iter().copied())
+            .all(|bytes| decode_one(tile.dtype, bytes, e).is_finite());
+        if inputs_finite {
+            let max = match out_dtype {
+                DType::BF16 => "3.39e38",
+                DType::F16 => "65504",
+                DType::F32 => "3.40e38",
+            };
+            bail!(
+                "merged tensor '{}' has a non-finite value ({}) at element {}, where every input is \
+                 finite: the method's parameters overflow, or the result exceeds the output dtype \
+                 {out_dtype} (largest finite value {max})",
+                crate::error::printable(name),
+                decode_one(out_dtype, out, e),
+                start + e as u64
+            );
+        }
+        from = e + 1;
+    }
+    Ok(())
 }
 
 /// `tile_elems` rounded down to whole rows of `row_len` (at least one row; 0: no rows).
@@ -950,6 +1050,10 @@ pub fn merge(
     out_dir: &Path,
 ) -> Result<MergeSummary> {
     let n = inputs.agents.len();
+    if options.method.uses_base() {
+        inputs.refuse_base_as_agent()?;
+    }
+    check_base_config(&inputs.base.dir)?;
     let fisher = match &options.method {
         Method::Combine(c) if c.kind == Kind::Fisher => Some(FisherInputs::open(c, inputs)?),
         _ => None,
@@ -1073,6 +1177,7 @@ pub fn merge(
                     }
                 }
                 .with_context(|| format!("merge of tensor '{}' failed at tile {i}", plan.name()))?;
+                check_finite_output(tile, out_dtype, out, plan.name(), start)?;
                 writer.write_at(*index, start * out_dtype.size() as u64, out)
             },
         )?;

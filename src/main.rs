@@ -27,7 +27,8 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(err) => {
-            eprintln!("error: {err:#}");
+            // Names read from files may hold control characters: they are shown escaped.
+            eprintln!("error: {}", rlmerge::error::printable(&format!("{err:#}")));
             if rlmerge::error::is_usage(&err) {
                 ExitCode::from(2)
             } else {

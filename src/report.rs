@@ -308,7 +308,7 @@ impl ProbeReport {
                 rho_text(*c),
                 paper.lambda(*c),
                 official.lambda(*c),
-                self.agents[t]
+                crate::error::printable(&self.agents[t])
             );
         }
         let _ = writeln!(
@@ -352,7 +352,13 @@ impl ProbeReport {
                 defaults::ALPHA_TENSOR
             );
             for t in &self.tensors {
-                let _ = write!(s, "{:<48} {:<7} {:>11}", t.name, t.module.name(), t.numel);
+                let _ = write!(
+                    s,
+                    "{:<48} {:<7} {:>11}",
+                    crate::error::printable(&t.name),
+                    t.module.name(),
+                    t.numel
+                );
                 for (a, c) in t.agent_counts().iter().enumerate() {
                     if t.present[a] {
                         let _ = write!(

@@ -68,6 +68,10 @@ pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verificat
                         .push(format!("shard {} is not in the recipe", s.path.display()));
                 }
             }
+            if m.tensors.is_empty() {
+                v.problems
+                    .push("structure: the model has no tensors".into());
+            }
             v.ok.push(format!(
                 "structure: {} shard(s), {} tensors, headers and index consistent",
                 m.shards.len(),
@@ -75,6 +79,21 @@ pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verificat
             ));
         }
         Err(e) => v.problems.push(format!("structure: {e:#}")),
+    }
+    // A weight file the recipe does not list (a stray shard, a pytorch_model.bin) is loaded by
+    // some tools or makes the folder ambiguous: the folder is not what was merged.
+    let listed: Vec<&str> = recipe.outputs.iter().map(|f| f.file.as_str()).collect();
+    for entry in
+        std::fs::read_dir(out_dir).with_context(|| format!("cannot list {}", out_dir.display()))?
+    {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        if is_weight_file(&name) && !listed.contains(&name.as_str()) {
+            v.problems.push(format!(
+                "{} holds the weight file {}, which the recipe does not list",
+                out_dir.display(),
+                crate::error::printable(&name)
+            ));
+        }
     }
     let mut inputs_intact = true;
     for input in &recipe.inputs {
@@ -100,6 +119,23 @@ pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verificat
         }
     }
     Ok(v)
+}
+
+/// File names that loaders take for weights (safetensors, PyTorch, TensorFlow, Flax, GGUF) or
+/// their indexes.
+fn is_weight_file(name: &str) -> bool {
+    const EXT: [&str; 9] = [
+        ".safetensors",
+        ".bin",
+        ".pt",
+        ".pth",
+        ".ckpt",
+        ".h5",
+        ".msgpack",
+        ".gguf",
+        ".index.json",
+    ];
+    EXT.iter().any(|e| name.ends_with(e))
 }
 
 fn recompute_and_compare(

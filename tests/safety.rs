@@ -314,3 +314,45 @@ fn the_output_s_missing_parent_folders_are_created() {
     merge_cmd(&f, &out, &[]).assert().success();
     read_folder(&out);
 }
+
+#[test]
+fn demo_sizes_are_honoured_and_a_killed_demo_leaves_no_partial_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = |d: &Path| {
+        std::fs::metadata(d.join("base/model.safetensors"))
+            .unwrap()
+            .len()
+    };
+    for (arg, bytes) in [("2MiB", 2u64 << 20), ("24MiB", 24 << 20)] {
+        let d = dir.path().join(arg);
+        rlmerge()
+            .args(["demo", "--quiet", "--write-only", "--model-size", arg])
+            .arg(&d)
+            .assert()
+            .success();
+        let got = size(&d);
+        assert!(got >= bytes && got < 2 * bytes, "{arg}: {got} bytes");
+    }
+    // Killed while writing: nothing but finished folders under their names.
+    let d = dir.path().join("killed");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_rlmerge"))
+        .args(["demo", "--quiet", "--write-only", "--model-size", "300MiB"])
+        .arg(&d)
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while !d.exists() || leftovers(&d).is_empty() {
+        assert!(t.elapsed() < Duration::from_secs(30), "demo did not start");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!d.join("base").exists(), "a partial base folder is visible");
+    // Run again: the dead run's scratch folder goes, and the demo completes.
+    rlmerge()
+        .args(["demo", "--quiet", "--write-only", "--model-size", "2MiB"])
+        .arg(&d)
+        .assert()
+        .success();
+    assert!(leftovers(&d).is_empty(), "{:?}", leftovers(&d));
+}

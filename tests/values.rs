@@ -236,3 +236,112 @@ fn subnormals_and_negative_zero_are_exact_on_both_backends() {
         }
     }
 }
+
+/// Issue #12 item 6: finite inputs never give a non-finite output silently — an overflow of the
+/// method's arithmetic or of the output dtype is an error naming the tensor and element, with no
+/// output, on both backends; where an input itself is not finite (`--allow-nonfinite`) IEEE
+/// rules still decide.
+#[test]
+fn finite_inputs_that_would_merge_to_nonfinite_values_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let base_v: Vec<f32> = (0..300).map(|i| 0.01 * (i % 13) as f32 - 0.05).collect();
+    let mut a_v = base_v.clone();
+    let mut b_v = base_v.clone();
+    for i in (0..300).step_by(3) {
+        a_v[i] += 0.5;
+    }
+    // b changes every second element: shared with a at every sixth, its own elsewhere.
+    for i in (0..300).step_by(2) {
+        b_v[i] -= 0.25;
+    }
+    // f32 values past f16's range (65504) in an agent's change.
+    let mut big_v = base_v.clone();
+    big_v[124] = 70000.0;
+    let base = folder(dir.path(), "base", Dtype::F32, base_v.clone());
+    let a = folder(dir.path(), "a", Dtype::F32, a_v);
+    let b = folder(dir.path(), "b", Dtype::F32, b_v);
+    let big = folder(dir.path(), "big", Dtype::F32, big_v);
+    let cases: Vec<(Vec<&PathBuf>, Vec<&str>, &str)> = vec![
+        (
+            vec![&a, &b],
+            vec!["--method", "task_arithmetic", "--param", "weight=1e39"],
+            "element 0",
+        ),
+        (
+            vec![&a, &b],
+            vec!["--method", "ram+", "--r", "1e39"],
+            "element 2",
+        ),
+        (
+            vec![&big, &a],
+            vec!["--method", "ram", "--out-dtype", "f16"],
+            "element 124",
+        ),
+        (
+            vec![&a, &b],
+            vec![
+                "--method",
+                "linear",
+                "--param",
+                "weight=1e39",
+                "--param",
+                "normalize=false",
+            ],
+            "element 0",
+        ),
+    ];
+    for device in devices() {
+        for (k, (agents, args, element)) in cases.iter().enumerate() {
+            let out = dir.path().join(format!("out-{device}-{k}"));
+            let mut extra = args.clone();
+            extra.extend(["--device", device]);
+            let o = merge(&base, agents, &out, &extra);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(1), "{device} {args:?}: {err}");
+            assert!(
+                err.contains("non-finite") && err.contains("'w'") && err.contains(element),
+                "{device} {args:?}: {err}"
+            );
+            assert!(!out.exists());
+        }
+        // karcher with tol = 0 (any max_iter) stays finite.
+        for max_iter in ["1", "5", "100"] {
+            let out = dir.path().join(format!("karcher-{device}-{max_iter}"));
+            let o = merge(
+                &base,
+                &[&a, &b],
+                &out,
+                &[
+                    "--method",
+                    "karcher",
+                    "--param",
+                    "tol=0",
+                    "--param",
+                    &format!("max_iter={max_iter}"),
+                    "--device",
+                    device,
+                ],
+            );
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let merged = read_folder(&out);
+            let v = from_bytes(Dtype::F32, &merged["w"].2);
+            assert!(v.iter().all(|x| x.is_finite()));
+        }
+    }
+    // An input that is itself infinite may give an infinite output, by IEEE rules.
+    let mut inf_v = base_v.clone();
+    inf_v[5] = f32::INFINITY;
+    let inf = folder(dir.path(), "inf", Dtype::F32, inf_v);
+    for device in devices() {
+        let out = dir.path().join(format!("inf-{device}"));
+        let o = merge(
+            &base,
+            &[&inf, &a],
+            &out,
+            &["--allow-nonfinite", "--device", device],
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v = from_bytes(Dtype::F32, &read_folder(&out)["w"].2);
+        assert_eq!(v[5], f32::INFINITY);
+    }
+}

@@ -25,7 +25,15 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     /// `threads = 0` uses every core.
+    /// `threads` workers, 0 = one per core. More than [`max_threads`] is a usage error: extra
+    /// threads on the same cores only add waiting, and a huge count exhausts the process limit.
     pub fn new(threads: usize) -> Result<CpuBackend> {
+        let max = max_threads();
+        if threads > max {
+            return Err(crate::error::usage(format!(
+                "--threads {threads}: at most {max} (4 × the cores here, at least 64; 0 = one per core)"
+            )));
+        }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("rlmerge-cpu-{i}"))
@@ -33,6 +41,12 @@ impl CpuBackend {
             .context("cannot start the CPU worker threads")?;
         Ok(CpuBackend { pool })
     }
+}
+
+/// The most CPU worker threads accepted: 4 × the available cores, at least 64.
+pub fn max_threads() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (4 * cores).max(64)
 }
 
 /// The bytes of elements `start..start + len` of a tile buffer.

@@ -1,7 +1,7 @@
 //! The non-weight files of a model folder that a merged checkpoint takes from its base.
 
 use super::dtype::DType;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use std::path::Path;
 
 /// Files copied from the base folder when present (config, generation config, tokenizer).
@@ -19,8 +19,63 @@ pub const COPIED_FROM_BASE: &[&str] = &[
     "chat_template.json",
 ];
 
-/// Copies [`COPIED_FROM_BASE`] from `base` into `out`; `config.json`'s `torch_dtype` is set to the
-/// output dtype. Returns the names copied.
+/// Checks the base has a `config.json` that a loader can use: a regular file (not a folder or a
+/// FIFO, which would hang the read) holding a JSON object. A merged folder without one does not
+/// load, so the merge stops before it starts.
+pub fn check_base_config(base: &Path) -> Result<()> {
+    let path = base.join("config.json");
+    let meta = std::fs::metadata(&path).with_context(|| {
+        format!(
+            "the base has no config.json ({}); a merged model without one does not load",
+            path.display()
+        )
+    })?;
+    if !meta.is_file() {
+        bail!("{} is not a regular file", path.display());
+    }
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let config: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
+    if !config.is_object() {
+        bail!(
+            "{}: a model config must be a JSON object, not {}",
+            path.display(),
+            match config {
+                serde_json::Value::Array(_) => "an array",
+                serde_json::Value::String(_) => "a string",
+                serde_json::Value::Number(_) => "a number",
+                serde_json::Value::Bool(_) => "a boolean",
+                _ => "null",
+            }
+        );
+    }
+    Ok(())
+}
+
+/// Sets every dtype key of a model config to `dtype`: the top level's `torch_dtype` (always) and
+/// `dtype` (current transformers reads it first), and those keys wherever a nested config (e.g.
+/// `text_config`) has them.
+pub fn set_config_dtype(config: &mut serde_json::Value, dtype: DType) {
+    fn nested(v: &mut serde_json::Value, name: &str) {
+        if let Some(obj) = v.as_object_mut() {
+            for (key, value) in obj.iter_mut() {
+                if (key == "torch_dtype" || key == "dtype") && value.is_string() {
+                    *value = name.into();
+                } else if value.is_object() {
+                    nested(value, name);
+                }
+            }
+        }
+    }
+    nested(config, dtype.torch_name());
+    if let Some(obj) = config.as_object_mut() {
+        obj.insert("torch_dtype".into(), dtype.torch_name().into());
+    }
+}
+
+/// Copies [`COPIED_FROM_BASE`] from `base` into `out` (regular files only); `config.json`'s
+/// dtype keys are set to the output dtype ([`set_config_dtype`]). Returns the names copied.
 pub fn copy_base_files(base: &Path, out: &Path, out_dtype: DType) -> Result<Vec<String>> {
     let mut copied = Vec::new();
     for name in COPIED_FROM_BASE {
@@ -34,9 +89,7 @@ pub fn copy_base_files(base: &Path, out: &Path, out_dtype: DType) -> Result<Vec<
                 .with_context(|| format!("cannot read {}", src.display()))?;
             let mut config: serde_json::Value = serde_json::from_str(&text)
                 .with_context(|| format!("{}: invalid JSON", src.display()))?;
-            if let Some(obj) = config.as_object_mut() {
-                obj.insert("torch_dtype".into(), out_dtype.torch_name().into());
-            }
+            set_config_dtype(&mut config, out_dtype);
             std::fs::write(&dst, serde_json::to_string_pretty(&config)? + "\n")
                 .with_context(|| format!("cannot write {}", dst.display()))?;
         } else {
@@ -46,4 +99,29 @@ pub fn copy_base_files(base: &Path, out: &Path, out_dtype: DType) -> Result<Vec<
         copied.push(name.to_string());
     }
     Ok(copied)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_dtype_key_follows_the_output() {
+        let mut c = serde_json::json!({
+            "torch_dtype": "bfloat16", "dtype": "bfloat16",
+            "text_config": {"dtype": "bfloat16", "hidden_size": 8},
+            "quantization": {"bits": 4}
+        });
+        set_config_dtype(&mut c, DType::F32);
+        assert_eq!(c["torch_dtype"], "float32");
+        assert_eq!(c["dtype"], "float32");
+        assert_eq!(c["text_config"]["dtype"], "float32");
+        assert_eq!(c["text_config"]["hidden_size"], 8);
+        let mut bare = serde_json::json!({"model_type": "llama"});
+        set_config_dtype(&mut bare, DType::F16);
+        assert_eq!(
+            bare,
+            serde_json::json!({"model_type": "llama", "torch_dtype": "float16"})
+        );
+    }
 }

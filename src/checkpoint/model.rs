@@ -40,6 +40,14 @@ impl ModelFolder {
         let single_path = dir.join(SINGLE_FILE);
         // Present even as a broken or looping link: opening it then says what is wrong with it.
         let present = |p: &Path| p.symlink_metadata().is_ok();
+        if present(&index_path) && present(&single_path) {
+            bail!(
+                "{} holds both {SINGLE_FILE} and {INDEX_FILE}: transformers would load \
+                 {SINGLE_FILE} alone, so which weights are meant is ambiguous; remove the one \
+                 that is not the model",
+                dir.display()
+            );
+        }
         let shard_names: Vec<String> = if present(&index_path) {
             read_index_shards(&index_path)?
         } else if present(&single_path) {
@@ -160,29 +168,71 @@ struct IndexJson {
 
 /// The distinct shard files an index names, in first-seen order of sorted file names.
 fn read_index_shards(index_path: &Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(index_path)
-        .with_context(|| format!("cannot read {}", index_path.display()))?;
-    let index: IndexJson = serde_json::from_str(&text)
-        .with_context(|| format!("{}: corrupt index JSON", index_path.display()))?;
+    let index = read_index(index_path)?;
     let mut files: Vec<String> = index.weight_map.values().cloned().collect();
     files.sort();
     files.dedup();
     for f in &files {
-        let p = Path::new(f);
-        if p.is_absolute()
-            || p.components()
-                .any(|c| !matches!(c, std::path::Component::Normal(_)))
-        {
-            bail!(
-                "{}: shard name '{f}' must be a plain file name inside the model folder",
-                index_path.display()
-            );
-        }
+        check_shard_name(index_path, f)?;
     }
     if files.is_empty() {
         bail!("{}: weight_map is empty", index_path.display());
     }
     Ok(files)
+}
+
+/// Reads and parses an index (a regular file: a FIFO would block the read forever).
+fn read_index(index_path: &Path) -> Result<IndexJson> {
+    check_regular_file(index_path)?;
+    let text = std::fs::read_to_string(index_path)
+        .with_context(|| format!("cannot read {}", index_path.display()))?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("{}: corrupt index JSON", index_path.display()))
+}
+
+/// A shard name in an index: a path of plain names inside the model folder (`sub/x` and `./x`
+/// as well as `x`), never empty, absolute or with `..`.
+fn check_shard_name(index_path: &Path, name: &str) -> Result<()> {
+    use std::path::Component;
+    let p = Path::new(name);
+    let bad = |why: &str| {
+        anyhow::anyhow!(
+            "{}: shard name '{}' {why}",
+            index_path.display(),
+            crate::error::printable(name)
+        )
+    };
+    if name.is_empty() {
+        return Err(bad("is empty"));
+    }
+    if p.components().any(|c| {
+        matches!(
+            c,
+            Component::RootDir | Component::Prefix(_) | Component::ParentDir
+        )
+    }) {
+        return Err(bad("must name a file inside the model folder"));
+    }
+    if !p.components().any(|c| matches!(c, Component::Normal(_))) || name.ends_with('/') {
+        return Err(bad("names a folder, not a file"));
+    }
+    Ok(())
+}
+
+/// Fails unless `path` is a regular file (after links): folders, FIFOs, sockets and devices are
+/// refused before any read, which on a FIFO would wait forever.
+pub fn check_regular_file(path: &Path) -> Result<()> {
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("cannot open {}", path.display()))?;
+    if !meta.is_file() {
+        let kind = if meta.is_dir() {
+            "a folder"
+        } else {
+            "not a regular file (a FIFO, socket or device)"
+        };
+        bail!("{} is {kind}", path.display());
+    }
+    Ok(())
 }
 
 /// Every tensor the index maps must be in the shard it names.
@@ -191,8 +241,7 @@ fn check_index_matches(
     shard_names: &[String],
     tensors: &[ModelTensor],
 ) -> Result<()> {
-    let text = std::fs::read_to_string(index_path)?;
-    let index: IndexJson = serde_json::from_str(&text)?;
+    let index = read_index(index_path)?;
     let found: HashMap<&str, &str> = tensors
         .iter()
         .map(|t| (t.entry.name.as_str(), shard_names[t.shard].as_str()))

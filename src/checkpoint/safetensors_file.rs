@@ -46,6 +46,17 @@ pub struct SafetensorsFile {
     tensor_crcs: Vec<std::sync::Mutex<CrcStream>>,
 }
 
+/// A shape for messages: in full up to 8 dimensions, else the first ones and the count (a
+/// hostile header may hold thousands).
+pub fn shape_text(shape: &[usize]) -> String {
+    if shape.len() <= 8 {
+        format!("{shape:?}")
+    } else {
+        let head: Vec<String> = shape[..6].iter().map(|d| d.to_string()).collect();
+        format!("[{}, … ({} dimensions)]", head.join(", "), shape.len())
+    }
+}
+
 /// A file's size and CRC-32, as the recipe records it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FileChecksum {
@@ -99,6 +110,7 @@ fn hash_range(
 impl SafetensorsFile {
     /// Opens and validates `path`: header length, JSON, dtypes, shapes, offsets against the file size.
     pub fn open(path: &Path) -> Result<SafetensorsFile> {
+        super::model::check_regular_file(path)?;
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
         let meta = file
             .metadata()
@@ -318,8 +330,9 @@ fn parse_header(header: &[u8], data_start: u64, data_len: u64) -> Result<Vec<Ten
         let expected = (numel as u64).checked_mul(dtype.size() as u64);
         if expected != Some(end - begin) {
             return Err(bad(&format!(
-                "data offsets {begin}..{end} hold {} bytes but shape {shape:?} of {dtype_name} needs {}",
+                "data offsets {begin}..{end} hold {} bytes but shape {} of {dtype_name} needs {}",
                 end - begin,
+                shape_text(&shape),
                 expected.map_or("more than u64".to_string(), |e| e.to_string())
             )));
         }

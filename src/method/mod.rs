@@ -59,6 +59,14 @@ impl Method {
     }
 
     /// True when λ needs the probe of the whole model before the first merged byte (two passes).
+    /// Whether θ₀ enters the merge (task vectors against it), so it must not be an agent too.
+    pub fn uses_base(&self) -> bool {
+        match self {
+            Method::Combine(c) => c.with_base,
+            _ => true,
+        }
+    }
+
     pub fn needs_global_probe(&self) -> bool {
         matches!(
             self,

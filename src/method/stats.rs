@@ -1664,8 +1664,11 @@ pub fn multislerp_coefs(weights: &[f64], gram: &[f64]) -> Result<Vec<f64>> {
 
 /// karcher's coefficients from the Gram matrix of the models: the weighted Karcher mean of the
 /// unit vectors (equal weights), iterated in the span of the inputs, scaled by the mean norm.
+/// Angles and norms below `tol` — or zero, so `tol = 0` stays finite — end the step or the loop.
 pub fn karcher_coefs(gram: &[f64], n: usize, max_iter: usize, tol: f64) -> Vec<f64> {
     let norm: Vec<f64> = (0..n).map(|i| gram[i * n + i].sqrt()).collect();
+    // Below tol, or zero: with tol = 0 a zero angle or norm must not be divided by.
+    let small = |x: f64| x < tol || x <= 0.0;
     let valid: Vec<usize> = (0..n).filter(|&i| norm[i] > tol).collect();
     if valid.is_empty() {
         return vec![0.0; n];
@@ -1688,7 +1691,7 @@ pub fn karcher_coefs(gram: &[f64], n: usize, max_iter: usize, tol: f64) -> Vec<f
         mean[i] = alpha;
     }
     let mean_norm = dot(&mean, &mean).max(0.0).sqrt();
-    if mean_norm < tol {
+    if small(mean_norm) {
         mean = vec![0.0; n];
         mean[valid[0]] = 1.0;
     } else {
@@ -1701,7 +1704,7 @@ pub fn karcher_coefs(gram: &[f64], n: usize, max_iter: usize, tol: f64) -> Vec<f
             e[j] = 1.0;
             let d = dot(&mean, &e).clamp(-1.0, 1.0);
             let theta = d.acos();
-            if theta < tol {
+            if small(theta) {
                 continue;
             }
             let beta = alpha * theta / theta.sin();
@@ -1710,14 +1713,14 @@ pub fn karcher_coefs(gram: &[f64], n: usize, max_iter: usize, tol: f64) -> Vec<f
             }
         }
         let tn = dot(&tangent, &tangent).max(0.0).sqrt();
-        if tn < tol {
+        if small(tn) {
             break;
         }
         for i in 0..n {
             mean[i] = tn.cos() * mean[i] + tn.sin() * tangent[i] / tn;
         }
         let un = dot(&mean, &mean).max(0.0).sqrt();
-        if un > tol {
+        if !small(un) {
             mean.iter_mut().for_each(|a| *a /= un);
         }
     }
