@@ -14,7 +14,7 @@ use rlmerge::demo::{self, ModelShape, SplitMix64};
 use rlmerge::engine::{self, Inputs, MergeOptions, Pass};
 use rlmerge::method::settings::{Scalar, Setting};
 use rlmerge::method::{
-    defaults, reciprocals, BoostRule, BoostScope, Kind, Method, MethodConfig, DEFAULT_EPSILON,
+    defaults, BoostRule, BoostScope, Kind, Method, MethodConfig, DEFAULT_EPSILON,
 };
 
 /// A bf16 base tile and 3 agents changing 3 %, 46 %, 54 % of its elements.
@@ -90,7 +90,6 @@ fn kernels(c: &mut Criterion) {
         base: &base,
         agents: &slices,
     };
-    let inv = reciprocals(3);
     let mut out = vec![0u8; len * 2];
     let mut g = c.benchmark_group("tile_bf16_3_agents");
     g.throughput(Throughput::Bytes((len * 2 * 4) as u64));
@@ -106,7 +105,6 @@ fn kernels(c: &mut Criterion) {
             let params = MergeParams {
                 epsilon: DEFAULT_EPSILON,
                 lambdas: &lambdas,
-                reciprocals: &inv,
                 out_dtype: DType::BF16,
             };
             g.bench_function(format!("{name}/{method}"), |b| {

@@ -1,11 +1,53 @@
 // SPEC §2 selective merge for the RAM family, in the spec's arithmetic order: τ = a − b in f32;
-// Σ of active τ in agent order; c = 1 → b + λ·τ; c ≥ 2 → b + Σ·f32(1/c) with the reciprocal from
-// the host (never divide here); c = 0 → the base's bits. One invocation per pair of elements, so a
-// packed 16-bit output word is written by one invocation. Needs dtype.wgsl and chunk.wgsl prepended.
+// Σ of active τ in agent order; c = 1 → b + λ·τ; c ≥ 2 → b + Σ/c, the correctly rounded quotient
+// from integer arithmetic (`div_by_count`: WGSL's `/` may be 2.5 ULP off); c = 0 → the base's bits.
+// One invocation per pair of elements, so a packed 16-bit output word is written by one
+// invocation. Needs dtype.wgsl and chunk.wgsl prepended.
 
 @group(0) @binding(3) var<storage, read> lambdas: array<f32>;
-@group(0) @binding(4) var<storage, read> recips: array<f32>;
-@group(0) @binding(5) var<storage, read_write> out: array<u32>;
+@group(0) @binding(4) var<storage, read_write> out: array<u32>;
+
+// sum / c rounded to nearest even for 1 ≤ c ≤ 64, subnormal results included; ±0, ±Inf and NaN
+// pass through. src/method/mod.rs `div_by_count`, step for step (tested against IEEE division).
+fn div_by_count(sum: f32, c: u32) -> f32 {
+    let bits = bitcast<u32>(sum);
+    let sign = bits & 0x80000000u;
+    let a = bits & 0x7fffffffu;
+    if (a >= 0x7f800000u || a == 0u || c == 1u) {
+        return sum;
+    }
+    var ea = i32(a >> 23u);
+    var ma = a & 0x7fffffu;
+    if (ea == 0) {
+        let shift = 23 - i32(firstLeadingBit(ma));
+        ma = ma << u32(shift);
+        ea = 1 - shift;
+    } else {
+        ma = ma | 0x800000u;
+    }
+    let n = ma << 8u;
+    let q = n / c;
+    let r = n % c;
+    let len = i32(firstLeadingBit(q)) + 1;
+    var shift = len - 24;
+    var biased = ea - 32 + len;
+    if (biased < 1) {
+        shift = shift + 1 - biased;
+        biased = 1;
+    }
+    if (shift >= 32) {
+        return bitcast<f32>(sign);
+    }
+    let s = u32(shift);
+    let m = q >> s;
+    let guard = (q >> (s - 1u)) & 1u;
+    let sticky = (q & ((1u << (s - 1u)) - 1u)) != 0u || r != 0u;
+    var mm = m;
+    if (guard == 1u && (sticky || (m & 1u) == 1u)) {
+        mm = m + 1u;
+    }
+    return bitcast<f32>(sign | ((u32(biased - 1) << 23u) + mm));
+}
 
 // The output bits of one element from its base bits and value, Σ of active τ, count and λ.
 fn finish(bb: u32, b: f32, sum: f32, c: u32, lam: f32) -> u32 {
@@ -15,12 +57,11 @@ fn finish(bb: u32, b: f32, sum: f32, c: u32, lam: f32) -> u32 {
         }
         return encode_bits(b, p.out_dt);
     }
-    var scale = lam;
-    if (c >= 2u) {
-        scale = recips[c];
+    var step = div_by_count(sum, c);
+    if (c == 1u) {
+        // XOR with a runtime zero: the compiler cannot see the product, so cannot fuse it into an FMA.
+        step = bitcast<f32>(bitcast<u32>(sum * lam) ^ p.zero);
     }
-    // XOR with a runtime zero: the compiler cannot see the product, so cannot fuse it into an FMA.
-    let step = bitcast<f32>(bitcast<u32>(sum * scale) ^ p.zero);
     return encode_bits(b + step, p.out_dt);
 }
 

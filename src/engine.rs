@@ -1107,7 +1107,6 @@ pub fn merge(
     };
     let bar = progress_bar(scan_bytes, options.show_progress, "merge");
     let mut buffers = TileBuffers::new(n);
-    let reciprocals = method::reciprocals(n);
     let mut tensor_lambdas = Vec::new();
     let mut tensor_stats = Vec::new();
     let layers = inputs
@@ -1155,7 +1154,6 @@ pub fn merge(
                         let params = MergeParams {
                             epsilon: options.pass.epsilon,
                             lambdas,
-                            reciprocals: &reciprocals,
                             out_dtype,
                         };
                         backend.merge(tile, &params, out)

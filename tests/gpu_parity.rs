@@ -219,7 +219,6 @@ fn gpu_codecs_equal_cpu_on_every_f16_and_many_f32_patterns() {
         f32_bits.push(x);
     }
     let f32_bytes: Vec<u8> = f32_bits.iter().flat_map(|b| b.to_le_bytes()).collect();
-    let reciprocals = rlmerge::method::reciprocals(1);
     for (dtype, bytes, outs) in [
         (DType::F16, &f16_bytes, [DType::F32, DType::BF16]),
         (DType::F32, &f32_bytes, [DType::F16, DType::BF16]),
@@ -239,7 +238,6 @@ fn gpu_codecs_equal_cpu_on_every_f16_and_many_f32_patterns() {
                     let params = MergeParams {
                         epsilon: 1e-5,
                         lambdas: &[1.0],
-                        reciprocals: &reciprocals,
                         out_dtype,
                     };
                     b.merge(&tile, &params, &mut out).unwrap();
@@ -553,5 +551,81 @@ fn gpu_mapped_and_staged_buffers_equal_cpu() {
             }
             compare(&cpu, &gpu, &format!("{args:?} mapped={mapped}"));
         }
+    }
+}
+
+/// SPEC §2's shared mean is the correctly rounded quotient Σ/c: the GPU's integer division equals
+/// the CPU's IEEE division for every count up to 32 agents, over sums of every magnitude
+/// (subnormal ones included, with ε = 0), and both equal an independent reference that divides.
+#[test]
+fn gpu_shared_mean_is_the_correctly_rounded_quotient() {
+    use rlmerge::backend::gpu::{AdapterChoice, GpuBackend, GpuContext};
+    use rlmerge::backend::{cpu::CpuBackend, Backend, MergeParams, Tile};
+    use rlmerge::checkpoint::DType;
+    if !gpu_available() {
+        return;
+    }
+    let n = 32;
+    let len = 40_000;
+    let mut rng = Rng(77);
+    let base = vec![0.0f32; len];
+    let mut agents = vec![vec![0.0f32; len]; n];
+    for i in 0..len {
+        let c = 2 + i % (n - 1);
+        for agent in agents.iter_mut().take(c) {
+            // Random sign, mantissa and exponent: from subnormal to 2^40.
+            let exp = (rng.u64() % 170) as u32;
+            let bits = ((rng.u64() as u32) & 0x807f_ffff) | (exp << 23);
+            agent[i] = f32::from_bits(bits);
+        }
+    }
+    let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let base_bytes = bytes(&base);
+    let agent_bytes: Vec<Vec<u8>> = agents.iter().map(|a| bytes(a)).collect();
+    let slices: Vec<&[u8]> = agent_bytes.iter().map(|a| a.as_slice()).collect();
+    let tile = Tile {
+        dtype: DType::F32,
+        len,
+        base: &base_bytes,
+        agents: &slices,
+    };
+    let lambdas = vec![1.0f32; n];
+    let params = MergeParams {
+        epsilon: 0.0,
+        lambdas: &lambdas,
+        out_dtype: DType::F32,
+    };
+    let ctx = GpuContext::open(AdapterChoice::Any).unwrap().unwrap();
+    let backends: [Box<dyn Backend>; 2] = [
+        Box::new(CpuBackend::new(0).unwrap()),
+        Box::new(GpuBackend::new(ctx)),
+    ];
+    let outs: Vec<Vec<f32>> = backends
+        .iter()
+        .map(|b| {
+            let mut out = vec![0u8; len * 4];
+            b.merge(&tile, &params, &mut out).unwrap();
+            from_bytes(Dtype::F32, &out)
+        })
+        .collect();
+    for i in 0..len {
+        let (mut sum, mut c) = (0.0f32, 0u32);
+        for a in &agents {
+            if a[i].abs() > 0.0 {
+                sum += a[i];
+                c += 1;
+            }
+        }
+        let want = if c == 1 { sum } else { 0.0 + sum / c as f32 };
+        assert_eq!(
+            outs[0][i].to_bits(),
+            want.to_bits(),
+            "cpu, element {i}, c = {c}"
+        );
+        assert_eq!(
+            outs[1][i].to_bits(),
+            want.to_bits(),
+            "gpu, element {i}: {sum:e} / {c}"
+        );
     }
 }

@@ -5,7 +5,6 @@ use common::*;
 use rlmerge::backend::cpu::CpuBackend;
 use rlmerge::backend::{Backend, MergeParams, Tile};
 use rlmerge::checkpoint::DType;
-use rlmerge::method::reciprocals;
 use safetensors::tensor::Dtype;
 
 /// Merges f32 τ rows on a zero base with the CPU backend; returns the merged Δ per element.
@@ -19,11 +18,9 @@ fn merge_rows(agents: &[[f32; 3]], lambdas: &[f32], out: DType) -> Vec<f32> {
         base: &base,
         agents: &slices,
     };
-    let inv = reciprocals(agents.len());
     let params = MergeParams {
         epsilon: 1e-5,
         lambdas,
-        reciprocals: &inv,
         out_dtype: out,
     };
     let mut bytes = vec![0u8; 3 * out.size()];

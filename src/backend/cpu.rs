@@ -581,8 +581,9 @@ multiversion! {
                 *l += f32::from_bits((lam_bits & m) | (0x8000_0000 & !m));
             }
         }
-        // scale = λ of the single agent (c = 1), else f32(1/c) as `MergeParams::reciprocals`
-        // tables it (`method::reciprocals` divides the same way); c = 0 keeps the base.
+        // step = λ·Σ for the single agent (c = 1), else the correctly rounded quotient Σ / c
+        // (SPEC §2: IEEE division, as the paper's script; the GPU computes the same quotient with
+        // integers, `method::div_by_count`); c = 0 keeps the base.
         for (((r, &b), &s), (&c, &l)) in result
             .iter_mut()
             .zip(base.iter())
@@ -590,8 +591,8 @@ multiversion! {
             .zip(count.iter().zip(lambda.iter()))
         {
             let single = ((c == 1) as u32).wrapping_neg();
-            let scale = f32::from_bits((l.to_bits() & single) | ((1.0 / c as f32).to_bits() & !single));
-            let merged = (b + s * scale).to_bits();
+            let step = f32::from_bits(((s * l).to_bits() & single) | ((s / c as f32).to_bits() & !single));
+            let merged = (b + step).to_bits();
             let keep_base = ((c == 0) as u32).wrapping_neg();
             *r = f32::from_bits((b.to_bits() & keep_base) | (merged & !keep_base));
         }

@@ -352,7 +352,6 @@ struct Slot {
     base: wgpu::Buffer,
     agents: wgpu::Buffer,
     lambdas: wgpu::Buffer,
-    recips: wgpu::Buffer,
     out: wgpu::Buffer,
     hist: wgpu::Buffer,
     readback: wgpu::Buffer,
@@ -472,7 +471,6 @@ impl GpuBackend {
             let base = storage("base", words * 4, input);
             let agents = storage("agents", words * 4 * n as u64, input);
             let lambdas = storage("lambdas", 4 * GPU_MAX_AGENTS as u64, dst);
-            let recips = storage("reciprocals", 4 * (GPU_MAX_AGENTS as u64 + 1), dst);
             let out = storage("out", words * 4, result);
             let hist = storage("hist", 4 * (n * n) as u64, dst | result);
             let readback = d.create_buffer(&wgpu::BufferDescriptor {
@@ -494,7 +492,7 @@ impl GpuBackend {
             let merge_group = d.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: Some("merge"),
                 layout: &self.ctx.merge_pipeline.get_bind_group_layout(0),
-                entries: &entries(&[&params, &base, &agents, &lambdas, &recips, &out]),
+                entries: &entries(&[&params, &base, &agents, &lambdas, &out]),
             });
             let probe_group = d.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: Some("probe"),
@@ -524,7 +522,6 @@ impl GpuBackend {
                 base,
                 agents,
                 lambdas,
-                recips,
                 out,
                 hist,
                 readback,
@@ -864,13 +861,7 @@ impl Backend for GpuBackend {
     }
 
     fn merge(&self, tile: &Tile, params: &MergeParams, out: &mut [u8]) -> Result<()> {
-        let n = tile.agents.len();
-        ensure!(
-            params.reciprocals.len() > n,
-            "internal: reciprocals table shorter than agents + 1"
-        );
         let lambdas = bytemuck::cast_slice::<f32, u8>(params.lambdas).to_vec();
-        let recips = bytemuck::cast_slice::<f32, u8>(&params.reciprocals[..=n]).to_vec();
         let q = &self.ctx.queue;
         let size = params.out_dtype.size();
         self.run_chunks(
@@ -879,7 +870,6 @@ impl Backend for GpuBackend {
             params.epsilon,
             |slot, _, _| {
                 q.write_buffer(&slot.lambdas, 0, &lambdas);
-                q.write_buffer(&slot.recips, 0, &recips);
                 Ok(())
             },
             Kernel::Merge,

@@ -61,8 +61,6 @@ pub struct MergeParams<'a> {
     pub epsilon: f32,
     /// λ_t for each agent of the tile, as f32.
     pub lambdas: &'a [f32],
-    /// f32(1/c) for c = 0..=agents, from [`crate::method::reciprocals`].
-    pub reciprocals: &'a [f32],
     pub out_dtype: DType,
 }
 

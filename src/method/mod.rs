@@ -156,11 +156,47 @@ impl BoostRule {
     }
 }
 
-/// f32(1/c) for c = 0..=n, each rounded once (SPEC §2: never divide on a device).
-pub fn reciprocals(n: usize) -> Vec<f32> {
-    (0..=n)
-        .map(|c| if c == 0 { 0.0 } else { 1.0f32 / c as f32 })
-        .collect()
+/// The correctly rounded f32 quotient `sum / c` (round to nearest even, subnormal results
+/// included; ±0, ±Inf and NaN pass through) for a count 1 ≤ c ≤ 64, from integer arithmetic
+/// alone: SPEC §2's shared mean. The CPU backend divides in hardware (IEEE division is correctly
+/// rounded); `shaders/merge.wgsl` runs this algorithm step for step, since WGSL's `/` is not
+/// correctly rounded. Tests check it against IEEE division.
+pub fn div_by_count(sum: f32, c: u32) -> f32 {
+    debug_assert!((1..=64).contains(&c));
+    let bits = sum.to_bits();
+    let (sign, abs) = (bits & 0x8000_0000, bits & 0x7fff_ffff);
+    if abs >= 0x7f80_0000 || abs == 0 || c == 1 {
+        return sum;
+    }
+    // |sum| = ma · 2^(ea − 150), ma with its leading bit at 23 (subnormals normalized).
+    let (mut ea, mut ma) = ((abs >> 23) as i32, abs & 0x7f_ffff);
+    if ea == 0 {
+        let shift = 23 - (31 - ma.leading_zeros()) as i32;
+        ma <<= shift;
+        ea = 1 - shift;
+    } else {
+        ma |= 0x80_0000;
+    }
+    // n / c with n = ma · 2^8 < 2^32: q ≥ 2^25, so at least two bits below the 24 kept.
+    let n = ma << 8;
+    let (q, r) = (n / c, n % c);
+    let len = 32 - q.leading_zeros() as i32;
+    let mut shift = len - 24;
+    let mut biased = ea - 32 + len;
+    if biased < 1 {
+        // Subnormal: fewer bits are kept, the exponent field is 0.
+        shift += 1 - biased;
+        biased = 1;
+    }
+    if shift >= 32 {
+        return f32::from_bits(sign);
+    }
+    let m = q >> shift;
+    let guard = (q >> (shift - 1)) & 1;
+    let sticky = (q & ((1u32 << (shift - 1)) - 1)) != 0 || r != 0;
+    let m = m + (guard == 1 && (sticky || m & 1 == 1)) as u32;
+    // (biased − 1) · 2^23 + m: a carry out of the mantissa moves into the exponent by itself.
+    f32::from_bits(sign | ((((biased - 1) as u32) << 23) + m))
 }
 
 /// Most agents one merge takes (masks are u64 bit sets).
@@ -172,6 +208,44 @@ mod tests {
 
     fn counts(unique: u64, shared: u64) -> AgentCounts {
         AgentCounts { unique, shared }
+    }
+
+    #[test]
+    fn div_by_count_is_ieee_division() {
+        let mut rng = crate::demo::SplitMix64::new(21);
+        let mut values: Vec<f32> = vec![
+            0.0,
+            -0.0,
+            f32::MIN_POSITIVE,
+            f32::from_bits(1),
+            f32::from_bits(3),
+            f32::from_bits(0x007f_ffff),
+            f32::MAX,
+            -f32::MAX,
+            1.0,
+            3.0,
+            0.03,
+        ];
+        for _ in 0..20_000 {
+            let b = rng.next_u64() as u32;
+            // Every exponent, subnormals and tiny normals weighted in.
+            values.push(f32::from_bits(b & 0xbfff_ffff));
+            values.push(f32::from_bits(b & 0x81ff_ffff));
+            values.push(f32::from_bits(b));
+        }
+        for &v in values.iter().filter(|v| v.is_finite()) {
+            for c in 1..=64u32 {
+                let want = v / c as f32;
+                assert_eq!(
+                    div_by_count(v, c).to_bits(),
+                    want.to_bits(),
+                    "{v:e} ({:#x}) / {c}",
+                    v.to_bits()
+                );
+            }
+        }
+        assert_eq!(div_by_count(f32::INFINITY, 3), f32::INFINITY);
+        assert!(div_by_count(f32::NAN, 3).is_nan());
     }
 
     #[test]

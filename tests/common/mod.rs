@@ -363,7 +363,8 @@ pub fn reference_merge(base: &T, agents: &[&T], eps: f32, lambdas: &[f32], out: 
         let v = match c {
             0 => b,
             1 => b + lambdas[last] * sum,
-            c => b + sum * (1.0f32 / c as f32),
+            // The correctly rounded quotient, as the paper authors' script computes it (SPEC §2).
+            c => b + sum / c as f32,
         };
         bytes.extend(to_bytes(out, &[v]));
     }
