@@ -10,8 +10,9 @@ use crate::checkpoint::DType;
 use crate::config::{cli_setting, parse_dtype_name, MERGEKIT_CONFIG_FILE};
 use crate::demo;
 use crate::engine::{self, Inputs, MergeOptions, Pass};
-use crate::method::settings::Setting;
-use crate::method::{defaults, BoostRule, BoostScope, Kind, Method, MethodConfig, DEFAULT_EPSILON};
+use crate::method::build::MethodRequest;
+use crate::method::settings::{Scalar, Setting, Settings};
+use crate::method::{defaults, BoostRule, BoostScope, Kind, Method, DEFAULT_EPSILON};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::io::{IsTerminal, Write};
@@ -120,6 +121,15 @@ pub enum RuleName {
     Official,
 }
 
+impl RuleName {
+    fn name(self) -> &'static str {
+        match self {
+            RuleName::Paper => "paper",
+            RuleName::Official => "official",
+        }
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct MergeArgs {
     #[command(flatten)]
@@ -221,81 +231,67 @@ use crate::error::usage;
 pub use crate::error::UsageError;
 
 impl MergeArgs {
-    /// The method with its parameters for `agents` merged models, after checking they fit together.
+    /// The method with its parameters for `agents` merged models: the flags and `--param`s turned
+    /// into one request for [`crate::method::build`], which validates it as it does recipes.
     pub fn method(&self, agents: usize) -> Result<Method> {
         let kind = self.method.unwrap_or(Kind::RamPlus);
         let boost_flags = [
-            ("--rule", self.rule.is_some()),
-            ("--scope", self.scope.is_some()),
-            ("--r", self.r.is_some()),
-            ("--alpha", self.alpha.is_some()),
-            ("--rescale-factor", self.rescale_factor.is_some()),
+            (
+                "--rule",
+                "rule",
+                self.rule.map(|r| Scalar::Text(r.name().into())),
+            ),
+            (
+                "--scope",
+                "scope",
+                self.scope.map(|s| Scalar::Text(s.name().into())),
+            ),
+            ("--r", "r", self.r.map(Scalar::Number)),
+            ("--alpha", "alpha", self.alpha.map(Scalar::Number)),
+            (
+                "--rescale-factor",
+                "rescale_factor",
+                self.rescale_factor.map(Scalar::Number),
+            ),
         ];
-        let boost_flag = boost_flags.iter().find(|(_, set)| *set).map(|(f, _)| *f);
-        if !matches!(kind, Kind::RamPlus | Kind::RamplusTl) {
-            if let Some(flag) = boost_flag {
-                return Err(usage(format!("{flag} applies to --method ram+ only")));
+        let set_flag = boost_flags.iter().find(|(_, _, v)| v.is_some());
+        if let Some((flag, _, _)) = set_flag {
+            if kind != Kind::RamPlus {
+                return Err(usage(format!(
+                    "{flag} applies to --method ram+ only{}",
+                    if kind == Kind::RamplusTl {
+                        " (ramplus_tl is the paper rule in tensor scope; use --method ram+ to choose)"
+                    } else {
+                        ""
+                    }
+                )));
             }
         }
-        match kind {
-            Kind::Ram | Kind::RamPlus | Kind::RamplusTl => {
-                if let Some((k, _)) = self.params.first() {
+        let mut shared = Settings::new();
+        for (key, value) in &self.params {
+            if shared.insert(key.clone(), value.clone()).is_some() {
+                return Err(usage(format!(
+                    "--param {key} is given twice; give each parameter once"
+                )));
+            }
+        }
+        for (flag, key, value) in boost_flags {
+            if let Some(v) = value {
+                if shared.insert(key.into(), Setting::Scalar(v)).is_some() {
                     return Err(usage(format!(
-                        "--param {k}: RAM methods take flags (--epsilon, --rule, --r, --alpha …), not --param"
+                        "{flag} and --param {key} both set {key}; give it once"
                     )));
                 }
             }
-            _ => {
-                let config = MethodConfig {
-                    kind,
-                    parameters: self.params.iter().cloned().collect(),
-                    models: vec![Default::default(); agents],
-                    seed: self.output.seed,
-                    with_base: true,
-                };
-                config.check(agents).map_err(|e| usage(e.to_string()))?;
-                return Ok(Method::Combine(config));
-            }
         }
-        if kind == Kind::Ram {
-            return Ok(Method::Ram);
-        }
-        if kind == Kind::RamplusTl && (self.rule.is_some() || self.scope.is_some()) {
-            return Err(usage(
-                "ramplus_tl is the paper rule in tensor scope; use --method ram+ to choose",
-            ));
-        }
-        let scope = match kind {
-            Kind::RamplusTl => BoostScope::Tensor,
-            _ => self.scope.unwrap_or(BoostScope::Global),
+        let request = MethodRequest {
+            kind,
+            shared,
+            models: vec![Default::default(); agents],
+            seed: self.output.seed,
+            with_base: true,
         };
-        let rule = match self.rule.unwrap_or(RuleName::Paper) {
-            RuleName::Paper => {
-                if self.rescale_factor.is_some() {
-                    return Err(usage("--rescale-factor applies to --rule official only"));
-                }
-                let r = self.r.unwrap_or(defaults::R);
-                let alpha = self.alpha.unwrap_or(match scope {
-                    BoostScope::Global => defaults::ALPHA_GLOBAL,
-                    BoostScope::Tensor => defaults::ALPHA_TENSOR,
-                });
-                if !(r.is_finite() && r >= 0.0 && alpha.is_finite() && alpha >= 0.0) {
-                    return Err(usage("--r and --alpha must be finite and ≥ 0"));
-                }
-                BoostRule::Paper { r, alpha }
-            }
-            RuleName::Official => {
-                if self.r.is_some() || self.alpha.is_some() {
-                    return Err(usage("--r and --alpha apply to --rule paper only"));
-                }
-                let rescale_factor = self.rescale_factor.unwrap_or(defaults::RESCALE_FACTOR);
-                if !rescale_factor.is_finite() {
-                    return Err(usage("--rescale-factor must be finite"));
-                }
-                BoostRule::Official { rescale_factor }
-            }
-        };
-        Ok(Method::RamPlus { rule, scope })
+        crate::method::build::build(request, agents)
     }
 }
 
@@ -567,8 +563,12 @@ fn run_methods(out: &mut impl Write) -> Result<()> {
             };
             writeln!(
                 out,
-                "    {:<16} {:<10} default {:<16} {}",
-                p.name, scope, p.default, p.about
+                "    {:<16} {:<10} default {:<16} {:<16} {}",
+                p.name,
+                scope,
+                p.default,
+                p.range.text(),
+                p.about
             )?;
         }
     }

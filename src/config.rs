@@ -2,8 +2,10 @@
 //! Unknown keys and the parts rlmerge does not support yet are errors that name the key and line.
 
 use crate::checkpoint::DType;
+use crate::error::usage;
+use crate::method::build::{self, MethodRequest};
 use crate::method::settings::{Scalar, Setting, Settings};
-use crate::method::{defaults, BoostRule, BoostScope, Kind, Method, MethodConfig};
+use crate::method::{Kind, Method};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -134,14 +136,6 @@ fn layer_count(dir: &Path) -> Result<usize> {
         .with_context(|| format!("{}: no num_hidden_layers", path.display()))
 }
 
-fn number(settings: &Settings, key: &str) -> Result<Option<f64>> {
-    match settings.get(key) {
-        None => Ok(None),
-        Some(crate::method::settings::Setting::Scalar(s)) => Ok(Some(s.as_f64(key)?)),
-        Some(_) => bail!("parameter '{key}' of a RAM method must be a single number"),
-    }
-}
-
 /// Reads a mergekit YAML recipe.
 pub fn read(path: &Path, seed: u64) -> Result<Job> {
     let text = std::fs::read_to_string(path)
@@ -165,6 +159,9 @@ pub fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
             line + 1
         );
     }
+    // As a plain YAML value first: it refuses a key given twice in any mapping, which typed maps
+    // (parameters) would take silently, the last one winning.
+    serde_yaml::from_str::<serde_yaml::Value>(text).map_err(|e| anyhow::anyhow!("{e}"))?;
     let raw: RawConfig = serde_yaml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
     let unsupported = |key: &str| -> Result<()> {
         bail!(
@@ -287,56 +284,27 @@ pub fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
             );
         }
     }
-    let epsilon = number(&shared, "epsilon")?.map(|e| e as f32);
-    let method = match kind {
-        Kind::Ram | Kind::RamPlus | Kind::RamplusTl => {
-            if model_settings.iter().any(|s| !s.is_empty()) {
-                bail!("{} takes no per-model parameters", kind.name());
-            }
-            let allowed: &[&str] = match kind {
-                Kind::Ram => &["epsilon"],
-                _ => &["epsilon", "r", "alpha"],
-            };
-            if let Some(k) = shared.keys().find(|k| !allowed.contains(&k.as_str())) {
-                bail!(
-                    "unknown parameter '{k}' for {} (line {}; it takes: {})",
-                    kind.name(),
-                    line_of(text, k),
-                    allowed.join(", ")
-                );
-            }
-            match kind {
-                Kind::Ram => Method::Ram,
-                _ => Method::RamPlus {
-                    rule: BoostRule::Paper {
-                        r: number(&shared, "r")?.unwrap_or(defaults::R),
-                        alpha: number(&shared, "alpha")?.unwrap_or(defaults::ALPHA_TENSOR),
-                    },
-                    scope: BoostScope::Tensor,
-                },
-            }
-        }
-        _ => {
-            let config = MethodConfig {
-                kind,
-                parameters: shared,
-                models: model_settings,
-                seed,
-                with_base,
-            };
-            config.check(agents.len()).map_err(|e| {
-                // Point at the line of an unknown parameter when the error names one.
-                let msg = e.to_string();
-                match msg.split('\'').nth(1) {
-                    Some(key) if msg.starts_with("unknown parameter") => {
-                        anyhow::anyhow!("{msg} (line {})", line_of(text, key))
-                    }
-                    _ => e,
-                }
-            })?;
-            Method::Combine(config)
-        }
+    let request = MethodRequest {
+        kind,
+        shared,
+        models: model_settings,
+        seed,
+        with_base,
     };
+    let epsilon = match kind {
+        Kind::Ram | Kind::RamPlus | Kind::RamplusTl => build::epsilon(&request)?,
+        _ => None,
+    };
+    let method = build::build(request, agents.len()).map_err(|e| {
+        // Point at the line of the parameter an error names.
+        let msg = e.to_string();
+        match msg.split('\'').nth(1) {
+            Some(key) if msg.contains("parameter") => {
+                usage(format!("{msg} (line {})", line_of(text, key)))
+            }
+            _ => e,
+        }
+    })?;
     Ok(Job {
         base,
         agents,

@@ -878,3 +878,149 @@ fn too_many_agents_for_analyze_say_so_without_merged() {
     assert!(!err_of(&o).contains("merged"), "{}", err_of(&o));
     assert!(err_of(&o).contains("at most 64"), "{}", err_of(&o));
 }
+
+/// Issue #12 item 11: one validation for flags, `--param` and recipes — out-of-range values,
+/// duplicates and wrong types are usage errors (exit 2) naming the parameter and its range.
+#[test]
+fn parameters_are_validated_alike_on_the_command_line_and_in_recipes() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    let cli: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["--method", "ties", "--param", "density=1.5"],
+            "'density' must be in [0, 1]",
+        ),
+        (
+            vec!["--method", "ties", "--param", "density=-0.5"],
+            "'density' must be in [0, 1]",
+        ),
+        (
+            vec![
+                "--method",
+                "breadcrumbs",
+                "--param",
+                "weight=1",
+                "--param",
+                "gamma=2",
+            ],
+            "'gamma'",
+        ),
+        (
+            vec!["--method", "sce", "--param", "select_topk=1.5"],
+            "'select_topk'",
+        ),
+        (
+            vec![
+                "--method",
+                "della",
+                "--param",
+                "weight=1",
+                "--param",
+                "epsilon=-0.1",
+            ],
+            "'epsilon'",
+        ),
+        (
+            vec!["--method", "ram+", "--r", "1e308"],
+            "'r' must be in [0, 100]",
+        ),
+        (vec!["--method", "ram+", "--alpha=-1"], "'alpha'"),
+        (
+            vec![
+                "--method",
+                "ram+",
+                "--rule",
+                "official",
+                "--rescale-factor=-1",
+            ],
+            "'rescale_factor' must be in [1, 100]",
+        ),
+        (
+            vec!["--method", "ties", "--param", "normalize=maybe"],
+            "true or false, got 'maybe'",
+        ),
+        (
+            vec![
+                "--method",
+                "ties",
+                "--param",
+                "density=0.5",
+                "--param",
+                "density=0.6",
+            ],
+            "given twice",
+        ),
+        (
+            vec!["--method", "ram+", "--r", "0.2", "--param", "r=0.3"],
+            "give it once",
+        ),
+        (
+            vec!["--method", "multislerp", "--param", "weight=0"],
+            "sum to 0",
+        ),
+        (vec!["--shard-size", "99999999999999999999"], "16 EiB"),
+        (vec!["--epsilon", "NaN"], "--epsilon"),
+    ];
+    for (args, needle) in cli {
+        let (o, out) = merge_out(&c, &[&c.good, &c.bad], &args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", err_of(&o));
+        assert!(err_of(&o).contains(needle), "{args:?}: {}", err_of(&o));
+        assert!(!err_of(&o).contains("tensor"), "{args:?}: {}", err_of(&o));
+        assert!(!out.exists());
+    }
+    let recipe = c.dir.path().join("r.yml");
+    let recipes: Vec<(&str, &str)> = vec![
+        (
+            "merge_method: ram\nparameters: {epsilon: .nan}",
+            "'epsilon' must be ≥ 0",
+        ),
+        (
+            "merge_method: ram\nparameters: {epsilon: -1.0e-5}",
+            "'epsilon' must be ≥ 0",
+        ),
+        (
+            "merge_method: ram+\nparameters: {r: 1.0e308}",
+            "'r' must be in [0, 100]",
+        ),
+        ("merge_method: ram+\nparameters: {alpha: -3}", "'alpha'"),
+        (
+            "merge_method: ties\nparameters: {density: [0.2, 1.7]}",
+            "'density'",
+        ),
+    ];
+    for (head, needle) in recipes {
+        let text = format!(
+            "{head}\nbase_model: {}\nmodels:\n  - model: {}\n    parameters: {{weight: 1}}\n  - model: {}\n    parameters: {{weight: 1}}\n",
+            c.base.display(),
+            c.good.display(),
+            c.bad.display()
+        );
+        let text = if head.starts_with("merge_method: ram") {
+            text.replace("    parameters: {weight: 1}\n", "")
+        } else {
+            text
+        };
+        std::fs::write(&recipe, text).unwrap();
+        let out = c.dir.path().join("rout");
+        let o = rlmerge()
+            .args(["run", "--quiet"])
+            .arg(&recipe)
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{head}: {}", err_of(&o));
+        assert!(err_of(&o).contains(needle), "{head}: {}", err_of(&o));
+        assert!(!out.exists());
+    }
+    // Every numeric parameter shows its range in `rlmerge methods`.
+    let methods = String::from_utf8(rlmerge().arg("methods").output().unwrap().stdout).unwrap();
+    for line in methods.lines().filter(|l| l.starts_with("    ")) {
+        assert!(
+            ["[", "≥", "≤", "finite", "true/false", "/", "folder"]
+                .iter()
+                .any(|r| line.contains(r)),
+            "no range: {line}"
+        );
+    }
+}

@@ -257,7 +257,14 @@ fn finite_inputs_that_would_merge_to_nonfinite_values_are_errors() {
     // f32 values past f16's range (65504) in an agent's change.
     let mut big_v = base_v.clone();
     big_v[124] = 70000.0;
+    // Changes of 1e37 (finite) on every second element; boosted by λ = 1 + 100·ρ = 51, the
+    // unique ones pass f32's largest value.
+    let mut huge_v = base_v.clone();
+    for i in (0..300).step_by(2) {
+        huge_v[i] += 1e37;
+    }
     let base = folder(dir.path(), "base", Dtype::F32, base_v.clone());
+    let huge = folder(dir.path(), "huge", Dtype::F32, huge_v);
     let a = folder(dir.path(), "a", Dtype::F32, a_v);
     let b = folder(dir.path(), "b", Dtype::F32, b_v);
     let big = folder(dir.path(), "big", Dtype::F32, big_v);
@@ -268,8 +275,8 @@ fn finite_inputs_that_would_merge_to_nonfinite_values_are_errors() {
             "element 0",
         ),
         (
-            vec![&a, &b],
-            vec!["--method", "ram+", "--r", "1e39"],
+            vec![&huge, &a],
+            vec!["--method", "ram+", "--r", "100"],
             "element 2",
         ),
         (

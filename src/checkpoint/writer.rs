@@ -83,6 +83,11 @@ pub fn parse_size(text: &str) -> Result<u64> {
     };
     let bytes = (value * mult).round();
     ensure!(bytes >= 1.0, "size '{text}' must be at least one byte");
+    // 2^64 as f64: every smaller f64 converts to u64 exactly (no saturation).
+    ensure!(
+        bytes < 18_446_744_073_709_551_616.0,
+        "size '{text}' is larger than 16 EiB (2^64 bytes)"
+    );
     Ok(bytes as u64)
 }
 
@@ -292,6 +297,8 @@ mod tests {
         assert_eq!(parse_size("1.5KB").unwrap(), 1500);
         assert!(parse_size("5 parsecs").is_err());
         assert!(parse_size("0").is_err());
+        assert!(parse_size("20EB").is_err());
+        assert!(parse_size("99999999999999999999").is_err());
     }
 
     #[test]

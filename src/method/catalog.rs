@@ -40,22 +40,93 @@ pub enum Scope {
     PerModel,
 }
 
+/// The values a parameter accepts; every value of a setting (a scalar, each point of a gradient,
+/// each conditional value) must lie in it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Range {
+    /// A finite number in [lo, hi] (an infinite bound: unbounded on that side).
+    Number {
+        lo: f64,
+        hi: f64,
+    },
+    /// A whole number in [lo, hi].
+    Integer {
+        lo: f64,
+        hi: f64,
+    },
+    Bool,
+    /// One of these words.
+    Choice(&'static [&'static str]),
+    /// A local folder.
+    Folder,
+}
+
+impl Range {
+    /// The range as `rlmerge methods` and errors write it.
+    pub fn text(self) -> String {
+        let num = |x: f64| -> String {
+            if x.abs() >= 1e4 {
+                format!("{x:e}")
+            } else {
+                format!("{x}")
+            }
+        };
+        match self {
+            Range::Number { lo, hi } | Range::Integer { lo, hi } => {
+                let whole = if matches!(self, Range::Integer { .. }) {
+                    "whole "
+                } else {
+                    ""
+                };
+                match (lo.is_finite(), hi.is_finite()) {
+                    (true, true) => format!("{whole}[{}, {}]", num(lo), num(hi)),
+                    (true, false) => format!("{whole}≥ {}", num(lo)),
+                    (false, true) => format!("{whole}≤ {}", num(hi)),
+                    (false, false) => "finite".to_string(),
+                }
+            }
+            Range::Bool => "true/false".to_string(),
+            Range::Choice(words) => words.join("/"),
+            Range::Folder => "folder".to_string(),
+        }
+    }
+}
+
 pub struct Param {
     pub name: &'static str,
     pub scope: Scope,
     /// The default as text; "required" when there is none.
     pub default: &'static str,
+    pub range: Range,
     pub about: &'static str,
 }
 
-const fn p(name: &'static str, scope: Scope, default: &'static str, about: &'static str) -> Param {
+const fn p(
+    name: &'static str,
+    scope: Scope,
+    default: &'static str,
+    range: Range,
+    about: &'static str,
+) -> Param {
     Param {
         name,
         scope,
         default,
+        range,
         about,
     }
 }
+
+const fn num(lo: f64, hi: f64) -> Range {
+    Range::Number { lo, hi }
+}
+
+const INF: f64 = f64::INFINITY;
+/// Any finite number.
+const FINITE: Range = num(-INF, INF);
+/// A fraction.
+const UNIT: Range = num(0.0, 1.0);
+const BOOL: Range = Range::Bool;
 
 use Scope::{PerModel, Shared};
 
@@ -63,17 +134,39 @@ const WEIGHT: Param = p(
     "weight",
     PerModel,
     "required",
+    FINITE,
     "scale of the model's task vector",
 );
-const DENSITY: Param = p("density", PerModel, "1.0", "fraction of elements kept");
-const LAMBDA: Param = p("lambda", Shared, "1.0", "scale of the merged task vector");
+const DENSITY: Param = p(
+    "density",
+    PerModel,
+    "1.0",
+    UNIT,
+    "fraction of elements kept",
+);
+const LAMBDA: Param = p(
+    "lambda",
+    Shared,
+    "1.0",
+    FINITE,
+    "scale of the merged task vector",
+);
 const INT8_MASK: Param = p(
     "int8_mask",
     Shared,
     "false",
+    BOOL,
     "accepted; memory-only in mergekit",
 );
-const EPSILON: Param = p("epsilon", Shared, "1e-5", "|τ| > ε counts as changed");
+const EPSILON: Param = p(
+    "epsilon",
+    Shared,
+    "1e-5",
+    num(0.0, INF),
+    "|τ| > ε counts as changed",
+);
+/// RAM+'s paper rule slope r: λ ≤ 1 + r·α.
+const R: Param = p("r", Shared, "0.1", num(0.0, 100.0), "paper rule slope");
 
 impl Kind {
     pub const ALL: [Kind; 21] = [
@@ -206,17 +299,40 @@ impl Kind {
                     "normalize",
                     Shared,
                     normalize,
+                    BOOL,
                     "divide by the (agreeing) weights' sum",
                 ),
-                p("rescale", Shared, rescale, "L1-rescale each sparsified τ"),
+                p(
+                    "rescale",
+                    Shared,
+                    rescale,
+                    BOOL,
+                    "L1-rescale each sparsified τ",
+                ),
                 LAMBDA,
                 INT8_MASK,
             ];
-            v.extend(extra.iter().map(|q| p(q.name, q.scope, q.default, q.about)));
+            v.extend(
+                extra
+                    .iter()
+                    .map(|q| p(q.name, q.scope, q.default, q.range, q.about)),
+            );
             v
         };
-        const GAMMA: Param = p("gamma", PerModel, "0.01", "fraction of largest |τ| dropped");
-        const DELLA_EPS: Param = p("epsilon", PerModel, "0.15", "keep-probability spread");
+        const GAMMA: Param = p(
+            "gamma",
+            PerModel,
+            "0.01",
+            UNIT,
+            "fraction of largest |τ| dropped",
+        );
+        const DELLA_EPS: Param = p(
+            "epsilon",
+            PerModel,
+            "0.15",
+            num(0.0, 1.0),
+            "keep-probability spread (density ± ε within (0, 1))",
+        );
         match self {
             Kind::Ram => vec![EPSILON],
             Kind::RamPlus => vec![
@@ -225,21 +341,40 @@ impl Kind {
                     "rule",
                     Shared,
                     "paper",
-                    "paper (1 + r·min(ρ, α)) or official",
+                    Range::Choice(&["paper", "official"]),
+                    "paper (1 + r·min(ρ, α)) or official (1 + (R − 1)·min(ρ, 1))",
                 ),
-                p("scope", Shared, "global", "global or tensor"),
-                p("r", Shared, "0.1", "paper rule slope"),
-                p("alpha", Shared, "2.0 (0.2 tensor)", "paper rule cap on ρ"),
-                p("rescale_factor", Shared, "1.2", "official rule R"),
+                p(
+                    "scope",
+                    Shared,
+                    "global",
+                    Range::Choice(&["global", "tensor"]),
+                    "one λ per agent, or per agent and tensor",
+                ),
+                R,
+                p(
+                    "alpha",
+                    Shared,
+                    "2.0 (0.2 tensor)",
+                    num(0.0, 1e6),
+                    "paper rule cap on ρ",
+                ),
+                p(
+                    "rescale_factor",
+                    Shared,
+                    "1.2",
+                    num(1.0, 100.0),
+                    "official rule R",
+                ),
             ],
             Kind::RamplusTl => vec![
                 EPSILON,
-                p("r", Shared, "0.1", "slope"),
-                p("alpha", Shared, "0.2", "cap on ρ"),
+                R,
+                p("alpha", Shared, "0.2", num(0.0, 1e6), "cap on ρ"),
             ],
             Kind::Linear => vec![
-                p("weight", PerModel, "required", "the model's weight"),
-                p("normalize", Shared, "true", "divide by Σ weight"),
+                p("weight", PerModel, "required", FINITE, "the model's weight"),
+                p("normalize", Shared, "true", BOOL, "divide by Σ weight"),
             ],
             Kind::TaskArithmetic => gta(&[], "false", "false"),
             Kind::Ties => gta(&[], "true", "false"),
@@ -249,44 +384,110 @@ impl Kind {
             Kind::BreadcrumbsTies => gta(&[GAMMA], "false", "false"),
             Kind::Della => gta(&[DELLA_EPS], "true", "true"),
             Kind::DellaLinear => gta(&[DELLA_EPS], "false", "true"),
-            Kind::ModelStock => vec![p("filter_wise", Shared, "false", "one angle per row")],
-            Kind::Slerp => vec![p("t", Shared, "required", "0 = base, 1 = the other model")],
+            Kind::ModelStock => vec![p(
+                "filter_wise",
+                Shared,
+                "false",
+                BOOL,
+                "one angle per row (true: not yet)",
+            )],
+            Kind::Slerp => vec![p(
+                "t",
+                Shared,
+                "required",
+                UNIT,
+                "0 = base, 1 = the other model",
+            )],
             Kind::Nuslerp => vec![
                 WEIGHT,
                 p(
                     "nuslerp_flatten",
                     Shared,
                     "true",
+                    BOOL,
                     "one angle per tensor (false: not yet)",
                 ),
                 p(
                     "nuslerp_row_wise",
                     Shared,
                     "false",
+                    BOOL,
                     "angles per column (not yet)",
                 ),
             ],
             Kind::Multislerp => vec![
                 WEIGHT,
-                p("normalize_weights", Shared, "true", "weights sum to 1"),
-                p("eps", Shared, "1e-8", "accepted; rlmerge uses 1e-8"),
+                p(
+                    "normalize_weights",
+                    Shared,
+                    "true",
+                    BOOL,
+                    "weights sum to 1 (their sum must not be 0)",
+                ),
+                p(
+                    "eps",
+                    Shared,
+                    "1e-8",
+                    num(0.0, INF),
+                    "accepted; rlmerge uses 1e-8",
+                ),
             ],
             Kind::Karcher => vec![
-                p("max_iter", Shared, "10", "Karcher iterations"),
-                p("tol", Shared, "1e-5", "convergence tolerance"),
+                p(
+                    "max_iter",
+                    Shared,
+                    "10",
+                    Range::Integer {
+                        lo: 0.0,
+                        hi: 10000.0,
+                    },
+                    "Karcher iterations",
+                ),
+                p(
+                    "tol",
+                    Shared,
+                    "1e-5",
+                    num(0.0, INF),
+                    "convergence tolerance",
+                ),
             ],
             Kind::Sce => vec![
-                p("select_topk", Shared, "1.0", "fraction kept by variance"),
+                p(
+                    "select_topk",
+                    Shared,
+                    "1.0",
+                    UNIT,
+                    "fraction kept by variance",
+                ),
                 INT8_MASK,
             ],
-            Kind::Nearswap => vec![p("t", Shared, "required", "similarity threshold")],
-            Kind::Passthrough => vec![p("scale", PerModel, "none", "multiplies the tensor")],
+            Kind::Nearswap => vec![p(
+                "t",
+                Shared,
+                "required",
+                num(0.0, INF),
+                "similarity threshold",
+            )],
+            Kind::Passthrough => vec![p(
+                "scale",
+                PerModel,
+                "none",
+                FINITE,
+                "multiplies the tensor",
+            )],
             Kind::Fisher => vec![
-                p("weight", PerModel, "1.0", "λ, the model's weight"),
+                p(
+                    "weight",
+                    PerModel,
+                    "1.0",
+                    num(0.0, INF),
+                    "λ, the model's weight",
+                ),
                 p(
                     "fisher",
                     PerModel,
                     "required",
+                    Range::Folder,
                     "folder of the model's diagonal Fisher (safetensors)",
                 ),
             ],

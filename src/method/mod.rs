@@ -1,6 +1,7 @@
 //! The merge methods rlmerge implements, their parameters, and the scalar reference math
 //! (SPEC §1–3). Backends run this math over tiles; nothing else defines it.
 
+pub mod build;
 pub mod catalog;
 pub mod combine;
 pub mod plan;
@@ -33,6 +34,16 @@ pub enum BoostScope {
     Tensor,
 }
 
+impl BoostScope {
+    /// The name recipes and flags use.
+    pub fn name(self) -> &'static str {
+        match self {
+            BoostScope::Global => "global",
+            BoostScope::Tensor => "tensor",
+        }
+    }
+}
+
 /// A merge method: the RAM family, or a mergekit-family method run by the generalized
 /// task-arithmetic core ([`combine`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -58,7 +69,6 @@ impl Method {
         }
     }
 
-    /// True when λ needs the probe of the whole model before the first merged byte (two passes).
     /// Whether θ₀ enters the merge (task vectors against it), so it must not be an agent too.
     pub fn uses_base(&self) -> bool {
         match self {
@@ -67,6 +77,7 @@ impl Method {
         }
     }
 
+    /// True when λ needs the probe of the whole model before the first merged byte (two passes).
     pub fn needs_global_probe(&self) -> bool {
         matches!(
             self,

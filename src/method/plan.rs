@@ -410,7 +410,7 @@ impl MethodConfig {
             .collect()
     }
 
-    /// Checks what can be checked before any tensor is read.
+    /// Checks the number of models the method takes (before any tensor is read).
     pub fn check(&self, agents: usize) -> Result<()> {
         let kind = self.kind;
         let need = |ok: bool, what: &str| -> Result<()> {
@@ -431,23 +431,7 @@ impl MethodConfig {
             Kind::Passthrough => need(agents == 1, "exactly one model")?,
             _ => {}
         }
-        let known: Vec<&str> = kind.params().iter().map(|p| p.name).collect();
-        let all = self.parameters.keys().map(|k| (k, None)).chain(
-            self.models
-                .iter()
-                .enumerate()
-                .flat_map(|(m, s)| s.keys().map(move |k| (k, Some(m)))),
-        );
-        for (key, model) in all {
-            if !known.contains(&key.as_str()) {
-                let place = model.map_or(String::new(), |m| format!(" of model {}", m + 1));
-                bail!(
-                    "unknown parameter '{key}'{place} for method {} (it takes: {})",
-                    kind.name(),
-                    known.join(", ")
-                );
-            }
-        }
+        // Keys and values are checked by `method::build`, the one place requests are validated.
         Ok(())
     }
 }

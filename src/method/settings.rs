@@ -113,7 +113,8 @@ impl Scalar {
             Scalar::Bool(b) => Ok(*b),
             Scalar::Number(x) if *x == 0.0 || *x == 1.0 => Ok(*x == 1.0),
             Scalar::Text(s) if s == "true" || s == "false" => Ok(s == "true"),
-            other => bail!("parameter '{name}' must be true or false, got {other:?}"),
+            Scalar::Number(x) => bail!("parameter '{name}' must be true or false, got {x}"),
+            Scalar::Text(t) => bail!("parameter '{name}' must be true or false, got '{t}'"),
         }
     }
 }

@@ -1,0 +1,422 @@
+//! The one place a method name and its parameters become a validated [`Method`], for the command
+//! line (`--method`, its flags and `--param`) and for recipes alike: every key must be one of the
+//! method's parameters (catalog), every value — each scalar, gradient point and conditional value —
+//! must lie in the parameter's documented range, and what depends on several parameters (RAM+'s
+//! rule and its coefficients, DELLA's density ± ε, multislerp's weight sum) is checked here too.
+//! Every failure is a usage error (exit 2) naming the parameter, the model and the range.
+
+use super::catalog::{Kind, Param, Range, Scope};
+use super::plan::MethodConfig;
+use super::settings::{ConditionalValue, Scalar, Setting, Settings};
+use super::{defaults, BoostRule, BoostScope, Method, MAX_AGENTS};
+use crate::error::usage;
+use anyhow::Result;
+
+/// A method and its parameters as given: `shared` for the method, `models` per merged model (in
+/// agent order; missing entries are empty).
+pub struct MethodRequest {
+    pub kind: Kind,
+    pub shared: Settings,
+    pub models: Vec<Settings>,
+    /// Seed of random masks (DARE, DELLA).
+    pub seed: u64,
+    /// Whether θ₀ enters the formula (see [`MethodConfig::with_base`]).
+    pub with_base: bool,
+}
+
+/// The RAM threshold ε a request sets, validated (`None`: not set).
+pub fn epsilon(req: &MethodRequest) -> Result<Option<f32>> {
+    Ok(shared_number(req, "epsilon")?.map(|e| e as f32))
+}
+
+/// Validates `req` for `agents` merged models and builds the method.
+pub fn build(req: MethodRequest, agents: usize) -> Result<Method> {
+    check_keys_and_values(&req)?;
+    if agents > MAX_AGENTS {
+        return Err(usage(format!(
+            "at most {MAX_AGENTS} models can be merged at once, got {agents}"
+        )));
+    }
+    match req.kind {
+        Kind::Ram => Ok(Method::Ram),
+        Kind::RamPlus | Kind::RamplusTl => ram_plus(&req),
+        kind => {
+            let config = MethodConfig {
+                kind,
+                parameters: req.shared,
+                models: req.models,
+                seed: req.seed,
+                with_base: req.with_base,
+            };
+            config.check(agents).map_err(|e| usage(e.to_string()))?;
+            cross_checks(&config, agents)?;
+            Ok(Method::Combine(config))
+        }
+    }
+}
+
+/// Every key known for the method and in the right scope; every value in its range.
+fn check_keys_and_values(req: &MethodRequest) -> Result<()> {
+    let params = req.kind.params();
+    let known: Vec<&str> = params.iter().map(|p| p.name).collect();
+    let find = |key: &str, model: Option<usize>| -> Result<&Param> {
+        let place = model.map_or(String::new(), |m| format!(" of model {}", m + 1));
+        params.iter().find(|p| p.name == key).ok_or_else(|| {
+            usage(format!(
+                "unknown parameter '{key}'{place} for method {} (it takes: {})",
+                req.kind.name(),
+                known.join(", ")
+            ))
+        })
+    };
+    for (key, setting) in &req.shared {
+        check_setting(find(key, None)?, setting, None)?;
+    }
+    for (m, settings) in req.models.iter().enumerate() {
+        for (key, setting) in settings {
+            let param = find(key, Some(m))?;
+            if param.scope == Scope::Shared {
+                return Err(usage(format!(
+                    "parameter '{key}' of method {} is set once for the method, not per model \
+                     (model {})",
+                    req.kind.name(),
+                    m + 1
+                )));
+            }
+            check_setting(param, setting, Some(m))?;
+        }
+    }
+    Ok(())
+}
+
+fn check_setting(param: &Param, setting: &Setting, model: Option<usize>) -> Result<()> {
+    let values: Vec<&Scalar> = match setting {
+        Setting::Scalar(s) => vec![s],
+        Setting::Gradient(v) => v.iter().collect(),
+        Setting::Conditional(list) => list
+            .iter()
+            .flat_map(|c| match &c.value {
+                ConditionalValue::Scalar(s) => vec![s],
+                ConditionalValue::Gradient(v) => v.iter().collect(),
+            })
+            .collect(),
+    };
+    if values.is_empty() {
+        return Err(bad(param, model, "an empty list"));
+    }
+    for v in values {
+        check_scalar(param, v, model)?;
+    }
+    Ok(())
+}
+
+/// `value` shown as the user wrote it.
+fn shown(value: &Scalar) -> String {
+    match value {
+        Scalar::Bool(b) => b.to_string(),
+        Scalar::Number(x) => x.to_string(),
+        Scalar::Text(t) => format!("'{}'", crate::error::printable(t)),
+    }
+}
+
+fn bad(param: &Param, model: Option<usize>, got: &str) -> anyhow::Error {
+    let place = model.map_or(String::new(), |m| format!(" of model {}", m + 1));
+    usage(format!(
+        "parameter '{}'{place} must be {}, got {got}",
+        param.name,
+        match param.range {
+            Range::Number { .. } | Range::Integer { .. } => format!("in {}", param.range.text())
+                .replace("in ≥", "≥")
+                .replace("in ≤", "≤")
+                .replace("in finite", "a finite number")
+                .replace("in whole ", "a whole number in "),
+            Range::Bool => "true or false".into(),
+            Range::Choice(words) => format!("one of {}", words.join(", ")),
+            Range::Folder => "a folder".into(),
+        }
+    ))
+}
+
+fn check_scalar(param: &Param, value: &Scalar, model: Option<usize>) -> Result<()> {
+    let fail = || Err(bad(param, model, &shown(value)));
+    match param.range {
+        Range::Number { lo, hi } | Range::Integer { lo, hi } => {
+            let x = match value {
+                Scalar::Number(x) => *x,
+                Scalar::Text(t) => match t.trim().parse::<f64>() {
+                    Ok(x) => x,
+                    Err(_) => return fail(),
+                },
+                Scalar::Bool(_) => return fail(),
+            };
+            let whole = !matches!(param.range, Range::Integer { .. }) || x.fract() == 0.0;
+            if !(x.is_finite() && x >= lo && x <= hi && whole) {
+                return fail();
+            }
+        }
+        Range::Bool => {
+            if value.as_bool(param.name).is_err() {
+                return fail();
+            }
+        }
+        Range::Choice(words) => match value {
+            Scalar::Text(t) if words.contains(&t.as_str()) => {}
+            _ => return fail(),
+        },
+        Range::Folder => {
+            if !matches!(value, Scalar::Text(t) if !t.trim().is_empty()) {
+                return fail();
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A shared parameter given as one number (already range-checked).
+fn shared_number(req: &MethodRequest, key: &str) -> Result<Option<f64>> {
+    match req.shared.get(key) {
+        None => Ok(None),
+        Some(Setting::Scalar(s)) => Ok(Some(s.as_f64(key)?)),
+        Some(_) => Err(usage(format!(
+            "parameter '{key}' of method {} must be a single number (no gradient or filter)",
+            req.kind.name()
+        ))),
+    }
+}
+
+fn shared_word(req: &MethodRequest, key: &str) -> Option<String> {
+    match req.shared.get(key) {
+        Some(Setting::Scalar(Scalar::Text(t))) => Some(t.clone()),
+        _ => None,
+    }
+}
+
+/// RAM+ (and mergekit's `ramplus_tl`, the paper rule in tensor scope): the rule, its scope and its
+/// coefficients, with the coefficients of the other rule refused.
+fn ram_plus(req: &MethodRequest) -> Result<Method> {
+    let r = shared_number(req, "r")?;
+    let alpha = shared_number(req, "alpha")?;
+    let rescale_factor = shared_number(req, "rescale_factor")?;
+    let (rule, scope) = if req.kind == Kind::RamplusTl {
+        ("paper".to_string(), BoostScope::Tensor)
+    } else {
+        let scope = match shared_word(req, "scope").as_deref() {
+            Some("tensor") => BoostScope::Tensor,
+            _ => BoostScope::Global,
+        };
+        (
+            shared_word(req, "rule").unwrap_or_else(|| "paper".into()),
+            scope,
+        )
+    };
+    let rule = if rule == "official" {
+        if r.is_some() || alpha.is_some() {
+            return Err(usage(
+                "r and alpha (--r, --alpha) apply to rule paper only; rule official takes \
+                 rescale_factor (--rescale-factor)",
+            ));
+        }
+        BoostRule::Official {
+            rescale_factor: rescale_factor.unwrap_or(defaults::RESCALE_FACTOR),
+        }
+    } else {
+        if rescale_factor.is_some() {
+            return Err(usage(
+                "rescale_factor (--rescale-factor) applies to rule official only",
+            ));
+        }
+        BoostRule::Paper {
+            r: r.unwrap_or(defaults::R),
+            alpha: alpha.unwrap_or(match scope {
+                BoostScope::Global => defaults::ALPHA_GLOBAL,
+                BoostScope::Tensor => defaults::ALPHA_TENSOR,
+            }),
+        }
+    };
+    Ok(Method::RamPlus { rule, scope })
+}
+
+/// Model `m`'s value of `key` when it is one number (per-model first, then shared, then `default`).
+fn model_number(config: &MethodConfig, key: &str, m: usize, default: Option<f64>) -> Option<f64> {
+    let scalar = |s: Option<&Setting>| match s {
+        Some(Setting::Scalar(v)) => v.as_f64(key).ok(),
+        _ => None,
+    };
+    let own = config.models.get(m).and_then(|s| s.get(key));
+    match (own, config.parameters.get(key)) {
+        (Some(s), _) => scalar(Some(s)),
+        (None, Some(s)) => scalar(Some(s)),
+        (None, None) => default,
+    }
+}
+
+/// Rules between parameters, checked up front where the values are plain numbers (gradients and
+/// filters are checked per tensor, with the tensor named).
+fn cross_checks(config: &MethodConfig, agents: usize) -> Result<()> {
+    match config.kind {
+        Kind::Della | Kind::DellaLinear => {
+            for m in 0..agents {
+                let (Some(d), Some(e)) = (
+                    model_number(config, "density", m, Some(1.0)),
+                    model_number(config, "epsilon", m, Some(0.15)),
+                ) else {
+                    continue;
+                };
+                if d > 0.0 && d < 1.0 && (d + e >= 1.0 || d - e <= 0.0) {
+                    return Err(usage(format!(
+                        "{}: density ± epsilon must lie within (0, 1) for model {} \
+                         (density {d}, epsilon {e})",
+                        config.kind.name(),
+                        m + 1
+                    )));
+                }
+            }
+        }
+        Kind::Multislerp => {
+            let normalize = !matches!(
+                config.parameters.get("normalize_weights"),
+                Some(Setting::Scalar(v)) if v.as_bool("normalize_weights").ok() == Some(false)
+            );
+            let weights: Option<Vec<f64>> = (0..agents)
+                .map(|m| model_number(config, "weight", m, None))
+                .collect();
+            if let (true, Some(w)) = (normalize, weights) {
+                if w.iter().sum::<f64>().abs() < 1e-12 {
+                    return Err(usage(format!(
+                        "multislerp: the weights {w:?} sum to 0, so they cannot be normalized"
+                    )));
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(kind: Kind, shared: &[(&str, Scalar)], models: Vec<Settings>) -> MethodRequest {
+        MethodRequest {
+            kind,
+            shared: shared
+                .iter()
+                .map(|(k, v)| (k.to_string(), Setting::Scalar(v.clone())))
+                .collect(),
+            models,
+            seed: 0,
+            with_base: true,
+        }
+    }
+
+    fn message(r: Result<Method>) -> String {
+        let e = r.unwrap_err();
+        assert!(crate::error::is_usage(&e), "{e}");
+        e.to_string()
+    }
+
+    #[test]
+    fn values_outside_their_range_name_parameter_and_range() {
+        use Scalar::*;
+        let cases: Vec<(Kind, &str, Scalar, &str)> = vec![
+            (Kind::Ties, "density", Number(1.5), "[0, 1]"),
+            (Kind::Ties, "density", Number(-0.1), "[0, 1]"),
+            (Kind::Ties, "density", Number(f64::NAN), "[0, 1]"),
+            (Kind::Ram, "epsilon", Number(-1.0), "≥ 0"),
+            (Kind::Ram, "epsilon", Number(f64::NAN), "≥ 0"),
+            (Kind::RamPlus, "r", Number(1e308), "[0, 100]"),
+            (Kind::RamPlus, "alpha", Number(-2.0), "[0, 1e6]"),
+            (Kind::RamPlus, "rescale_factor", Number(-1.0), "[1, 100]"),
+            (
+                Kind::RamPlus,
+                "rule",
+                Text("fast".into()),
+                "paper, official",
+            ),
+            (Kind::Sce, "select_topk", Number(2.0), "[0, 1]"),
+            (
+                Kind::Ties,
+                "normalize",
+                Text("maybe".into()),
+                "true or false",
+            ),
+            (Kind::Karcher, "max_iter", Number(2.5), "whole number"),
+            (Kind::Slerp, "t", Number(1.5), "[0, 1]"),
+        ];
+        for (kind, key, value, want) in cases {
+            let m = message(build(req(kind, &[(key, value.clone())], vec![]), 2));
+            assert!(
+                m.contains(key) && m.contains(want),
+                "{kind:?} {key}={value:?}: {m}"
+            );
+            assert!(!m.contains("Text("), "{m}");
+        }
+        // Per model, and inside a gradient.
+        let mut model = Settings::new();
+        model.insert(
+            "gamma".into(),
+            Setting::Gradient(vec![Scalar::Number(0.1), Scalar::Number(5.0)]),
+        );
+        let m = message(build(
+            req(
+                Kind::Breadcrumbs,
+                &[("weight", Number(1.0))],
+                vec![Settings::new(), model],
+            ),
+            2,
+        ));
+        assert!(
+            m.contains("'gamma' of model 2") && m.contains("[0, 1]"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn rules_between_parameters() {
+        use Scalar::*;
+        let m = message(build(
+            req(
+                Kind::RamPlus,
+                &[("rule", Text("official".into())), ("r", Number(0.2))],
+                vec![],
+            ),
+            2,
+        ));
+        assert!(m.contains("rule paper only"), "{m}");
+        let m = message(build(
+            req(
+                Kind::Della,
+                &[
+                    ("density", Number(0.9)),
+                    ("epsilon", Number(0.2)),
+                    ("weight", Number(1.0)),
+                ],
+                vec![],
+            ),
+            2,
+        ));
+        assert!(m.contains("density ± epsilon"), "{m}");
+        let mut a = Settings::new();
+        a.insert("weight".into(), Setting::Scalar(Number(1.0)));
+        let mut b = Settings::new();
+        b.insert("weight".into(), Setting::Scalar(Number(-1.0)));
+        let m = message(build(req(Kind::Multislerp, &[], vec![a, b]), 2));
+        assert!(m.contains("sum to 0"), "{m}");
+        // Defaults: ram+ is the paper rule in global scope, ramplus_tl in tensor scope.
+        assert_eq!(
+            build(req(Kind::RamPlus, &[], vec![]), 2).unwrap(),
+            Method::RamPlus {
+                rule: BoostRule::Paper { r: 0.1, alpha: 2.0 },
+                scope: BoostScope::Global
+            }
+        );
+        assert_eq!(
+            build(req(Kind::RamplusTl, &[], vec![]), 2).unwrap(),
+            Method::RamPlus {
+                rule: BoostRule::Paper { r: 0.1, alpha: 0.2 },
+                scope: BoostScope::Tensor
+            }
+        );
+    }
+}
