@@ -729,6 +729,7 @@ fn check_finite_output(
     out: &[u8],
     name: &str,
     start: u64,
+    allow_nonfinite: bool,
 ) -> Result<()> {
     let size = out_dtype.size();
     let mut from = 0;
@@ -746,10 +747,16 @@ fn check_finite_output(
             bail!(
                 "merged tensor '{}' has a non-finite value ({}) at element {}, where every input is \
                  finite: the method's parameters overflow, or the result exceeds the output dtype \
-                 {out_dtype} (largest finite value {max})",
+                 {out_dtype} (largest finite value {max}){}",
                 crate::error::printable(name),
                 decode_one(out_dtype, out, e),
-                start + e as u64
+                start + e as u64,
+                if allow_nonfinite {
+                    ", or a NaN/Inf elsewhere in the tensor entered a statistic of the method \
+                     (norms, angles)"
+                } else {
+                    ""
+                }
             );
         }
         from = e + 1;
@@ -1175,7 +1182,14 @@ pub fn merge(
                     }
                 }
                 .with_context(|| format!("merge of tensor '{}' failed at tile {i}", plan.name()))?;
-                check_finite_output(tile, out_dtype, out, plan.name(), start)?;
+                check_finite_output(
+                    tile,
+                    out_dtype,
+                    out,
+                    plan.name(),
+                    start,
+                    !options.pass.scan_nonfinite,
+                )?;
                 writer.write_at(*index, start * out_dtype.size() as u64, out)
             },
         )?;

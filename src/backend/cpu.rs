@@ -365,8 +365,11 @@ multiversion! {
                 let from = |acc: &f32| if t == 0 { 0.0 } else { *acc };
                 // Adding +0.0 for a disagreeing d is exact: Δ is never −0.0 (it starts at +0.0
                 // and only non-zero d are added).
+                // γ = + where Σ ≥ 0, else − — a NaN Σ (+Inf + −Inf) counts as −, as in
+                // `combine_element`, the shader and mergekit's `(Σ >= 0) * 2 - 1`.
                 let agree = |d: f32, s: f32| {
-                    (((s >= 0.0 && d > 0.0) | (s < 0.0 && d < 0.0)) as u32).wrapping_neg()
+                    let positive = s >= 0.0;
+                    (((positive && d > 0.0) | (!positive && d < 0.0)) as u32).wrapping_neg()
                 };
                 match weights {
                     Some(w) => {

@@ -1333,7 +1333,10 @@ pub fn build_spec(
 
     let factor = |t: usize| -> f64 {
         let (all, kept) = l1[t];
-        if rescale[t] && all >= 1e-7 && kept >= 1e-7 {
+        // Skipped below 1e-7 (SPEC §4), and where an infinite input makes a norm infinite (with
+        // --allow-nonfinite): the infinite element then propagates alone, by IEEE rules, instead
+        // of ∞/∞ = NaN scaling every finite element of the tensor.
+        if rescale[t] && all >= 1e-7 && kept >= 1e-7 && all.is_finite() && kept.is_finite() {
             all / kept
         } else {
             1.0
