@@ -198,3 +198,53 @@ fn concurrent_merges_and_a_merge_of_a_merge_are_correct() {
         assert_eq!(second[&base.name].2, want, "{}", base.name);
     }
 }
+
+/// Issue #12 item 15: inputs are opened on demand (at most 128 at once), so 4 models of 150
+/// shards each merge under a limit of 256 open files.
+#[test]
+fn many_shards_merge_within_a_small_open_file_limit() {
+    let shapes: Vec<(String, Vec<usize>)> = (0..150)
+        .map(|i| (format!("model.layers.{i}.w"), vec![3 + i % 5]))
+        .collect();
+    let shapes: Vec<(&str, Vec<usize>)> = shapes
+        .iter()
+        .map(|(n, s)| (n.as_str(), s.clone()))
+        .collect();
+    let mut rng = Rng(8);
+    let dir = tempfile::tempdir().unwrap();
+    let (mut base, mut agents) = (Vec::new(), vec![Vec::new(); 3]);
+    for (name, shape) in &shapes {
+        let (b, a) = planted(&mut rng, name, Dtype::BF16, shape, &DENSITIES[..3]);
+        base.push(b);
+        for (t, at) in a.into_iter().enumerate() {
+            agents[t].push(at);
+        }
+    }
+    write_folder(&dir.path().join("base"), &base, 150);
+    for (t, a) in agents.iter().enumerate() {
+        write_folder(&dir.path().join(format!("a{t}")), a, 150);
+    }
+    let out = dir.path().join("out");
+    let o = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -n 256 && exec '{}' merge --quiet --device cpu --method ram --base base \
+             --model a0 --model a1 --model a2 -o out",
+            env!("CARGO_BIN_EXE_rlmerge")
+        ))
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let merged = read_folder(&out);
+    for (i, b) in base.iter().enumerate() {
+        let a: Vec<&T> = agents.iter().map(|a| &a[i]).collect();
+        assert_eq!(
+            merged[&b.name].2,
+            reference_merge(b, &a, 1e-5, &[1.0; 3], Dtype::BF16),
+            "{}",
+            b.name
+        );
+    }
+    rlmerge().arg("verify").arg(&out).assert().success();
+}

@@ -4,6 +4,7 @@ pub mod crc;
 pub mod dtype;
 pub mod folder_files;
 pub mod model;
+pub mod open_files;
 pub mod output_folder;
 pub mod positional;
 pub mod safetensors_file;

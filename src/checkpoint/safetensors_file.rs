@@ -5,6 +5,7 @@
 
 use super::crc::{self, CrcStream};
 use super::dtype::DType;
+use super::open_files::Identity;
 use super::positional::read_exact_at;
 use anyhow::{bail, Context, Result};
 use std::fs::File;
@@ -33,11 +34,11 @@ impl TensorEntry {
 /// An open safetensors file.
 pub struct SafetensorsFile {
     pub path: PathBuf,
-    file: File,
     /// Tensors in the order of their data offsets.
     pub tensors: Vec<TensorEntry>,
-    /// Size and modification time at open, to notice a file changed while it is read.
-    stamp: (u64, Option<std::time::SystemTime>),
+    /// The file as opened (inode, size, modification time), to notice it changed while it is
+    /// read; the file itself is opened on demand ([`super::open_files`]).
+    identity: Identity,
     /// Bytes of the JSON header (after the 8 length bytes).
     header_len: u64,
     /// CRC-32 of the 8 length bytes and the header.
@@ -152,9 +153,8 @@ impl SafetensorsFile {
             .collect();
         Ok(SafetensorsFile {
             path: path.to_path_buf(),
-            file,
             tensors,
-            stamp: (file_len, meta.modified().ok()),
+            identity: Identity::of(&meta),
             header_len,
             header_crc,
             tensor_crcs,
@@ -165,16 +165,17 @@ impl SafetensorsFile {
     /// again: their running CRCs are combined with the header's in file order, and only what was
     /// never read (tensors not merged, gaps) is read now.
     pub fn checksum(&self) -> Result<FileChecksum> {
+        let file = self.file()?;
         let mut total = self.header_crc.clone();
         let mut at = 8 + self.header_len;
         for (t, crc) in self.tensors.iter().zip(&self.tensor_crcs) {
             if t.offset > at {
-                hash_range(&self.file, &self.path, at, t.offset, &mut total)?;
+                hash_range(&file, &self.path, at, t.offset, &mut total)?;
             }
             let stream = crc::lock(crc);
             total.combine(stream.crc());
             hash_range(
-                &self.file,
+                &file,
                 &self.path,
                 t.offset + stream.done(),
                 t.offset + t.byte_len(),
@@ -182,7 +183,7 @@ impl SafetensorsFile {
             )?;
             at = t.offset + t.byte_len();
         }
-        hash_range(&self.file, &self.path, at, self.stamp.0, &mut total)?;
+        hash_range(&file, &self.path, at, self.identity.len, &mut total)?;
         Ok(FileChecksum {
             file: self
                 .path
@@ -190,7 +191,7 @@ impl SafetensorsFile {
                 .unwrap_or_default()
                 .to_string_lossy()
                 .to_string(),
-            size: self.stamp.0,
+            size: self.identity.len,
             crc32: format!("{:08x}", total.finalize()),
         })
     }
@@ -198,25 +199,31 @@ impl SafetensorsFile {
     /// Fails if the open file's size or modification time moved since it was opened: bytes read
     /// before and after such a change may not belong together.
     pub fn check_unchanged(&self) -> Result<()> {
-        let meta = self
-            .file
-            .metadata()
+        let meta = std::fs::metadata(&self.path)
             .with_context(|| format!("cannot stat {}", self.path.display()))?;
-        if (meta.len(), meta.modified().ok()) != self.stamp {
+        let now = Identity::of(&meta);
+        if now != self.identity {
             bail!(
-                "{} changed while it was being read (size {} -> {} bytes, or its modification time)",
+                "{} changed while it was being read (size {} -> {} bytes, its modification time, \
+                 or it was replaced)",
                 self.path.display(),
-                self.stamp.0,
-                meta.len()
+                self.identity.len,
+                now.len
             );
         }
         Ok(())
     }
 
+    /// The open file (opened again if the cache closed it; it must be the same file).
+    fn file(&self) -> Result<std::sync::Arc<File>> {
+        super::open_files::get(&self.path, &self.identity)
+    }
+
     /// Reads `buf.len()` bytes of `tensor` starting at byte `start` within it.
     pub fn read(&self, tensor: &TensorEntry, start: u64, buf: &mut [u8]) -> Result<()> {
         debug_assert!(start + buf.len() as u64 <= tensor.byte_len());
-        read_exact_at(&self.file, buf, tensor.offset + start).with_context(|| {
+        let file = self.file()?;
+        read_exact_at(&file, buf, tensor.offset + start).with_context(|| {
             format!(
                 "{}: cannot read tensor '{}' (bytes {}..{}): file truncated or unreadable",
                 self.path.display(),

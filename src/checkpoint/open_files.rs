@@ -1,0 +1,117 @@
+//! Input files opened on demand, at most [`MAX_OPEN`] at a time (least recently used closed
+//! first), so a merge of any number of shards stays within the default limit of 1024 open files:
+//! 4 models of 400 shards each hold a handful. A file reopened after eviction must be the one
+//! first opened — same device and inode (Unix), size and modification time — or the read fails
+//! as if the file had changed under the merge.
+
+use anyhow::{bail, Context, Result};
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// Input files open at once, at most.
+pub const MAX_OPEN: usize = 128;
+
+/// What identifies one version of a file: (device, inode) where the OS has them, size and
+/// modification time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Identity {
+    node: (u64, u64),
+    pub len: u64,
+    modified: Option<std::time::SystemTime>,
+}
+
+impl Identity {
+    pub fn of(meta: &std::fs::Metadata) -> Identity {
+        #[cfg(unix)]
+        let node = {
+            use std::os::unix::fs::MetadataExt;
+            (meta.dev(), meta.ino())
+        };
+        #[cfg(not(unix))]
+        let node = (0, 0);
+        Identity {
+            node,
+            len: meta.len(),
+            modified: meta.modified().ok(),
+        }
+    }
+}
+
+struct Entry {
+    file: Arc<File>,
+    last_use: u64,
+}
+
+#[derive(Default)]
+struct Cache {
+    open: HashMap<PathBuf, Entry>,
+    clock: u64,
+}
+
+static CACHE: Mutex<Option<Cache>> = Mutex::new(None);
+
+/// The open file at `path`, which must still be the version `identity` describes; opened (and
+/// the least recently used one closed) when it is not open.
+pub fn get(path: &Path, identity: &Identity) -> Result<Arc<File>> {
+    {
+        let mut guard = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+        let cache = guard.get_or_insert_with(Cache::default);
+        cache.clock += 1;
+        let now = cache.clock;
+        if let Some(e) = cache.open.get_mut(path) {
+            e.last_use = now;
+            return Ok(e.file.clone());
+        }
+    }
+    // Opened outside the lock: other threads keep reading their files meanwhile.
+    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let meta = file
+        .metadata()
+        .with_context(|| format!("cannot stat {}", path.display()))?;
+    if Identity::of(&meta) != *identity {
+        bail!(
+            "{} changed while it was being read (it was replaced, or its size or modification \
+             time moved)",
+            path.display()
+        );
+    }
+    let file = Arc::new(file);
+    let mut guard = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    let cache = guard.get_or_insert_with(Cache::default);
+    if cache.open.len() >= MAX_OPEN {
+        if let Some(oldest) = cache
+            .open
+            .iter()
+            .min_by_key(|(_, e)| e.last_use)
+            .map(|(p, _)| p.clone())
+        {
+            // Readers still holding it keep it open until they finish.
+            cache.open.remove(&oldest);
+        }
+    }
+    let now = cache.clock;
+    let entry = cache.open.entry(path.to_path_buf()).or_insert(Entry {
+        file,
+        last_use: now,
+    });
+    Ok(entry.file.clone())
+}
+
+/// Closes `path` if it is open (its folder is done with, or it is about to be checked anew).
+pub fn forget(path: &Path) {
+    let mut guard = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(cache) = guard.as_mut() {
+        cache.open.remove(path);
+    }
+}
+
+/// Files open now (tests).
+pub fn open_count() -> usize {
+    CACHE
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .map_or(0, |c| c.open.len())
+}
