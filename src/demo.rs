@@ -158,9 +158,9 @@ fn write_model(
         .tensors()
         .into_iter()
         .map(|(name, shape)| OutputTensor {
-            name,
+            name: name.into(),
             dtype: DType::BF16,
-            shape,
+            shape: shape.into(),
         })
         .collect();
     let mut writer = CheckpointWriter::new(tmp, tensors.clone(), shard_size)?;

@@ -74,7 +74,10 @@ impl Inputs {
             )));
         }
         refuse_repeated_agents(agent_dirs)?;
-        let base = ModelFolder::open(base_dir).context("cannot open the base model")?;
+        // One copy of each tensor name and shape for all models.
+        let mut interner = crate::checkpoint::safetensors_file::Interner::default();
+        let base = ModelFolder::open_interned(base_dir, &mut interner)
+            .context("cannot open the base model")?;
         ensure!(
             !base.tensors.is_empty(),
             "the base model {} has no tensors (its header is empty)",
@@ -82,7 +85,9 @@ impl Inputs {
         );
         let agents = agent_dirs
             .iter()
-            .map(|d| ModelFolder::open(d).context("cannot open an agent model"))
+            .map(|d| {
+                ModelFolder::open_interned(d, &mut interner).context("cannot open an agent model")
+            })
             .collect::<Result<Vec<_>>>()?;
         for agent in &agents {
             if !agent
@@ -94,7 +99,7 @@ impl Inputs {
                     "{} has none of the base's tensor names (agent: '{}', base: '{}'); was it \
                      fine-tuned from {}, and saved with the same names?",
                     agent.dir.display(),
-                    agent.tensors.first().map_or("", |t| t.entry.name.as_str()),
+                    agent.tensors.first().map_or("", |t| &*t.entry.name),
                     base.tensors[0].entry.name,
                     base_dir.display()
                 );
@@ -151,7 +156,7 @@ impl Inputs {
                 .tensors
                 .iter()
                 .filter(|t| base.get(&t.entry.name).is_none())
-                .map(|t| t.entry.name.as_str())
+                .map(|t| &*t.entry.name)
                 .collect();
             if let Some(first) = extra.first() {
                 warnings.push(format!(
@@ -1092,7 +1097,7 @@ pub fn merge(
         .tensors
         .iter()
         .map(|p| OutputTensor {
-            name: p.name().to_string(),
+            name: p.base.entry.name.clone(),
             dtype: options.out_dtype.unwrap_or(p.base.entry.dtype),
             shape: p.base.entry.shape.clone(),
         })

@@ -1,7 +1,9 @@
 //! A Hugging Face model folder: `model.safetensors`, or shards listed by `model.safetensors.index.json`.
 
 use super::dtype::DType;
-use super::safetensors_file::{crc32_of_file, FileChecksum, SafetensorsFile, TensorEntry};
+use super::safetensors_file::{
+    crc32_of_file, FileChecksum, Interner, SafetensorsFile, TensorEntry,
+};
 use anyhow::{bail, Context, Result};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -22,11 +24,17 @@ pub struct ModelFolder {
     pub shards: Vec<SafetensorsFile>,
     /// Tensors in storage order (shard, then offset).
     pub tensors: Vec<ModelTensor>,
-    by_name: HashMap<String, usize>,
+    by_name: HashMap<std::sync::Arc<str>, usize>,
 }
 
 impl ModelFolder {
     pub fn open(dir: &Path) -> Result<ModelFolder> {
+        Self::open_interned(dir, &mut Interner::default())
+    }
+
+    /// [`Self::open`], sharing tensor names and shapes with the folders opened before through
+    /// `interner` (see [`Interner`]).
+    pub fn open_interned(dir: &Path, interner: &mut Interner) -> Result<ModelFolder> {
         if !dir.exists() {
             bail!("model folder {} does not exist", dir.display());
         }
@@ -70,8 +78,8 @@ impl ModelFolder {
                     path.display()
                 );
             }
-            let file = SafetensorsFile::open(&path)?;
-            for entry in &file.tensors {
+            let (file, entries) = SafetensorsFile::open_interned(&path, interner)?;
+            for entry in entries {
                 if by_name.insert(entry.name.clone(), tensors.len()).is_some() {
                     bail!(
                         "{}: tensor '{}' appears in more than one shard",
@@ -79,16 +87,14 @@ impl ModelFolder {
                         entry.name
                     );
                 }
-                tensors.push(ModelTensor {
-                    shard: i,
-                    entry: entry.clone(),
-                });
+                tensors.push(ModelTensor { shard: i, entry });
             }
             shards.push(file);
         }
         if present(&index_path) {
             check_index_matches(&index_path, &shard_names, &tensors)?;
         }
+        tensors.shrink_to_fit();
         Ok(ModelFolder {
             dir: dir.to_path_buf(),
             shards,
@@ -244,7 +250,7 @@ fn check_index_matches(
     let index = read_index(index_path)?;
     let found: HashMap<&str, &str> = tensors
         .iter()
-        .map(|t| (t.entry.name.as_str(), shard_names[t.shard].as_str()))
+        .map(|t| (&*t.entry.name, shard_names[t.shard].as_str()))
         .collect();
     for (name, file) in &index.weight_map {
         match found.get(name.as_str()) {

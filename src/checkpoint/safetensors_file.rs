@@ -10,6 +10,7 @@ use super::positional::read_exact_at;
 use anyhow::{bail, Context, Result};
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Largest header we accept (the reference implementation's limit).
 const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -17,9 +18,10 @@ const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// Where one tensor lives inside its file.
 #[derive(Clone, Debug)]
 pub struct TensorEntry {
-    pub name: String,
+    /// Shared, not copied, by every structure that names the tensor (a model may have 10^5).
+    pub name: std::sync::Arc<str>,
     pub dtype: DType,
-    pub shape: Vec<usize>,
+    pub shape: std::sync::Arc<[usize]>,
     /// Absolute byte offset of the first element in the file.
     pub offset: u64,
     pub numel: usize,
@@ -34,8 +36,9 @@ impl TensorEntry {
 /// An open safetensors file.
 pub struct SafetensorsFile {
     pub path: PathBuf,
-    /// Tensors in the order of their data offsets.
-    pub tensors: Vec<TensorEntry>,
+    /// (offset, byte length) of each tensor, in offset order; the entries themselves belong to
+    /// the model folder ([`super::ModelFolder`]), which holds one list for all its shards.
+    spans: Vec<(u64, u64)>,
     /// The file as opened (inode, size, modification time), to notice it changed while it is
     /// read; the file itself is opened on demand ([`super::open_files`]).
     identity: Identity,
@@ -110,7 +113,17 @@ fn hash_range(
 
 impl SafetensorsFile {
     /// Opens and validates `path`: header length, JSON, dtypes, shapes, offsets against the file size.
-    pub fn open(path: &Path) -> Result<SafetensorsFile> {
+    /// Returns the file and its tensors in offset order.
+    pub fn open(path: &Path) -> Result<(SafetensorsFile, Vec<TensorEntry>)> {
+        Self::open_interned(path, &mut Interner::default())
+    }
+
+    /// [`Self::open`], sharing tensor names and shapes through `interner` with the files opened
+    /// before (a base and its agents name the same 10^5 tensors: one copy of each name).
+    pub fn open_interned(
+        path: &Path,
+        interner: &mut Interner,
+    ) -> Result<(SafetensorsFile, Vec<TensorEntry>)> {
         super::model::check_regular_file(path)?;
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
         let meta = file
@@ -142,8 +155,8 @@ impl SafetensorsFile {
             .with_context(|| format!("cannot read the header of {}", path.display()))?;
         let data_start = 8 + header_len;
         let data_len = file_len - data_start;
-        let tensors =
-            parse_header(&header, data_start, data_len).map_err(|e| fail(format!("{e:#}")))?;
+        let tensors = parse_header(&header, data_start, data_len, interner)
+            .map_err(|e| fail(format!("{e:#}")))?;
         let mut header_crc = crc32fast::Hasher::new();
         header_crc.update(&len_bytes);
         header_crc.update(&header);
@@ -151,14 +164,16 @@ impl SafetensorsFile {
             .iter()
             .map(|_| std::sync::Mutex::new(CrcStream::default()))
             .collect();
-        Ok(SafetensorsFile {
+        let spans = tensors.iter().map(|t| (t.offset, t.byte_len())).collect();
+        let file = SafetensorsFile {
             path: path.to_path_buf(),
-            tensors,
+            spans,
             identity: Identity::of(&meta),
             header_len,
             header_crc,
             tensor_crcs,
-        })
+        };
+        Ok((file, tensors))
     }
 
     /// The file's size and CRC-32. Tensor bytes already read in order from their start are not read
@@ -168,20 +183,20 @@ impl SafetensorsFile {
         let file = self.file()?;
         let mut total = self.header_crc.clone();
         let mut at = 8 + self.header_len;
-        for (t, crc) in self.tensors.iter().zip(&self.tensor_crcs) {
-            if t.offset > at {
-                hash_range(&file, &self.path, at, t.offset, &mut total)?;
+        for (&(offset, len), crc) in self.spans.iter().zip(&self.tensor_crcs) {
+            if offset > at {
+                hash_range(&file, &self.path, at, offset, &mut total)?;
             }
             let stream = crc::lock(crc);
             total.combine(stream.crc());
             hash_range(
                 &file,
                 &self.path,
-                t.offset + stream.done(),
-                t.offset + t.byte_len(),
+                offset + stream.done(),
+                offset + len,
                 &mut total,
             )?;
-            at = t.offset + t.byte_len();
+            at = offset + len;
         }
         hash_range(&file, &self.path, at, self.identity.len, &mut total)?;
         Ok(FileChecksum {
@@ -237,12 +252,13 @@ impl SafetensorsFile {
     /// Adds `bytes`, read at byte `start` within `tensor`, to the tensor's running CRC (see
     /// [`CrcStream`]: tiles may come in any order; re-reads change nothing).
     pub fn record_read(&self, tensor: &TensorEntry, start: u64, bytes: &[u8]) {
-        // Empty tensors can share an offset with the next one: match the name too.
-        let first = self.tensors.partition_point(|t| t.offset < tensor.offset);
-        let found = self.tensors[first..]
+        // Empty tensors can share an offset with the next one; bytes belong to the one that
+        // is not empty (tensors never overlap).
+        let first = self.spans.partition_point(|&(o, _)| o < tensor.offset);
+        let found = self.spans[first..]
             .iter()
-            .take_while(|t| t.offset == tensor.offset)
-            .position(|t| t.name == tensor.name);
+            .take_while(|&&(o, _)| o == tensor.offset)
+            .position(|&(_, len)| len > 0);
         if let Some(i) = found.map(|i| first + i) {
             CrcStream::record(&self.tensor_crcs[i], start, bytes);
         }
@@ -251,107 +267,178 @@ impl SafetensorsFile {
 
 /// Parses the JSON header. Offsets must be in range and sized for shape × dtype; unsupported dtypes
 /// are an error naming the tensor.
-/// The header's top-level entries in file order. Unlike a JSON map, a repeated name is an error
-/// rather than silently keeping the last one.
-struct HeaderEntries(Vec<(String, serde_json::Value)>);
+/// The header's tensors, each checked and converted as soon as it is read: a header of 10^5 or
+/// more tensors (MoE checkpoints) never exists as a JSON tree, only one entry at a time. The
+/// first invalid entry's error is kept in `error` (the parse then stops).
+struct HeaderSeed<'a> {
+    data_start: u64,
+    data_len: u64,
+    error: &'a mut Option<anyhow::Error>,
+    interner: &'a mut Interner,
+}
 
-impl<'de> serde::Deserialize<'de> for HeaderEntries {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Entries;
-        impl<'de> serde::de::Visitor<'de> for Entries {
-            type Value = HeaderEntries;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object of tensors")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<HeaderEntries, A::Error> {
-                let mut seen = std::collections::HashSet::new();
-                let mut entries = Vec::new();
-                while let Some((name, value)) = map.next_entry::<String, serde_json::Value>()? {
-                    if !seen.insert(name.clone()) {
-                        return Err(serde::de::Error::custom(format!(
-                            "tensor '{name}' appears twice"
-                        )));
-                    }
-                    entries.push((name, value));
-                }
-                Ok(HeaderEntries(entries))
-            }
+/// One shared copy of each tensor name and shape across the files of a merge.
+#[derive(Default)]
+pub struct Interner {
+    names: std::collections::HashSet<Arc<str>>,
+    shapes: std::collections::HashSet<Arc<[usize]>>,
+}
+
+impl Interner {
+    fn name(&mut self, name: String) -> Arc<str> {
+        if let Some(n) = self.names.get(name.as_str()) {
+            return n.clone();
         }
-        deserializer.deserialize_map(Entries)
+        let n: Arc<str> = name.into();
+        self.names.insert(n.clone());
+        n
+    }
+
+    fn shape(&mut self, shape: Vec<usize>) -> Arc<[usize]> {
+        if let Some(s) = self.shapes.get(shape.as_slice()) {
+            return s.clone();
+        }
+        let s: Arc<[usize]> = shape.into();
+        self.shapes.insert(s.clone());
+        s
     }
 }
 
-fn parse_header(header: &[u8], data_start: u64, data_len: u64) -> Result<Vec<TensorEntry>> {
-    let text = std::str::from_utf8(header).context("corrupt header: not UTF-8")?;
-    let HeaderEntries(entries) =
-        serde_json::from_str(text.trim_end_matches(' ')).context("corrupt header JSON")?;
-    let mut tensors = Vec::with_capacity(entries.len());
-    for (name, info) in &entries {
-        // Free-form string metadata: not needed to read tensors.
-        if name == "__metadata__" {
-            continue;
-        }
-        let bad = |what: &str| anyhow::anyhow!("tensor '{name}': {what}");
-        let info = info
-            .as_object()
-            .ok_or_else(|| bad("entry is not an object"))?;
-        let dtype_name = info
-            .get("dtype")
-            .and_then(|d| d.as_str())
-            .ok_or_else(|| bad("missing dtype"))?;
-        let dtype = DType::from_safetensors(dtype_name).ok_or_else(|| {
-            bad(&format!(
-                "unsupported dtype {dtype_name} (rlmerge merges BF16, F16 and F32)"
-            ))
-        })?;
-        let shape: Vec<usize> = info
-            .get("shape")
-            .and_then(|s| s.as_array())
-            .ok_or_else(|| bad("missing shape"))?
-            .iter()
-            .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
-            .collect::<Option<_>>()
-            .ok_or_else(|| bad("shape is not a list of non-negative integers"))?;
-        let numel = shape
-            .iter()
-            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| bad("shape's element count overflows"))?;
-        let offsets = info
-            .get("data_offsets")
-            .and_then(|o| o.as_array())
-            .filter(|o| o.len() == 2)
-            .and_then(|o| Some((o[0].as_u64()?, o[1].as_u64()?)))
-            .ok_or_else(|| bad("data_offsets is not a pair of integers"))?;
-        let (begin, end) = offsets;
-        if begin > end || end > data_len {
-            if end > data_len {
-                return Err(bad(&format!(
-                    "data offsets {begin}..{end} out of range: the data section has {data_len} bytes (truncated file?)"
-                )));
+impl<'de> serde::de::DeserializeSeed<'de> for HeaderSeed<'_> {
+    type Value = Vec<TensorEntry>;
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for HeaderSeed<'_> {
+    type Value = Vec<TensorEntry>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object of tensors")
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut tensors = Vec::with_capacity(map.size_hint().unwrap_or(0));
+        while let Some(name) = map.next_key::<String>()? {
+            let info: serde_json::Value = map.next_value()?;
+            // Free-form string metadata: not needed to read tensors.
+            if name == "__metadata__" {
+                continue;
             }
-            return Err(bad(&format!("data offsets {begin}..{end} are reversed")));
+            match tensor_entry(name, &info, self.data_start, self.data_len, self.interner) {
+                Ok(t) => tensors.push(t),
+                Err(e) => {
+                    *self.error = Some(e);
+                    return Err(serde::de::Error::custom("invalid tensor entry"));
+                }
+            }
         }
-        let expected = (numel as u64).checked_mul(dtype.size() as u64);
-        if expected != Some(end - begin) {
+        Ok(tensors)
+    }
+}
+
+/// One header entry, checked: dtype, shape, offsets against the data section.
+fn tensor_entry(
+    name: String,
+    info: &serde_json::Value,
+    data_start: u64,
+    data_len: u64,
+    interner: &mut Interner,
+) -> Result<TensorEntry> {
+    let bad = |what: &str| anyhow::anyhow!("tensor '{name}': {what}");
+    let info = info
+        .as_object()
+        .ok_or_else(|| bad("entry is not an object"))?;
+    let dtype_name = info
+        .get("dtype")
+        .and_then(|d| d.as_str())
+        .ok_or_else(|| bad("missing dtype"))?;
+    let dtype = DType::from_safetensors(dtype_name).ok_or_else(|| {
+        bad(&format!(
+            "unsupported dtype {dtype_name} (rlmerge merges BF16, F16 and F32)"
+        ))
+    })?;
+    let shape: Vec<usize> = info
+        .get("shape")
+        .and_then(|s| s.as_array())
+        .ok_or_else(|| bad("missing shape"))?
+        .iter()
+        .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+        .collect::<Option<_>>()
+        .ok_or_else(|| bad("shape is not a list of non-negative integers"))?;
+    let numel = shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| bad("shape's element count overflows"))?;
+    let offsets = info
+        .get("data_offsets")
+        .and_then(|o| o.as_array())
+        .filter(|o| o.len() == 2)
+        .and_then(|o| Some((o[0].as_u64()?, o[1].as_u64()?)))
+        .ok_or_else(|| bad("data_offsets is not a pair of integers"))?;
+    let (begin, end) = offsets;
+    if begin > end || end > data_len {
+        if end > data_len {
             return Err(bad(&format!(
-                "data offsets {begin}..{end} hold {} bytes but shape {} of {dtype_name} needs {}",
-                end - begin,
-                shape_text(&shape),
-                expected.map_or("more than u64".to_string(), |e| e.to_string())
+                "data offsets {begin}..{end} out of range: the data section has {data_len} bytes (truncated file?)"
             )));
         }
-        tensors.push(TensorEntry {
-            name: name.clone(),
-            dtype,
-            shape,
-            offset: data_start + begin,
-            numel,
-        });
+        return Err(bad(&format!("data offsets {begin}..{end} are reversed")));
+    }
+    let expected = (numel as u64).checked_mul(dtype.size() as u64);
+    if expected != Some(end - begin) {
+        return Err(bad(&format!(
+            "data offsets {begin}..{end} hold {} bytes but shape {} of {dtype_name} needs {}",
+            end - begin,
+            shape_text(&shape),
+            expected.map_or("more than u64".to_string(), |e| e.to_string())
+        )));
+    }
+    Ok(TensorEntry {
+        name: interner.name(name),
+        dtype,
+        shape: interner.shape(shape),
+        offset: data_start + begin,
+        numel,
+    })
+}
+
+fn parse_header(
+    header: &[u8],
+    data_start: u64,
+    data_len: u64,
+    interner: &mut Interner,
+) -> Result<Vec<TensorEntry>> {
+    use serde::de::DeserializeSeed;
+    let text = std::str::from_utf8(header).context("corrupt header: not UTF-8")?;
+    let mut error = None;
+    let mut de = serde_json::Deserializer::from_str(text.trim_end_matches(' '));
+    let parsed = HeaderSeed {
+        data_start,
+        data_len,
+        error: &mut error,
+        interner,
+    }
+    .deserialize(&mut de)
+    .and_then(|t| de.end().map(|()| t));
+    let mut tensors = match (parsed, error) {
+        (_, Some(e)) => return Err(e),
+        (Err(e), None) => return Err(e).context("corrupt header JSON"),
+        (Ok(t), None) => t,
+    };
+    // A name given twice is an error, not the last one silently kept (a JSON map would).
+    let mut by_name: Vec<&TensorEntry> = tensors.iter().collect();
+    by_name.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+    if let Some(pair) = by_name.windows(2).find(|p| p[0].name == p[1].name) {
+        bail!(
+            "corrupt header JSON: tensor '{}' appears twice",
+            pair[0].name
+        );
     }
     tensors.sort_by_key(|t| t.offset);
+    tensors.shrink_to_fit();
     for pair in tensors.windows(2) {
         if pair[0].offset + pair[0].byte_len() > pair[1].offset {
             bail!(

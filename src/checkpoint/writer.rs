@@ -15,9 +15,9 @@ use std::sync::Mutex;
 /// One tensor to be written.
 #[derive(Clone, Debug)]
 pub struct OutputTensor {
-    pub name: String,
+    pub name: std::sync::Arc<str>,
     pub dtype: DType,
-    pub shape: Vec<usize>,
+    pub shape: std::sync::Arc<[usize]>,
 }
 
 impl OutputTensor {
@@ -183,18 +183,16 @@ impl CheckpointWriter {
     /// Appends bytes of tensor `name`, which must be the one the plan expects next.
     pub fn write(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
         // Past finished (and empty) tensors, unless more bytes of nothing are for this one.
-        while self
-            .tensors
-            .get(self.cursor.0)
-            .is_some_and(|t| self.cursor.1 == t.byte_len() && (t.name != name || !bytes.is_empty()))
-        {
+        while self.tensors.get(self.cursor.0).is_some_and(|t| {
+            self.cursor.1 == t.byte_len() && (*t.name != *name || !bytes.is_empty())
+        }) {
             self.cursor = (self.cursor.0 + 1, 0);
         }
         let t = self.tensors.get(self.cursor.0).with_context(|| {
             format!("internal: tensor '{name}' written after the last planned tensor")
         })?;
         ensure!(
-            t.name == name,
+            *t.name == *name,
             "internal: tensor '{name}' written where '{}' was planned",
             t.name
         );
@@ -214,7 +212,7 @@ impl CheckpointWriter {
                 let missing = self.shards[s]
                     .iter()
                     .find(|&&i| self.places[i].1 + self.tensors[i].byte_len() > stream.done())
-                    .map_or("?", |&i| self.tensors[i].name.as_str());
+                    .map_or("?", |&i| &*self.tensors[i].name);
                 bail!("internal: tensor '{missing}' was not completely written");
             }
             done.push(FileChecksum {
@@ -224,22 +222,27 @@ impl CheckpointWriter {
             });
         }
         if n > 1 {
-            let mut weight_map = serde_json::Map::new();
-            let mut tensors_sorted: Vec<(String, String)> = Vec::new();
+            // Written as it goes (names sorted, as Hugging Face writes them): no JSON tree of
+            // every tensor is built, whatever the tensor count.
+            let mut names: Vec<(&str, usize)> = Vec::with_capacity(self.tensors.len());
             for (s, shard) in self.shards.iter().enumerate() {
-                for &i in shard {
-                    tensors_sorted.push((self.tensors[i].name.clone(), shard_file_name(s, n)));
-                }
+                names.extend(shard.iter().map(|&i| (&*self.tensors[i].name, s)));
             }
-            tensors_sorted.sort();
-            for (t, f) in tensors_sorted {
-                weight_map.insert(t, serde_json::Value::String(f));
-            }
+            names.sort_unstable();
             let total: u64 = self.tensors.iter().map(|t| t.byte_len()).sum();
-            let index =
-                serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+            let mut text = format!(
+                "{{\n  \"metadata\": {{\n    \"total_size\": {total}\n  }},\n  \"weight_map\": {{"
+            );
+            for (k, (name, s)) in names.iter().enumerate() {
+                text.push_str(if k == 0 { "\n    " } else { ",\n    " });
+                text.push_str(&serde_json::to_string(name)?);
+                text.push_str(": \"");
+                text.push_str(&shard_file_name(*s, n));
+                text.push('"');
+            }
+            text.push_str("\n  }\n}\n");
             let path = self.dir.join(INDEX_FILE);
-            std::fs::write(&path, serde_json::to_string_pretty(&index)? + "\n")
+            std::fs::write(&path, text)
                 .with_context(|| format!("cannot write {}", path.display()))?;
             done.push(crc32_of_file(&path)?);
         }
@@ -250,19 +253,24 @@ impl CheckpointWriter {
 /// The JSON header of a shard holding `members`, space-padded to a multiple of 8 bytes so data
 /// stays aligned.
 fn shard_header(tensors: &[OutputTensor], members: &[usize]) -> Vec<u8> {
-    let mut map = serde_json::Map::new();
-    map.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    use std::io::Write;
+    // Written as it goes: no JSON tree of every tensor is built, whatever the tensor count.
+    let mut bytes = br#"{"__metadata__":{"format":"pt"}"#.to_vec();
     let mut offset = 0u64;
     for &i in members {
         let t = &tensors[i];
         let end = offset + t.byte_len();
-        map.insert(
-            t.name.clone(),
-            serde_json::json!({"dtype": t.dtype.safetensors_name(), "shape": t.shape, "data_offsets": [offset, end]}),
+        bytes.push(b',');
+        serde_json::to_writer(&mut bytes, &*t.name).expect("strings serialize");
+        let _ = write!(
+            bytes,
+            r#":{{"dtype":"{}","shape":{:?},"data_offsets":[{offset},{end}]}}"#,
+            t.dtype.safetensors_name(),
+            &*t.shape
         );
         offset = end;
     }
-    let mut bytes = serde_json::to_vec(&serde_json::Value::Object(map)).expect("header serializes");
+    bytes.push(b'}');
     while !bytes.len().is_multiple_of(8) {
         bytes.push(b' ');
     }
@@ -277,8 +285,20 @@ mod tests {
         OutputTensor {
             name: name.into(),
             dtype: DType::BF16,
-            shape: vec![n],
+            shape: vec![n].into(),
         }
+    }
+
+    #[test]
+    fn headers_are_valid_json_with_escaped_names() {
+        let ts = [t("a\"b\n", 3), t("λ", 2)];
+        let h = shard_header(&ts, &[0, 1]);
+        assert_eq!(h.len() % 8, 0);
+        let v: serde_json::Value =
+            serde_json::from_str(std::str::from_utf8(&h).unwrap().trim_end()).unwrap();
+        assert_eq!(v["a\"b\n"]["shape"], serde_json::json!([3]));
+        assert_eq!(v["λ"]["data_offsets"], serde_json::json!([6, 10]));
+        assert_eq!(v["__metadata__"]["format"], "pt");
     }
 
     #[test]
