@@ -533,6 +533,8 @@ fn merge_job(
             ))
         }
     })?;
+    // Warnings found while merging (identical inputs), after those of opening the inputs.
+    warn_all(&summary.recipe.warnings[inputs.warnings.len()..]);
     writeln!(
         out,
         "merged {} model(s) into {} with {} ({} shard(s))",

@@ -225,6 +225,40 @@ fn real_path(p: &Path) -> PathBuf {
     std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
 }
 
+/// Warnings for inputs with identical weights (every weight file of the same size and CRC-32,
+/// known for free from the checksums the merge computed): two copies of one agent count its
+/// changes as shared by two; an agent equal to the base changes nothing.
+fn identical_inputs(sums: &[InputChecksums], uses_base: bool) -> Vec<String> {
+    fn key(i: &InputChecksums) -> Vec<(u64, &str)> {
+        let mut k: Vec<(u64, &str)> = i.files.iter().map(|f| (f.size, f.crc32.as_str())).collect();
+        k.sort_unstable();
+        k
+    }
+    let mut warnings = Vec::new();
+    let first = if uses_base { 0 } else { 1 };
+    for a in first..sums.len() {
+        for b in (a + 1).max(1)..sums.len() {
+            if key(&sums[a]) == key(&sums[b]) {
+                warnings.push(if a == 0 {
+                    format!(
+                        "agent {} holds the same weights as the base (every weight file has the \
+                         same size and CRC-32): it changes nothing",
+                        sums[b].path.display()
+                    )
+                } else {
+                    format!(
+                        "agents {} and {} hold the same weights (every weight file has the same \
+                         size and CRC-32): their changes count as shared by two agents",
+                        sums[a].path.display(),
+                        sums[b].path.display()
+                    )
+                });
+            }
+        }
+    }
+    warnings
+}
+
 /// Refuses an agent folder given twice (after resolving links): it would count one agent's
 /// changes as shared by two, and move every λ.
 fn refuse_repeated_agents(agent_dirs: &[PathBuf]) -> Result<()> {
@@ -1323,7 +1357,12 @@ pub fn merge(
         tensor_lambdas,
         out_dtype: options.out_dtype.map(|d| d.to_string()),
         shard_size: options.shard_size,
-        warnings: inputs.warnings.clone(),
+        warnings: inputs
+            .warnings
+            .iter()
+            .cloned()
+            .chain(identical_inputs(&input_sums, options.method.uses_base()))
+            .collect(),
         inputs: input_sums,
         outputs,
     };

@@ -1024,3 +1024,25 @@ fn parameters_are_validated_alike_on_the_command_line_and_in_recipes() {
         );
     }
 }
+
+/// Issue #12 item 12: a copy of an agent, or of the base, in another folder is merged, with a
+/// warning on stderr and in the recipe.
+#[test]
+fn identical_content_in_other_folders_is_warned_about() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    let copy = c.dir.path().join("copy");
+    good_model(&copy, 0.5); // the same weights as `good`
+    let base_copy = c.dir.path().join("base_copy");
+    good_model(&base_copy, 0.0); // the same weights as the base
+    let (o, out) = merge_out(&c, &[&c.good, &copy, &base_copy], &["--method", "ram"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let err = err_of(&o);
+    assert!(
+        err.contains("hold the same weights") && err.contains("copy"),
+        "{err}"
+    );
+    assert!(err.contains("same weights as the base"), "{err}");
+    let recipe = std::fs::read_to_string(out.join("rlmerge_recipe.json")).unwrap();
+    assert!(recipe.contains("hold the same weights"));
+}
