@@ -541,7 +541,8 @@ impl ChunkScratch {
 
 multiversion! {
     /// SPEC §2 over elements `start..start + len` of the tile, in the spec's arithmetic order:
-    /// τ = a − b; Σ of active τ in agent order; c = 1 → b + λ·τ; c ≥ 2 → b + Σ·f32(1/c); c = 0 → base bits.
+    /// τ = a − b; Σ of active τ in agent order; c = 1 → b + λ·τ; c ≥ 2 → b + Σ/c (IEEE division:
+    /// the correctly rounded quotient); c = 0 → base bits.
     fn merge_chunk(
         tile: &Tile,
         p: &MergeParams,

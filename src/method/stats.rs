@@ -9,7 +9,7 @@ use super::combine::{
 };
 use super::plan::{BaseTerm, Sparsify, TensorRecipe};
 use crate::simd::multiversion;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use rayon::prelude::*;
 use std::ops::ControlFlow;
 use std::sync::Mutex;
@@ -777,8 +777,12 @@ fn rank_cuts_remembering(
     }
     let coarse: Vec<(u32, u64)> = wanted
         .iter()
-        .map(|&(t, k, _)| pass1[t].locate(k).expect("a band of every bin"))
-        .collect();
+        .map(|&(t, k, _)| {
+            pass1[t].locate(k).with_context(|| {
+                format!("internal: rank {k} of agent {t} lies in no bin of the first pass")
+            })
+        })
+        .collect::<Result<_>>()?;
     // A cut in a bin of one key (no low bits set anywhere in it; in bin 0: zeros only) is
     // resolved now; pass 2 records the bins of the others.
     let single = |c: usize| !pass1[wanted[c].0].mixed(coarse[c].0);
@@ -803,18 +807,21 @@ fn rank_cuts_remembering(
                 .iter()
                 .find(|(b, _)| *b == bin)
                 .map(|(_, chunks)| chunks.clone());
-            BinScan::of_one_key(bin, pass1[t].count(bin), chunks, numel)
-                .resolve(k, above, high_first)
+            Ok(BinScan::of_one_key(bin, pass1[t].count(bin), chunks, numel)
+                .resolve(k, above, high_first))
         } else {
-            let i = missing[t].iter().position(|&b| b == bin).expect("recorded");
-            records[t][i].resolve(k, above, high_first)
+            let i = missing[t]
+                .iter()
+                .position(|&b| b == bin)
+                .with_context(|| format!("internal: bin {bin} of agent {t} was not recorded"))?;
+            Ok::<_, anyhow::Error>(records[t][i].resolve(k, above, high_first))
         }
     };
     let mut cuts = Vec::with_capacity(wanted.len());
     // (cut, agent, key, m): the cut's index goes just past the m-th tied element in index order.
     let mut ties = Vec::new();
     for (c, &(t, k, high_first)) in wanted.iter().enumerate() {
-        let (cut, split) = resolve(c, k, high_first);
+        let (cut, split) = resolve(c, k, high_first)?;
         if let Some(split) = split {
             ties.push((c, t, cut.value, split));
         }
@@ -867,7 +874,12 @@ fn rank_cuts_remembering(
             }
         })?;
         for s in searches.into_iter().flat_map(unlock) {
-            cuts[s.cut].index = s.found.expect("the split lies within the tensor");
+            cuts[s.cut].index = s.found.with_context(|| {
+                format!(
+                    "internal: the tie split of cut {} lies outside the tensor",
+                    s.cut
+                )
+            })?;
         }
     }
     Ok(cuts)
