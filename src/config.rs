@@ -120,15 +120,9 @@ fn local_folder(reference: &str, recipe_dir: &Path) -> Result<PathBuf> {
 
 /// Layers of a model, from its config.json.
 fn layer_count(dir: &Path) -> Result<usize> {
+    let json =
+        crate::checkpoint::folder_files::read_config(dir).context("slices need the layer count")?;
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).with_context(|| {
-        format!(
-            "cannot read {} (slices need the layer count)",
-            path.display()
-        )
-    })?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
     ["num_hidden_layers", "n_layer", "num_layers"]
         .iter()
         .find_map(|k| json.get(k).and_then(|v| v.as_u64()))

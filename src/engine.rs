@@ -36,10 +36,12 @@ pub struct Inputs {
     pub warnings: Vec<String>,
 }
 
-/// One base tensor and where each agent keeps its counterpart (`None`: that agent lacks it).
+/// One base tensor and where each agent keeps its counterpart: its index in that agent's
+/// [`ModelFolder::tensors`] (`None`: that agent lacks it). Indices, not copies: a model may have
+/// 10^5 tensors.
 pub struct TensorPlan {
     pub base: ModelTensor,
-    pub agents: Vec<Option<ModelTensor>>,
+    pub agents: Box<[Option<u32>]>,
 }
 
 impl TensorPlan {
@@ -49,6 +51,11 @@ impl TensorPlan {
 
     pub fn numel(&self) -> usize {
         self.base.entry.numel
+    }
+
+    /// Agent `t`'s counterpart, if it has one.
+    pub fn agent<'a>(&self, inputs: &'a Inputs, t: usize) -> Option<&'a ModelTensor> {
+        self.agents[t].map(|i| &inputs.agents[t].tensors[i as usize])
     }
 
     /// Global indices of the agents that have this tensor.
@@ -110,10 +117,11 @@ impl Inputs {
         for bt in &base.tensors {
             let mut found = Vec::with_capacity(agents.len());
             for agent in &agents {
-                let Some(at) = agent.get(&bt.entry.name) else {
+                let Some(index) = agent.index_of(&bt.entry.name) else {
                     found.push(None);
                     continue;
                 };
+                let at = &agent.tensors[index];
                 if at.entry.dtype != bt.entry.dtype || at.entry.shape != bt.entry.shape {
                     bail!(
                         "tensor '{}' in {} is {} {} but in the base ({}) it is {} {}",
@@ -126,7 +134,7 @@ impl Inputs {
                         shape_text(&bt.entry.shape)
                     );
                 }
-                found.push(Some(at.clone()));
+                found.push(Some(index as u32));
             }
             let missing: Vec<String> = found
                 .iter()
@@ -148,7 +156,7 @@ impl Inputs {
             }
             tensors.push(TensorPlan {
                 base: bt.clone(),
-                agents: found,
+                agents: found.into(),
             });
         }
         for agent in &agents {
@@ -307,8 +315,8 @@ impl TileBuffers {
         let dtype = plan.base.entry.dtype;
         let (offset, bytes) = ((start * dtype.size()) as u64, len * dtype.size());
         let sources = std::iter::once((&inputs.base, &plan.base)).chain(present.iter().map(|&t| {
-            let at = plan.agents[t]
-                .as_ref()
+            let at = plan
+                .agent(inputs, t)
                 .expect("present agents have the tensor");
             (&inputs.agents[t], at)
         }));
@@ -1136,7 +1144,8 @@ pub fn merge(
             shape: p.base.entry.shape.clone(),
         })
         .collect();
-    let writer = CheckpointWriter::new(folder.path(), out_tensors.clone(), options.shard_size)?;
+    let out_dtypes: Vec<DType> = out_tensors.iter().map(|t| t.dtype).collect();
+    let writer = CheckpointWriter::new(folder.path(), out_tensors, options.shard_size)?;
     let per_tensor_scope = matches!(
         options.method,
         Method::RamPlus {
@@ -1188,7 +1197,7 @@ pub fn merge(
                     rule,
                     ..
                 } = &jobs[j];
-                let out_dtype = out_tensors[*index].dtype;
+                let out_dtype = out_dtypes[*index];
                 out.resize(tile.len * out_dtype.size(), 0);
                 let out = &mut out[..tile.len * out_dtype.size()];
                 match rule {

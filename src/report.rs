@@ -73,23 +73,33 @@ impl Module {
 /// Probe counts of one tensor, indexed by global agent.
 #[derive(Clone, Debug)]
 pub struct TensorStats {
-    pub name: String,
+    /// Shared with the model's entry (a model may have 10^5 tensors).
+    pub name: std::sync::Arc<str>,
     pub module: Module,
     pub numel: u64,
-    /// Which agents have this tensor.
-    pub present: Vec<bool>,
+    /// Which agents have this tensor: bit t for agent t (at most 64 agents).
+    pub present: u64,
     pub counts: TileCounts,
 }
 
 impl TensorStats {
     pub fn new(plan: &TensorPlan, counts: TileCounts) -> TensorStats {
         TensorStats {
-            name: plan.name().to_string(),
+            name: plan.base.entry.name.clone(),
             module: Module::of(plan.name()),
             numel: plan.numel() as u64,
-            present: plan.agents.iter().map(|a| a.is_some()).collect(),
+            present: plan
+                .agents
+                .iter()
+                .enumerate()
+                .fold(0, |m, (t, a)| m | (a.is_some() as u64) << t),
             counts,
         }
+    }
+
+    /// Whether agent `t` has this tensor.
+    pub fn has(&self, t: usize) -> bool {
+        self.present >> t & 1 == 1
     }
 
     pub fn agent_counts(&self) -> Vec<AgentCounts> {
@@ -161,9 +171,9 @@ impl ProbeReport {
         };
         for t in tensors {
             g.counts.add(&t.counts);
-            for (a, &p) in t.present.iter().enumerate() {
-                if p {
-                    g.numel[a] += t.numel;
+            for (a, numel) in g.numel.iter_mut().enumerate() {
+                if t.has(a) {
+                    *numel += t.numel;
                 }
             }
         }
@@ -258,7 +268,7 @@ impl ProbeReport {
                         .map(|&c| tensor_rule().lambda(c))
                         .collect();
                     json!({
-                        "name": t.name,
+                        "name": &*t.name,
                         "module": t.module.name(),
                         "elements": t.numel,
                         "agents": self.agent_json(&g, false),
@@ -360,7 +370,7 @@ impl ProbeReport {
                     t.numel
                 );
                 for (a, c) in t.agent_counts().iter().enumerate() {
-                    if t.present[a] {
+                    if t.has(a) {
                         let _ = write!(
                             s,
                             "  #{} {:>6.2}% λ {:.4}",

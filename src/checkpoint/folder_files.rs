@@ -19,17 +19,12 @@ pub const COPIED_FROM_BASE: &[&str] = &[
     "chat_template.json",
 ];
 
-/// Checks the base has a `config.json` that a loader can use: a regular file (not a folder or a
-/// FIFO, which would hang the read) holding a JSON object. A merged folder without one does not
-/// load, so the merge stops before it starts.
-pub fn check_base_config(base: &Path) -> Result<()> {
-    let path = base.join("config.json");
-    let meta = std::fs::metadata(&path).with_context(|| {
-        format!(
-            "the base has no config.json ({}); a merged model without one does not load",
-            path.display()
-        )
-    })?;
+/// Reads `dir/config.json` as a loader needs it: a regular file (not a folder or a FIFO, which
+/// would hang the read) holding a JSON object.
+pub fn read_config(dir: &Path) -> Result<serde_json::Value> {
+    let path = dir.join("config.json");
+    let meta = std::fs::metadata(&path)
+        .with_context(|| format!("{} has no config.json ({})", dir.display(), path.display()))?;
     if !meta.is_file() {
         bail!("{} is not a regular file", path.display());
     }
@@ -50,7 +45,15 @@ pub fn check_base_config(base: &Path) -> Result<()> {
             }
         );
     }
-    Ok(())
+    Ok(config)
+}
+
+/// Checks the base's `config.json` ([`read_config`]): a merged folder without a usable one does
+/// not load, so the merge stops before it starts.
+pub fn check_base_config(base: &Path) -> Result<()> {
+    read_config(base)
+        .map(|_| ())
+        .context("the base's config.json is needed: a merged model without one does not load")
 }
 
 /// Sets every dtype key of a model config to `dtype`: the top level's `torch_dtype` (always) and
@@ -85,10 +88,7 @@ pub fn copy_base_files(base: &Path, out: &Path, out_dtype: DType) -> Result<Vec<
         }
         let dst = out.join(name);
         if *name == "config.json" {
-            let text = std::fs::read_to_string(&src)
-                .with_context(|| format!("cannot read {}", src.display()))?;
-            let mut config: serde_json::Value = serde_json::from_str(&text)
-                .with_context(|| format!("{}: invalid JSON", src.display()))?;
+            let mut config = read_config(base)?;
             set_config_dtype(&mut config, out_dtype);
             std::fs::write(&dst, serde_json::to_string_pretty(&config)? + "\n")
                 .with_context(|| format!("cannot write {}", dst.display()))?;

@@ -24,7 +24,9 @@ pub struct ModelFolder {
     pub shards: Vec<SafetensorsFile>,
     /// Tensors in storage order (shard, then offset).
     pub tensors: Vec<ModelTensor>,
-    by_name: HashMap<std::sync::Arc<str>, usize>,
+    /// Indices into `tensors`, sorted by name: lookups by binary search, 4 bytes per tensor (a
+    /// model may have 10^5 tensors).
+    by_name: Vec<u32>,
 }
 
 impl ModelFolder {
@@ -68,7 +70,6 @@ impl ModelFolder {
         };
         let mut shards = Vec::with_capacity(shard_names.len());
         let mut tensors = Vec::new();
-        let mut by_name = HashMap::new();
         for (i, name) in shard_names.iter().enumerate() {
             let path = dir.join(name);
             if !present(&path) {
@@ -80,13 +81,6 @@ impl ModelFolder {
             }
             let (file, entries) = SafetensorsFile::open_interned(&path, interner)?;
             for entry in entries {
-                if by_name.insert(entry.name.clone(), tensors.len()).is_some() {
-                    bail!(
-                        "{}: tensor '{}' appears in more than one shard",
-                        dir.display(),
-                        entry.name
-                    );
-                }
                 tensors.push(ModelTensor { shard: i, entry });
             }
             shards.push(file);
@@ -95,6 +89,24 @@ impl ModelFolder {
             check_index_matches(&index_path, &shard_names, &tensors)?;
         }
         tensors.shrink_to_fit();
+        let mut by_name: Vec<u32> = (0..tensors.len() as u32).collect();
+        by_name.sort_unstable_by(|&a, &b| {
+            tensors[a as usize]
+                .entry
+                .name
+                .cmp(&tensors[b as usize].entry.name)
+        });
+        // A name twice within a shard was refused by its header's parser: here, across shards.
+        if let Some(pair) = by_name
+            .windows(2)
+            .find(|p| tensors[p[0] as usize].entry.name == tensors[p[1] as usize].entry.name)
+        {
+            bail!(
+                "{}: tensor '{}' appears in more than one shard",
+                dir.display(),
+                tensors[pair[0] as usize].entry.name
+            );
+        }
         Ok(ModelFolder {
             dir: dir.to_path_buf(),
             shards,
@@ -104,7 +116,15 @@ impl ModelFolder {
     }
 
     pub fn get(&self, name: &str) -> Option<&ModelTensor> {
-        self.by_name.get(name).map(|&i| &self.tensors[i])
+        self.index_of(name).map(|i| &self.tensors[i])
+    }
+
+    /// The index of tensor `name` in [`Self::tensors`].
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.by_name
+            .binary_search_by(|&i| (*self.tensors[i as usize].entry.name).cmp(name))
+            .ok()
+            .map(|k| self.by_name[k] as usize)
     }
 
     /// Reads `buf.len()` bytes of `tensor` from byte `start` within it.
