@@ -638,6 +638,7 @@ pub fn probe_all(
     Ok(ProbeReport {
         agents: inputs.agent_labels(),
         epsilon: pass.epsilon,
+        tensor_count: tensors.len(),
         tensors,
     })
 }
@@ -1119,12 +1120,10 @@ pub fn merge(
     protect.extend(options.protect.iter().cloned());
     let folder = OutputFolder::create(out_dir, options.force, &protect)?;
     let global_report = if options.method.needs_global_probe() {
-        Some(probe_all(
-            inputs,
-            backend,
-            &options.pass,
-            options.show_progress,
-        )?)
+        let mut report = probe_all(inputs, backend, &options.pass, options.show_progress)?;
+        // A merge reports totals and modules only: one entry per module, not per tensor.
+        report.compact();
+        Some(report)
     } else {
         None
     };
@@ -1313,6 +1312,7 @@ pub fn merge(
         None if per_tensor_scope => Some(ProbeReport {
             agents: inputs.agent_labels(),
             epsilon: options.pass.epsilon,
+            tensor_count: tensor_stats.len(),
             tensors: tensor_stats,
         }),
         None => None,

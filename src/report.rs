@@ -152,7 +152,10 @@ pub fn tensor_rule() -> BoostRule {
 pub struct ProbeReport {
     pub agents: Vec<String>,
     pub epsilon: f32,
+    /// Per tensor, or after [`Self::compact`] per module and set of agents.
     pub tensors: Vec<TensorStats>,
+    /// Tensors probed (also after [`Self::compact`]).
+    pub tensor_count: usize,
 }
 
 /// One group's totals (the model, a module).
@@ -178,6 +181,29 @@ impl ProbeReport {
             }
         }
         g
+    }
+
+    /// Merges the tensors' entries into one per module and set of agents present: every total,
+    /// module figure and λ stays exactly as it was; only the per-tensor breakdown goes (a model
+    /// of 10^5 tensors keeps a handful of entries instead).
+    pub fn compact(&mut self) {
+        let mut groups: BTreeMap<(Module, u64), TensorStats> = BTreeMap::new();
+        for t in self.tensors.drain(..) {
+            match groups.entry((t.module, t.present)) {
+                std::collections::btree_map::Entry::Occupied(mut g) => {
+                    let g = g.get_mut();
+                    g.numel += t.numel;
+                    g.counts.add(&t.counts);
+                }
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    v.insert(TensorStats {
+                        name: t.module.name().into(),
+                        ..t
+                    });
+                }
+            }
+        }
+        self.tensors = groups.into_values().collect();
     }
 
     /// Counts summed over every tensor.
@@ -241,7 +267,7 @@ impl ProbeReport {
         let total = self.group(self.tensors.iter());
         let mut v = json!({
             "epsilon": self.epsilon,
-            "tensors": self.tensors.len(),
+            "tensors": self.tensor_count,
             "elements": self.elements(),
             "agents": self.agent_json(&total, true),
         });
@@ -290,7 +316,7 @@ impl ProbeReport {
             s,
             "{} agents, {} tensors, {} elements; changed means |τ| > ε = {:e}\n",
             n,
-            self.tensors.len(),
+            self.tensor_count,
             self.elements(),
             self.epsilon
         );
@@ -417,7 +443,54 @@ fn rho_text(c: AgentCounts) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::Module;
+    use super::{Module, ProbeReport, TensorStats, TileCounts};
+
+    #[test]
+    fn compacting_keeps_every_total_and_module_figure() {
+        let stats = |name: &str, numel: u64, present: u64, hist: Vec<u64>| TensorStats {
+            name: name.into(),
+            module: Module::of(name),
+            numel,
+            present,
+            counts: TileCounts { agents: 2, hist },
+        };
+        let mut report = ProbeReport {
+            agents: vec!["a".into(), "b".into()],
+            epsilon: 1e-5,
+            tensors: vec![
+                stats(
+                    "model.layers.0.mlp.up_proj.weight",
+                    100,
+                    0b11,
+                    vec![5, 2, 7, 2],
+                ),
+                stats(
+                    "model.layers.1.mlp.up_proj.weight",
+                    50,
+                    0b01,
+                    vec![9, 0, 0, 0],
+                ),
+                stats(
+                    "model.layers.1.mlp.down_proj.weight",
+                    70,
+                    0b11,
+                    vec![1, 4, 3, 4],
+                ),
+                stats(
+                    "model.layers.0.self_attn.q_proj.weight",
+                    30,
+                    0b11,
+                    vec![0, 1, 2, 1],
+                ),
+            ],
+            tensor_count: 4,
+        };
+        let (text, json) = (report.render_text(false), report.to_json(false));
+        report.compact();
+        assert_eq!(report.tensors.len(), 3, "mlp both, mlp a only, attn both");
+        assert_eq!(report.render_text(false), text);
+        assert_eq!(report.to_json(false), json);
+    }
 
     #[test]
     fn modules_from_names() {
