@@ -12,8 +12,8 @@ use anyhow::{Context, Result};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-/// Prefix of the scratch folders `--against` recomputes into, in the system's temporary folder.
-const VERIFY_SCRATCH: &str = "rlmerge-verify";
+/// Prefix of the scratch folders `--against` recomputes into.
+const VERIFY_SCRATCH: &str = ".rlmerge-verify";
 
 /// What verification found: lines that passed, and problems (any problem fails the command).
 #[derive(Default, Debug)]
@@ -170,11 +170,28 @@ fn recompute_and_compare(
         extra_files: Vec::new(),
         protect: Vec::new(),
     };
-    // Recomputed in the system's temporary folder, not beside the output: the output's folder
-    // may be read-only. A killed verify's folder is removed by the next one (its lock is free).
-    let tmp = std::env::temp_dir();
-    sweep(&tmp, VERIFY_SCRATCH, |_| Ok(()))?;
-    let scratch = Scratch::create(&tmp, VERIFY_SCRATCH)?;
+    // Recomputed beside the output (the same disk, which held the output once), or where that
+    // folder is read-only, in the system's temporary folder. A killed verify's folder is removed
+    // by the next one (its lock is free).
+    let beside = out_dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let mut scratch = None;
+    for place in [beside.to_path_buf(), std::env::temp_dir()] {
+        let _ = sweep(&place, VERIFY_SCRATCH, |_| Ok(()));
+        if let Ok(s) = Scratch::create(&place, VERIFY_SCRATCH) {
+            scratch = Some(s);
+            break;
+        }
+    }
+    let scratch = scratch.with_context(|| {
+        format!(
+            "--against: cannot create a folder to recompute in, beside {} or in {}",
+            out_dir.display(),
+            std::env::temp_dir().display()
+        )
+    })?;
     let again = scratch.path().join("recomputed");
     let result = engine::merge(&inputs, &options, backend, &again).and_then(|_| {
         for shard in recipe.shards() {
