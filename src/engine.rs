@@ -1162,7 +1162,9 @@ pub fn merge(
     let bar = progress_bar(scan_bytes, options.show_progress, "merge");
     let mut buffers = TileBuffers::new(n);
     let mut tensor_lambdas = Vec::new();
-    let mut tensor_stats = Vec::new();
+    // Tensor scope: the report a merge gives is per module (see `ProbeReport::compact`), so the
+    // probed tensors' counts are folded in as they come.
+    let (mut tensor_stats, mut tensor_count) = (Vec::new(), 0usize);
     let layers = inputs
         .tensors
         .iter()
@@ -1271,8 +1273,12 @@ pub fn merge(
                         .iter()
                         .map(|&c| options.method.lambda(c))
                         .collect();
-                    tensor_lambdas.push((plan.name().to_string(), lambdas.clone()));
+                    tensor_lambdas.push((plan.base.entry.name.clone(), lambdas.clone()));
                     tensor_stats.push(stats);
+                    tensor_count += 1;
+                    if tensor_stats.len() >= 4096 {
+                        tensor_stats = crate::report::compact(std::mem::take(&mut tensor_stats));
+                    }
                     lambdas
                 } else {
                     global_lambdas.clone()
@@ -1312,8 +1318,8 @@ pub fn merge(
         None if per_tensor_scope => Some(ProbeReport {
             agents: inputs.agent_labels(),
             epsilon: options.pass.epsilon,
-            tensor_count: tensor_stats.len(),
-            tensors: tensor_stats,
+            tensor_count,
+            tensors: crate::report::compact(tensor_stats),
         }),
         None => None,
     };

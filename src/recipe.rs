@@ -41,7 +41,7 @@ pub struct Recipe {
     pub agents: Vec<AgentSummary>,
     /// Tensor scope: λ per agent for each tensor.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub tensor_lambdas: Vec<(String, Vec<f64>)>,
+    pub tensor_lambdas: Vec<(std::sync::Arc<str>, Vec<f64>)>,
     /// `None`: each tensor kept the base's dtype.
     pub out_dtype: Option<String>,
     pub shard_size: u64,

@@ -158,6 +158,28 @@ pub struct ProbeReport {
     pub tensor_count: usize,
 }
 
+/// `tensors` merged into one entry per module and set of agents present (see
+/// [`ProbeReport::compact`]).
+pub fn compact(tensors: Vec<TensorStats>) -> Vec<TensorStats> {
+    let mut groups: BTreeMap<(Module, u64), TensorStats> = BTreeMap::new();
+    for t in tensors {
+        match groups.entry((t.module, t.present)) {
+            std::collections::btree_map::Entry::Occupied(mut g) => {
+                let g = g.get_mut();
+                g.numel += t.numel;
+                g.counts.add(&t.counts);
+            }
+            std::collections::btree_map::Entry::Vacant(v) => {
+                v.insert(TensorStats {
+                    name: t.module.name().into(),
+                    ..t
+                });
+            }
+        }
+    }
+    groups.into_values().collect()
+}
+
 /// One group's totals (the model, a module).
 struct Group {
     /// Elements each agent has in the group.
@@ -187,23 +209,7 @@ impl ProbeReport {
     /// module figure and λ stays exactly as it was; only the per-tensor breakdown goes (a model
     /// of 10^5 tensors keeps a handful of entries instead).
     pub fn compact(&mut self) {
-        let mut groups: BTreeMap<(Module, u64), TensorStats> = BTreeMap::new();
-        for t in self.tensors.drain(..) {
-            match groups.entry((t.module, t.present)) {
-                std::collections::btree_map::Entry::Occupied(mut g) => {
-                    let g = g.get_mut();
-                    g.numel += t.numel;
-                    g.counts.add(&t.counts);
-                }
-                std::collections::btree_map::Entry::Vacant(v) => {
-                    v.insert(TensorStats {
-                        name: t.module.name().into(),
-                        ..t
-                    });
-                }
-            }
-        }
-        self.tensors = groups.into_values().collect();
+        self.tensors = compact(std::mem::take(&mut self.tensors));
     }
 
     /// Counts summed over every tensor.
