@@ -41,6 +41,9 @@ impl Identity {
 
 struct Entry {
     file: Arc<File>,
+    /// The version opened: a caller that opened another version (the file was replaced between
+    /// two merges of one process) gets the file opened again.
+    identity: Identity,
     last_use: u64,
 }
 
@@ -61,8 +64,11 @@ pub fn get(path: &Path, identity: &Identity) -> Result<Arc<File>> {
         cache.clock += 1;
         let now = cache.clock;
         if let Some(e) = cache.open.get_mut(path) {
-            e.last_use = now;
-            return Ok(e.file.clone());
+            if e.identity == *identity {
+                e.last_use = now;
+                return Ok(e.file.clone());
+            }
+            cache.open.remove(path);
         }
     }
     // Opened outside the lock: other threads keep reading their files meanwhile.
@@ -92,11 +98,15 @@ pub fn get(path: &Path, identity: &Identity) -> Result<Arc<File>> {
         }
     }
     let now = cache.clock;
-    let entry = cache.open.entry(path.to_path_buf()).or_insert(Entry {
-        file,
-        last_use: now,
-    });
-    Ok(entry.file.clone())
+    cache.open.insert(
+        path.to_path_buf(),
+        Entry {
+            file: file.clone(),
+            identity: *identity,
+            last_use: now,
+        },
+    );
+    Ok(file)
 }
 
 /// Closes `path` if it is open (its folder is done with, or it is about to be checked anew).
@@ -114,4 +124,32 @@ pub fn open_count() -> usize {
         .unwrap_or_else(|p| p.into_inner())
         .as_ref()
         .map_or(0, |c| c.open.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replaced_file_is_opened_anew_or_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f");
+        std::fs::write(&p, b"one").unwrap();
+        let first = Identity::of(&std::fs::metadata(&p).unwrap());
+        assert!(get(&p, &first).is_ok());
+        // Replaced by rename: a new inode.
+        let q = d.path().join("g");
+        std::fs::write(&q, b"two!").unwrap();
+        std::fs::rename(&q, &p).unwrap();
+        let second = Identity::of(&std::fs::metadata(&p).unwrap());
+        assert_ne!(first, second);
+        // The open handle still is the first version: its reader keeps it (check_unchanged, by
+        // path, reports the replacement at the end of the merge).
+        assert_eq!(get(&p, &first).unwrap().metadata().unwrap().len(), 3);
+        // A reader of the second version gets the new file, not the cached old one ...
+        assert_eq!(get(&p, &second).unwrap().metadata().unwrap().len(), 4);
+        // ... and the first version, closed now, cannot be had again.
+        assert!(get(&p, &first).is_err());
+        forget(&p);
+    }
 }
