@@ -613,14 +613,7 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
         .model_size
         .map_or_else(demo::ModelShape::tiny, demo::ModelShape::of_bf16_bytes);
     let merged = args.dir.join("merged-ram-plus");
-    if merged.symlink_metadata().is_ok() {
-        crate::checkpoint::output_folder::replaceable(&merged).map_err(|why| {
-            usage(format!(
-                "demo: {} exists and will not be replaced: {why}; choose another folder",
-                merged.display()
-            ))
-        })?;
-    }
+    demo::check_replaceable(&merged)?;
     let (base, agents) = demo::write_example(&args.dir, &shape, 2026)?;
     let inputs = Inputs::open(&base, &agents)?;
     writeln!(

@@ -209,6 +209,20 @@ fn write_model(
     folder.commit()
 }
 
+/// Refuses, as a usage error, to write the demo over `path` unless it is absent or a folder a
+/// demo (or a merge) wrote and nobody added to ([`replaceable`]).
+pub fn check_replaceable(path: &Path) -> Result<()> {
+    if path.symlink_metadata().is_err() {
+        return Ok(());
+    }
+    replaceable(path).map_err(|why| {
+        usage(format!(
+            "demo: {} exists and will not be replaced: {why}; choose another folder",
+            path.display()
+        ))
+    })
+}
+
 /// The demo's agents: folder name, seed, density.
 pub const DEMO_AGENTS: [(&str, u64, f64); 3] = [
     ("coding-agent", 11, 0.032),
@@ -227,15 +241,7 @@ pub fn write_example(
     let base = dir.join("base");
     let total = shape.bf16_bytes();
     for d in std::iter::once("base").chain(DEMO_AGENTS.iter().map(|a| a.0)) {
-        let p = dir.join(d);
-        if p.symlink_metadata().is_ok() {
-            replaceable(&p).map_err(|why| {
-                usage(format!(
-                    "demo: {} exists and will not be replaced: {why}; choose another folder",
-                    p.display()
-                ))
-            })?;
-        }
+        check_replaceable(&dir.join(d))?;
     }
     write_model(&base, shape, seed, None, u64::MAX)?;
     let mut agents = Vec::new();

@@ -245,7 +245,7 @@ fn identical_inputs(sums: &[InputChecksums], uses_base: bool) -> Vec<String> {
     let mut warnings = Vec::new();
     let first = if uses_base { 0 } else { 1 };
     for a in first..sums.len() {
-        for b in (a + 1).max(1)..sums.len() {
+        for b in a + 1..sums.len() {
             if key(&sums[a]) == key(&sums[b]) {
                 warnings.push(if a == 0 {
                     format!(

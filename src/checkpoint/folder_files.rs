@@ -23,11 +23,10 @@ pub const COPIED_FROM_BASE: &[&str] = &[
 /// would hang the read) holding a JSON object.
 pub fn read_config(dir: &Path) -> Result<serde_json::Value> {
     let path = dir.join("config.json");
-    let meta = std::fs::metadata(&path)
-        .with_context(|| format!("{} has no config.json ({})", dir.display(), path.display()))?;
-    if !meta.is_file() {
-        bail!("{} is not a regular file", path.display());
+    if path.symlink_metadata().is_err() {
+        bail!("{} has no config.json ({})", dir.display(), path.display());
     }
+    super::model::check_regular_file(&path)?;
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("cannot read {}", path.display()))?;
     let config: serde_json::Value =

@@ -58,8 +58,14 @@ impl ModelFolder {
                 dir.display()
             );
         }
-        let shard_names: Vec<String> = if present(&index_path) {
-            read_index_shards(&index_path)?
+        // Read once: it names the shards, and then every tensor must be where it says.
+        let index = if present(&index_path) {
+            Some(read_index(&index_path)?)
+        } else {
+            None
+        };
+        let shard_names: Vec<String> = if let Some(index) = &index {
+            index_shards(&index_path, index)?
         } else if present(&single_path) {
             vec![SINGLE_FILE.to_string()]
         } else {
@@ -85,8 +91,8 @@ impl ModelFolder {
             }
             shards.push(file);
         }
-        if present(&index_path) {
-            check_index_matches(&index_path, &shard_names, &tensors)?;
+        if let Some(index) = &index {
+            check_index_matches(&index_path, index, &shard_names, &tensors)?;
         }
         tensors.shrink_to_fit();
         let mut by_name: Vec<u32> = (0..tensors.len() as u32).collect();
@@ -165,7 +171,10 @@ impl ModelFolder {
     pub fn paths(&self) -> Vec<PathBuf> {
         let mut paths = vec![self.dir.clone()];
         paths.extend(self.shards.iter().map(|s| s.path.clone()));
-        paths.push(self.dir.join(INDEX_FILE));
+        let index = self.dir.join(INDEX_FILE);
+        if index.symlink_metadata().is_ok() {
+            paths.push(index);
+        }
         paths
     }
 
@@ -193,8 +202,7 @@ struct IndexJson {
 }
 
 /// The distinct shard files an index names, in first-seen order of sorted file names.
-fn read_index_shards(index_path: &Path) -> Result<Vec<String>> {
-    let index = read_index(index_path)?;
+fn index_shards(index_path: &Path, index: &IndexJson) -> Result<Vec<String>> {
     let mut files: Vec<String> = index.weight_map.values().cloned().collect();
     files.sort();
     files.dedup();
@@ -264,10 +272,10 @@ pub fn check_regular_file(path: &Path) -> Result<()> {
 /// Every tensor the index maps must be in the shard it names.
 fn check_index_matches(
     index_path: &Path,
+    index: &IndexJson,
     shard_names: &[String],
     tensors: &[ModelTensor],
 ) -> Result<()> {
-    let index = read_index(index_path)?;
     let found: HashMap<&str, &str> = tensors
         .iter()
         .map(|t| (&*t.entry.name, shard_names[t.shard].as_str()))

@@ -109,23 +109,6 @@ pub fn get(path: &Path, identity: &Identity) -> Result<Arc<File>> {
     Ok(file)
 }
 
-/// Closes `path` if it is open (its folder is done with, or it is about to be checked anew).
-pub fn forget(path: &Path) {
-    let mut guard = CACHE.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(cache) = guard.as_mut() {
-        cache.open.remove(path);
-    }
-}
-
-/// Files open now (tests).
-pub fn open_count() -> usize {
-    CACHE
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .as_ref()
-        .map_or(0, |c| c.open.len())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,6 +133,5 @@ mod tests {
         assert_eq!(get(&p, &second).unwrap().metadata().unwrap().len(), 4);
         // ... and the first version, closed now, cannot be had again.
         assert!(get(&p, &first).is_err());
-        forget(&p);
     }
 }

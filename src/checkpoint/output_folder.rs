@@ -14,6 +14,7 @@
 //! - Ctrl-C, SIGTERM and SIGHUP remove the running process's scratch folders
 //!   ([`remove_live_scratch`], called by the binary's signal handler).
 
+use super::open_files::Identity;
 use crate::error::usage;
 use crate::recipe::{CARD_FILE, RECIPE_FILE};
 use anyhow::{bail, Context, Result};
@@ -135,18 +136,12 @@ impl Drop for Scratch {
     }
 }
 
-#[cfg(unix)]
+/// Whether the open `file` is the file at `path` now (not one created there since).
 fn same_file(file: &File, path: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
     match (file.metadata(), path.metadata()) {
-        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        (Ok(a), Ok(b)) => Identity::of(&a) == Identity::of(&b),
         _ => false,
     }
-}
-
-#[cfg(not(unix))]
-fn same_file(_file: &File, path: &Path) -> bool {
-    path.exists()
 }
 
 /// Removes what dead processes left in `parent` under `prefix`: for every `PREFIX-ID.lock` that no
@@ -216,67 +211,69 @@ fn exists_error(e: &io::Error) -> bool {
     e.kind() == io::ErrorKind::AlreadyExists
 }
 
+/// The OS's atomic no-replace rename; `None` where there is none, or the filesystem refuses the
+/// flag (the caller falls back).
 #[cfg(unix)]
-fn c_path(p: &Path) -> io::Result<std::ffi::CString> {
-    use std::os::unix::ffi::OsStrExt;
-    std::ffi::CString::new(p.as_os_str().as_bytes())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path holds a NUL byte"))
-}
-
-/// `None`: no atomic no-replace rename here (the caller falls back).
-#[cfg(any(target_os = "linux", target_os = "android"))]
 fn os_rename_noreplace(from: &Path, to: &Path) -> Option<io::Result<()>> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path holds a NUL byte"))
+    };
     let (f, t) = match (c_path(from), c_path(to)) {
         (Ok(f), Ok(t)) => (f, t),
         (Err(e), _) | (_, Err(e)) => return Some(Err(e)),
     };
+    if raw_rename_noreplace(&f, &t)? == 0 {
+        return Some(Ok(()));
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        // An old kernel, or a filesystem without the flag.
+        Some(libc::ENOSYS | libc::EINVAL | libc::ENOTSUP) => None,
+        _ => Some(Err(e)),
+    }
+}
+
+/// `renameat2(RENAME_NOREPLACE)`: its return value.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn raw_rename_noreplace(from: &std::ffi::CStr, to: &std::ffi::CStr) -> Option<i64> {
     const RENAME_NOREPLACE: libc::c_uint = 1;
     // SAFETY: both paths are NUL-terminated C strings that outlive the call.
     let r = unsafe {
         libc::syscall(
             libc::SYS_renameat2,
             libc::AT_FDCWD,
-            f.as_ptr(),
+            from.as_ptr(),
             libc::AT_FDCWD,
-            t.as_ptr(),
+            to.as_ptr(),
             RENAME_NOREPLACE,
         )
     };
-    if r == 0 {
-        return Some(Ok(()));
-    }
-    let e = io::Error::last_os_error();
-    match e.raw_os_error() {
-        // An old kernel or a filesystem without the flag.
-        Some(libc::ENOSYS | libc::EINVAL) => None,
-        _ => Some(Err(e)),
-    }
+    Some(r as i64)
 }
 
+/// `renamex_np(RENAME_EXCL)`: its return value.
 #[cfg(any(target_os = "macos", target_os = "ios"))]
-fn os_rename_noreplace(from: &Path, to: &Path) -> Option<io::Result<()>> {
-    let (f, t) = match (c_path(from), c_path(to)) {
-        (Ok(f), Ok(t)) => (f, t),
-        (Err(e), _) | (_, Err(e)) => return Some(Err(e)),
-    };
+fn raw_rename_noreplace(from: &std::ffi::CStr, to: &std::ffi::CStr) -> Option<i64> {
     // SAFETY: both paths are NUL-terminated C strings that outlive the call.
-    let r = unsafe { libc::renamex_np(f.as_ptr(), t.as_ptr(), libc::RENAME_EXCL) };
-    if r == 0 {
-        return Some(Ok(()));
-    }
-    let e = io::Error::last_os_error();
-    match e.raw_os_error() {
-        Some(libc::ENOTSUP | libc::EINVAL) => None,
-        _ => Some(Err(e)),
-    }
+    Some(unsafe { libc::renamex_np(from.as_ptr(), to.as_ptr(), libc::RENAME_EXCL) } as i64)
 }
 
-#[cfg(not(any(
-    target_os = "linux",
-    target_os = "android",
-    target_os = "macos",
-    target_os = "ios"
-)))]
+#[cfg(all(
+    unix,
+    not(any(
+        target_os = "linux",
+        target_os = "android",
+        target_os = "macos",
+        target_os = "ios"
+    ))
+))]
+fn raw_rename_noreplace(_from: &std::ffi::CStr, _to: &std::ffi::CStr) -> Option<i64> {
+    None
+}
+
+#[cfg(not(unix))]
 fn os_rename_noreplace(_from: &Path, _to: &Path) -> Option<io::Result<()>> {
     None
 }

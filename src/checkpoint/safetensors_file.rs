@@ -19,9 +19,9 @@ const MAX_HEADER_BYTES: u64 = 100_000_000;
 #[derive(Clone, Debug)]
 pub struct TensorEntry {
     /// Shared, not copied, by every structure that names the tensor (a model may have 10^5).
-    pub name: std::sync::Arc<str>,
+    pub name: Arc<str>,
     pub dtype: DType,
-    pub shape: std::sync::Arc<[usize]>,
+    pub shape: Arc<[usize]>,
     /// Absolute byte offset of the first element in the file.
     pub offset: u64,
     pub numel: usize,
@@ -112,14 +112,10 @@ fn hash_range(
 }
 
 impl SafetensorsFile {
-    /// Opens and validates `path`: header length, JSON, dtypes, shapes, offsets against the file size.
-    /// Returns the file and its tensors in offset order.
-    pub fn open(path: &Path) -> Result<(SafetensorsFile, Vec<TensorEntry>)> {
-        Self::open_interned(path, &mut Interner::default())
-    }
-
-    /// [`Self::open`], sharing tensor names and shapes through `interner` with the files opened
-    /// before (a base and its agents name the same 10^5 tensors: one copy of each name).
+    /// Opens and validates `path` — header length, JSON, dtypes, shapes, offsets against the file
+    /// size — and returns the file and its tensors in offset order, sharing tensor names and
+    /// shapes through `interner` with the files opened before (a base and its agents name the
+    /// same 10^5 tensors: one copy each).
     pub fn open_interned(
         path: &Path,
         interner: &mut Interner,

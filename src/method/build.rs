@@ -124,16 +124,7 @@ fn bad(param: &Param, model: Option<usize>, got: &str) -> anyhow::Error {
     usage(format!(
         "parameter '{}'{place} must be {}, got {got}",
         param.name,
-        match param.range {
-            Range::Number { .. } | Range::Integer { .. } => format!("in {}", param.range.text())
-                .replace("in ≥", "≥")
-                .replace("in ≤", "≤")
-                .replace("in finite", "a finite number")
-                .replace("in whole ", "a whole number in "),
-            Range::Bool => "true or false".into(),
-            Range::Choice(words) => format!("one of {}", words.join(", ")),
-            Range::Folder => "a folder".into(),
-        }
+        param.range.requirement()
     ))
 }
 
@@ -141,13 +132,8 @@ fn check_scalar(param: &Param, value: &Scalar, model: Option<usize>) -> Result<(
     let fail = || Err(bad(param, model, &shown(value)));
     match param.range {
         Range::Number { lo, hi } | Range::Integer { lo, hi } => {
-            let x = match value {
-                Scalar::Number(x) => *x,
-                Scalar::Text(t) => match t.trim().parse::<f64>() {
-                    Ok(x) => x,
-                    Err(_) => return fail(),
-                },
-                Scalar::Bool(_) => return fail(),
+            let Ok(x) = value.as_f64(param.name) else {
+                return fail();
             };
             let whole = !matches!(param.range, Range::Integer { .. }) || x.fract() == 0.0;
             if !(x.is_finite() && x >= lo && x <= hi && whole) {
@@ -238,15 +224,15 @@ fn ram_plus(req: &MethodRequest) -> Result<Method> {
 
 /// Model `m`'s value of `key` when it is one number (per-model first, then shared, then `default`).
 fn model_number(config: &MethodConfig, key: &str, m: usize, default: Option<f64>) -> Option<f64> {
-    let scalar = |s: Option<&Setting>| match s {
+    let setting = config
+        .models
+        .get(m)
+        .and_then(|s| s.get(key))
+        .or_else(|| config.parameters.get(key));
+    match setting {
         Some(Setting::Scalar(v)) => v.as_f64(key).ok(),
-        _ => None,
-    };
-    let own = config.models.get(m).and_then(|s| s.get(key));
-    match (own, config.parameters.get(key)) {
-        (Some(s), _) => scalar(Some(s)),
-        (None, Some(s)) => scalar(Some(s)),
-        (None, None) => default,
+        Some(_) => None,
+        None => default,
     }
 }
 

@@ -62,6 +62,26 @@ pub enum Range {
 }
 
 impl Range {
+    /// What a value must be, as errors say it: "in [0, 1]", "≥ 0", "a finite number", "true or
+    /// false", …
+    pub fn requirement(self) -> String {
+        match self {
+            Range::Number { lo, hi } if !lo.is_finite() && !hi.is_finite() => {
+                "a finite number".into()
+            }
+            Range::Number { lo, hi } if lo.is_finite() && hi.is_finite() => {
+                format!("in {}", self.text())
+            }
+            Range::Number { .. } => self.text(),
+            Range::Integer { .. } => {
+                format!("a whole number in {}", &self.text()["whole ".len()..])
+            }
+            Range::Bool => "true or false".into(),
+            Range::Choice(words) => format!("one of {}", words.join(", ")),
+            Range::Folder => "a folder".into(),
+        }
+    }
+
     /// The range as `rlmerge methods` and errors write it.
     pub fn text(self) -> String {
         let num = |x: f64| -> String {
