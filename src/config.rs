@@ -132,6 +132,8 @@ fn layer_count(dir: &Path) -> Result<usize> {
 
 /// Reads a mergekit YAML recipe.
 pub fn read(path: &Path, seed: u64) -> Result<Job> {
+    crate::checkpoint::model::check_regular_file(path)
+        .with_context(|| format!("cannot read recipe {}", path.display()))?;
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read recipe {}", path.display()))?;
     let mut job = parse(&text, path.parent().unwrap_or(Path::new(".")), seed)

@@ -64,12 +64,14 @@ impl Recipe {
     /// Reads `rlmerge_recipe.json` from a merged folder.
     pub fn read(dir: &Path) -> Result<Recipe> {
         let path = dir.join(RECIPE_FILE);
-        let text = std::fs::read_to_string(&path).with_context(|| {
-            format!(
-                "cannot read {} (not a folder rlmerge wrote?)",
-                path.display()
-            )
-        })?;
+        let text = crate::checkpoint::model::check_regular_file(&path)
+            .and_then(|()| Ok(std::fs::read_to_string(&path)?))
+            .with_context(|| {
+                format!(
+                    "cannot read {} (not a folder rlmerge wrote?)",
+                    path.display()
+                )
+            })?;
         serde_json::from_str(&text).with_context(|| format!("{}: invalid recipe", path.display()))
     }
 }

@@ -356,3 +356,41 @@ fn demo_sizes_are_honoured_and_a_killed_demo_leaves_no_partial_model() {
         .success();
     assert!(leftovers(&d).is_empty(), "{:?}", leftovers(&d));
 }
+
+/// `-o` given as nothing or as the root folder, and `--base`/`--model` given as a file, a device or
+/// nothing: usage errors or clear failures, never a write.
+#[test]
+fn absurd_paths_are_refused() {
+    let f = fixture(27, Dtype::BF16, &odd_shapes(), &DENSITIES[..2], 1);
+    for out in ["", "/"] {
+        let o = merge_cmd(&f, Path::new(out), &["--force"])
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "-o '{out}': {}", stderr(&o));
+    }
+    let file = f.dir.path().join("file.bin");
+    std::fs::write(&file, b"x").unwrap();
+    for bad in [file.as_path(), Path::new("/dev/null"), Path::new("")] {
+        for flag in ["--base", "--model"] {
+            let mut cmd = rlmerge();
+            cmd.args(["merge", "--quiet"]);
+            if flag == "--base" {
+                cmd.arg("--base").arg(bad).arg("--model").arg(&f.agents[0]);
+            } else {
+                cmd.arg("--base").arg(&f.base).arg("--model").arg(bad);
+            }
+            let out = f.dir.path().join("out");
+            let o = cmd.arg("-o").arg(&out).output().unwrap();
+            assert_ne!(o.status.code(), Some(0), "{flag} '{}'", bad.display());
+            assert!(!out.exists());
+            assert_eq!(
+                stderr(&o)
+                    .lines()
+                    .filter(|l| l.starts_with("error:"))
+                    .count(),
+                1
+            );
+        }
+    }
+    assert_eq!(std::fs::read(&file).unwrap(), b"x");
+}

@@ -396,7 +396,10 @@ pub fn replaceable(path: &Path) -> std::result::Result<(), String> {
 /// The files a manifest in `dir` says rlmerge wrote there, the manifest itself included.
 fn manifest(dir: &Path) -> Option<Vec<String>> {
     let read = |name: &str, key: &str| -> Option<Vec<String>> {
-        let text = std::fs::read_to_string(dir.join(name)).ok()?;
+        let path = dir.join(name);
+        // Not a regular file (a FIFO would block the read): no manifest.
+        super::model::check_regular_file(&path).ok()?;
+        let text = std::fs::read_to_string(&path).ok()?;
         let json: serde_json::Value = serde_json::from_str(&text).ok()?;
         let mut files: Vec<String> = json
             .get(key)?

@@ -71,6 +71,7 @@ pub struct FileChecksum {
 
 /// CRC-32 of a whole file, read in 8 MiB blocks.
 pub fn crc32_of_file(path: &Path) -> Result<FileChecksum> {
+    super::model::check_regular_file(path)?;
     let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let size = file.metadata()?.len();
     let mut hasher = crc32fast::Hasher::new();
