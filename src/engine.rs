@@ -12,12 +12,11 @@ use crate::checkpoint::{
 use crate::error::usage;
 use crate::method::combine::{fisher_coefs, row_ranks, CombineSpec};
 use crate::method::settings::{layer_index, layer_t, TensorPlace};
-use crate::method::stats::{
-    self, AgentChunk, AgentVisit, AnyOrderVisit, Scans, Values, Visit, SCAN_CHUNK,
-};
+use crate::method::statistics;
 use crate::method::{self, AgentCounts, BoostScope, Kind, Method, MethodConfig};
 use crate::recipe::{self, AgentSummary, InputChecksums, Recipe};
 use crate::report::{ProbeReport, TensorStats};
+use crate::scans::{AgentChunk, AgentVisit, AnyOrderVisit, Scans, Values, Visit, SCAN_CHUNK};
 use anyhow::{bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
@@ -866,7 +865,7 @@ fn combine_spec(
         plan.name(),
         config.kind.name()
     );
-    let rank_rows = stats::rank_rows(&recipe, numel, &plan.base.entry.shape)
+    let rank_rows = statistics::rank_rows(&recipe, numel, &plan.base.entry.shape)
         .with_context(|| format!("tensor '{}'", plan.name()))?;
     let mut scans = TensorScans {
         inputs,
@@ -880,7 +879,7 @@ fn combine_spec(
         },
         buffers,
     };
-    stats::build_spec(
+    statistics::build_spec(
         &recipe,
         numel,
         &plan.base.entry.shape,

@@ -14,5 +14,7 @@ pub mod error;
 pub mod method;
 pub mod recipe;
 pub mod report;
+pub mod scans;
+pub mod select;
 mod simd;
 pub mod verify;

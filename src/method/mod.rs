@@ -3,10 +3,11 @@
 
 pub mod build;
 pub mod catalog;
+pub mod closed_form;
 pub mod combine;
 pub mod plan;
 pub mod settings;
-pub mod stats;
+pub mod statistics;
 
 pub use catalog::Kind;
 pub use plan::MethodConfig;

@@ -1,0 +1,486 @@
+//! Per-tensor statistics of the mergekit-family methods, gathered by scans over the tensor's
+//! tiles before its merge pass, and the combine rule built from them: exact rank cuts by
+//! magnitude (`crate::select`), L1 norms for rescaling, Gram sums for Model Stock and the slerps,
+//! row moments for slerp. Sums are f64 in element order, so every backend merges with the same
+//! coefficients.
+
+mod sce;
+
+use sce::sce_statistics;
+
+use super::closed_form::{
+    karcher_coefs, model_stock_t, multislerp_coefs, nuslerp_coefs, slerp_coefs,
+};
+use super::combine::{hash_key, random_threshold, row_ranks, CombineSpec, Keep, Normalize};
+use super::plan::{BaseTerm, Sparsify, TensorRecipe};
+use crate::scans::{lock, states, unlock, worker_states, Scans, SCAN_CHUNK};
+use crate::select::{cut_of, rank_cuts};
+use crate::simd::multiversion;
+use anyhow::Result;
+use rayon::prelude::*;
+use std::ops::ControlFlow;
+use std::sync::Mutex;
+
+/// Gathers the statistics `recipe` needs from scans of the tensor and builds its combine rule.
+/// `numel` ≤ u32::MAX; `seed` and `name` key the random masks.
+pub fn build_spec(
+    recipe: &TensorRecipe,
+    numel: u64,
+    shape: &[usize],
+    seed: u64,
+    name: &str,
+    present: &[usize],
+    scan: &mut dyn Scans,
+) -> Result<CombineSpec> {
+    let rank_rows = rank_rows(recipe, numel, shape)?;
+    let masks = MaskKeys {
+        seed,
+        name,
+        present,
+    };
+    // Rank cuts first: the masks must be known before any kept-element statistic.
+    let keep = keep_rules(recipe, numel, rank_rows, &masks, scan)?;
+    let row_len = row_len(recipe, numel, shape);
+    let sums = Sums::gather(recipe, &keep, numel, row_len, rank_rows, scan)?;
+    // SCE: the variance cut, then each agent's weight from its mean square on the kept elements.
+    let (element_keep, sce_weights) = match recipe.base {
+        BaseTerm::Sce { density } => sce_statistics(scan, recipe.weights.len(), numel, density)?,
+        _ => (None, Vec::new()),
+    };
+    let coefs = coefficients(recipe, &sums, &sce_weights)?;
+    let normalize = normalization(recipe, &sce_weights, element_keep.is_some());
+    Ok(CombineSpec {
+        delta: recipe.delta,
+        keep,
+        consensus: recipe.consensus,
+        normalize,
+        lambda: recipe.lambda as f32,
+        row_len,
+        coefs,
+        sign_of_values: matches!(recipe.base, BaseTerm::Sce { .. }),
+        rank_rows,
+        tile_coefs: recipe.base == BaseTerm::Fisher,
+        element_keep,
+        nearswap: match recipe.base {
+            BaseTerm::Nearswap { t } => Some(t as f32),
+            _ => None,
+        },
+    })
+}
+
+/// What keys a tensor's random masks: the seed, the tensor's name and each agent's index among
+/// all agents (`present[t]`: agents lacking the tensor are skipped, not renumbered).
+struct MaskKeys<'a> {
+    seed: u64,
+    name: &'a str,
+    present: &'a [usize],
+}
+
+impl MaskKeys<'_> {
+    fn of(&self, t: usize) -> [u32; 2] {
+        hash_key(self.seed, self.name, self.present[t])
+    }
+}
+
+/// Each agent's keep rule: rank cuts resolved to thresholds by [`rank_cuts`], random and
+/// row-ranked masks keyed by [`MaskKeys`].
+fn keep_rules(
+    recipe: &TensorRecipe,
+    numel: u64,
+    rank_rows: u64,
+    masks: &MaskKeys,
+    scan: &mut dyn Scans,
+) -> Result<Vec<Keep>> {
+    let mut wanted = Vec::new();
+    for (t, s) in recipe.sparsify.iter().enumerate() {
+        if let Sparsify::Ranks { lo, hi, high_first } = *s {
+            for k in [lo, hi] {
+                if k > 0 && k < numel {
+                    wanted.push((t, k, high_first));
+                }
+            }
+        }
+    }
+    let n = recipe.weights.len();
+    let mut found = rank_cuts(scan, recipe.delta, (n, numel), &wanted)?.into_iter();
+    Ok(recipe
+        .sparsify
+        .iter()
+        .enumerate()
+        .map(|(t, s)| match *s {
+            Sparsify::All => Keep::All,
+            Sparsify::Ranks { lo, hi, .. } => {
+                let lo = cut_of(lo, numel, &mut found);
+                let hi = cut_of(hi, numel, &mut found);
+                Keep::Band { lo, hi }
+            }
+            Sparsify::Random { density } => Keep::Random {
+                threshold: random_threshold(density),
+                key: masks.of(t),
+            },
+            Sparsify::RowRank { density, epsilon } => Keep::RowRank {
+                p0: (density - epsilon) as f32,
+                step: if rank_rows > 1 {
+                    (2.0 * epsilon / (rank_rows - 1) as f64) as f32
+                } else {
+                    0.0
+                },
+                key: masks.of(t),
+            },
+        })
+        .collect())
+}
+
+/// Elements per coefficient row: 1 for Fisher (per element), a matrix row for slerp, else 0
+/// (one row for the whole tensor).
+fn row_len(recipe: &TensorRecipe, numel: u64, shape: &[usize]) -> u64 {
+    match recipe.base {
+        BaseTerm::Fisher => 1,
+        BaseTerm::Slerp { .. } => {
+            (numel / shape.first().copied().unwrap_or(1).max(1) as u64).max(1)
+        }
+        _ => 0,
+    }
+}
+
+/// The f64 sums a tensor's coefficients come from, each over the whole tensor in element order.
+struct Sums {
+    /// Per agent: (Σ|v|, Σ|v| over the kept elements), for agents that rescale.
+    l1: Vec<(f64, f64)>,
+    /// Whether agent t's sparsified vector is L1-rescaled.
+    rescale: Vec<bool>,
+    /// n × n Gram matrix of the task vectors or of the models (see [`BaseTerm::gram_of`]).
+    gram: Vec<f64>,
+    /// Per coefficient row: Σθ₀², Σθ₁², Σθ₀θ₁ (slerp).
+    rows: Vec<[f64; 3]>,
+}
+
+impl Sums {
+    /// The sums `recipe` needs, in as few scans as they allow.
+    fn gather(
+        recipe: &TensorRecipe,
+        keep: &[Keep],
+        numel: u64,
+        row_len: u64,
+        rank_rows: u64,
+        scan: &mut dyn Scans,
+    ) -> Result<Sums> {
+        let n = recipe.weights.len();
+        let rescale: Vec<bool> = recipe
+            .sparsify
+            .iter()
+            .map(|s| recipe.rescale && *s != Sparsify::All)
+            .collect();
+        let ranked: Vec<bool> = keep
+            .iter()
+            .map(|k| matches!(k, Keep::RowRank { .. }))
+            .collect();
+        let want_rows = matches!(recipe.base, BaseTerm::Slerp { .. });
+        let rows = numel.checked_div(row_len).map_or(1, |r| r as usize);
+        let mut sums = Sums {
+            l1: vec![(0.0, 0.0); n],
+            gram: vec![0.0; n * n],
+            rows: vec![[0.0; 3]; if want_rows { rows } else { 0 }],
+            rescale,
+        };
+        // Agents whose L1 norms a chunk scan gives (DELLA's need whole rows: tiles).
+        let l1_agents: Vec<bool> = (0..n).map(|t| sums.rescale[t] && !ranked[t]).collect();
+        let delta = recipe.delta;
+        if want_rows {
+            sums.l1_and_rows(keep, &l1_agents, delta, row_len, scan)?;
+        } else if l1_agents.iter().any(|&a| a) {
+            sums.l1_any_order(keep, &l1_agents, delta, scan)?;
+        }
+        let ranked_l1: Vec<bool> = (0..n).map(|t| sums.rescale[t] && ranked[t]).collect();
+        if ranked_l1.iter().any(|&a| a) {
+            sums.l1_of_ranked_rows(keep, &ranked_l1, delta, rank_rows, scan)?;
+        }
+        if let Some(of_tau) = recipe.base.gram_of(delta) {
+            sums.gram(of_tau, scan)?;
+        }
+        Ok(sums)
+    }
+
+    /// L1 norms alone: any order, each chunk's sums kept by chunk index and added in order
+    /// after, so the f64 totals are those of an in-order scan.
+    fn l1_any_order(
+        &mut self,
+        keep: &[Keep],
+        agents: &[bool],
+        delta: bool,
+        scan: &mut dyn Scans,
+    ) -> Result<()> {
+        let n = agents.len();
+        let workers = scan.workers();
+        let parts = worker_states(workers, n, |_| Vec::<(u64, f64, f64)>::new());
+        // Each worker's mask row, made once.
+        let masks = worker_states(workers, 1, |_| vec![0u32; SCAN_CHUNK]);
+        scan.any_order(1, delta, &|w, t, start, v| {
+            if !agents[t] {
+                return;
+            }
+            let mut mask = lock(&masks[w]);
+            let mask = &mut mask[..v.len()];
+            keep[t].mask_into(v, start as u32, &[], mask);
+            let (all, kept) = abs_sums(v, mask);
+            lock(&parts[w * n + t]).push((start, all, kept));
+        })?;
+        let mut parts: Vec<Vec<(u64, f64, f64)>> = parts.into_iter().map(unlock).collect();
+        for (t, l) in self.l1.iter_mut().enumerate() {
+            let mut chunks: Vec<(u64, f64, f64)> = (0..workers)
+                .flat_map(|w| std::mem::take(&mut parts[w * n + t]))
+                .collect();
+            chunks.sort_unstable_by_key(|c| c.0);
+            for (_, all, kept) in chunks {
+                l.0 += all;
+                l.1 += kept;
+            }
+        }
+        Ok(())
+    }
+
+    /// L1 norms and slerp's row moments in one in-order scan per agent.
+    fn l1_and_rows(
+        &mut self,
+        keep: &[Keep],
+        agents: &[bool],
+        delta: bool,
+        row_len: u64,
+        scan: &mut dyn Scans,
+    ) -> Result<()> {
+        let l1_state = states(self.l1.iter().copied());
+        let rows_state = Mutex::new(std::mem::take(&mut self.rows));
+        scan.per_agent(0, &|t, c| {
+            if agents[t] {
+                let v = c.values(delta);
+                let mut mask = [0u32; SCAN_CHUNK];
+                let mask = &mut mask[..v.len()];
+                keep[t].mask_into(v, c.start as u32, &[], mask);
+                let (all, kept) = abs_sums(v, mask);
+                let mut l = lock(&l1_state[t]);
+                l.0 += all;
+                l.1 += kept;
+            }
+            if t == 0 {
+                let mut rows = lock(&rows_state);
+                for (j, (&b, &x)) in c.base.iter().zip(c.x).enumerate() {
+                    let m = &mut rows[((c.start + j as u64) / row_len) as usize];
+                    m[0] += b as f64 * b as f64;
+                    m[1] += x as f64 * x as f64;
+                    m[2] += b as f64 * x as f64;
+                }
+            }
+            if agents[t] || t == 0 {
+                ControlFlow::Continue(())
+            } else {
+                ControlFlow::Break(())
+            }
+        })?;
+        self.l1 = l1_state.into_iter().map(unlock).collect();
+        self.rows = unlock(rows_state);
+        Ok(())
+    }
+
+    /// DELLA's L1 norms: its masks need each row's ranks, so whole-row tiles.
+    fn l1_of_ranked_rows(
+        &mut self,
+        keep: &[Keep],
+        agents: &[bool],
+        delta: bool,
+        rank_rows: u64,
+        scan: &mut dyn Scans,
+    ) -> Result<()> {
+        let mut ranks = Vec::new();
+        let mut mask = Vec::new();
+        let l1 = &mut self.l1;
+        scan.tiles(&mut |tile| {
+            for t in (0..agents.len()).filter(|&t| agents[t]) {
+                let v = if delta { &tile.tau[t] } else { &tile.x[t] };
+                row_ranks(v, rank_rows as usize, &mut ranks);
+                mask.resize(v.len(), 0);
+                keep[t].mask_into(v, tile.start as u32, &ranks, &mut mask);
+                let (all, kept) = abs_sums(v, &mask);
+                l1[t].0 += all;
+                l1[t].1 += kept;
+            }
+            Ok(ControlFlow::Continue(()))
+        })?;
+        Ok(())
+    }
+
+    /// The Gram matrix of the task vectors (`of_tau`) or of the models, tile by tile, the pairs
+    /// of a tile in parallel.
+    fn gram(&mut self, of_tau: bool, scan: &mut dyn Scans) -> Result<()> {
+        let n = self.l1.len();
+        let pairs: Vec<(usize, usize)> = (0..n).flat_map(|a| (a..n).map(move |b| (a, b))).collect();
+        let gram = &mut self.gram;
+        scan.tiles(&mut |tile| {
+            let v = if of_tau { tile.tau } else { tile.x };
+            let dots: Vec<f64> = pairs
+                .par_iter()
+                .map(|&(a, b)| {
+                    v[a].iter()
+                        .zip(&v[b])
+                        .map(|(&x, &y)| x as f64 * y as f64)
+                        .sum()
+                })
+                .collect();
+            for (&(a, b), dot) in pairs.iter().zip(dots) {
+                gram[a * n + b] += dot;
+                if a != b {
+                    gram[b * n + a] += dot;
+                }
+            }
+            Ok(ControlFlow::Continue(()))
+        })
+    }
+
+    /// Agent t's L1 rescale factor Σ|v| / Σ|kept v| (1 when it does not rescale).
+    fn rescale_factor(&self, t: usize) -> f64 {
+        let (all, kept) = self.l1[t];
+        // Skipped below 1e-7 (SPEC §4), and where an infinite input makes a norm infinite (with
+        // --allow-nonfinite): the infinite element then propagates alone, by IEEE rules, instead
+        // of ∞/∞ = NaN scaling every finite element of the tensor.
+        if self.rescale[t] && all >= 1e-7 && kept >= 1e-7 && all.is_finite() && kept.is_finite() {
+            all / kept
+        } else {
+            1.0
+        }
+    }
+}
+
+/// The coefficient rows of the combine rule (see [`CombineSpec::coefs`]).
+fn coefficients(recipe: &TensorRecipe, sums: &Sums, sce_weights: &[f64]) -> Result<Vec<f32>> {
+    let n = recipe.weights.len();
+    let delta = recipe.delta;
+    // The base coefficient: 1 where out = θ₀ + Δ, 0 where Δ alone.
+    let base = |on: bool| if on { 1.0 } else { 0.0 };
+    let mut coefs = Vec::new();
+    match recipe.base {
+        BaseTerm::Add | BaseTerm::None => {
+            coefs.push(base(recipe.base == BaseTerm::Add));
+            coefs.extend((0..n).map(|t| (recipe.weights[t] * sums.rescale_factor(t)) as f32));
+        }
+        BaseTerm::ModelStock => {
+            let t = model_stock_t(&sums.gram, n);
+            coefs.push((1.0 - t) as f32);
+            coefs.extend((0..n).map(|_| (t / n as f64) as f32));
+        }
+        BaseTerm::Slerp { t } => {
+            for m in &sums.rows {
+                let (a, b) = slerp_coefs(t, m);
+                coefs.extend([a as f32, b as f32]);
+            }
+        }
+        BaseTerm::Nuslerp { t } => {
+            coefs.push(base(delta));
+            let (a, b) = nuslerp_coefs(t, &sums.gram);
+            coefs.extend([a as f32, b as f32]);
+        }
+        BaseTerm::Multislerp { ref weights } => {
+            coefs.push(base(delta));
+            let c = multislerp_coefs(weights, &sums.gram)?;
+            coefs.extend(c.into_iter().map(|c| c as f32));
+        }
+        BaseTerm::Nearswap { .. } => coefs.extend([1.0, 1.0]),
+        // The per-element rows come with each tile; this row keeps λ for them.
+        BaseTerm::Fisher => {
+            coefs.push(0.0);
+            coefs.extend(recipe.weights.iter().map(|&w| w as f32));
+        }
+        BaseTerm::Sce { .. } => {
+            coefs.push(1.0);
+            coefs.extend(sce_weights.iter().map(|&w| w as f32));
+        }
+        BaseTerm::Karcher { max_iter, tol } => {
+            coefs.push(0.0);
+            let c = karcher_coefs(&sums.gram, n, max_iter, tol);
+            coefs.extend(c.into_iter().map(|c| c as f32));
+        }
+    }
+    Ok(coefs)
+}
+
+/// How Δ is divided: per element by the agreeing weights (consensus), once by Σ w, or not.
+fn normalization(recipe: &TensorRecipe, sce_weights: &[f64], variance_cut: bool) -> Normalize {
+    let weights: Vec<f32> = if sce_weights.is_empty() {
+        recipe.weights.iter().map(|&w| w as f32).collect()
+    } else {
+        sce_weights.iter().map(|&w| w as f32).collect()
+    };
+    if !recipe.normalize {
+        Normalize::None
+    } else if recipe.consensus {
+        // SCE divides by max(Σ w, 1e-6); TIES by Σ w, or 1 where it is 0.
+        let floor = if variance_cut || !sce_weights.is_empty() {
+            1e-6
+        } else {
+            0.0
+        };
+        Normalize::PerElement(weights, floor)
+    } else {
+        let sum: f32 = weights.iter().sum();
+        Normalize::Fixed(if sum.abs() < 1e-8 { 1.0 } else { 1.0 / sum })
+    }
+}
+
+multiversion! {
+    /// Σ|x| (of the kept x when `mask` is given) over a chunk: eight f32 lanes over eight elements
+    /// each, then f64 — a fixed order, so every run and thread count gives the same sum. Lane j
+    /// adds elements j, j + 8, … of each block of 64 in turn: eight-wide vector adds.
+    fn abs_sum(values: &[f32], mask: Option<&[u32]>) -> f64 {
+        let mut total = 0.0f64;
+        for (block, x) in values.chunks(64).enumerate() {
+            let mut lanes = [0.0f32; 8];
+            // Whole groups of eight, then the rest (a partial group would become a masked
+            // store, microcoded on AMD).
+            let m = mask.map(|m| &m[block * 64..block * 64 + x.len()]);
+            let whole = x.len() / 8 * 8;
+            let add = |lanes: &mut [f32], x: &[f32], m: Option<&[u32]>| match m {
+                None => {
+                    for (l, &v) in lanes.iter_mut().zip(x) {
+                        *l += v.abs();
+                    }
+                }
+                Some(m) => {
+                    for ((l, &v), &m) in lanes.iter_mut().zip(x).zip(m) {
+                        *l += f32::from_bits(v.to_bits() & m & 0x7fff_ffff);
+                    }
+                }
+            };
+            for g in (0..whole).step_by(8) {
+                add(&mut lanes, &x[g..g + 8], m.map(|m| &m[g..g + 8]));
+            }
+            add(&mut lanes[..x.len() - whole], &x[whole..], m.map(|m| &m[whole..]));
+            total += lanes.iter().map(|&l| l as f64).sum::<f64>();
+        }
+        total
+    }
+}
+
+/// (Σ|x|, Σ|x| of the kept x) over a chunk, `mask` all ones where x is kept ([`abs_sum`] twice:
+/// LLVM vectorizes the two sums in one loop poorly).
+fn abs_sums(values: &[f32], mask: &[u32]) -> (f64, f64) {
+    (abs_sum(values, None), abs_sum(values, Some(mask)))
+}
+
+/// The row length of DELLA's ranks for a tensor of `shape` (0 when no keep rule ranks rows):
+/// the last dimension of a matrix, the whole of a vector (mergekit ranks along dimension 1 after
+/// making vectors one row).
+pub fn rank_rows(recipe: &TensorRecipe, numel: u64, shape: &[usize]) -> Result<u64> {
+    if !recipe
+        .sparsify
+        .iter()
+        .any(|s| matches!(s, Sparsify::RowRank { .. }))
+    {
+        return Ok(0);
+    }
+    match shape {
+        [_] | [] => Ok(numel.max(1)),
+        [_, cols] => Ok((*cols as u64).max(1)),
+        _ => anyhow::bail!(
+            "della on a tensor of {} dimensions is not supported yet",
+            shape.len()
+        ),
+    }
+}

@@ -1,0 +1,94 @@
+//! The ways a tensor's tiles can be scanned before its merge pass, as the statistics of the
+//! mergekit-family methods need them (rank cuts, norms, Gram sums). The engine implements
+//! [`Scans`] over the input files (`engine::scans`); `select` and `method::statistics` use it.
+
+use anyhow::Result;
+use std::ops::ControlFlow;
+use std::sync::Mutex;
+
+/// One tile's values: `base` = θ₀, `x[t]` = θ_t, `tau[t]` = θ_t − θ₀ in f32; `start` = tensor
+/// index of element 0.
+pub struct Values<'a> {
+    pub start: u64,
+    pub base: &'a [f32],
+    pub x: &'a [Vec<f32>],
+    pub tau: &'a [Vec<f32>],
+}
+
+/// What a whole-tile scan does with each tile: `Break` ends the scan early.
+pub type Visit<'v> = dyn FnMut(&Values) -> Result<ControlFlow<()>> + 'v;
+
+/// One agent's values over a short run of elements (cache-sized).
+pub struct AgentChunk<'a> {
+    /// Tensor index of element 0.
+    pub start: u64,
+    pub base: &'a [f32],
+    pub x: &'a [f32],
+    pub tau: &'a [f32],
+}
+
+impl AgentChunk<'_> {
+    pub fn values(&self, delta: bool) -> &[f32] {
+        if delta {
+            self.tau
+        } else {
+            self.x
+        }
+    }
+}
+
+/// What a per-agent scan does with agent `t`'s next chunk: `Break` when that agent is done.
+pub type AgentVisit<'v> = dyn Fn(usize, &AgentChunk) -> ControlFlow<()> + Sync + 'v;
+
+/// What an any-order scan does with a chunk: `(worker, agent, tensor index of the chunk's first
+/// element, the agent's values there)`.
+pub type AnyOrderVisit<'v> = dyn Fn(usize, usize, u64, &[f32]) + Sync + 'v;
+
+/// The ways to scan a tensor's tiles.
+pub trait Scans {
+    /// Whole tiles in order, every agent at once (for statistics across agents).
+    fn tiles(&mut self, visit: &mut Visit) -> Result<()>;
+    /// Each agent's values in element order, chunk by chunk, agents in parallel; ends when every
+    /// agent is done or the tensor is.
+    /// Starting at the chunk holding element `from` (0: the whole tensor); from elsewhere, read in
+    /// small tiles, as such a scan is meant to stop soon.
+    fn per_agent(&mut self, from: u64, visit: &AgentVisit) -> Result<()>;
+    /// Threads an any-order scan runs on: `visit`'s worker argument is below this.
+    fn workers(&self) -> usize;
+    /// Every agent's values in chunks of [`SCAN_CHUNK`] elements that start at multiples of
+    /// [`SCAN_CHUNK`] (the last may be shorter), in any order, on [`Self::workers`] threads at
+    /// once — for statistics that do not depend on order (counts), or that keep a result per
+    /// chunk and combine them in order. The fastest scan: every core busy, each tile read once.
+    /// With `every` > 1, a sample: about one chunk in `every`, spread over the tensor. The values
+    /// are task vectors τ with `delta`, else the agents' θ.
+    fn any_order(&mut self, every: usize, delta: bool, visit: &AnyOrderVisit) -> Result<()>;
+}
+
+/// Per-(worker, agent) states of an any-order scan, at `worker * agents + agent`: each is only
+/// touched by its worker.
+pub(crate) fn worker_states<S>(
+    workers: usize,
+    agents: usize,
+    init: impl Fn(usize) -> S,
+) -> Vec<Mutex<S>> {
+    (0..workers * agents)
+        .map(|i| Mutex::new(init(i % agents)))
+        .collect()
+}
+
+/// Per-agent state of a per-agent scan: each agent's state is only touched by the thread running
+/// that agent, so its lock is never contended.
+pub(crate) fn states<S>(items: impl IntoIterator<Item = S>) -> Vec<Mutex<S>> {
+    items.into_iter().map(Mutex::new).collect()
+}
+
+pub(crate) fn unlock<S>(m: Mutex<S>) -> S {
+    m.into_inner().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(crate) fn lock<S>(m: &Mutex<S>) -> std::sync::MutexGuard<'_, S> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Elements per chunk of a per-agent scan: a few arrays of it stay in L1.
+pub const SCAN_CHUNK: usize = 4096;

@@ -1,0 +1,119 @@
+//! Counting histograms of 16-bit bins of magnitude keys, and the walk that finds a rank in one.
+
+use crate::scans::lock;
+use std::sync::Mutex;
+
+pub(super) const BINS: usize = 1 << 16;
+
+/// Up to this many elements in a threshold's histogram bin are remembered in the second pass
+/// (low bits and index, 8 bytes each), so ties at the threshold resolve without a third pass.
+pub(super) const BIN_MEMORY: u64 = 1 << 22;
+
+/// A histogram of 16-bit bins kept as four interleaved u32 counters per bin, element i counting
+/// in counter i mod 4: task-vector magnitudes cluster in a few bins, and runs of increments to
+/// one counter would each wait for the last one's store. u32 suffices: the methods that rank
+/// elements index them with 32 bits.
+pub(super) struct Bins16 {
+    pub(super) counts: Vec<u32>,
+    /// Counters per bin − 1.
+    pub(super) ways: usize,
+}
+
+impl Bins16 {
+    /// For a tensor of `numel` elements: small ones (norms, biases — a third of a model's
+    /// tensors) get one counter per bin, as clearing and summing four would cost more than
+    /// counting.
+    pub(super) fn new(bins: usize, numel: u64) -> Bins16 {
+        let ways = if numel >= 1 << 20 { 4 } else { 1 };
+        let len = bins * ways;
+        let reused = {
+            let mut pool = lock(&CLEAR_COUNTERS);
+            let found = pool.iter().position(|c| c.len() == len);
+            found.map(|i| pool.swap_remove(i))
+        };
+        Bins16 {
+            counts: reused.unwrap_or_else(|| vec![0; len]),
+            ways: ways - 1,
+        }
+    }
+
+    /// Adds the counts of bins `lo..lo + total.len()` into `total`, clearing those counters (the
+    /// only ones counted in), and keeps the counters for the next histogram of the same size: a
+    /// tensor's pass allocates, clears and sums several of these, and fresh ones cost page faults
+    /// and a memset each.
+    pub(super) fn drain_range(mut self, lo: usize, total: &mut [u64]) {
+        let w = self.ways + 1;
+        let counters = &mut self.counts[lo * w..(lo + total.len()) * w];
+        for (t, c) in total.iter_mut().zip(counters.chunks_exact_mut(w)) {
+            *t += c.iter().map(|&c| c as u64).sum::<u64>();
+            c.fill(0);
+        }
+        let mut pool = lock(&CLEAR_COUNTERS);
+        if pool.len() < 16 {
+            pool.push(std::mem::take(&mut self.counts));
+        }
+    }
+
+    /// Counts element `index` in `bin`.
+    #[inline(always)]
+    pub(super) fn add(&mut self, bin: u32, index: usize) {
+        self.adder().add(bin, index)
+    }
+
+    /// The counters as a plain slice, for hot loops: a field of a struct behind `&mut` would be
+    /// reloaded after every increment, as the compiler cannot tell the two apart.
+    pub(super) fn adder(&mut self) -> BinsAdder<'_> {
+        BinsAdder {
+            counts: &mut self.counts,
+            ways: self.ways,
+            // Counters per bin are 1 or 4: a shift, not a multiply.
+            shift: (self.ways + 1).trailing_zeros(),
+        }
+    }
+
+    /// The count of one bin.
+    pub(super) fn count(&self, bin: u32) -> u64 {
+        let w = self.ways + 1;
+        self.counts[bin as usize * w..(bin as usize + 1) * w]
+            .iter()
+            .map(|&c| c as u64)
+            .sum()
+    }
+
+    /// The count of every bin.
+    pub(super) fn totals(&self) -> Vec<u64> {
+        self.counts
+            .chunks_exact(self.ways + 1)
+            .map(|w| w.iter().map(|&c| c as u64).sum())
+            .collect()
+    }
+}
+
+/// Zeroed counter arrays of drained histograms, for the next ones ([`Bins16::drain_range`]).
+pub(super) static CLEAR_COUNTERS: Mutex<Vec<Vec<u32>>> = Mutex::new(Vec::new());
+
+/// [`Bins16::adder`].
+pub(super) struct BinsAdder<'a> {
+    pub(super) counts: &'a mut [u32],
+    pub(super) ways: usize,
+    pub(super) shift: u32,
+}
+
+impl BinsAdder<'_> {
+    #[inline(always)]
+    pub(super) fn add(&mut self, bin: u32, index: usize) {
+        self.counts[((bin as usize) << self.shift) | (index & self.ways)] += 1;
+    }
+}
+
+/// Walks down from the largest bin to the one holding rank k − 1: (bin, elements above it).
+pub(super) fn locate(h: &[u64], k: u64) -> (usize, u64) {
+    let mut above = 0u64;
+    for bin in (0..h.len()).rev() {
+        if above + h[bin] >= k {
+            return (bin, above);
+        }
+        above += h[bin];
+    }
+    unreachable!("k is at most the element count")
+}

@@ -1,0 +1,298 @@
+//! Exact rank selection without sorting: the thresholds ("rank cuts") that keep the k largest
+//! magnitudes of a tensor's task vectors, ties broken by index, found by histograms of the keys'
+//! bits over a few scans of the tensor (SPEC.md §4).
+
+mod bin_scan;
+mod bins;
+mod histogram;
+mod key_cut;
+mod key_window;
+#[cfg(test)]
+mod tests;
+
+use crate::method::combine::{magnitude_key, RankCut};
+use crate::scans::{lock, states, unlock, Scans};
+use anyhow::{Context, Result};
+use bin_scan::{bin_scans, BinScan, Split};
+use bins::BIN_MEMORY;
+use histogram::{histogram_pass, Histogram};
+pub use key_cut::key_rank_cut;
+use key_window::KeyWindow;
+use std::ops::ControlFlow;
+
+/// The third pass's search for where cut `cut` splits the elements tied at key `key`: the index
+/// just past the `m`-th of them, counting from element `from`, `seen` of them being before it.
+struct TieSearch {
+    cut: usize,
+    key: u32,
+    m: u64,
+    from: u64,
+    seen: u64,
+    found: Option<u32>,
+}
+
+/// Below this many elements a tensor's rank cuts skip the sample (it would read too much of it).
+const SAMPLE_MIN_ELEMS: u64 = 1 << 20;
+
+/// One chunk in this many is sampled to guess each cut's bin.
+const SAMPLE_EVERY: usize = 16;
+
+/// Resolves rank cuts (`(agent, k, high_first)`, 0 < k < n: the k largest, ties at the threshold
+/// to the lower index first unless `high_first`) to exact thresholds, without sorting:
+///
+/// 1. A histogram of the keys' high 16 bits finds each cut's bin. It also notes which bins hold
+///    keys with low bits set and, for bins a 1/16 sample guessed, the count in every chunk.
+/// 2. Only a cut whose bin holds several keys needs a second scan: a histogram of the low 16
+///    bits within the bin, remembering its members while they fit.
+/// 3. A cut that splits elements tied at its threshold needs the index of the split: from the
+///    remembered members, else by reading again the one chunk the counts point to, else by a
+///    search from the start that stops at the split.
+///
+/// Task vectors of 16-bit weights hold few exact magnitudes, so most tensors take step 1, a
+/// sample and a chunk or two: about one scan.
+pub fn rank_cuts(
+    scan: &mut dyn Scans,
+    delta: bool,
+    (agents, numel): (usize, u64),
+    wanted: &[Wanted],
+) -> Result<Vec<RankCut>> {
+    let sizes = (agents, numel, SAMPLE_MIN_ELEMS);
+    rank_cuts_remembering(scan, delta, sizes, wanted, BIN_MEMORY)
+}
+
+/// One wanted cut: (agent, k, high_first).
+type Wanted = (usize, u64, bool);
+
+/// [`rank_cuts`], remembering at most `bin_memory` elements of the bins it records, and sampling
+/// to guess them on tensors of at least `sample_min` elements.
+fn rank_cuts_remembering(
+    scan: &mut dyn Scans,
+    delta: bool,
+    (agents, numel, sample_min): (usize, u64, u64),
+    wanted: &[Wanted],
+    bin_memory: u64,
+) -> Result<Vec<RankCut>> {
+    if wanted.is_empty() {
+        return Ok(Vec::new());
+    }
+    let size = (agents, numel);
+    let (windows, guesses) = if numel >= sample_min {
+        guess_windows(scan, delta, size, wanted)?
+    } else {
+        (
+            every_bin_of_cut_agents(agents, wanted),
+            vec![Vec::new(); agents],
+        )
+    };
+    let pass1 = first_pass(scan, delta, size, wanted, &windows, &guesses)?;
+    let coarse: Vec<(u32, u64)> = wanted
+        .iter()
+        .map(|&(t, k, _)| {
+            pass1[t].locate(k).with_context(|| {
+                format!("internal: rank {k} of agent {t} lies in no bin of the first pass")
+            })
+        })
+        .collect::<Result<_>>()?;
+    // A cut in a bin of one key (no low bits set anywhere in it; in bin 0: zeros only) is
+    // resolved now; pass 2 records the bins of the others.
+    let single = |c: usize| !pass1[wanted[c].0].mixed(coarse[c].0);
+    let mut missing: Vec<Vec<u32>> = vec![Vec::new(); agents];
+    for (c, &(t, _, _)) in wanted.iter().enumerate() {
+        let bin = coarse[c].0;
+        if !single(c) && !missing[t].contains(&bin) {
+            missing[t].push(bin);
+        }
+    }
+    let records = if missing.iter().any(|m| !m.is_empty()) {
+        bin_scans(scan, delta, size, &missing, bin_memory)?
+    } else {
+        Vec::new()
+    };
+    // Each cut from its bin's record: pass 2's, or one made of pass 1's count and chunk counts.
+    let resolve = |c: usize, k: u64, high_first: bool| {
+        let (t, (bin, above)) = (wanted[c].0, coarse[c]);
+        if single(c) {
+            let chunks = pass1[t]
+                .chunks
+                .iter()
+                .find(|(b, _)| *b == bin)
+                .map(|(_, chunks)| chunks.clone());
+            Ok(BinScan::of_one_key(bin, pass1[t].count(bin), chunks, numel)
+                .resolve(k, above, high_first))
+        } else {
+            let i = missing[t]
+                .iter()
+                .position(|&b| b == bin)
+                .with_context(|| format!("internal: bin {bin} of agent {t} was not recorded"))?;
+            Ok::<_, anyhow::Error>(records[t][i].resolve(k, above, high_first))
+        }
+    };
+    let mut cuts = Vec::with_capacity(wanted.len());
+    let mut ties = Vec::new();
+    for (c, &(t, k, high_first)) in wanted.iter().enumerate() {
+        let (cut, split) = resolve(c, k, high_first)?;
+        if let Some(split) = split {
+            ties.push((c, t, cut.value, split));
+        }
+        cuts.push(cut);
+    }
+    split_ties(scan, delta, agents, &ties, &mut cuts)?;
+    Ok(cuts)
+}
+
+/// A full window for each agent that has a cut, none for the others.
+fn every_bin_of_cut_agents(agents: usize, wanted: &[Wanted]) -> Vec<Option<KeyWindow>> {
+    (0..agents)
+        .map(|t| wanted.iter().any(|w| w.0 == t).then_some(KeyWindow::ALL))
+        .collect()
+}
+
+/// Guesses of each cut's bin, from a sample of one chunk in [`SAMPLE_EVERY`]: pass 1 then counts
+/// only the window around them bin by bin, and those bins per chunk, so that a cut in one of
+/// them, splitting a tie, finds the split by reading one chunk again. Returns (windows, guesses).
+fn guess_windows(
+    scan: &mut dyn Scans,
+    delta: bool,
+    (agents, numel): (usize, u64),
+    wanted: &[Wanted],
+) -> Result<(Vec<Option<KeyWindow>>, Vec<Vec<u32>>)> {
+    let cut_agents = every_bin_of_cut_agents(agents, wanted);
+    let mut guesses: Vec<Vec<u32>> = vec![Vec::new(); agents];
+    let mut windows = cut_agents.clone();
+    let sample = histogram_pass(
+        scan,
+        delta,
+        (agents, numel),
+        SAMPLE_EVERY,
+        &cut_agents,
+        &guesses,
+    )?;
+    for &(t, k, _) in wanted {
+        let seen = sample[t].seen;
+        if seen > 0 {
+            let k = ((k as f64 * seen as f64 / numel as f64).ceil() as u64).clamp(1, seen);
+            guesses[t].extend(sample[t].likely_bins(k));
+        }
+    }
+    for (g, window) in guesses.iter_mut().zip(&mut windows) {
+        g.sort_unstable();
+        g.dedup();
+        if !g.is_empty() {
+            *window = Some(KeyWindow::around(g));
+        }
+    }
+    Ok((windows, guesses))
+}
+
+/// Pass 1: each cut agent's histogram of the high 16 bits of its magnitude keys, in the guessed
+/// window; again over every bin for an agent whose cut the window missed.
+fn first_pass(
+    scan: &mut dyn Scans,
+    delta: bool,
+    size: (usize, u64),
+    wanted: &[Wanted],
+    windows: &[Option<KeyWindow>],
+    guesses: &[Vec<u32>],
+) -> Result<Vec<Histogram>> {
+    let mut pass1 = histogram_pass(scan, delta, size, 1, windows, guesses)?;
+    let missed: Vec<Option<KeyWindow>> = (0..size.0)
+        .map(|t| {
+            let miss = wanted
+                .iter()
+                .any(|&(a, k, _)| a == t && pass1[t].locate(k).is_none());
+            miss.then_some(KeyWindow::ALL)
+        })
+        .collect();
+    if missed.iter().any(Option::is_some) {
+        let again = histogram_pass(scan, delta, size, 1, &missed, guesses)?;
+        for (t, h) in again.into_iter().enumerate() {
+            if missed[t].is_some() {
+                pass1[t] = h;
+            }
+        }
+    }
+    Ok(pass1)
+}
+
+/// A cut whose index lies just past the m-th element tied at its key: (cut, agent, key, split).
+type Tie = (usize, usize, u32, Split);
+
+/// Pass 3: where a cut splits a tie no record could place, the index of the split, searched in
+/// index order: from the chunk that holds it when that is known (a read of one chunk each), else
+/// from the start, all such searches in one scan.
+fn split_ties(
+    scan: &mut dyn Scans,
+    delta: bool,
+    agents: usize,
+    ties: &[Tie],
+    cuts: &mut [RankCut],
+) -> Result<()> {
+    let (known, from_start): (Vec<&Tie>, Vec<&Tie>) = ties.iter().partition(|tie| tie.3.from > 0);
+    let mut groups: Vec<(u64, Vec<Tie>)> =
+        known.into_iter().map(|t| (t.3.from, vec![*t])).collect();
+    if !from_start.is_empty() {
+        groups.push((0, from_start.into_iter().copied().collect()));
+    }
+    for (from, group) in groups {
+        let mut searches: Vec<Vec<TieSearch>> = (0..agents).map(|_| Vec::new()).collect();
+        for &(cut, t, key, split) in &group {
+            searches[t].push(TieSearch {
+                cut,
+                key,
+                m: split.m,
+                from: split.from,
+                seen: split.before,
+                found: None,
+            });
+        }
+        let searches = states(searches);
+        scan.per_agent(from, &|t, chunk| {
+            let mut open = lock(&searches[t]);
+            for s in open.iter_mut().filter(|s| s.found.is_none()) {
+                s.search(chunk.start, chunk.values(delta));
+            }
+            if open.iter().all(|s| s.found.is_some()) {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })?;
+        for s in searches.into_iter().flat_map(unlock) {
+            cuts[s.cut].index = s.found.with_context(|| {
+                format!(
+                    "internal: the tie split of cut {} lies outside the tensor",
+                    s.cut
+                )
+            })?;
+        }
+    }
+    Ok(())
+}
+
+impl TieSearch {
+    /// Counts the tied elements of the chunk starting at tensor index `start`, noting the split
+    /// when it is among them.
+    fn search(&mut self, start: u64, v: &[f32]) {
+        let skip = self.from.saturating_sub(start) as usize;
+        for (j, &x) in v.iter().enumerate().skip(skip) {
+            if magnitude_key(x) == self.key {
+                self.seen += 1;
+                if self.seen == self.m {
+                    self.found = Some((start + j as u64 + 1) as u32);
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// The cut holding ranks `< k` of `n` elements.
+pub fn cut_of(k: u64, n: u64, found: &mut impl Iterator<Item = RankCut>) -> RankCut {
+    if k == 0 {
+        RankCut::EMPTY
+    } else if k >= n {
+        RankCut::FULL
+    } else {
+        found.next().expect("one cut was searched per rank")
+    }
+}

@@ -1,0 +1,292 @@
+use super::key_window::*;
+use super::*;
+use crate::scans::{AgentChunk, AgentVisit, AnyOrderVisit, Values, Visit, SCAN_CHUNK};
+
+/// In-memory task vectors (base 0) cut into tiles of `tile` elements.
+struct Memory {
+    v: Vec<Vec<f32>>,
+    tile: usize,
+    zeros: Vec<f32>,
+}
+
+impl Memory {
+    fn chunk(&self, t: usize, start: usize, end: usize) -> AgentChunk<'_> {
+        AgentChunk {
+            start: start as u64,
+            base: &self.zeros[start..end],
+            x: &self.v[t][start..end],
+            tau: &self.v[t][start..end],
+        }
+    }
+}
+
+impl Scans for Memory {
+    fn tiles(&mut self, visit: &mut Visit) -> Result<()> {
+        let len = self.v[0].len();
+        for start in (0..len).step_by(self.tile) {
+            let end = (start + self.tile).min(len);
+            let part: Vec<Vec<f32>> = self.v.iter().map(|a| a[start..end].to_vec()).collect();
+            let values = Values {
+                start: start as u64,
+                base: &self.zeros[start..end],
+                x: &part,
+                tau: &part,
+            };
+            if visit(&values)?.is_break() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn per_agent(&mut self, from: u64, visit: &AgentVisit) -> Result<()> {
+        let len = self.v[0].len();
+        for t in 0..self.v.len() {
+            let first = from as usize / self.tile * self.tile;
+            for start in (first..len).step_by(self.tile) {
+                let end = (start + self.tile).min(len);
+                if visit(t, &self.chunk(t, start, end)).is_break() {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn workers(&self) -> usize {
+        2
+    }
+
+    /// Last chunk first, the two workers taking turns.
+    fn any_order(&mut self, every: usize, delta: bool, visit: &AnyOrderVisit) -> Result<()> {
+        let len = self.v[0].len();
+        let starts: Vec<usize> = (0..len).step_by(SCAN_CHUNK * every).collect();
+        for (i, &start) in starts.iter().rev().enumerate() {
+            let end = (start + SCAN_CHUNK).min(len);
+            for t in 0..self.v.len() {
+                let c = self.chunk(t, start, end);
+                visit(i % 2, t, start as u64, c.values(delta));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn scan_of(v: Vec<Vec<f32>>, tile: usize) -> Memory {
+    let zeros = vec![0.0; v[0].len()];
+    Memory { v, tile, zeros }
+}
+
+/// Exact top-k with ties at the threshold going to lower indices, for any tiling.
+#[test]
+fn rank_cuts_are_exact_with_ties() {
+    let v = vec![vec![0.5f32, -2.0, 1.0, 2.0, -1.0, 1.0, 0.0, 1.0]];
+    for (tile, memory) in [(1, 0), (3, 0), (8, 0), (1, 100), (3, 100), (8, 100)] {
+        let cuts_of = |want| {
+            rank_cuts_remembering(
+                &mut scan_of(v.clone(), tile),
+                true,
+                (1, v.len() as u64, 0),
+                &[want],
+                memory,
+            )
+            .unwrap()
+        };
+        // k = 4: 2, 2 (indices 1, 3) then two of the three 1.0s: indices 2 and 4.
+        let cuts = cuts_of((0, 4, false));
+        assert_eq!(cuts[0].value, magnitude_key(1.0));
+        assert_eq!(cuts[0].index, 5, "tile {tile}");
+        let kept: Vec<usize> = (0..8)
+            .filter(|&i| cuts[0].inside(magnitude_key(v[0][i]), i as u32))
+            .collect();
+        assert_eq!(kept, [1, 2, 3, 4]);
+        // Higher index first: the 1.0s at indices 7 and 5.
+        let cuts = cuts_of((0, 4, true));
+        let kept: Vec<usize> = (0..8)
+            .filter(|&i| cuts[0].inside(magnitude_key(v[0][i]), i as u32))
+            .collect();
+        assert_eq!(kept, [1, 3, 5, 7], "tile {tile}");
+    }
+}
+
+/// Several chunks, several agents, heavy ties: every cut keeps exactly the sort's top k (ties
+/// by index), whether the threshold's bin is remembered or searched, though the any-order
+/// passes see the chunks last first on two workers.
+#[test]
+fn rank_cuts_match_a_sort_over_many_chunks() {
+    let len = 40 * SCAN_CHUNK + 17;
+    let mut rng = crate::demo::SplitMix64::new(7);
+    // Few distinct magnitudes, zeros, both signs: many ties at any threshold. Agent 2 also
+    // has magnitudes that share a high bin with different low bits.
+    let v: Vec<Vec<f32>> = (0..3)
+        .map(|t| {
+            (0..len)
+                .map(|_| {
+                    let r = rng.next_f64();
+                    if r < 0.3 + 0.2 * t as f64 {
+                        return 0.0;
+                    }
+                    let mut m = [0.25f32, 0.5, 0.75, 1.0, 3.0][(r * 1000.0) as usize % 5];
+                    if t == 2 && r > 0.9 {
+                        m = f32::from_bits(m.to_bits() + 1 + (r * 1e4) as u32 % 3);
+                    }
+                    if r < 0.8 {
+                        m
+                    } else {
+                        -m
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let cases = [
+        (0, 1, false),
+        (1, 7777, false),
+        (2, 50_000, true),
+        (2, 20_000, false),
+        (0, 90_000, true),
+    ];
+    for (memory, sample_min) in [(0, 0), (1 << 20, 0), (0, u64::MAX), (1 << 20, u64::MAX)] {
+        for (t, k, high_first) in cases {
+            let cut = rank_cuts_remembering(
+                &mut scan_of(v.clone(), 1000),
+                true,
+                (3, len as u64, sample_min),
+                &[(t, k, high_first)],
+                memory,
+            )
+            .unwrap()[0];
+            let got: Vec<usize> = (0..len)
+                .filter(|&i| cut.inside(magnitude_key(v[t][i]), i as u32) && v[t][i] != 0.0)
+                .collect();
+            assert_eq!(
+                got,
+                sorted_top(&v[t], k as usize, high_first),
+                "agent {t}, k {k}, high first {high_first}, memory {memory}, sample {sample_min}"
+            );
+        }
+    }
+}
+
+/// The top k of `v[t]` by magnitude, ties to the lower index (`high_first`: the higher), as a
+/// sort finds them, zeros left out (which zeros a zero threshold keeps changes nothing).
+fn sorted_top(v: &[f32], k: usize, high_first: bool) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..v.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (ka, kb) = (magnitude_key(v[a]), magnitude_key(v[b]));
+        kb.cmp(&ka)
+            .then(if high_first { b.cmp(&a) } else { a.cmp(&b) })
+    });
+    let mut top: Vec<usize> = order[..k]
+        .iter()
+        .copied()
+        .filter(|&i| v[i] != 0.0)
+        .collect();
+    top.sort();
+    top
+}
+
+/// A sample that sees only the large values guesses a window that misses the cut: pass 1
+/// counts again over every bin, and the cut is still exact.
+#[test]
+fn rank_cuts_survive_a_misleading_sample() {
+    let len = 40 * SCAN_CHUNK;
+    let mut rng = crate::demo::SplitMix64::new(11);
+    // The sampled chunks (every 16th) hold large magnitudes, the others small ones and zeros.
+    let v: Vec<f32> = (0..len)
+        .map(|i| {
+            let r = rng.next_f64();
+            let m = if (i / SCAN_CHUNK).is_multiple_of(SAMPLE_EVERY) {
+                [8.0f32, 16.0][(r * 2.0) as usize]
+            } else if r < 0.3 {
+                0.0
+            } else {
+                [0.25f32, 0.5, 0.75][(r * 3.0) as usize]
+            };
+            if r < 0.5 {
+                m
+            } else {
+                -m
+            }
+        })
+        .collect();
+    for (k, high_first) in [(5_000, false), (30_000, false), (100_000, true)] {
+        for memory in [0, 1 << 20] {
+            let cut = rank_cuts_remembering(
+                &mut scan_of(vec![v.clone()], 1000),
+                true,
+                (1, len as u64, 0),
+                &[(0, k as u64, high_first)],
+                memory,
+            )
+            .unwrap()[0];
+            let got: Vec<usize> = (0..len)
+                .filter(|&i| cut.inside(magnitude_key(v[i]), i as u32) && v[i] != 0.0)
+                .collect();
+            assert_eq!(got, sorted_top(&v, k, high_first), "k {k}, memory {memory}");
+        }
+    }
+}
+
+/// The vector and the scalar window scans agree on bits, counts and extremes, for windows from
+/// bin 0, in the middle and at the top, with zeros, denormals and a NaN's key among the values.
+#[test]
+fn window_bits_vector_and_scalar_agree() {
+    let mut rng = crate::demo::SplitMix64::new(5);
+    let v: Vec<f32> = (0..1000)
+        .map(|i| match i % 50 {
+            0 => 0.0,
+            1 => -0.0,
+            2 => f32::from_bits(3),
+            3 => f32::from_bits(u32::MAX),
+            _ => ((rng.next_f64() - 0.5) * 4.0) as f32,
+        })
+        .collect();
+    let key_bin = |x: f32| magnitude_key(x) >> 16;
+    let windows = [
+        KeyWindow::ALL,
+        KeyWindow { lo: 0, hi: 0 },
+        KeyWindow::around(&[key_bin(0.3), key_bin(1.5)]),
+        KeyWindow::around(&[key_bin(1.0)]),
+        KeyWindow::around(&[KeyWindow::ALL.hi]),
+    ];
+    for window in windows {
+        for len in [0usize, 63, 64, 1000] {
+            let words = len.div_ceil(64);
+            let (mut a, mut b) = (
+                (vec![0; words], vec![0; words]),
+                (vec![0; words], vec![0; words]),
+            );
+            let fast = window_bits(&v[..len], window, &mut a.0, &mut a.1);
+            let slow = window_bits_scalar(&v[..len], window, &mut b.0, &mut b.1);
+            assert_eq!((fast, &a), (slow, &b), "window {window:?}, {len} values");
+            // Each vector build the CPU runs, over the whole blocks.
+            #[cfg(target_arch = "x86_64")]
+            {
+                use crate::simd::{detected, Level};
+                let blocks = &v[..len / 64 * 64];
+                let whole = blocks.len() / 64;
+                let mut want = (vec![0; whole], vec![0; whole]);
+                let want_tally = window_bits_scalar(blocks, window, &mut want.0, &mut want.1);
+                let mut got = (vec![0; whole], vec![0; whole]);
+                if detected() >= Level::Avx2 {
+                    // SAFETY: the CPU has AVX2; blocks of 64 elements.
+                    let t = unsafe { window_bits_avx2(blocks, window, &mut got.0, &mut got.1) };
+                    assert_eq!((t, &got), (want_tally, &want), "AVX2, window {window:?}");
+                }
+                if detected() >= Level::Avx512 {
+                    // SAFETY: the CPU has AVX-512 F/BW/VL; blocks of 64 elements.
+                    let t = unsafe { window_bits_avx512(blocks, window, &mut got.0, &mut got.1) };
+                    assert_eq!((t, &got), (want_tally, &want), "AVX-512, window {window:?}");
+                }
+            }
+            let (first, last) = window.keys();
+            let keys = v[..len].iter().map(|&x| magnitude_key(x));
+            let inside = keys.clone().filter(|&k| k != 0 && k >= first && k <= last);
+            let bits = (0..len).filter(|&i| a.0[i / 64] >> (i % 64) & 1 == 1);
+            assert_eq!(slow.inside, bits.count() as u64);
+            assert_eq!(slow.inside, inside.count() as u64);
+            assert_eq!(slow.above, keys.filter(|&k| k > last).count() as u64);
+        }
+    }
+}
