@@ -60,6 +60,9 @@ pub fn rank_cuts(
     rank_cuts_remembering(scan, delta, sizes, wanted, BIN_MEMORY)
 }
 
+/// Per agent, the window of bins pass 1 counts one by one (`None`: the agent has no cut).
+type Windows = Vec<Option<KeyWindow>>;
+
 /// One wanted cut: (agent, k, high_first).
 type Wanted = (usize, u64, bool);
 
@@ -155,7 +158,7 @@ fn guess_windows(
     delta: bool,
     (agents, numel): (usize, u64),
     wanted: &[Wanted],
-) -> Result<(Vec<Option<KeyWindow>>, Vec<Vec<u32>>)> {
+) -> Result<(Windows, Vec<Vec<u32>>)> {
     let cut_agents = every_bin_of_cut_agents(agents, wanted);
     let mut guesses: Vec<Vec<u32>> = vec![Vec::new(); agents];
     let mut windows = cut_agents.clone();
