@@ -11,7 +11,8 @@ use rlmerge::backend::gpu::{AdapterChoice, GpuBackend, GpuContext};
 use rlmerge::backend::{Backend, MergeParams, Tile};
 use rlmerge::checkpoint::DType;
 use rlmerge::demo::{self, ModelShape, SplitMix64};
-use rlmerge::engine::{self, Inputs, MergeOptions, Pass};
+use rlmerge::engine::{self, MergeOptions, Pass};
+use rlmerge::inputs::Inputs;
 use rlmerge::method::settings::{Scalar, Setting};
 use rlmerge::method::{
     defaults, BoostRule, BoostScope, Kind, Method, MethodConfig, DEFAULT_EPSILON,

@@ -30,8 +30,13 @@ print() {
 }
 for recipe in "$repo"/tests/fixtures/recipes/*.yml; do
     name=$(basename "$recipe" .yml)
-    "$bin" run "$recipe" -q --device "$device" -o "out-$name" >/dev/null
-    print "$name" "out-$name"
+    # A recipe the models cannot take (slices of 2 layers on a 37-layer synthetic model) prints
+    # its error, which must not change either.
+    if err=$("$bin" run "$recipe" -q --device "$device" -o "out-$name" 2>&1 >/dev/null); then
+        print "$name" "out-$name"
+    else
+        printf '%s error %s\n' "$name" "${err//$dir/DIR}"
+    fi
 done
 agents=(--model coding-agent --model tool-agent --model memory-agent)
 while read -r name args; do

@@ -11,6 +11,7 @@ pub mod config;
 pub mod demo;
 pub mod engine;
 pub mod error;
+pub mod inputs;
 pub mod method;
 pub mod recipe;
 pub mod report;

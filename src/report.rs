@@ -3,7 +3,7 @@
 //! module and per tensor, as text tables or JSON.
 
 use crate::backend::TileCounts;
-use crate::engine::TensorPlan;
+use crate::inputs::TensorPlan;
 use crate::method::{defaults, AgentCounts, BoostRule};
 use serde::Serialize;
 use serde_json::{json, Value};

@@ -158,6 +158,11 @@ impl CheckpointWriter {
         })
     }
 
+    /// The dtype tensor `index` (in the planned list) is written in.
+    pub fn dtype(&self, index: usize) -> DType {
+        self.tensors[index].dtype
+    }
+
     pub fn shard_count(&self) -> usize {
         self.shards.len()
     }

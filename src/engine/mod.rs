@@ -1,0 +1,424 @@
+//! The merge job: validate inputs against the base, cut every tensor into tiles, run the probe pass
+//! (whole model for global RAM+, per tensor for tensor scope) and the merge pass through a
+//! [`Backend`], and stream the merged bytes into the output checkpoint.
+
+use crate::backend::{Backend, CombineParams, MergeParams, Tile};
+use crate::checkpoint::dtype::decode;
+use crate::checkpoint::folder_files::check_base_config;
+use crate::checkpoint::{CheckpointWriter, DType, ModelFolder, OutputFolder, OutputTensor};
+use crate::inputs::{Inputs, TensorPlan};
+use crate::method::combine::{row_ranks, CombineSpec};
+use crate::method::settings::{layer_index, layer_t, TensorPlace};
+use crate::method::{BoostScope, Kind, Method};
+use crate::recipe::Recipe;
+use crate::report::{ProbeReport, TensorStats};
+use anyhow::{Context, Result};
+use indicatif::ProgressBar;
+use rayon::prelude::*;
+use std::path::{Path, PathBuf};
+
+/// How a pass walks the tensors (both passes share it).
+#[derive(Clone, Debug)]
+pub struct Pass {
+    pub epsilon: f32,
+    pub tile_elems: usize,
+    /// Fail on NaN/±Inf in any input tile. Off when the user allows them (`--allow-nonfinite`:
+    /// merged by IEEE rules), and in a merge pass after a probe pass already scanned every byte.
+    pub scan_nonfinite: bool,
+}
+
+mod fisher;
+mod output;
+mod probe;
+mod scans;
+mod tiles;
+
+use fisher::FisherInputs;
+use output::{check_finite_output, finish, pass_base};
+pub use probe::probe_all;
+use probe::probe_tensors;
+use scans::combine_spec;
+use tiles::{batches, par_tiles, progress_bar, whole_rows, TensorTiles, TileBuffers};
+
+/// Everything a merge needs besides the inputs and the backend.
+#[derive(Clone, Debug)]
+pub struct MergeOptions {
+    pub method: Method,
+    pub pass: Pass,
+    /// `None`: each tensor keeps the base's dtype.
+    pub out_dtype: Option<DType>,
+    pub shard_size: u64,
+    pub force: bool,
+    pub show_progress: bool,
+    /// Files written beside the weights as given, e.g. the mergekit recipe: (name, text).
+    pub extra_files: Vec<(String, String)>,
+    /// Paths besides the input models that the output must stay clear of (the recipe file).
+    pub protect: Vec<PathBuf>,
+}
+
+/// What a finished merge reports.
+pub struct MergeSummary {
+    pub recipe: Recipe,
+    pub shards: Vec<String>,
+    pub report: Option<ProbeReport>,
+}
+
+/// A tensor of the merge pass, its rule known, in its batch of tiles.
+struct MergeJob<'a> {
+    /// Index in the plan and the output.
+    index: usize,
+    plan: &'a TensorPlan,
+    present: Vec<usize>,
+    tile_elems: usize,
+    rule: TileRule,
+}
+
+/// How one tensor's tiles are merged.
+enum TileRule {
+    /// RAM / RAM+ with these λ of the present agents.
+    Ram(Vec<f32>),
+    /// A mergekit-family method.
+    Combine(CombineSpec),
+    /// No merged model has the tensor: the base's values.
+    Base,
+}
+
+/// Each present agent's DELLA row ranks over a tile of whole rows (empty when the rule needs none).
+fn tile_ranks(tile: &Tile, spec: &CombineSpec) -> Vec<Vec<u32>> {
+    if spec.rank_rows == 0 {
+        return Vec::new();
+    }
+    let mut base = vec![0.0f32; tile.len];
+    decode(tile.dtype, tile.base, &mut base);
+    tile.agents
+        .par_iter()
+        .map(|bytes| {
+            let mut v = vec![0.0f32; tile.len];
+            decode(tile.dtype, bytes, &mut v);
+            if spec.delta {
+                v.iter_mut().zip(&base).for_each(|(x, b)| *x -= b);
+            }
+            let mut ranks = Vec::new();
+            row_ranks(&v, spec.rank_rows as usize, &mut ranks);
+            ranks
+        })
+        .collect()
+}
+
+/// Runs the merge into `out_dir`, which appears only when everything is written: the inputs
+/// checked, the global probe when λ needs it, each batch of tensors given its rule and merged tile
+/// by tile, then the record written and the folder committed.
+pub fn merge(
+    inputs: &Inputs,
+    options: &MergeOptions,
+    backend: &dyn Backend,
+    out_dir: &Path,
+) -> Result<MergeSummary> {
+    if options.method.uses_base() {
+        inputs.refuse_base_as_agent()?;
+    }
+    check_base_config(&inputs.base.dir)?;
+    let fisher = match &options.method {
+        Method::Combine(c) if c.kind == Kind::Fisher => Some(FisherInputs::open(c, inputs)?),
+        _ => None,
+    };
+    let mut protect = inputs.paths();
+    if let Some(f) = &fisher {
+        protect.extend(f.folders.iter().flat_map(ModelFolder::paths));
+    }
+    protect.extend(options.protect.iter().cloned());
+    let folder = OutputFolder::create(out_dir, options.force, &protect)?;
+    let global_report = if options.method.needs_global_probe() {
+        let mut report = probe_all(inputs, backend, &options.pass, options.show_progress)?;
+        // A merge reports totals and modules only: one entry per module, not per tensor.
+        report.compact();
+        Some(report)
+    } else {
+        None
+    };
+    let global_lambdas: Vec<f64> = match &global_report {
+        Some(r) => r
+            .total_agent_counts()
+            .iter()
+            .map(|&c| options.method.lambda(c))
+            .collect(),
+        None => vec![1.0; inputs.agents.len()],
+    };
+    let out_tensors: Vec<OutputTensor> = inputs
+        .tensors
+        .iter()
+        .map(|p| OutputTensor {
+            name: p.base.entry.name.clone(),
+            dtype: options.out_dtype.unwrap_or(p.base.entry.dtype),
+            shape: p.base.entry.shape.clone(),
+        })
+        .collect();
+    let mut pass = MergePass::new(inputs, options, backend, fisher.as_ref(), global_lambdas);
+    let writer = CheckpointWriter::new(folder.path(), out_tensors, options.shard_size)?;
+    for run in batches(&inputs.tensors, pass.tile_elems()) {
+        let jobs = run
+            .map(|index| pass.job(index))
+            .collect::<Result<Vec<_>>>()?;
+        pass.merge_tiles(&jobs, &writer)?;
+    }
+    pass.bar.finish_and_clear();
+    let shards = writer.finish()?;
+    let boost = pass.boost_report(global_report);
+    finish(inputs, options, boost, shards, folder)
+}
+
+/// The merge pass over every tensor: each one's rule, then its tiles through the backend.
+struct MergePass<'a> {
+    inputs: &'a Inputs,
+    options: &'a MergeOptions,
+    backend: &'a dyn Backend,
+    fisher: Option<&'a FisherInputs>,
+    /// How the merge pass reads: RAM+ probes every tensor before merging it (globally or just
+    /// before), and inputs cannot change unnoticed, so it need not scan the same bytes for
+    /// NaN/Inf again.
+    pass: Pass,
+    bar: ProgressBar,
+    buffers: TileBuffers,
+    /// Layers of the model, for gradients over layers.
+    layers: usize,
+    /// λ of each agent in global scope (1 for RAM and the combine methods).
+    global_lambdas: Vec<f64>,
+    /// Tensor-scope RAM+: per tensor its λ, and the probe's counts (folded per module as they
+    /// come: the report a merge gives is per module, see `ProbeReport::compact`).
+    per_tensor: Option<TensorScope>,
+}
+
+/// What tensor-scope RAM+ gathers tensor by tensor.
+#[derive(Default)]
+struct TensorScope {
+    lambdas: Vec<(std::sync::Arc<str>, Vec<f64>)>,
+    stats: Vec<TensorStats>,
+    count: usize,
+}
+
+/// What a merge found about each agent's λ: the record's per-agent lines and the report.
+struct BoostReport {
+    report: Option<ProbeReport>,
+    global_lambdas: Vec<f64>,
+    tensor_lambdas: Option<Vec<(std::sync::Arc<str>, Vec<f64>)>>,
+}
+
+impl<'a> MergePass<'a> {
+    fn new(
+        inputs: &'a Inputs,
+        options: &'a MergeOptions,
+        backend: &'a dyn Backend,
+        fisher: Option<&'a FisherInputs>,
+        global_lambdas: Vec<f64>,
+    ) -> MergePass<'a> {
+        let per_tensor = matches!(
+            options.method,
+            Method::RamPlus {
+                scope: BoostScope::Tensor,
+                ..
+            }
+        );
+        let scan_bytes = inputs.pass_bytes() * if per_tensor { 2 } else { 1 };
+        MergePass {
+            inputs,
+            options,
+            backend,
+            fisher,
+            pass: Pass {
+                scan_nonfinite: options.pass.scan_nonfinite && options.method.boost().is_none(),
+                ..options.pass.clone()
+            },
+            bar: progress_bar(scan_bytes, options.show_progress, "merge"),
+            buffers: TileBuffers::new(inputs.agents.len()),
+            layers: inputs
+                .tensors
+                .iter()
+                .filter_map(|t| layer_index(t.name()))
+                .max()
+                .map_or(0, |m| m + 1),
+            global_lambdas,
+            per_tensor: per_tensor.then(TensorScope::default),
+        }
+    }
+
+    fn tile_elems(&self) -> usize {
+        self.pass.tile_elems
+    }
+
+    /// Tensor `index` with its rule and tile size.
+    fn job(&mut self, index: usize) -> Result<MergeJob<'a>> {
+        let plan = &self.inputs.tensors[index];
+        let present = plan.present();
+        let rule = self.rule_of(plan, &present)?;
+        // DELLA ranks whole rows: its tiles hold whole rows.
+        let tile_elems = match &rule {
+            TileRule::Combine(spec) if spec.rank_rows > 0 => {
+                whole_rows(self.pass.tile_elems, spec.rank_rows)
+            }
+            _ => self.pass.tile_elems,
+        };
+        Ok(MergeJob {
+            index,
+            plan,
+            present,
+            tile_elems,
+            rule,
+        })
+    }
+
+    /// What each tile of a tensor goes through, with the scans its statistics take.
+    fn rule_of(&mut self, plan: &TensorPlan, present: &[usize]) -> Result<TileRule> {
+        let method = &self.options.method;
+        Ok(match method {
+            Method::Combine(_) if present.is_empty() => TileRule::Base,
+            Method::Combine(config) => {
+                let at = TensorPlace {
+                    name: plan.name(),
+                    t: layer_t(layer_index(plan.name()), self.layers),
+                };
+                TileRule::Combine(combine_spec(
+                    self.inputs,
+                    plan,
+                    config,
+                    at,
+                    present,
+                    &self.options.pass,
+                    &mut self.buffers,
+                )?)
+            }
+            _ => {
+                let lambdas = match self.per_tensor.is_some() {
+                    true => self.tensor_lambdas(plan)?,
+                    false => self.global_lambdas.clone(),
+                };
+                TileRule::Ram(present.iter().map(|&t| lambdas[t] as f32).collect())
+            }
+        })
+    }
+
+    /// Tensor-scope RAM+: the tensor's probe and the λ of each agent from its counts.
+    fn tensor_lambdas(&mut self, plan: &TensorPlan) -> Result<Vec<f64>> {
+        let (inputs, pass) = (self.inputs, &self.options.pass);
+        let counts = probe_tensors(inputs, &[plan], self.backend, pass, &self.bar)?.remove(0);
+        let stats = TensorStats::new(plan, counts);
+        let lambdas: Vec<f64> = stats
+            .agent_counts()
+            .iter()
+            .map(|&c| self.options.method.lambda(c))
+            .collect();
+        let scope = self.per_tensor.as_mut().expect("tensor scope");
+        scope
+            .lambdas
+            .push((plan.base.entry.name.clone(), lambdas.clone()));
+        scope.stats.push(stats);
+        scope.count += 1;
+        if scope.stats.len() >= 4096 {
+            scope.stats = crate::report::compact(std::mem::take(&mut scope.stats));
+        }
+        Ok(lambdas)
+    }
+
+    /// One batch's tiles in one tile loop, so the workers wait for each other once per batch.
+    fn merge_tiles(&self, jobs: &[MergeJob], writer: &CheckpointWriter) -> Result<()> {
+        let tensors: Vec<TensorTiles> = jobs
+            .iter()
+            .map(|job| TensorTiles {
+                plan: job.plan,
+                present: &job.present,
+                tile_elems: job.tile_elems,
+            })
+            .collect();
+        par_tiles(
+            self.inputs,
+            &tensors,
+            self.pass.scan_nonfinite,
+            &|w| self.backend.run_workers(w),
+            &self.bar,
+            1,
+            Vec::new,
+            |out, j, i, start, tile| {
+                let job = &jobs[j];
+                let out_dtype = writer.dtype(job.index);
+                out.resize(tile.len * out_dtype.size(), 0);
+                let out = &mut out[..tile.len * out_dtype.size()];
+                self.merge_tile(job, tile, start, out_dtype, out)
+                    .with_context(|| {
+                        format!("merge of tensor '{}' failed at tile {i}", job.plan.name())
+                    })?;
+                check_finite_output(
+                    tile,
+                    out_dtype,
+                    out,
+                    job.plan.name(),
+                    start,
+                    !self.options.pass.scan_nonfinite,
+                )?;
+                writer.write_at(job.index, start * out_dtype.size() as u64, out)
+            },
+        )?;
+        Ok(())
+    }
+
+    /// One tile of `job` (first element `start`) merged into `out`.
+    fn merge_tile(
+        &self,
+        job: &MergeJob,
+        tile: &Tile,
+        start: u64,
+        out_dtype: DType,
+        out: &mut [u8],
+    ) -> Result<()> {
+        match &job.rule {
+            TileRule::Base => {
+                pass_base(tile, out_dtype, out);
+                Ok(())
+            }
+            TileRule::Ram(lambdas) => {
+                let params = MergeParams {
+                    epsilon: self.options.pass.epsilon,
+                    lambdas,
+                    out_dtype,
+                };
+                self.backend.merge(tile, &params, out)
+            }
+            TileRule::Combine(spec) => {
+                let ranks = tile_ranks(tile, spec);
+                let mut coefs = Vec::new();
+                if let Some(f) = self.fisher {
+                    f.tile_coefs(job.plan, &job.present, spec, (start, tile.len), &mut coefs)?;
+                }
+                let params = CombineParams {
+                    spec,
+                    start,
+                    out_dtype,
+                    ranks: &ranks,
+                    coefs: &coefs,
+                };
+                self.backend.combine(tile, &params, out)
+            }
+        }
+    }
+
+    /// The probe report (global, or tensor scope's folded one) and the λ found.
+    fn boost_report(self, global: Option<ProbeReport>) -> BoostReport {
+        let agents = self.inputs.agent_labels();
+        let epsilon = self.options.pass.epsilon;
+        match self.per_tensor {
+            Some(scope) => BoostReport {
+                report: Some(ProbeReport {
+                    agents,
+                    epsilon,
+                    tensor_count: scope.count,
+                    tensors: crate::report::compact(scope.stats),
+                }),
+                global_lambdas: self.global_lambdas,
+                tensor_lambdas: Some(scope.lambdas),
+            },
+            None => BoostReport {
+                report: global,
+                global_lambdas: self.global_lambdas,
+                tensor_lambdas: None,
+            },
+        }
+    }
+}

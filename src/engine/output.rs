@@ -1,0 +1,145 @@
+//! What the merge pass writes: tiles of the base passed through, the output value policy, and the
+//! record that completes the output folder.
+
+use super::{BoostReport, MergeOptions, MergeSummary};
+use crate::backend::Tile;
+use crate::checkpoint::dtype::{decode, decode_one, encode, first_nonfinite};
+use crate::checkpoint::folder_files::copy_base_files;
+use crate::checkpoint::safetensors_file::crc32_of_file;
+use crate::checkpoint::safetensors_file::FileChecksum;
+use crate::checkpoint::{DType, OutputFolder};
+use crate::inputs::{identical_inputs, Inputs};
+use crate::recipe::{self, AgentSummary, InputChecksums, Recipe};
+use anyhow::{bail, Context, Result};
+
+/// The base's values in the output dtype (a tensor no merged model has); same dtype: its bits.
+pub(super) fn pass_base(tile: &Tile, out_dtype: DType, out: &mut [u8]) {
+    if out_dtype == tile.dtype {
+        out.copy_from_slice(tile.base);
+    } else {
+        let mut values = vec![0.0f32; tile.len];
+        decode(tile.dtype, tile.base, &mut values);
+        encode(out_dtype, &values, out);
+    }
+}
+
+/// The output policy (README "Values"): a merged value that is NaN or ±Inf where every input of
+/// that element is finite is an error naming the tensor and element — an overflow of the method's
+/// arithmetic or of the output dtype, never silently written. Where an input is not finite itself
+/// (`--allow-nonfinite`), IEEE rules decide and the value is kept.
+pub(super) fn check_finite_output(
+    tile: &Tile,
+    out_dtype: DType,
+    out: &[u8],
+    name: &str,
+    start: u64,
+    allow_nonfinite: bool,
+) -> Result<()> {
+    let size = out_dtype.size();
+    let mut from = 0;
+    while let Some(k) = first_nonfinite(out_dtype, &out[from * size..]) {
+        let e = from + k;
+        let inputs_finite = std::iter::once(tile.base)
+            .chain(tile.agents.iter().copied())
+            .all(|bytes| decode_one(tile.dtype, bytes, e).is_finite());
+        if inputs_finite {
+            let max = match out_dtype {
+                DType::BF16 => "3.39e38",
+                DType::F16 => "65504",
+                DType::F32 => "3.40e38",
+            };
+            bail!(
+                "merged tensor '{}' has a non-finite value ({}) at element {}, where every input is \
+                 finite: the method's parameters overflow, or the result exceeds the output dtype \
+                 {out_dtype} (largest finite value {max}){}",
+                crate::error::printable(name),
+                decode_one(out_dtype, out, e),
+                start + e as u64,
+                if allow_nonfinite {
+                    ", or a NaN/Inf elsewhere in the tensor entered a statistic of the method \
+                     (norms, angles)"
+                } else {
+                    ""
+                }
+            );
+        }
+        from = e + 1;
+    }
+    Ok(())
+}
+
+/// Completes the output folder: the base's config and tokenizer files, the extra files (the
+/// mergekit recipe), the record with every checksum; then, the inputs unchanged, the commit.
+pub(super) fn finish(
+    inputs: &Inputs,
+    options: &MergeOptions,
+    boost: BoostReport,
+    shards: Vec<FileChecksum>,
+    folder: OutputFolder,
+) -> Result<MergeSummary> {
+    let agent_counts = boost.report.as_ref().map(|r| r.total_agent_counts());
+    let agents = inputs
+        .agents
+        .iter()
+        .enumerate()
+        .map(|(t, a)| AgentSummary {
+            path: a.dir.display().to_string(),
+            lambda: match boost.tensor_lambdas {
+                Some(_) => None,
+                None => Some(boost.global_lambdas[t]),
+            },
+            counts: agent_counts.as_ref().map(|c| c[t]),
+        })
+        .collect();
+    let out_dtype = options
+        .out_dtype
+        .or_else(|| inputs.base.main_dtype())
+        .unwrap_or(DType::F32);
+    let mut outputs = shards;
+    for name in copy_base_files(&inputs.base.dir, folder.path(), out_dtype)? {
+        outputs.push(crc32_of_file(&folder.path().join(name))?);
+    }
+    for (name, text) in &options.extra_files {
+        let path = folder.path().join(name);
+        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+        outputs.push(crc32_of_file(&path)?);
+    }
+    // Tensors were hashed as they were read; only what the merge never read is read now.
+    let input_sums = std::iter::once(&inputs.base)
+        .chain(&inputs.agents)
+        .map(|m| {
+            Ok(InputChecksums {
+                path: std::fs::canonicalize(&m.dir).unwrap_or_else(|_| m.dir.clone()),
+                files: m.checksums()?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let recipe = Recipe {
+        tool: "rlmerge".into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        method: options.method.clone(),
+        epsilon: options.pass.epsilon,
+        allow_nonfinite: !options.pass.scan_nonfinite,
+        base: inputs.base.dir.display().to_string(),
+        agents,
+        tensor_lambdas: boost.tensor_lambdas.unwrap_or_default(),
+        out_dtype: options.out_dtype.map(|d| d.to_string()),
+        shard_size: options.shard_size,
+        warnings: inputs
+            .warnings
+            .iter()
+            .cloned()
+            .chain(identical_inputs(&input_sums, options.method.uses_base()))
+            .collect(),
+        inputs: input_sums,
+        outputs,
+    };
+    recipe::write(folder.path(), &recipe)?;
+    inputs.check_unchanged()?;
+    folder.commit()?;
+    Ok(MergeSummary {
+        shards: recipe.shards().map(|f| f.file.clone()).collect(),
+        recipe,
+        report: boost.report,
+    })
+}

@@ -1,0 +1,98 @@
+//! RAM's probe pass (SPEC.md §1): per tensor, how many agents changed each element.
+
+use super::tiles::{batches, par_tiles, progress_bar, TensorTiles};
+use super::Pass;
+use crate::backend::{Backend, TileCounts};
+use crate::inputs::{Inputs, TensorPlan};
+use crate::report::{ProbeReport, TensorStats};
+use anyhow::{Context, Result};
+use indicatif::ProgressBar;
+
+/// Probes `plans` over all their tiles in one tile loop; each one's counts are indexed by
+/// global agent.
+pub(super) fn probe_tensors(
+    inputs: &Inputs,
+    plans: &[&TensorPlan],
+    backend: &dyn Backend,
+    pass: &Pass,
+    progress: &ProgressBar,
+) -> Result<Vec<TileCounts>> {
+    let n = inputs.agents.len();
+    let presents: Vec<Vec<usize>> = plans.iter().map(|p| p.present()).collect();
+    let tensors: Vec<TensorTiles> = plans
+        .iter()
+        .zip(&presents)
+        .map(|(&plan, present)| TensorTiles {
+            plan,
+            present,
+            tile_elems: pass.tile_elems,
+        })
+        .collect();
+    let zeros = || -> Vec<TileCounts> {
+        presents
+            .iter()
+            .map(|p| TileCounts::zeros(p.len()))
+            .collect()
+    };
+    let workers = par_tiles(
+        inputs,
+        &tensors,
+        pass.scan_nonfinite,
+        &|w| backend.run_workers(w),
+        progress,
+        1,
+        zeros,
+        |sums, j, i, _, tile| {
+            let counts = backend.probe(tile, pass.epsilon).with_context(|| {
+                format!("probe of tensor '{}' failed at tile {i}", plans[j].name())
+            })?;
+            sums[j].add(&counts);
+            Ok(())
+        },
+    )?;
+    let mut local = zeros();
+    for sums in &workers {
+        for (l, s) in local.iter_mut().zip(sums) {
+            l.add(s);
+        }
+    }
+    // Spread the present agents' rows into the N-wide global layout.
+    Ok(local
+        .iter()
+        .zip(&presents)
+        .map(|(local, present)| {
+            let mut global = TileCounts::zeros(n);
+            for (slot, &t) in present.iter().enumerate() {
+                global.hist[t * n..t * n + present.len()].copy_from_slice(local.row(slot));
+            }
+            global
+        })
+        .collect())
+}
+
+/// The whole-model probe (SPEC §1): counts per tensor, from which every report and λ derives.
+pub fn probe_all(
+    inputs: &Inputs,
+    backend: &dyn Backend,
+    pass: &Pass,
+    show_progress: bool,
+) -> Result<ProbeReport> {
+    inputs.refuse_base_as_agent()?;
+    let bar = progress_bar(inputs.pass_bytes(), show_progress, "probe");
+    let mut tensors = Vec::with_capacity(inputs.tensors.len());
+    for run in batches(&inputs.tensors, pass.tile_elems) {
+        let plans: Vec<&TensorPlan> = inputs.tensors[run].iter().collect();
+        let counts = probe_tensors(inputs, &plans, backend, pass, &bar)?;
+        for (plan, counts) in plans.into_iter().zip(counts) {
+            tensors.push(TensorStats::new(plan, counts));
+        }
+    }
+    bar.finish_and_clear();
+    inputs.check_unchanged()?;
+    Ok(ProbeReport {
+        agents: inputs.agent_labels(),
+        epsilon: pass.epsilon,
+        tensor_count: tensors.len(),
+        tensors,
+    })
+}

@@ -1,0 +1,280 @@
+//! The statistics scans of one tensor ([`crate::scans::Scans`]) over the input files, and the
+//! combine rule they build.
+
+use super::tiles::{for_each_tile, whole_rows, TileBuffers};
+use super::tiles::{par_tiles, TensorTiles};
+use super::Pass;
+use crate::backend::{ranges, Tile};
+use crate::checkpoint::dtype::{decode, decode_minus};
+use crate::inputs::{Inputs, TensorPlan};
+use crate::method::combine::CombineSpec;
+use crate::method::settings::TensorPlace;
+use crate::method::statistics;
+use crate::method::MethodConfig;
+use crate::scans::{AgentChunk, AgentVisit, AnyOrderVisit, Scans, Values, Visit, SCAN_CHUNK};
+use anyhow::{ensure, Context, Result};
+use indicatif::ProgressBar;
+use rayon::prelude::*;
+use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Elements per tile of a statistics scan, at least.
+pub(super) const SCAN_TILE_ELEMS: usize = 1 << 20;
+
+/// One tensor's combine rule: its settings resolved, then the statistics it needs gathered by
+/// scans over its tiles (on the CPU, in element order, so every backend merges with the same rule).
+pub(super) fn combine_spec(
+    inputs: &Inputs,
+    plan: &TensorPlan,
+    config: &MethodConfig,
+    at: TensorPlace,
+    present: &[usize],
+    pass: &Pass,
+    buffers: &mut TileBuffers,
+) -> Result<CombineSpec> {
+    let numel = plan.numel() as u64;
+    let recipe = config
+        .tensor_recipe(at, numel, present)
+        .with_context(|| format!("tensor '{}'", plan.name()))?;
+    ensure!(
+        numel <= u32::MAX as u64,
+        "tensor '{}' has {numel} elements; {} indexes elements with 32 bits",
+        plan.name(),
+        config.kind.name()
+    );
+    let rank_rows = statistics::rank_rows(&recipe, numel, &plan.base.entry.shape)
+        .with_context(|| format!("tensor '{}'", plan.name()))?;
+    let mut scans = TensorScans {
+        inputs,
+        plan,
+        present,
+        // Larger tiles than the merge's: fewer parallel steps (the merge pass scans for NaN/Inf).
+        pass: Pass {
+            scan_nonfinite: false,
+            tile_elems: whole_rows(pass.tile_elems.max(SCAN_TILE_ELEMS), rank_rows),
+            ..pass.clone()
+        },
+        buffers,
+    };
+    statistics::build_spec(
+        &recipe,
+        numel,
+        &plan.base.entry.shape,
+        config.seed,
+        plan.name(),
+        present,
+        &mut scans,
+    )
+    .with_context(|| format!("statistics of tensor '{}'", plan.name()))
+}
+
+/// The statistics scans of one tensor, over the same tile reads as the merge pass.
+pub(super) struct TensorScans<'a> {
+    pub(super) inputs: &'a Inputs,
+    pub(super) plan: &'a TensorPlan,
+    pub(super) present: &'a [usize],
+    pub(super) pass: Pass,
+    pub(super) buffers: &'a mut TileBuffers,
+}
+
+impl TensorScans<'_> {
+    /// The tensor's tiles in order, read as the merge pass reads them (no progress shown).
+    pub(super) fn each_tile(
+        &mut self,
+        from: u64,
+        visit: impl FnMut(usize, u64, &Tile) -> Result<ControlFlow<()>>,
+    ) -> Result<()> {
+        let hidden = ProgressBar::hidden();
+        // A scan from within the tensor looks for something near `from`: chunk-sized tiles.
+        let pass = Pass {
+            tile_elems: if from > 0 {
+                SCAN_CHUNK
+            } else {
+                self.pass.tile_elems
+            },
+            ..self.pass.clone()
+        };
+        for_each_tile(
+            self.inputs,
+            self.plan,
+            self.present,
+            &pass,
+            self.buffers,
+            &hidden,
+            from,
+            visit,
+        )
+    }
+}
+
+/// The f32 rows of one scan chunk: the base's, then one agent's values and task vector.
+pub(super) struct ScanRows {
+    pub(super) base: [f32; SCAN_CHUNK],
+    pub(super) x: [f32; SCAN_CHUNK],
+    pub(super) tau: [f32; SCAN_CHUNK],
+}
+
+impl ScanRows {
+    pub(super) fn new() -> Box<ScanRows> {
+        Box::new(ScanRows {
+            base: [0.0; SCAN_CHUNK],
+            x: [0.0; SCAN_CHUNK],
+            tau: [0.0; SCAN_CHUNK],
+        })
+    }
+
+    /// Decodes the base's elements `cs..cs + cl` of the tile.
+    pub(super) fn load_base(&mut self, tile: &Tile, (cs, cl): (usize, usize)) {
+        let size = tile.dtype.size();
+        decode(
+            tile.dtype,
+            &tile.base[cs * size..(cs + cl) * size],
+            &mut self.base[..cl],
+        );
+    }
+
+    /// Agent `t`'s values over the same elements: τ (after [`Self::load_base`]) with `delta`,
+    /// else θ.
+    pub(super) fn values(
+        &mut self,
+        tile: &Tile,
+        t: usize,
+        (cs, cl): (usize, usize),
+        delta: bool,
+    ) -> &[f32] {
+        let size = tile.dtype.size();
+        let bytes = &tile.agents[t][cs * size..(cs + cl) * size];
+        if delta {
+            decode_minus(tile.dtype, bytes, &self.base[..cl], &mut self.tau[..cl]);
+            &self.tau[..cl]
+        } else {
+            decode(tile.dtype, bytes, &mut self.x[..cl]);
+            &self.x[..cl]
+        }
+    }
+
+    /// Agent `t`'s chunk over the same elements (after [`Self::load_base`]); the tile starts at
+    /// element `start` of the tensor.
+    pub(super) fn agent(
+        &mut self,
+        tile: &Tile,
+        t: usize,
+        start: u64,
+        (cs, cl): (usize, usize),
+    ) -> AgentChunk<'_> {
+        let size = tile.dtype.size();
+        let bytes = &tile.agents[t][cs * size..(cs + cl) * size];
+        decode(tile.dtype, bytes, &mut self.x[..cl]);
+        decode_minus(tile.dtype, bytes, &self.base[..cl], &mut self.tau[..cl]);
+        AgentChunk {
+            start: start + cs as u64,
+            base: &self.base[..cl],
+            x: &self.x[..cl],
+            tau: &self.tau[..cl],
+        }
+    }
+}
+
+/// Elements per tile of an any-order statistics scan: a multiple of [`SCAN_CHUNK`], small enough
+/// that a worker's tile stays in its core's cache from the read to the last agent's chunk.
+pub(super) const ANY_ORDER_TILE_ELEMS: usize = 1 << 16;
+
+impl Scans for TensorScans<'_> {
+    fn workers(&self) -> usize {
+        rayon::current_num_threads()
+    }
+
+    fn any_order(&mut self, every: usize, delta: bool, visit: &AnyOrderVisit) -> Result<()> {
+        let workers = self.workers();
+        let ids = AtomicUsize::new(0);
+        let tensor = TensorTiles {
+            plan: self.plan,
+            present: self.present,
+            tile_elems: ANY_ORDER_TILE_ELEMS,
+        };
+        par_tiles(
+            self.inputs,
+            &[tensor],
+            self.pass.scan_nonfinite,
+            &|w| {
+                rayon::broadcast(|_| w());
+            },
+            &ProgressBar::hidden(),
+            every.max(1),
+            || {
+                let id = ids.fetch_add(1, Ordering::Relaxed);
+                debug_assert!(id < workers);
+                (id, ScanRows::new())
+            },
+            |(id, rows), _, _, start, tile| {
+                for chunk in ranges(tile.len, SCAN_CHUNK) {
+                    if delta {
+                        rows.load_base(tile, chunk);
+                    }
+                    for t in 0..tile.agents.len() {
+                        let v = rows.values(tile, t, chunk, delta);
+                        visit(*id, t, start + chunk.0 as u64, v);
+                    }
+                }
+                Ok(())
+            },
+        )?;
+        Ok(())
+    }
+
+    fn tiles(&mut self, visit: &mut Visit) -> Result<()> {
+        let n = self.present.len();
+        let (mut base, mut x, mut tau) = (Vec::new(), vec![Vec::new(); n], vec![Vec::new(); n]);
+        self.each_tile(0, |_, start, tile| {
+            base.resize(tile.len, 0.0);
+            decode(tile.dtype, tile.base, &mut base);
+            let base_values = &base;
+            x.par_iter_mut()
+                .zip(tau.par_iter_mut())
+                .zip(tile.agents.par_iter())
+                .for_each(|((x, tau), bytes)| {
+                    x.resize(tile.len, 0.0);
+                    decode(tile.dtype, bytes, x);
+                    tau.clear();
+                    tau.extend(x.iter().zip(base_values).map(|(a, b)| a - b));
+                });
+            visit(&Values {
+                start,
+                base: &base,
+                x: &x,
+                tau: &tau,
+            })
+        })
+    }
+
+    fn per_agent(&mut self, from: u64, visit: &AgentVisit) -> Result<()> {
+        let mut done = vec![false; self.present.len()];
+        self.each_tile(from, |_, start, tile| {
+            let flows: Vec<bool> = (0..done.len())
+                .into_par_iter()
+                .map(|t| {
+                    if done[t] {
+                        return true;
+                    }
+                    let mut rows = ScanRows::new();
+                    let chunks = ranges(tile.len, SCAN_CHUNK);
+                    for chunk in chunks.skip_while(|(cs, cl)| start + ((cs + cl) as u64) <= from) {
+                        rows.load_base(tile, chunk);
+                        if visit(t, &rows.agent(tile, t, start, chunk)).is_break() {
+                            return true;
+                        }
+                    }
+                    false
+                })
+                .collect();
+            for (d, f) in done.iter_mut().zip(flows) {
+                *d |= f;
+            }
+            Ok(if done.iter().all(|&d| d) {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            })
+        })
+    }
+}

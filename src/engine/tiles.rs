@@ -1,0 +1,281 @@
+//! Tiles: how a pass reads a tensor (the base and the agents holding it) in runs of elements,
+//! in order for statistics scans or on every worker at once for the probe and merge passes.
+
+use super::Pass;
+use crate::backend::{ranges, Tile};
+use crate::checkpoint::dtype::{decode_one, first_nonfinite};
+use crate::checkpoint::{ModelFolder, ModelTensor};
+use crate::inputs::{Inputs, TensorPlan};
+use anyhow::{bail, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use rayon::prelude::*;
+use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// Reusable tile buffers: one for the base, one per agent.
+pub(super) struct TileBuffers {
+    pub(super) base: Vec<u8>,
+    pub(super) agents: Vec<Vec<u8>>,
+}
+
+impl TileBuffers {
+    pub(super) fn new(agents: usize) -> TileBuffers {
+        TileBuffers {
+            base: Vec::new(),
+            agents: vec![Vec::new(); agents],
+        }
+    }
+
+    /// Reads elements `start..start + len` of `plan` for the base and the `present` agents (one
+    /// input per core when `spread`, else on the calling thread), and inspects each while its
+    /// bytes are in cache: feeds the input's running checksum and, when `finite_only`, fails on
+    /// the first NaN or ±Inf, naming tensor, file and element.
+    pub(super) fn load(
+        &mut self,
+        inputs: &Inputs,
+        plan: &TensorPlan,
+        present: &[usize],
+        (start, len): (usize, usize),
+        finite_only: bool,
+        spread: bool,
+    ) -> Result<()> {
+        let dtype = plan.base.entry.dtype;
+        let (offset, bytes) = ((start * dtype.size()) as u64, len * dtype.size());
+        let sources = std::iter::once((&inputs.base, &plan.base)).chain(present.iter().map(|&t| {
+            let at = plan
+                .agent(inputs, t)
+                .expect("present agents have the tensor");
+            (&inputs.agents[t], at)
+        }));
+        let jobs: Vec<(&ModelFolder, &ModelTensor, &mut Vec<u8>)> = sources
+            .zip(std::iter::once(&mut self.base).chain(self.agents.iter_mut()))
+            .map(|((model, tensor), buf)| (model, tensor, buf))
+            .collect();
+        let load_one =
+            |(model, tensor, buf): (&ModelFolder, &ModelTensor, &mut Vec<u8>)| -> Result<()> {
+                buf.resize(bytes, 0);
+                model.read(tensor, offset, buf)?;
+                model.record_read(tensor, offset, buf);
+                match finite_only.then(|| first_nonfinite(dtype, buf)).flatten() {
+                    None => Ok(()),
+                    Some(i) => bail!(
+                        "tensor '{}' in {} has a non-finite value ({}) at element {}; \
+                     rlmerge refuses NaN and infinity unless --allow-nonfinite",
+                        plan.name(),
+                        model.file_of(tensor).display(),
+                        decode_one(dtype, buf, i),
+                        start + i
+                    ),
+                }
+            };
+        // Spreading a small tile over threads costs more than reading it; results keep input order.
+        let results: Vec<Result<()>> = if spread && bytes >= 1 << 17 {
+            jobs.into_par_iter().map(load_one).collect()
+        } else {
+            jobs.into_iter().map(load_one).collect()
+        };
+        results.into_iter().collect()
+    }
+
+    /// [`Self::load`]s elements `start..start + len` and hands them to `visit` as one [`Tile`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn visit<R>(
+        &mut self,
+        inputs: &Inputs,
+        plan: &TensorPlan,
+        present: &[usize],
+        (start, len): (usize, usize),
+        finite_only: bool,
+        spread: bool,
+        visit: impl FnOnce(&Tile) -> Result<R>,
+    ) -> Result<R> {
+        self.load(inputs, plan, present, (start, len), finite_only, spread)?;
+        let agents: Vec<&[u8]> = self.agents[..present.len()]
+            .iter()
+            .map(|v| v.as_slice())
+            .collect();
+        visit(&Tile {
+            dtype: plan.base.entry.dtype,
+            len,
+            base: &self.base,
+            agents: &agents,
+        })
+    }
+}
+
+/// Reads `plan` tile by tile, in order, from the tile holding element `from`, for the base and the
+/// `present` agents and hands each tile, with its index, to `visit`: the statistics scans that
+/// need element order. The probe and merge passes run [`par_tiles`].
+#[allow(clippy::too_many_arguments)]
+pub(super) fn for_each_tile(
+    inputs: &Inputs,
+    plan: &TensorPlan,
+    present: &[usize],
+    pass: &Pass,
+    buffers: &mut TileBuffers,
+    progress: &ProgressBar,
+    from: u64,
+    mut visit: impl FnMut(usize, u64, &Tile) -> Result<ControlFlow<()>>,
+) -> Result<()> {
+    let dtype = plan.base.entry.dtype;
+    let tiles = ranges(plan.numel(), pass.tile_elems).enumerate();
+    // From the tile holding element `from`: tiles keep their places whatever `from` is.
+    for (i, (start, len)) in tiles.skip_while(|(_, (s, l))| (s + l) as u64 <= from) {
+        let flow = buffers.visit(
+            inputs,
+            plan,
+            present,
+            (start, len),
+            pass.scan_nonfinite,
+            true,
+            |tile| visit(i, start as u64, tile),
+        )?;
+        progress.inc((len * dtype.size() * (1 + present.len())) as u64);
+        if flow.is_break() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// One tensor's part in a tile loop ([`par_tiles`]): its plan, the agents read with the base,
+/// and its tile size.
+pub(super) struct TensorTiles<'a> {
+    pub(super) plan: &'a TensorPlan,
+    pub(super) present: &'a [usize],
+    pub(super) tile_elems: usize,
+}
+
+impl TensorTiles<'_> {
+    pub(super) fn count(&self) -> usize {
+        tile_count(self.plan, self.tile_elems)
+    }
+}
+
+/// Tiles of `tile_elems` elements (at least one) that `plan` is cut into.
+pub(super) fn tile_count(plan: &TensorPlan, tile_elems: usize) -> usize {
+    plan.numel().div_ceil(tile_elems.max(1))
+}
+
+/// Tiles a batch of tensors' tile loop should hold at least: the workers wait for each other
+/// only at the end of a batch, so small tensors (norms, biases) go together.
+pub(super) const BATCH_TILES: usize = 256;
+
+/// The tile loop of the probe and merge passes: every tile of `tensors`, one tensor after the
+/// other, read for the base and the tensor's agents and handed to `visit` with (index in
+/// `tensors`, tile index, first element) on the workers `run_workers` starts (the backend's,
+/// [`Backend::run_workers`], or the CPU's for statistics); with `stride` > 1 only tiles 0,
+/// `stride`, 2·`stride`, … (a sample). Each worker has its own tile buffers and a `state` from
+/// `init`, and takes tile after tile, so reading, computing and writing a tile happen on one
+/// core while its bytes are in cache, and the cores wait for each other only at the end. Tiles
+/// start in order and finish in any order. Returns the workers' states; on failure, the error of
+/// the earliest failing tile (the tiles before it all ran, so the same input always reports the
+/// same error).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn par_tiles<S: Send>(
+    inputs: &Inputs,
+    tensors: &[TensorTiles],
+    scan_nonfinite: bool,
+    run_workers: &dyn Fn(&(dyn Fn() + Sync)),
+    progress: &ProgressBar,
+    stride: usize,
+    init: impl Fn() -> S + Sync,
+    visit: impl Fn(&mut S, usize, usize, u64, &Tile) -> Result<()> + Sync,
+) -> Result<Vec<S>> {
+    // The first tile of each tensor in the loop's numbering, then the end.
+    let firsts: Vec<usize> = std::iter::once(0)
+        .chain(tensors.iter().scan(0, |end, t| {
+            *end += t.count();
+            Some(*end)
+        }))
+        .collect();
+    let count = *firsts.last().expect("one entry at least");
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first_error: Mutex<Option<(usize, anyhow::Error)>> = Mutex::new(None);
+    let states = Mutex::new(Vec::new());
+    let worker = || {
+        let mut buffers = TileBuffers::new(inputs.agents.len());
+        let mut state = init();
+        loop {
+            let g = next.fetch_add(1, Ordering::Relaxed) * stride;
+            if g >= count || failed.load(Ordering::Relaxed) {
+                break;
+            }
+            let j = firsts.partition_point(|&f| f <= g) - 1;
+            let TensorTiles {
+                plan,
+                present,
+                tile_elems,
+            } = tensors[j];
+            let (i, step, numel) = (g - firsts[j], tile_elems.max(1), plan.numel());
+            let (start, len) = (i * step, step.min(numel - i * step));
+            let done = buffers.visit(
+                inputs,
+                plan,
+                present,
+                (start, len),
+                scan_nonfinite,
+                false,
+                |tile| visit(&mut state, j, i, start as u64, tile),
+            );
+            match done {
+                Ok(()) => {
+                    progress.inc((len * plan.base.entry.dtype.size() * (1 + present.len())) as u64)
+                }
+                Err(e) => {
+                    failed.store(true, Ordering::Relaxed);
+                    let mut first = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                    if first.as_ref().is_none_or(|(h, _)| g < *h) {
+                        *first = Some((g, e));
+                    }
+                }
+            }
+        }
+        states.lock().unwrap_or_else(|p| p.into_inner()).push(state);
+    };
+    run_workers(&worker);
+    if let Some((_, e)) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    Ok(states.into_inner().unwrap_or_else(|p| p.into_inner()))
+}
+
+/// Consecutive runs of `plans` of [`BATCH_TILES`] tiles or more (the last may hold fewer).
+pub(super) fn batches(plans: &[TensorPlan], tile_elems: usize) -> Vec<std::ops::Range<usize>> {
+    let mut runs = Vec::new();
+    let (mut from, mut tiles) = (0, 0);
+    for (i, plan) in plans.iter().enumerate() {
+        tiles += tile_count(plan, tile_elems);
+        if tiles >= BATCH_TILES || i + 1 == plans.len() {
+            runs.push(from..i + 1);
+            (from, tiles) = (i + 1, 0);
+        }
+    }
+    runs
+}
+
+pub(super) fn progress_bar(total: u64, show: bool, message: &str) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg:>8} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(message.to_string());
+    bar
+}
+
+/// `tile_elems` rounded down to whole rows of `row_len` (at least one row; 0: no rows).
+pub(super) fn whole_rows(tile_elems: usize, row_len: u64) -> usize {
+    match row_len as usize {
+        0 => tile_elems,
+        r => (tile_elems - tile_elems % r).max(r),
+    }
+}

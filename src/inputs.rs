@@ -1,0 +1,269 @@
+//! The inputs of a merge: the base and the agent folders, opened and checked against each other,
+//! and the plan of which agents hold each base tensor.
+
+use crate::checkpoint::safetensors_file::shape_text;
+use crate::checkpoint::{ModelFolder, ModelTensor};
+use crate::error::usage;
+use crate::method::{self};
+use crate::recipe::InputChecksums;
+use anyhow::{bail, ensure, Context, Result};
+use std::path::{Path, PathBuf};
+
+/// The base and the agents, opened and checked against each other.
+pub struct Inputs {
+    pub base: ModelFolder,
+    pub agents: Vec<ModelFolder>,
+    /// Tensors to merge, in the base's storage order.
+    pub tensors: Vec<TensorPlan>,
+    /// Things the user should know (tensors missing in some agents, extra tensors ignored).
+    pub warnings: Vec<String>,
+}
+
+/// One base tensor and where each agent keeps its counterpart: its index in that agent's
+/// [`ModelFolder::tensors`] (`None`: that agent lacks it). Indices, not copies: a model may have
+/// 10^5 tensors.
+pub struct TensorPlan {
+    pub base: ModelTensor,
+    pub agents: Box<[Option<u32>]>,
+}
+
+impl TensorPlan {
+    pub fn name(&self) -> &str {
+        &self.base.entry.name
+    }
+
+    pub fn numel(&self) -> usize {
+        self.base.entry.numel
+    }
+
+    /// Agent `t`'s counterpart, if it has one.
+    pub fn agent<'a>(&self, inputs: &'a Inputs, t: usize) -> Option<&'a ModelTensor> {
+        self.agents[t].map(|i| &inputs.agents[t].tensors[i as usize])
+    }
+
+    /// Global indices of the agents that have this tensor.
+    pub fn present(&self) -> Vec<usize> {
+        (0..self.agents.len())
+            .filter(|&t| self.agents[t].is_some())
+            .collect()
+    }
+}
+
+impl Inputs {
+    /// Opens every folder and checks each agent tensor's dtype and shape against the base's.
+    pub fn open(base_dir: &Path, agent_dirs: &[PathBuf]) -> Result<Inputs> {
+        ensure!(
+            !agent_dirs.is_empty(),
+            "at least one agent model is needed (--model DIR)"
+        );
+        if agent_dirs.len() > method::MAX_AGENTS {
+            return Err(usage(format!(
+                "at most {} agent models can be handled at once, got {}",
+                method::MAX_AGENTS,
+                agent_dirs.len()
+            )));
+        }
+        refuse_repeated_agents(agent_dirs)?;
+        // One copy of each tensor name and shape for all models.
+        let mut interner = crate::checkpoint::safetensors_file::Interner::default();
+        let base = ModelFolder::open_interned(base_dir, &mut interner)
+            .context("cannot open the base model")?;
+        ensure!(
+            !base.tensors.is_empty(),
+            "the base model {} has no tensors (its header is empty)",
+            base_dir.display()
+        );
+        let agents = agent_dirs
+            .iter()
+            .map(|d| {
+                ModelFolder::open_interned(d, &mut interner).context("cannot open an agent model")
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for agent in &agents {
+            if !agent
+                .tensors
+                .iter()
+                .any(|t| base.get(&t.entry.name).is_some())
+            {
+                bail!(
+                    "{} has none of the base's tensor names (agent: '{}', base: '{}'); was it \
+                     fine-tuned from {}, and saved with the same names?",
+                    agent.dir.display(),
+                    agent.tensors.first().map_or("", |t| &*t.entry.name),
+                    base.tensors[0].entry.name,
+                    base_dir.display()
+                );
+            }
+        }
+        let mut warnings = Vec::new();
+        let mut tensors = Vec::with_capacity(base.tensors.len());
+        for bt in &base.tensors {
+            let mut found = Vec::with_capacity(agents.len());
+            for agent in &agents {
+                let Some(index) = agent.index_of(&bt.entry.name) else {
+                    found.push(None);
+                    continue;
+                };
+                let at = &agent.tensors[index];
+                if at.entry.dtype != bt.entry.dtype || at.entry.shape != bt.entry.shape {
+                    bail!(
+                        "tensor '{}' in {} is {} {} but in the base ({}) it is {} {}",
+                        bt.entry.name,
+                        agent.file_of(at).display(),
+                        at.entry.dtype,
+                        shape_text(&at.entry.shape),
+                        base.file_of(bt).display(),
+                        bt.entry.dtype,
+                        shape_text(&bt.entry.shape)
+                    );
+                }
+                found.push(Some(index as u32));
+            }
+            let missing: Vec<String> = found
+                .iter()
+                .enumerate()
+                .filter(|(_, f)| f.is_none())
+                .map(|(t, _)| agents[t].dir.display().to_string())
+                .collect();
+            if !missing.is_empty() {
+                let what = if missing.len() == agents.len() {
+                    "kept from the base".to_string()
+                } else {
+                    "merged from the agents that have it".to_string()
+                };
+                warnings.push(format!(
+                    "tensor '{}' is missing in {}; {what}",
+                    bt.entry.name,
+                    missing.join(", ")
+                ));
+            }
+            tensors.push(TensorPlan {
+                base: bt.clone(),
+                agents: found.into(),
+            });
+        }
+        for agent in &agents {
+            let extra: Vec<&str> = agent
+                .tensors
+                .iter()
+                .filter(|t| base.get(&t.entry.name).is_none())
+                .map(|t| &*t.entry.name)
+                .collect();
+            if let Some(first) = extra.first() {
+                warnings.push(format!(
+                    "{} has {} tensor(s) the base lacks (first: '{first}'); they are ignored",
+                    agent.dir.display(),
+                    extra.len()
+                ));
+            }
+        }
+        Ok(Inputs {
+            base,
+            agents,
+            tensors,
+            warnings,
+        })
+    }
+
+    /// Refuses the base given as an agent too, for every use that takes task vectors against
+    /// it (all but methods without a base, which merge the models themselves).
+    pub fn refuse_base_as_agent(&self) -> Result<()> {
+        let base = real_path(&self.base.dir);
+        match self.agents.iter().find(|a| real_path(&a.dir) == base) {
+            Some(a) => Err(usage(format!(
+                "--model {} is the base model {}; its task vector is zero — give each agent \
+                 once, and not the base",
+                a.dir.display(),
+                self.base.dir.display()
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Bytes of tensor data one pass reads (base + every agent tensor).
+    pub fn pass_bytes(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|t| t.base.entry.byte_len() * (1 + t.present().len() as u64))
+            .sum()
+    }
+
+    /// Fails if any input file changed since it was opened.
+    pub fn check_unchanged(&self) -> Result<()> {
+        std::iter::once(&self.base)
+            .chain(&self.agents)
+            .try_for_each(|m| m.check_unchanged())
+    }
+
+    /// Every input folder and weight file (which may be links to elsewhere, as in the Hugging
+    /// Face cache): what an output must never overlap.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        std::iter::once(&self.base)
+            .chain(&self.agents)
+            .flat_map(ModelFolder::paths)
+            .collect()
+    }
+
+    pub fn agent_labels(&self) -> Vec<String> {
+        self.agents
+            .iter()
+            .map(|a| a.dir.display().to_string())
+            .collect()
+    }
+}
+
+fn real_path(p: &Path) -> PathBuf {
+    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
+/// Warnings for inputs with identical weights (every weight file of the same size and CRC-32,
+/// known for free from the checksums the merge computed): two copies of one agent count its
+/// changes as shared by two; an agent equal to the base changes nothing.
+pub(crate) fn identical_inputs(sums: &[InputChecksums], uses_base: bool) -> Vec<String> {
+    fn key(i: &InputChecksums) -> Vec<(u64, &str)> {
+        let mut k: Vec<(u64, &str)> = i.files.iter().map(|f| (f.size, f.crc32.as_str())).collect();
+        k.sort_unstable();
+        k
+    }
+    let mut warnings = Vec::new();
+    let first = if uses_base { 0 } else { 1 };
+    for a in first..sums.len() {
+        for b in a + 1..sums.len() {
+            if key(&sums[a]) == key(&sums[b]) {
+                warnings.push(if a == 0 {
+                    format!(
+                        "agent {} holds the same weights as the base (every weight file has the \
+                         same size and CRC-32): it changes nothing",
+                        sums[b].path.display()
+                    )
+                } else {
+                    format!(
+                        "agents {} and {} hold the same weights (every weight file has the same \
+                         size and CRC-32): their changes count as shared by two agents",
+                        sums[a].path.display(),
+                        sums[b].path.display()
+                    )
+                });
+            }
+        }
+    }
+    warnings
+}
+
+/// Refuses an agent folder given twice (after resolving links): it would count one agent's
+/// changes as shared by two, and move every λ.
+fn refuse_repeated_agents(agent_dirs: &[PathBuf]) -> Result<()> {
+    let mut seen: Vec<(PathBuf, &Path)> = Vec::new();
+    for dir in agent_dirs {
+        let r = real_path(dir);
+        if let Some((_, first)) = seen.iter().find(|(s, _)| *s == r) {
+            return Err(usage(format!(
+                "--model {} is given twice (also as {}); give each agent once",
+                dir.display(),
+                first.display()
+            )));
+        }
+        seen.push((r, dir));
+    }
+    Ok(())
+}
