@@ -569,7 +569,7 @@ fn run_methods(out: &mut impl Write) -> Result<()> {
                 "    {:<16} {:<10} default {:<16} {:<16} {}",
                 p.name,
                 scope,
-                p.default,
+                p.default.text(p.range),
                 p.range.text(),
                 p.about
             )?;

@@ -34,7 +34,7 @@ pub(super) fn combine_spec(
 ) -> Result<CombineSpec> {
     let numel = plan.numel() as u64;
     let recipe = config
-        .tensor_recipe(at, numel, present)
+        .tensor_params(at, numel, present)
         .with_context(|| format!("tensor '{}'", plan.name()))?;
     ensure!(
         numel <= u32::MAX as u64,

@@ -5,9 +5,9 @@
 //! rule and its coefficients, DELLA's density ± ε, multislerp's weight sum) is checked here too.
 //! Every failure is a usage error (exit 2) naming the parameter, the model and the range.
 
-use super::catalog::{Kind, Param, Range, Scope};
-use super::plan::MethodConfig;
+use super::catalog::{Kind, Param, ParamDefault, Range, Scope};
 use super::settings::{ConditionalValue, Scalar, Setting, Settings};
+use super::tensor_params::MethodConfig;
 use super::{defaults, BoostRule, BoostScope, Method, MAX_AGENTS};
 use crate::error::usage;
 use anyhow::Result;
@@ -222,8 +222,9 @@ fn ram_plus(req: &MethodRequest) -> Result<Method> {
     Ok(Method::RamPlus { rule, scope })
 }
 
-/// Model `m`'s value of `key` when it is one number (per-model first, then shared, then `default`).
-fn model_number(config: &MethodConfig, key: &str, m: usize, default: Option<f64>) -> Option<f64> {
+/// Model `m`'s value of `key` when it is one number (per-model first, then shared, then the
+/// catalog's default).
+fn model_number(config: &MethodConfig, key: &str, m: usize) -> Option<f64> {
     let setting = config
         .models
         .get(m)
@@ -232,7 +233,10 @@ fn model_number(config: &MethodConfig, key: &str, m: usize, default: Option<f64>
     match setting {
         Some(Setting::Scalar(v)) => v.as_f64(key).ok(),
         Some(_) => None,
-        None => default,
+        None => match config.kind.param(key).map(|p| p.default) {
+            Some(ParamDefault::Number(d)) => Some(d),
+            _ => None,
+        },
     }
 }
 
@@ -243,8 +247,8 @@ fn cross_checks(config: &MethodConfig, agents: usize) -> Result<()> {
         Kind::Della | Kind::DellaLinear => {
             for m in 0..agents {
                 let (Some(d), Some(e)) = (
-                    model_number(config, "density", m, Some(1.0)),
-                    model_number(config, "epsilon", m, Some(0.15)),
+                    model_number(config, "density", m),
+                    model_number(config, "epsilon", m),
                 ) else {
                     continue;
                 };
@@ -264,7 +268,7 @@ fn cross_checks(config: &MethodConfig, agents: usize) -> Result<()> {
                 Some(Setting::Scalar(v)) if v.as_bool("normalize_weights").ok() == Some(false)
             );
             let weights: Option<Vec<f64>> = (0..agents)
-                .map(|m| model_number(config, "weight", m, None))
+                .map(|m| model_number(config, "weight", m))
                 .collect();
             if let (true, Some(w)) = (normalize, weights) {
                 if w.iter().sum::<f64>().abs() < 1e-12 {

@@ -1,6 +1,7 @@
 //! Every method name rlmerge accepts (mergekit's names), with its parameters, defaults and
 //! reference — the one list `rlmerge methods`, the recipe reader and the planner share.
 
+use super::defaults;
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
@@ -112,11 +113,42 @@ impl Range {
     }
 }
 
+/// A parameter's default, typed: the one source of every default the planner applies and
+/// `rlmerge methods` prints.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ParamDefault {
+    /// No default: the parameter must be given.
+    Required,
+    Number(f64),
+    Bool(bool),
+    Word(&'static str),
+    /// RAM+'s α: one default in global scope, another in tensor scope.
+    ByScope {
+        global: f64,
+        tensor: f64,
+    },
+}
+
+impl ParamDefault {
+    /// The default as `rlmerge methods` prints it (whole numbers of an integer parameter
+    /// without a fraction).
+    pub fn text(self, range: Range) -> String {
+        match self {
+            ParamDefault::Required => "required".into(),
+            ParamDefault::Number(x) if matches!(range, Range::Integer { .. }) => format!("{x}"),
+            ParamDefault::Number(x) => format!("{x:?}"),
+            ParamDefault::Bool(b) => b.to_string(),
+            ParamDefault::Word(w) => w.into(),
+            ParamDefault::ByScope { global, tensor } => format!("{global:?} ({tensor:?} tensor)"),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Param {
     pub name: &'static str,
     pub scope: Scope,
-    /// The default as text; "required" when there is none.
-    pub default: &'static str,
+    pub default: ParamDefault,
     pub range: Range,
     pub about: &'static str,
 }
@@ -124,7 +156,7 @@ pub struct Param {
 const fn p(
     name: &'static str,
     scope: Scope,
-    default: &'static str,
+    default: ParamDefault,
     range: Range,
     about: &'static str,
 ) -> Param {
@@ -148,45 +180,239 @@ const FINITE: Range = num(-INF, INF);
 const UNIT: Range = num(0.0, 1.0);
 const BOOL: Range = Range::Bool;
 
+use ParamDefault::{Bool, Number, Required, Word};
 use Scope::{PerModel, Shared};
+
+const fn flag(name: &'static str, default: bool, about: &'static str) -> Param {
+    p(name, Shared, Bool(default), BOOL, about)
+}
 
 const WEIGHT: Param = p(
     "weight",
     PerModel,
-    "required",
+    Required,
     FINITE,
     "scale of the model's task vector",
 );
 const DENSITY: Param = p(
     "density",
     PerModel,
-    "1.0",
+    Number(1.0),
     UNIT,
     "fraction of elements kept",
 );
 const LAMBDA: Param = p(
     "lambda",
     Shared,
-    "1.0",
+    Number(1.0),
     FINITE,
     "scale of the merged task vector",
 );
-const INT8_MASK: Param = p(
-    "int8_mask",
-    Shared,
-    "false",
-    BOOL,
-    "accepted; memory-only in mergekit",
-);
+const INT8_MASK: Param = flag("int8_mask", false, "accepted; memory-only in mergekit");
 const EPSILON: Param = p(
     "epsilon",
     Shared,
-    "1e-5",
+    Number(defaults::EPSILON),
     num(0.0, INF),
     "|τ| > ε counts as changed",
 );
 /// RAM+'s paper rule slope r: λ ≤ 1 + r·α.
-const R: Param = p("r", Shared, "0.1", num(0.0, 100.0), "paper rule slope");
+const R: Param = p(
+    "r",
+    Shared,
+    Number(defaults::R),
+    num(0.0, 100.0),
+    "paper rule slope",
+);
+const GAMMA: Param = p(
+    "gamma",
+    PerModel,
+    Number(0.01),
+    UNIT,
+    "fraction of largest |τ| dropped",
+);
+const DELLA_EPS: Param = p(
+    "epsilon",
+    PerModel,
+    Number(0.15),
+    num(0.0, 1.0),
+    "keep-probability spread (density ± ε within (0, 1))",
+);
+
+/// The parameters of the generalized task-arithmetic family, with the method's `normalize` and
+/// `rescale` defaults.
+const fn gta(normalize: bool, rescale: bool) -> [Param; 6] {
+    [
+        WEIGHT,
+        DENSITY,
+        flag(
+            "normalize",
+            normalize,
+            "divide by the (agreeing) weights' sum",
+        ),
+        flag("rescale", rescale, "L1-rescale each sparsified τ"),
+        LAMBDA,
+        INT8_MASK,
+    ]
+}
+
+/// [`gta`]'s parameters and one more.
+const fn and(p: [Param; 6], extra: Param) -> [Param; 7] {
+    [p[0], p[1], p[2], p[3], p[4], p[5], extra]
+}
+
+const TASK_ARITHMETIC: [Param; 6] = gta(false, false);
+const TIES: [Param; 6] = gta(true, false);
+const DARE: [Param; 6] = gta(false, true);
+const BREADCRUMBS: [Param; 7] = and(gta(false, false), GAMMA);
+const DELLA: [Param; 7] = and(gta(true, true), DELLA_EPS);
+const DELLA_LINEAR: [Param; 7] = and(gta(false, true), DELLA_EPS);
+
+const RAM_PLUS: [Param; 6] = [
+    EPSILON,
+    p(
+        "rule",
+        Shared,
+        Word("paper"),
+        Range::Choice(&["paper", "official"]),
+        "paper (1 + r·min(ρ, α)) or official (1 + (R − 1)·min(ρ, 1))",
+    ),
+    p(
+        "scope",
+        Shared,
+        Word("global"),
+        Range::Choice(&["global", "tensor"]),
+        "one λ per agent, or per agent and tensor",
+    ),
+    R,
+    p(
+        "alpha",
+        Shared,
+        ParamDefault::ByScope {
+            global: defaults::ALPHA_GLOBAL,
+            tensor: defaults::ALPHA_TENSOR,
+        },
+        num(0.0, 1e6),
+        "paper rule cap on ρ",
+    ),
+    p(
+        "rescale_factor",
+        Shared,
+        Number(defaults::RESCALE_FACTOR),
+        num(1.0, 100.0),
+        "official rule R",
+    ),
+];
+const RAMPLUS_TL: [Param; 3] = [
+    EPSILON,
+    R,
+    p(
+        "alpha",
+        Shared,
+        Number(defaults::ALPHA_TENSOR),
+        num(0.0, 1e6),
+        "cap on ρ",
+    ),
+];
+const LINEAR: [Param; 2] = [
+    p("weight", PerModel, Required, FINITE, "the model's weight"),
+    flag("normalize", true, "divide by Σ weight"),
+];
+const MODEL_STOCK: [Param; 1] = [flag(
+    "filter_wise",
+    false,
+    "one angle per row (true: not yet)",
+)];
+const SLERP: [Param; 1] = [p(
+    "t",
+    Shared,
+    Required,
+    UNIT,
+    "0 = base, 1 = the other model",
+)];
+const NUSLERP: [Param; 3] = [
+    WEIGHT,
+    flag(
+        "nuslerp_flatten",
+        true,
+        "one angle per tensor (false: not yet)",
+    ),
+    flag("nuslerp_row_wise", false, "angles per column (not yet)"),
+];
+const MULTISLERP: [Param; 3] = [
+    WEIGHT,
+    flag(
+        "normalize_weights",
+        true,
+        "weights sum to 1 (their sum must not be 0)",
+    ),
+    p(
+        "eps",
+        Shared,
+        Number(1e-8),
+        num(0.0, INF),
+        "accepted; rlmerge uses 1e-8",
+    ),
+];
+const KARCHER: [Param; 2] = [
+    p(
+        "max_iter",
+        Shared,
+        Number(10.0),
+        Range::Integer {
+            lo: 0.0,
+            hi: 10000.0,
+        },
+        "Karcher iterations",
+    ),
+    p(
+        "tol",
+        Shared,
+        Number(1e-5),
+        num(0.0, INF),
+        "convergence tolerance",
+    ),
+];
+const SCE: [Param; 2] = [
+    p(
+        "select_topk",
+        Shared,
+        Number(1.0),
+        UNIT,
+        "fraction kept by variance",
+    ),
+    INT8_MASK,
+];
+const NEARSWAP: [Param; 1] = [p(
+    "t",
+    Shared,
+    Required,
+    num(0.0, INF),
+    "similarity threshold",
+)];
+const PASSTHROUGH: [Param; 1] = [p(
+    "scale",
+    PerModel,
+    Number(1.0),
+    FINITE,
+    "multiplies the tensor",
+)];
+const FISHER: [Param; 2] = [
+    p(
+        "weight",
+        PerModel,
+        Number(1.0),
+        num(0.0, INF),
+        "λ, the model's weight",
+    ),
+    p(
+        "fisher",
+        PerModel,
+        Required,
+        Range::Folder,
+        "folder of the model's diagonal Fisher (safetensors)",
+    ),
+];
 
 impl Kind {
     pub const ALL: [Kind; 21] = [
@@ -310,207 +536,33 @@ impl Kind {
         }
     }
 
-    pub fn params(self) -> Vec<Param> {
-        let gta = |extra: &[Param], normalize: &'static str, rescale: &'static str| {
-            let mut v = vec![
-                WEIGHT,
-                DENSITY,
-                p(
-                    "normalize",
-                    Shared,
-                    normalize,
-                    BOOL,
-                    "divide by the (agreeing) weights' sum",
-                ),
-                p(
-                    "rescale",
-                    Shared,
-                    rescale,
-                    BOOL,
-                    "L1-rescale each sparsified τ",
-                ),
-                LAMBDA,
-                INT8_MASK,
-            ];
-            v.extend(
-                extra
-                    .iter()
-                    .map(|q| p(q.name, q.scope, q.default, q.range, q.about)),
-            );
-            v
-        };
-        const GAMMA: Param = p(
-            "gamma",
-            PerModel,
-            "0.01",
-            UNIT,
-            "fraction of largest |τ| dropped",
-        );
-        const DELLA_EPS: Param = p(
-            "epsilon",
-            PerModel,
-            "0.15",
-            num(0.0, 1.0),
-            "keep-probability spread (density ± ε within (0, 1))",
-        );
+    /// The method's parameters, in the order `rlmerge methods` lists them.
+    pub fn params(self) -> &'static [Param] {
         match self {
-            Kind::Ram => vec![EPSILON],
-            Kind::RamPlus => vec![
-                EPSILON,
-                p(
-                    "rule",
-                    Shared,
-                    "paper",
-                    Range::Choice(&["paper", "official"]),
-                    "paper (1 + r·min(ρ, α)) or official (1 + (R − 1)·min(ρ, 1))",
-                ),
-                p(
-                    "scope",
-                    Shared,
-                    "global",
-                    Range::Choice(&["global", "tensor"]),
-                    "one λ per agent, or per agent and tensor",
-                ),
-                R,
-                p(
-                    "alpha",
-                    Shared,
-                    "2.0 (0.2 tensor)",
-                    num(0.0, 1e6),
-                    "paper rule cap on ρ",
-                ),
-                p(
-                    "rescale_factor",
-                    Shared,
-                    "1.2",
-                    num(1.0, 100.0),
-                    "official rule R",
-                ),
-            ],
-            Kind::RamplusTl => vec![
-                EPSILON,
-                R,
-                p("alpha", Shared, "0.2", num(0.0, 1e6), "cap on ρ"),
-            ],
-            Kind::Linear => vec![
-                p("weight", PerModel, "required", FINITE, "the model's weight"),
-                p("normalize", Shared, "true", BOOL, "divide by Σ weight"),
-            ],
-            Kind::TaskArithmetic => gta(&[], "false", "false"),
-            Kind::Ties => gta(&[], "true", "false"),
-            Kind::DareLinear => gta(&[], "false", "true"),
-            Kind::DareTies => gta(&[], "false", "true"),
-            Kind::Breadcrumbs => gta(&[GAMMA], "false", "false"),
-            Kind::BreadcrumbsTies => gta(&[GAMMA], "false", "false"),
-            Kind::Della => gta(&[DELLA_EPS], "true", "true"),
-            Kind::DellaLinear => gta(&[DELLA_EPS], "false", "true"),
-            Kind::ModelStock => vec![p(
-                "filter_wise",
-                Shared,
-                "false",
-                BOOL,
-                "one angle per row (true: not yet)",
-            )],
-            Kind::Slerp => vec![p(
-                "t",
-                Shared,
-                "required",
-                UNIT,
-                "0 = base, 1 = the other model",
-            )],
-            Kind::Nuslerp => vec![
-                WEIGHT,
-                p(
-                    "nuslerp_flatten",
-                    Shared,
-                    "true",
-                    BOOL,
-                    "one angle per tensor (false: not yet)",
-                ),
-                p(
-                    "nuslerp_row_wise",
-                    Shared,
-                    "false",
-                    BOOL,
-                    "angles per column (not yet)",
-                ),
-            ],
-            Kind::Multislerp => vec![
-                WEIGHT,
-                p(
-                    "normalize_weights",
-                    Shared,
-                    "true",
-                    BOOL,
-                    "weights sum to 1 (their sum must not be 0)",
-                ),
-                p(
-                    "eps",
-                    Shared,
-                    "1e-8",
-                    num(0.0, INF),
-                    "accepted; rlmerge uses 1e-8",
-                ),
-            ],
-            Kind::Karcher => vec![
-                p(
-                    "max_iter",
-                    Shared,
-                    "10",
-                    Range::Integer {
-                        lo: 0.0,
-                        hi: 10000.0,
-                    },
-                    "Karcher iterations",
-                ),
-                p(
-                    "tol",
-                    Shared,
-                    "1e-5",
-                    num(0.0, INF),
-                    "convergence tolerance",
-                ),
-            ],
-            Kind::Sce => vec![
-                p(
-                    "select_topk",
-                    Shared,
-                    "1.0",
-                    UNIT,
-                    "fraction kept by variance",
-                ),
-                INT8_MASK,
-            ],
-            Kind::Nearswap => vec![p(
-                "t",
-                Shared,
-                "required",
-                num(0.0, INF),
-                "similarity threshold",
-            )],
-            Kind::Passthrough => vec![p(
-                "scale",
-                PerModel,
-                "none",
-                FINITE,
-                "multiplies the tensor",
-            )],
-            Kind::Fisher => vec![
-                p(
-                    "weight",
-                    PerModel,
-                    "1.0",
-                    num(0.0, INF),
-                    "λ, the model's weight",
-                ),
-                p(
-                    "fisher",
-                    PerModel,
-                    "required",
-                    Range::Folder,
-                    "folder of the model's diagonal Fisher (safetensors)",
-                ),
-            ],
+            Kind::Ram => &RAM_PLUS[..1],
+            Kind::RamPlus => &RAM_PLUS,
+            Kind::RamplusTl => &RAMPLUS_TL,
+            Kind::Linear => &LINEAR,
+            Kind::TaskArithmetic => &TASK_ARITHMETIC,
+            Kind::Ties => &TIES,
+            Kind::DareLinear | Kind::DareTies => &DARE,
+            Kind::Breadcrumbs | Kind::BreadcrumbsTies => &BREADCRUMBS,
+            Kind::Della => &DELLA,
+            Kind::DellaLinear => &DELLA_LINEAR,
+            Kind::ModelStock => &MODEL_STOCK,
+            Kind::Slerp => &SLERP,
+            Kind::Nuslerp => &NUSLERP,
+            Kind::Multislerp => &MULTISLERP,
+            Kind::Karcher => &KARCHER,
+            Kind::Sce => &SCE,
+            Kind::Nearswap => &NEARSWAP,
+            Kind::Passthrough => &PASSTHROUGH,
+            Kind::Fisher => &FISHER,
         }
+    }
+
+    /// Parameter `name` of the method.
+    pub fn param(self, name: &str) -> Option<&'static Param> {
+        self.params().iter().find(|p| p.name == name)
     }
 }

@@ -5,17 +5,17 @@ pub mod build;
 pub mod catalog;
 pub mod closed_form;
 pub mod combine;
-pub mod plan;
 pub mod settings;
 pub mod statistics;
+pub mod tensor_params;
 
 pub use catalog::Kind;
-pub use plan::MethodConfig;
 use serde::{Deserialize, Serialize};
 use std::fmt;
+pub use tensor_params::MethodConfig;
 
 /// The probe threshold: an element is "changed" by an agent when |τ| > ε (SPEC §1).
-pub const DEFAULT_EPSILON: f32 = 1e-5;
+pub const DEFAULT_EPSILON: f32 = defaults::EPSILON as f32;
 
 /// How RAM+ turns the overlap-unique ratio ρ into the unique boost λ (SPEC §3).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -128,7 +128,9 @@ impl fmt::Display for Method {
 }
 
 /// The defaults of SPEC §3.
+/// RAM and RAM+ defaults (the catalog prints them; `build` applies them).
 pub mod defaults {
+    pub const EPSILON: f64 = 1e-5;
     pub const R: f64 = 0.1;
     pub const ALPHA_GLOBAL: f64 = 2.0;
     pub const ALPHA_TENSOR: f64 = 0.2;

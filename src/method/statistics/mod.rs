@@ -12,7 +12,7 @@ use super::closed_form::{
     karcher_coefs, model_stock_t, multislerp_coefs, nuslerp_coefs, slerp_coefs,
 };
 use super::combine::{hash_key, random_threshold, row_ranks, CombineSpec, Keep, Normalize};
-use super::plan::{BaseTerm, Sparsify, TensorRecipe};
+use super::tensor_params::{BaseTerm, Sparsify, TensorParams};
 use crate::scans::{lock, states, unlock, worker_states, Scans, SCAN_CHUNK};
 use crate::select::{cut_of, rank_cuts};
 use crate::simd::multiversion;
@@ -24,7 +24,7 @@ use std::sync::Mutex;
 /// Gathers the statistics `recipe` needs from scans of the tensor and builds its combine rule.
 /// `numel` ≤ u32::MAX; `seed` and `name` key the random masks.
 pub fn build_spec(
-    recipe: &TensorRecipe,
+    recipe: &TensorParams,
     numel: u64,
     shape: &[usize],
     seed: u64,
@@ -85,7 +85,7 @@ impl MaskKeys<'_> {
 /// Each agent's keep rule: rank cuts resolved to thresholds by [`rank_cuts`], random and
 /// row-ranked masks keyed by [`MaskKeys`].
 fn keep_rules(
-    recipe: &TensorRecipe,
+    recipe: &TensorParams,
     numel: u64,
     rank_rows: u64,
     masks: &MaskKeys,
@@ -133,7 +133,7 @@ fn keep_rules(
 
 /// Elements per coefficient row: 1 for Fisher (per element), a matrix row for slerp, else 0
 /// (one row for the whole tensor).
-fn row_len(recipe: &TensorRecipe, numel: u64, shape: &[usize]) -> u64 {
+fn row_len(recipe: &TensorParams, numel: u64, shape: &[usize]) -> u64 {
     match recipe.base {
         BaseTerm::Fisher => 1,
         BaseTerm::Slerp { .. } => {
@@ -158,7 +158,7 @@ struct Sums {
 impl Sums {
     /// The sums `recipe` needs, in as few scans as they allow.
     fn gather(
-        recipe: &TensorRecipe,
+        recipe: &TensorParams,
         keep: &[Keep],
         numel: u64,
         row_len: u64,
@@ -350,7 +350,7 @@ impl Sums {
 }
 
 /// The coefficient rows of the combine rule (see [`CombineSpec::coefs`]).
-fn coefficients(recipe: &TensorRecipe, sums: &Sums, sce_weights: &[f64]) -> Result<Vec<f32>> {
+fn coefficients(recipe: &TensorParams, sums: &Sums, sce_weights: &[f64]) -> Result<Vec<f32>> {
     let n = recipe.weights.len();
     let delta = recipe.delta;
     // The base coefficient: 1 where out = θ₀ + Δ, 0 where Δ alone.
@@ -402,7 +402,7 @@ fn coefficients(recipe: &TensorRecipe, sums: &Sums, sce_weights: &[f64]) -> Resu
 }
 
 /// How Δ is divided: per element by the agreeing weights (consensus), once by Σ w, or not.
-fn normalization(recipe: &TensorRecipe, sce_weights: &[f64], variance_cut: bool) -> Normalize {
+fn normalization(recipe: &TensorParams, sce_weights: &[f64], variance_cut: bool) -> Normalize {
     let weights: Vec<f32> = if sce_weights.is_empty() {
         recipe.weights.iter().map(|&w| w as f32).collect()
     } else {
@@ -467,7 +467,7 @@ fn abs_sums(values: &[f32], mask: &[u32]) -> (f64, f64) {
 /// The row length of DELLA's ranks for a tensor of `shape` (0 when no keep rule ranks rows):
 /// the last dimension of a matrix, the whole of a vector (mergekit ranks along dimension 1 after
 /// making vectors one row).
-pub fn rank_rows(recipe: &TensorRecipe, numel: u64, shape: &[usize]) -> Result<u64> {
+pub fn rank_rows(recipe: &TensorParams, numel: u64, shape: &[usize]) -> Result<u64> {
     if !recipe
         .sparsify
         .iter()

@@ -1,8 +1,8 @@
-//! From a mergekit-family method and its settings to one tensor's recipe: what each agent's
-//! sparsifier keeps, the weights, consensus and normalization, and which statistics the probe
-//! pass must gather before [`super::combine::CombineSpec`] can be built.
+//! From a mergekit-family method and its settings to one tensor's parameters: what each agent's
+//! sparsifier keeps, the weights, consensus and normalization, and which statistics the scans
+//! must gather before [`super::combine::CombineSpec`] can be built.
 
-use super::catalog::Kind;
+use super::catalog::{Kind, ParamDefault};
 use super::settings::{Scalar, Settings, TensorPlace};
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
@@ -90,9 +90,9 @@ impl BaseTerm {
     }
 }
 
-/// One tensor's method recipe, before statistics.
+/// One tensor's method parameters, resolved, before statistics.
 #[derive(Clone, Debug, PartialEq)]
-pub struct TensorRecipe {
+pub struct TensorParams {
     /// v_t = θ_t − θ₀ (and out = θ₀ + …) when true; v_t = θ_t when false.
     pub delta: bool,
     pub weights: Vec<f64>,
@@ -105,10 +105,10 @@ pub struct TensorRecipe {
     pub base: BaseTerm,
 }
 
-impl TensorRecipe {
+impl TensorParams {
     /// Every model whole with weight 1; the base term's statistics set the coefficients.
-    fn interpolation(models: usize, delta: bool, base: BaseTerm) -> TensorRecipe {
-        TensorRecipe {
+    fn interpolation(models: usize, delta: bool, base: BaseTerm) -> TensorParams {
+        TensorParams {
             delta,
             weights: vec![1.0; models],
             sparsify: vec![Sparsify::All; models],
@@ -121,7 +121,8 @@ impl TensorRecipe {
     }
 }
 
-/// The tensor-wise settings lookup: model setting first, then method-wide, then the default.
+/// The tensor-wise settings lookup: model setting first, then method-wide, then the catalog's
+/// default ([`super::catalog::ParamDefault`], the one source of defaults).
 struct Lookup<'a> {
     config: &'a MethodConfig,
     at: TensorPlace<'a>,
@@ -141,11 +142,19 @@ impl Lookup<'_> {
             })
     }
 
-    fn number(&self, name: &str, model: Option<usize>, default: Option<f64>) -> Result<f64> {
-        let value = match (self.find(name, model), default) {
+    fn default(&self, name: &str) -> ParamDefault {
+        self.config
+            .kind
+            .param(name)
+            .map_or(ParamDefault::Required, |p| p.default)
+    }
+
+    /// A number for `model` (`None`: a shared parameter).
+    fn number(&self, name: &str, model: Option<usize>) -> Result<f64> {
+        let value = match (self.find(name, model), self.default(name)) {
             (Some(v), _) => v.as_f64(name)?,
-            (None, Some(d)) => d,
-            (None, None) => match model {
+            (None, ParamDefault::Number(d)) => d,
+            (None, _) => match model {
                 // The caller names the tensor.
                 Some(m) => bail!(
                     "method {} needs parameter '{name}' for model {}",
@@ -164,9 +173,20 @@ impl Lookup<'_> {
         Ok(value)
     }
 
-    fn flag(&self, name: &str, default: bool) -> Result<bool> {
-        self.find(name, None)
-            .map_or(Ok(default), |v| v.as_bool(name))
+    /// A number for each of the `present` models.
+    fn per_model(&self, name: &str, present: &[usize]) -> Result<Vec<f64>> {
+        present
+            .iter()
+            .map(|&m| self.number(name, Some(m)))
+            .collect()
+    }
+
+    fn flag(&self, name: &str) -> Result<bool> {
+        match (self.find(name, None), self.default(name)) {
+            (Some(v), _) => v.as_bool(name),
+            (None, ParamDefault::Bool(b)) => Ok(b),
+            (None, d) => bail!("internal: parameter '{name}' has no true/false default ({d:?})"),
+        }
     }
 }
 
@@ -208,193 +228,189 @@ fn breadcrumbs(density: f64, gamma: f64, n: u64) -> Sparsify {
     }
 }
 
+/// θ₀ + λ Σ w_t · sparsify(τ_t): the task-arithmetic core the sparsifying methods share, with
+/// the method's `normalize` and `rescale` (the catalog's defaults) and sign consensus or not.
+fn task_arithmetic(
+    l: &Lookup,
+    present: &[usize],
+    sparsify: Vec<Sparsify>,
+    consensus: bool,
+) -> Result<TensorParams> {
+    Ok(TensorParams {
+        delta: true,
+        weights: l.per_model("weight", present)?,
+        sparsify,
+        rescale: l.flag("rescale")?,
+        consensus,
+        normalize: l.flag("normalize")?,
+        lambda: l.number("lambda", None)?,
+        base: BaseTerm::Add,
+    })
+}
+
+/// task_arithmetic (keep all), ties (top-k by magnitude) and breadcrumbs (a band of ranks).
+fn magnitude_family(l: &Lookup, numel: u64, present: &[usize]) -> Result<TensorParams> {
+    let kind = l.config.kind;
+    let d = l.per_model("density", present)?;
+    let sparsify: Vec<Sparsify> = match kind {
+        Kind::TaskArithmetic => vec![Sparsify::All; present.len()],
+        Kind::Ties => d.iter().map(|&d| top_k(d, numel)).collect(),
+        _ => {
+            let g = l.per_model("gamma", present)?;
+            d.iter()
+                .zip(&g)
+                .map(|(&d, &g)| breadcrumbs(d, g, numel))
+                .collect()
+        }
+    };
+    let consensus = matches!(kind, Kind::Ties | Kind::BreadcrumbsTies);
+    task_arithmetic(l, present, sparsify, consensus)
+}
+
+/// DELLA: keep probabilities from density − ε to density + ε by magnitude rank in each row.
+fn della(l: &Lookup, present: &[usize]) -> Result<TensorParams> {
+    let eps = l.per_model("epsilon", present)?;
+    let sparsify = l
+        .per_model("density", present)?
+        .into_iter()
+        .zip(eps)
+        .map(|(density, epsilon)| {
+            if density >= 1.0 {
+                Ok(Sparsify::All)
+            } else if density <= 0.0 {
+                Ok(Sparsify::Ranks {
+                    lo: 0,
+                    hi: 0,
+                    high_first: false,
+                })
+            } else if density + epsilon >= 1.0 || density - epsilon <= 0.0 {
+                bail!("della: epsilon must keep density ± epsilon within (0, 1), got density {density}, epsilon {epsilon}")
+            } else {
+                Ok(Sparsify::RowRank { density, epsilon })
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    task_arithmetic(l, present, sparsify, l.config.kind == Kind::Della)
+}
+
+/// nuslerp (two models, t from their weights) and multislerp (weights, normalized by default),
+/// of the task vectors when a base is named.
+fn spherical(l: &Lookup, present: &[usize], with_base: bool) -> Result<TensorParams> {
+    let mut weights = l.per_model("weight", present)?;
+    if l.config.kind == Kind::Multislerp {
+        if l.flag("normalize_weights")? {
+            let sum: f64 = weights.iter().sum();
+            weights.iter_mut().for_each(|w| *w /= sum);
+        }
+        let base = BaseTerm::Multislerp { weights };
+        return Ok(TensorParams::interpolation(present.len(), with_base, base));
+    }
+    if l.flag("nuslerp_row_wise")? || !l.flag("nuslerp_flatten")? {
+        bail!("nuslerp with nuslerp_row_wise or nuslerp_flatten: false is not supported yet");
+    }
+    if present.len() != 2 {
+        bail!("nuslerp takes exactly two models, got {}", present.len());
+    }
+    let total = weights[0] + weights[1];
+    let t = if total.abs() < 1e-6 {
+        0.5
+    } else {
+        weights[1] / total
+    };
+    Ok(TensorParams::interpolation(
+        2,
+        with_base,
+        BaseTerm::Nuslerp { t },
+    ))
+}
+
 impl MethodConfig {
-    /// The recipe of tensor `at` with `numel` elements merged from the `present` agents.
-    pub fn tensor_recipe(
+    /// The parameters of tensor `at` with `numel` elements merged from the `present` agents.
+    pub fn tensor_params(
         &self,
         at: TensorPlace,
         numel: u64,
         present: &[usize],
-    ) -> Result<TensorRecipe> {
+    ) -> Result<TensorParams> {
         let l = Lookup { config: self, at };
-        let kind = self.kind;
-        let per = |name: &str, default: Option<f64>| -> Result<Vec<f64>> {
-            present
-                .iter()
-                .map(|&m| l.number(name, Some(m), default))
-                .collect()
-        };
-        let gta = |sparsify: Vec<Sparsify>, consensus: bool, normalize: bool, rescale: bool| {
-            Ok::<_, anyhow::Error>(TensorRecipe {
-                delta: true,
-                weights: per("weight", None)?,
-                sparsify,
-                rescale: l.flag("rescale", rescale)?,
-                consensus,
-                normalize: l.flag("normalize", normalize)?,
-                lambda: l.number("lambda", None, Some(1.0))?,
-                base: BaseTerm::Add,
-            })
-        };
-        let densities = || per("density", Some(1.0));
-        let recipe = match kind {
+        let n = present.len();
+        Ok(match self.kind {
             Kind::TaskArithmetic | Kind::Ties | Kind::Breadcrumbs | Kind::BreadcrumbsTies => {
-                let d = densities()?;
-                let sparsify: Vec<Sparsify> = match kind {
-                    Kind::TaskArithmetic => vec![Sparsify::All; present.len()],
-                    Kind::Ties => d.iter().map(|&d| top_k(d, numel)).collect(),
-                    _ => {
-                        let g = per("gamma", Some(0.01))?;
-                        d.iter()
-                            .zip(&g)
-                            .map(|(&d, &g)| breadcrumbs(d, g, numel))
-                            .collect()
-                    }
-                };
-                let consensus = matches!(kind, Kind::Ties | Kind::BreadcrumbsTies);
-                gta(sparsify, consensus, kind == Kind::Ties, false)?
+                magnitude_family(&l, numel, present)?
             }
             Kind::DareLinear | Kind::DareTies => {
-                let sparsify = densities()?
+                let sparsify = l
+                    .per_model("density", present)?
                     .into_iter()
-                    .map(|density| {
-                        if density >= 1.0 {
-                            Sparsify::All
-                        } else {
-                            Sparsify::Random { density }
-                        }
+                    .map(|density| match density >= 1.0 {
+                        true => Sparsify::All,
+                        false => Sparsify::Random { density },
                     })
                     .collect();
-                gta(sparsify, kind == Kind::DareTies, false, true)?
+                task_arithmetic(&l, present, sparsify, self.kind == Kind::DareTies)?
             }
-            Kind::Della | Kind::DellaLinear => {
-                let eps = per("epsilon", Some(0.15))?;
-                let sparsify = densities()?
-                    .into_iter()
-                    .zip(eps)
-                    .map(|(density, epsilon)| {
-                        if density >= 1.0 {
-                            Ok(Sparsify::All)
-                        } else if density <= 0.0 {
-                            Ok(Sparsify::Ranks {
-                                lo: 0,
-                                hi: 0,
-                                high_first: false,
-                            })
-                        } else if density + epsilon >= 1.0 || density - epsilon <= 0.0 {
-                            bail!("della: epsilon must keep density ± epsilon within (0, 1), got density {density}, epsilon {epsilon}")
-                        } else {
-                            Ok(Sparsify::RowRank { density, epsilon })
-                        }
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                gta(sparsify, kind == Kind::Della, kind == Kind::Della, true)?
-            }
-            Kind::Linear => TensorRecipe {
+            Kind::Della | Kind::DellaLinear => della(&l, present)?,
+            Kind::Linear => TensorParams {
                 delta: false,
-                weights: per("weight", None)?,
-                sparsify: vec![Sparsify::All; present.len()],
-                rescale: false,
-                consensus: false,
-                normalize: l.flag("normalize", true)?,
-                lambda: 1.0,
-                base: BaseTerm::None,
+                weights: l.per_model("weight", present)?,
+                normalize: l.flag("normalize")?,
+                ..TensorParams::interpolation(n, false, BaseTerm::None)
             },
             Kind::Passthrough => {
-                if present.len() != 1 {
-                    bail!("passthrough takes exactly one model, got {}", present.len());
+                if n != 1 {
+                    bail!("passthrough takes exactly one model, got {n}");
                 }
-                TensorRecipe {
-                    delta: false,
-                    weights: per("scale", Some(1.0))?,
-                    sparsify: vec![Sparsify::All],
-                    rescale: false,
-                    consensus: false,
-                    normalize: false,
-                    lambda: 1.0,
-                    base: BaseTerm::None,
+                TensorParams {
+                    weights: l.per_model("scale", present)?,
+                    ..TensorParams::interpolation(1, false, BaseTerm::None)
                 }
             }
             Kind::ModelStock => {
-                if l.flag("filter_wise", false)? {
+                if l.flag("filter_wise")? {
                     bail!("model_stock with filter_wise: true is not supported yet");
                 }
-                TensorRecipe::interpolation(present.len(), false, BaseTerm::ModelStock)
+                TensorParams::interpolation(n, false, BaseTerm::ModelStock)
             }
-            Kind::Slerp => TensorRecipe::interpolation(
-                present.len(),
-                false,
-                BaseTerm::Slerp {
-                    t: l.number("t", None, None)?,
-                },
-            ),
+            Kind::Slerp => {
+                let t = l.number("t", None)?;
+                TensorParams::interpolation(n, false, BaseTerm::Slerp { t })
+            }
             // A single model is returned as it is (mergekit's multislerp and karcher).
-            Kind::Multislerp | Kind::Karcher if present.len() == 1 => {
-                TensorRecipe::interpolation(1, false, BaseTerm::None)
+            Kind::Multislerp | Kind::Karcher if n == 1 => {
+                TensorParams::interpolation(1, false, BaseTerm::None)
             }
-            Kind::Nuslerp => {
-                if l.flag("nuslerp_row_wise", false)? || !l.flag("nuslerp_flatten", true)? {
-                    bail!("nuslerp with nuslerp_row_wise or nuslerp_flatten: false is not supported yet");
-                }
-                if present.len() != 2 {
-                    bail!("nuslerp takes exactly two models, got {}", present.len());
-                }
-                let w = per("weight", None)?;
-                let total = w[0] + w[1];
-                let t = if total.abs() < 1e-6 {
-                    0.5
-                } else {
-                    w[1] / total
-                };
-                TensorRecipe::interpolation(2, self.with_base, BaseTerm::Nuslerp { t })
-            }
-            Kind::Multislerp => {
-                let mut weights = per("weight", None)?;
-                if l.flag("normalize_weights", true)? {
-                    let sum: f64 = weights.iter().sum();
-                    weights.iter_mut().for_each(|w| *w /= sum);
-                }
-                TensorRecipe::interpolation(
-                    present.len(),
-                    self.with_base,
-                    BaseTerm::Multislerp { weights },
-                )
-            }
-            Kind::Sce => TensorRecipe {
+            Kind::Nuslerp | Kind::Multislerp => spherical(&l, present, self.with_base)?,
+            Kind::Sce => TensorParams {
                 consensus: true,
                 normalize: true,
-                ..TensorRecipe::interpolation(
-                    present.len(),
+                ..TensorParams::interpolation(
+                    n,
                     true,
                     BaseTerm::Sce {
-                        density: l.number("select_topk", None, Some(1.0))?,
+                        density: l.number("select_topk", None)?,
                     },
                 )
             },
-            Kind::Fisher => TensorRecipe {
-                weights: per("weight", Some(1.0))?,
-                ..TensorRecipe::interpolation(present.len(), false, BaseTerm::Fisher)
+            Kind::Fisher => TensorParams {
+                weights: l.per_model("weight", present)?,
+                ..TensorParams::interpolation(n, false, BaseTerm::Fisher)
             },
-            Kind::Nearswap => TensorRecipe::interpolation(
-                present.len(),
-                true,
-                BaseTerm::Nearswap {
-                    t: l.number("t", None, None)?,
-                },
-            ),
-            Kind::Karcher => TensorRecipe::interpolation(
-                present.len(),
+            Kind::Nearswap => {
+                let t = l.number("t", None)?;
+                TensorParams::interpolation(n, true, BaseTerm::Nearswap { t })
+            }
+            Kind::Karcher => TensorParams::interpolation(
+                n,
                 false,
                 BaseTerm::Karcher {
-                    max_iter: l.number("max_iter", None, Some(10.0))?.max(0.0) as usize,
-                    tol: l.number("tol", None, Some(1e-5))?,
+                    max_iter: l.number("max_iter", None)?.max(0.0) as usize,
+                    tol: l.number("tol", None)?,
                 },
             ),
             Kind::Ram | Kind::RamPlus | Kind::RamplusTl => {
-                bail!("internal: {} is not a combine method", kind.name())
+                bail!("internal: {} is not a combine method", self.kind.name())
             }
-        };
-        Ok(recipe)
+        })
     }
 
     /// Fisher merging: each merged model's `fisher` folder, in agent order.
