@@ -431,6 +431,13 @@ pub fn masked_reciprocal(weights: &[f32], floor: f32, mask: u64) -> f32 {
             s += w;
         }
     }
+    sum_reciprocal(s, floor)
+}
+
+/// f32(1/s) of a weight sum `s`: 1/max(s, floor) with a floor (SCE), else 1/s, or 1 where s = 0
+/// (TIES). The one place the per-element normalization is written.
+#[inline(always)]
+pub fn sum_reciprocal(s: f32, floor: f32) -> f32 {
     if floor > 0.0 {
         1.0 / s.max(floor)
     } else if s == 0.0 {

@@ -1,0 +1,346 @@
+//! The combine rule (SPEC.md §4) over one chunk of a tile, in phases: each agent's term d_t, the
+//! sign consensus, the normalization and the base term — each an `#[inline(always)]` step, so the
+//! kernel, compiled once per instruction set by `multiversion!`, stays one loop nest per phase.
+//! The order of every addition is that of [`crate::method::combine::combine_element`], the
+//! scalar reference the tests hold this to, bit for bit.
+
+use super::{chunk_bytes, CHUNK};
+use crate::backend::{CombineParams, Tile};
+use crate::checkpoint::dtype::{decode, encode};
+use crate::method::combine::{
+    keep_scale_add, nearswap, sum_reciprocal, variance_key, CombineSpec, Normalize,
+};
+use crate::simd::multiversion;
+
+/// Per-worker buffers for one chunk of the combine rule.
+pub(super) struct CombineScratch {
+    base: Vec<f32>,
+    agent: Vec<f32>,
+    /// d_t for every agent, agent-major.
+    d: Vec<f32>,
+    sum: Vec<f32>,
+    delta: Vec<f32>,
+    /// Σ w of the agreeing agents per element.
+    wsum: Vec<f32>,
+    keep: Vec<u32>,
+    element: Vec<u32>,
+    sum_v: Vec<f32>,
+}
+
+impl CombineScratch {
+    pub(super) fn new(agents: usize) -> CombineScratch {
+        CombineScratch {
+            base: vec![0.0; CHUNK],
+            agent: vec![0.0; CHUNK],
+            d: vec![0.0; CHUNK * agents],
+            sum: vec![0.0; CHUNK],
+            delta: vec![0.0; CHUNK],
+            wsum: vec![0.0; CHUNK],
+            keep: vec![0; CHUNK],
+            element: vec![0; CHUNK],
+            sum_v: vec![0.0; CHUNK],
+        }
+    }
+}
+
+/// Where a chunk lies and what it reads: the tile, the params, its first element in the tile and
+/// in the tensor, and its length.
+struct Chunk<'a> {
+    tile: &'a Tile<'a>,
+    p: &'a CombineParams<'a>,
+    start: usize,
+    first: u64,
+    len: usize,
+}
+
+impl Chunk<'_> {
+    fn spec(&self) -> &CombineSpec {
+        self.p.spec
+    }
+
+    /// Decodes agent `t`'s values (`None`: the base's) into `out`.
+    #[inline(always)]
+    fn decode(&self, t: Option<usize>, out: &mut [f32]) {
+        let bytes = t.map_or(self.tile.base, |t| self.tile.agents[t]);
+        let size = self.tile.dtype.size();
+        decode(
+            self.tile.dtype,
+            chunk_bytes(bytes, self.start, self.len, size),
+            out,
+        );
+    }
+
+    /// Agent `t`'s DELLA row ranks over the chunk (empty when the rule needs none).
+    fn ranks(&self, t: usize) -> &[u32] {
+        self.p
+            .ranks
+            .get(t)
+            .map_or(&[][..], |r| &r[self.start..self.start + self.len])
+    }
+
+    /// Coefficient `t` (0: the base's) of element `i` of the chunk.
+    #[inline(always)]
+    fn coef(&self, i: usize, t: usize) -> f32 {
+        let spec = self.spec();
+        if spec.tile_coefs {
+            self.p.coefs[(self.start + i) * (self.tile.agents.len() + 1) + t]
+        } else {
+            spec.row(self.first + i as u64)[t]
+        }
+    }
+
+    /// The one coefficient row of the whole tensor, when there is one (else a lookup per element).
+    fn fixed_row(&self) -> Option<&[f32]> {
+        let spec = self.spec();
+        (spec.row_len == 0 && !spec.tile_coefs).then(|| spec.row(0))
+    }
+}
+
+multiversion! {
+    /// SPEC §4 over elements `start..start + len` of the tile, in the order of
+    /// [`crate::method::combine::combine_element`].
+    pub(super) fn combine_chunk(
+        tile: &Tile,
+        p: &CombineParams,
+        start: usize,
+        len: usize,
+        s: &mut CombineScratch,
+        out: &mut [u8],
+    ) {
+        let c = Chunk { tile, p, start, first: p.start + start as u64, len };
+        c.decode(None, &mut s.base[..len]);
+        if let Some(t) = p.spec.nearswap {
+            nearswap_chunk(&c, t, s, out);
+            return;
+        }
+        let spec = p.spec;
+        // Each agent's term in one pass over its row where nothing else looks at the masks.
+        let one_pass = !spec.sign_of_values && spec.element_keep.is_none() && !tile.agents.is_empty();
+        match c.fixed_row() {
+            Some(row) if one_pass => terms_in_one_pass(&c, row, s),
+            _ => terms(&c, s),
+        }
+        consensus(&c, s);
+        normalize(spec, &mut s.delta[..len], &s.wsum[..len]);
+        add_base(&c, s);
+        encode(p.out_dtype, &s.sum[..len], out);
+    }
+}
+
+/// NearSwap instead of everything else: out = w·θ₁ + (1 − w)·θ₀ per element.
+#[inline(always)]
+fn nearswap_chunk(c: &Chunk, t: f32, s: &mut CombineScratch, out: &mut [u8]) {
+    let (base, agent, sum) = (&s.base[..c.len], &mut s.agent[..c.len], &mut s.sum[..c.len]);
+    c.decode(Some(0), agent);
+    for ((r, &b), &x) in sum.iter_mut().zip(base.iter()).zip(agent.iter()) {
+        *r = nearswap(t, b, x);
+    }
+    encode(c.p.out_dtype, sum, out);
+}
+
+/// Σ_t d_t into `sum` with d_t = keep(v_t)·c_t, one pass per agent (the terms kept in `d` when
+/// the consensus reads them again).
+#[inline(always)]
+fn terms_in_one_pass(c: &Chunk, row: &[f32], s: &mut CombineScratch) {
+    let spec = c.spec();
+    let len = c.len;
+    let (base, agent, sum) = (&s.base[..len], &mut s.agent[..len], &mut s.sum[..len]);
+    for t in 0..c.tile.agents.len() {
+        c.decode(Some(t), agent);
+        keep_scale_add(
+            spec.keep[t],
+            (agent, spec.delta.then_some(base)),
+            (c.first as u32, c.ranks(t)),
+            row[1 + t],
+            sum,
+            spec.consensus.then(|| &mut s.d[t * CHUNK..t * CHUNK + len]),
+            t == 0,
+        );
+    }
+}
+
+/// Σ_t d_t into `sum`, every v_t decoded first (SCE's element selection looks at all of them),
+/// and Σ kept v_t into `sum_v` when the consensus sign is that of the values.
+#[inline(always)]
+fn terms(c: &Chunk, s: &mut CombineScratch) {
+    let spec = c.spec();
+    let (n, len) = (c.tile.agents.len(), c.len);
+    s.sum[..len].fill(0.0);
+    for t in 0..n {
+        let agent = &mut s.agent[..len];
+        c.decode(Some(t), agent);
+        let d = &mut s.d[t * CHUNK..t * CHUNK + len];
+        if spec.delta {
+            for ((d, &x), &b) in d.iter_mut().zip(agent.iter()).zip(s.base.iter()) {
+                *d = x - b;
+            }
+        } else {
+            d.copy_from_slice(agent);
+        }
+    }
+    let element = &mut s.element[..len];
+    if let Some((cut, inv_n)) = spec.element_keep {
+        let mut v = vec![0.0f32; n];
+        for (i, m) in element.iter_mut().enumerate() {
+            for (t, v) in v.iter_mut().enumerate() {
+                *v = s.d[t * CHUNK + i];
+            }
+            let key = variance_key(&v, inv_n);
+            *m = (cut.inside(key, (c.first + i as u64) as u32) as u32).wrapping_neg();
+        }
+    }
+    let sum_v = &mut s.sum_v[..len];
+    if spec.sign_of_values {
+        sum_v.fill(0.0);
+    }
+    let fixed_row = c.fixed_row();
+    for t in 0..n {
+        let d = &mut s.d[t * CHUNK..t * CHUNK + len];
+        // The keep mask, then d_t = v·c where kept (a select on bits, not a branch).
+        let keep = &mut s.keep[..len];
+        spec.keep[t].mask_into(d, c.first as u32, c.ranks(t), keep);
+        if spec.element_keep.is_some() {
+            for (k, &e) in keep.iter_mut().zip(element.iter()) {
+                *k &= e;
+            }
+        }
+        if spec.sign_of_values {
+            for ((s, &v), &m) in sum_v.iter_mut().zip(d.iter()).zip(keep.iter()) {
+                *s += f32::from_bits(v.to_bits() & m);
+            }
+        }
+        match fixed_row {
+            Some(row) => {
+                let coef = row[1 + t];
+                for (d, &m) in d.iter_mut().zip(keep.iter()) {
+                    *d = f32::from_bits((*d * coef).to_bits() & m);
+                }
+            }
+            None => {
+                for (i, (d, &m)) in d.iter_mut().zip(keep.iter()).enumerate() {
+                    *d = f32::from_bits((*d * c.coef(i, 1 + t)).to_bits() & m);
+                }
+            }
+        }
+        for (s, &d) in s.sum[..len].iter_mut().zip(d.iter()) {
+            *s += d;
+        }
+    }
+    if spec.sign_of_values {
+        s.sum[..len].copy_from_slice(sum_v);
+    }
+}
+
+/// Δ into `delta`: the sum of the d_t that agree with the consensus sign (and the weights of
+/// those agents into `wsum`), or, without consensus, the sum itself.
+#[inline(always)]
+fn consensus(c: &Chunk, s: &mut CombineScratch) {
+    let spec = c.spec();
+    let (n, len) = (c.tile.agents.len(), c.len);
+    // Without consensus every d_t counts: Δ is the sum just taken, in the same order — the
+    // buffers trade places instead of copying it.
+    if !spec.consensus {
+        std::mem::swap(&mut s.sum, &mut s.delta);
+    }
+    let sum = &s.sum[..len];
+    let delta = &mut s.delta[..len];
+    // Σ w of the agreeing agents, in agent order as `masked_reciprocal` adds them (adding
+    // +0.0 for the others is exact: the sum is never −0.0), when Δ is normalized per element.
+    let weights = match &spec.normalize {
+        Normalize::PerElement(w, _) if spec.consensus => Some(w),
+        _ => None,
+    };
+    let wsum = &mut s.wsum[..len];
+    // Sums start at +0.0: the first agent's term sets them (0.0 + x, as adding to a cleared
+    // row would).
+    if matches!(spec.normalize, Normalize::PerElement(..)) && (n == 0 || weights.is_none()) {
+        wsum.fill(0.0);
+    }
+    if !spec.consensus {
+        return;
+    }
+    if n == 0 {
+        delta.fill(0.0);
+    }
+    for t in 0..n {
+        let d = &s.d[t * CHUNK..t * CHUNK + len];
+        let from = |acc: &f32| if t == 0 { 0.0 } else { *acc };
+        // Adding +0.0 for a disagreeing d is exact: Δ is never −0.0 (it starts at +0.0
+        // and only non-zero d are added).
+        // γ = + where Σ ≥ 0, else − — a NaN Σ (+Inf + −Inf) counts as −, as in
+        // `combine_element`, the shader and mergekit's `(Σ >= 0) * 2 - 1`.
+        let agree = |d: f32, s: f32| {
+            let positive = s >= 0.0;
+            (((positive && d > 0.0) | (!positive && d < 0.0)) as u32).wrapping_neg()
+        };
+        match weights {
+            Some(w) => {
+                let w = w[t].to_bits();
+                for (((acc, ws), &d), &s) in
+                    delta.iter_mut().zip(wsum.iter_mut()).zip(d).zip(sum.iter())
+                {
+                    let bits = agree(d, s);
+                    *acc = from(acc) + f32::from_bits(d.to_bits() & bits);
+                    *ws = from(ws) + f32::from_bits(w & bits);
+                }
+            }
+            None => {
+                for ((acc, &d), &s) in delta.iter_mut().zip(d).zip(sum.iter()) {
+                    *acc = from(acc) + f32::from_bits(d.to_bits() & agree(d, s));
+                }
+            }
+        }
+    }
+}
+
+/// Δ divided as the rule says (per element: by the agreeing weights' sum, [`sum_reciprocal`]),
+/// then scaled by λ.
+#[inline(always)]
+fn normalize(spec: &CombineSpec, delta: &mut [f32], wsum: &[f32]) {
+    match &spec.normalize {
+        Normalize::None => {}
+        Normalize::Fixed(r) => delta.iter_mut().for_each(|x| *x *= r),
+        Normalize::PerElement(_, floor) => {
+            for (x, &s) in delta.iter_mut().zip(wsum.iter()) {
+                *x *= sum_reciprocal(s, *floor);
+            }
+        }
+    }
+    if spec.lambda != 1.0 {
+        delta.iter_mut().for_each(|x| *x *= spec.lambda);
+    }
+}
+
+/// The result into `sum`: bc·θ₀ + Δ, with bc = 0 (Δ alone) and bc = 1 (θ₀ + Δ) exact.
+#[inline(always)]
+fn add_base(c: &Chunk, s: &mut CombineScratch) {
+    let len = c.len;
+    let (base, delta, result) = (&s.base[..len], &s.delta[..len], &mut s.sum[..len]);
+    let base_term = |r: &mut f32, b: f32, d: f32, bc: f32| {
+        *r = if bc == 0.0 {
+            d
+        } else if bc == 1.0 {
+            b + d
+        } else {
+            bc * b + d
+        };
+    };
+    match c.fixed_row().map(|row| row[0]) {
+        Some(0.0) => result.copy_from_slice(delta),
+        Some(1.0) => {
+            for ((r, &b), &d) in result.iter_mut().zip(base.iter()).zip(delta.iter()) {
+                *r = b + d;
+            }
+        }
+        _ => {
+            for (i, ((r, &b), &d)) in result
+                .iter_mut()
+                .zip(base.iter())
+                .zip(delta.iter())
+                .enumerate()
+            {
+                base_term(r, b, d, c.coef(i, 0));
+            }
+        }
+    }
+}
