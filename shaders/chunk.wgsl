@@ -1,5 +1,5 @@
 // What both kernels read: the chunk's uniforms and its input words. Prepended (after dtype.wgsl)
-// to probe.wgsl and merge.wgsl by the host; mirrors `Params` in src/backend/gpu.rs.
+// to probe.wgsl and merge.wgsl by the host; mirrors `Params` in src/backend/gpu/layout.rs (a test compares the two).
 
 struct Params {
     len: u32,        // elements in this chunk

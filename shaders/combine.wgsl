@@ -4,13 +4,23 @@
 // a division here); Δ · λ; out = bc·θ₀ + Δ. Every product is made opaque so none fuses into an FMA.
 // Needs dtype.wgsl and chunk.wgsl prepended.
 
+// Keep rules (word 0 of an agent's 8 in `rules`) and normalization modes (`c.norm_mode`); the host's
+// twins are in src/backend/gpu/layout.rs, checked against these by a test.
+const KEEP_ALL: u32 = 0u;
+const KEEP_BAND: u32 = 1u;
+const KEEP_RANDOM: u32 = 2u;
+const KEEP_ROW_RANK: u32 = 3u;
+const NORM_NONE: u32 = 0u;
+const NORM_FIXED: u32 = 1u;
+const NORM_TABLE: u32 = 2u;
+
 struct Comb {
     start: u32,       // tensor index of the chunk's first element
     row_len: u32,     // elements per coefficient row; 0 = one row
     first_row: u32,   // row of the chunk's first element (the coefs buffer starts there)
     delta: u32,       // 1: v = θ_t − θ₀; 0: v = θ_t
     consensus: u32,
-    norm_mode: u32,   // 0 none, 1 fixed reciprocal, 2 per-mask table
+    norm_mode: u32,   // NORM_NONE, NORM_FIXED (fixed_recip) or NORM_TABLE (per-mask table)
     lambda: f32,
     fixed_recip: f32,
     nearswap: u32,    // 1: NearSwap instead of the rule above (one model)
@@ -23,7 +33,7 @@ struct Comb {
 }
 
 @group(0) @binding(3) var<uniform> c: Comb;
-// Per agent, 8 words: kind (0 all, 1 rank band, 2 random, 3 row rank), then for a band: lo value,
+// Per agent, 8 words: kind (KEEP_ALL, KEEP_BAND, KEEP_RANDOM, KEEP_ROW_RANK), then for a band: lo value,
 // lo index, hi value, hi index, tie flags (bit 0: lo high-first, bit 1: hi high-first); for
 // random: words 5–7 = threshold, hash key 0, hash key 1; for row rank: words 1–2 = p0, step (f32
 // bits), 6–7 = hash key.
@@ -64,17 +74,17 @@ fn inside(key: u32, idx: u32, value: u32, index: u32, high_first: bool) -> bool 
 fn keeps(t: u32, v: f32, idx: u32) -> bool {
     let r = t * 8u;
     let kind = rules[r];
-    if (kind == 1u) {
+    if (kind == KEEP_BAND) {
         let key = bitcast<u32>(v) & 0x7fffffffu;
         let flags = rules[r + 5u];
         return inside(key, idx, rules[r + 3u], rules[r + 4u], (flags & 2u) != 0u)
             && !inside(key, idx, rules[r + 1u], rules[r + 2u], (flags & 1u) != 0u);
     }
-    if (kind == 2u) {
+    if (kind == KEEP_RANDOM) {
         let h = mix32(idx ^ rules[r + 6u]) ^ rules[r + 7u];
         return h < rules[r + 5u];
     }
-    if (kind == 3u) {
+    if (kind == KEEP_ROW_RANK) {
         // src/method/combine.rs `rank_threshold`.
         let rank = ranks[t * rank_stride() + (idx - c.start)];
         let p = bitcast<f32>(rules[r + 1u]) + opaque(f32(rank - 1u) * bitcast<f32>(rules[r + 2u]));
@@ -221,9 +231,9 @@ fn combine_one(i: u32, bb: u32) -> u32 {
             mask = mask | (1u << t);
         }
     }
-    if (c.norm_mode == 1u) {
+    if (c.norm_mode == NORM_FIXED) {
         delta = opaque(delta * c.fixed_recip);
-    } else if (c.norm_mode == 2u) {
+    } else if (c.norm_mode == NORM_TABLE) {
         delta = opaque(delta * recips[mask]);
     }
     if (c.lambda != 1.0) {
@@ -239,7 +249,7 @@ fn combine_one(i: u32, bb: u32) -> u32 {
     return encode_bits(r, p.out_dt);
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let g = pair_index(wid, li);
     if (g >= p.pairs) {

@@ -65,7 +65,7 @@ fn finish(bb: u32, b: f32, sum: f32, c: u32, lam: f32) -> u32 {
     return encode_bits(b + step, p.out_dt);
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let g = pair_index(wid, li);
     if (g >= p.pairs) {

@@ -21,7 +21,7 @@ fn count_mask(mask: u32) {
     }
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn probe(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let nn = p.n * p.n;
     for (var i = li; i < nn; i = i + WG) {

@@ -1,0 +1,424 @@
+//! Chunk buffers: two slots that alternate so the upload and dispatch of one chunk overlap the
+//! readback of the other, and the loop that runs a tile through them chunk by chunk.
+
+use super::kernels::Kernel;
+use super::layout::{chunk_params, Comb, Params, WORKGROUP};
+use super::{GpuBackend, GPU_MAX_AGENTS, GPU_MAX_TABLE_AGENTS};
+use crate::backend::{ranges, Tile};
+use crate::checkpoint::DType;
+use anyhow::{anyhow, ensure, Context, Result};
+use std::time::Instant;
+
+/// One set of chunk buffers; two alternate.
+pub(super) struct Slot {
+    pub(super) params: wgpu::Buffer,
+    pub(super) base: wgpu::Buffer,
+    pub(super) agents: wgpu::Buffer,
+    pub(super) lambdas: wgpu::Buffer,
+    pub(super) out: wgpu::Buffer,
+    pub(super) hist: wgpu::Buffer,
+    pub(super) readback: wgpu::Buffer,
+    pub(super) comb: wgpu::Buffer,
+    pub(super) rules: wgpu::Buffer,
+    pub(super) ranks: wgpu::Buffer,
+    pub(super) coefs: wgpu::Buffer,
+    pub(super) table: wgpu::Buffer,
+    pub(super) merge_group: wgpu::BindGroup,
+    pub(super) probe_group: wgpu::BindGroup,
+    pub(super) combine_group: wgpu::BindGroup,
+}
+
+/// Buffers sized for `chunk_elems` elements of up to `agents` agents.
+pub(super) struct Buffers {
+    pub(super) agents: usize,
+    pub(super) chunk_elems: usize,
+    pub(super) slots: [Slot; 2],
+    /// Each slot's last submission: a mapped upload waits for it alone.
+    pub(super) last: [Option<wgpu::SubmissionIndex>; 2],
+}
+
+impl GpuBackend {
+    /// Elements per chunk for `n` agents: every binding (the agents' or the coefficients' is the
+    /// largest) within the adapter's limits, and even, so 16-bit chunks start on a word.
+    pub(super) fn chunk_elems(&self, n: usize) -> usize {
+        // Fault injection for tests: exceed the binding limit to provoke a device validation error.
+        if std::env::var_os("RLMERGE_TEST_GPU_IGNORE_LIMITS").is_some() {
+            return self.chunk_elems_cap & !1;
+        }
+        let l = &self.ctx.limits;
+        let bind = l.max_storage_buffer_binding_size.min(l.max_buffer_size);
+        // Per element: 4 bytes per agent, or a coefficient row of 4 bytes per agent plus one
+        // (at least two: row-wise slerp; one per element: Fisher). Less two: the coefficient
+        // buffer has a row to spare.
+        let by_limit = ((bind / (4 * (n as u64 + 1)).max(8)) as usize).saturating_sub(2);
+        (by_limit.min(self.chunk_elems_cap) & !1).max(2)
+    }
+
+    pub(super) fn ensure_buffers(&self, guard: &mut Option<Buffers>, n: usize) -> Result<()> {
+        let chunk = self.chunk_elems(n);
+        if let Some(b) = guard.as_ref() {
+            if b.agents >= n && b.chunk_elems >= chunk {
+                return Ok(());
+            }
+        }
+        *guard = None;
+        let d = &self.ctx.device;
+        let words = chunk as u64; // f32 worst case: one word per element
+        let storage = |label: &str, bytes: u64, extra: wgpu::BufferUsages| {
+            d.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: bytes.max(16),
+                usage: wgpu::BufferUsages::STORAGE | extra,
+                mapped_at_creation: false,
+            })
+        };
+        let dst = wgpu::BufferUsages::COPY_DST;
+        let make_slot = || {
+            let params = d.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("params"),
+                size: std::mem::size_of::<Params>() as u64,
+                usage: wgpu::BufferUsages::UNIFORM | dst,
+                mapped_at_creation: false,
+            });
+            // Mapped: inputs are written through a map, results read through one, no copies.
+            let (input, result) = if self.ctx.mapped {
+                (wgpu::BufferUsages::MAP_WRITE, wgpu::BufferUsages::MAP_READ)
+            } else {
+                (dst, wgpu::BufferUsages::COPY_SRC)
+            };
+            let base = storage("base", words * 4, input);
+            let agents = storage("agents", words * 4 * n as u64, input);
+            let lambdas = storage("lambdas", 4 * GPU_MAX_AGENTS as u64, dst);
+            let out = storage("out", words * 4, result);
+            let hist = storage("hist", 4 * (n * n) as u64, dst | result);
+            let readback = d.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("readback"),
+                // Holds a chunk's merged output or the probe histogram, whichever is larger.
+                size: (words * 4).max(4 * (n * n) as u64),
+                usage: wgpu::BufferUsages::MAP_READ | dst,
+                mapped_at_creation: false,
+            });
+            fn entries<'a>(bufs: &[&'a wgpu::Buffer]) -> Vec<wgpu::BindGroupEntry<'a>> {
+                bufs.iter()
+                    .enumerate()
+                    .map(|(i, b)| wgpu::BindGroupEntry {
+                        binding: i as u32,
+                        resource: b.as_entire_binding(),
+                    })
+                    .collect()
+            }
+            let merge_group = d.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("merge"),
+                layout: &self.ctx.merge_pipeline.get_bind_group_layout(0),
+                entries: &entries(&[&params, &base, &agents, &lambdas, &out]),
+            });
+            let probe_group = d.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("probe"),
+                layout: &self.ctx.probe_pipeline.get_bind_group_layout(0),
+                entries: &entries(&[&params, &base, &agents, &hist]),
+            });
+            let comb = d.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("comb"),
+                size: std::mem::size_of::<Comb>() as u64,
+                usage: wgpu::BufferUsages::UNIFORM | dst,
+                mapped_at_creation: false,
+            });
+            let rules = storage("rules", 32 * GPU_MAX_AGENTS as u64, dst);
+            // DELLA's row ranks: one u32 per element and agent, laid out like `agents` in f32.
+            let ranks = storage("ranks", words * 4 * n as u64, dst);
+            let coefs = storage("coefs", coef_floats(chunk, n) as u64 * 4, dst);
+            let table = storage("reciprocal table", 4 << GPU_MAX_TABLE_AGENTS, dst);
+            let combine_group = d.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("combine"),
+                layout: &self.ctx.combine_pipeline.get_bind_group_layout(0),
+                entries: &entries(&[
+                    &params, &base, &agents, &comb, &rules, &coefs, &table, &out, &ranks,
+                ]),
+            });
+            Slot {
+                params,
+                base,
+                agents,
+                lambdas,
+                out,
+                hist,
+                readback,
+                comb,
+                rules,
+                ranks,
+                coefs,
+                table,
+                merge_group,
+                probe_group,
+                combine_group,
+            }
+        };
+        let slots = [make_slot(), make_slot()];
+        self.ctx.check().with_context(|| {
+            format!("cannot allocate GPU buffers for {chunk} elements × {n} agents")
+        })?;
+        *guard = Some(Buffers {
+            agents: n,
+            chunk_elems: chunk,
+            slots,
+            last: [None, None],
+        });
+        Ok(())
+    }
+
+    /// Uploads the chunk `params` describes, starting at element `start` of the tile, into `slot`;
+    /// `last` is the slot's previous submission (mapped buffers wait for it to be idle).
+    pub(super) fn upload(
+        &self,
+        slot: &Slot,
+        tile: &Tile,
+        start: usize,
+        params: &Params,
+        last: Option<wgpu::SubmissionIndex>,
+    ) -> Result<()> {
+        let size = tile.dtype.size();
+        let stride_words = params.stride as usize;
+        let len = params.len as usize;
+        let q = &self.ctx.queue;
+        q.write_buffer(&slot.params, 0, bytemuck::bytes_of(params));
+        let bytes = len * size;
+        // Pad to whole words (a 16-bit chunk of odd length shares its last word with padding).
+        let padded = (stride_words * 4) as u64;
+        if self.ctx.mapped {
+            let n = tile.agents.len() as u64;
+            let (base, agents) = (slot.base.slice(..padded), slot.agents.slice(..padded * n));
+            self.map_wait(&[base, agents], wgpu::MapMode::Write, last, "upload")?;
+            let p = padded as usize;
+            let write = |view: &mut wgpu::BufferViewMut, at: usize, src: &[u8]| {
+                view.slice(at..at + src.len()).copy_from_slice(src);
+                let rest = p - src.len();
+                view.slice(at + src.len()..at + p)
+                    .copy_from_slice(&[0u8; 8][..rest]);
+            };
+            let range = start * size..start * size + len * size;
+            let mapped = |slice: wgpu::BufferSlice| {
+                slice
+                    .get_mapped_range_mut()
+                    .map_err(|e| anyhow!("writing the GPU upload failed: {e}"))
+            };
+            let mut view = mapped(base)?;
+            write(&mut view, 0, &tile.base[range.clone()]);
+            drop(view);
+            let mut view = mapped(agents)?;
+            for (t, agent) in tile.agents.iter().enumerate() {
+                write(&mut view, t * p, &agent[range.clone()]);
+            }
+            drop(view);
+            slot.base.unmap();
+            slot.agents.unmap();
+            return Ok(());
+        }
+        let put = |buffer: &wgpu::Buffer, offset: u64, src: &[u8]| -> Result<()> {
+            let size = wgpu::BufferSize::new(padded).expect("chunks are never empty");
+            let mut view = q.write_buffer_with(buffer, offset, size).ok_or_else(|| {
+                anyhow!("GPU upload of {padded} bytes at offset {offset} was refused")
+            })?;
+            view.slice(..src.len()).copy_from_slice(src);
+            // At most 7 bytes: the rest of the last word, and a word that keeps the stride even.
+            let rest = padded as usize - src.len();
+            view.slice(src.len()..).copy_from_slice(&[0u8; 8][..rest]);
+            Ok(())
+        };
+        put(
+            &slot.base,
+            0,
+            &tile.base[start * size..start * size + bytes],
+        )?;
+        for (t, agent) in tile.agents.iter().enumerate() {
+            put(
+                &slot.agents,
+                t as u64 * padded,
+                &agent[start * size..start * size + bytes],
+            )?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn dispatch(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        pipeline: &wgpu::ComputePipeline,
+        group: &wgpu::BindGroup,
+        params: &Params,
+    ) {
+        let groups = params.pairs.div_ceil(WORKGROUP).max(1);
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: None,
+            timestamp_writes: None,
+        });
+        pass.set_pipeline(pipeline);
+        pass.set_bind_group(0, group, &[]);
+        pass.dispatch_workgroups(params.groups_x, groups.div_ceil(params.groups_x), 1);
+    }
+
+    /// Maps `slices` for `mode`, waiting for submission `after` (their buffers' last use; `None`:
+    /// every submission) — a map of an idle buffer completes in that wait.
+    pub(super) fn map_wait(
+        &self,
+        slices: &[wgpu::BufferSlice],
+        mode: wgpu::MapMode,
+        after: Option<wgpu::SubmissionIndex>,
+        what: &str,
+    ) -> Result<()> {
+        let (sender, mapped) = std::sync::mpsc::channel();
+        for slice in slices {
+            let sender = sender.clone();
+            slice.map_async(mode, move |r| {
+                let _ = sender.send(r);
+            });
+        }
+        let mut done = 0;
+        let mut wait = wgpu::PollType::Wait {
+            submission_index: after,
+            timeout: None,
+        };
+        for round in 0..2 {
+            self.ctx
+                .device
+                .poll(wait)
+                .map_err(|e| anyhow!("GPU wait for {what} failed: {e}"))?;
+            self.ctx
+                .check()
+                .with_context(|| format!("GPU {what} failed"))?;
+            while let Ok(r) = mapped.try_recv() {
+                r.map_err(|e| anyhow!("mapping the GPU buffers for {what} failed: {e}"))?;
+                done += 1;
+            }
+            if done == slices.len() {
+                return Ok(());
+            }
+            ensure!(
+                round == 0,
+                "mapping the GPU buffers for {what} did not complete"
+            );
+            wait = wgpu::PollType::wait_indefinitely();
+        }
+        unreachable!("the loop returns or fails in its second round")
+    }
+
+    /// Waits for submission `index` (a chunk) and hands the first `bytes` bytes of its result,
+    /// in `buffer`, to `take`.
+    pub(super) fn read_back(
+        &self,
+        buffer: &wgpu::Buffer,
+        bytes: u64,
+        index: wgpu::SubmissionIndex,
+        what: &str,
+        take: impl FnOnce(&[u8]),
+    ) -> Result<()> {
+        let slice = buffer.slice(..bytes);
+        let waited = Instant::now();
+        self.map_wait(&[slice], wgpu::MapMode::Read, Some(index), what)?;
+        let copied = Instant::now();
+        let view = slice
+            .get_mapped_range()
+            .map_err(|e| anyhow!("reading the GPU {what} result failed: {e}"))?;
+        take(&view);
+        drop(view);
+        buffer.unmap();
+        self.add_time(|t| {
+            t.wait += copied - waited;
+            t.readback += copied.elapsed();
+        });
+        Ok(())
+    }
+
+    /// Runs `kernel` over the tile chunk by chunk, two chunks in flight; `finish(chunk_start,
+    /// chunk_len, bytes)` receives each chunk's readback.
+    pub(super) fn run_chunks(
+        &self,
+        tile: &Tile,
+        out_dt: DType,
+        eps: f32,
+        prepare: impl Fn(&Slot, usize, usize) -> Result<()>,
+        kernel: Kernel,
+        mut finish: impl FnMut(usize, usize, &[u8]),
+    ) -> Result<()> {
+        let n = tile.agents.len();
+        ensure!(n >= 1, "no agents in the tile");
+        ensure!(
+            n <= GPU_MAX_AGENTS,
+            "the GPU backend merges at most {GPU_MAX_AGENTS} agents at once, got {n} (use --device cpu)"
+        );
+        let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
+        self.ensure_buffers(&mut guard, n)?;
+        let buffers = guard.as_mut().expect("buffers were just ensured");
+        let mut last = std::mem::take(&mut buffers.last);
+        let buffers = &*buffers;
+        let readback_bytes = |len: usize| -> u64 {
+            match kernel {
+                Kernel::Probe => (4 * n * n) as u64,
+                Kernel::Merge | Kernel::Combine => (len * out_dt.size()).div_ceil(4) as u64 * 4,
+            }
+        };
+        // Where a slot's result is read: the result buffer itself when mapped, else its copy.
+        fn result_of(slot: &Slot, kernel: Kernel, mapped: bool) -> (&wgpu::Buffer, &wgpu::Buffer) {
+            let result = match kernel {
+                Kernel::Probe => &slot.hist,
+                Kernel::Merge | Kernel::Combine => &slot.out,
+            };
+            (result, if mapped { result } else { &slot.readback })
+        }
+        // Waits for a submitted chunk's results and hands them on.
+        let mut drain =
+            |(slot, start, len, index): (usize, usize, usize, wgpu::SubmissionIndex)| {
+                let what = format!("{} of chunk at element {start}", kernel.name());
+                let (_, read) = result_of(&buffers.slots[slot], kernel, self.ctx.mapped);
+                self.read_back(read, readback_bytes(len), index, &what, |b| {
+                    finish(start, len, b)
+                })
+            };
+        // (slot, start, len, submission) submitted but not yet read back
+        let mut pending = None;
+        for (i, (start, len)) in ranges(tile.len, self.chunk_elems(n)).enumerate() {
+            let slot = &buffers.slots[i % 2];
+            prepare(slot, start, len)?;
+            let params = chunk_params(tile, len, out_dt, eps);
+            let uploaded = Instant::now();
+            self.upload(slot, tile, start, &params, last[i % 2].take())
+                .with_context(|| format!("chunk at element {start}"))?;
+            let submitted = Instant::now();
+            let (pipeline, group) = match kernel {
+                Kernel::Probe => (&self.ctx.probe_pipeline, &slot.probe_group),
+                Kernel::Merge => (&self.ctx.merge_pipeline, &slot.merge_group),
+                Kernel::Combine => (&self.ctx.combine_pipeline, &slot.combine_group),
+            };
+            let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
+            if let Kernel::Probe = kernel {
+                encoder.clear_buffer(&slot.hist, 0, None);
+            }
+            self.dispatch(&mut encoder, pipeline, group, &params);
+            let (result, read) = result_of(slot, kernel, self.ctx.mapped);
+            if !self.ctx.mapped {
+                encoder.copy_buffer_to_buffer(result, 0, read, 0, readback_bytes(len));
+            }
+            let index = self.ctx.queue.submit(Some(encoder.finish()));
+            last[i % 2] = Some(index.clone());
+            self.add_time(|t| {
+                t.chunks += 1;
+                t.upload += submitted - uploaded;
+                t.submit += submitted.elapsed();
+            });
+            // The other slot's chunk reads back while this one runs.
+            if let Some(previous) = pending.replace((i % 2, start, len, index)) {
+                drain(previous)?;
+            }
+        }
+        if let Some(last) = pending {
+            drain(last)?;
+        }
+        guard.as_mut().expect("buffers were just ensured").last = last;
+        Ok(())
+    }
+}
+
+/// Floats the coefficient buffer holds: a row per element of a chunk (+1 for a row straddling its
+/// start) — two floats for row-wise slerp, `agents + 1` for Fisher — or one row of every agent.
+pub(super) fn coef_floats(chunk: usize, agents: usize) -> usize {
+    ((chunk + 1) * (agents + 1).max(2)).max(GPU_MAX_AGENTS + 1)
+}

@@ -1,0 +1,131 @@
+//! Each kernel's host side: what it writes into a slot before its dispatch and where its results
+//! go after; the combine rule's uniforms, keep rules and coefficient rows.
+
+use super::layout::{rule_words, wgsl, Comb};
+use super::{GpuBackend, GPU_MAX_TABLE_AGENTS};
+use crate::backend::{CombineParams, Tile};
+use crate::method::combine::Normalize;
+use anyhow::{ensure, Result};
+
+#[derive(Clone, Copy)]
+pub(super) enum Kernel {
+    Probe,
+    Merge,
+    Combine,
+}
+
+impl Kernel {
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Kernel::Probe => "probe",
+            Kernel::Merge => "merge",
+            Kernel::Combine => "combine",
+        }
+    }
+}
+
+impl GpuBackend {
+    pub(super) fn combine_tile(
+        &self,
+        tile: &Tile,
+        params: &CombineParams,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let spec = params.spec;
+        let n = tile.agents.len();
+        ensure!(
+            spec.agents() == n,
+            "internal: combine rule for {} agents, tile has {n}",
+            spec.agents()
+        );
+        let end = params.start + tile.len as u64;
+        ensure!(
+            end <= u32::MAX as u64,
+            "the GPU backend indexes tensors with 32 bits; this one has more than {} elements (use --device cpu)",
+            u32::MAX
+        );
+        let (norm_mode, fixed_recip, table) = match &spec.normalize {
+            Normalize::None => (wgsl::NORM_NONE, 1.0, Vec::new()),
+            Normalize::Fixed(r) => (wgsl::NORM_FIXED, *r, Vec::new()),
+            Normalize::PerElement(w, floor) => {
+                ensure!(
+                    n <= GPU_MAX_TABLE_AGENTS,
+                    "the GPU backend normalizes a consensus merge of at most {GPU_MAX_TABLE_AGENTS} models, got {n} (use --device cpu)"
+                );
+                (
+                    wgsl::NORM_TABLE,
+                    1.0,
+                    crate::method::combine::reciprocal_table(w, *floor),
+                )
+            }
+        };
+        let rules: Vec<u32> = spec.keep.iter().flat_map(rule_words).collect();
+        let q = &self.ctx.queue;
+        let size = params.out_dtype.size();
+        let row_floats = n + 1;
+        self.run_chunks(
+            tile,
+            params.out_dtype,
+            0.0,
+            |slot, start, len| {
+                let first = params.start + start as u64;
+                let first_row = spec.row_index(first);
+                let rows = spec.row_index(first + len as u64 - 1) - first_row + 1;
+                let floats = rows as usize * row_floats;
+                ensure!(
+                    floats <= slot.coefs.size() as usize / 4,
+                    "internal: {floats} coefficients do not fit the GPU buffer"
+                );
+                // Fisher's rows come with the tile; the others' with the tensor.
+                let (source, from) = if spec.tile_coefs {
+                    (params.coefs, start * row_floats)
+                } else {
+                    (&spec.coefs[..], first_row as usize * row_floats)
+                };
+                let comb = Comb {
+                    start: first as u32,
+                    row_len: spec.row_len.min(u32::MAX as u64) as u32,
+                    first_row: first_row as u32,
+                    delta: spec.delta as u32,
+                    consensus: spec.consensus as u32,
+                    norm_mode,
+                    lambda: spec.lambda,
+                    fixed_recip,
+                    nearswap: spec.nearswap.is_some() as u32,
+                    nearswap_t: spec.nearswap.unwrap_or(0.0),
+                    element_keep: spec.element_keep.is_some() as u32,
+                    element_value: spec.element_keep.map_or(0, |(c, _)| c.value),
+                    element_index: spec.element_keep.map_or(0, |(c, _)| c.index),
+                    inv_n: spec.element_keep.map_or(0.0, |(_, i)| i),
+                    sign_of_values: spec.sign_of_values as u32,
+                    _pad: 0,
+                };
+                q.write_buffer(&slot.comb, 0, bytemuck::bytes_of(&comb));
+                q.write_buffer(&slot.rules, 0, bytemuck::cast_slice(&rules));
+                q.write_buffer(
+                    &slot.coefs,
+                    0,
+                    bytemuck::cast_slice(&source[from..from + floats]),
+                );
+                if !table.is_empty() {
+                    q.write_buffer(&slot.table, 0, bytemuck::cast_slice(&table));
+                }
+                // Each agent's ranks at its f32-sized segment (words per agent: the chunk's
+                // f32 stride, even).
+                let stride = len.div_ceil(2) * 2;
+                for (t, r) in params.ranks.iter().enumerate() {
+                    q.write_buffer(
+                        &slot.ranks,
+                        (t * stride * 4) as u64,
+                        bytemuck::cast_slice(&r[start..start + len]),
+                    );
+                }
+                Ok(())
+            },
+            Kernel::Combine,
+            |start, len, bytes| {
+                out[start * size..(start + len) * size].copy_from_slice(&bytes[..len * size])
+            },
+        )
+    }
+}

@@ -1,0 +1,181 @@
+//! The GPU backend: WGSL compute shaders (`shaders/`) dispatched with wgpu on Vulkan, Metal or DX12
+//! — or Mesa's lavapipe where no GPU exists. Byte-identical to the CPU backend.
+//!
+//! A long-lived [`GpuContext`] holds the device, queue and compiled pipelines; [`GpuBackend`] adds
+//! reusable chunk buffers. A tile from the engine is cut into chunks that fit one storage binding;
+//! chunks alternate between two buffer sets so the upload and dispatch of one overlap the readback
+//! of the other.
+
+mod buffers;
+mod context;
+mod kernels;
+mod layout;
+
+use super::{Backend, CombineParams, MergeParams, Tile, TileCounts};
+use anyhow::Result;
+use buffers::Buffers;
+pub use context::{list_adapters, AdapterChoice, AdapterSummary, GpuContext};
+use kernels::Kernel;
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Most agents the shaders take: masks are one u32, the workgroup histogram 32².
+pub const GPU_MAX_AGENTS: usize = layout::wgsl::MAX_AGENTS as usize;
+/// Elements per chunk unless the binding limit asks for fewer: several chunks per engine tile keep
+/// the two buffer sets busy.
+const DEFAULT_CHUNK_ELEMS: usize = 1 << 20;
+/// Engine tiles of several chunks, so the two buffer sets overlap within a tile.
+const PREFERRED_TILE_ELEMS: usize = 4 * DEFAULT_CHUNK_ELEMS;
+
+pub(super) const DTYPE_WGSL: &str = include_str!("../../../shaders/dtype.wgsl");
+pub(super) const CHUNK_WGSL: &str = include_str!("../../../shaders/chunk.wgsl");
+pub(super) const PROBE_WGSL: &str = include_str!("../../../shaders/probe.wgsl");
+pub(super) const MERGE_WGSL: &str = include_str!("../../../shaders/merge.wgsl");
+pub(super) const COMBINE_WGSL: &str = include_str!("../../../shaders/combine.wgsl");
+/// Most agents a consensus merge with normalization takes here: one reciprocal per agreement mask.
+pub(super) const GPU_MAX_TABLE_AGENTS: usize = 16;
+
+/// Where a backend's time went, summed over chunks.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PhaseTimes {
+    pub chunks: u64,
+    /// Copying inputs into the queue's staging memory.
+    pub upload: Duration,
+    /// Recording and submitting the dispatch and the copy to the readback buffer.
+    pub submit: Duration,
+    /// Waiting for the device: transfer, compute and the map of the readback buffer.
+    pub wait: Duration,
+    /// Copying mapped results out.
+    pub readback: Duration,
+}
+
+pub struct GpuBackend {
+    ctx: GpuContext,
+    chunk_elems_cap: usize,
+    buffers: Mutex<Option<Buffers>>,
+    times: Mutex<PhaseTimes>,
+}
+
+impl GpuBackend {
+    pub fn new(ctx: GpuContext) -> GpuBackend {
+        GpuBackend {
+            ctx,
+            chunk_elems_cap: DEFAULT_CHUNK_ELEMS,
+            buffers: Mutex::new(None),
+            times: Mutex::new(PhaseTimes::default()),
+        }
+    }
+
+    /// Time spent per phase since the backend was made (benchmarks report it).
+    pub fn phase_times(&self) -> PhaseTimes {
+        *self.times.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn add_time(&self, f: impl FnOnce(&mut PhaseTimes)) {
+        f(&mut self.times.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+
+    /// Caps the elements per chunk (tests use it to cross binding boundaries on small tensors).
+    pub fn with_chunk_elems(mut self, elems: usize) -> GpuBackend {
+        self.chunk_elems_cap = elems.max(2);
+        self
+    }
+}
+
+impl Backend for GpuBackend {
+    fn describe(&self) -> String {
+        self.ctx.describe()
+    }
+
+    fn preferred_tile_elems(&self) -> usize {
+        PREFERRED_TILE_ELEMS
+    }
+
+    /// Two workers: while one waits for the device with its tile, the other reads the next.
+    fn run_workers(&self, worker: &(dyn Fn() + Sync)) {
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(worker);
+            }
+        });
+    }
+
+    fn probe(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts> {
+        let n = tile.agents.len();
+        let mut counts = TileCounts::zeros(n);
+        self.run_chunks(
+            tile,
+            tile.dtype,
+            epsilon,
+            |_, _, _| Ok(()),
+            Kernel::Probe,
+            |_, _, bytes| {
+                for (h, w) in counts
+                    .hist
+                    .iter_mut()
+                    .zip(bytemuck::cast_slice::<u8, u32>(bytes))
+                {
+                    *h += *w as u64;
+                }
+            },
+        )?;
+        Ok(counts)
+    }
+
+    fn combine(&self, tile: &Tile, params: &CombineParams, out: &mut [u8]) -> Result<()> {
+        self.combine_tile(tile, params, out)
+    }
+
+    fn merge(&self, tile: &Tile, params: &MergeParams, out: &mut [u8]) -> Result<()> {
+        let lambdas = bytemuck::cast_slice::<f32, u8>(params.lambdas).to_vec();
+        let q = &self.ctx.queue;
+        let size = params.out_dtype.size();
+        self.run_chunks(
+            tile,
+            params.out_dtype,
+            params.epsilon,
+            |slot, _, _| {
+                q.write_buffer(&slot.lambdas, 0, &lambdas);
+                Ok(())
+            },
+            Kernel::Merge,
+            |start, len, bytes| {
+                out[start * size..(start + len) * size].copy_from_slice(&bytes[..len * size])
+            },
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::context::one_line;
+    use super::*;
+
+    /// The shaders parse and validate without any adapter, so a shader error fails every CI run.
+    #[test]
+    fn shaders_validate_with_naga() {
+        for (name, kernel) in [
+            ("probe", PROBE_WGSL),
+            ("merge", MERGE_WGSL),
+            ("combine", COMBINE_WGSL),
+        ] {
+            let source = format!("{DTYPE_WGSL}\n{CHUNK_WGSL}\n{kernel}");
+            let module = naga::front::wgsl::parse_str(&source)
+                .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(&source)));
+            naga::valid::Validator::new(
+                naga::valid::ValidationFlags::all(),
+                naga::valid::Capabilities::empty(),
+            )
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{name}: {e:?}"));
+        }
+    }
+
+    #[test]
+    fn errors_fold_to_one_line() {
+        assert_eq!(
+            one_line("Validation Error\n\nCaused by:\n  In X\n    limit"),
+            "Validation Error Caused by: In X limit"
+        );
+    }
+}
