@@ -6,12 +6,11 @@
 
 pub mod backend;
 pub mod checkpoint;
-pub mod cli;
-pub mod config;
 pub mod demo;
 pub mod engine;
 pub mod error;
 pub mod inputs;
+pub mod job;
 pub mod method;
 pub mod recipe;
 pub mod report;

@@ -1,3 +1,5 @@
+mod cli;
+
 use clap::Parser;
 use std::process::ExitCode;
 
@@ -14,8 +16,8 @@ fn main() -> ExitCode {
         eprintln!("error: interrupted; nothing was written at the output path");
         std::process::exit(130);
     });
-    let cli = rlmerge::cli::Cli::parse();
-    match rlmerge::cli::run(cli) {
+    let cli = cli::Cli::parse();
+    match cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         // A closed pipe (`rlmerge analyze | head`) is the reader's choice, not a failure.
         Err(err)

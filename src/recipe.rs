@@ -2,7 +2,7 @@
 //! the README.md model card.
 
 use crate::checkpoint::safetensors_file::FileChecksum;
-use crate::config::MERGEKIT_CONFIG_FILE;
+use crate::job::MERGEKIT_CONFIG_FILE;
 use crate::method::{AgentCounts, Method};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};

@@ -4,13 +4,10 @@
 use super::defaults;
 use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-#[value(rename_all = "snake_case")]
 pub enum Kind {
-    #[value(name = "ram")]
     Ram,
-    #[value(name = "ram+", alias = "ramplus", alias = "ram_plus")]
     #[serde(rename = "ram+")]
     RamPlus,
     RamplusTl,

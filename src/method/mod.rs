@@ -28,7 +28,7 @@ pub enum BoostRule {
 }
 
 /// Over what ρ is counted: the whole model (one λ per agent) or each tensor (one λ per agent and tensor).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BoostScope {
     Global,
@@ -42,6 +42,12 @@ impl BoostScope {
             BoostScope::Global => "global",
             BoostScope::Tensor => "tensor",
         }
+    }
+
+    pub fn from_name(name: &str) -> Option<BoostScope> {
+        [BoostScope::Global, BoostScope::Tensor]
+            .into_iter()
+            .find(|s| s.name() == name)
     }
 }
 

@@ -1,17 +1,15 @@
-//! mergekit's YAML merge configuration: read, checked key by key, and turned into a merge job.
+//! The mergekit YAML recipe: read, checked key by key, and turned into a [`Job`].
 //! Unknown keys and the parts rlmerge does not support yet are errors that name the key and line.
 
+use super::Job;
 use crate::checkpoint::DType;
 use crate::error::usage;
 use crate::method::build::{self, MethodRequest};
 use crate::method::settings::{Scalar, Setting, Settings};
-use crate::method::{Kind, Method};
+use crate::method::Kind;
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
-
-/// The file rlmerge saves the recipe under in the output folder, as mergekit does.
-pub const MERGEKIT_CONFIG_FILE: &str = "mergekit_config.yml";
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -68,31 +66,6 @@ struct SliceSource {
     parameters: Option<Settings>,
 }
 
-/// What a recipe asks for, resolved to local folders.
-#[derive(Debug)]
-pub struct Job {
-    pub base: PathBuf,
-    pub agents: Vec<PathBuf>,
-    pub method: Method,
-    /// RAM's ε when the recipe sets it.
-    pub epsilon: Option<f32>,
-    pub out_dtype: Option<DType>,
-    /// The recipe's text, saved beside the merged weights.
-    pub text: String,
-    /// The recipe file it came from (an output must not overwrite it).
-    pub source: Option<PathBuf>,
-}
-
-/// mergekit's dtype names and ours.
-pub fn parse_dtype_name(s: &str) -> Option<DType> {
-    match s {
-        "bfloat16" => Some(DType::BF16),
-        "float16" | "half" => Some(DType::F16),
-        "float32" | "float" => Some(DType::F32),
-        other => DType::parse_user(other),
-    }
-}
-
 /// A model reference as a local folder: as written (relative to the working directory), else
 /// relative to the recipe's folder.
 fn local_folder(reference: &str, recipe_dir: &Path) -> Result<PathBuf> {
@@ -131,19 +104,19 @@ fn layer_count(dir: &Path) -> Result<usize> {
 }
 
 /// Reads a mergekit YAML recipe.
-pub fn read(path: &Path, seed: u64) -> Result<Job> {
+pub(super) fn read(path: &Path, seed: u64) -> Result<Job> {
     crate::checkpoint::model::check_regular_file(path)
         .with_context(|| format!("cannot read recipe {}", path.display()))?;
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read recipe {}", path.display()))?;
     let mut job = parse(&text, path.parent().unwrap_or(Path::new(".")), seed)
         .with_context(|| format!("recipe {}", path.display()))?;
-    job.source = Some(path.to_path_buf());
+    job.recipe_path = Some(path.to_path_buf());
     Ok(job)
 }
 
 /// Parses recipe `text`; model paths resolve against the working directory, then `dir`.
-pub fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
+pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
     // Editors on Windows start files with a byte order mark; YAML allows it, serde_yaml does not.
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     if let Some(line) = text
@@ -235,7 +208,7 @@ pub fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
     let out_dtype =
         match raw.out_dtype.as_ref().or(raw.dtype.as_ref()) {
             None => None,
-            Some(d) => Some(parse_dtype_name(d).with_context(|| {
+            Some(d) => Some(DType::parse_user(d).with_context(|| {
                 format!("unknown dtype '{d}' (use bfloat16, float16 or float32)")
             })?),
         };
@@ -307,8 +280,8 @@ pub fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         method,
         epsilon,
         out_dtype,
-        text: text.to_string(),
-        source: None,
+        recipe_text: text.to_string(),
+        recipe_path: None,
     })
 }
 
@@ -322,26 +295,6 @@ fn line_of(text: &str, key: &str) -> String {
     text.lines()
         .position(|l| l.match_indices(key).any(|(at, _)| is_key_at(l, at)))
         .map_or_else(|| "?".into(), |i| (i + 1).to_string())
-}
-
-/// A `KEY=VALUE` CLI parameter as a setting (numbers, true/false, else text).
-pub fn cli_setting(kv: &str) -> Result<(String, crate::method::settings::Setting), String> {
-    let (k, v) = kv
-        .split_once('=')
-        .ok_or_else(|| format!("'{kv}': expected KEY=VALUE"))?;
-    let v = v.trim();
-    let scalar = match v {
-        "true" => Scalar::Bool(true),
-        "false" => Scalar::Bool(false),
-        _ => match v.parse::<f64>() {
-            Ok(x) => Scalar::Number(x),
-            Err(_) => Scalar::Text(v.to_string()),
-        },
-    };
-    Ok((
-        k.trim().to_string(),
-        crate::method::settings::Setting::Scalar(scalar),
-    ))
 }
 
 #[cfg(test)]

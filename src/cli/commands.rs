@@ -1,0 +1,388 @@
+//! The commands behind the arguments: each turns its flags into library calls and prints the
+//! result.
+
+use super::{
+    AnalyzeArgs, Cli, Command, ComputeArgs, DemoArgs, DeviceChoice, InputArgs, MergeArgs,
+    OutputArgs, RunArgs, VerifyArgs,
+};
+use anyhow::{Context, Result};
+use rlmerge::backend::cpu::CpuBackend;
+use rlmerge::backend::gpu::{list_adapters, AdapterChoice, GpuBackend, GpuContext};
+use rlmerge::backend::Backend;
+use rlmerge::demo;
+use rlmerge::engine::{self, MergeOptions, Pass};
+use rlmerge::error::usage;
+use rlmerge::inputs::Inputs;
+use rlmerge::job::{Job, MERGEKIT_CONFIG_FILE};
+use rlmerge::method::{defaults, BoostRule, BoostScope, Kind, Method, DEFAULT_EPSILON};
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+
+impl InputArgs {
+    /// The base and agent folders given with --base and --model.
+    fn folders(&self) -> Result<(PathBuf, Vec<PathBuf>)> {
+        match (&self.base, self.models.is_empty()) {
+            (Some(b), false) => Ok((b.clone(), self.models.clone())),
+            _ => Err(usage(
+                "give the models with --base DIR and --model DIR (repeat for each agent), or a recipe with --config",
+            )),
+        }
+    }
+}
+
+impl ComputeArgs {
+    fn check(&self) -> Result<()> {
+        if !(self.epsilon.is_finite() && self.epsilon >= 0.0) {
+            return Err(usage("--epsilon must be finite and ≥ 0"));
+        }
+        if self.tile_elems == Some(0) {
+            return Err(usage("--tile-elems must be ≥ 1"));
+        }
+        Ok(())
+    }
+
+    fn backend(&self) -> Result<Box<dyn Backend>> {
+        make_backend(self.device, self.threads, self.gpu_chunk_elems)
+    }
+
+    fn pass(&self, backend: &dyn Backend) -> Pass {
+        Pass {
+            epsilon: self.epsilon,
+            tile_elems: self
+                .tile_elems
+                .unwrap_or_else(|| backend.preferred_tile_elems()),
+            scan_nonfinite: !self.allow_nonfinite,
+        }
+    }
+
+    fn show_progress(&self) -> bool {
+        !self.quiet && std::io::stderr().is_terminal()
+    }
+}
+
+/// The backend `device` asks for (see [`DeviceChoice`]).
+fn make_backend(
+    device: DeviceChoice,
+    threads: usize,
+    gpu_chunk_elems: Option<usize>,
+) -> Result<Box<dyn Backend>> {
+    let gpu = |ctx: GpuContext| -> Box<dyn Backend> {
+        let backend = GpuBackend::new(ctx);
+        Box::new(match gpu_chunk_elems {
+            Some(n) => backend.with_chunk_elems(n),
+            None => backend,
+        })
+    };
+    match device {
+        DeviceChoice::Cpu => Ok(Box::new(CpuBackend::new(threads)?)),
+        DeviceChoice::Gpu => match GpuContext::open(AdapterChoice::Any)? {
+            Some(ctx) => Ok(gpu(ctx)),
+            None => Err(anyhow::anyhow!(
+                "--device gpu: wgpu found no GPU adapter (Vulkan, Metal or DX12). On Linux without a GPU, \
+                 install Mesa's software Vulkan driver lavapipe (Debian/Ubuntu: apt-get install \
+                 mesa-vulkan-drivers libvulkan1); or use --device cpu"
+            )),
+        },
+        DeviceChoice::Auto => match GpuContext::open(AdapterChoice::HardwareOnly) {
+            Ok(Some(ctx)) => Ok(gpu(ctx)),
+            Ok(None) => Ok(Box::new(CpuBackend::new(threads)?)),
+            Err(e) => {
+                eprintln!("warning: {e:#}; using the CPU backend");
+                Ok(Box::new(CpuBackend::new(threads)?))
+            }
+        },
+    }
+}
+
+fn warn_all(warnings: &[String]) {
+    for w in warnings {
+        eprintln!("warning: {}", rlmerge::error::printable(w));
+    }
+}
+
+pub fn run(cli: Cli) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    match cli.command {
+        Command::Merge(args) => run_merge(&args, &mut out),
+        Command::Run(args) => run_recipe(&args, &mut out),
+        Command::Methods => run_methods(&mut out),
+        Command::Analyze(args) => run_analyze(&args, &mut out),
+        Command::Demo(args) => run_demo(&args, &mut out),
+        Command::Devices => run_devices(&mut out),
+        Command::Verify(args) => run_verify(&args, &mut out),
+    }
+}
+
+fn run_verify(args: &VerifyArgs, out: &mut impl Write) -> Result<()> {
+    let backend = if args.against {
+        Some(make_backend(args.device, args.threads, None)?)
+    } else {
+        None
+    };
+    let v = rlmerge::verify::verify(&args.dir, backend.as_deref())?;
+    for line in &v.ok {
+        writeln!(out, "ok    {line}")?;
+    }
+    for line in &v.skipped {
+        writeln!(out, "skip  {line}")?;
+    }
+    for line in &v.problems {
+        writeln!(out, "FAIL  {line}")?;
+    }
+    if v.problems.is_empty() {
+        writeln!(
+            out,
+            "{} verified: {} checks passed",
+            args.dir.display(),
+            v.ok.len()
+        )?;
+        Ok(())
+    } else {
+        anyhow::bail!(
+            "{}: {} problem(s) found (first: {})",
+            args.dir.display(),
+            v.problems.len(),
+            v.problems[0]
+        )
+    }
+}
+
+fn run_devices(out: &mut impl Write) -> Result<()> {
+    let adapters = list_adapters();
+    if adapters.is_empty() {
+        writeln!(
+            out,
+            "no GPU adapter found; merges run on the CPU backend (for lavapipe on Linux: apt-get install mesa-vulkan-drivers libvulkan1)"
+        )?;
+        return Ok(());
+    }
+    for a in adapters {
+        let (i, l) = (&a.info, &a.limits);
+        writeln!(
+            out,
+            "{} — {:?}, {:?}, driver {} {}",
+            i.name, i.backend, i.device_type, i.driver, i.driver_info
+        )?;
+        writeln!(
+            out,
+            "    max storage binding {} B, max buffer {} B, {} storage buffers per stage, {} workgroups per dimension",
+            l.max_storage_buffer_binding_size,
+            l.max_buffer_size,
+            l.max_storage_buffers_per_shader_stage,
+            l.max_compute_workgroups_per_dimension
+        )?;
+    }
+    writeln!(out, "--device auto uses a hardware GPU (discrete first) and otherwise the CPU backend; --device gpu also takes software adapters")?;
+    Ok(())
+}
+
+/// Prints the λ of each agent after a merge.
+fn print_lambdas(out: &mut impl Write, agents: &[rlmerge::recipe::AgentSummary]) -> Result<()> {
+    for a in agents {
+        match a.lambda {
+            Some(l) => writeln!(out, "  λ = {l:.6}  {}", a.path)?,
+            None => writeln!(out, "  λ per tensor (see the recipe)  {}", a.path)?,
+        }
+    }
+    Ok(())
+}
+
+fn run_merge(args: &MergeArgs, out: &mut impl Write) -> Result<()> {
+    let job = match &args.config {
+        Some(path) => Job::from_recipe(path, args.output.seed)?,
+        None => {
+            let (base, agents) = args.inputs.folders()?;
+            Job::from_flags(base, agents, &args.method_flags())?
+        }
+    };
+    merge_job(job, &args.inputs.compute, &args.output, out)
+}
+
+fn run_recipe(args: &RunArgs, out: &mut impl Write) -> Result<()> {
+    let job = Job::from_recipe(&args.recipe, args.output.seed)?;
+    merge_job(job, &args.compute, &args.output, out)
+}
+
+/// Runs a merge job with the compute and output options; the one path of `merge` and `run`.
+fn merge_job(
+    job: Job,
+    compute: &ComputeArgs,
+    output: &OutputArgs,
+    out: &mut impl Write,
+) -> Result<()> {
+    compute.check()?;
+    let inputs = Inputs::open(&job.base, &job.agents)?;
+    warn_all(&inputs.warnings);
+    let backend = compute.backend()?;
+    if !compute.quiet {
+        eprintln!("backend: {}", backend.describe());
+    }
+    let mut pass = compute.pass(backend.as_ref());
+    if let Some(e) = job.epsilon {
+        pass.epsilon = e;
+    }
+    let options = MergeOptions {
+        method: job.method.clone(),
+        pass,
+        out_dtype: output.out_dtype.or(job.out_dtype),
+        shard_size: output.shard_size,
+        force: output.force,
+        show_progress: compute.show_progress(),
+        extra_files: if job.recipe_text.is_empty() {
+            Vec::new()
+        } else {
+            vec![(MERGEKIT_CONFIG_FILE.to_string(), job.recipe_text.clone())]
+        },
+        protect: job.recipe_path.iter().cloned().collect(),
+    };
+    let summary = engine::merge(&inputs, &options, backend.as_ref(), &output.out).map_err(|e| {
+        if rlmerge::error::is_usage(&e) {
+            e // says itself that nothing was touched
+        } else {
+            e.context(format!(
+                "merge into {} failed; nothing was written there",
+                output.out.display()
+            ))
+        }
+    })?;
+    // Warnings found while merging (identical inputs), after those of opening the inputs.
+    warn_all(&summary.recipe.warnings[inputs.warnings.len()..]);
+    writeln!(
+        out,
+        "merged {} model(s) into {} with {} ({} shard(s))",
+        inputs.agents.len(),
+        output.out.display(),
+        job.method,
+        summary.shards.len()
+    )?;
+    if matches!(job.method, Method::Combine(_)) {
+        return Ok(());
+    }
+    print_lambdas(out, &summary.recipe.agents)
+}
+
+fn run_methods(out: &mut impl Write) -> Result<()> {
+    for kind in Kind::ALL {
+        writeln!(
+            out,
+            "{:<17} {} ({})",
+            kind.name(),
+            kind.about(),
+            kind.reference()
+        )?;
+        for p in kind.params() {
+            let scope = match p.scope {
+                rlmerge::method::catalog::Scope::Shared => "shared",
+                rlmerge::method::catalog::Scope::PerModel => "per model",
+            };
+            writeln!(
+                out,
+                "    {:<16} {:<10} default {:<16} {:<16} {}",
+                p.name,
+                scope,
+                p.default.text(p.range),
+                p.range.text(),
+                p.about
+            )?;
+        }
+    }
+    writeln!(
+        out,
+        "\nSet parameters in a mergekit recipe (rlmerge run RECIPE.yml -o OUT) or with --param KEY=VALUE."
+    )?;
+    Ok(())
+}
+
+fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
+    let compute = &args.inputs.compute;
+    compute.check()?;
+    let (base, agents) = args.inputs.folders()?;
+    let inputs = Inputs::open(&base, &agents)?;
+    warn_all(&inputs.warnings);
+    let backend = compute.backend()?;
+    let report = engine::probe_all(
+        &inputs,
+        backend.as_ref(),
+        &compute.pass(backend.as_ref()),
+        compute.show_progress(),
+    )?;
+    if args.json {
+        writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&report.to_json(args.per_tensor))?
+        )?;
+    } else {
+        write!(out, "{}", report.render_text(args.per_tensor))?;
+    }
+    Ok(())
+}
+
+fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
+    std::fs::create_dir_all(&args.dir)
+        .with_context(|| format!("cannot create {}", args.dir.display()))?;
+    let shape = args
+        .model_size
+        .map_or_else(demo::ModelShape::tiny, demo::ModelShape::of_bf16_bytes);
+    let merged = args.dir.join("merged-ram-plus");
+    demo::check_replaceable(&merged)?;
+    let (base, agents) = demo::write_example(&args.dir, &shape, 2026)?;
+    let inputs = Inputs::open(&base, &agents)?;
+    writeln!(
+        out,
+        "wrote a bf16 base and 3 RL-like agents of {} bytes each under {}\n",
+        inputs.base.data_bytes(),
+        args.dir.display()
+    )?;
+    if args.write_only {
+        return Ok(());
+    }
+    let backend: Box<dyn Backend> = Box::new(CpuBackend::new(0)?);
+    let show = !args.quiet && std::io::stderr().is_terminal();
+    let options = MergeOptions {
+        method: Method::RamPlus {
+            rule: BoostRule::Paper {
+                r: defaults::R,
+                alpha: defaults::ALPHA_GLOBAL,
+            },
+            scope: BoostScope::Global,
+        },
+        pass: Pass {
+            epsilon: DEFAULT_EPSILON,
+            tile_elems: backend.preferred_tile_elems(),
+            scan_nonfinite: true,
+        },
+        out_dtype: None,
+        shard_size: 5_000_000_000,
+        force: true,
+        show_progress: show,
+        extra_files: Vec::new(),
+        protect: Vec::new(),
+    };
+    // Global RAM+ probes the whole model first; its report is the analysis to show.
+    let summary = engine::merge(&inputs, &options, backend.as_ref(), &merged)?;
+    let report = summary
+        .report
+        .as_ref()
+        .context("internal: ram+ produced no probe report")?;
+    writeln!(
+        out,
+        "$ rlmerge analyze --base {} --model … (3 agents)\n",
+        base.display()
+    )?;
+    write!(out, "{}", report.render_text(false))?;
+    writeln!(
+        out,
+        "\n$ rlmerge merge --method ram+ … -o {}\n",
+        merged.display()
+    )?;
+    print_lambdas(out, &summary.recipe.agents)?;
+    writeln!(
+        out,
+        "\nmerged checkpoint: {} ({}; model card README.md, recipe {})",
+        merged.display(),
+        summary.shards.join(", "),
+        rlmerge::recipe::RECIPE_FILE
+    )?;
+    Ok(())
+}

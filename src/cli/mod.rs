@@ -1,0 +1,231 @@
+//! The command line: argument definitions (clap lives here, in the binary, and nowhere in the
+//! library). Each flag becomes library data in [`commands`]: method flags a
+//! [`rlmerge::job::MethodFlags`], compute flags a backend and an [`rlmerge::engine::Pass`].
+//!
+//! Exit codes: 0 success, 1 the merge/analysis failed (bad input, I/O), 2 usage error.
+
+mod commands;
+
+pub use commands::run;
+
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use rlmerge::checkpoint::writer::parse_size;
+use rlmerge::checkpoint::DType;
+use rlmerge::job::{parse_dtype, parse_param, MethodFlags};
+use rlmerge::method::settings::Setting;
+use rlmerge::method::{BoostScope, Kind, DEFAULT_EPSILON};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "rlmerge",
+    version,
+    about = "Merge RL-trained LLM agents into one checkpoint with Reinforced Agent Merging (RAM / RAM+)"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Merge agents fine-tuned from one base into a new Hugging Face folder.
+    Merge(MergeArgs),
+    /// Run a mergekit YAML recipe (its model names must be local folders).
+    Run(RunArgs),
+    /// List every merge method with its parameters, defaults and reference.
+    Methods,
+    /// Probe the task vectors: what each agent changed, what is shared, ρ_t and λ_t.
+    Analyze(AnalyzeArgs),
+    /// Write a small built-in example (a base and three agents), analyze it and merge it with RAM+.
+    Demo(DemoArgs),
+    /// List the GPU adapters wgpu sees, with the limits that size rlmerge's tiles.
+    Devices,
+    /// Check a merged folder against the checksums its recipe recorded (outputs and inputs).
+    Verify(VerifyArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct VerifyArgs {
+    /// The merged folder.
+    pub dir: PathBuf,
+    /// Also recompute the merge from the recipe's inputs and compare the bytes.
+    #[arg(long)]
+    pub against: bool,
+    /// Where to recompute with --against.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub device: DeviceChoice,
+    /// Worker threads of the CPU backend (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+}
+
+/// Where the probe and merge passes run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DeviceChoice {
+    /// A hardware GPU if there is one, else the CPU backend.
+    Auto,
+    /// A GPU adapter, software ones (lavapipe) included; an error if there is none.
+    Gpu,
+    /// The native CPU backend.
+    Cpu,
+}
+
+/// Inputs and compute options shared by `merge` and `analyze`.
+#[derive(Args, Debug)]
+pub struct InputArgs {
+    /// The base model folder all agents were fine-tuned from.
+    #[arg(long, value_name = "DIR")]
+    pub base: Option<PathBuf>,
+    /// An agent model folder (repeat for each agent).
+    #[arg(long = "model", value_name = "DIR")]
+    pub models: Vec<PathBuf>,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
+}
+
+/// How and where the passes run.
+#[derive(Args, Debug)]
+pub struct ComputeArgs {
+    /// Threshold: an element is changed when |θ_t − θ₀| > ε (absolute).
+    #[arg(long, default_value_t = DEFAULT_EPSILON)]
+    pub epsilon: f32,
+    /// Worker threads of the CPU backend (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// No progress bars.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// Where to compute.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub device: DeviceChoice,
+    /// Elements per tile [default: the backend's preference] (tuning and tests; the result does
+    /// not depend on it).
+    #[arg(long, hide = true)]
+    pub tile_elems: Option<usize>,
+    /// Merge NaN and ±Inf by IEEE rules instead of refusing inputs that hold them.
+    #[arg(long)]
+    pub allow_nonfinite: bool,
+    /// Caps elements per GPU dispatch chunk (tests; the result does not depend on it).
+    #[arg(long, hide = true)]
+    pub gpu_chunk_elems: Option<usize>,
+}
+
+#[derive(Args, Debug)]
+pub struct MergeArgs {
+    #[command(flatten)]
+    pub inputs: InputArgs,
+    /// A mergekit YAML recipe giving the models, method and parameters (instead of --base,
+    /// --model and --method).
+    #[arg(long, value_name = "RECIPE.yml", conflicts_with_all = ["base", "models", "method"])]
+    pub config: Option<PathBuf>,
+    /// Merge method (`rlmerge methods` lists them with their parameters).
+    #[arg(long, value_parser = parse_method)]
+    pub method: Option<Kind>,
+    /// A method parameter for every model, as KEY=VALUE (repeat), e.g. --param density=0.5.
+    #[arg(long = "param", value_name = "KEY=VALUE", value_parser = parse_param)]
+    pub params: Vec<(String, Setting)>,
+    /// RAM+ boost rule.
+    #[arg(long, value_parser = PossibleValuesParser::new([
+        PossibleValue::new("paper").help("λ = 1 + r·min(ρ, α) (the paper)"),
+        PossibleValue::new("official").help("λ = 1 + (R − 1)·min(ρ, 1) (the authors' released script)"),
+    ]))]
+    pub rule: Option<String>,
+    /// RAM+ scope of ρ: one λ per agent (global) or per agent and tensor.
+    #[arg(long, value_parser = PossibleValuesParser::new(["global", "tensor"])
+        .map(|s| BoostScope::from_name(&s).expect("a listed scope")))]
+    pub scope: Option<BoostScope>,
+    /// RAM+ paper rule: r [default 0.1].
+    #[arg(long)]
+    pub r: Option<f64>,
+    /// RAM+ paper rule: cap α on ρ [default 2.0 global, 0.2 tensor scope].
+    #[arg(long)]
+    pub alpha: Option<f64>,
+    /// RAM+ official rule: R [default 1.2].
+    #[arg(long)]
+    pub rescale_factor: Option<f64>,
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// Where and how the merged folder is written.
+#[derive(Args, Debug)]
+pub struct OutputArgs {
+    /// Output dtype [default: the recipe's out_dtype/dtype, else each tensor's dtype in the base].
+    #[arg(long, value_parser = parse_dtype)]
+    pub out_dtype: Option<DType>,
+    /// Largest output shard (5GB = 5·10⁹ bytes, 5GiB = 5·2³⁰).
+    #[arg(long, default_value = "5GB", value_parser = parse_size)]
+    pub shard_size: u64,
+    /// Replace the output folder if it exists (only once the new one is complete).
+    #[arg(long)]
+    pub force: bool,
+    /// Seed of random masks (dare_linear, dare_ties): the same seed gives the same bytes on every
+    /// backend and tiling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output folder.
+    #[arg(short = 'o', long = "out", value_name = "OUT_DIR")]
+    pub out: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The mergekit YAML recipe.
+    #[arg(value_name = "RECIPE.yml")]
+    pub recipe: PathBuf,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct AnalyzeArgs {
+    #[command(flatten)]
+    pub inputs: InputArgs,
+    /// Break the counts down by module and by tensor.
+    #[arg(long)]
+    pub per_tensor: bool,
+    /// Print JSON on stdout instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// Where to write the example.
+    #[arg(default_value = "rlmerge-demo")]
+    pub dir: PathBuf,
+    /// No progress bars.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// Size of each model (e.g. 1GiB) instead of the tiny default: a synthetic checkpoint for benchmarks.
+    #[arg(long, value_parser = parse_size)]
+    pub model_size: Option<u64>,
+    /// Only write the models; skip the analysis and the merge.
+    #[arg(long)]
+    pub write_only: bool,
+}
+
+/// A `--method` name (mergekit's, and `ram+`'s aliases).
+fn parse_method(s: &str) -> Result<Kind, String> {
+    Kind::from_name(s).ok_or_else(|| format!("unknown method '{s}' (`rlmerge methods` lists them)"))
+}
+
+impl MergeArgs {
+    /// The method flags as library data.
+    pub fn method_flags(&self) -> MethodFlags {
+        MethodFlags {
+            method: self.method,
+            params: self.params.clone(),
+            rule: self.rule.clone(),
+            scope: self.scope,
+            r: self.r,
+            alpha: self.alpha,
+            rescale_factor: self.rescale_factor,
+            seed: self.output.seed,
+        }
+    }
+}

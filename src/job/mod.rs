@@ -1,0 +1,154 @@
+//! A merge job: the one place a method name and its parameters — from command-line flags or from a
+//! mergekit YAML recipe ([`recipe_yaml`]) — become a validated [`Method`] with its input folders.
+//! Both go through [`crate::method::build`], so a value accepted by one is accepted by the other.
+
+mod recipe_yaml;
+
+use crate::checkpoint::DType;
+use crate::error::usage;
+use crate::method::build::MethodRequest;
+use crate::method::settings::{Scalar, Setting, Settings};
+use crate::method::{BoostScope, Kind, Method};
+use anyhow::Result;
+use std::path::{Path, PathBuf};
+
+/// The file rlmerge saves the recipe under in the output folder, as mergekit does.
+pub const MERGEKIT_CONFIG_FILE: &str = "mergekit_config.yml";
+
+/// A merge to run: the folders, resolved, and the method, validated.
+#[derive(Debug)]
+pub struct Job {
+    pub base: PathBuf,
+    pub agents: Vec<PathBuf>,
+    pub method: Method,
+    /// RAM's ε when the recipe sets it.
+    pub epsilon: Option<f32>,
+    pub out_dtype: Option<DType>,
+    /// The recipe's text, saved beside the merged weights as [`MERGEKIT_CONFIG_FILE`] (empty:
+    /// the job came from flags).
+    pub recipe_text: String,
+    /// The recipe file it came from (an output must not overwrite it).
+    pub recipe_path: Option<PathBuf>,
+}
+
+/// The method as command-line flags give it: `--method`, `--param KEY=VALUE` (see
+/// [`parse_param`]) and RAM+'s own flags, which are parameters under other names.
+#[derive(Clone, Debug, Default)]
+pub struct MethodFlags {
+    /// `None`: RAM+, the default method.
+    pub method: Option<Kind>,
+    pub params: Vec<(String, Setting)>,
+    pub rule: Option<String>,
+    pub scope: Option<BoostScope>,
+    pub r: Option<f64>,
+    pub alpha: Option<f64>,
+    pub rescale_factor: Option<f64>,
+    /// Seed of random masks (DARE, DELLA).
+    pub seed: u64,
+}
+
+impl Job {
+    /// A job from `--base`, `--model`s and the method flags. Methods without θ₀ (linear,
+    /// passthrough) merge the models; the base then only gives the layout and the config files.
+    pub fn from_flags(base: PathBuf, agents: Vec<PathBuf>, flags: &MethodFlags) -> Result<Job> {
+        let method = flags.method_for(agents.len())?;
+        Ok(Job {
+            base,
+            agents,
+            method,
+            epsilon: None,
+            out_dtype: None,
+            recipe_text: String::new(),
+            recipe_path: None,
+        })
+    }
+
+    /// A job from a mergekit YAML recipe; its model names are local folders, as written or beside
+    /// the recipe.
+    pub fn from_recipe(path: &Path, seed: u64) -> Result<Job> {
+        recipe_yaml::read(path, seed)
+    }
+}
+
+impl MethodFlags {
+    /// The method with its parameters for `agents` merged models: the flags and `--param`s turned
+    /// into one request for [`crate::method::build`], which validates it as it does recipes.
+    pub fn method_for(&self, agents: usize) -> Result<Method> {
+        let kind = self.method.unwrap_or(Kind::RamPlus);
+        let boost_flags = [
+            ("--rule", "rule", self.rule.clone().map(Scalar::Text)),
+            (
+                "--scope",
+                "scope",
+                self.scope.map(|s| Scalar::Text(s.name().into())),
+            ),
+            ("--r", "r", self.r.map(Scalar::Number)),
+            ("--alpha", "alpha", self.alpha.map(Scalar::Number)),
+            (
+                "--rescale-factor",
+                "rescale_factor",
+                self.rescale_factor.map(Scalar::Number),
+            ),
+        ];
+        let set_flag = boost_flags.iter().find(|(_, _, v)| v.is_some());
+        if let Some((flag, _, _)) = set_flag {
+            if kind != Kind::RamPlus {
+                return Err(usage(format!(
+                    "{flag} applies to --method ram+ only{}",
+                    if kind == Kind::RamplusTl {
+                        " (ramplus_tl is the paper rule in tensor scope; use --method ram+ to choose)"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+        }
+        let mut shared = Settings::new();
+        for (key, value) in &self.params {
+            if shared.insert(key.clone(), value.clone()).is_some() {
+                return Err(usage(format!(
+                    "--param {key} is given twice; give each parameter once"
+                )));
+            }
+        }
+        for (flag, key, value) in boost_flags {
+            if let Some(v) = value {
+                if shared.insert(key.into(), Setting::Scalar(v)).is_some() {
+                    return Err(usage(format!(
+                        "{flag} and --param {key} both set {key}; give it once"
+                    )));
+                }
+            }
+        }
+        let request = MethodRequest {
+            kind,
+            shared,
+            models: vec![Default::default(); agents],
+            seed: self.seed,
+            with_base: true,
+        };
+        crate::method::build::build(request, agents)
+    }
+}
+
+/// A `KEY=VALUE` CLI parameter as a setting (numbers, true/false, else text).
+pub fn parse_param(kv: &str) -> Result<(String, Setting), String> {
+    let (k, v) = kv
+        .split_once('=')
+        .ok_or_else(|| format!("'{kv}': expected KEY=VALUE"))?;
+    let v = v.trim();
+    let scalar = match v {
+        "true" => Scalar::Bool(true),
+        "false" => Scalar::Bool(false),
+        _ => match v.parse::<f64>() {
+            Ok(x) => Scalar::Number(x),
+            Err(_) => Scalar::Text(v.to_string()),
+        },
+    };
+    Ok((k.trim().to_string(), Setting::Scalar(scalar)))
+}
+
+/// An output dtype as a user writes it (bf16, bfloat16, f16, float16, half, f32, float32, float).
+pub fn parse_dtype(s: &str) -> Result<DType, String> {
+    DType::parse_user(s).ok_or_else(|| format!("unknown dtype '{s}' (use bf16, f16 or f32)"))
+}
