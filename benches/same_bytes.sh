@@ -6,8 +6,8 @@
 #
 #   benches/same_bytes.sh BIN [MODEL_SIZE=tiny|1GiB…] [DEVICE=cpu] > list.txt
 #
-# The record (rlmerge_recipe.json / rlmerge_record.json) holds timings and versions, so it is left
-# out; the README and mergekit_config.yml are printed.
+# The record (rlmerge_record.json; rlmerge_recipe.json in older builds) holds paths and versions, so
+# it is left out; the model card (README.md), config and mergekit_config.yml are printed.
 set -euo pipefail
 bin=$(realpath "$1")
 size=${2:-tiny}

@@ -5,7 +5,7 @@ use crate::checkpoint::safetensors_file::shape_text;
 use crate::checkpoint::{ModelFolder, ModelTensor};
 use crate::error::usage;
 use crate::method::{self};
-use crate::recipe::InputChecksums;
+use crate::record::InputChecksums;
 use anyhow::{bail, ensure, Context, Result};
 use std::path::{Path, PathBuf};
 

@@ -12,7 +12,7 @@ pub mod error;
 pub mod inputs;
 pub mod job;
 pub mod method;
-pub mod recipe;
+pub mod record;
 pub mod report;
 pub mod scans;
 pub mod select;

@@ -1,6 +1,6 @@
-//! `rlmerge verify`: re-reads a merged folder and checks it against the checksums its recipe
+//! `rlmerge verify`: re-reads a merged folder and checks it against the checksums its record
 //! recorded — every output file and every input file — and, with `--against`, recomputes the merge
-//! from the recipe and compares the bytes.
+//! from the record and compares the bytes.
 
 use crate::backend::Backend;
 use crate::checkpoint::output_folder::{sweep, Scratch};
@@ -8,7 +8,7 @@ use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
 use crate::checkpoint::{DType, ModelFolder};
 use crate::engine::{self, MergeOptions, Pass};
 use crate::inputs::Inputs;
-use crate::recipe::Recipe;
+use crate::record::MergeRecord;
 use anyhow::{Context, Result};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -34,7 +34,7 @@ fn check_file(dir: &Path, want: &FileChecksum, what: &str, v: &mut Verification)
             got.crc32
         )),
         Ok(got) => v.problems.push(format!(
-            "{what} {} differs from the recipe: {} bytes crc32 {} (recorded {} bytes crc32 {})",
+            "{what} {} differs from the record: {} bytes crc32 {} (recorded {} bytes crc32 {})",
             path.display(),
             got.size,
             got.crc32,
@@ -48,15 +48,15 @@ fn check_file(dir: &Path, want: &FileChecksum, what: &str, v: &mut Verification)
 /// Verifies `out_dir`; with `against`, also recomputes the merge on `backend` into a temporary
 /// folder beside it and compares every shard byte for byte.
 pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verification> {
-    let recipe = Recipe::read(out_dir)?;
+    let record = MergeRecord::read(out_dir)?;
     let mut v = Verification::default();
-    for f in &recipe.outputs {
+    for f in &record.outputs {
         check_file(out_dir, f, "output", &mut v);
     }
     // Structure: every shard's header and the index parse and agree (also catches extra shards).
     match ModelFolder::open(out_dir) {
         Ok(m) => {
-            let recorded: Vec<&str> = recipe.shards().map(|f| f.file.as_str()).collect();
+            let recorded: Vec<&str> = record.shards().map(|f| f.file.as_str()).collect();
             for s in &m.shards {
                 let name = s
                     .path
@@ -66,7 +66,7 @@ pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verificat
                     .to_string();
                 if !recorded.contains(&name.as_str()) {
                     v.problems
-                        .push(format!("shard {} is not in the recipe", s.path.display()));
+                        .push(format!("shard {} is not in the record", s.path.display()));
                 }
             }
             if m.tensors.is_empty() {
@@ -81,23 +81,23 @@ pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verificat
         }
         Err(e) => v.problems.push(format!("structure: {e:#}")),
     }
-    // A weight file the recipe does not list (a stray shard, a pytorch_model.bin) is loaded by
+    // A weight file the record does not list (a stray shard, a pytorch_model.bin) is loaded by
     // some tools or makes the folder ambiguous: the folder is not what was merged.
-    let listed: Vec<&str> = recipe.outputs.iter().map(|f| f.file.as_str()).collect();
+    let listed: Vec<&str> = record.outputs.iter().map(|f| f.file.as_str()).collect();
     for entry in
         std::fs::read_dir(out_dir).with_context(|| format!("cannot list {}", out_dir.display()))?
     {
         let name = entry?.file_name().to_string_lossy().into_owned();
         if is_weight_file(&name) && !listed.contains(&name.as_str()) {
             v.problems.push(format!(
-                "{} holds the weight file {}, which the recipe does not list",
+                "{} holds the weight file {}, which the record does not list",
                 out_dir.display(),
                 crate::error::printable(&name)
             ));
         }
     }
     let mut inputs_intact = true;
-    for input in &recipe.inputs {
+    for input in &record.inputs {
         if !input.path.is_dir() {
             inputs_intact = false;
             v.skipped.push(format!(
@@ -114,7 +114,7 @@ pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verificat
     }
     if let Some(backend) = against {
         if inputs_intact {
-            recompute_and_compare(&recipe, out_dir, backend, &mut v)?;
+            recompute_and_compare(&record, out_dir, backend, &mut v)?;
         } else {
             v.problems.push("--against: the inputs are missing or changed since the merge, so it cannot be recomputed".into());
         }
@@ -140,32 +140,32 @@ fn is_weight_file(name: &str) -> bool {
 }
 
 fn recompute_and_compare(
-    recipe: &Recipe,
+    record: &MergeRecord,
     out_dir: &Path,
     backend: &dyn Backend,
     v: &mut Verification,
 ) -> Result<()> {
-    let base = recipe
+    let base = record
         .inputs
         .first()
-        .context("the recipe lists no inputs")?;
-    let agents: Vec<PathBuf> = recipe.inputs[1..].iter().map(|i| i.path.clone()).collect();
+        .context("the record lists no inputs")?;
+    let agents: Vec<PathBuf> = record.inputs[1..].iter().map(|i| i.path.clone()).collect();
     let inputs = Inputs::open(&base.path, &agents)?;
     let options = MergeOptions {
-        method: recipe.method.clone(),
+        method: record.method.clone(),
         pass: Pass {
-            epsilon: recipe.epsilon,
+            epsilon: record.epsilon,
             tile_elems: backend.preferred_tile_elems(),
-            scan_nonfinite: !recipe.allow_nonfinite,
+            scan_nonfinite: !record.allow_nonfinite,
         },
-        out_dtype: recipe
+        out_dtype: record
             .out_dtype
             .as_deref()
             .map(|d| {
-                DType::parse_user(d).with_context(|| format!("recipe: unknown out_dtype '{d}'"))
+                DType::parse_user(d).with_context(|| format!("record: unknown out_dtype '{d}'"))
             })
             .transpose()?,
-        shard_size: recipe.shard_size,
+        shard_size: record.shard_size,
         force: true,
         show_progress: false,
         extra_files: Vec::new(),
@@ -195,7 +195,7 @@ fn recompute_and_compare(
     })?;
     let again = scratch.path().join("recomputed");
     let result = engine::merge(&inputs, &options, backend, &again).and_then(|_| {
-        for shard in recipe.shards() {
+        for shard in record.shards() {
             match first_difference(&out_dir.join(&shard.file), &again.join(&shard.file))? {
                 None => v.ok.push(format!("recomputed {} is identical", shard.file)),
                 Some(at) => v.problems.push(format!(

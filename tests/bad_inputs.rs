@@ -274,8 +274,8 @@ fn tensor_missing_in_an_agent_is_merged_from_the_others_with_a_warning() {
     let good_a = tensor("a.weight", Dtype::BF16, &[4, 5], 0.5);
     let want = reference_merge(&base_a, &[&good_a, &a], 1e-5, &[1.0, 1.0], Dtype::BF16);
     assert_eq!(merged["a.weight"].2, want);
-    let recipe = std::fs::read_to_string(out.join("rlmerge_recipe.json")).unwrap();
-    assert!(recipe.contains("missing in"));
+    let record = std::fs::read_to_string(out.join("rlmerge_record.json")).unwrap();
+    assert!(record.contains("missing in"));
 }
 
 #[test]
@@ -623,7 +623,7 @@ fn a_folder_with_both_a_single_file_and_an_index_is_ambiguous() {
 }
 
 #[test]
-fn verify_fails_on_weight_files_the_recipe_does_not_list() {
+fn verify_fails_on_weight_files_the_record_does_not_list() {
     let c = case();
     good_model(&c.bad, 1.0);
     let (o, out) = merge_out(&c, &[&c.good, &c.bad], &[]);
@@ -640,16 +640,16 @@ fn verify_fails_on_weight_files_the_recipe_does_not_list() {
     // A model with no tensors does not verify, even with matching checksums.
     write_raw(&out.join("model.safetensors"), "{}", &[]);
     let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
-    let recipe_path = out.join("rlmerge_recipe.json");
-    let mut recipe: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&recipe_path).unwrap()).unwrap();
-    for f in recipe["outputs"].as_array_mut().unwrap() {
+    let record_path = out.join("rlmerge_record.json");
+    let mut record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&record_path).unwrap()).unwrap();
+    for f in record["outputs"].as_array_mut().unwrap() {
         if f["file"] == "model.safetensors" {
             f["size"] = bytes.len().into();
             f["crc32"] = format!("{:08x}", crc32fast::hash(&bytes)).into();
         }
     }
-    std::fs::write(&recipe_path, recipe.to_string()).unwrap();
+    std::fs::write(&record_path, record.to_string()).unwrap();
     let v = verify();
     assert_eq!(v.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&v.stdout).contains("no tensors"));
@@ -1043,7 +1043,7 @@ fn identical_content_in_other_folders_is_warned_about() {
         "{err}"
     );
     assert!(err.contains("same weights as the base"), "{err}");
-    let recipe = std::fs::read_to_string(out.join("rlmerge_recipe.json")).unwrap();
+    let recipe = std::fs::read_to_string(out.join("rlmerge_record.json")).unwrap();
     assert!(recipe.contains("hold the same weights"));
 }
 
@@ -1107,8 +1107,8 @@ fn fifos_as_recipes_and_checked_files_are_refused_without_blocking() {
     let (code, text) = run_unblocked(cmd, "output FIFO");
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("not a regular file"), "{text}");
-    std::fs::remove_file(out.join("rlmerge_recipe.json")).unwrap();
-    mkfifo(&out.join("rlmerge_recipe.json"));
+    std::fs::remove_file(out.join("rlmerge_record.json")).unwrap();
+    mkfifo(&out.join("rlmerge_record.json"));
     let mut cmd = std::process::Command::new(bin);
     cmd.arg("verify").arg(&out);
     let (code, text) = run_unblocked(cmd, "recipe FIFO in a merged folder");

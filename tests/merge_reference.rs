@@ -166,7 +166,7 @@ fn sharded_output_has_hugging_face_layout() {
         "generation_config.json",
         "tokenizer.json",
         "README.md",
-        "rlmerge_recipe.json",
+        "rlmerge_record.json",
         "model.safetensors.index.json",
     ] {
         assert!(
@@ -205,7 +205,7 @@ fn sharded_output_has_hugging_face_layout() {
 }
 
 #[test]
-fn recipe_and_card_record_method_parameters_lambdas_and_inputs() {
+fn record_and_card_hold_method_parameters_lambdas_and_inputs() {
     let f = fixture(11, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 1);
     let out = f.dir.path().join("out");
     merge_cmd(
@@ -222,14 +222,14 @@ fn recipe_and_card_record_method_parameters_lambdas_and_inputs() {
     )
     .assert()
     .success();
-    let recipe: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("rlmerge_recipe.json")).unwrap())
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("rlmerge_record.json")).unwrap())
             .unwrap();
-    assert_eq!(recipe["method"]["method"], "ram+");
-    assert_eq!(recipe["method"]["rule"]["rule"], "official");
-    assert_eq!(recipe["method"]["rule"]["rescale_factor"], 1.3);
+    assert_eq!(record["method"]["method"], "ram+");
+    assert_eq!(record["method"]["rule"]["rule"], "official");
+    assert_eq!(record["method"]["rule"]["rescale_factor"], 1.3);
     let counts = reference_counts(&f.base_tensors, &f.agent_tensors, 1e-5);
-    for (t, a) in recipe["agents"].as_array().unwrap().iter().enumerate() {
+    for (t, a) in record["agents"].as_array().unwrap().iter().enumerate() {
         assert_eq!(a["path"], f.agents[t].display().to_string());
         let want = lambda_official(counts[t], 1.3);
         assert!((a["lambda"].as_f64().unwrap() - want).abs() < 1e-12);

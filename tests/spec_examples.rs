@@ -112,11 +112,11 @@ fn edge_fixture() -> (tempfile::TempDir, Vec<std::path::PathBuf>) {
     (dir, paths)
 }
 
-fn recipe_lambdas(out: &std::path::Path) -> Vec<f64> {
-    let recipe: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("rlmerge_recipe.json")).unwrap())
+fn record_lambdas(out: &std::path::Path) -> Vec<f64> {
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("rlmerge_record.json")).unwrap())
             .unwrap();
-    recipe["agents"]
+    record["agents"]
         .as_array()
         .unwrap()
         .iter()
@@ -141,7 +141,7 @@ fn lambda_edge_cases_no_change_and_all_shared() {
             cmd.arg("--model").arg(a);
         }
         cmd.arg("-o").arg(&out).assert().success();
-        let l = recipe_lambdas(&out);
+        let l = record_lambdas(&out);
         // No changed element: ρ = 0, λ = 1. All shared: ρ = ∞, λ at the cap.
         assert_eq!(l[0], 1.0, "{rule:?}");
         assert!((l[1] - cap).abs() < 1e-12, "{rule:?}: {l:?}");

@@ -182,9 +182,9 @@ fn allowed_nonfinite_values_follow_ieee_on_both_backends() {
     for o in &outputs[1..] {
         assert_eq!(o, &outputs[0], "gpu vs cpu");
     }
-    // The recipe says so.
-    let recipe = std::fs::read_to_string(dir.path().join("cpu/rlmerge_recipe.json")).unwrap();
-    assert!(recipe.contains("\"allow_nonfinite\": true"));
+    // The record says so.
+    let record = std::fs::read_to_string(dir.path().join("cpu/rlmerge_record.json")).unwrap();
+    assert!(record.contains("\"allow_nonfinite\": true"));
 }
 
 #[test]

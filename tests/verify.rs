@@ -1,4 +1,4 @@
-//! `rlmerge verify`: the recipe's checksums catch a flipped byte in any output or input file, and
+//! `rlmerge verify`: the merge record's checksums catch a flipped byte in any output or input file, and
 //! `--against` recomputes the merge and compares bytes.
 
 mod common;
@@ -57,11 +57,11 @@ fn recorded_checksums_match_the_files_for_any_tiling() {
         ),
     ] {
         let out = merged(&f, name, &extra);
-        let recipe: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(out.join("rlmerge_recipe.json")).unwrap(),
+        let record: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.join("rlmerge_record.json")).unwrap(),
         )
         .unwrap();
-        let inputs = recipe["inputs"].as_array().unwrap();
+        let inputs = record["inputs"].as_array().unwrap();
         assert_eq!(inputs.len(), 4);
         for input in inputs {
             let dir = Path::new(input["path"].as_str().unwrap());
@@ -74,7 +74,7 @@ fn recorded_checksums_match_the_files_for_any_tiling() {
                 );
             }
         }
-        for file in recipe["outputs"].as_array().unwrap() {
+        for file in record["outputs"].as_array().unwrap() {
             assert_eq!(
                 file["crc32"].as_str().unwrap(),
                 crc(&out.join(file["file"].as_str().unwrap()))
@@ -92,7 +92,7 @@ fn a_flipped_byte_in_any_output_file_is_caught() {
     let files: Vec<String> = std::fs::read_dir(&out)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
-        .filter(|n| n != "rlmerge_recipe.json" && n != "README.md")
+        .filter(|n| n != "rlmerge_record.json" && n != "README.md")
         .collect();
     assert!(files.len() >= 5, "{files:?}");
     for file in &files {
@@ -156,19 +156,19 @@ fn missing_inputs_are_skipped_but_needed_for_against() {
 fn against_catches_a_consistent_but_wrong_output() {
     let f = fixture(5, Dtype::F32, &odd_shapes(), &DENSITIES[..3], 1);
     let out = merged(&f, "out", &[]);
-    // Change a tensor byte and record the new checksum: the recipe check passes, recomputing does not.
+    // Change a tensor byte and record the new checksum: the record check passes, recomputing does not.
     let shard = out.join("model.safetensors");
     let len = std::fs::metadata(&shard).unwrap().len() as usize;
     flip(&shard, len - 2);
-    let recipe_path = out.join("rlmerge_recipe.json");
-    let mut recipe: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&recipe_path).unwrap()).unwrap();
-    for o in recipe["outputs"].as_array_mut().unwrap() {
+    let record_path = out.join("rlmerge_record.json");
+    let mut record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&record_path).unwrap()).unwrap();
+    for o in record["outputs"].as_array_mut().unwrap() {
         if o["file"] == "model.safetensors" {
             o["crc32"] = crc(&shard).into();
         }
     }
-    std::fs::write(&recipe_path, serde_json::to_string(&recipe).unwrap()).unwrap();
+    std::fs::write(&record_path, serde_json::to_string(&record).unwrap()).unwrap();
     assert!(verify(&out, &[]).status.success());
     let mut devices = vec!["cpu"];
     if !rlmerge::backend::gpu::list_adapters().is_empty() {
@@ -201,11 +201,11 @@ fn against_catches_a_consistent_but_wrong_output() {
 }
 
 #[test]
-fn verify_of_a_folder_without_recipe_is_an_error() {
+fn verify_of_a_folder_without_record_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
     let o = verify(dir.path(), &[]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("rlmerge_recipe.json"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("rlmerge_record.json"));
 }
 
 #[test]
@@ -253,4 +253,24 @@ fn against_recomputes_beside_the_output_or_in_the_temporary_folder_and_cleans_up
         2,
         "only swept where it recomputes"
     );
+}
+
+/// A folder written before the record had its own name (rlmerge_recipe.json) still verifies, and
+/// --force may still replace it: it is rlmerge's, by its old record.
+#[test]
+fn a_record_under_its_old_name_is_still_read() {
+    let f = fixture(1, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 2);
+    let out = merged(&f, "old", &["--method", "ram"]);
+    std::fs::rename(
+        out.join("rlmerge_record.json"),
+        out.join("rlmerge_recipe.json"),
+    )
+    .unwrap();
+    let v = verify(&out, &[]);
+    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stderr));
+    merge_cmd(&f, &out, &["--method", "ram", "--force"])
+        .assert()
+        .success();
+    assert!(out.join("rlmerge_record.json").is_file());
+    assert!(!out.join("rlmerge_recipe.json").exists());
 }

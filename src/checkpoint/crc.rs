@@ -1,5 +1,5 @@
 //! CRC-32 of a byte stream whose pieces arrive out of order: tile workers read and write tiles in
-//! whatever order they finish, and the recipe still records each file's CRC without a second read.
+//! whatever order they finish, and the merge record still holds each file's CRC without a second read.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;

@@ -16,7 +16,7 @@
 
 use super::open_files::Identity;
 use crate::error::usage;
-use crate::recipe::{CARD_FILE, RECIPE_FILE};
+use crate::record::{CARD_FILE, LEGACY_RECORD_FILE, RECORD_FILE};
 use anyhow::{bail, Context, Result};
 use std::ffi::OsStr;
 use std::fs::File;
@@ -360,7 +360,7 @@ pub fn refuse_overlap(out: &Path, resolved: &Path, inputs: &[PathBuf]) -> Result
 }
 
 /// Whether `--force` may replace `path`: an empty folder, or a folder whose manifest (a merge's
-/// recipe, or the demo's) lists every file in it. `Err` says why not.
+/// record, or the demo's manifest) lists every file in it. `Err` says why not.
 pub fn replaceable(path: &Path) -> std::result::Result<(), String> {
     let meta = path
         .symlink_metadata()
@@ -382,7 +382,7 @@ pub fn replaceable(path: &Path) -> std::result::Result<(), String> {
         return Ok(());
     }
     let listed = manifest(path).ok_or_else(|| {
-        "it is not empty and rlmerge did not write it (no rlmerge_recipe.json)".to_string()
+        "it is not empty and rlmerge did not write it (no rlmerge_record.json)".to_string()
     })?;
     match entries.iter().find(|e| !listed.contains(e)) {
         Some(foreign) => Err(format!(
@@ -410,9 +410,11 @@ fn manifest(dir: &Path) -> Option<Vec<String>> {
         files.push(name.to_string());
         Some(files)
     };
-    if let Some(mut files) = read(RECIPE_FILE, "outputs") {
-        files.push(CARD_FILE.to_string());
-        return Some(files);
+    for record in [RECORD_FILE, LEGACY_RECORD_FILE] {
+        if let Some(mut files) = read(record, "outputs") {
+            files.push(CARD_FILE.to_string());
+            return Some(files);
+        }
     }
     read(DEMO_MANIFEST, "files")
 }
@@ -643,7 +645,7 @@ mod tests {
         std::fs::write(m.join("model.safetensors"), b"x").unwrap();
         assert!(replaceable(&m).is_err());
         std::fs::write(
-            m.join(RECIPE_FILE),
+            m.join(RECORD_FILE),
             r#"{"outputs": [{"file": "model.safetensors", "size": 1, "crc32": "0"}]}"#,
         )
         .unwrap();

@@ -61,7 +61,7 @@ pub fn shape_text(shape: &[usize]) -> String {
     }
 }
 
-/// A file's size and CRC-32, as the recipe records it.
+/// A file's size and CRC-32, as the merge record holds it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FileChecksum {
     pub file: String,

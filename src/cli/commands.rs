@@ -177,11 +177,16 @@ fn run_devices(out: &mut impl Write) -> Result<()> {
 }
 
 /// Prints the λ of each agent after a merge.
-fn print_lambdas(out: &mut impl Write, agents: &[rlmerge::recipe::AgentSummary]) -> Result<()> {
+fn print_lambdas(out: &mut impl Write, agents: &[rlmerge::record::AgentSummary]) -> Result<()> {
     for a in agents {
         match a.lambda {
             Some(l) => writeln!(out, "  λ = {l:.6}  {}", a.path)?,
-            None => writeln!(out, "  λ per tensor (see the recipe)  {}", a.path)?,
+            None => writeln!(
+                out,
+                "  λ per tensor (see {})  {}",
+                rlmerge::record::RECORD_FILE,
+                a.path
+            )?,
         }
     }
     Ok(())
@@ -246,7 +251,7 @@ fn merge_job(
         }
     })?;
     // Warnings found while merging (identical inputs), after those of opening the inputs.
-    warn_all(&summary.recipe.warnings[inputs.warnings.len()..]);
+    warn_all(&summary.record.warnings[inputs.warnings.len()..]);
     writeln!(
         out,
         "merged {} model(s) into {} with {} ({} shard(s))",
@@ -258,7 +263,7 @@ fn merge_job(
     if matches!(job.method, Method::Combine(_)) {
         return Ok(());
     }
-    print_lambdas(out, &summary.recipe.agents)
+    print_lambdas(out, &summary.record.agents)
 }
 
 fn run_methods(out: &mut impl Write) -> Result<()> {
@@ -376,13 +381,13 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
         "\n$ rlmerge merge --method ram+ … -o {}\n",
         merged.display()
     )?;
-    print_lambdas(out, &summary.recipe.agents)?;
+    print_lambdas(out, &summary.record.agents)?;
     writeln!(
         out,
-        "\nmerged checkpoint: {} ({}; model card README.md, recipe {})",
+        "\nmerged checkpoint: {} ({}; model card README.md, record {})",
         merged.display(),
         summary.shards.join(", "),
-        rlmerge::recipe::RECIPE_FILE
+        rlmerge::record::RECORD_FILE
     )?;
     Ok(())
 }

@@ -42,7 +42,7 @@ pub enum Command {
     Demo(DemoArgs),
     /// List the GPU adapters wgpu sees, with the limits that size rlmerge's tiles.
     Devices,
-    /// Check a merged folder against the checksums its recipe recorded (outputs and inputs).
+    /// Check a merged folder against the checksums its record holds (outputs and inputs).
     Verify(VerifyArgs),
 }
 
@@ -50,7 +50,7 @@ pub enum Command {
 pub struct VerifyArgs {
     /// The merged folder.
     pub dir: PathBuf,
-    /// Also recompute the merge from the recipe's inputs and compare the bytes.
+    /// Also recompute the merge from the record's inputs and compare the bytes.
     #[arg(long)]
     pub against: bool,
     /// Where to recompute with --against.

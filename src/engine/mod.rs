@@ -10,7 +10,7 @@ use crate::inputs::{Inputs, TensorPlan};
 use crate::method::combine::{row_ranks, CombineSpec};
 use crate::method::settings::{layer_index, layer_t, TensorPlace};
 use crate::method::{BoostScope, Kind, Method};
-use crate::recipe::Recipe;
+use crate::record::MergeRecord;
 use crate::report::{ProbeReport, TensorStats};
 use anyhow::{Context, Result};
 use indicatif::ProgressBar;
@@ -58,7 +58,7 @@ pub struct MergeOptions {
 
 /// What a finished merge reports.
 pub struct MergeSummary {
-    pub recipe: Recipe,
+    pub record: MergeRecord,
     pub shards: Vec<String>,
     pub report: Option<ProbeReport>,
 }

@@ -9,7 +9,7 @@ use crate::checkpoint::safetensors_file::crc32_of_file;
 use crate::checkpoint::safetensors_file::FileChecksum;
 use crate::checkpoint::{DType, OutputFolder};
 use crate::inputs::{identical_inputs, Inputs};
-use crate::recipe::{self, AgentSummary, InputChecksums, Recipe};
+use crate::record::{self, AgentSummary, InputChecksums, MergeRecord};
 use anyhow::{bail, Context, Result};
 
 /// The base's values in the output dtype (a tensor no merged model has); same dtype: its bits.
@@ -114,7 +114,7 @@ pub(super) fn finish(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let recipe = Recipe {
+    let record = MergeRecord {
         tool: "rlmerge".into(),
         version: env!("CARGO_PKG_VERSION").into(),
         method: options.method.clone(),
@@ -134,12 +134,12 @@ pub(super) fn finish(
         inputs: input_sums,
         outputs,
     };
-    recipe::write(folder.path(), &recipe)?;
+    record::write(folder.path(), &record)?;
     inputs.check_unchanged()?;
     folder.commit()?;
     Ok(MergeSummary {
-        shards: recipe.shards().map(|f| f.file.clone()).collect(),
-        recipe,
+        shards: record.shards().map(|f| f.file.clone()).collect(),
+        record,
         report: boost.report,
     })
 }

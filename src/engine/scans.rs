@@ -33,7 +33,7 @@ pub(super) fn combine_spec(
     buffers: &mut TileBuffers,
 ) -> Result<CombineSpec> {
     let numel = plan.numel() as u64;
-    let recipe = config
+    let params = config
         .tensor_params(at, numel, present)
         .with_context(|| format!("tensor '{}'", plan.name()))?;
     ensure!(
@@ -42,7 +42,7 @@ pub(super) fn combine_spec(
         plan.name(),
         config.kind.name()
     );
-    let rank_rows = statistics::rank_rows(&recipe, numel, &plan.base.entry.shape)
+    let rank_rows = statistics::rank_rows(&params, numel, &plan.base.entry.shape)
         .with_context(|| format!("tensor '{}'", plan.name()))?;
     let mut scans = TensorScans {
         inputs,
@@ -57,7 +57,7 @@ pub(super) fn combine_spec(
         buffers,
     };
     statistics::build_spec(
-        &recipe,
+        &params,
         numel,
         &plan.base.entry.shape,
         config.seed,

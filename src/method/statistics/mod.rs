@@ -21,10 +21,10 @@ use rayon::prelude::*;
 use std::ops::ControlFlow;
 use std::sync::Mutex;
 
-/// Gathers the statistics `recipe` needs from scans of the tensor and builds its combine rule.
+/// Gathers the statistics `params` needs from scans of the tensor and builds its combine rule.
 /// `numel` ≤ u32::MAX; `seed` and `name` key the random masks.
 pub fn build_spec(
-    recipe: &TensorParams,
+    params: &TensorParams,
     numel: u64,
     shape: &[usize],
     seed: u64,
@@ -32,36 +32,36 @@ pub fn build_spec(
     present: &[usize],
     scan: &mut dyn Scans,
 ) -> Result<CombineSpec> {
-    let rank_rows = rank_rows(recipe, numel, shape)?;
+    let rank_rows = rank_rows(params, numel, shape)?;
     let masks = MaskKeys {
         seed,
         name,
         present,
     };
     // Rank cuts first: the masks must be known before any kept-element statistic.
-    let keep = keep_rules(recipe, numel, rank_rows, &masks, scan)?;
-    let row_len = row_len(recipe, numel, shape);
-    let sums = Sums::gather(recipe, &keep, numel, row_len, rank_rows, scan)?;
+    let keep = keep_rules(params, numel, rank_rows, &masks, scan)?;
+    let row_len = row_len(params, numel, shape);
+    let sums = Sums::gather(params, &keep, numel, row_len, rank_rows, scan)?;
     // SCE: the variance cut, then each agent's weight from its mean square on the kept elements.
-    let (element_keep, sce_weights) = match recipe.base {
-        BaseTerm::Sce { density } => sce_statistics(scan, recipe.weights.len(), numel, density)?,
+    let (element_keep, sce_weights) = match params.base {
+        BaseTerm::Sce { density } => sce_statistics(scan, params.weights.len(), numel, density)?,
         _ => (None, Vec::new()),
     };
-    let coefs = coefficients(recipe, &sums, &sce_weights)?;
-    let normalize = normalization(recipe, &sce_weights, element_keep.is_some());
+    let coefs = coefficients(params, &sums, &sce_weights)?;
+    let normalize = normalization(params, &sce_weights, element_keep.is_some());
     Ok(CombineSpec {
-        delta: recipe.delta,
+        delta: params.delta,
         keep,
-        consensus: recipe.consensus,
+        consensus: params.consensus,
         normalize,
-        lambda: recipe.lambda as f32,
+        lambda: params.lambda as f32,
         row_len,
         coefs,
-        sign_of_values: matches!(recipe.base, BaseTerm::Sce { .. }),
+        sign_of_values: matches!(params.base, BaseTerm::Sce { .. }),
         rank_rows,
-        tile_coefs: recipe.base == BaseTerm::Fisher,
+        tile_coefs: params.base == BaseTerm::Fisher,
         element_keep,
-        nearswap: match recipe.base {
+        nearswap: match params.base {
             BaseTerm::Nearswap { t } => Some(t as f32),
             _ => None,
         },
@@ -85,14 +85,14 @@ impl MaskKeys<'_> {
 /// Each agent's keep rule: rank cuts resolved to thresholds by [`rank_cuts`], random and
 /// row-ranked masks keyed by [`MaskKeys`].
 fn keep_rules(
-    recipe: &TensorParams,
+    params: &TensorParams,
     numel: u64,
     rank_rows: u64,
     masks: &MaskKeys,
     scan: &mut dyn Scans,
 ) -> Result<Vec<Keep>> {
     let mut wanted = Vec::new();
-    for (t, s) in recipe.sparsify.iter().enumerate() {
+    for (t, s) in params.sparsify.iter().enumerate() {
         if let Sparsify::Ranks { lo, hi, high_first } = *s {
             for k in [lo, hi] {
                 if k > 0 && k < numel {
@@ -101,9 +101,9 @@ fn keep_rules(
             }
         }
     }
-    let n = recipe.weights.len();
-    let mut found = rank_cuts(scan, recipe.delta, (n, numel), &wanted)?.into_iter();
-    Ok(recipe
+    let n = params.weights.len();
+    let mut found = rank_cuts(scan, params.delta, (n, numel), &wanted)?.into_iter();
+    Ok(params
         .sparsify
         .iter()
         .enumerate()
@@ -133,8 +133,8 @@ fn keep_rules(
 
 /// Elements per coefficient row: 1 for Fisher (per element), a matrix row for slerp, else 0
 /// (one row for the whole tensor).
-fn row_len(recipe: &TensorParams, numel: u64, shape: &[usize]) -> u64 {
-    match recipe.base {
+fn row_len(params: &TensorParams, numel: u64, shape: &[usize]) -> u64 {
+    match params.base {
         BaseTerm::Fisher => 1,
         BaseTerm::Slerp { .. } => {
             (numel / shape.first().copied().unwrap_or(1).max(1) as u64).max(1)
@@ -156,26 +156,26 @@ struct Sums {
 }
 
 impl Sums {
-    /// The sums `recipe` needs, in as few scans as they allow.
+    /// The sums `params` needs, in as few scans as they allow.
     fn gather(
-        recipe: &TensorParams,
+        params: &TensorParams,
         keep: &[Keep],
         numel: u64,
         row_len: u64,
         rank_rows: u64,
         scan: &mut dyn Scans,
     ) -> Result<Sums> {
-        let n = recipe.weights.len();
-        let rescale: Vec<bool> = recipe
+        let n = params.weights.len();
+        let rescale: Vec<bool> = params
             .sparsify
             .iter()
-            .map(|s| recipe.rescale && *s != Sparsify::All)
+            .map(|s| params.rescale && *s != Sparsify::All)
             .collect();
         let ranked: Vec<bool> = keep
             .iter()
             .map(|k| matches!(k, Keep::RowRank { .. }))
             .collect();
-        let want_rows = matches!(recipe.base, BaseTerm::Slerp { .. });
+        let want_rows = matches!(params.base, BaseTerm::Slerp { .. });
         let rows = numel.checked_div(row_len).map_or(1, |r| r as usize);
         let mut sums = Sums {
             l1: vec![(0.0, 0.0); n],
@@ -185,7 +185,7 @@ impl Sums {
         };
         // Agents whose L1 norms a chunk scan gives (DELLA's need whole rows: tiles).
         let l1_agents: Vec<bool> = (0..n).map(|t| sums.rescale[t] && !ranked[t]).collect();
-        let delta = recipe.delta;
+        let delta = params.delta;
         if want_rows {
             sums.l1_and_rows(keep, &l1_agents, delta, row_len, scan)?;
         } else if l1_agents.iter().any(|&a| a) {
@@ -195,7 +195,7 @@ impl Sums {
         if ranked_l1.iter().any(|&a| a) {
             sums.l1_of_ranked_rows(keep, &ranked_l1, delta, rank_rows, scan)?;
         }
-        if let Some(of_tau) = recipe.base.gram_of(delta) {
+        if let Some(of_tau) = params.base.gram_of(delta) {
             sums.gram(of_tau, scan)?;
         }
         Ok(sums)
@@ -350,16 +350,16 @@ impl Sums {
 }
 
 /// The coefficient rows of the combine rule (see [`CombineSpec::coefs`]).
-fn coefficients(recipe: &TensorParams, sums: &Sums, sce_weights: &[f64]) -> Result<Vec<f32>> {
-    let n = recipe.weights.len();
-    let delta = recipe.delta;
+fn coefficients(params: &TensorParams, sums: &Sums, sce_weights: &[f64]) -> Result<Vec<f32>> {
+    let n = params.weights.len();
+    let delta = params.delta;
     // The base coefficient: 1 where out = θ₀ + Δ, 0 where Δ alone.
     let base = |on: bool| if on { 1.0 } else { 0.0 };
     let mut coefs = Vec::new();
-    match recipe.base {
+    match params.base {
         BaseTerm::Add | BaseTerm::None => {
-            coefs.push(base(recipe.base == BaseTerm::Add));
-            coefs.extend((0..n).map(|t| (recipe.weights[t] * sums.rescale_factor(t)) as f32));
+            coefs.push(base(params.base == BaseTerm::Add));
+            coefs.extend((0..n).map(|t| (params.weights[t] * sums.rescale_factor(t)) as f32));
         }
         BaseTerm::ModelStock => {
             let t = model_stock_t(&sums.gram, n);
@@ -386,7 +386,7 @@ fn coefficients(recipe: &TensorParams, sums: &Sums, sce_weights: &[f64]) -> Resu
         // The per-element rows come with each tile; this row keeps λ for them.
         BaseTerm::Fisher => {
             coefs.push(0.0);
-            coefs.extend(recipe.weights.iter().map(|&w| w as f32));
+            coefs.extend(params.weights.iter().map(|&w| w as f32));
         }
         BaseTerm::Sce { .. } => {
             coefs.push(1.0);
@@ -402,15 +402,15 @@ fn coefficients(recipe: &TensorParams, sums: &Sums, sce_weights: &[f64]) -> Resu
 }
 
 /// How Δ is divided: per element by the agreeing weights (consensus), once by Σ w, or not.
-fn normalization(recipe: &TensorParams, sce_weights: &[f64], variance_cut: bool) -> Normalize {
+fn normalization(params: &TensorParams, sce_weights: &[f64], variance_cut: bool) -> Normalize {
     let weights: Vec<f32> = if sce_weights.is_empty() {
-        recipe.weights.iter().map(|&w| w as f32).collect()
+        params.weights.iter().map(|&w| w as f32).collect()
     } else {
         sce_weights.iter().map(|&w| w as f32).collect()
     };
-    if !recipe.normalize {
+    if !params.normalize {
         Normalize::None
-    } else if recipe.consensus {
+    } else if params.consensus {
         // SCE divides by max(Σ w, 1e-6); TIES by Σ w, or 1 where it is 0.
         let floor = if variance_cut || !sce_weights.is_empty() {
             1e-6
@@ -467,8 +467,8 @@ fn abs_sums(values: &[f32], mask: &[u32]) -> (f64, f64) {
 /// The row length of DELLA's ranks for a tensor of `shape` (0 when no keep rule ranks rows):
 /// the last dimension of a matrix, the whole of a vector (mergekit ranks along dimension 1 after
 /// making vectors one row).
-pub fn rank_rows(recipe: &TensorParams, numel: u64, shape: &[usize]) -> Result<u64> {
-    if !recipe
+pub fn rank_rows(params: &TensorParams, numel: u64, shape: &[usize]) -> Result<u64> {
+    if !params
         .sparsify
         .iter()
         .any(|s| matches!(s, Sparsify::RowRank { .. }))

@@ -1,5 +1,6 @@
-//! What a merged folder records about how it was made: `rlmerge_recipe.json` (machine-readable) and
-//! the README.md model card.
+//! What a merged folder records about how it was made: the record `rlmerge_record.json`
+//! (machine-readable: method, λ, every input and output checksum) and the README.md model card.
+//! ("Recipe" means only the mergekit YAML a merge may come from, saved as `mergekit_config.yml`.)
 
 use crate::checkpoint::safetensors_file::FileChecksum;
 use crate::job::MERGEKIT_CONFIG_FILE;
@@ -9,7 +10,10 @@ use serde::{Deserialize, Serialize};
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
 
-pub const RECIPE_FILE: &str = "rlmerge_recipe.json";
+pub const RECORD_FILE: &str = "rlmerge_record.json";
+/// The record's name in folders written by rlmerge 0.1 before it had its own word; still read by
+/// `verify` and by the `--force` check.
+pub const LEGACY_RECORD_FILE: &str = "rlmerge_recipe.json";
 pub const CARD_FILE: &str = "README.md";
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -30,7 +34,7 @@ pub struct InputChecksums {
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Recipe {
+pub struct MergeRecord {
     pub tool: String,
     pub version: String,
     pub method: Method,
@@ -48,12 +52,12 @@ pub struct Recipe {
     pub warnings: Vec<String>,
     /// Base first, then the agents in order.
     pub inputs: Vec<InputChecksums>,
-    /// Every file written beside this recipe but the model card: shards, index, config and
+    /// Every file written beside this record but the model card: shards, index, config and
     /// tokenizer copies.
     pub outputs: Vec<FileChecksum>,
 }
 
-impl Recipe {
+impl MergeRecord {
     /// The output's weight shards.
     pub fn shards(&self) -> impl Iterator<Item = &FileChecksum> {
         self.outputs
@@ -61,9 +65,13 @@ impl Recipe {
             .filter(|f| f.file.ends_with(".safetensors"))
     }
 
-    /// Reads `rlmerge_recipe.json` from a merged folder.
-    pub fn read(dir: &Path) -> Result<Recipe> {
-        let path = dir.join(RECIPE_FILE);
+    /// Reads the record of a merged folder ([`RECORD_FILE`], else [`LEGACY_RECORD_FILE`]).
+    pub fn read(dir: &Path) -> Result<MergeRecord> {
+        let legacy = dir.join(LEGACY_RECORD_FILE);
+        let path = match dir.join(RECORD_FILE) {
+            p if !p.exists() && legacy.exists() => legacy,
+            p => p,
+        };
         let text = crate::checkpoint::model::check_regular_file(&path)
             .and_then(|()| Ok(std::fs::read_to_string(&path)?))
             .with_context(|| {
@@ -72,23 +80,23 @@ impl Recipe {
                     path.display()
                 )
             })?;
-        serde_json::from_str(&text).with_context(|| format!("{}: invalid recipe", path.display()))
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid record", path.display()))
     }
 }
 
-/// Writes the recipe and the model card into `dir`.
-pub fn write(dir: &Path, recipe: &Recipe) -> Result<()> {
-    let path = dir.join(RECIPE_FILE);
-    std::fs::write(&path, serde_json::to_string_pretty(recipe)? + "\n")
+/// Writes the record and the model card into `dir`.
+pub fn write(dir: &Path, record: &MergeRecord) -> Result<()> {
+    let path = dir.join(RECORD_FILE);
+    std::fs::write(&path, serde_json::to_string_pretty(record)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
     let path = dir.join(CARD_FILE);
-    std::fs::write(&path, model_card(recipe))
+    std::fs::write(&path, model_card(record))
         .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
 }
 
 /// The Hugging Face model card: YAML front matter, then what was merged and how.
-pub fn model_card(r: &Recipe) -> String {
+pub fn model_card(r: &MergeRecord) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "---\nbase_model:");
     let _ = writeln!(s, "- {}", yaml_str(&r.base));
@@ -133,9 +141,9 @@ pub fn model_card(r: &Recipe) -> String {
     let _ = writeln!(s, "## Inputs\n\n- base: `{}`", r.base);
     for (t, a) in r.agents.iter().enumerate() {
         let lambda = match (a.lambda, &r.method) {
-            (_, Method::Combine(_)) => "parameters in the recipe".into(),
+            (_, Method::Combine(_)) => "parameters in the record".into(),
             (Some(l), _) => format!("λ = {l:.6}"),
-            (None, _) => "λ per tensor (see rlmerge_recipe.json)".into(),
+            (None, _) => "λ per tensor (see rlmerge_record.json)".into(),
         };
         let counts = match a.counts {
             Some(c) => format!(
@@ -148,7 +156,7 @@ pub fn model_card(r: &Recipe) -> String {
     }
     let _ = writeln!(
         s,
-        "\n## Output\n\n{} shard(s), dtype {}. The exact recipe is in `{RECIPE_FILE}`{}.",
+        "\n## Output\n\n{} shard(s), dtype {}. How it was made is recorded in `{RECORD_FILE}`{}.",
         r.shards().count(),
         r.out_dtype.as_deref().unwrap_or("as the base"),
         if r.outputs.iter().any(|f| f.file == MERGEKIT_CONFIG_FILE) {
