@@ -10,8 +10,9 @@ use rlmerge::backend::cpu::CpuBackend;
 use rlmerge::backend::gpu::{AdapterChoice, GpuBackend, GpuContext};
 use rlmerge::backend::{Backend, MergeParams, Tile};
 use rlmerge::checkpoint::DType;
-use rlmerge::demo::{self, ModelShape, SplitMix64};
+use rlmerge::demo::{self, ModelShape};
 use rlmerge::engine::{self, MergeOptions, Pass};
+use rlmerge::hash::SplitMix64;
 use rlmerge::inputs::Inputs;
 use rlmerge::method::settings::{Scalar, Setting};
 use rlmerge::method::{

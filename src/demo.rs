@@ -5,30 +5,9 @@
 use crate::checkpoint::output_folder::{replaceable, DEMO_MANIFEST};
 use crate::checkpoint::{CheckpointWriter, DType, OutputFolder, OutputTensor};
 use crate::error::usage;
+use crate::hash::SplitMix64;
 use anyhow::{Context, Result};
 use std::path::Path;
-
-/// A small deterministic PRNG (splitmix64): reproducible data without a dependency.
-pub struct SplitMix64(u64);
-
-impl SplitMix64 {
-    pub fn new(seed: u64) -> SplitMix64 {
-        SplitMix64(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-}
 
 /// Shape of a synthetic decoder-only transformer.
 #[derive(Clone, Debug)]

@@ -119,42 +119,8 @@ pub(super) fn read(path: &Path, seed: u64) -> Result<Job> {
 pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
     // Editors on Windows start files with a byte order mark; YAML allows it, serde_yaml does not.
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-    if let Some(line) = text
-        .lines()
-        .position(|l| l.trim_start().trim_start_matches("- ").starts_with("<<:"))
-    {
-        bail!(
-            "YAML merge keys (<<) are not supported (line {}); write the values out",
-            line + 1
-        );
-    }
-    // As a plain YAML value first: it refuses a key given twice in any mapping, which typed maps
-    // (parameters) would take silently, the last one winning.
-    serde_yaml::from_str::<serde_yaml::Value>(text).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let raw: RawConfig = serde_yaml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let unsupported = |key: &str| -> Result<()> {
-        bail!(
-            "'{key}' is not supported yet by rlmerge (line {})",
-            line_of(text, key)
-        )
-    };
-    if raw.modules.is_some() {
-        unsupported("modules")?;
-    }
-    if raw.tokenizer.is_some() {
-        unsupported("tokenizer")?;
-    }
-    if raw.chat_template.is_some() {
-        unsupported("chat_template")?;
-    }
-    match &raw.tokenizer_source {
-        None => {}
-        Some(serde_yaml::Value::String(s)) if s == "base" => {}
-        Some(_) => bail!(
-            "tokenizer_source: only 'base' is supported yet (line {}); the tokenizer is copied from the base model",
-            line_of(text, "tokenizer_source")
-        ),
-    }
+    let raw = read_yaml(text)?;
+    refuse_unsupported(&raw, text)?;
     let kind = Kind::from_name(&raw.merge_method).with_context(|| {
         format!(
             "unknown merge_method '{}' (line {}); `rlmerge methods` lists them",
@@ -162,49 +128,11 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
             line_of(text, "merge_method")
         )
     })?;
-    // (model, its parameters) in order, from `models` or from one full-range slice.
-    let mut entries: Vec<(String, Settings)> = Vec::new();
-    let mut base_ref = raw.base_model.clone();
-    let mut shared = raw.parameters.clone().unwrap_or_default();
-    match (&raw.models, &raw.slices) {
-        (Some(_), Some(_)) => bail!("a recipe has either 'models' or 'slices', not both"),
-        (None, None) => bail!("the recipe lists no models ('models' or 'slices')"),
-        (Some(models), None) => {
-            for m in models {
-                entries.push((m.model.clone(), m.parameters.clone().unwrap_or_default()));
-            }
-        }
-        (None, Some(slices)) => {
-            let line = line_of(text, "slices");
-            if slices.len() != 1 {
-                bail!("'slices' with {} slices is not supported yet (line {line}); one slice over all layers is", slices.len());
-            }
-            let slice = &slices[0];
-            if slice.residual_weight.is_some() {
-                bail!(
-                    "'residual_weight' in a slice is not supported yet (line {})",
-                    line_of(text, "residual_weight")
-                );
-            }
-            if let Some(b) = &slice.base_model {
-                base_ref = Some(b.clone());
-            }
-            for (k, v) in slice.parameters.clone().unwrap_or_default() {
-                shared.insert(k, v);
-            }
-            for s in &slice.sources {
-                let folder = local_folder(&s.model, dir)?;
-                let layers = layer_count(&folder)?;
-                if s.layer_range != [0, layers] {
-                    bail!(
-                        "slice source '{}' takes layers {:?} of {layers}; only slices over all layers are supported yet (line {line})",
-                        s.model, s.layer_range
-                    );
-                }
-                entries.push((s.model.clone(), s.parameters.clone().unwrap_or_default()));
-            }
-        }
-    }
+    let Listed {
+        mut entries,
+        base_ref,
+        shared,
+    } = listed_models(&raw, text, dir)?;
     let out_dtype =
         match raw.out_dtype.as_ref().or(raw.dtype.as_ref()) {
             None => None,
@@ -230,33 +158,18 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
     };
     let base = local_folder(&base_ref, dir)?;
     // The base is not merged as an agent when listed among the models (mergekit excludes it).
-    let merged: Vec<(String, Settings)> = if with_base {
-        entries
-            .into_iter()
-            .filter(|(m, _)| *m != base_ref)
-            .collect()
-    } else {
-        entries
-    };
-    let agents = merged
+    if with_base {
+        entries.retain(|(m, _)| *m != base_ref);
+    }
+    let agents = entries
         .iter()
         .map(|(m, _)| local_folder(m, dir))
         .collect::<Result<Vec<_>>>()?;
-    let mut model_settings: Vec<Settings> = merged.into_iter().map(|(_, s)| s).collect();
-    // Fisher folders are local folders too, found the same way as models.
-    for s in model_settings.iter_mut() {
-        if let Some(Setting::Scalar(Scalar::Text(p))) = s.get("fisher") {
-            let folder = local_folder(p, dir)?;
-            s.insert(
-                "fisher".into(),
-                Setting::Scalar(Scalar::Text(folder.display().to_string())),
-            );
-        }
-    }
+    let models = model_settings(entries, dir)?;
     let request = MethodRequest {
         kind,
         shared,
-        models: model_settings,
+        models,
         seed,
         with_base,
     };
@@ -264,16 +177,7 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         Kind::Ram | Kind::RamPlus | Kind::RamplusTl => build::epsilon(&request)?,
         _ => None,
     };
-    let method = build::build(request, agents.len()).map_err(|e| {
-        // Point at the line of the parameter an error names.
-        let msg = e.to_string();
-        match msg.split('\'').nth(1) {
-            Some(key) if msg.contains("parameter") => {
-                usage(format!("{msg} (line {})", line_of(text, key)))
-            }
-            _ => e,
-        }
-    })?;
+    let method = build::build(request, agents.len()).map_err(|e| at_line_of_parameter(e, text))?;
     Ok(Job {
         base,
         agents,
@@ -283,6 +187,132 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         recipe_text: text.to_string(),
         recipe_path: None,
     })
+}
+
+/// The recipe as typed YAML, after the checks serde's typed maps would skip.
+fn read_yaml(text: &str) -> Result<RawConfig> {
+    if let Some(line) = text
+        .lines()
+        .position(|l| l.trim_start().trim_start_matches("- ").starts_with("<<:"))
+    {
+        bail!(
+            "YAML merge keys (<<) are not supported (line {}); write the values out",
+            line + 1
+        );
+    }
+    // As a plain YAML value first: it refuses a key given twice in any mapping, which typed maps
+    // (parameters) would take silently, the last one winning.
+    serde_yaml::from_str::<serde_yaml::Value>(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+    serde_yaml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// mergekit keys rlmerge does not support yet: an error naming the key and its line.
+fn refuse_unsupported(raw: &RawConfig, text: &str) -> Result<()> {
+    for (key, set) in [
+        ("modules", raw.modules.is_some()),
+        ("tokenizer", raw.tokenizer.is_some()),
+        ("chat_template", raw.chat_template.is_some()),
+    ] {
+        if set {
+            bail!(
+                "'{key}' is not supported yet by rlmerge (line {})",
+                line_of(text, key)
+            );
+        }
+    }
+    match &raw.tokenizer_source {
+        None => Ok(()),
+        Some(serde_yaml::Value::String(s)) if s == "base" => Ok(()),
+        Some(_) => bail!(
+            "tokenizer_source: only 'base' is supported yet (line {}); the tokenizer is copied from the base model",
+            line_of(text, "tokenizer_source")
+        ),
+    }
+}
+
+/// What `models` or a slice lists: (model, its parameters) in order, the base_model named, and
+/// the method-wide parameters (a slice's merged in).
+struct Listed {
+    entries: Vec<(String, Settings)>,
+    base_ref: Option<String>,
+    shared: Settings,
+}
+
+/// The models of `models`, or of one slice over every layer (the only slicing supported yet).
+fn listed_models(raw: &RawConfig, text: &str, dir: &Path) -> Result<Listed> {
+    let mut listed = Listed {
+        entries: Vec::new(),
+        base_ref: raw.base_model.clone(),
+        shared: raw.parameters.clone().unwrap_or_default(),
+    };
+    let slices = match (&raw.models, &raw.slices) {
+        (Some(_), Some(_)) => bail!("a recipe has either 'models' or 'slices', not both"),
+        (None, None) => bail!("the recipe lists no models ('models' or 'slices')"),
+        (Some(models), None) => {
+            for m in models {
+                let settings = m.parameters.clone().unwrap_or_default();
+                listed.entries.push((m.model.clone(), settings));
+            }
+            return Ok(listed);
+        }
+        (None, Some(slices)) => slices,
+    };
+    let line = line_of(text, "slices");
+    if slices.len() != 1 {
+        bail!("'slices' with {} slices is not supported yet (line {line}); one slice over all layers is", slices.len());
+    }
+    let slice = &slices[0];
+    if slice.residual_weight.is_some() {
+        bail!(
+            "'residual_weight' in a slice is not supported yet (line {})",
+            line_of(text, "residual_weight")
+        );
+    }
+    if let Some(b) = &slice.base_model {
+        listed.base_ref = Some(b.clone());
+    }
+    for (k, v) in slice.parameters.clone().unwrap_or_default() {
+        listed.shared.insert(k, v);
+    }
+    for s in &slice.sources {
+        let layers = layer_count(&local_folder(&s.model, dir)?)?;
+        if s.layer_range != [0, layers] {
+            bail!(
+                "slice source '{}' takes layers {:?} of {layers}; only slices over all layers are supported yet (line {line})",
+                s.model, s.layer_range
+            );
+        }
+        let settings = s.parameters.clone().unwrap_or_default();
+        listed.entries.push((s.model.clone(), settings));
+    }
+    Ok(listed)
+}
+
+/// Each merged model's parameters; Fisher folders are local folders too, found the same way as
+/// models.
+fn model_settings(entries: Vec<(String, Settings)>, dir: &Path) -> Result<Vec<Settings>> {
+    let mut models: Vec<Settings> = entries.into_iter().map(|(_, s)| s).collect();
+    for s in models.iter_mut() {
+        if let Some(Setting::Scalar(Scalar::Text(p))) = s.get("fisher") {
+            let folder = local_folder(p, dir)?;
+            s.insert(
+                "fisher".into(),
+                Setting::Scalar(Scalar::Text(folder.display().to_string())),
+            );
+        }
+    }
+    Ok(models)
+}
+
+/// An error that names a parameter, pointed at the parameter's line.
+fn at_line_of_parameter(e: anyhow::Error, text: &str) -> anyhow::Error {
+    let msg = e.to_string();
+    match msg.split('\'').nth(1) {
+        Some(key) if msg.contains("parameter") => {
+            usage(format!("{msg} (line {})", line_of(text, key)))
+        }
+        _ => e,
+    }
 }
 
 /// The 1-based line where `key:` first appears as a key, in block or flow style ("?" if it does not).

@@ -3,6 +3,7 @@
 //! normalization → λ → add to (a multiple of) the base. Backends run exactly this arithmetic;
 //! [`combine_element`] is its scalar reference.
 
+use crate::hash::element_hash;
 use crate::simd::multiversion;
 use serde::{Deserialize, Serialize};
 
@@ -91,44 +92,6 @@ pub fn row_ranks(v: &[f32], row_len: usize, out: &mut Vec<u32>) {
 #[inline]
 pub fn magnitude_key(v: f32) -> u32 {
     v.to_bits() & 0x7fff_ffff
-}
-
-/// Wellons' lowbias32 integer hash (u32 only, so the shaders compute the same).
-#[inline]
-pub fn mix32(mut x: u32) -> u32 {
-    x ^= x >> 16;
-    x = x.wrapping_mul(0x7feb_352d);
-    x ^= x >> 15;
-    x = x.wrapping_mul(0x846c_a68b);
-    x ^= x >> 16;
-    x
-}
-
-/// The per-element hash of DARE-style random masks: a function of (seed, tensor, agent) through
-/// `key` and of the element's index in the tensor only — never of tiles or backends. One mixing
-/// round: distinct indices give distinct inputs, and lowbias32 spreads them.
-#[inline]
-pub fn element_hash(key: [u32; 2], idx: u32) -> u32 {
-    mix32(idx ^ key[0]) ^ key[1]
-}
-
-/// The (seed, tensor name, agent) part of the hash, computed on the host.
-pub fn hash_key(seed: u64, tensor: &str, agent: usize) -> [u32; 2] {
-    // FNV-1a over the name, then SplitMix64 finalizers.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in tensor.bytes() {
-        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    let mut z = seed ^ splitmix(h ^ splitmix(agent as u64 + 1));
-    z = splitmix(z);
-    [z as u32, (z >> 32) as u32]
-}
-
-fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// The keep threshold of a Bernoulli(density) mask.
@@ -638,13 +601,8 @@ mod tests {
     /// The integer division equals IEEE division (correctly rounded) wherever it is used.
     #[test]
     fn div_rn_is_correctly_rounded() {
-        let mut z = 12345u64;
-        let mut next = || {
-            z = z
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (z >> 33) as u32
-        };
+        let mut rng = crate::hash::SplitMix64::new(12345);
+        let mut next = || (rng.next_u64() >> 32) as u32;
         for _ in 0..1_000_000 {
             let a = f32::from_bits(0x0080_0000 + next() % 0x7e00_0000);
             let b = f32::from_bits(0x0080_0000 + next() % 0x7e00_0000);
@@ -661,6 +619,7 @@ mod tests {
 
     #[test]
     fn random_masks_depend_on_tensor_agent_and_index_only() {
+        use crate::hash::hash_key;
         let a = hash_key(7, "w", 0);
         assert_eq!(a, hash_key(7, "w", 0));
         assert_ne!(a, hash_key(7, "w", 1));

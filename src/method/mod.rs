@@ -232,7 +232,7 @@ mod tests {
 
     #[test]
     fn div_by_count_is_ieee_division() {
-        let mut rng = crate::demo::SplitMix64::new(21);
+        let mut rng = crate::hash::SplitMix64::new(21);
         let mut values: Vec<f32> = vec![
             0.0,
             -0.0,

@@ -115,7 +115,7 @@ fn rank_cuts_are_exact_with_ties() {
 #[test]
 fn rank_cuts_match_a_sort_over_many_chunks() {
     let len = 40 * SCAN_CHUNK + 17;
-    let mut rng = crate::demo::SplitMix64::new(7);
+    let mut rng = crate::hash::SplitMix64::new(7);
     // Few distinct magnitudes, zeros, both signs: many ties at any threshold. Agent 2 also
     // has magnitudes that share a high bin with different low bits.
     let v: Vec<Vec<f32>> = (0..3)
@@ -191,7 +191,7 @@ fn sorted_top(v: &[f32], k: usize, high_first: bool) -> Vec<usize> {
 #[test]
 fn rank_cuts_survive_a_misleading_sample() {
     let len = 40 * SCAN_CHUNK;
-    let mut rng = crate::demo::SplitMix64::new(11);
+    let mut rng = crate::hash::SplitMix64::new(11);
     // The sampled chunks (every 16th) hold large magnitudes, the others small ones and zeros.
     let v: Vec<f32> = (0..len)
         .map(|i| {
@@ -232,7 +232,7 @@ fn rank_cuts_survive_a_misleading_sample() {
 /// bin 0, in the middle and at the top, with zeros, denormals and a NaN's key among the values.
 #[test]
 fn window_bits_vector_and_scalar_agree() {
-    let mut rng = crate::demo::SplitMix64::new(5);
+    let mut rng = crate::hash::SplitMix64::new(5);
     let v: Vec<f32> = (0..1000)
         .map(|i| match i % 50 {
             0 => 0.0,

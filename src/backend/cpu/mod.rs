@@ -362,7 +362,7 @@ multiversion! {
 mod tests {
     use super::*;
     use crate::checkpoint::DType;
-    use crate::demo::SplitMix64;
+    use crate::hash::SplitMix64;
 
     /// Both probe paths (pattern table for few agents, per-bit loop for many) against a naive count.
     #[test]

@@ -11,8 +11,9 @@ use sce::sce_statistics;
 use super::closed_form::{
     karcher_coefs, model_stock_t, multislerp_coefs, nuslerp_coefs, slerp_coefs,
 };
-use super::combine::{hash_key, random_threshold, row_ranks, CombineSpec, Keep, Normalize};
+use super::combine::{random_threshold, row_ranks, CombineSpec, Keep, Normalize};
 use super::tensor_params::{BaseTerm, Sparsify, TensorParams};
+use crate::hash::hash_key;
 use crate::scans::{lock, states, unlock, worker_states, Scans, SCAN_CHUNK};
 use crate::select::{cut_of, rank_cuts};
 use crate::simd::multiversion;
