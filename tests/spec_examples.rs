@@ -240,3 +240,60 @@ fn demo_writes_merges_and_reports() {
         .assert()
         .success();
 }
+
+/// Every "SPEC §n" the code, shaders, tests and README cite names a section SPEC.md has: the
+/// spec the code follows is in the repository, and a renumbered section fails here.
+#[test]
+fn every_cited_spec_section_exists() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let spec = std::fs::read_to_string(root.join("SPEC.md")).unwrap();
+    let sections: Vec<String> = spec
+        .lines()
+        .filter(|l| l.starts_with('#'))
+        .filter_map(|l| l.split('§').nth(1))
+        .map(|s| s.split_whitespace().next().unwrap_or("").to_string())
+        .collect();
+    let mut files = vec![root.join("README.md")];
+    let mut dirs = vec![
+        root.join("src"),
+        root.join("shaders"),
+        root.join("tests"),
+        root.join("benches"),
+    ];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs" || x == "wgsl") {
+                files.push(p);
+            }
+        }
+    }
+    let mut cited = 0;
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        for (at, _) in text.match_indices("SPEC") {
+            let rest = text[at + 4..].trim_start_matches(".md").trim_start();
+            let Some(rest) = rest.strip_prefix('§') else {
+                continue;
+            };
+            let section: String = rest
+                .trim_start()
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric())
+                .collect();
+            // "SPEC §n" in prose names the form, not a section.
+            if !section.starts_with(|c: char| c.is_ascii_digit()) {
+                continue;
+            }
+            cited += 1;
+            assert!(
+                sections.contains(&section),
+                "{} cites SPEC §{section}, which SPEC.md does not have (it has {sections:?})",
+                f.display()
+            );
+        }
+    }
+    assert!(cited >= 30, "only {cited} citations found: is the search broken?");
+}

@@ -3,6 +3,8 @@
 //! and codecs are checked against outside truth.
 #![allow(dead_code)]
 
+pub mod bad_case;
+
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use std::collections::{BTreeMap, HashMap};

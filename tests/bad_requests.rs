@@ -1,0 +1,609 @@
+//! Bad requests: what the user asks for is wrong even when every file is well formed — useless
+//! merges, ambiguous or repeated folders, out-of-range parameters, FIFOs, absurd thread counts,
+//! control characters in names. Each is refused with a clear error (exit 1, or 2 for usage) and
+//! nothing at the output path.
+
+mod common;
+use common::bad_case::*;
+use common::*;
+use safetensors::tensor::Dtype;
+use std::path::Path;
+
+#[test]
+fn a_base_without_tensors_is_refused() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    std::fs::remove_file(c.base.join("model.safetensors")).unwrap();
+    write_raw(&c.base.join("model.safetensors"), "{}", &[]);
+    let (o, out) = merge_out(&c, &[&c.good, &c.bad], &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", err_of(&o));
+    assert!(err_of(&o).contains("no tensors"), "{}", err_of(&o));
+    assert!(!out.exists());
+}
+
+#[test]
+fn agents_sharing_no_tensor_name_with_the_base_are_refused() {
+    let c = case();
+    write_folder(
+        &c.bad,
+        &[
+            tensor("transformer.a.weight", Dtype::BF16, &[4, 5], 1.0),
+            tensor("transformer.b.weight", Dtype::BF16, &[7], 1.0),
+        ],
+        1,
+    );
+    expect_failure(
+        &c,
+        &["none of the base's tensor names", "transformer.a.weight"],
+    );
+}
+
+#[test]
+fn a_base_without_a_usable_config_is_refused() {
+    for kind in ["missing", "folder", "fifo", "array"] {
+        let c = case();
+        good_model(&c.bad, 1.0);
+        let config = c.base.join("config.json");
+        std::fs::remove_file(&config).unwrap();
+        match kind {
+            "missing" => {}
+            "folder" => std::fs::create_dir(&config).unwrap(),
+            "fifo" => assert!(std::process::Command::new("mkfifo")
+                .arg(&config)
+                .status()
+                .unwrap()
+                .success()),
+            _ => std::fs::write(&config, "[1,2]").unwrap(),
+        }
+        let (o, out) = merge_out(&c, &[&c.good, &c.bad], &[]);
+        assert_eq!(o.status.code(), Some(1), "{kind}: {}", err_of(&o));
+        assert!(err_of(&o).contains("config.json"), "{kind}: {}", err_of(&o));
+        assert!(!out.exists());
+    }
+}
+
+#[test]
+fn every_dtype_key_of_the_config_is_set_to_the_output_dtype() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    std::fs::write(
+        c.base.join("config.json"),
+        r#"{"model_type": "llava", "torch_dtype": "bfloat16", "dtype": "bfloat16",
+            "text_config": {"dtype": "bfloat16"}}"#,
+    )
+    .unwrap();
+    let (o, out) = merge_out(&c, &[&c.good, &c.bad], &["--out-dtype", "f32"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["torch_dtype"], "float32");
+    assert_eq!(config["dtype"], "float32");
+    assert_eq!(config["text_config"]["dtype"], "float32");
+}
+
+#[test]
+fn a_folder_with_both_a_single_file_and_an_index_is_ambiguous() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    write_folder(
+        &c.dir.path().join("sharded"),
+        &[
+            tensor("a.weight", Dtype::BF16, &[4, 5], 2.0),
+            tensor("b.weight", Dtype::BF16, &[7], 2.0),
+        ],
+        2,
+    );
+    for f in std::fs::read_dir(c.dir.path().join("sharded")).unwrap() {
+        let f = f.unwrap();
+        if f.file_name().to_string_lossy().starts_with("model-")
+            || f.file_name() == "model.safetensors.index.json"
+        {
+            std::fs::copy(f.path(), c.bad.join(f.file_name())).unwrap();
+        }
+    }
+    expect_failure(&c, &["model.safetensors.index.json", "ambiguous"]);
+}
+
+#[test]
+fn verify_fails_on_weight_files_the_record_does_not_list() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    let (o, out) = merge_out(&c, &[&c.good, &c.bad], &[]);
+    assert!(o.status.success());
+    let verify = || rlmerge().arg("verify").arg(&out).output().unwrap();
+    assert!(verify().status.success());
+    for stray in ["pytorch_model.bin", "model-00002-of-00002.safetensors"] {
+        std::fs::write(out.join(stray), b"stray").unwrap();
+        let v = verify();
+        assert_eq!(v.status.code(), Some(1), "{stray}");
+        assert!(String::from_utf8_lossy(&v.stdout).contains(stray));
+        std::fs::remove_file(out.join(stray)).unwrap();
+    }
+    // A model with no tensors does not verify, even with matching checksums.
+    write_raw(&out.join("model.safetensors"), "{}", &[]);
+    let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
+    let record_path = out.join("rlmerge_record.json");
+    let mut record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&record_path).unwrap()).unwrap();
+    for f in record["outputs"].as_array_mut().unwrap() {
+        if f["file"] == "model.safetensors" {
+            f["size"] = bytes.len().into();
+            f["crc32"] = format!("{:08x}", crc32fast::hash(&bytes)).into();
+        }
+    }
+    std::fs::write(&record_path, record.to_string()).unwrap();
+    let v = verify();
+    assert_eq!(v.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&v.stdout).contains("no tensors"));
+}
+
+#[test]
+fn an_agent_given_twice_or_the_base_as_an_agent_is_a_usage_error() {
+    let c = case();
+    let alias = c.dir.path().join("alias");
+    std::os::unix::fs::symlink(&c.good, &alias).unwrap();
+    for (agents, needle) in [
+        (vec![&c.good, &c.good], "given twice"),
+        (vec![&c.good, &alias], "given twice"),
+        (vec![&c.good, &c.base], "is the base model"),
+    ] {
+        let agents: Vec<&Path> = agents.iter().map(|p| p.as_path()).collect();
+        let (o, out) = merge_out(&c, &agents, &[]);
+        assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+        assert!(err_of(&o).contains(needle), "{}", err_of(&o));
+        assert!(!out.exists());
+        // analyze refuses them too.
+        let mut cmd = rlmerge();
+        cmd.args(["analyze", "--base"]).arg(&c.base);
+        for a in &agents {
+            cmd.arg("--model").arg(a);
+        }
+        assert_eq!(cmd.output().unwrap().status.code(), Some(2));
+    }
+}
+
+#[test]
+fn absurd_thread_counts_are_refused_at_once() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    let t = std::time::Instant::now();
+    for n in ["1000000", "10000"] {
+        let (o, _) = merge_out(&c, &[&c.good, &c.bad], &["--device", "cpu", "--threads", n]);
+        assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+        assert!(err_of(&o).contains("--threads"));
+    }
+    // Not a timing assertion: a hang would never get here (the harness would time out).
+    let _ = t.elapsed();
+}
+
+/// A FIFO where a weight file or index should be: refused without reading it (a read blocks
+/// until a writer comes, i.e. forever).
+#[test]
+fn fifos_are_refused_without_blocking() {
+    for name in ["model.safetensors", "model.safetensors.index.json"] {
+        let c = case();
+        std::fs::create_dir_all(&c.bad).unwrap();
+        assert!(std::process::Command::new("mkfifo")
+            .arg(c.bad.join(name))
+            .status()
+            .unwrap()
+            .success());
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_rlmerge"))
+            .args(["merge", "--quiet", "--base"])
+            .arg(&c.base)
+            .arg("--model")
+            .arg(&c.bad)
+            .arg("-o")
+            .arg(c.dir.path().join("out"))
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if start.elapsed() > std::time::Duration::from_secs(30) {
+                child.kill().unwrap();
+                panic!("{name}: rlmerge blocked on a FIFO");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        assert_eq!(status.code(), Some(1));
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        assert!(err.contains("not a regular file"), "{name}: {err}");
+    }
+}
+
+#[test]
+fn control_characters_in_tensor_names_are_escaped() {
+    let c = case();
+    let forged = "x\nmerged 9 model(s) into /etc\u{1b}]0;pwned\u{7}";
+    write_folder(
+        &c.bad,
+        &[
+            tensor("a.weight", Dtype::BF16, &[4, 5], 1.0),
+            tensor("b.weight", Dtype::BF16, &[7], 1.0),
+            tensor(forged, Dtype::BF16, &[2], 1.0),
+        ],
+        1,
+    );
+    let (o, _) = merge_out(&c, &[&c.good, &c.bad], &[]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let err = err_of(&o);
+    assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
+    assert!(
+        err.lines()
+            .all(|l| l.starts_with("warning:") || l.starts_with("backend:")),
+        "{err:?}"
+    );
+    assert!(err.contains("x\\nmerged 9"), "{err:?}");
+    // An error naming the tensor: the same name with a bad shape in a second agent.
+    let other = c.dir.path().join("other");
+    write_folder(
+        &other,
+        &[
+            tensor("a.weight", Dtype::BF16, &[4, 5], 1.0),
+            tensor("b.weight", Dtype::BF16, &[7], 1.0),
+        ],
+        1,
+    );
+    std::fs::remove_dir_all(&c.base).unwrap();
+    write_folder(
+        &c.base,
+        &[
+            tensor("a.weight", Dtype::BF16, &[4, 5], 0.0),
+            tensor(forged, Dtype::BF16, &[3], 0.0),
+        ],
+        1,
+    );
+    let out = c.dir.path().join("out2");
+    let o = rlmerge()
+        .args(["merge", "--quiet", "--force", "--base"])
+        .arg(&c.base)
+        .arg("--model")
+        .arg(&c.bad)
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = err_of(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err:?}");
+    assert!(!err.contains('\u{1b}'), "{err:?}");
+}
+
+#[test]
+fn index_shard_names_get_clear_messages() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    std::fs::rename(
+        c.bad.join("model.safetensors"),
+        c.bad.join("shard.safetensors"),
+    )
+    .unwrap();
+    let index = |map: &str| {
+        std::fs::write(
+            c.bad.join("model.safetensors.index.json"),
+            format!(r#"{{"metadata": {{}}, "weight_map": {map}}}"#),
+        )
+        .unwrap()
+    };
+    index(r#"{"a.weight": "", "b.weight": "shard.safetensors"}"#);
+    expect_failure(&c, &["shard name ''", "is empty"]);
+    // `./x` is the same file as `x`, and accepted like `sub/x`.
+    index(r#"{"a.weight": "./shard.safetensors", "b.weight": "./shard.safetensors"}"#);
+    let (o, _) = merge_out(&c, &[&c.good, &c.bad], &[]);
+    assert!(o.status.success(), "{}", err_of(&o));
+}
+
+#[test]
+fn a_shape_of_a_thousand_dimensions_is_not_printed_in_full() {
+    let shape = vec!["1"; 1000].join(",");
+    let c = case();
+    write_raw(
+        &c.bad.join("model.safetensors"),
+        &format!(r#"{{"a.weight":{{"dtype":"BF16","shape":[{shape}],"data_offsets":[0,4]}}}}"#),
+        &[0; 4],
+    );
+    let e = expect_failure(&c, &["1000 dimensions"]);
+    assert!(e.len() < 600, "{e}");
+}
+
+#[test]
+fn recipes_with_a_bom_an_empty_model_or_merge_keys() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    let recipe = c.dir.path().join("r.yml");
+    let run = |text: String| {
+        std::fs::write(&recipe, text).unwrap();
+        let out = c.dir.path().join("rout");
+        let _ = std::fs::remove_dir_all(&out);
+        rlmerge()
+            .args(["run", "--quiet"])
+            .arg(&recipe)
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap()
+    };
+    let body = format!(
+        "merge_method: task_arithmetic\nbase_model: {}\nmodels:\n  - model: {}\n    parameters: {{weight: 1}}\n",
+        c.base.display(),
+        c.good.display()
+    );
+    let o = run(format!("\u{feff}{body}"));
+    assert!(o.status.success(), "BOM: {}", err_of(&o));
+    let o = run(format!("{body}  - model:\n    parameters: {{weight: 1}}\n"));
+    assert_ne!(o.status.code(), Some(0));
+    assert!(err_of(&o).contains("empty"), "{}", err_of(&o));
+    let o = run(format!(
+        "merge_method: task_arithmetic\nbase_model: {}\nw: &w {{weight: 1}}\nmodels:\n  - model: {}\n    parameters:\n      <<: *w\n",
+        c.base.display(),
+        c.good.display()
+    ));
+    assert_ne!(o.status.code(), Some(0));
+    assert!(err_of(&o).contains("merge keys"), "{}", err_of(&o));
+}
+
+#[test]
+fn too_many_agents_for_analyze_say_so_without_merged() {
+    let c = case();
+    let mut cmd = rlmerge();
+    cmd.args(["analyze", "--base"]).arg(&c.base);
+    for _ in 0..65 {
+        cmd.arg("--model").arg(&c.good);
+    }
+    let o = cmd.output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(!err_of(&o).contains("merged"), "{}", err_of(&o));
+    assert!(err_of(&o).contains("at most 64"), "{}", err_of(&o));
+}
+
+/// Issue #12 item 11: one validation for flags, `--param` and recipes — out-of-range values,
+/// duplicates and wrong types are usage errors (exit 2) naming the parameter and its range.
+#[test]
+fn parameters_are_validated_alike_on_the_command_line_and_in_recipes() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    let cli: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["--method", "ties", "--param", "density=1.5"],
+            "'density' must be in [0, 1]",
+        ),
+        (
+            vec!["--method", "ties", "--param", "density=-0.5"],
+            "'density' must be in [0, 1]",
+        ),
+        (
+            vec![
+                "--method",
+                "breadcrumbs",
+                "--param",
+                "weight=1",
+                "--param",
+                "gamma=2",
+            ],
+            "'gamma'",
+        ),
+        (
+            vec!["--method", "sce", "--param", "select_topk=1.5"],
+            "'select_topk'",
+        ),
+        (
+            vec![
+                "--method",
+                "della",
+                "--param",
+                "weight=1",
+                "--param",
+                "epsilon=-0.1",
+            ],
+            "'epsilon'",
+        ),
+        (
+            vec!["--method", "ram+", "--r", "1e308"],
+            "'r' must be in [0, 100]",
+        ),
+        (vec!["--method", "ram+", "--alpha=-1"], "'alpha'"),
+        (
+            vec![
+                "--method",
+                "ram+",
+                "--rule",
+                "official",
+                "--rescale-factor=-1",
+            ],
+            "'rescale_factor' must be in [1, 100]",
+        ),
+        (
+            vec!["--method", "ties", "--param", "normalize=maybe"],
+            "true or false, got 'maybe'",
+        ),
+        (
+            vec![
+                "--method",
+                "ties",
+                "--param",
+                "density=0.5",
+                "--param",
+                "density=0.6",
+            ],
+            "given twice",
+        ),
+        (
+            vec!["--method", "ram+", "--r", "0.2", "--param", "r=0.3"],
+            "give it once",
+        ),
+        (
+            vec!["--method", "multislerp", "--param", "weight=0"],
+            "sum to 0",
+        ),
+        (vec!["--shard-size", "99999999999999999999"], "16 EiB"),
+        (vec!["--epsilon", "NaN"], "--epsilon"),
+    ];
+    for (args, needle) in cli {
+        let (o, out) = merge_out(&c, &[&c.good, &c.bad], &args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", err_of(&o));
+        assert!(err_of(&o).contains(needle), "{args:?}: {}", err_of(&o));
+        assert!(!err_of(&o).contains("tensor"), "{args:?}: {}", err_of(&o));
+        assert!(!out.exists());
+    }
+    let recipe = c.dir.path().join("r.yml");
+    let recipes: Vec<(&str, &str)> = vec![
+        (
+            "merge_method: ram\nparameters: {epsilon: .nan}",
+            "'epsilon' must be ≥ 0",
+        ),
+        (
+            "merge_method: ram\nparameters: {epsilon: -1.0e-5}",
+            "'epsilon' must be ≥ 0",
+        ),
+        (
+            "merge_method: ram+\nparameters: {r: 1.0e308}",
+            "'r' must be in [0, 100]",
+        ),
+        ("merge_method: ram+\nparameters: {alpha: -3}", "'alpha'"),
+        (
+            "merge_method: ties\nparameters: {density: [0.2, 1.7]}",
+            "'density'",
+        ),
+    ];
+    for (head, needle) in recipes {
+        let text = format!(
+            "{head}\nbase_model: {}\nmodels:\n  - model: {}\n    parameters: {{weight: 1}}\n  - model: {}\n    parameters: {{weight: 1}}\n",
+            c.base.display(),
+            c.good.display(),
+            c.bad.display()
+        );
+        let text = if head.starts_with("merge_method: ram") {
+            text.replace("    parameters: {weight: 1}\n", "")
+        } else {
+            text
+        };
+        std::fs::write(&recipe, text).unwrap();
+        let out = c.dir.path().join("rout");
+        let o = rlmerge()
+            .args(["run", "--quiet"])
+            .arg(&recipe)
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{head}: {}", err_of(&o));
+        assert!(err_of(&o).contains(needle), "{head}: {}", err_of(&o));
+        assert!(!out.exists());
+    }
+    // Every numeric parameter shows its range in `rlmerge methods`.
+    let methods = String::from_utf8(rlmerge().arg("methods").output().unwrap().stdout).unwrap();
+    for line in methods.lines().filter(|l| l.starts_with("    ")) {
+        assert!(
+            ["[", "≥", "≤", "finite", "true/false", "/", "folder"]
+                .iter()
+                .any(|r| line.contains(r)),
+            "no range: {line}"
+        );
+    }
+}
+
+/// Issue #12 item 12: a copy of an agent, or of the base, in another folder is merged, with a
+/// warning on stderr and in the recipe.
+#[test]
+fn identical_content_in_other_folders_is_warned_about() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    let copy = c.dir.path().join("copy");
+    good_model(&copy, 0.5); // the same weights as `good`
+    let base_copy = c.dir.path().join("base_copy");
+    good_model(&base_copy, 0.0); // the same weights as the base
+    let (o, out) = merge_out(&c, &[&c.good, &copy, &base_copy], &["--method", "ram"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let err = err_of(&o);
+    assert!(
+        err.contains("hold the same weights") && err.contains("copy"),
+        "{err}"
+    );
+    assert!(err.contains("same weights as the base"), "{err}");
+    let recipe = std::fs::read_to_string(out.join("rlmerge_record.json")).unwrap();
+    assert!(recipe.contains("hold the same weights"));
+}
+
+/// Runs `cmd`, failing the test if it has not exited within 30 s (it blocked on a FIFO).
+fn run_unblocked(mut cmd: std::process::Command, what: &str) -> (Option<i32>, String) {
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            let o = child.wait_with_output().unwrap();
+            let text = String::from_utf8_lossy(&o.stdout).to_string() + &err_of(&o);
+            return (o.status.code(), text);
+        }
+        if start.elapsed() > std::time::Duration::from_secs(30) {
+            child.kill().unwrap();
+            panic!("{what}: rlmerge blocked on a FIFO");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+fn mkfifo(path: &Path) {
+    assert!(std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .unwrap()
+        .success());
+}
+
+/// FIFOs where rlmerge reads a recipe, a merged folder's recipe or a file `verify` checksums are
+/// refused without being opened for reading.
+#[test]
+fn fifos_as_recipes_and_checked_files_are_refused_without_blocking() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    let bin = env!("CARGO_BIN_EXE_rlmerge");
+    // `run` and `merge --config` with a FIFO as the recipe.
+    let recipe = c.dir.path().join("recipe.yml");
+    mkfifo(&recipe);
+    for args in [vec!["run"], vec!["merge", "--config"]] {
+        let mut cmd = std::process::Command::new(bin);
+        cmd.args(&args)
+            .arg(&recipe)
+            .arg("-o")
+            .arg(c.dir.path().join("o"));
+        let (code, text) = run_unblocked(cmd, "recipe FIFO");
+        assert_eq!(code, Some(1), "{text}");
+        assert!(text.contains("not a regular file"), "{text}");
+    }
+    // A merged folder whose output file, then whose recipe, is a FIFO: verify refuses it.
+    let (o, out) = merge_out(&c, &[&c.good, &c.bad], &[]);
+    assert!(o.status.success());
+    std::fs::remove_file(out.join("config.json")).unwrap();
+    mkfifo(&out.join("config.json"));
+    let mut cmd = std::process::Command::new(bin);
+    cmd.arg("verify").arg(&out);
+    let (code, text) = run_unblocked(cmd, "output FIFO");
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("not a regular file"), "{text}");
+    std::fs::remove_file(out.join("rlmerge_record.json")).unwrap();
+    mkfifo(&out.join("rlmerge_record.json"));
+    let mut cmd = std::process::Command::new(bin);
+    cmd.arg("verify").arg(&out);
+    let (code, text) = run_unblocked(cmd, "recipe FIFO in a merged folder");
+    assert_eq!(code, Some(1), "{text}");
+    // --force onto that folder: its manifest is no regular file, so it is not replaceable.
+    let mut cmd = std::process::Command::new(bin);
+    cmd.args(["merge", "--quiet", "--force", "--base"])
+        .arg(&c.base)
+        .arg("--model")
+        .arg(&c.good)
+        .arg("-o")
+        .arg(&out);
+    let (code, text) = run_unblocked(cmd, "--force onto a FIFO manifest");
+    assert_eq!(code, Some(2), "{text}");
+    assert!(out.join("model.safetensors").exists());
+}
