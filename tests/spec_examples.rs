@@ -295,5 +295,8 @@ fn every_cited_spec_section_exists() {
             );
         }
     }
-    assert!(cited >= 30, "only {cited} citations found: is the search broken?");
+    assert!(
+        cited >= 30,
+        "only {cited} citations found: is the search broken?"
+    );
 }

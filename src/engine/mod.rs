@@ -38,7 +38,7 @@ use output::{check_finite_output, finish, pass_base};
 pub use probe::probe_all;
 use probe::probe_tensors;
 use scans::combine_spec;
-use tiles::{batches, par_tiles, progress_bar, whole_rows, TensorTiles, TileBuffers};
+use tiles::{batches, par_tiles, progress_bar, whole_rows, TensorTiles, TileBuffers, TileLoop};
 
 /// Everything a merge needs besides the inputs and the backend.
 #[derive(Clone, Debug)]
@@ -328,34 +328,32 @@ impl<'a> MergePass<'a> {
                 tile_elems: job.tile_elems,
             })
             .collect();
-        par_tiles(
-            self.inputs,
-            &tensors,
-            self.pass.scan_nonfinite,
-            &|w| self.backend.run_workers(w),
-            &self.bar,
-            1,
-            Vec::new,
-            |out, j, i, start, tile| {
-                let job = &jobs[j];
-                let out_dtype = writer.dtype(job.index);
-                out.resize(tile.len * out_dtype.size(), 0);
-                let out = &mut out[..tile.len * out_dtype.size()];
-                self.merge_tile(job, tile, start, out_dtype, out)
-                    .with_context(|| {
-                        format!("merge of tensor '{}' failed at tile {i}", job.plan.name())
-                    })?;
-                check_finite_output(
-                    tile,
-                    out_dtype,
-                    out,
-                    job.plan.name(),
-                    start,
-                    !self.options.pass.scan_nonfinite,
-                )?;
-                writer.write_at(job.index, start * out_dtype.size() as u64, out)
-            },
-        )?;
+        let how = TileLoop {
+            inputs: self.inputs,
+            scan_nonfinite: self.pass.scan_nonfinite,
+            run_workers: &|w| self.backend.run_workers(w),
+            progress: &self.bar,
+            stride: 1,
+        };
+        par_tiles(&how, &tensors, Vec::new, |out, j, i, start, tile| {
+            let job = &jobs[j];
+            let out_dtype = writer.dtype(job.index);
+            out.resize(tile.len * out_dtype.size(), 0);
+            let out = &mut out[..tile.len * out_dtype.size()];
+            self.merge_tile(job, tile, start, out_dtype, out)
+                .with_context(|| {
+                    format!("merge of tensor '{}' failed at tile {i}", job.plan.name())
+                })?;
+            check_finite_output(
+                tile,
+                out_dtype,
+                out,
+                job.plan.name(),
+                start,
+                !self.options.pass.scan_nonfinite,
+            )?;
+            writer.write_at(job.index, start * out_dtype.size() as u64, out)
+        })?;
         Ok(())
     }
 

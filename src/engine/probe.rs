@@ -1,6 +1,6 @@
 //! RAM's probe pass (SPEC.md §1): per tensor, how many agents changed each element.
 
-use super::tiles::{batches, par_tiles, progress_bar, TensorTiles};
+use super::tiles::{batches, par_tiles, progress_bar, TensorTiles, TileLoop};
 use super::Pass;
 use crate::backend::{Backend, TileCounts};
 use crate::inputs::{Inputs, TensorPlan};
@@ -34,22 +34,20 @@ pub(super) fn probe_tensors(
             .map(|p| TileCounts::zeros(p.len()))
             .collect()
     };
-    let workers = par_tiles(
+    let how = TileLoop {
         inputs,
-        &tensors,
-        pass.scan_nonfinite,
-        &|w| backend.run_workers(w),
+        scan_nonfinite: pass.scan_nonfinite,
+        run_workers: &|w| backend.run_workers(w),
         progress,
-        1,
-        zeros,
-        |sums, j, i, _, tile| {
-            let counts = backend.probe(tile, pass.epsilon).with_context(|| {
-                format!("probe of tensor '{}' failed at tile {i}", plans[j].name())
-            })?;
-            sums[j].add(&counts);
-            Ok(())
-        },
-    )?;
+        stride: 1,
+    };
+    let workers = par_tiles(&how, &tensors, zeros, |sums, j, i, _, tile| {
+        let counts = backend
+            .probe(tile, pass.epsilon)
+            .with_context(|| format!("probe of tensor '{}' failed at tile {i}", plans[j].name()))?;
+        sums[j].add(&counts);
+        Ok(())
+    })?;
     let mut local = zeros();
     for sums in &workers {
         for (l, s) in local.iter_mut().zip(sums) {

@@ -1,8 +1,8 @@
 //! The statistics scans of one tensor ([`crate::scans::Scans`]) over the input files, and the
 //! combine rule they build.
 
-use super::tiles::{for_each_tile, whole_rows, TileBuffers};
 use super::tiles::{par_tiles, TensorTiles};
+use super::tiles::{whole_rows, TileBuffers, TileLoop, TileRead};
 use super::Pass;
 use crate::backend::{ranges, Tile};
 use crate::checkpoint::dtype::{decode, decode_minus};
@@ -78,13 +78,14 @@ pub(super) struct TensorScans<'a> {
 }
 
 impl TensorScans<'_> {
-    /// The tensor's tiles in order, read as the merge pass reads them (no progress shown).
+    /// The tensor's tiles in order, from the tile holding element `from`, read as the merge pass
+    /// reads them (no progress shown), each handed to `visit` with its index and first element:
+    /// the statistics scans that need element order.
     pub(super) fn each_tile(
         &mut self,
         from: u64,
-        visit: impl FnMut(usize, u64, &Tile) -> Result<ControlFlow<()>>,
+        mut visit: impl FnMut(usize, u64, &Tile) -> Result<ControlFlow<()>>,
     ) -> Result<()> {
-        let hidden = ProgressBar::hidden();
         // A scan from within the tensor looks for something near `from`: chunk-sized tiles.
         let pass = Pass {
             tile_elems: if from > 0 {
@@ -94,16 +95,24 @@ impl TensorScans<'_> {
             },
             ..self.pass.clone()
         };
-        for_each_tile(
-            self.inputs,
-            self.plan,
-            self.present,
-            &pass,
-            self.buffers,
-            &hidden,
-            from,
-            visit,
-        )
+        let read = TileRead {
+            inputs: self.inputs,
+            plan: self.plan,
+            present: self.present,
+            finite_only: pass.scan_nonfinite,
+            spread: true,
+        };
+        let tiles = ranges(self.plan.numel(), pass.tile_elems).enumerate();
+        // From the tile holding element `from`: tiles keep their places whatever `from` is.
+        for (i, (start, len)) in tiles.skip_while(|(_, (s, l))| (s + l) as u64 <= from) {
+            let flow = self
+                .buffers
+                .visit(&read, (start, len), |tile| visit(i, start as u64, tile))?;
+            if flow.is_break() {
+                break;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -192,15 +201,18 @@ impl Scans for TensorScans<'_> {
             present: self.present,
             tile_elems: ANY_ORDER_TILE_ELEMS,
         };
-        par_tiles(
-            self.inputs,
-            &[tensor],
-            self.pass.scan_nonfinite,
-            &|w| {
+        let how = TileLoop {
+            inputs: self.inputs,
+            scan_nonfinite: self.pass.scan_nonfinite,
+            run_workers: &|w| {
                 rayon::broadcast(|_| w());
             },
-            &ProgressBar::hidden(),
-            every.max(1),
+            progress: &ProgressBar::hidden(),
+            stride: every.max(1),
+        };
+        par_tiles(
+            &how,
+            &[tensor],
             || {
                 let id = ids.fetch_add(1, Ordering::Relaxed);
                 debug_assert!(id < workers);

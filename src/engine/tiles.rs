@@ -1,15 +1,13 @@
 //! Tiles: how a pass reads a tensor (the base and the agents holding it) in runs of elements,
 //! in order for statistics scans or on every worker at once for the probe and merge passes.
 
-use super::Pass;
-use crate::backend::{ranges, Tile};
+use crate::backend::Tile;
 use crate::checkpoint::dtype::{decode_one, first_nonfinite};
 use crate::checkpoint::{ModelFolder, ModelTensor};
 use crate::inputs::{Inputs, TensorPlan};
 use anyhow::{bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
-use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -17,6 +15,17 @@ use std::sync::Mutex;
 pub(super) struct TileBuffers {
     pub(super) base: Vec<u8>,
     pub(super) agents: Vec<Vec<u8>>,
+}
+
+/// What a tile read takes from: the inputs, the tensor and the agents read with the base, and how
+/// (refusing NaN/±Inf or not; spread over the cores or on the calling thread).
+#[derive(Clone, Copy)]
+pub(super) struct TileRead<'a> {
+    pub(super) inputs: &'a Inputs,
+    pub(super) plan: &'a TensorPlan,
+    pub(super) present: &'a [usize],
+    pub(super) finite_only: bool,
+    pub(super) spread: bool,
 }
 
 impl TileBuffers {
@@ -27,19 +36,18 @@ impl TileBuffers {
         }
     }
 
-    /// Reads elements `start..start + len` of `plan` for the base and the `present` agents (one
-    /// input per core when `spread`, else on the calling thread), and inspects each while its
-    /// bytes are in cache: feeds the input's running checksum and, when `finite_only`, fails on
-    /// the first NaN or ±Inf, naming tensor, file and element.
-    pub(super) fn load(
-        &mut self,
-        inputs: &Inputs,
-        plan: &TensorPlan,
-        present: &[usize],
-        (start, len): (usize, usize),
-        finite_only: bool,
-        spread: bool,
-    ) -> Result<()> {
+    /// Reads elements `start..start + len` of `read.plan` for the base and the present agents
+    /// (one input per core when `read.spread`, else on the calling thread), and inspects each
+    /// while its bytes are in cache: feeds the input's running checksum and, when
+    /// `read.finite_only`, fails on the first NaN or ±Inf, naming tensor, file and element.
+    pub(super) fn load(&mut self, read: &TileRead, (start, len): (usize, usize)) -> Result<()> {
+        let TileRead {
+            inputs,
+            plan,
+            present,
+            finite_only,
+            spread,
+        } = *read;
         let dtype = plan.base.entry.dtype;
         let (offset, bytes) = ((start * dtype.size()) as u64, len * dtype.size());
         let sources = std::iter::once((&inputs.base, &plan.base)).chain(present.iter().map(|&t| {
@@ -79,64 +87,24 @@ impl TileBuffers {
     }
 
     /// [`Self::load`]s elements `start..start + len` and hands them to `visit` as one [`Tile`].
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn visit<R>(
         &mut self,
-        inputs: &Inputs,
-        plan: &TensorPlan,
-        present: &[usize],
+        read: &TileRead,
         (start, len): (usize, usize),
-        finite_only: bool,
-        spread: bool,
         visit: impl FnOnce(&Tile) -> Result<R>,
     ) -> Result<R> {
-        self.load(inputs, plan, present, (start, len), finite_only, spread)?;
-        let agents: Vec<&[u8]> = self.agents[..present.len()]
+        self.load(read, (start, len))?;
+        let agents: Vec<&[u8]> = self.agents[..read.present.len()]
             .iter()
             .map(|v| v.as_slice())
             .collect();
         visit(&Tile {
-            dtype: plan.base.entry.dtype,
+            dtype: read.plan.base.entry.dtype,
             len,
             base: &self.base,
             agents: &agents,
         })
     }
-}
-
-/// Reads `plan` tile by tile, in order, from the tile holding element `from`, for the base and the
-/// `present` agents and hands each tile, with its index, to `visit`: the statistics scans that
-/// need element order. The probe and merge passes run [`par_tiles`].
-#[allow(clippy::too_many_arguments)]
-pub(super) fn for_each_tile(
-    inputs: &Inputs,
-    plan: &TensorPlan,
-    present: &[usize],
-    pass: &Pass,
-    buffers: &mut TileBuffers,
-    progress: &ProgressBar,
-    from: u64,
-    mut visit: impl FnMut(usize, u64, &Tile) -> Result<ControlFlow<()>>,
-) -> Result<()> {
-    let dtype = plan.base.entry.dtype;
-    let tiles = ranges(plan.numel(), pass.tile_elems).enumerate();
-    // From the tile holding element `from`: tiles keep their places whatever `from` is.
-    for (i, (start, len)) in tiles.skip_while(|(_, (s, l))| (s + l) as u64 <= from) {
-        let flow = buffers.visit(
-            inputs,
-            plan,
-            present,
-            (start, len),
-            pass.scan_nonfinite,
-            true,
-            |tile| visit(i, start as u64, tile),
-        )?;
-        progress.inc((len * dtype.size() * (1 + present.len())) as u64);
-        if flow.is_break() {
-            break;
-        }
-    }
-    Ok(())
 }
 
 /// One tensor's part in a tile loop ([`par_tiles`]): its plan, the agents read with the base,
@@ -162,27 +130,40 @@ pub(super) fn tile_count(plan: &TensorPlan, tile_elems: usize) -> usize {
 /// only at the end of a batch, so small tensors (norms, biases) go together.
 pub(super) const BATCH_TILES: usize = 256;
 
+/// How a tile loop ([`par_tiles`]) runs: over these inputs, refusing NaN/±Inf or not, on the
+/// workers `run_workers` starts, counting progress on `progress`, every `stride`-th tile.
+#[derive(Clone, Copy)]
+pub(super) struct TileLoop<'a> {
+    pub(super) inputs: &'a Inputs,
+    pub(super) scan_nonfinite: bool,
+    pub(super) run_workers: &'a dyn Fn(&(dyn Fn() + Sync)),
+    pub(super) progress: &'a ProgressBar,
+    pub(super) stride: usize,
+}
+
 /// The tile loop of the probe and merge passes: every tile of `tensors`, one tensor after the
 /// other, read for the base and the tensor's agents and handed to `visit` with (index in
-/// `tensors`, tile index, first element) on the workers `run_workers` starts (the backend's,
-/// [`Backend::run_workers`], or the CPU's for statistics); with `stride` > 1 only tiles 0,
-/// `stride`, 2·`stride`, … (a sample). Each worker has its own tile buffers and a `state` from
+/// `tensors`, tile index, first element) on the workers `how.run_workers` starts (the backend's,
+/// [`Backend::run_workers`], or the CPU's for statistics); with `how.stride` > 1 only tiles
+/// 0, `stride`, 2·`stride`, … (a sample). Each worker has its own tile buffers and a `state` from
 /// `init`, and takes tile after tile, so reading, computing and writing a tile happen on one
 /// core while its bytes are in cache, and the cores wait for each other only at the end. Tiles
 /// start in order and finish in any order. Returns the workers' states; on failure, the error of
 /// the earliest failing tile (the tiles before it all ran, so the same input always reports the
 /// same error).
-#[allow(clippy::too_many_arguments)]
 pub(super) fn par_tiles<S: Send>(
-    inputs: &Inputs,
+    how: &TileLoop,
     tensors: &[TensorTiles],
-    scan_nonfinite: bool,
-    run_workers: &dyn Fn(&(dyn Fn() + Sync)),
-    progress: &ProgressBar,
-    stride: usize,
     init: impl Fn() -> S + Sync,
     visit: impl Fn(&mut S, usize, usize, u64, &Tile) -> Result<()> + Sync,
 ) -> Result<Vec<S>> {
+    let TileLoop {
+        inputs,
+        scan_nonfinite,
+        run_workers,
+        progress,
+        stride,
+    } = *how;
     // The first tile of each tensor in the loop's numbering, then the end.
     let firsts: Vec<usize> = std::iter::once(0)
         .chain(tensors.iter().scan(0, |end, t| {
@@ -211,15 +192,16 @@ pub(super) fn par_tiles<S: Send>(
             } = tensors[j];
             let (i, step, numel) = (g - firsts[j], tile_elems.max(1), plan.numel());
             let (start, len) = (i * step, step.min(numel - i * step));
-            let done = buffers.visit(
+            let read = TileRead {
                 inputs,
                 plan,
                 present,
-                (start, len),
-                scan_nonfinite,
-                false,
-                |tile| visit(&mut state, j, i, start as u64, tile),
-            );
+                finite_only: scan_nonfinite,
+                spread: false,
+            };
+            let done = buffers.visit(&read, (start, len), |tile| {
+                visit(&mut state, j, i, start as u64, tile)
+            });
             match done {
                 Ok(()) => {
                     progress.inc((len * plan.base.entry.dtype.size() * (1 + present.len())) as u64)
