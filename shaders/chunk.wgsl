@@ -1,5 +1,6 @@
-// What both kernels read: the chunk's uniforms and its input words. Prepended (after dtype.wgsl)
-// to probe.wgsl and merge.wgsl by the host; mirrors `Params` in src/backend/gpu/layout.rs (a test compares the two).
+// What every kernel (probe, merge, combine) reads: the chunk's uniforms and its input words.
+// Prepended (after dtype.wgsl) to each kernel by the host; `Params` mirrors the struct of that name
+// in src/backend/gpu/layout.rs, and a test compares the two.
 
 struct Params {
     len: u32,        // elements in this chunk

@@ -174,7 +174,7 @@ fn keep_lanes(
 }
 
 multiversion! {
-    /// [`Keep::mask_into`], compiled for the baseline and AVX2.
+    /// [`Keep::mask_into`], compiled for the baseline, AVX2 and AVX-512 (`multiversion!`).
     fn keep_mask(keep: Keep, v: &[f32], first: u32, ranks: &[u32], out: &mut [u32]) {
         keep_lanes(keep, out.len(), |i| v[i], first, ranks, |i, m| out[i] = m);
     }

@@ -119,7 +119,8 @@ impl Scalar {
     }
 }
 
-/// The layer position t of a tensor: `(layer, layers)` from names like `model.layers.7.mlp…`.
+/// The layer number of a tensor from names like `model.layers.7.mlp…` (`Some(7)`), `None` for
+/// tensors outside the layers (embeddings, the final norm); [`layer_t`] turns it into t.
 pub fn layer_index(name: &str) -> Option<usize> {
     let parts: Vec<&str> = name.split('.').collect();
     parts.windows(2).find_map(|w| {

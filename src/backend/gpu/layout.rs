@@ -50,7 +50,7 @@ pub(super) const WORKGROUP: u32 = wgsl::WG;
 /// Workgroups per dispatch dimension (WebGPU's minimum limit, which every adapter meets).
 pub(super) const MAX_GROUPS_PER_DIM: u32 = 65_535;
 
-/// The uniform block both shaders read (`struct Params` in shaders/chunk.wgsl).
+/// The uniform block every kernel reads (`struct Params` in shaders/chunk.wgsl).
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 pub(super) struct Params {
