@@ -10,11 +10,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
 
-pub const RECORD_FILE: &str = "rlmerge_record.json";
-/// The record's name in folders written by rlmerge 0.1 before it had its own word; still read by
-/// `verify` and by the `--force` check.
-pub const LEGACY_RECORD_FILE: &str = "rlmerge_recipe.json";
-pub const CARD_FILE: &str = "README.md";
+pub use crate::checkpoint::output_folder::{CARD_FILE, LEGACY_RECORD_FILE, RECORD_FILE};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AgentSummary {

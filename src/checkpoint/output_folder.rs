@@ -16,7 +16,6 @@
 
 use super::open_files::Identity;
 use crate::error::usage;
-use crate::record::{CARD_FILE, LEGACY_RECORD_FILE, RECORD_FILE};
 use anyhow::{bail, Context, Result};
 use std::ffi::OsStr;
 use std::fs::File;
@@ -24,6 +23,14 @@ use std::io;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Mutex;
 
+/// The merge record an output folder holds (the `record` module), which lists every file rlmerge
+/// wrote there.
+pub const RECORD_FILE: &str = "rlmerge_record.json";
+/// The record's name in folders written by rlmerge 0.1 before it had its own word; still read by
+/// `verify` and by the `--force` check.
+pub const LEGACY_RECORD_FILE: &str = "rlmerge_recipe.json";
+/// The model card.
+pub const CARD_FILE: &str = "README.md";
 /// The manifest of a folder `rlmerge demo` wrote: `{"files": [...]}`.
 pub const DEMO_MANIFEST: &str = ".rlmerge-demo.json";
 

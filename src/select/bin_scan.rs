@@ -2,8 +2,8 @@
 //! their low 16 bits; and where a cut splits the elements tied at its threshold.
 
 use super::bins::{locate, Bins16, BINS};
+use super::cut::RankCut;
 use super::key_window::{for_each_key, nonzero_count};
-use crate::method::combine::RankCut;
 use crate::scans::{lock, unlock, worker_states, Scans};
 use anyhow::Result;
 

@@ -2,8 +2,8 @@
 //! a window of bins, with which bins hold several keys and, for followed bins, counts per chunk.
 
 use super::bins::{Bins16, BINS};
+use super::cut::magnitude_key;
 use super::key_window::{window_bits, KeyWindow, WindowTally};
-use crate::method::combine::magnitude_key;
 use crate::scans::{lock, unlock, worker_states, Scans, SCAN_CHUNK};
 use anyhow::Result;
 

@@ -3,7 +3,7 @@
 
 use super::bin_scan::BinScan;
 use super::bins::{locate, Bins16, BINS, BIN_MEMORY};
-use crate::method::combine::RankCut;
+use super::cut::RankCut;
 use crate::scans::{Scans, Values};
 use anyhow::Result;
 use std::ops::ControlFlow;

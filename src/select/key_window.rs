@@ -2,7 +2,7 @@
 //! or sixteen elements at a time (AVX2 / AVX-512, with a scalar twin), and the scans built on them.
 
 use super::bins::BINS;
-use crate::method::combine::magnitude_key;
+use super::cut::magnitude_key;
 use crate::simd::multiversion;
 
 /// A run of high bins `lo..=hi` (the top 16 bits of magnitude keys) that a histogram pass

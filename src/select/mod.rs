@@ -4,17 +4,18 @@
 
 mod bin_scan;
 mod bins;
+mod cut;
 mod histogram;
 mod key_cut;
 mod key_window;
 #[cfg(test)]
 mod tests;
 
-use crate::method::combine::{magnitude_key, RankCut};
 use crate::scans::{lock, states, unlock, Scans};
 use anyhow::{Context, Result};
 use bin_scan::{bin_scans, BinScan, Split};
 use bins::BIN_MEMORY;
+pub use cut::{magnitude_key, RankCut};
 use histogram::{histogram_pass, Histogram};
 pub use key_cut::key_rank_cut;
 use key_window::KeyWindow;
