@@ -26,11 +26,7 @@ impl Bins16 {
     pub(super) fn new(bins: usize, numel: u64) -> Bins16 {
         let ways = if numel >= 1 << 20 { 4 } else { 1 };
         let len = bins * ways;
-        let reused = {
-            let mut pool = lock(&CLEAR_COUNTERS);
-            let found = pool.iter().position(|c| c.len() == len);
-            found.map(|i| pool.swap_remove(i))
-        };
+        let reused = COUNTER_POOL.take(len);
         Bins16 {
             counts: reused.unwrap_or_else(|| vec![0; len]),
             ways: ways - 1,
@@ -48,10 +44,7 @@ impl Bins16 {
             *t += c.iter().map(|&c| c as u64).sum::<u64>();
             c.fill(0);
         }
-        let mut pool = lock(&CLEAR_COUNTERS);
-        if pool.len() < 16 {
-            pool.push(std::mem::take(&mut self.counts));
-        }
+        COUNTER_POOL.give(std::mem::take(&mut self.counts));
     }
 
     /// Counts element `index` in `bin`.
@@ -89,8 +82,35 @@ impl Bins16 {
     }
 }
 
-/// Zeroed counter arrays of drained histograms, for the next ones ([`Bins16::drain_range`]).
-pub(super) static CLEAR_COUNTERS: Mutex<Vec<Vec<u32>>> = Mutex::new(Vec::new());
+/// A free list of zeroed counter arrays: an allocation cache, like an allocator's, shared by the
+/// histograms of every tensor. It hands over memory, never counts: only arrays whose every counter
+/// is zero enter it ([`Bins16::drain_range`] clears what it counted; debug builds check the whole
+/// array on the way out), so no tensor's histogram can start from another's state.
+struct CounterPool(Mutex<Vec<Vec<u32>>>);
+
+impl CounterPool {
+    /// Arrays kept at most (a tensor's pass uses a few per worker and agent).
+    const KEEP: usize = 16;
+
+    /// A zeroed array of `len` counters, if one is free.
+    fn take(&self, len: usize) -> Option<Vec<u32>> {
+        let mut pool = lock(&self.0);
+        let found = pool.iter().position(|c| c.len() == len)?;
+        let counts = pool.swap_remove(found);
+        debug_assert!(counts.iter().all(|&c| c == 0), "a pooled array was not cleared");
+        Some(counts)
+    }
+
+    /// Returns a zeroed array for later histograms (dropped when the pool is full).
+    fn give(&self, counts: Vec<u32>) {
+        let mut pool = lock(&self.0);
+        if pool.len() < Self::KEEP {
+            pool.push(counts);
+        }
+    }
+}
+
+static COUNTER_POOL: CounterPool = CounterPool(Mutex::new(Vec::new()));
 
 /// [`Bins16::adder`].
 pub(super) struct BinsAdder<'a> {
