@@ -11,7 +11,7 @@ use rlmerge::backend::gpu::{AdapterChoice, GpuBackend, GpuContext};
 use rlmerge::backend::{Backend, MergeParams, Tile};
 use rlmerge::checkpoint::DType;
 use rlmerge::demo::{self, ModelShape};
-use rlmerge::engine::{self, MergeOptions, Pass};
+use rlmerge::engine::{self, MergeOptions};
 use rlmerge::hash::SplitMix64;
 use rlmerge::inputs::Inputs;
 use rlmerge::method::settings::{Scalar, Setting};
@@ -157,18 +157,8 @@ fn end_to_end(c: &mut Criterion) {
         ];
         for (method_name, method) in methods {
             let options = MergeOptions {
-                method,
-                pass: Pass {
-                    epsilon: DEFAULT_EPSILON,
-                    tile_elems: backend.preferred_tile_elems(),
-                    scan_nonfinite: true,
-                },
-                out_dtype: None,
-                shard_size: 5_000_000_000,
                 force: true,
-                show_progress: false,
-                extra_files: Vec::new(),
-                protect: Vec::new(),
+                ..MergeOptions::new(method, backend)
             };
             let out = dir.path().join(format!("{name}-{method_name}"));
             g.bench_function(format!("{name}/{method_name}"), |b| {

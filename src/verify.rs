@@ -152,11 +152,10 @@ fn recompute_and_compare(
     let agents: Vec<PathBuf> = record.inputs[1..].iter().map(|i| i.path.clone()).collect();
     let inputs = Inputs::open(&base.path, &agents)?;
     let options = MergeOptions {
-        method: record.method.clone(),
         pass: Pass {
             epsilon: record.epsilon,
-            tile_elems: backend.preferred_tile_elems(),
             scan_nonfinite: !record.allow_nonfinite,
+            ..Pass::default_for(backend)
         },
         out_dtype: record
             .out_dtype
@@ -167,9 +166,7 @@ fn recompute_and_compare(
             .transpose()?,
         shard_size: record.shard_size,
         force: true,
-        show_progress: false,
-        extra_files: Vec::new(),
-        protect: Vec::new(),
+        ..MergeOptions::new(record.method.clone(), backend)
     };
     // Recomputed beside the output (the same disk, which held the output once), or where that
     // folder is read-only, in the system's temporary folder. A killed verify's folder is removed

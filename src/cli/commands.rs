@@ -14,7 +14,7 @@ use rlmerge::engine::{self, MergeOptions, Pass};
 use rlmerge::error::usage;
 use rlmerge::inputs::Inputs;
 use rlmerge::job::{Job, MERGEKIT_CONFIG_FILE};
-use rlmerge::method::{defaults, BoostRule, BoostScope, Kind, Method, DEFAULT_EPSILON};
+use rlmerge::method::{Kind, Method};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
@@ -344,25 +344,11 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
     }
     let backend: Box<dyn Backend> = Box::new(CpuBackend::new(0)?);
     let show = !args.quiet && std::io::stderr().is_terminal();
+    // The demo replaces only its own earlier output (checked above).
     let options = MergeOptions {
-        method: Method::RamPlus {
-            rule: BoostRule::Paper {
-                r: defaults::R,
-                alpha: defaults::ALPHA_GLOBAL,
-            },
-            scope: BoostScope::Global,
-        },
-        pass: Pass {
-            epsilon: DEFAULT_EPSILON,
-            tile_elems: backend.preferred_tile_elems(),
-            scan_nonfinite: true,
-        },
-        out_dtype: None,
-        shard_size: 5_000_000_000,
         force: true,
         show_progress: show,
-        extra_files: Vec::new(),
-        protect: Vec::new(),
+        ..MergeOptions::new(Method::default_ram_plus(), backend.as_ref())
     };
     // Global RAM+ probes the whole model first; its report is the analysis to show.
     let summary = engine::merge(&inputs, &options, backend.as_ref(), &merged)?;

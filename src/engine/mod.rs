@@ -40,6 +40,34 @@ use probe::probe_tensors;
 use scans::combine_spec;
 use tiles::{batches, par_tiles, progress_bar, whole_rows, TensorTiles, TileBuffers, TileLoop};
 
+impl Pass {
+    /// The defaults: ε = 1e-5 (SPEC §1), the backend's tile size, NaN/±Inf inputs refused.
+    pub fn default_for(backend: &dyn Backend) -> Pass {
+        Pass {
+            epsilon: crate::method::DEFAULT_EPSILON,
+            tile_elems: backend.preferred_tile_elems(),
+            scan_nonfinite: true,
+        }
+    }
+}
+
+impl MergeOptions {
+    /// `method` with every other option at the command line's default: the [`Pass`] defaults,
+    /// each tensor in the base's dtype, 5 GB shards, no replacing, no progress bar, no extra file.
+    pub fn new(method: Method, backend: &dyn Backend) -> MergeOptions {
+        MergeOptions {
+            method,
+            pass: Pass::default_for(backend),
+            out_dtype: None,
+            shard_size: 5_000_000_000,
+            force: false,
+            show_progress: false,
+            extra_files: Vec::new(),
+            protect: Vec::new(),
+        }
+    }
+}
+
 /// Everything a merge needs besides the inputs and the backend.
 #[derive(Clone, Debug)]
 pub struct MergeOptions {

@@ -95,6 +95,18 @@ impl Method {
         )
     }
 
+    /// RAM+ as the command line runs it by default: the paper rule with its default r and α, one
+    /// λ per agent (global scope).
+    pub fn default_ram_plus() -> Method {
+        Method::RamPlus {
+            rule: BoostRule::Paper {
+                r: defaults::R,
+                alpha: defaults::ALPHA_GLOBAL,
+            },
+            scope: BoostScope::Global,
+        }
+    }
+
     /// The boost rule, if the method boosts.
     pub fn boost(&self) -> Option<BoostRule> {
         match self {

@@ -97,7 +97,10 @@ impl CounterPool {
         let mut pool = lock(&self.0);
         let found = pool.iter().position(|c| c.len() == len)?;
         let counts = pool.swap_remove(found);
-        debug_assert!(counts.iter().all(|&c| c == 0), "a pooled array was not cleared");
+        debug_assert!(
+            counts.iter().all(|&c| c == 0),
+            "a pooled array was not cleared"
+        );
         Some(counts)
     }
 
