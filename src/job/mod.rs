@@ -1,5 +1,5 @@
 //! A merge job: the one place a method name and its parameters — from command-line flags or from a
-//! mergekit YAML recipe ([`recipe_yaml`]) — become a validated [`Method`] with its input folders.
+//! mergekit YAML recipe (`job/recipe_yaml.rs`) — become a validated [`Method`] with its input folders.
 //! Both go through [`crate::method::build`], so a value accepted by one is accepted by the other.
 
 mod recipe_yaml;

@@ -143,7 +143,7 @@ multiversion! {
 
 multiversion! {
     /// One agent's term of the sum, in one pass: d = v·c where kept, else +0.0, with
-    /// v = x[i] − base[i] (x[i] without a base) for `values` = (x, base), element i being
+    /// v = `x[i] − base[i]` (`x[i]` without a base) for `values` = (x, base), element i being
     /// `first + i` of row rank `ranks[i]` for `at` = (first, ranks); `sum[i]` += d (from +0.0
     /// when `first_term`, so no row needs clearing before), and `terms[i]` = d when a consensus
     /// needs the terms again. The same IEEE operations as [`Keep::mask_into`] then scaling and

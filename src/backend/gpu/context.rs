@@ -70,7 +70,7 @@ pub struct GpuContext {
     pub(super) combine_pipeline: wgpu::ComputePipeline,
     /// The first asynchronous device error (validation, out of memory, device lost), if any.
     pub(super) error: Arc<Mutex<Option<String>>>,
-    /// Chunk inputs and results live in mapped storage buffers (see [`mapped_buffers`]).
+    /// Chunk inputs and results live in mapped storage buffers (see `mapped_buffers`).
     pub mapped: bool,
 }
 
