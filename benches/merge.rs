@@ -15,9 +15,8 @@ use rlmerge::engine::{self, MergeOptions};
 use rlmerge::hash::SplitMix64;
 use rlmerge::inputs::Inputs;
 use rlmerge::method::settings::{Scalar, Setting};
-use rlmerge::method::{
-    defaults, BoostRule, BoostScope, Kind, Method, MethodConfig, DEFAULT_EPSILON,
-};
+use rlmerge::method::SharedRule;
+use rlmerge::method::{Kind, Method, MethodConfig, DEFAULT_EPSILON};
 
 /// A bf16 base tile and 3 agents changing 3 %, 46 %, 54 % of its elements.
 fn tile_data(len: usize) -> (Vec<u8>, Vec<Vec<u8>>) {
@@ -108,6 +107,7 @@ fn kernels(c: &mut Criterion) {
                 epsilon: DEFAULT_EPSILON,
                 lambdas: &lambdas,
                 out_dtype: DType::BF16,
+                shared: SharedRule::Mean,
             };
             g.bench_function(format!("{name}/{method}"), |b| {
                 b.iter(|| backend.merge(&tile, &params, &mut out).unwrap())
@@ -130,17 +130,16 @@ fn end_to_end(c: &mut Criterion) {
     let mut g = c.benchmark_group("end_to_end_bf16_3_agents");
     g.sample_size(10);
     g.throughput(Throughput::Bytes(inputs.pass_bytes()));
-    let plus = Method::RamPlus {
-        rule: BoostRule::Paper {
-            r: defaults::R,
-            alpha: defaults::ALPHA_GLOBAL,
-        },
-        scope: BoostScope::Global,
-    };
+    let plus = Method::default_ram_plus();
     for (name, bench) in backends() {
         let backend = bench.backend();
         let methods = [
-            ("ram", Method::Ram),
+            (
+                "ram",
+                Method::Ram {
+                    shared: SharedRule::Mean,
+                },
+            ),
             ("ram_plus_global", plus.clone()),
             (
                 "task_arithmetic",

@@ -52,6 +52,8 @@ cli-ties --method ties --param weight=1 --param density=0.4
 cli-dare_ties --method dare_ties --param weight=1 --param density=0.5 --seed 7
 cli-della --method della --param weight=1 --param density=0.5 --param epsilon=0.1
 cli-f16 --method ram --out-dtype float16
+cli-ram-consensus --method ram --shared consensus
+cli-ram+tensor-consensus --method ram+ --scope tensor --shared consensus
 EOF
 printf 'merge_method: fisher\nmodels:\n  - model: coding-agent\n    parameters: {fisher: base}\n  - model: tool-agent\n    parameters: {fisher: memory-agent, weight: 2}\n' >fisher.yml
 "$bin" run fisher.yml -q --device "$device" -o out-fisher >/dev/null

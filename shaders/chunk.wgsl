@@ -12,6 +12,7 @@ struct Params {
     eps: f32,
     zero: u32,       // always 0: makes a product opaque so it is never fused into an FMA
     groups_x: u32,   // workgroups along x (2-D dispatch past 65 535)
+    shared_rule: u32, // merge.wgsl: SHARED_MEAN or SHARED_CONSENSUS
 }
 
 @group(0) @binding(0) var<uniform> p: Params;

@@ -1,8 +1,13 @@
 // SPEC §2 selective merge for the RAM family, in the spec's arithmetic order: τ = a − b in f32;
 // Σ of active τ in agent order; c = 1 → b + λ·τ; c ≥ 2 → b + Σ/c, the correctly rounded quotient
 // from integer arithmetic (`div_by_count`: WGSL's `/` may be 2.5 ULP off); c = 0 → the base's bits.
+// With p.shared_rule = SHARED_CONSENSUS (SPEC §2b), c ≥ 2 takes Σ and c of the active agents whose τ has
+// the sign of Σ (+ where Σ ≥ 0, else −), src/backend/cpu/mod.rs `consensus_in_shared_region`.
 // One invocation per pair of elements, so a packed 16-bit output word is written by one
 // invocation. Needs dtype.wgsl and chunk.wgsl prepended.
+
+const SHARED_MEAN: u32 = 0u;
+const SHARED_CONSENSUS: u32 = 1u;
 
 @group(0) @binding(3) var<storage, read> lambdas: array<f32>;
 @group(0) @binding(4) var<storage, read_write> out: array<u32>;
@@ -49,15 +54,16 @@ fn div_by_count(sum: f32, c: u32) -> f32 {
     return bitcast<f32>(sign | ((u32(biased - 1) << 23u) + mm));
 }
 
-// The output bits of one element from its base bits and value, Σ of active τ, count and λ.
-fn finish(bb: u32, b: f32, sum: f32, c: u32, lam: f32) -> u32 {
+// The output bits of one element from its base bits and value, Σ of active τ, count and λ; for
+// c ≥ 2, `kept` and `k` are the Σ and count the shared rule keeps (Σ and c for the mean).
+fn finish(bb: u32, b: f32, sum: f32, c: u32, lam: f32, kept: f32, k: u32) -> u32 {
     if (c == 0u) {
         if (p.out_dt == p.in_dt) {
             return bb;
         }
         return encode_bits(b, p.out_dt);
     }
-    var step = div_by_count(sum, c);
+    var step = div_by_count(kept, k);
     if (c == 1u) {
         // XOR with a runtime zero: the compiler cannot see the product, so cannot fuse it into an FMA.
         step = bitcast<f32>(bitcast<u32>(sum * lam) ^ p.zero);
@@ -83,12 +89,27 @@ fn merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index)
         c = c + select(vec2<u32>(0u, 0u), vec2<u32>(1u, 1u), changed);
         lam = select(lam, vec2<f32>(lambdas[t], lambdas[t]), changed);
     }
+    var kept = sum;
+    var k = c;
+    if (p.shared_rule == SHARED_CONSENSUS) {
+        kept = vec2<f32>(0.0, 0.0);
+        k = vec2<u32>(0u, 0u);
+        let positive = sum >= vec2<f32>(0.0, 0.0);
+        for (var t = 0u; t < p.n; t = t + 1u) {
+            let tau = tau_pair(b, t, g);
+            let same_sign = (positive & (tau > vec2<f32>(0.0, 0.0)))
+                | (!positive & (tau < vec2<f32>(0.0, 0.0)));
+            let agrees = is_active(tau) & same_sign;
+            kept = select(kept, kept + tau, agrees);
+            k = k + select(vec2<u32>(0u, 0u), vec2<u32>(1u, 1u), agrees);
+        }
+    }
     let e0 = 2u * g;
-    let v0 = finish(bb.x, b.x, sum.x, c.x, lam.x);
+    let v0 = finish(bb.x, b.x, sum.x, c.x, lam.x, kept.x, k.x);
     let has_second = e0 + 1u < p.len;
     var v1 = 0u;
     if (has_second) {
-        v1 = finish(bb.y, b.y, sum.y, c.y, lam.y);
+        v1 = finish(bb.y, b.y, sum.y, c.y, lam.y, kept.y, k.y);
     }
     if (p.out_dt == DT_F32) {
         out[e0] = v0;

@@ -4,7 +4,7 @@
 
 use crate::checkpoint::safetensors_file::FileChecksum;
 use crate::job::MERGEKIT_CONFIG_FILE;
-use crate::method::{AgentCounts, Method};
+use crate::method::{AgentCounts, Method, SharedRule};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write;
@@ -124,12 +124,16 @@ pub fn model_card(r: &MergeRecord) -> String {
                 "This model merges {} reinforcement-learning-trained agents into their common base with \
                  rlmerge {} using **{}**: parameters no agent changed \
                  (|τ| ≤ ε = {:e}) keep the base value, parameters changed by several agents take the mean of \
-                 their task vectors over those agents only, and parameters changed by one agent keep that \
+                 their task vectors over those agents only{}, and parameters changed by one agent keep that \
                  agent's update{} (Reinforced Agent Merging, [arXiv:2601.13572](https://arxiv.org/abs/2601.13572)).\n",
                 r.agents.len(),
                 r.version,
                 r.method,
                 r.epsilon,
+                match r.method.shared() {
+                    SharedRule::Mean => "",
+                    SharedRule::Consensus => " whose change has the sign of the changes' sum",
+                },
                 if r.method.boost().is_some() { ", scaled by λ_t" } else { "" }
             );
         }

@@ -253,6 +253,24 @@ fn parameters_of_another_rule_are_usage_errors() {
         vec!["--method", "ram", "--alpha", "1"],
         vec!["--method", "ram+", "--rule", "official", "--r", "0.2"],
         vec!["--method", "ram+", "--rescale-factor", "1.5"],
+        // The shared-region rule belongs to the RAM family, takes two words, once.
+        vec![
+            "--method",
+            "ties",
+            "--param",
+            "weight=1",
+            "--shared",
+            "consensus",
+        ],
+        vec!["--method", "ram", "--shared", "median"],
+        vec![
+            "--method",
+            "ram",
+            "--shared",
+            "consensus",
+            "--param",
+            "shared=mean",
+        ],
     ] {
         let mut cmd = rlmerge();
         cmd.arg("merge")

@@ -5,6 +5,7 @@
 
 mod common;
 use common::*;
+use rlmerge::method::SharedRule;
 use safetensors::tensor::Dtype;
 use std::path::Path;
 
@@ -20,11 +21,20 @@ fn gpu_available() -> bool {
     ok
 }
 
-const VARIANTS: [&[&str]; 4] = [
+const VARIANTS: [&[&str]; 6] = [
     &["--method", "ram"],
     &["--method", "ram+"],
     &["--method", "ram+", "--rule", "official"],
     &["--method", "ram+", "--scope", "tensor"],
+    &["--method", "ram", "--shared", "consensus"],
+    &[
+        "--method",
+        "ram+",
+        "--scope",
+        "tensor",
+        "--shared",
+        "consensus",
+    ],
 ];
 
 /// Merges with `--device cpu` and `--device gpu` (plus `extra`) and asserts identical tensors.
@@ -239,6 +249,7 @@ fn gpu_codecs_equal_cpu_on_every_f16_and_many_f32_patterns() {
                         epsilon: 1e-5,
                         lambdas: &[1.0],
                         out_dtype,
+                        shared: SharedRule::Mean,
                     };
                     b.merge(&tile, &params, &mut out).unwrap();
                     out
@@ -594,6 +605,7 @@ fn gpu_shared_mean_is_the_correctly_rounded_quotient() {
         epsilon: 0.0,
         lambdas: &lambdas,
         out_dtype: DType::F32,
+        shared: SharedRule::Mean,
     };
     let ctx = GpuContext::open(AdapterChoice::Any).unwrap().unwrap();
     let backends: [Box<dyn Backend>; 2] = [

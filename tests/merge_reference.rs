@@ -72,7 +72,8 @@ fn check(f: &Fixture, variant: Variant, out_dtype: Option<Dtype>, extra: &[&str]
         let lambdas = variant.lambdas(f, i);
         let agents: Vec<&T> = f.agent_tensors.iter().map(|a| &a[i]).collect();
         let want_dtype = out_dtype.unwrap_or(b.dtype);
-        let want = reference_merge(b, &agents, 1e-5, &lambdas, want_dtype);
+        let consensus = extra.windows(2).any(|w| w == ["--shared", "consensus"]);
+        let want = reference_merge_shared(b, &agents, 1e-5, &lambdas, want_dtype, consensus);
         let (dtype, shape, bytes) = &merged[&b.name];
         assert_eq!(*dtype, want_dtype, "{}", b.name);
         assert_eq!(shape, &b.shape, "{}", b.name);
@@ -114,6 +115,40 @@ fn every_variant_dtype_and_agent_count_matches_the_reference() {
             }
         }
     }
+}
+
+/// `--shared consensus` (SPEC §2b) equals the reference for RAM and RAM+ in both scopes, every
+/// dtype and 2 to 5 agents, and differs from the mean where agents disagree in sign.
+#[test]
+fn shared_consensus_matches_the_reference() {
+    let consensus = ["--shared", "consensus"];
+    for (d, dtype) in [Dtype::BF16, Dtype::F16, Dtype::F32]
+        .into_iter()
+        .enumerate()
+    {
+        for n in 2..=5 {
+            let f = fixture(
+                300 + 10 * d as u64 + n as u64,
+                dtype,
+                &odd_shapes(),
+                &DENSITIES[..n],
+                1,
+            );
+            for v in [Variant::Ram, Variant::PaperGlobal, Variant::PaperTensor] {
+                check(&f, v, None, &consensus);
+            }
+        }
+    }
+    // The rule changes something: some shared element of opposing signs merges otherwise.
+    let f = fixture(399, Dtype::F32, &odd_shapes(), &DENSITIES[..4], 1);
+    let (mean, cons) = (f.dir.path().join("mean"), f.dir.path().join("cons"));
+    merge_cmd(&f, &mean, &["--method", "ram"])
+        .assert()
+        .success();
+    merge_cmd(&f, &cons, &["--method", "ram", "--shared", "consensus"])
+        .assert()
+        .success();
+    assert_ne!(read_folder(&mean), read_folder(&cons));
 }
 
 #[test]

@@ -82,6 +82,52 @@ fn ties_by_hand() {
     assert_close(&run(d.path(), y, &[]), &[1.0, 1.0, 0.0, 0.0]);
 }
 
+/// `shared: consensus` in a recipe (SPEC §2b): τ_a = (0.5, −1, 1), τ_b = (1.5, 2, 0),
+/// τ_c = (−1, 1, 0). Element 0: Σ = 1 ≥ 0, so a and b: (0.5 + 1.5) / 2 = 1 (the mean: 1/3).
+/// Element 1: Σ = 2, b and c: 1.5. Element 2: a alone, kept. The record and the model card say so;
+/// a method outside the RAM family refuses the key.
+#[test]
+fn shared_consensus_by_hand() {
+    let d = tempfile::tempdir().unwrap();
+    models(
+        d.path(),
+        &[3],
+        &[0.; 3],
+        &[&[0.5, -1., 1.], &[1.5, 2., 0.], &[-1., 1., 0.]],
+    );
+    let models_yaml = "base_model: base\nmodels:\n  - model: a\n  - model: b\n  - model: c\n";
+    let y = format!("merge_method: ram\nparameters: {{shared: consensus}}\n{models_yaml}");
+    assert_close(&run(d.path(), &y, &[]), &[1.0, 1.5, 1.0]);
+    let y = format!("merge_method: ram\n{models_yaml}");
+    assert_close(&run(d.path(), &y, &[]), &[1.0 / 3.0, 2.0 / 3.0, 1.0]);
+    let y = format!("merge_method: ramplus_tl\nparameters: {{shared: consensus}}\n{models_yaml}");
+    run(d.path(), &y, &[]);
+    let record = std::fs::read_to_string(d.path().join("out/rlmerge_record.json")).unwrap();
+    assert!(record.contains("\"shared\": \"consensus\""), "{record}");
+    let card = std::fs::read_to_string(d.path().join("out/README.md")).unwrap();
+    assert!(card.contains("shared consensus"), "{card}");
+    for (yaml, want) in [
+        (
+            format!("merge_method: ties\nparameters: {{shared: consensus}}\n{models_yaml}"),
+            "unknown parameter 'shared'",
+        ),
+        (
+            format!("merge_method: ram\nparameters: {{shared: median}}\n{models_yaml}"),
+            "must be one of mean, consensus",
+        ),
+    ] {
+        std::fs::write(d.path().join("bad.yml"), yaml).unwrap();
+        let o = rlmerge()
+            .current_dir(d.path())
+            .args(["run", "bad.yml", "-q", "-o", "bad-out"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains(want), "{err}");
+    }
+}
+
 #[test]
 fn breadcrumbs_by_hand() {
     let d = tempfile::tempdir().unwrap();
@@ -309,7 +355,11 @@ const SIMD_CAPS: [&str; 2] = ["baseline", "avx2"];
 #[test]
 fn results_do_not_depend_on_tiles_or_simd() {
     let f = fixture(900, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 2);
-    let ram: [(&str, &[&str]); 2] = [("ram", &[]), ("ram+", &[])];
+    let ram: [(&str, &[&str]); 3] = [
+        ("ram", &[]),
+        ("ram+", &[]),
+        ("ram", &["shared=consensus"]),
+    ];
     for (i, (method, params)) in METHODS.iter().chain(&ram).enumerate() {
         let whole = f.dir.path().join(format!("{i}-{method}-whole"));
         let small = f.dir.path().join(format!("{i}-{method}-small"));

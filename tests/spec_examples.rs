@@ -5,10 +5,21 @@ use common::*;
 use rlmerge::backend::cpu::CpuBackend;
 use rlmerge::backend::{Backend, MergeParams, Tile};
 use rlmerge::checkpoint::DType;
+use rlmerge::method::SharedRule;
 use safetensors::tensor::Dtype;
 
 /// Merges f32 τ rows on a zero base with the CPU backend; returns the merged Δ per element.
 fn merge_rows(agents: &[[f32; 3]], lambdas: &[f32], out: DType) -> Vec<f32> {
+    merge_rows_shared(agents, lambdas, out, SharedRule::Mean)
+}
+
+/// [`merge_rows`] with a shared-region rule.
+fn merge_rows_shared(
+    agents: &[[f32; 3]],
+    lambdas: &[f32],
+    out: DType,
+    shared: SharedRule,
+) -> Vec<f32> {
     let base = to_bytes(Dtype::F32, &[0.0; 3]);
     let agent_bytes: Vec<Vec<u8>> = agents.iter().map(|a| to_bytes(Dtype::F32, a)).collect();
     let slices: Vec<&[u8]> = agent_bytes.iter().map(|v| v.as_slice()).collect();
@@ -22,6 +33,7 @@ fn merge_rows(agents: &[[f32; 3]], lambdas: &[f32], out: DType) -> Vec<f32> {
         epsilon: 1e-5,
         lambdas,
         out_dtype: out,
+        shared,
     };
     let mut bytes = vec![0u8; 3 * out.size()];
     CpuBackend::new(1)
@@ -34,6 +46,30 @@ fn merge_rows(agents: &[[f32; 3]], lambdas: &[f32], out: DType) -> Vec<f32> {
         DType::F32 => Dtype::F32,
     };
     from_bytes(dt, &bytes)
+}
+
+/// SPEC §2b's toy checks of `shared: consensus`, on every CPU build: τ = (0.02, −0.04, 0.05) → Σ =
+/// 0.03 ≥ 0, so the two positive changes are averaged: +0.035 (the mean would give +0.01);
+/// (−0.02, 0.01, 0) → Σ < 0: −0.02 alone, not boosted by λ; unique and unchanged elements as before.
+#[test]
+fn toy_checks_of_spec_section_2b() {
+    let rows: [([f32; 3], f32); 5] = [
+        ([0.02, -0.04, 0.05], 0.035),
+        ([-0.02, 0.01, 0.0], -0.02),
+        ([0.02, 0.04, 0.0], 0.03),
+        ([0.02, 0.0, 0.0], 0.02 * 1.5),
+        ([5e-6, 0.0, 0.0], 0.0),
+    ];
+    for (taus, want) in rows {
+        let agents: Vec<[f32; 3]> = taus.iter().map(|&t| [t, 0.0, 0.0]).collect();
+        let got = merge_rows_shared(&agents, &[1.5; 3], DType::F32, SharedRule::Consensus)[0];
+        // Within the rounding of the f32 sum and the one division.
+        let ulp = f32::from_bits(want.abs().to_bits() + 1) - want.abs();
+        assert!(
+            (got - want).abs() <= 2.0 * ulp,
+            "τ = {taus:?}: {got} vs {want}"
+        );
+    }
 }
 
 #[test]

@@ -8,6 +8,7 @@ pub mod gpu;
 
 use crate::checkpoint::DType;
 use crate::method::combine::CombineSpec;
+use crate::method::SharedRule;
 use anyhow::Result;
 
 /// Consecutive `(start, len)` ranges of at most `step` (≥ 1) covering `0..total`: the engine's tiles
@@ -62,6 +63,8 @@ pub struct MergeParams<'a> {
     /// λ_t for each agent of the tile, as f32.
     pub lambdas: &'a [f32],
     pub out_dtype: DType,
+    /// The rule for elements two or more agents changed (SPEC §2b).
+    pub shared: SharedRule,
 }
 
 /// Parameters of the generalized task-arithmetic merge of one tile (SPEC §4).

@@ -14,7 +14,7 @@ use rlmerge::checkpoint::writer::parse_size;
 use rlmerge::checkpoint::DType;
 use rlmerge::job::{parse_dtype, parse_param, MethodFlags};
 use rlmerge::method::settings::Setting;
-use rlmerge::method::{BoostScope, Kind, DEFAULT_EPSILON};
+use rlmerge::method::{BoostScope, Kind, SharedRule, DEFAULT_EPSILON};
 use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
@@ -136,6 +136,13 @@ pub struct MergeArgs {
     #[arg(long, value_parser = PossibleValuesParser::new(["global", "tensor"])
         .map(|s| BoostScope::from_name(&s).expect("a listed scope")))]
     pub scope: Option<BoostScope>,
+    /// RAM and RAM+: how the shared region (elements several agents changed) is merged
+    /// [default: mean].
+    #[arg(long, value_parser = PossibleValuesParser::new([
+        PossibleValue::new("mean").help("the mean of the agents that changed the element (the paper)"),
+        PossibleValue::new("consensus").help("the mean of those whose change has the sign of the changes' sum (SPEC §2b)"),
+    ]).map(|s| SharedRule::from_name(&s).expect("a listed rule")))]
+    pub shared: Option<SharedRule>,
     /// RAM+ paper rule: r [default 0.1].
     #[arg(long)]
     pub r: Option<f64>,
@@ -225,6 +232,7 @@ impl MergeArgs {
             r: self.r,
             alpha: self.alpha,
             rescale_factor: self.rescale_factor,
+            shared: self.shared,
             seed: self.output.seed,
         }
     }

@@ -404,6 +404,7 @@ impl<'a> MergePass<'a> {
                     epsilon: self.options.pass.epsilon,
                     lambdas,
                     out_dtype,
+                    shared: self.options.method.shared(),
                 };
                 self.backend.merge(tile, &params, out)
             }

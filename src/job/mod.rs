@@ -8,7 +8,7 @@ use crate::checkpoint::DType;
 use crate::error::usage;
 use crate::method::build::MethodRequest;
 use crate::method::settings::{Scalar, Setting, Settings};
-use crate::method::{BoostScope, Kind, Method};
+use crate::method::{BoostScope, Kind, Method, SharedRule};
 use anyhow::Result;
 use std::path::{Path, PathBuf};
 
@@ -43,6 +43,8 @@ pub struct MethodFlags {
     pub r: Option<f64>,
     pub alpha: Option<f64>,
     pub rescale_factor: Option<f64>,
+    /// The RAM family's shared-region rule (`--shared`).
+    pub shared: Option<SharedRule>,
     /// Seed of random masks (DARE, DELLA).
     pub seed: u64,
 }
@@ -103,6 +105,17 @@ impl MethodFlags {
                 )));
             }
         }
+        let ram_family = matches!(kind, Kind::Ram | Kind::RamPlus | Kind::RamplusTl);
+        if self.shared.is_some() && !ram_family {
+            return Err(usage(
+                "--shared applies to the RAM family only (--method ram, ram+ or ramplus_tl)",
+            ));
+        }
+        let shared_flag = (
+            "--shared",
+            "shared",
+            self.shared.map(|s| Scalar::Text(s.name().into())),
+        );
         let mut shared = Settings::new();
         for (key, value) in &self.params {
             if shared.insert(key.clone(), value.clone()).is_some() {
@@ -111,7 +124,7 @@ impl MethodFlags {
                 )));
             }
         }
-        for (flag, key, value) in boost_flags {
+        for (flag, key, value) in boost_flags.into_iter().chain([shared_flag]) {
             if let Some(v) = value {
                 if shared.insert(key.into(), Setting::Scalar(v)).is_some() {
                     return Err(usage(format!(

@@ -8,7 +8,7 @@
 use super::catalog::{Kind, Param, ParamDefault, Range, Scope};
 use super::settings::{ConditionalValue, Scalar, Setting, Settings};
 use super::tensor_params::MethodConfig;
-use super::{defaults, BoostRule, BoostScope, Method, MAX_AGENTS};
+use super::{defaults, BoostRule, BoostScope, Method, SharedRule, MAX_AGENTS};
 use crate::error::usage;
 use anyhow::Result;
 
@@ -38,7 +38,9 @@ pub fn build(req: MethodRequest, agents: usize) -> Result<Method> {
         )));
     }
     match req.kind {
-        Kind::Ram => Ok(Method::Ram),
+        Kind::Ram => Ok(Method::Ram {
+            shared: shared_rule(&req),
+        }),
         Kind::RamPlus | Kind::RamplusTl => ram_plus(&req),
         kind => {
             let config = MethodConfig {
@@ -177,6 +179,13 @@ fn shared_word(req: &MethodRequest, key: &str) -> Option<String> {
     }
 }
 
+/// The RAM family's shared-region rule (the catalog checked the word).
+fn shared_rule(req: &MethodRequest) -> SharedRule {
+    shared_word(req, "shared")
+        .and_then(|w| SharedRule::from_name(&w))
+        .unwrap_or_default()
+}
+
 /// RAM+ (and mergekit's `ramplus_tl`, the paper rule in tensor scope): the rule, its scope and its
 /// coefficients, with the coefficients of the other rule refused.
 fn ram_plus(req: &MethodRequest) -> Result<Method> {
@@ -219,7 +228,11 @@ fn ram_plus(req: &MethodRequest) -> Result<Method> {
             }),
         }
     };
-    Ok(Method::RamPlus { rule, scope })
+    Ok(Method::RamPlus {
+        rule,
+        scope,
+        shared: shared_rule(req),
+    })
 }
 
 /// Model `m`'s value of `key` when it is one number (per-model first, then shared, then the
@@ -398,14 +411,16 @@ mod tests {
             build(req(Kind::RamPlus, &[], vec![]), 2).unwrap(),
             Method::RamPlus {
                 rule: BoostRule::Paper { r: 0.1, alpha: 2.0 },
-                scope: BoostScope::Global
+                scope: BoostScope::Global,
+                shared: SharedRule::Mean,
             }
         );
         assert_eq!(
             build(req(Kind::RamplusTl, &[], vec![]), 2).unwrap(),
             Method::RamPlus {
                 rule: BoostRule::Paper { r: 0.1, alpha: 0.2 },
-                scope: BoostScope::Tensor
+                scope: BoostScope::Tensor,
+                shared: SharedRule::Mean,
             }
         );
     }

@@ -265,8 +265,18 @@ const BREADCRUMBS: [Param; 7] = and(gta(false, false), GAMMA);
 const DELLA: [Param; 7] = and(gta(true, true), DELLA_EPS);
 const DELLA_LINEAR: [Param; 7] = and(gta(false, true), DELLA_EPS);
 
-const RAM_PLUS: [Param; 6] = [
+/// RAM's rule for the shared region (SPEC §2b).
+const SHARED: Param = p(
+    "shared",
+    Shared,
+    Word("mean"),
+    Range::Choice(&["mean", "consensus"]),
+    "shared region: mean of the agents that changed it, or of those agreeing with Σ's sign",
+);
+const RAM: [Param; 2] = [EPSILON, SHARED];
+const RAM_PLUS: [Param; 7] = [
     EPSILON,
+    SHARED,
     p(
         "rule",
         Shared,
@@ -300,8 +310,9 @@ const RAM_PLUS: [Param; 6] = [
         "official rule R",
     ),
 ];
-const RAMPLUS_TL: [Param; 3] = [
+const RAMPLUS_TL: [Param; 4] = [
     EPSILON,
+    SHARED,
     R,
     p(
         "alpha",
@@ -536,7 +547,7 @@ impl Kind {
     /// The method's parameters, in the order `rlmerge methods` lists them.
     pub fn params(self) -> &'static [Param] {
         match self {
-            Kind::Ram => &RAM_PLUS[..1],
+            Kind::Ram => &RAM,
             Kind::RamPlus => &RAM_PLUS,
             Kind::RamplusTl => &RAMPLUS_TL,
             Kind::Linear => &LINEAR,

@@ -51,6 +51,33 @@ impl BoostScope {
     }
 }
 
+/// How RAM merges the shared region (elements two or more agents changed; SPEC §2b).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SharedRule {
+    /// The mean of the agents that changed the element (the paper).
+    #[default]
+    Mean,
+    /// TIES-style: the mean of those agents whose change has the sign of the changes' sum.
+    Consensus,
+}
+
+impl SharedRule {
+    /// The name recipes and flags use.
+    pub fn name(self) -> &'static str {
+        match self {
+            SharedRule::Mean => "mean",
+            SharedRule::Consensus => "consensus",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<SharedRule> {
+        [SharedRule::Mean, SharedRule::Consensus]
+            .into_iter()
+            .find(|s| s.name() == name)
+    }
+}
+
 /// A merge method: the RAM family, or a mergekit-family method run by the generalized
 /// task-arithmetic core ([`combine`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -58,10 +85,19 @@ impl BoostScope {
 pub enum Method {
     /// Reinforced Agent Merging: unique updates kept as they are (λ = 1).
     #[serde(rename = "ram")]
-    Ram,
+    Ram {
+        /// Records written before the shared rule existed have none: the mean.
+        #[serde(default)]
+        shared: SharedRule,
+    },
     /// RAM+: unique updates boosted by λ_t from the overlap-unique ratio.
     #[serde(rename = "ram+")]
-    RamPlus { rule: BoostRule, scope: BoostScope },
+    RamPlus {
+        rule: BoostRule,
+        scope: BoostScope,
+        #[serde(default)]
+        shared: SharedRule,
+    },
     /// linear, task_arithmetic, ties, dare_*, breadcrumbs*, model_stock, slerp, passthrough.
     #[serde(rename = "combine")]
     Combine(MethodConfig),
@@ -70,7 +106,7 @@ pub enum Method {
 impl Method {
     pub fn name(&self) -> &'static str {
         match self {
-            Method::Ram => "ram",
+            Method::Ram { .. } => "ram",
             Method::RamPlus { .. } => "ram+",
             Method::Combine(c) => c.kind.name(),
         }
@@ -104,6 +140,15 @@ impl Method {
                 alpha: defaults::ALPHA_GLOBAL,
             },
             scope: BoostScope::Global,
+            shared: SharedRule::Mean,
+        }
+    }
+
+    /// The RAM family's rule for the shared region (the mean for the other methods' purposes).
+    pub fn shared(&self) -> SharedRule {
+        match self {
+            Method::Ram { shared } | Method::RamPlus { shared, .. } => *shared,
+            Method::Combine(_) => SharedRule::Mean,
         }
     }
 
@@ -123,21 +168,27 @@ impl Method {
 
 impl fmt::Display for Method {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The default shared rule goes unsaid, so a mean merge reads as it always has.
+        let shared = match self.shared() {
+            SharedRule::Mean => "",
+            SharedRule::Consensus => ", shared consensus",
+        };
         match self {
-            Method::Ram => f.write_str("ram"),
+            Method::Ram {
+                shared: SharedRule::Mean,
+            } => f.write_str("ram"),
+            Method::Ram { .. } => f.write_str("ram (shared consensus)"),
             Method::Combine(c) => f.write_str(c.kind.name()),
-            Method::RamPlus { rule, scope } => {
-                let scope = match scope {
-                    BoostScope::Global => "global",
-                    BoostScope::Tensor => "tensor",
-                };
+            Method::RamPlus { rule, scope, .. } => {
+                let scope = scope.name();
                 match rule {
-                    BoostRule::Paper { r, alpha } => {
-                        write!(f, "ram+ (rule paper, r = {r}, α = {alpha}, scope {scope})")
-                    }
+                    BoostRule::Paper { r, alpha } => write!(
+                        f,
+                        "ram+ (rule paper, r = {r}, α = {alpha}, scope {scope}{shared})"
+                    ),
                     BoostRule::Official { rescale_factor } => write!(
                         f,
-                        "ram+ (rule official, R = {rescale_factor}, scope {scope})"
+                        "ram+ (rule official, R = {rescale_factor}, scope {scope}{shared})"
                     ),
                 }
             }

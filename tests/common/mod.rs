@@ -342,6 +342,20 @@ pub fn lambda_official(c: (u64, u64), big_r: f64) -> f64 {
 
 /// The merged bytes of one tensor per SPEC §2, computed the plain way.
 pub fn reference_merge(base: &T, agents: &[&T], eps: f32, lambdas: &[f32], out: Dtype) -> Vec<u8> {
+    reference_merge_shared(base, agents, eps, lambdas, out, false)
+}
+
+/// [`reference_merge`], with `consensus`: SPEC §2b's shared-region rule — where two or more agents
+/// changed an element, only those whose τ has the sign of the sum of the changes (+ where it is
+/// ≥ 0) are averaged.
+pub fn reference_merge_shared(
+    base: &T,
+    agents: &[&T],
+    eps: f32,
+    lambdas: &[f32],
+    out: Dtype,
+    consensus: bool,
+) -> Vec<u8> {
     let in_bytes = to_bytes(base.dtype, &base.values);
     let s = size_of(base.dtype);
     let mut bytes = Vec::new();
@@ -365,6 +379,19 @@ pub fn reference_merge(base: &T, agents: &[&T], eps: f32, lambdas: &[f32], out: 
         let v = match c {
             0 => b,
             1 => b + lambdas[last] * sum,
+            c if consensus => {
+                let (mut kept, mut k) = (0.0f32, 0usize);
+                for a in agents {
+                    let tau = a.values[e] - b;
+                    let agrees = if sum >= 0.0 { tau > 0.0 } else { tau < 0.0 };
+                    if tau.abs() > eps && agrees {
+                        kept += tau;
+                        k += 1;
+                    }
+                }
+                assert!(k >= 1 && k <= c);
+                b + kept / k as f32
+            }
             // The correctly rounded quotient, as the paper authors' script computes it (SPEC §2).
             c => b + sum / c as f32,
         };

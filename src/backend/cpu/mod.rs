@@ -4,6 +4,7 @@
 
 use super::{Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode, encode};
+use crate::method::SharedRule;
 use crate::simd::multiversion;
 use anyhow::{Context, Result};
 use rayon::prelude::*;
@@ -264,6 +265,8 @@ struct ChunkScratch {
     count: Vec<u32>,
     lambda: Vec<f32>,
     result: Vec<f32>,
+    /// Agents agreeing with the sign of Σ, per element (`--shared consensus`).
+    agree: Vec<u32>,
 }
 
 impl ChunkScratch {
@@ -275,6 +278,7 @@ impl ChunkScratch {
             count: vec![0; CHUNK],
             lambda: vec![0.0; CHUNK],
             result: vec![0.0; CHUNK],
+            agree: vec![0; CHUNK],
         }
     }
 }
@@ -297,7 +301,6 @@ multiversion! {
         let sum = &mut s.sum[..len];
         let count = &mut s.count[..len];
         let lambda = &mut s.lambda[..len];
-        let result = &mut s.result[..len];
         let base_bytes = chunk_bytes(tile.base, start, len, in_size);
         decode(tile.dtype, base_bytes, base);
         sum.fill(0.0);
@@ -325,6 +328,16 @@ multiversion! {
                 *l += f32::from_bits((lam_bits & m) | (0x8000_0000 & !m));
             }
         }
+        if p.shared == SharedRule::Consensus {
+            consensus_in_shared_region(tile, p, start, len, s);
+        }
+        let (base, sum, count, lambda, result) = (
+            &s.base[..len],
+            &s.sum[..len],
+            &s.count[..len],
+            &s.lambda[..len],
+            &mut s.result[..len],
+        );
         // step = λ·Σ for the single agent (c = 1), else the correctly rounded quotient Σ / c
         // (SPEC §2: IEEE division, as the paper's script; the GPU computes the same quotient with
         // integers, `method::div_by_count`); c = 0 keeps the base.
@@ -354,6 +367,58 @@ multiversion! {
                     o.copy_from_slice(bb);
                 }
             }
+        }
+    }
+}
+
+multiversion! {
+    /// SPEC §2b, the shared region under `--shared consensus`: where c ≥ 2, Σ and c become those
+    /// of the active agents whose τ has the sign γ of Σ (γ = + where Σ ≥ 0, else −, a NaN Σ
+    /// counting as −, as TIES does), added in agent order from +0.0; λ becomes 1, so a lone
+    /// agreeing agent is the mean of one, never boosted. c ≤ 1 is untouched. A second pass over
+    /// the agents (decoded again), so the default mean merge pays nothing for it; selects on bit
+    /// masks, as in `merge_chunk`, so the loops vectorize.
+    fn consensus_in_shared_region(
+        tile: &Tile,
+        p: &MergeParams,
+        start: usize,
+        len: usize,
+        s: &mut ChunkScratch,
+    ) {
+        let in_size = tile.dtype.size();
+        let (base, agent) = (&s.base[..len], &mut s.agent[..len]);
+        let (sum, agreed, agree) = (&mut s.sum[..len], &mut s.result[..len], &mut s.agree[..len]);
+        agreed.fill(0.0);
+        agree.fill(0);
+        for bytes in tile.agents {
+            decode(tile.dtype, chunk_bytes(bytes, start, len, in_size), agent);
+            for ((((&a, &b), &total), acc), k) in agent
+                .iter()
+                .zip(base.iter())
+                .zip(sum.iter())
+                .zip(agreed.iter_mut())
+                .zip(agree.iter_mut())
+            {
+                let tau = a - b;
+                let positive = total >= 0.0;
+                let same_sign = (positive & (tau > 0.0)) | (!positive & (tau < 0.0));
+                let m = (((tau.abs() > p.epsilon) & same_sign) as u32).wrapping_neg();
+                *acc += f32::from_bits(tau.to_bits() & m);
+                *k += m & 1;
+            }
+        }
+        let one = 1.0f32.to_bits();
+        for ((((total, c), l), &kept), &k) in sum
+            .iter_mut()
+            .zip(s.count[..len].iter_mut())
+            .zip(s.lambda[..len].iter_mut())
+            .zip(agreed.iter())
+            .zip(agree.iter())
+        {
+            let shared = ((*c >= 2) as u32).wrapping_neg();
+            *total = f32::from_bits((kept.to_bits() & shared) | (total.to_bits() & !shared));
+            *c = (k & shared) | (*c & !shared);
+            *l = f32::from_bits((one & shared) | (l.to_bits() & !shared));
         }
     }
 }

@@ -329,12 +329,13 @@ impl GpuBackend {
     }
 
     /// Runs `kernel` over the tile chunk by chunk, two chunks in flight; `finish(chunk_start,
-    /// chunk_len, bytes)` receives each chunk's readback.
+    /// chunk_len, bytes)` receives each chunk's readback. `(eps, shared)` go into the uniforms
+    /// (`Params::eps`, `Params::shared_rule`).
     pub(super) fn run_chunks(
         &self,
         tile: &Tile,
         out_dt: DType,
-        eps: f32,
+        (eps, shared): (f32, u32),
         prepare: impl Fn(&Slot, usize, usize) -> Result<()>,
         kernel: Kernel,
         mut finish: impl FnMut(usize, usize, &[u8]),
@@ -378,7 +379,7 @@ impl GpuBackend {
         for (i, (start, len)) in ranges(tile.len, self.chunk_elems(n)).enumerate() {
             let slot = &buffers.slots[i % 2];
             prepare(slot, start, len)?;
-            let params = chunk_params(tile, len, out_dt, eps);
+            let params = chunk_params(tile, len, out_dt, (eps, shared));
             let uploaded = Instant::now();
             self.upload(slot, tile, start, &params, last[i % 2].take())
                 .with_context(|| format!("chunk at element {start}"))?;

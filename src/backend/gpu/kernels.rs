@@ -66,7 +66,7 @@ impl GpuBackend {
         self.run_chunks(
             tile,
             params.out_dtype,
-            0.0,
+            (0.0, wgsl::SHARED_MEAN),
             |slot, start, len| {
                 let first = params.start + start as u64;
                 let first_row = spec.row_index(first);

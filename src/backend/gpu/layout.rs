@@ -26,10 +26,13 @@ pub(super) mod wgsl {
     pub const NORM_NONE: u32 = 0;
     pub const NORM_FIXED: u32 = 1;
     pub const NORM_TABLE: u32 = 2;
+    /// `Params::shared_rule`: the RAM merge's rule for the shared region (merge.wgsl).
+    pub const SHARED_MEAN: u32 = 0;
+    pub const SHARED_CONSENSUS: u32 = 1;
 
     /// Every constant above with its WGSL name.
     #[cfg(test)]
-    pub const ALL: [(&str, u32); 12] = [
+    pub const ALL: [(&str, u32); 14] = [
         ("WG", WG),
         ("MAX_AGENTS", MAX_AGENTS),
         ("DT_BF16", DT_BF16),
@@ -42,6 +45,8 @@ pub(super) mod wgsl {
         ("NORM_NONE", NORM_NONE),
         ("NORM_FIXED", NORM_FIXED),
         ("NORM_TABLE", NORM_TABLE),
+        ("SHARED_MEAN", SHARED_MEAN),
+        ("SHARED_CONSENSUS", SHARED_CONSENSUS),
     ];
 }
 
@@ -63,11 +68,17 @@ pub(super) struct Params {
     pub(super) eps: f32,
     pub(super) zero: u32,
     pub(super) groups_x: u32,
-    pub(super) _pad: [u32; 3],
+    pub(super) shared_rule: u32,
+    pub(super) _pad: [u32; 2],
 }
 
 /// The uniforms of a chunk of `len` elements of `tile`.
-pub(super) fn chunk_params(tile: &Tile, len: usize, out_dt: DType, eps: f32) -> Params {
+pub(super) fn chunk_params(
+    tile: &Tile,
+    len: usize,
+    out_dt: DType,
+    (eps, shared): (f32, u32),
+) -> Params {
     let pairs = len.div_ceil(2);
     let groups = (pairs as u32).div_ceil(WORKGROUP).max(1);
     // Words per agent segment, even, so an f32 pair never reads past its segment.
@@ -85,7 +96,8 @@ pub(super) fn chunk_params(tile: &Tile, len: usize, out_dt: DType, eps: f32) -> 
         eps,
         zero: 0,
         groups_x: groups.min(MAX_GROUPS_PER_DIM),
-        _pad: [0; 3],
+        shared_rule: shared,
+        _pad: [0; 2],
     }
 }
 
@@ -201,7 +213,8 @@ mod tests {
                 (vec![$((stringify!($f).to_string(), offset_of!($t, $f))),*], size_of::<$t>())
             };
         }
-        let params = fields!(Params; len, pairs, n, in_dt, out_dt, stride, eps, zero, groups_x);
+        let params =
+            fields!(Params; len, pairs, n, in_dt, out_dt, stride, eps, zero, groups_x, shared_rule);
         let comb = fields!(Comb; start, row_len, first_row, delta, consensus, norm_mode, lambda,
             fixed_recip, nearswap, nearswap_t, element_keep, element_value, element_index, inv_n,
             sign_of_values);

@@ -12,10 +12,12 @@ mod kernels;
 mod layout;
 
 use super::{Backend, CombineParams, MergeParams, Tile, TileCounts};
+use crate::method::SharedRule;
 use anyhow::Result;
 use buffers::Buffers;
 pub use context::{list_adapters, AdapterChoice, AdapterSummary, GpuContext};
 use kernels::Kernel;
+use layout::wgsl;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -106,7 +108,7 @@ impl Backend for GpuBackend {
         self.run_chunks(
             tile,
             tile.dtype,
-            epsilon,
+            (epsilon, wgsl::SHARED_MEAN),
             |_, _, _| Ok(()),
             Kernel::Probe,
             |_, _, bytes| {
@@ -133,7 +135,13 @@ impl Backend for GpuBackend {
         self.run_chunks(
             tile,
             params.out_dtype,
-            params.epsilon,
+            (
+                params.epsilon,
+                match params.shared {
+                    SharedRule::Mean => wgsl::SHARED_MEAN,
+                    SharedRule::Consensus => wgsl::SHARED_CONSENSUS,
+                },
+            ),
             |slot, _, _| {
                 q.write_buffer(&slot.lambdas, 0, &lambdas);
                 Ok(())
