@@ -42,6 +42,9 @@ pub struct MergeRecord {
     /// Tensor scope: λ per agent for each tensor.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tensor_lambdas: Vec<(std::sync::Arc<str>, Vec<f64>)>,
+    /// Layer and module scope: λ per agent for each group (a layer, or a module kind).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub group_lambdas: Vec<(String, Vec<f64>)>,
     /// `None`: each tensor kept the base's dtype.
     pub out_dtype: Option<String>,
     pub shard_size: u64,
@@ -143,7 +146,10 @@ pub fn model_card(r: &MergeRecord) -> String {
         let lambda = match (a.lambda, &r.method) {
             (_, Method::Combine(_)) => "parameters in the record".into(),
             (Some(l), _) => format!("λ = {l:.6}"),
-            (None, _) => "λ per tensor (see rlmerge_record.json)".into(),
+            (None, m) => format!(
+                "λ per {} (see {RECORD_FILE})",
+                m.scope().map_or("tensor", |s| s.name())
+            ),
         };
         let counts = match a.counts {
             Some(c) => format!(

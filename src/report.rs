@@ -4,7 +4,8 @@
 
 use crate::backend::TileCounts;
 use crate::inputs::TensorPlan;
-use crate::method::{defaults, AgentCounts, BoostRule};
+use crate::method::settings::layer_index;
+use crate::method::{defaults, AgentCounts, BoostRule, BoostScope};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -67,6 +68,21 @@ impl Module {
             Module::LmHead => "lm_head",
             Module::Other => "other",
         }
+    }
+}
+
+/// The group of tensors whose counts give a tensor's λ in `scope` (SPEC §3): in layer scope
+/// "layer N" for a tensor of layer N (`….layers.N.…`), else its module kind (embed, norm,
+/// lm_head, other); in module scope its module kind across the layers; `None` in global scope
+/// (one group: the model) and tensor scope (each tensor its own).
+pub fn boost_group(scope: BoostScope, name: &str) -> Option<String> {
+    match scope {
+        BoostScope::Global | BoostScope::Tensor => None,
+        BoostScope::Layer => Some(match layer_index(name) {
+            Some(i) => format!("layer {i}"),
+            None => Module::of(name).name().to_string(),
+        }),
+        BoostScope::Module => Some(Module::of(name).name().to_string()),
     }
 }
 
@@ -137,6 +153,15 @@ pub fn reported_rules() -> [(&'static str, BoostRule); 2] {
             },
         ),
     ]
+}
+
+/// The rule of the layer and module scopes as `analyze` reports them: the paper rule with its global
+/// defaults (SPEC §3).
+pub fn group_rule() -> BoostRule {
+    BoostRule::Paper {
+        r: defaults::R,
+        alpha: defaults::ALPHA_GLOBAL,
+    }
 }
 
 /// The per-tensor rule (mergekit's `ramplus_tl` defaults).
@@ -210,6 +235,27 @@ impl ProbeReport {
     /// of 10^5 tensors keeps a handful of entries instead).
     pub fn compact(&mut self) {
         self.tensors = compact(std::mem::take(&mut self.tensors));
+    }
+
+    /// Each agent's unique and shared counts per [`boost_group`] of `scope`, in group order
+    /// (the groups outside the layers by name, then the layers by number). Needs the per-tensor entries: call it before
+    /// [`Self::compact`].
+    pub fn group_agent_counts(&self, scope: BoostScope) -> Vec<(String, Vec<AgentCounts>)> {
+        let mut groups: BTreeMap<(Option<usize>, String), TileCounts> = BTreeMap::new();
+        for t in &self.tensors {
+            let Some(g) = boost_group(scope, &t.name) else {
+                continue;
+            };
+            let layer = g.strip_prefix("layer ").and_then(|n| n.parse().ok());
+            groups
+                .entry((layer, g))
+                .or_insert_with(|| TileCounts::zeros(self.agents.len()))
+                .add(&t.counts);
+        }
+        groups
+            .into_iter()
+            .map(|((_, g), counts)| (g, agent_counts(&counts)))
+            .collect()
     }
 
     /// Counts summed over every tensor.
@@ -289,6 +335,17 @@ impl ProbeReport {
                 })
                 .collect();
             v["modules"] = Value::Object(modules);
+            for scope in [BoostScope::Layer, BoostScope::Module] {
+                let groups: Vec<Value> = self
+                    .group_agent_counts(scope)
+                    .into_iter()
+                    .map(|(g, counts)| {
+                        let l: Vec<f64> = counts.iter().map(|&c| group_rule().lambda(c)).collect();
+                        json!({"group": g, "lambda_ram_plus_paper": l})
+                    })
+                    .collect();
+                v[format!("lambda_by_{}", scope.name())] = Value::Array(groups);
+            }
             v["per_tensor"] = self
                 .tensors
                 .iter()
@@ -386,6 +443,22 @@ impl ProbeReport {
                     );
                 }
                 let _ = writeln!(s);
+            }
+            for scope in [BoostScope::Layer, BoostScope::Module] {
+                let _ = writeln!(
+                    s,
+                    "\nλ under ram+ scope {} (rule paper, r = {}, α = {}) per agent",
+                    scope.name(),
+                    defaults::R,
+                    defaults::ALPHA_GLOBAL
+                );
+                for (g, counts) in self.group_agent_counts(scope) {
+                    let _ = write!(s, "{g:<10}");
+                    for (t, c) in counts.iter().enumerate() {
+                        let _ = write!(s, "  #{} {:.4}", t + 1, group_rule().lambda(*c));
+                    }
+                    let _ = writeln!(s);
+                }
             }
             let _ = writeln!(
                 s,

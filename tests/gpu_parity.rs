@@ -21,7 +21,7 @@ fn gpu_available() -> bool {
     ok
 }
 
-const VARIANTS: [&[&str]; 6] = [
+const VARIANTS: [&[&str]; 8] = [
     &["--method", "ram"],
     &["--method", "ram+"],
     &["--method", "ram+", "--rule", "official"],
@@ -34,6 +34,10 @@ const VARIANTS: [&[&str]; 6] = [
         "tensor",
         "--shared",
         "consensus",
+    ],
+    &["--method", "ram+", "--scope", "layer"],
+    &[
+        "--method", "ram+", "--scope", "module", "--rule", "official",
     ],
 ];
 

@@ -10,6 +10,22 @@ enum Variant {
     PaperGlobal,
     OfficialGlobal,
     PaperTensor,
+    PaperLayer,
+    OfficialModule,
+}
+
+/// The λ group of tensor `name` in layer scope (`module` false) or module scope, written out for
+/// the names of `odd_shapes()` (SPEC §3: a layer's tensors together, the others by module kind).
+fn group_of(name: &str, module: bool) -> &'static str {
+    match (name, module) {
+        ("model.embed_tokens.weight", _) => "embed",
+        ("lm_head.weight", _) => "lm_head",
+        (n, false) if n.starts_with("model.layers.0.") => "layer 0",
+        ("model.layers.0.self_attn.q_proj.weight", true) => "attn",
+        ("model.layers.0.mlp.up_proj.weight", true) => "mlp",
+        ("model.layers.0.input_layernorm.weight", true) => "norm",
+        _ => panic!("no group written for {name}"),
+    }
 }
 
 impl Variant {
@@ -19,6 +35,12 @@ impl Variant {
             Variant::PaperGlobal => vec!["--method", "ram+"],
             Variant::OfficialGlobal => vec!["--method", "ram+", "--rule", "official"],
             Variant::PaperTensor => vec!["--method", "ram+", "--scope", "tensor"],
+            Variant::PaperLayer => vec!["--method", "ram+", "--scope", "layer"],
+            Variant::OfficialModule => {
+                vec![
+                    "--method", "ram+", "--scope", "module", "--rule", "official",
+                ]
+            }
         }
     }
 
@@ -43,6 +65,26 @@ impl Variant {
                 reference_counts(&base, &agents, eps)
                     .into_iter()
                     .map(|c| lambda_paper(c, 0.1, 0.2) as f32)
+                    .collect()
+            }
+            Variant::PaperLayer | Variant::OfficialModule => {
+                let module = matches!(self, Variant::OfficialModule);
+                let group = group_of(&f.base_tensors[i].name, module);
+                let members: Vec<usize> = (0..f.base_tensors.len())
+                    .filter(|&j| group_of(&f.base_tensors[j].name, module) == group)
+                    .collect();
+                let base: Vec<T> = members.iter().map(|&j| f.base_tensors[j].clone()).collect();
+                let agents: Vec<Vec<T>> = f
+                    .agent_tensors
+                    .iter()
+                    .map(|a| members.iter().map(|&j| a[j].clone()).collect())
+                    .collect();
+                reference_counts(&base, &agents, eps)
+                    .into_iter()
+                    .map(|c| match self {
+                        Variant::PaperLayer => lambda_paper(c, 0.1, 2.0) as f32,
+                        _ => lambda_official(c, 1.2) as f32,
+                    })
                     .collect()
             }
         }
@@ -137,6 +179,7 @@ fn shared_consensus_matches_the_reference() {
             for v in [Variant::Ram, Variant::PaperGlobal, Variant::PaperTensor] {
                 check(&f, v, None, &consensus);
             }
+            check(&f, Variant::PaperLayer, None, &consensus);
         }
     }
     // The rule changes something: some shared element of opposing signs merges otherwise.
@@ -149,6 +192,65 @@ fn shared_consensus_matches_the_reference() {
         .assert()
         .success();
     assert_ne!(read_folder(&mean), read_folder(&cons));
+}
+
+/// `--scope layer` and `--scope module` (SPEC §3): λ from the counts of the tensor's layer (the
+/// tensors outside the layers by module kind) or module kind, with the rule's global defaults;
+/// the record lists λ per group.
+#[test]
+fn layer_and_module_scopes_match_the_reference() {
+    for (d, dtype) in [Dtype::BF16, Dtype::F16, Dtype::F32]
+        .into_iter()
+        .enumerate()
+    {
+        for n in [1, 2, 4, 6] {
+            let f = fixture(
+                500 + 10 * d as u64 + n as u64,
+                dtype,
+                &odd_shapes(),
+                &DENSITIES[..n],
+                1 + n % 2,
+            );
+            check(&f, Variant::PaperLayer, None, &[]);
+            check(&f, Variant::OfficialModule, None, &[]);
+        }
+    }
+    let f = fixture(599, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 1);
+    let out = f.dir.path().join("layer");
+    merge_cmd(&f, &out, &["--method", "ram+", "--scope", "layer"])
+        .assert()
+        .success();
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("rlmerge_record.json")).unwrap())
+            .unwrap();
+    let groups: Vec<&str> = record["group_lambdas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g[0].as_str().unwrap())
+        .collect();
+    assert_eq!(groups, ["embed", "lm_head", "layer 0"]);
+    assert_eq!(record["method"]["scope"], "layer");
+    assert!(record["agents"][0]["lambda"].is_null());
+    // `analyze --per-tensor` reports the same λ per layer as the merge used.
+    let mut cmd = rlmerge();
+    cmd.args(["analyze", "--json", "--per-tensor", "-q", "--base"])
+        .arg(&f.base);
+    for a in &f.agents {
+        cmd.arg("--model").arg(a);
+    }
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let by_layer = report["lambda_by_layer"].as_array().unwrap();
+    assert_eq!(by_layer.len(), groups.len());
+    for (entry, group) in by_layer
+        .iter()
+        .zip(record["group_lambdas"].as_array().unwrap())
+    {
+        assert_eq!(entry["group"], group[0]);
+        assert_eq!(entry["lambda_ram_plus_paper"], group[1]);
+    }
 }
 
 #[test]

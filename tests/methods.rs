@@ -355,11 +355,7 @@ const SIMD_CAPS: [&str; 2] = ["baseline", "avx2"];
 #[test]
 fn results_do_not_depend_on_tiles_or_simd() {
     let f = fixture(900, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 2);
-    let ram: [(&str, &[&str]); 3] = [
-        ("ram", &[]),
-        ("ram+", &[]),
-        ("ram", &["shared=consensus"]),
-    ];
+    let ram: [(&str, &[&str]); 3] = [("ram", &[]), ("ram+", &[]), ("ram", &["shared=consensus"])];
     for (i, (method, params)) in METHODS.iter().chain(&ram).enumerate() {
         let whole = f.dir.path().join(format!("{i}-{method}-whole"));
         let small = f.dir.path().join(format!("{i}-{method}-small"));

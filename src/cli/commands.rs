@@ -177,13 +177,14 @@ fn run_devices(out: &mut impl Write) -> Result<()> {
 }
 
 /// Prints the λ of each agent after a merge.
-fn print_lambdas(out: &mut impl Write, agents: &[rlmerge::record::AgentSummary]) -> Result<()> {
-    for a in agents {
+fn print_lambdas(out: &mut impl Write, record: &rlmerge::record::MergeRecord) -> Result<()> {
+    let scope = record.method.scope().map_or("tensor", |s| s.name());
+    for a in &record.agents {
         match a.lambda {
             Some(l) => writeln!(out, "  λ = {l:.6}  {}", a.path)?,
             None => writeln!(
                 out,
-                "  λ per tensor (see {})  {}",
+                "  λ per {scope} (see {})  {}",
                 rlmerge::record::RECORD_FILE,
                 a.path
             )?,
@@ -263,7 +264,7 @@ fn merge_job(
     if matches!(job.method, Method::Combine(_)) {
         return Ok(());
     }
-    print_lambdas(out, &summary.record.agents)
+    print_lambdas(out, &summary.record)
 }
 
 fn run_methods(out: &mut impl Write) -> Result<()> {
@@ -282,7 +283,7 @@ fn run_methods(out: &mut impl Write) -> Result<()> {
             };
             writeln!(
                 out,
-                "    {:<16} {:<10} default {:<16} {:<16} {}",
+                "    {:<16} {:<10} default {:<16} {:<26} {}",
                 p.name,
                 scope,
                 p.default.text(p.range),
@@ -367,7 +368,7 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
         "\n$ rlmerge merge --method ram+ … -o {}\n",
         merged.display()
     )?;
-    print_lambdas(out, &summary.record.agents)?;
+    print_lambdas(out, &summary.record)?;
     writeln!(
         out,
         "\nmerged checkpoint: {} ({}; model card README.md, record {})",

@@ -132,8 +132,8 @@ pub struct MergeArgs {
         PossibleValue::new("official").help("λ = 1 + (R − 1)·min(ρ, 1) (the authors' released script)"),
     ]))]
     pub rule: Option<String>,
-    /// RAM+ scope of ρ: one λ per agent (global) or per agent and tensor.
-    #[arg(long, value_parser = PossibleValuesParser::new(["global", "tensor"])
+    /// RAM+ scope of ρ: one λ per agent (global), or per agent and tensor, layer or module kind.
+    #[arg(long, value_parser = PossibleValuesParser::new(["global", "tensor", "layer", "module"])
         .map(|s| BoostScope::from_name(&s).expect("a listed scope")))]
     pub scope: Option<BoostScope>,
     /// RAM and RAM+: how the shared region (elements several agents changed) is merged

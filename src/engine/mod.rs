@@ -11,10 +11,11 @@ use crate::method::combine::{row_ranks, CombineSpec};
 use crate::method::settings::{layer_index, layer_t, TensorPlace};
 use crate::method::{BoostScope, Kind, Method};
 use crate::record::MergeRecord;
-use crate::report::{ProbeReport, TensorStats};
+use crate::report::{boost_group, ProbeReport, TensorStats};
 use anyhow::{Context, Result};
 use indicatif::ProgressBar;
 use rayon::prelude::*;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// How a pass walks the tensors (both passes share it).
@@ -156,14 +157,40 @@ pub fn merge(
     }
     protect.extend(options.protect.iter().cloned());
     let folder = OutputFolder::create(out_dir, options.force, &protect)?;
-    let global_report = if options.method.needs_global_probe() {
-        let mut report = probe_all(inputs, backend, &options.pass, options.show_progress)?;
-        // A merge reports totals and modules only: one entry per module, not per tensor.
-        report.compact();
-        Some(report)
+    let mut global_report = if options.method.needs_global_probe() {
+        Some(probe_all(
+            inputs,
+            backend,
+            &options.pass,
+            options.show_progress,
+        )?)
     } else {
         None
     };
+    // Layer and module scope: λ per group, from the per-tensor counts.
+    let group_lambdas = match (options.method.scope(), &global_report) {
+        (Some(scope), Some(report)) if scope != BoostScope::Global => {
+            let ordered: Vec<(String, Vec<f64>)> = report
+                .group_agent_counts(scope)
+                .into_iter()
+                .map(|(g, counts)| {
+                    let l = counts.iter().map(|&c| options.method.lambda(c)).collect();
+                    (g, l)
+                })
+                .collect();
+            let index = ordered
+                .iter()
+                .enumerate()
+                .map(|(i, (g, _))| (g.clone(), i))
+                .collect();
+            Some(GroupLambdas { ordered, index })
+        }
+        _ => None,
+    };
+    // A merge reports totals and modules only: one entry per module, not per tensor.
+    if let Some(report) = &mut global_report {
+        report.compact();
+    }
     let global_lambdas: Vec<f64> = match &global_report {
         Some(r) => r
             .total_agent_counts()
@@ -182,6 +209,7 @@ pub fn merge(
         })
         .collect();
     let mut pass = MergePass::new(inputs, options, backend, fisher.as_ref(), global_lambdas);
+    pass.group_lambdas = group_lambdas;
     let writer = CheckpointWriter::new(folder.path(), out_tensors, options.shard_size)?;
     for run in batches(&inputs.tensors, pass.tile_elems()) {
         let jobs = run
@@ -211,9 +239,18 @@ struct MergePass<'a> {
     layers: usize,
     /// λ of each agent in global scope (1 for RAM and the combine methods).
     global_lambdas: Vec<f64>,
+    /// Layer and module scope: λ of each agent per group ([`crate::report::boost_group`]).
+    group_lambdas: Option<GroupLambdas>,
     /// Tensor-scope RAM+: per tensor its λ, and the probe's counts (folded per module as they
     /// come: the report a merge gives is per module, see `ProbeReport::compact`).
     per_tensor: Option<TensorScope>,
+}
+
+/// Layer and module scope: λ per agent for each group, in the report's group order, with an index
+/// by group name.
+struct GroupLambdas {
+    ordered: Vec<(String, Vec<f64>)>,
+    index: BTreeMap<String, usize>,
 }
 
 /// What tensor-scope RAM+ gathers tensor by tensor.
@@ -229,6 +266,8 @@ struct BoostReport {
     report: Option<ProbeReport>,
     global_lambdas: Vec<f64>,
     tensor_lambdas: Option<Vec<(std::sync::Arc<str>, Vec<f64>)>>,
+    /// Layer and module scope: λ per group.
+    group_lambdas: Option<Vec<(String, Vec<f64>)>>,
 }
 
 impl<'a> MergePass<'a> {
@@ -265,6 +304,7 @@ impl<'a> MergePass<'a> {
                 .max()
                 .map_or(0, |m| m + 1),
             global_lambdas,
+            group_lambdas: None,
             per_tensor: per_tensor.then(TensorScope::default),
         }
     }
@@ -315,9 +355,18 @@ impl<'a> MergePass<'a> {
                 )?)
             }
             _ => {
-                let lambdas = match self.per_tensor.is_some() {
-                    true => self.tensor_lambdas(plan)?,
-                    false => self.global_lambdas.clone(),
+                let lambdas = if self.per_tensor.is_some() {
+                    self.tensor_lambdas(plan)?
+                } else if let Some(groups) = &self.group_lambdas {
+                    let scope = self.options.method.scope().expect("a boost scope");
+                    let group = boost_group(scope, plan.name()).expect("a group scope");
+                    let i = groups
+                        .index
+                        .get(&group)
+                        .with_context(|| format!("internal: no λ for group {group}"))?;
+                    groups.ordered[*i].1.clone()
+                } else {
+                    self.global_lambdas.clone()
                 };
                 TileRule::Ram(present.iter().map(|&t| lambdas[t] as f32).collect())
             }
@@ -440,11 +489,13 @@ impl<'a> MergePass<'a> {
                 }),
                 global_lambdas: self.global_lambdas,
                 tensor_lambdas: Some(scope.lambdas),
+                group_lambdas: None,
             },
             None => BoostReport {
                 report: global,
                 global_lambdas: self.global_lambdas,
                 tensor_lambdas: None,
+                group_lambdas: self.group_lambdas.map(|g| g.ordered),
             },
         }
     }

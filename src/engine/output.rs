@@ -84,9 +84,10 @@ pub(super) fn finish(
         .enumerate()
         .map(|(t, a)| AgentSummary {
             path: a.dir.display().to_string(),
-            lambda: match boost.tensor_lambdas {
-                Some(_) => None,
-                None => Some(boost.global_lambdas[t]),
+            // Tensor, layer and module scope: λ per tensor or group, in the record.
+            lambda: match (&boost.tensor_lambdas, &boost.group_lambdas) {
+                (None, None) => Some(boost.global_lambdas[t]),
+                _ => None,
             },
             counts: agent_counts.as_ref().map(|c| c[t]),
         })
@@ -123,6 +124,7 @@ pub(super) fn finish(
         base: inputs.base.dir.display().to_string(),
         agents,
         tensor_lambdas: boost.tensor_lambdas.unwrap_or_default(),
+        group_lambdas: boost.group_lambdas.unwrap_or_default(),
         out_dtype: options.out_dtype.map(|d| d.to_string()),
         shard_size: options.shard_size,
         warnings: inputs

@@ -195,10 +195,10 @@ fn ram_plus(req: &MethodRequest) -> Result<Method> {
     let (rule, scope) = if req.kind == Kind::RamplusTl {
         ("paper".to_string(), BoostScope::Tensor)
     } else {
-        let scope = match shared_word(req, "scope").as_deref() {
-            Some("tensor") => BoostScope::Tensor,
-            _ => BoostScope::Global,
-        };
+        // The catalog checked the word.
+        let scope = shared_word(req, "scope")
+            .and_then(|w| BoostScope::from_name(&w))
+            .unwrap_or(BoostScope::Global);
         (
             shared_word(req, "rule").unwrap_or_else(|| "paper".into()),
             scope,
@@ -223,8 +223,8 @@ fn ram_plus(req: &MethodRequest) -> Result<Method> {
         BoostRule::Paper {
             r: r.unwrap_or(defaults::R),
             alpha: alpha.unwrap_or(match scope {
-                BoostScope::Global => defaults::ALPHA_GLOBAL,
                 BoostScope::Tensor => defaults::ALPHA_TENSOR,
+                _ => defaults::ALPHA_GLOBAL,
             }),
         }
     };

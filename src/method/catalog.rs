@@ -288,8 +288,8 @@ const RAM_PLUS: [Param; 7] = [
         "scope",
         Shared,
         Word("global"),
-        Range::Choice(&["global", "tensor"]),
-        "one λ per agent, or per agent and tensor",
+        Range::Choice(&["global", "tensor", "layer", "module"]),
+        "one λ per agent, or per agent and tensor / layer / module kind",
     ),
     R,
     p(

@@ -27,12 +27,15 @@ pub enum BoostRule {
     Official { rescale_factor: f64 },
 }
 
-/// Over what ρ is counted: the whole model (one λ per agent) or each tensor (one λ per agent and tensor).
+/// Over what ρ is counted (SPEC §3): the whole model (one λ per agent), each tensor, each layer
+/// (tensors outside the layers grouped by module kind) or each module kind across the layers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BoostScope {
     Global,
     Tensor,
+    Layer,
+    Module,
 }
 
 impl BoostScope {
@@ -41,13 +44,26 @@ impl BoostScope {
         match self {
             BoostScope::Global => "global",
             BoostScope::Tensor => "tensor",
+            BoostScope::Layer => "layer",
+            BoostScope::Module => "module",
         }
     }
 
+    pub const ALL: [BoostScope; 4] = [
+        BoostScope::Global,
+        BoostScope::Tensor,
+        BoostScope::Layer,
+        BoostScope::Module,
+    ];
+
     pub fn from_name(name: &str) -> Option<BoostScope> {
-        [BoostScope::Global, BoostScope::Tensor]
-            .into_iter()
-            .find(|s| s.name() == name)
+        BoostScope::ALL.into_iter().find(|s| s.name() == name)
+    }
+
+    /// Whether λ comes from counts over several tensors, so the whole model is probed before
+    /// the first merged byte (two passes over the inputs).
+    pub fn needs_global_probe(self) -> bool {
+        self != BoostScope::Tensor
     }
 }
 
@@ -122,13 +138,15 @@ impl Method {
 
     /// True when λ needs the probe of the whole model before the first merged byte (two passes).
     pub fn needs_global_probe(&self) -> bool {
-        matches!(
-            self,
-            Method::RamPlus {
-                scope: BoostScope::Global,
-                ..
-            }
-        )
+        matches!(self, Method::RamPlus { scope, .. } if scope.needs_global_probe())
+    }
+
+    /// RAM+'s scope, if the method boosts.
+    pub fn scope(&self) -> Option<BoostScope> {
+        match self {
+            Method::RamPlus { scope, .. } => Some(*scope),
+            _ => None,
+        }
     }
 
     /// RAM+ as the command line runs it by default: the paper rule with its default r and α, one
