@@ -306,20 +306,32 @@ fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
     let inputs = Inputs::open(&base, &agents)?;
     warn_all(&inputs.warnings);
     let backend = compute.backend()?;
-    let report = engine::probe_all(
-        &inputs,
-        backend.as_ref(),
-        &compute.pass(backend.as_ref()),
-        compute.show_progress(),
-    )?;
+    let pass = compute.pass(backend.as_ref());
+    let report = engine::probe_all(&inputs, backend.as_ref(), &pass, compute.show_progress())?;
+    let retention = match &args.merged {
+        Some(dir) => {
+            let merged = rlmerge::checkpoint::ModelFolder::open(dir)
+                .with_context(|| format!("cannot open the merged folder {}", dir.display()))?;
+            Some(engine::retention(
+                &inputs,
+                &merged,
+                &pass,
+                compute.show_progress(),
+            )?)
+        }
+        None => None,
+    };
     if args.json {
-        writeln!(
-            out,
-            "{}",
-            serde_json::to_string_pretty(&report.to_json(args.per_tensor))?
-        )?;
+        let mut v = report.to_json(args.per_tensor);
+        if let Some(r) = &retention {
+            v["retention"] = r.to_json();
+        }
+        writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
     } else {
         write!(out, "{}", report.render_text(args.per_tensor))?;
+        if let Some(r) = &retention {
+            write!(out, "{}", r.render_text())?;
+        }
     }
     Ok(())
 }

@@ -198,6 +198,10 @@ pub struct AnalyzeArgs {
     /// Print JSON on stdout instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// A merged folder (any method, any tool): also report how much of each agent's change it
+    /// kept, on its unique and its shared elements.
+    #[arg(long, value_name = "DIR")]
+    pub merged: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]

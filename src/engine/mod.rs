@@ -31,6 +31,7 @@ pub struct Pass {
 mod fisher;
 mod output;
 mod probe;
+mod retention;
 mod scans;
 mod tiles;
 
@@ -38,6 +39,7 @@ use fisher::FisherInputs;
 use output::{check_finite_output, finish, pass_base};
 pub use probe::probe_all;
 use probe::probe_tensors;
+pub use retention::{retention, RegionSums, Retention, REGIONS};
 use scans::combine_spec;
 use tiles::{batches, par_tiles, progress_bar, whole_rows, TensorTiles, TileBuffers, TileLoop};
 

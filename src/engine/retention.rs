@@ -1,0 +1,223 @@
+//! Retention: how much of each agent's change survived a merge — the paper's "signal dilution"
+//! made measurable, for any merged folder (rlmerge's, mergekit's, any tool's). Per agent t and
+//! region (its unique elements U_t, its shared elements S_t, all it changed):
+//! r = Σ (θ_out − θ₀)·τ_t / Σ τ_t², and the share of its changed elements whose sign survived
+//! (θ_out − θ₀ has the sign of τ_t). RAM keeps r = λ_t on U_t; task arithmetic with weight w
+//! shows w there.
+
+use super::tiles::{par_tiles, progress_bar, TensorTiles, TileLoop};
+use super::Pass;
+use crate::checkpoint::dtype::decode;
+use crate::checkpoint::safetensors_file::shape_text;
+use crate::checkpoint::ModelFolder;
+use crate::inputs::Inputs;
+use anyhow::{bail, ensure, Context, Result};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::fmt::Write;
+
+/// One agent's sums over one region.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct RegionSums {
+    /// Σ (θ_out − θ₀)·τ_t.
+    pub dot: f64,
+    /// Σ τ_t².
+    pub norm2: f64,
+    /// Elements the agent changed in the region.
+    pub changed: u64,
+    /// Of those, the elements where θ_out − θ₀ has the sign of τ_t.
+    pub sign_kept: u64,
+}
+
+impl RegionSums {
+    fn add(&mut self, o: &RegionSums) {
+        self.dot += o.dot;
+        self.norm2 += o.norm2;
+        self.changed += o.changed;
+        self.sign_kept += o.sign_kept;
+    }
+
+    /// r = Σ (θ_out − θ₀)·τ / Σ τ² (0 where the agent changed nothing there).
+    pub fn retention(&self) -> f64 {
+        if self.norm2 > 0.0 {
+            self.dot / self.norm2
+        } else {
+            0.0
+        }
+    }
+
+    /// The share of changed elements whose sign survived (0 where none changed).
+    pub fn sign_share(&self) -> f64 {
+        if self.changed > 0 {
+            self.sign_kept as f64 / self.changed as f64
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The regions of one agent's changes.
+pub const REGIONS: [&str; 3] = ["unique", "shared", "all"];
+
+/// Retention of every agent in a merged folder.
+#[derive(Clone, Debug)]
+pub struct Retention {
+    pub merged: String,
+    pub agents: Vec<String>,
+    /// Per agent: unique, shared, all ([`REGIONS`]).
+    pub regions: Vec<[RegionSums; 3]>,
+}
+
+impl Retention {
+    pub fn to_json(&self) -> Value {
+        let agents: Vec<Value> = self
+            .agents
+            .iter()
+            .zip(&self.regions)
+            .map(|(a, r)| {
+                let mut v = json!({ "agent": a });
+                for (name, s) in REGIONS.iter().zip(r) {
+                    v[*name] = json!({
+                        "retention": s.retention(),
+                        "sign_kept": s.sign_share(),
+                        "changed": s.changed,
+                    });
+                }
+                v
+            })
+            .collect();
+        json!({ "merged": self.merged, "agents": agents })
+    }
+
+    pub fn render_text(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "\nretention in {}: r = Σ (θ_out − θ₀)·τ / Σ τ² per region, and the share of changed \
+             elements whose sign survived",
+            crate::error::printable(&self.merged)
+        );
+        let _ = writeln!(
+            s,
+            "{:<4} {:>20} {:>20} {:>20}  path",
+            "#", "unique r (sign)", "shared r (sign)", "all r (sign)"
+        );
+        for (t, (a, r)) in self.agents.iter().zip(&self.regions).enumerate() {
+            let _ = write!(s, "{:<4}", t + 1);
+            for region in r {
+                let cell = format!(
+                    "{:.4} ({:.1}%)",
+                    region.retention(),
+                    100.0 * region.sign_share()
+                );
+                let _ = write!(s, " {cell:>20}");
+            }
+            let _ = writeln!(s, "  {}", crate::error::printable(a));
+        }
+        s
+    }
+}
+
+/// Reads the base, the agents and `merged` tile by tile and sums each agent's retention. `merged`
+/// must hold every base tensor with the base's shape (any dtype).
+pub fn retention(
+    inputs: &Inputs,
+    merged: &ModelFolder,
+    pass: &Pass,
+    show_progress: bool,
+) -> Result<Retention> {
+    let n = inputs.agents.len();
+    for plan in &inputs.tensors {
+        let Some(m) = merged.get(plan.name()) else {
+            bail!(
+                "tensor '{}' is missing in the merged folder {}",
+                crate::error::printable(plan.name()),
+                merged.dir.display()
+            );
+        };
+        ensure!(
+            m.entry.shape == plan.base.entry.shape,
+            "tensor '{}' in {} has shape {}, but the base's is {}",
+            crate::error::printable(plan.name()),
+            merged.file_of(m).display(),
+            shape_text(&m.entry.shape),
+            shape_text(&plan.base.entry.shape)
+        );
+    }
+    let presents: Vec<Vec<usize>> = inputs.tensors.iter().map(|p| p.present()).collect();
+    let tensors: Vec<TensorTiles> = inputs
+        .tensors
+        .iter()
+        .zip(&presents)
+        .map(|(plan, present)| TensorTiles {
+            plan,
+            present,
+            tile_elems: pass.tile_elems,
+        })
+        .collect();
+    let bar = progress_bar(inputs.pass_bytes(), show_progress, "retention");
+    let how = TileLoop {
+        inputs,
+        scan_nonfinite: pass.scan_nonfinite,
+        run_workers: &|w| {
+            rayon::broadcast(|_| w());
+        },
+        progress: &bar,
+        stride: 1,
+    };
+    let init = || vec![[RegionSums::default(); 3]; n];
+    let workers = par_tiles(&how, &tensors, init, |sums, j, _, start, tile| {
+        let plan = tensors[j].plan;
+        let m = merged.get(plan.name()).expect("checked above");
+        let size = m.entry.dtype.size();
+        let mut bytes = vec![0u8; tile.len * size];
+        merged
+            .read(m, start * size as u64, &mut bytes)
+            .with_context(|| format!("merged tensor '{}'", plan.name()))?;
+        let mut out = vec![0.0f32; tile.len];
+        decode(m.entry.dtype, &bytes, &mut out);
+        let mut base = vec![0.0f32; tile.len];
+        decode(tile.dtype, tile.base, &mut base);
+        let present = &presents[j];
+        let mut agents = vec![vec![0.0f32; tile.len]; present.len()];
+        for (a, bytes) in agents.iter_mut().zip(tile.agents) {
+            decode(tile.dtype, bytes, a);
+        }
+        for i in 0..tile.len {
+            let b = base[i];
+            let changed = |a: &Vec<f32>| (a[i] - b).abs() > pass.epsilon;
+            let c = agents.iter().filter(|a| changed(a)).count();
+            let d = (out[i] - b) as f64;
+            for (slot, a) in agents.iter().enumerate() {
+                if !changed(a) {
+                    continue;
+                }
+                let tau = (a[i] - b) as f64;
+                let one = RegionSums {
+                    dot: d * tau,
+                    norm2: tau * tau,
+                    changed: 1,
+                    sign_kept: (d * tau > 0.0) as u64,
+                };
+                let r = &mut sums[present[slot]];
+                r[if c == 1 { 0 } else { 1 }].add(&one);
+                r[2].add(&one);
+            }
+        }
+        Ok(())
+    })?;
+    bar.finish_and_clear();
+    let mut regions = vec![[RegionSums::default(); 3]; n];
+    for w in &workers {
+        for (total, part) in regions.iter_mut().zip(w) {
+            for (t, p) in total.iter_mut().zip(part) {
+                t.add(p);
+            }
+        }
+    }
+    Ok(Retention {
+        merged: merged.dir.display().to_string(),
+        agents: inputs.agent_labels(),
+        regions,
+    })
+}
