@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod demo;
 pub mod engine;
 pub mod error;
+pub mod figures;
 pub mod hash;
 pub mod inputs;
 pub mod job;

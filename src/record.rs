@@ -12,6 +12,9 @@ use std::path::{Path, PathBuf};
 
 pub use crate::checkpoint::output_folder::{CARD_FILE, LEGACY_RECORD_FILE, RECORD_FILE};
 
+/// The overlap figure a RAM+ merge writes beside its weights (see `crate::figures::overlap`).
+pub const OVERLAP_FIGURE: &str = "overlap.svg";
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AgentSummary {
     pub path: String,
@@ -159,6 +162,13 @@ pub fn model_card(r: &MergeRecord) -> String {
             None => String::new(),
         };
         let _ = writeln!(s, "- agent {}: `{}` — {lambda}{counts}", t + 1, a.path);
+    }
+    if r.outputs.iter().any(|f| f.file == OVERLAP_FIGURE) {
+        let _ = writeln!(
+            s,
+            "\nEach agent's changed elements by how many other agents changed them too (k = 0: \
+             unique; the paper's Figure 1):\n\n![overlap]({OVERLAP_FIGURE})"
+        );
     }
     let _ = writeln!(
         s,

@@ -258,6 +258,33 @@ impl ProbeReport {
             .collect()
     }
 
+    /// Per layer group (layer scope's [`boost_group`]s: the layers in order, the other module
+    /// kinds before them) and agent: (density, unique share of its changes). Per-tensor entries
+    /// needed, as for [`Self::group_agent_counts`].
+    pub fn layer_profile(&self) -> Vec<(String, Vec<(f64, f64)>)> {
+        let mut groups: BTreeMap<(Option<usize>, String), Vec<&TensorStats>> = BTreeMap::new();
+        for t in &self.tensors {
+            let g = boost_group(BoostScope::Layer, &t.name).expect("layer scope groups");
+            let layer = g.strip_prefix("layer ").and_then(|n| n.parse().ok());
+            groups.entry((layer, g)).or_default().push(t);
+        }
+        groups
+            .into_iter()
+            .map(|((_, name), tensors)| {
+                let g = self.group(tensors.into_iter());
+                let rows = agent_counts(&g.counts)
+                    .iter()
+                    .enumerate()
+                    .map(|(t, c)| {
+                        let changed = c.unique + c.shared;
+                        (ratio(changed, g.numel[t]), ratio(c.unique, changed))
+                    })
+                    .collect();
+                (name, rows)
+            })
+            .collect()
+    }
+
     /// Counts summed over every tensor.
     pub fn total(&self) -> TileCounts {
         self.group(self.tensors.iter()).counts

@@ -308,6 +308,13 @@ fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
     let backend = compute.backend()?;
     let pass = compute.pass(backend.as_ref());
     let report = engine::probe_all(&inputs, backend.as_ref(), &pass, compute.show_progress())?;
+    if let Some(dir) = &args.plot {
+        for path in rlmerge::figures::write_all(&report, dir)? {
+            if !compute.quiet {
+                eprintln!("wrote {}", path.display());
+            }
+        }
+    }
     let retention = match &args.merged {
         Some(dir) => {
             let merged = rlmerge::checkpoint::ModelFolder::open(dir)

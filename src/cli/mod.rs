@@ -202,6 +202,10 @@ pub struct AnalyzeArgs {
     /// kept, on its unique and its shared elements.
     #[arg(long, value_name = "DIR")]
     pub merged: Option<PathBuf>,
+    /// Write SVG figures into DIR: overlap.svg (each agent's changes by how many others made them
+    /// too, the paper's Figure 1) and layers.svg (density and unique share per layer).
+    #[arg(long, value_name = "DIR")]
+    pub plot: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]

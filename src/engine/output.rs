@@ -9,6 +9,7 @@ use crate::checkpoint::safetensors_file::crc32_of_file;
 use crate::checkpoint::safetensors_file::FileChecksum;
 use crate::checkpoint::{DType, OutputFolder};
 use crate::inputs::{identical_inputs, Inputs};
+use crate::record::OVERLAP_FIGURE;
 use crate::record::{self, AgentSummary, InputChecksums, MergeRecord};
 use anyhow::{bail, Context, Result};
 
@@ -100,7 +101,12 @@ pub(super) fn finish(
     for name in copy_base_files(&inputs.base.dir, folder.path(), out_dtype)? {
         outputs.push(crc32_of_file(&folder.path().join(name))?);
     }
-    for (name, text) in &options.extra_files {
+    // Where a probe ran (RAM+), the paper's Figure 1 for these agents, shown by the model card.
+    let figure = boost
+        .report
+        .as_ref()
+        .map(|r| (OVERLAP_FIGURE.to_string(), crate::figures::overlap(r)));
+    for (name, text) in options.extra_files.iter().chain(&figure) {
         let path = folder.path().join(name);
         std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
         outputs.push(crc32_of_file(&path)?);

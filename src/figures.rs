@@ -1,0 +1,222 @@
+//! SVG figures of a probe report (issue #15): `overlap.svg`, the paper's Figure 1 — each agent's
+//! changed elements by how many other agents changed them too — and `layers.svg`, each agent's
+//! density and unique share by layer. Plain SVG written here (rectangles, polylines, text): no
+//! dependency, no font files, and any browser or model page renders it.
+
+use crate::report::ProbeReport;
+use anyhow::{Context, Result};
+use std::fmt::Write;
+use std::path::{Path, PathBuf};
+
+/// Colour of series `i` of `n`: hues around the wheel, unique (i = 0) a dark green.
+pub fn colour(i: usize, n: usize) -> String {
+    if i == 0 {
+        return "#1b7837".into();
+    }
+    let h = 30.0 + 300.0 * (i - 1) as f64 / n.max(2) as f64;
+    hsl_hex(h, 0.65, 0.55)
+}
+
+fn hsl_hex(h: f64, s: f64, l: f64) -> String {
+    let c = (1.0 - (2.0 * l - 1.0).abs()) * s;
+    let x = c * (1.0 - ((h / 60.0) % 2.0 - 1.0).abs());
+    let (r, g, b) = match (h / 60.0) as u32 {
+        0 => (c, x, 0.0),
+        1 => (x, c, 0.0),
+        2 => (0.0, c, x),
+        3 => (0.0, x, c),
+        4 => (x, 0.0, c),
+        _ => (c, 0.0, x),
+    };
+    let m = l - c / 2.0;
+    let byte = |v: f64| ((v + m) * 255.0).round().clamp(0.0, 255.0) as u8;
+    format!("#{:02x}{:02x}{:02x}", byte(r), byte(g), byte(b))
+}
+
+/// Text with XML's special characters escaped.
+fn xml(text: &str) -> String {
+    crate::error::printable(text)
+        .replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+/// The short name of an agent: its folder's last component.
+fn label(agent: &str) -> String {
+    Path::new(agent)
+        .file_name()
+        .map_or_else(|| agent.to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+/// Per agent, a bar of its changed elements split by k, the number of other agents that changed
+/// the same element (k = 0: unique), with the unique share printed; a legend of k below.
+pub fn overlap(report: &ProbeReport) -> String {
+    let n = report.agents.len();
+    let total = report.total();
+    let (left, bar_w, row_h, top) = (230.0, 640.0, 44.0, 56.0);
+    let legend_rows = n.div_ceil(8);
+    let height = top + row_h * n as f64 + 30.0 + 22.0 * legend_rows as f64;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="900" height="{height}" viewBox="0 0 900 {height}" font-family="sans-serif" font-size="13">"#
+    );
+    let _ = writeln!(s, r#"<rect width="900" height="{height}" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="20" y="28" font-size="16">Changed elements of each agent, by how many other agents changed them too</text>"#
+    );
+    for t in 0..n {
+        let row = total.row(t);
+        let changed: u64 = row.iter().sum();
+        let y = top + row_h * t as f64;
+        let _ = writeln!(
+            s,
+            r#"<text x="20" y="{}">{}</text>"#,
+            y + 13.0,
+            xml(&label(&report.agents[t]))
+        );
+        let mut x = left;
+        for (k, &count) in row.iter().enumerate() {
+            if count == 0 || changed == 0 {
+                continue;
+            }
+            let w = bar_w * count as f64 / changed as f64;
+            let _ = writeln!(
+                s,
+                r#"<rect x="{x:.2}" y="{y}" width="{w:.2}" height="24" fill="{}"><title>k = {k}: {count} elements ({:.1}%)</title></rect>"#,
+                colour(k, n),
+                100.0 * count as f64 / changed as f64
+            );
+            x += w;
+        }
+        let unique = if changed > 0 {
+            100.0 * row[0] as f64 / changed as f64
+        } else {
+            0.0
+        };
+        let _ = writeln!(
+            s,
+            r##"<text x="20" y="{}" font-size="11" fill="#555">{changed} changed, {unique:.1}% unique</text>"##,
+            y + 28.0
+        );
+    }
+    let ly = top + row_h * n as f64 + 24.0;
+    for k in 0..n {
+        let (col, line) = (k % 8, k / 8);
+        let x = 20.0 + 105.0 * col as f64;
+        let y = ly + 22.0 * line as f64;
+        let name = if k == 0 {
+            "k = 0 (unique)".to_string()
+        } else {
+            format!("k = {k}")
+        };
+        let _ = writeln!(
+            s,
+            r#"<rect x="{x}" y="{}" width="12" height="12" fill="{}"/><text x="{}" y="{}" font-size="11">{name}</text>"#,
+            y - 10.0,
+            colour(k, n),
+            x + 16.0,
+            y
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// Per agent, its density (solid) and the unique share of its changes (dashed) in each layer,
+/// the tensors outside the layers (embed, norm, lm_head) as their own ticks first.
+pub fn layers(report: &ProbeReport) -> String {
+    let profile = report.layer_profile();
+    let n = report.agents.len();
+    let (left, right, top, bottom) = (60.0, 880.0, 50.0, 330.0);
+    let height = bottom + 50.0 + 20.0 * n.div_ceil(4) as f64;
+    let groups = profile.len().max(1);
+    let x_of = |i: usize| left + (right - left) * (i as f64 + 0.5) / groups as f64;
+    let y_of = |v: f64| bottom - (bottom - top) * v.clamp(0.0, 1.0);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="900" height="{height}" viewBox="0 0 900 {height}" font-family="sans-serif" font-size="11">"#
+    );
+    let _ = writeln!(s, r#"<rect width="900" height="{height}" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="20" y="26" font-size="16">Where each agent changed the model: density (solid) and unique share (dashed) per layer</text>"#
+    );
+    let _ = writeln!(
+        s,
+        r##"<path d="M{left} {top} V{bottom} H{right}" stroke="#444" fill="none"/>"##
+    );
+    for v in [0.0, 0.25, 0.5, 0.75, 1.0] {
+        let _ = writeln!(
+            s,
+            r##"<text x="{}" y="{}" text-anchor="end">{v}</text><line x1="{left}" x2="{right}" y1="{y}" y2="{y}" stroke="#ddd"/>"##,
+            left - 6.0,
+            y_of(v) + 4.0,
+            y = y_of(v)
+        );
+    }
+    // At most ~40 tick labels, so 100+ layers stay readable.
+    let every = groups.div_ceil(40);
+    for (i, (name, _)) in profile.iter().enumerate() {
+        if i % every == 0 || !name.starts_with("layer ") {
+            let tick = name.strip_prefix("layer ").unwrap_or(name);
+            let _ = writeln!(
+                s,
+                r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
+                x_of(i),
+                bottom + 16.0,
+                xml(tick)
+            );
+        }
+    }
+    for t in 0..n {
+        let c = colour(t + 1, n + 1);
+        for (dash, pick) in [("", 0usize), (r#" stroke-dasharray="5 3""#, 1)] {
+            let points: Vec<String> = profile
+                .iter()
+                .enumerate()
+                .map(|(i, (_, rows))| {
+                    let v = if pick == 0 { rows[t].0 } else { rows[t].1 };
+                    format!("{:.1},{:.1}", x_of(i), y_of(v))
+                })
+                .collect();
+            let _ = writeln!(
+                s,
+                r#"<polyline points="{}" fill="none" stroke="{c}" stroke-width="2"{dash}/>"#,
+                points.join(" ")
+            );
+        }
+        let (col, line) = (t % 4, t / 4);
+        let (x, y) = (
+            20.0 + 215.0 * col as f64,
+            bottom + 40.0 + 20.0 * line as f64,
+        );
+        let _ = writeln!(
+            s,
+            r#"<rect x="{x}" y="{}" width="12" height="12" fill="{c}"/><text x="{}" y="{y}">{}</text>"#,
+            y - 10.0,
+            x + 16.0,
+            xml(&label(&report.agents[t]))
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// Writes `overlap.svg` and `layers.svg` into `dir` (created if missing); returns their paths.
+pub fn write_all(report: &ProbeReport, dir: &Path) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut written = Vec::new();
+    for (name, svg) in [
+        ("overlap.svg", overlap(report)),
+        ("layers.svg", layers(report)),
+    ] {
+        let path = dir.join(name);
+        std::fs::write(&path, svg).with_context(|| format!("cannot write {}", path.display()))?;
+        written.push(path);
+    }
+    Ok(written)
+}

@@ -1,0 +1,130 @@
+//! `analyze --plot DIR`: the SVG figures are rendered here with a real SVG renderer (resvg), and
+//! what they draw is checked against the probe's counts — not just that files exist.
+
+mod common;
+use common::*;
+use resvg::{tiny_skia, usvg};
+use safetensors::tensor::Dtype;
+use serde_json::Value;
+use std::path::Path;
+
+/// The SVG at `path` rendered to RGBA pixels.
+fn render(path: &Path) -> tiny_skia::Pixmap {
+    let text = std::fs::read_to_string(path).unwrap();
+    let tree = usvg::Tree::from_str(&text, &usvg::Options::default())
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let size = tree.size().to_int_size();
+    let mut pixmap = tiny_skia::Pixmap::new(size.width(), size.height()).unwrap();
+    resvg::render(&tree, tiny_skia::Transform::default(), &mut pixmap.as_mut());
+    pixmap
+}
+
+/// Pixels of exactly this `#rrggbb` colour.
+fn pixels_of(p: &tiny_skia::Pixmap, hex: &str) -> usize {
+    let v = u32::from_str_radix(&hex[1..], 16).unwrap();
+    let (r, g, b) = ((v >> 16) as u8, (v >> 8) as u8, v as u8);
+    p.pixels()
+        .iter()
+        .filter(|c| c.alpha() == 255 && (c.red(), c.green(), c.blue()) == (r, g, b))
+        .count()
+}
+
+fn analyze(f: &Fixture, extra: &[&str]) -> Value {
+    let mut cmd = rlmerge();
+    cmd.args(["analyze", "--json", "-q", "--base"]).arg(&f.base);
+    for a in &f.agents {
+        cmd.arg("--model").arg(a);
+    }
+    let o = cmd.args(extra).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// overlap.svg draws, per agent, one segment per k in proportion to its share of the agent's
+/// changed elements (measured in rendered pixels), labelled with the counts of the report.
+#[test]
+fn overlap_bars_have_the_probe_counts() {
+    for agents in [2, 5] {
+        let f = fixture(61, Dtype::BF16, &odd_shapes(), &DENSITIES[..agents], 1);
+        let dir = f.dir.path().join("plots");
+        let report = analyze(&f, &["--plot", dir.to_str().unwrap()]);
+        let svg = std::fs::read_to_string(dir.join("overlap.svg")).unwrap();
+        let pixmap = render(&dir.join("overlap.svg"));
+        let drawn: Vec<usize> = (0..agents)
+            .map(|k| pixels_of(&pixmap, &rlmerge::figures::colour(k, agents)))
+            .collect();
+        let mut want = vec![0u64; agents];
+        for (t, a) in report["agents"].as_array().unwrap().iter().enumerate() {
+            let row: Vec<u64> = a["shared_with_k_others"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect();
+            let changed: u64 = row.iter().sum();
+            assert!(svg.contains(&format!("{changed} changed")), "agent {t}");
+            for (k, &c) in row.iter().enumerate() {
+                if c > 0 {
+                    assert!(
+                        svg.contains(&format!("k = {k}: {c} elements")),
+                        "agent {t}, k {k}"
+                    );
+                }
+                // Bars are 640 pixels wide: each segment's width is its share of them.
+                want[k] += (640 * 24 * c).checked_div(changed).unwrap_or(0);
+            }
+        }
+        for k in 0..agents {
+            let (got, want) = (drawn[k] as f64, want[k] as f64);
+            // Segment edges fall between pixels (anti-aliasing), and the legend adds a swatch.
+            assert!(
+                (got - want).abs() <= 30.0 * agents as f64 + 0.02 * want + 200.0,
+                "{agents} agents, k = {k}: {got} pixels drawn, {want} expected"
+            );
+        }
+    }
+}
+
+/// layers.svg draws one line per agent in its colour, with every layer as a tick.
+#[test]
+fn layers_figure_draws_every_agent() {
+    let shapes: Vec<(&str, Vec<usize>)> = vec![
+        ("model.embed_tokens.weight", vec![16, 8]),
+        ("model.layers.0.mlp.up_proj.weight", vec![32, 8]),
+        ("model.layers.1.mlp.up_proj.weight", vec![32, 8]),
+        ("model.layers.2.self_attn.q_proj.weight", vec![8, 8]),
+        ("model.norm.weight", vec![8]),
+    ];
+    let f = fixture(62, Dtype::BF16, &shapes, &DENSITIES[..3], 1);
+    let dir = f.dir.path().join("plots");
+    analyze(&f, &["--plot", dir.to_str().unwrap()]);
+    let svg = std::fs::read_to_string(dir.join("layers.svg")).unwrap();
+    for tick in [">embed<", ">norm<", ">0<", ">1<", ">2<"] {
+        assert!(svg.contains(tick), "tick {tick} missing");
+    }
+    let pixmap = render(&dir.join("layers.svg"));
+    for t in 0..3 {
+        let c = rlmerge::figures::colour(t + 1, 4);
+        assert!(pixels_of(&pixmap, &c) > 50, "agent {t} ({c}) not drawn");
+    }
+}
+
+/// A RAM+ merge writes overlap.svg beside the weights (it has the probe), lists it in the record,
+/// shows it in the model card and verifies; a RAM merge (no probe) writes none.
+#[test]
+fn a_ram_plus_merge_shows_its_overlap_figure() {
+    let f = fixture(63, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 1);
+    let plus = f.dir.path().join("plus");
+    merge_cmd(&f, &plus, &["--method", "ram+"])
+        .assert()
+        .success();
+    render(&plus.join("overlap.svg"));
+    let card = std::fs::read_to_string(plus.join("README.md")).unwrap();
+    assert!(card.contains("![overlap](overlap.svg)"), "{card}");
+    let record = std::fs::read_to_string(plus.join("rlmerge_record.json")).unwrap();
+    assert!(record.contains("\"overlap.svg\""), "{record}");
+    rlmerge().arg("verify").arg(&plus).assert().success();
+    let ram = f.dir.path().join("ram");
+    merge_cmd(&f, &ram, &["--method", "ram"]).assert().success();
+    assert!(!ram.join("overlap.svg").exists());
+}
