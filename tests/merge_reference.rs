@@ -133,28 +133,38 @@ fn check(f: &Fixture, variant: Variant, out_dtype: Option<Dtype>, extra: &[&str]
     }
 }
 
-#[test]
-fn every_variant_dtype_and_agent_count_matches_the_reference() {
+/// One fixture per dtype (bf16, f16, f32) and agent count in `agents`, seeded from `seed`, the
+/// base in one or two shards.
+fn fixtures(seed: u64, agents: &[usize]) -> Vec<Fixture> {
+    let mut all = Vec::new();
     for (d, dtype) in [Dtype::BF16, Dtype::F16, Dtype::F32]
         .into_iter()
         .enumerate()
     {
-        for n in 1..=6 {
-            let f = fixture(
-                100 + 10 * d as u64 + n as u64,
+        for &n in agents {
+            let seed = seed + 10 * d as u64 + n as u64;
+            all.push(fixture(
+                seed,
                 dtype,
                 &odd_shapes(),
                 &DENSITIES[..n],
                 1 + n % 2,
-            );
-            for v in [
-                Variant::Ram,
-                Variant::PaperGlobal,
-                Variant::OfficialGlobal,
-                Variant::PaperTensor,
-            ] {
-                check(&f, v, None, &[]);
-            }
+            ));
+        }
+    }
+    all
+}
+
+#[test]
+fn every_variant_dtype_and_agent_count_matches_the_reference() {
+    for f in fixtures(100, &[1, 2, 3, 4, 5, 6]) {
+        for v in [
+            Variant::Ram,
+            Variant::PaperGlobal,
+            Variant::OfficialGlobal,
+            Variant::PaperTensor,
+        ] {
+            check(&f, v, None, &[]);
         }
     }
 }
@@ -164,23 +174,11 @@ fn every_variant_dtype_and_agent_count_matches_the_reference() {
 #[test]
 fn shared_consensus_matches_the_reference() {
     let consensus = ["--shared", "consensus"];
-    for (d, dtype) in [Dtype::BF16, Dtype::F16, Dtype::F32]
-        .into_iter()
-        .enumerate()
-    {
-        for n in 2..=5 {
-            let f = fixture(
-                300 + 10 * d as u64 + n as u64,
-                dtype,
-                &odd_shapes(),
-                &DENSITIES[..n],
-                1,
-            );
-            for v in [Variant::Ram, Variant::PaperGlobal, Variant::PaperTensor] {
-                check(&f, v, None, &consensus);
-            }
-            check(&f, Variant::PaperLayer, None, &consensus);
+    for f in fixtures(300, &[2, 3, 4, 5]) {
+        for v in [Variant::Ram, Variant::PaperGlobal, Variant::PaperTensor] {
+            check(&f, v, None, &consensus);
         }
+        check(&f, Variant::PaperLayer, None, &consensus);
     }
     // The rule changes something: some shared element of opposing signs merges otherwise.
     let f = fixture(399, Dtype::F32, &odd_shapes(), &DENSITIES[..4], 1);
@@ -199,21 +197,9 @@ fn shared_consensus_matches_the_reference() {
 /// the record lists λ per group.
 #[test]
 fn layer_and_module_scopes_match_the_reference() {
-    for (d, dtype) in [Dtype::BF16, Dtype::F16, Dtype::F32]
-        .into_iter()
-        .enumerate()
-    {
-        for n in [1, 2, 4, 6] {
-            let f = fixture(
-                500 + 10 * d as u64 + n as u64,
-                dtype,
-                &odd_shapes(),
-                &DENSITIES[..n],
-                1 + n % 2,
-            );
-            check(&f, Variant::PaperLayer, None, &[]);
-            check(&f, Variant::OfficialModule, None, &[]);
-        }
+    for f in fixtures(500, &[1, 2, 4, 6]) {
+        check(&f, Variant::PaperLayer, None, &[]);
+        check(&f, Variant::OfficialModule, None, &[]);
     }
     let f = fixture(599, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 1);
     let out = f.dir.path().join("layer");
