@@ -1,6 +1,6 @@
 //! SVG figures of a probe report (issue #15): `overlap.svg`, the paper's Figure 1 — each agent's
-//! changed elements by how many other agents changed them too — and `layers.svg`, each agent's
-//! density and unique share by layer. Plain SVG written here (rectangles, polylines, text): no
+//! changed elements by how many other agents changed them too —, `layers.svg`, each agent's
+//! density and unique share by layer, and `lambda.svg`, each agent's λ per layer. Plain SVG written here (rectangles, polylines, text): no
 //! dependency, no font files, and any browser or model page renders it.
 
 use crate::report::ProbeReport;
@@ -129,12 +129,65 @@ pub fn overlap(report: &ProbeReport) -> String {
 /// the tensors outside the layers (embed, norm, lm_head) as their own ticks first.
 pub fn layers(report: &ProbeReport) -> String {
     let profile = report.layer_profile();
-    let n = report.agents.len();
+    let ticks: Vec<String> = profile.iter().map(|(g, _)| g.clone()).collect();
+    let series = (0..report.agents.len())
+        .flat_map(|t| {
+            let values = |pick: fn(&(f64, f64)) -> f64| -> Vec<f64> {
+                profile.iter().map(|(_, rows)| pick(&rows[t])).collect()
+            };
+            [(t, false, values(|r| r.0)), (t, true, values(|r| r.1))]
+        })
+        .collect();
+    line_chart(
+        "Where each agent changed the model: density (solid) and unique share (dashed) per layer",
+        &ticks,
+        (0.0, 1.0),
+        &report.agents,
+        series,
+    )
+}
+
+/// Per agent, λ of RAM+ in layer scope (the paper rule with its global defaults) for each layer
+/// and the groups outside the layers — where a per-layer boost would differ from one per model.
+pub fn lambdas(report: &ProbeReport) -> String {
+    let rule = crate::report::group_rule();
+    let groups = report.group_agent_counts(crate::method::BoostScope::Layer);
+    let ticks: Vec<String> = groups.iter().map(|(g, _)| g.clone()).collect();
+    let series: Vec<(usize, bool, Vec<f64>)> = (0..report.agents.len())
+        .map(|t| {
+            let values = groups.iter().map(|(_, c)| rule.lambda(c[t])).collect();
+            (t, false, values)
+        })
+        .collect();
+    let top = match rule {
+        crate::method::BoostRule::Paper { r, alpha } => 1.0 + r * alpha,
+        crate::method::BoostRule::Official { rescale_factor } => rescale_factor,
+    };
+    line_chart(
+        "λ of each agent under ram+ --scope layer (rule paper, r = 0.1, α = 2) per layer",
+        &ticks,
+        (1.0, top),
+        &report.agents,
+        series,
+    )
+}
+
+/// A line chart over `ticks` (layer groups: "layer N" ticks show N, thinned to about 40), y from
+/// `range.0` to `range.1`, one polyline per series (agent, dashed, values), a legend of agents.
+fn line_chart(
+    title: &str,
+    ticks: &[String],
+    range: (f64, f64),
+    agents: &[String],
+    series: Vec<(usize, bool, Vec<f64>)>,
+) -> String {
+    let n = agents.len();
     let (left, right, top, bottom) = (60.0, 880.0, 50.0, 330.0);
     let height = bottom + 50.0 + 20.0 * n.div_ceil(4) as f64;
-    let groups = profile.len().max(1);
+    let groups = ticks.len().max(1);
     let x_of = |i: usize| left + (right - left) * (i as f64 + 0.5) / groups as f64;
-    let y_of = |v: f64| bottom - (bottom - top) * v.clamp(0.0, 1.0);
+    let span = (range.1 - range.0).max(1e-12);
+    let y_of = |v: f64| bottom - (bottom - top) * ((v - range.0) / span).clamp(0.0, 1.0);
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -143,24 +196,27 @@ pub fn layers(report: &ProbeReport) -> String {
     let _ = writeln!(s, r#"<rect width="900" height="{height}" fill="white"/>"#);
     let _ = writeln!(
         s,
-        r#"<text x="20" y="26" font-size="16">Where each agent changed the model: density (solid) and unique share (dashed) per layer</text>"#
+        r#"<text x="20" y="26" font-size="16">{}</text>"#,
+        xml(title)
     );
     let _ = writeln!(
         s,
         r##"<path d="M{left} {top} V{bottom} H{right}" stroke="#444" fill="none"/>"##
     );
-    for v in [0.0, 0.25, 0.5, 0.75, 1.0] {
+    for q in 0..=4 {
+        let v = range.0 + span * q as f64 / 4.0;
         let _ = writeln!(
             s,
-            r##"<text x="{}" y="{}" text-anchor="end">{v}</text><line x1="{left}" x2="{right}" y1="{y}" y2="{y}" stroke="#ddd"/>"##,
+            r##"<text x="{}" y="{}" text-anchor="end">{:.3}</text><line x1="{left}" x2="{right}" y1="{y}" y2="{y}" stroke="#ddd"/>"##,
             left - 6.0,
             y_of(v) + 4.0,
+            v,
             y = y_of(v)
         );
     }
     // At most ~40 tick labels, so 100+ layers stay readable.
     let every = groups.div_ceil(40);
-    for (i, (name, _)) in profile.iter().enumerate() {
+    for (i, name) in ticks.iter().enumerate() {
         if i % every == 0 || !name.starts_with("layer ") {
             let tick = name.strip_prefix("layer ").unwrap_or(name);
             let _ = writeln!(
@@ -172,23 +228,25 @@ pub fn layers(report: &ProbeReport) -> String {
             );
         }
     }
-    for t in 0..n {
-        let c = colour(t + 1, n + 1);
-        for (dash, pick) in [("", 0usize), (r#" stroke-dasharray="5 3""#, 1)] {
-            let points: Vec<String> = profile
-                .iter()
-                .enumerate()
-                .map(|(i, (_, rows))| {
-                    let v = if pick == 0 { rows[t].0 } else { rows[t].1 };
-                    format!("{:.1},{:.1}", x_of(i), y_of(v))
-                })
-                .collect();
-            let _ = writeln!(
-                s,
-                r#"<polyline points="{}" fill="none" stroke="{c}" stroke-width="2"{dash}/>"#,
-                points.join(" ")
-            );
-        }
+    for (t, dashed, values) in series {
+        let points: Vec<String> = values
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| format!("{:.1},{:.1}", x_of(i), y_of(v)))
+            .collect();
+        let dash = if dashed {
+            r#" stroke-dasharray="5 3""#
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            s,
+            r#"<polyline points="{}" fill="none" stroke="{}" stroke-width="2"{dash}/>"#,
+            points.join(" "),
+            colour(t + 1, n + 1)
+        );
+    }
+    for (t, agent) in agents.iter().enumerate() {
         let (col, line) = (t % 4, t / 4);
         let (x, y) = (
             20.0 + 215.0 * col as f64,
@@ -196,24 +254,30 @@ pub fn layers(report: &ProbeReport) -> String {
         );
         let _ = writeln!(
             s,
-            r#"<rect x="{x}" y="{}" width="12" height="12" fill="{c}"/><text x="{}" y="{y}">{}</text>"#,
+            r#"<rect x="{x}" y="{}" width="12" height="12" fill="{}"/><text x="{}" y="{y}">{}</text>"#,
             y - 10.0,
+            colour(t + 1, n + 1),
             x + 16.0,
-            xml(&label(&report.agents[t]))
+            xml(&label(agent))
         );
     }
     s.push_str("</svg>\n");
     s
 }
 
-/// Writes `overlap.svg` and `layers.svg` into `dir` (created if missing); returns their paths.
-pub fn write_all(report: &ProbeReport, dir: &Path) -> Result<Vec<PathBuf>> {
+/// Writes `overlap.svg` and `layers.svg` into `dir` (created if missing), and with `per_tensor`
+/// `lambda.svg`; returns their paths.
+pub fn write_all(report: &ProbeReport, dir: &Path, per_tensor: bool) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut written = Vec::new();
-    for (name, svg) in [
+    let mut figures = vec![
         ("overlap.svg", overlap(report)),
         ("layers.svg", layers(report)),
-    ] {
+    ];
+    if per_tensor {
+        figures.push(("lambda.svg", lambdas(report)));
+    }
+    for (name, svg) in figures {
         let path = dir.join(name);
         std::fs::write(&path, svg).with_context(|| format!("cannot write {}", path.display()))?;
         written.push(path);

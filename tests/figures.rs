@@ -128,3 +128,27 @@ fn a_ram_plus_merge_shows_its_overlap_figure() {
     merge_cmd(&f, &ram, &["--method", "ram"]).assert().success();
     assert!(!ram.join("overlap.svg").exists());
 }
+
+/// With --per-tensor, lambda.svg draws each agent's λ per layer (one line per agent, every
+/// layer a tick) within the rule's range [1, 1 + r·α].
+#[test]
+fn lambda_figure_draws_every_agent_per_layer() {
+    let shapes: Vec<(&str, Vec<usize>)> = vec![
+        ("model.embed_tokens.weight", vec![16, 8]),
+        ("model.layers.0.mlp.up_proj.weight", vec![32, 8]),
+        ("model.layers.1.mlp.up_proj.weight", vec![32, 8]),
+    ];
+    let f = fixture(64, Dtype::BF16, &shapes, &DENSITIES[..3], 1);
+    let dir = f.dir.path().join("plots");
+    let report = analyze(&f, &["--per-tensor", "--plot", dir.to_str().unwrap()]);
+    let svg = std::fs::read_to_string(dir.join("lambda.svg")).unwrap();
+    for tick in [">embed<", ">0<", ">1<", ">1.000<", ">1.200<"] {
+        assert!(svg.contains(tick), "{tick} missing");
+    }
+    assert_eq!(report["lambda_by_layer"].as_array().unwrap().len(), 3);
+    let pixmap = render(&dir.join("lambda.svg"));
+    for t in 0..3 {
+        let c = rlmerge::figures::colour(t + 1, 4);
+        assert!(pixels_of(&pixmap, &c) > 50, "agent {t} ({c}) not drawn");
+    }
+}

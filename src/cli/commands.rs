@@ -309,7 +309,7 @@ fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
     let pass = compute.pass(backend.as_ref());
     let report = engine::probe_all(&inputs, backend.as_ref(), &pass, compute.show_progress())?;
     if let Some(dir) = &args.plot {
-        for path in rlmerge::figures::write_all(&report, dir)? {
+        for path in rlmerge::figures::write_all(&report, dir, args.per_tensor)? {
             if !compute.quiet {
                 eprintln!("wrote {}", path.display());
             }

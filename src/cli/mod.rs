@@ -203,7 +203,8 @@ pub struct AnalyzeArgs {
     #[arg(long, value_name = "DIR")]
     pub merged: Option<PathBuf>,
     /// Write SVG figures into DIR: overlap.svg (each agent's changes by how many others made them
-    /// too, the paper's Figure 1) and layers.svg (density and unique share per layer).
+    /// too, the paper's Figure 1) and layers.svg (density and unique share per layer); with
+    /// --per-tensor also lambda.svg (λ per layer under ram+ --scope layer).
     #[arg(long, value_name = "DIR")]
     pub plot: Option<PathBuf>,
 }
