@@ -32,6 +32,27 @@ impl TensorPlan {
         &self.base.entry.name
     }
 
+    /// This tensor in a companion folder read beside the inputs (a Fisher folder, a merged
+    /// output), which must hold it with the base's shape; `what` names the folder in errors.
+    pub fn in_companion<'a>(&self, folder: &'a ModelFolder, what: &str) -> Result<&'a ModelTensor> {
+        let Some(t) = folder.get(self.name()) else {
+            bail!(
+                "tensor '{}' is missing in the {what} {}",
+                crate::error::printable(self.name()),
+                folder.dir.display()
+            );
+        };
+        ensure!(
+            t.entry.shape == self.base.entry.shape,
+            "tensor '{}' in {} has shape {}, but the model's is {}",
+            crate::error::printable(self.name()),
+            folder.file_of(t).display(),
+            shape_text(&t.entry.shape),
+            shape_text(&self.base.entry.shape)
+        );
+        Ok(t)
+    }
+
     pub fn numel(&self) -> usize {
         self.base.entry.numel
     }

@@ -237,41 +237,38 @@ impl ProbeReport {
         self.tensors = compact(std::mem::take(&mut self.tensors));
     }
 
-    /// Each agent's unique and shared counts per [`boost_group`] of `scope`, in group order
-    /// (the groups outside the layers by name, then the layers by number). Needs the per-tensor entries: call it before
+    /// The tensors of each [`boost_group`] of `scope`, in group order (the groups outside the
+    /// layers by name, then the layers by number). Needs the per-tensor entries: call it before
     /// [`Self::compact`].
-    pub fn group_agent_counts(&self, scope: BoostScope) -> Vec<(String, Vec<AgentCounts>)> {
-        let mut groups: BTreeMap<(Option<usize>, String), TileCounts> = BTreeMap::new();
+    fn boost_groups(&self, scope: BoostScope) -> Vec<(String, Group)> {
+        let mut groups: BTreeMap<(Option<usize>, String), Vec<&TensorStats>> = BTreeMap::new();
         for t in &self.tensors {
             let Some(g) = boost_group(scope, &t.name) else {
                 continue;
             };
             let layer = g.strip_prefix("layer ").and_then(|n| n.parse().ok());
-            groups
-                .entry((layer, g))
-                .or_insert_with(|| TileCounts::zeros(self.agents.len()))
-                .add(&t.counts);
-        }
-        groups
-            .into_iter()
-            .map(|((_, g), counts)| (g, agent_counts(&counts)))
-            .collect()
-    }
-
-    /// Per layer group (layer scope's [`boost_group`]s: the layers in order, the other module
-    /// kinds before them) and agent: (density, unique share of its changes). Per-tensor entries
-    /// needed, as for [`Self::group_agent_counts`].
-    pub fn layer_profile(&self) -> Vec<(String, Vec<(f64, f64)>)> {
-        let mut groups: BTreeMap<(Option<usize>, String), Vec<&TensorStats>> = BTreeMap::new();
-        for t in &self.tensors {
-            let g = boost_group(BoostScope::Layer, &t.name).expect("layer scope groups");
-            let layer = g.strip_prefix("layer ").and_then(|n| n.parse().ok());
             groups.entry((layer, g)).or_default().push(t);
         }
         groups
             .into_iter()
-            .map(|((_, name), tensors)| {
-                let g = self.group(tensors.into_iter());
+            .map(|((_, name), tensors)| (name, self.group(tensors.into_iter())))
+            .collect()
+    }
+
+    /// Each agent's unique and shared counts per [`boost_group`] of `scope` (see
+    /// [`Self::boost_groups`]).
+    pub fn group_agent_counts(&self, scope: BoostScope) -> Vec<(String, Vec<AgentCounts>)> {
+        self.boost_groups(scope)
+            .into_iter()
+            .map(|(name, g)| (name, agent_counts(&g.counts)))
+            .collect()
+    }
+
+    /// Per layer group (layer scope's groups) and agent: (density, unique share of its changes).
+    pub fn layer_profile(&self) -> Vec<(String, Vec<(f64, f64)>)> {
+        self.boost_groups(BoostScope::Layer)
+            .into_iter()
+            .map(|(name, g)| {
                 let rows = agent_counts(&g.counts)
                     .iter()
                     .enumerate()

@@ -1,12 +1,11 @@
 //! Fisher merging's second input: each merged model's diagonal Fisher, read tile by tile.
 
 use crate::checkpoint::dtype::decode;
-use crate::checkpoint::safetensors_file::shape_text;
 use crate::checkpoint::ModelFolder;
 use crate::inputs::{Inputs, TensorPlan};
 use crate::method::combine::{fisher_coefs, CombineSpec};
 use crate::method::MethodConfig;
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{Context, Result};
 
 /// Fisher merging's second input: each merged model's diagonal Fisher, a folder of safetensors
 /// with the model's tensor names and shapes (any of bf16, f16, f32).
@@ -24,23 +23,8 @@ impl FisherInputs {
             .collect::<Result<Vec<_>>>()?;
         for plan in &inputs.tensors {
             for t in plan.present() {
-                let f = &folders[t];
-                let Some(ft) = f.get(plan.name()) else {
-                    bail!(
-                        "tensor '{}' is missing in the Fisher folder {} (model {})",
-                        plan.name(),
-                        f.dir.display(),
-                        t + 1
-                    );
-                };
-                ensure!(
-                    ft.entry.shape == plan.base.entry.shape,
-                    "tensor '{}' in {} has shape {}, but the model's is {}",
-                    plan.name(),
-                    f.file_of(ft).display(),
-                    shape_text(&ft.entry.shape),
-                    shape_text(&plan.base.entry.shape)
-                );
+                plan.in_companion(&folders[t], "Fisher folder")
+                    .with_context(|| format!("model {}", t + 1))?;
             }
         }
         Ok(FisherInputs { folders })

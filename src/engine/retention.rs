@@ -8,10 +8,9 @@
 use super::tiles::{par_tiles, progress_bar, TensorTiles, TileLoop};
 use super::Pass;
 use crate::checkpoint::dtype::decode;
-use crate::checkpoint::safetensors_file::shape_text;
 use crate::checkpoint::ModelFolder;
 use crate::inputs::Inputs;
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{Context, Result};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::fmt::Write;
@@ -128,21 +127,7 @@ pub fn retention(
 ) -> Result<Retention> {
     let n = inputs.agents.len();
     for plan in &inputs.tensors {
-        let Some(m) = merged.get(plan.name()) else {
-            bail!(
-                "tensor '{}' is missing in the merged folder {}",
-                crate::error::printable(plan.name()),
-                merged.dir.display()
-            );
-        };
-        ensure!(
-            m.entry.shape == plan.base.entry.shape,
-            "tensor '{}' in {} has shape {}, but the base's is {}",
-            crate::error::printable(plan.name()),
-            merged.file_of(m).display(),
-            shape_text(&m.entry.shape),
-            shape_text(&plan.base.entry.shape)
-        );
+        plan.in_companion(merged, "merged folder")?;
     }
     let presents: Vec<Vec<usize>> = inputs.tensors.iter().map(|p| p.present()).collect();
     let tensors: Vec<TensorTiles> = inputs
