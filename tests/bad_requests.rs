@@ -607,3 +607,79 @@ fn fifos_as_recipes_and_checked_files_are_refused_without_blocking() {
     assert_eq!(code, Some(2), "{text}");
     assert!(out.join("model.safetensors").exists());
 }
+
+/// `analyze --merged` and `--plot` pointed at the wrong thing: a missing folder or a file for
+/// --merged is refused before anything is read (exit 1); figures are never written into an input
+/// or the merged folder (exit 2, nothing written there), nor over a file; beside the models (a
+/// folder that contains them) they are fine. The base itself as "merged" keeps nothing: r = 0.
+#[test]
+fn analyze_merged_and_plot_paths_are_checked() {
+    let c = case();
+    let analyze = |extra: &[&std::ffi::OsStr]| {
+        let mut cmd = rlmerge();
+        cmd.args(["analyze", "-q", "--json", "--base"])
+            .arg(&c.base)
+            .arg("--model")
+            .arg(&c.good)
+            .args(extra);
+        cmd.output().unwrap()
+    };
+    let os = |p: &Path| p.as_os_str().to_owned();
+    let missing = c.dir.path().join("nowhere");
+    let file = c.dir.path().join("notes.txt");
+    std::fs::write(&file, "keep me").unwrap();
+    for merged in [&missing, &file] {
+        let o = analyze(&["--merged".as_ref(), &os(merged)]);
+        assert_eq!(o.status.code(), Some(1), "{}", err_of(&o));
+        assert!(
+            err_of(&o).contains("cannot open the merged folder"),
+            "{}",
+            err_of(&o)
+        );
+    }
+    let merged = c.dir.path().join("merged");
+    good_model(&merged, 0.25);
+    for into in [&c.base, &c.good, &merged, &c.base.join("figs")] {
+        let o = analyze(&[
+            "--merged".as_ref(),
+            &os(&merged),
+            "--plot".as_ref(),
+            &os(into),
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{into:?}: {}", err_of(&o));
+        assert!(!into.join("overlap.svg").exists(), "{into:?}");
+    }
+    let o = analyze(&["--plot".as_ref(), &os(&file)]);
+    assert_eq!(o.status.code(), Some(1), "{}", err_of(&o));
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me");
+    let o = analyze(&["--plot".as_ref(), &os(c.dir.path())]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    assert!(c.dir.path().join("overlap.svg").is_file());
+    let o = analyze(&["--merged".as_ref(), &os(&c.base)]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["retention"]["agents"][0]["all"]["retention"], 0.0);
+}
+
+/// Unknown RAM+ scopes and shared rules are usage errors, from flags and from --param alike.
+#[test]
+fn unknown_scopes_and_shared_rules_are_usage_errors() {
+    let c = case();
+    for args in [
+        vec!["--method", "ram+", "--scope", "row"],
+        vec!["--method", "ram+", "--param", "scope=row"],
+        vec!["--method", "ram", "--param", "shared=median"],
+        vec![
+            "--method",
+            "ram+",
+            "--scope",
+            "layer",
+            "--param",
+            "scope=module",
+        ],
+    ] {
+        let (o, out) = merge_out(&c, &[&c.good], &args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", err_of(&o));
+        assert!(!out.exists());
+    }
+}

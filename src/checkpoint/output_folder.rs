@@ -346,9 +346,20 @@ fn overlap(out: &Path, input: &Path) -> Option<&'static str> {
 /// Refuses an output that equals, contains or lies inside any of `inputs` (folders or files,
 /// compared after resolving links), so no merge can write over what it reads.
 pub fn refuse_overlap(out: &Path, resolved: &Path, inputs: &[PathBuf]) -> Result<()> {
+    refuse(out, resolved, inputs, true)
+}
+
+/// Refuses an output folder that is or lies inside any of `inputs`: for files written into a
+/// folder (figures) rather than a folder replaced whole, a folder containing the inputs is fine.
+pub fn refuse_inside(out: &Path, resolved: &Path, inputs: &[PathBuf]) -> Result<()> {
+    refuse(out, resolved, inputs, false)
+}
+
+fn refuse(out: &Path, resolved: &Path, inputs: &[PathBuf], containing: bool) -> Result<()> {
     for input in inputs {
         let real = std::fs::canonicalize(input).unwrap_or_else(|_| input.clone());
-        if let Some(how) = overlap(resolved, &real) {
+        let how = overlap(resolved, &real).filter(|&how| containing || how != "contains");
+        if let Some(how) = how {
             let what = if real.is_dir() { "folder" } else { "file" };
             return Err(usage(format!(
                 "output path {} {how} the input {what} {}{}; choose an output outside every input \

@@ -9,6 +9,7 @@ use anyhow::{Context, Result};
 use rlmerge::backend::cpu::CpuBackend;
 use rlmerge::backend::gpu::{list_adapters, AdapterChoice, GpuBackend, GpuContext};
 use rlmerge::backend::Backend;
+use rlmerge::checkpoint::output_folder;
 use rlmerge::demo;
 use rlmerge::engine::{self, MergeOptions, Pass};
 use rlmerge::error::usage;
@@ -305,6 +306,21 @@ fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
     let (base, agents) = args.inputs.folders()?;
     let inputs = Inputs::open(&base, &agents)?;
     warn_all(&inputs.warnings);
+    // Bad --merged or --plot paths fail before the probe reads anything.
+    let merged = match &args.merged {
+        Some(dir) => Some(
+            rlmerge::checkpoint::ModelFolder::open(dir)
+                .with_context(|| format!("cannot open the merged folder {}", dir.display()))?,
+        ),
+        None => None,
+    };
+    if let Some(dir) = &args.plot {
+        // Figures go next to the models, never into them: the same rule as a merge's -o.
+        let mut protect = inputs.paths();
+        protect.extend(merged.iter().flat_map(|m| m.paths()));
+        let resolved = output_folder::resolve_output(dir)?;
+        output_folder::refuse_inside(dir, &resolved, &protect)?;
+    }
     let backend = compute.backend()?;
     let pass = compute.pass(backend.as_ref());
     let report = engine::probe_all(&inputs, backend.as_ref(), &pass, compute.show_progress())?;
@@ -315,17 +331,13 @@ fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
             }
         }
     }
-    let retention = match &args.merged {
-        Some(dir) => {
-            let merged = rlmerge::checkpoint::ModelFolder::open(dir)
-                .with_context(|| format!("cannot open the merged folder {}", dir.display()))?;
-            Some(engine::retention(
-                &inputs,
-                &merged,
-                &pass,
-                compute.show_progress(),
-            )?)
-        }
+    let retention = match &merged {
+        Some(m) => Some(engine::retention(
+            &inputs,
+            m,
+            &pass,
+            compute.show_progress(),
+        )?),
         None => None,
     };
     if args.json {
