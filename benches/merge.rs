@@ -112,6 +112,12 @@ fn kernels(c: &mut Criterion) {
             g.bench_function(format!("{name}/{method}"), |b| {
                 b.iter(|| backend.merge(&tile, &params, &mut out).unwrap())
             });
+            if method == "merge_ram" {
+                // Plain RAM's merge with its counts (the overlap figure, no probe pass).
+                g.bench_function(format!("{name}/merge_ram_counted"), |b| {
+                    b.iter(|| backend.merge_counted(&tile, &params, &mut out).unwrap())
+                });
+            }
         }
         bench.report_phases(name);
     }

@@ -1,8 +1,10 @@
 //! SVG figures of a probe report (issue #15): `overlap.svg`, the paper's Figure 1 — each agent's
 //! changed elements by how many other agents changed them too —, `layers.svg`, each agent's
-//! density and unique share by layer, and `lambda.svg`, each agent's λ per layer. Plain SVG written here (rectangles, polylines, text): no
-//! dependency, no font files, and any browser or model page renders it.
+//! density and unique share by layer, `lambda.svg`, each agent's λ per layer, and
+//! `retention.svg`, how much of each agent a merge kept. Plain SVG written here (rectangles,
+//! polylines, text): no dependency, no font files, and any browser or model page renders it.
 
+use crate::report::retention::{Retention, REGIONS};
 use crate::report::ProbeReport;
 use anyhow::{Context, Result};
 use std::fmt::Write;
@@ -265,9 +267,96 @@ fn line_chart(
     s
 }
 
-/// Writes `overlap.svg` and `layers.svg` into `dir` (created if missing), and with `per_tensor`
-/// `lambda.svg`; returns their paths.
-pub fn write_all(report: &ProbeReport, dir: &Path, per_tensor: bool) -> Result<Vec<PathBuf>> {
+/// Per agent, one bar per region (unique, shared, all) as long as its retention r, from 0 to the
+/// largest r (at least 1, drawn dashed: the agent's change kept in full), with r and the share
+/// of signs kept written beside it. A negative r (a merge that reversed the agent) draws no bar.
+pub fn retention(r: &Retention) -> String {
+    let n = r.agents.len();
+    let (left, right, top, row_h, bar_h) = (230.0, 700.0, 70.0, 50.0, 12.0);
+    let max = r
+        .regions
+        .iter()
+        .flatten()
+        .map(|s| s.retention())
+        .fold(1.0f64, f64::max);
+    let x_of = |v: f64| left + (right - left) * (v / max).clamp(0.0, 1.0);
+    let height = top + row_h * n as f64 + 40.0;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="900" height="{height}" viewBox="0 0 900 {height}" font-family="sans-serif" font-size="11">"#
+    );
+    let _ = writeln!(s, r#"<rect width="900" height="{height}" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="20" y="26" font-size="16">Retention r = Σ (θ_out − θ₀)·τ / Σ τ² of each agent in {}</text>"#,
+        xml(&label(&r.merged))
+    );
+    for (i, region) in REGIONS.iter().enumerate() {
+        let x = left + 110.0 * i as f64;
+        let _ = writeln!(
+            s,
+            r#"<rect x="{x}" y="38" width="12" height="12" fill="{}"/><text x="{}" y="48">{region}</text>"#,
+            colour(i, REGIONS.len()),
+            x + 16.0
+        );
+    }
+    let bottom = top + row_h * n as f64;
+    for q in 0..=4 {
+        let v = max * q as f64 / 4.0;
+        let _ = writeln!(
+            s,
+            r##"<line x1="{x:.1}" x2="{x:.1}" y1="{}" y2="{bottom}" stroke="#ddd"/><text x="{x:.1}" y="{}" text-anchor="middle">{v:.2}</text>"##,
+            top - 6.0,
+            bottom + 14.0,
+            x = x_of(v)
+        );
+    }
+    let _ = writeln!(
+        s,
+        r##"<line x1="{x:.1}" x2="{x:.1}" y1="{}" y2="{bottom}" stroke="#444" stroke-dasharray="4 3"/>"##,
+        top - 6.0,
+        x = x_of(1.0)
+    );
+    for (t, (agent, sums)) in r.agents.iter().zip(&r.regions).enumerate() {
+        let y = top + row_h * t as f64;
+        let _ = writeln!(
+            s,
+            r#"<text x="20" y="{}" font-size="13">{}</text>"#,
+            y + 22.0,
+            xml(&label(agent))
+        );
+        for (i, (region, sum)) in REGIONS.iter().zip(sums).enumerate() {
+            let by = y + 4.0 + (bar_h + 2.0) * i as f64;
+            let v = sum.retention();
+            let w = x_of(v) - left;
+            let _ = writeln!(
+                s,
+                r#"<rect x="{left}" y="{by}" width="{w:.2}" height="{bar_h}" fill="{}"><title>{region}: r = {v:.4}, {} changed</title></rect>"#,
+                colour(i, REGIONS.len()),
+                sum.changed
+            );
+            let _ = writeln!(
+                s,
+                r##"<text x="{:.1}" y="{}" font-size="10" fill="#333">{region} r = {v:.3}, sign kept {:.1}%</text>"##,
+                x_of(v.max(0.0)) + 4.0,
+                by + 10.0,
+                100.0 * sum.sign_share()
+            );
+        }
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// Writes `overlap.svg` and `layers.svg` into `dir` (created if missing), with `per_tensor`
+/// `lambda.svg`, and with a merged folder's `retention` `retention.svg`; returns their paths.
+pub fn write_all(
+    report: &ProbeReport,
+    retained: Option<&Retention>,
+    dir: &Path,
+    per_tensor: bool,
+) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut written = Vec::new();
     let mut figures = vec![
@@ -276,6 +365,9 @@ pub fn write_all(report: &ProbeReport, dir: &Path, per_tensor: bool) -> Result<V
     ];
     if per_tensor {
         figures.push(("lambda.svg", lambdas(report)));
+    }
+    if let Some(r) = retained {
+        figures.push(("retention.svg", retention(r)));
     }
     for (name, svg) in figures {
         let path = dir.join(name);

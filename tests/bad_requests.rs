@@ -683,3 +683,30 @@ fn unknown_scopes_and_shared_rules_are_usage_errors() {
         assert!(!out.exists());
     }
 }
+
+/// `-o` in folders that do not exist yet creates them, as mergekit does (the atomic rename still
+/// happens inside the final parent); a parent that is a file is an error naming it, nothing made.
+#[test]
+fn missing_output_parents_are_created_and_a_file_parent_is_refused() {
+    let f = fixture(71, Dtype::BF16, &odd_shapes(), &DENSITIES[..2], 1);
+    let out = f.dir.path().join("runs").join("2026-12-03").join("merged");
+    merge_cmd(&f, &out, &["--method", "ram"]).assert().success();
+    rlmerge().arg("verify").arg(&out).assert().success();
+    let entries: Vec<_> = std::fs::read_dir(out.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        entries,
+        vec![std::ffi::OsString::from("merged")],
+        "no scratch left"
+    );
+    let file = f.dir.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let o = merge_cmd(&f, &file.join("sub").join("merged"), &["--method", "ram"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", err_of(&o));
+    assert!(err_of(&o).contains("a-file"), "{}", err_of(&o));
+    assert_eq!(std::fs::read(&file).unwrap(), b"x");
+}

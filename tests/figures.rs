@@ -4,6 +4,7 @@
 mod common;
 use common::*;
 use resvg::{tiny_skia, usvg};
+use rlmerge::figures::colour;
 use safetensors::tensor::Dtype;
 use serde_json::Value;
 use std::path::Path;
@@ -109,24 +110,41 @@ fn layers_figure_draws_every_agent() {
     }
 }
 
-/// A RAM+ merge writes overlap.svg beside the weights (it has the probe), lists it in the record,
-/// shows it in the model card and verifies; a RAM merge (no probe) writes none.
+/// A merge of the RAM family writes overlap.svg beside the weights, lists it in the record, shows
+/// it in the model card and verifies. RAM+ has it from its probe; plain RAM from its merge
+/// kernels' counts (no probe pass) — the same figure as analyze's, whatever the tiling and
+/// backend. A method outside the family writes none.
 #[test]
-fn a_ram_plus_merge_shows_its_overlap_figure() {
+fn ram_family_merges_show_their_overlap_figure() {
     let f = fixture(63, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 1);
-    let plus = f.dir.path().join("plus");
-    merge_cmd(&f, &plus, &["--method", "ram+"])
+    let plots = f.dir.path().join("plots");
+    analyze(&f, &["--plot", plots.to_str().unwrap()]);
+    let want = std::fs::read_to_string(plots.join("overlap.svg")).unwrap();
+    for (name, args) in [
+        ("plus", &["--method", "ram+"][..]),
+        ("ram", &["--method", "ram"]),
+        ("ram-tiles", &["--method", "ram", "--tile-elems", "33"]),
+        (
+            "ram-consensus",
+            &["--method", "ram", "--shared", "consensus"],
+        ),
+    ] {
+        let out = f.dir.path().join(name);
+        merge_cmd(&f, &out, args).assert().success();
+        let svg = std::fs::read_to_string(out.join("overlap.svg")).unwrap();
+        assert_eq!(svg, want, "{name}");
+        render(&out.join("overlap.svg"));
+        let card = std::fs::read_to_string(out.join("README.md")).unwrap();
+        assert!(card.contains("![overlap](overlap.svg)"), "{name}: {card}");
+        let record = std::fs::read_to_string(out.join("rlmerge_record.json")).unwrap();
+        assert!(record.contains("\"overlap.svg\""), "{name}: {record}");
+        rlmerge().arg("verify").arg(&out).assert().success();
+    }
+    let ties = f.dir.path().join("ties");
+    merge_cmd(&f, &ties, &["--method", "ties", "--param", "weight=1"])
         .assert()
         .success();
-    render(&plus.join("overlap.svg"));
-    let card = std::fs::read_to_string(plus.join("README.md")).unwrap();
-    assert!(card.contains("![overlap](overlap.svg)"), "{card}");
-    let record = std::fs::read_to_string(plus.join("rlmerge_record.json")).unwrap();
-    assert!(record.contains("\"overlap.svg\""), "{record}");
-    rlmerge().arg("verify").arg(&plus).assert().success();
-    let ram = f.dir.path().join("ram");
-    merge_cmd(&f, &ram, &["--method", "ram"]).assert().success();
-    assert!(!ram.join("overlap.svg").exists());
+    assert!(!ties.join("overlap.svg").exists());
 }
 
 /// With --per-tensor, lambda.svg draws each agent's λ per layer (one line per agent, every
@@ -150,5 +168,108 @@ fn lambda_figure_draws_every_agent_per_layer() {
     for t in 0..3 {
         let c = rlmerge::figures::colour(t + 1, 4);
         assert!(pixels_of(&pixmap, &c) > 50, "agent {t} ({c}) not drawn");
+    }
+}
+
+/// With --merged, retention.svg draws per agent one bar per region as long as its r on an axis
+/// from 0 to 1 (no r above 1 here), measured in rendered pixels against the JSON's r; a
+/// task_arithmetic merge with weight 0.5 keeps r = 0.5 on every agent's unique elements.
+#[test]
+fn retention_bars_are_as_long_as_r() {
+    let f = fixture(65, Dtype::F32, &odd_shapes(), &DENSITIES[..3], 1);
+    let merged = f.dir.path().join("ta");
+    merge_cmd(
+        &f,
+        &merged,
+        &["--method", "task_arithmetic", "--param", "weight=0.5"],
+    )
+    .assert()
+    .success();
+    let dir = f.dir.path().join("plots");
+    let report = analyze(
+        &f,
+        &[
+            "--merged",
+            merged.to_str().unwrap(),
+            "--plot",
+            dir.to_str().unwrap(),
+        ],
+    );
+    let svg = std::fs::read_to_string(dir.join("retention.svg")).unwrap();
+    assert!(
+        svg.contains("in ta</text>"),
+        "the merged folder's name is in the title"
+    );
+    assert_eq!(svg.matches("unique r = 0.500,").count(), 3, "{svg}");
+    let pixmap = render(&dir.join("retention.svg"));
+    for (i, region) in ["unique", "shared", "all"].iter().enumerate() {
+        // Each agent's 12-pixel bar over r of the 470-pixel axis, and the legend's swatch.
+        let mut want = 144.0;
+        for a in report["retention"]["agents"].as_array().unwrap() {
+            let r = a[region]["retention"].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&r), "{region}: {r}");
+            want += 12.0 * 470.0 * r;
+        }
+        let got = pixels_of(&pixmap, &rlmerge::figures::colour(i, 3)) as f64;
+        assert!(
+            (got - want).abs() < 0.03 * want,
+            "{region}: {got} px, want {want}"
+        );
+    }
+}
+
+/// Every figure of a 1 GiB bf16 base with three agents (the demo's generator at full size):
+/// a RAM merge's overlap.svg, and analyze's overlap, layers, lambda and retention figures, each
+/// rendered and drawing every agent. Writes about 4.5 GiB into a temporary folder, so it runs on
+/// request: `cargo test --release --test figures -- --ignored`.
+#[test]
+#[ignore = "writes 4.5 GiB; run with --ignored"]
+fn figures_of_a_1_gib_merge() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    rlmerge()
+        .args(["demo", "--model-size", "1GiB", "--write-only", "--quiet"])
+        .arg(root)
+        .assert()
+        .success();
+    let agents = ["coding-agent", "tool-agent", "memory-agent"];
+    let merged = root.join("merged");
+    let mut cmd = rlmerge();
+    cmd.args(["merge", "--quiet", "--method", "ram", "--base"])
+        .arg(root.join("base"));
+    for a in agents {
+        cmd.arg("--model").arg(root.join(a));
+    }
+    cmd.arg("-o").arg(&merged).assert().success();
+    let plots = root.join("plots");
+    let mut cmd = rlmerge();
+    cmd.args(["analyze", "--quiet", "--per-tensor", "--base"])
+        .arg(root.join("base"));
+    for a in agents {
+        cmd.arg("--model").arg(root.join(a));
+    }
+    cmd.arg("--merged").arg(&merged).arg("--plot").arg(&plots);
+    cmd.assert().success();
+    assert_eq!(
+        std::fs::read(merged.join("overlap.svg")).unwrap(),
+        std::fs::read(plots.join("overlap.svg")).unwrap()
+    );
+    for (figure, colours) in [
+        (
+            "overlap.svg",
+            (0..3).map(|k| colour(k, 3)).collect::<Vec<_>>(),
+        ),
+        ("layers.svg", (1..4).map(|t| colour(t, 4)).collect()),
+        ("lambda.svg", (1..4).map(|t| colour(t, 4)).collect()),
+        ("retention.svg", (0..3).map(|i| colour(i, 3)).collect()),
+    ] {
+        let pixmap = render(&plots.join(figure));
+        for c in colours {
+            assert!(pixels_of(&pixmap, &c) > 50, "{figure}: {c} not drawn");
+        }
+        for a in agents {
+            let svg = std::fs::read_to_string(plots.join(figure)).unwrap();
+            assert!(svg.contains(a), "{figure}: {a} not labelled");
+        }
     }
 }

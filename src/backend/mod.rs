@@ -99,6 +99,16 @@ pub trait Backend: Send + Sync {
     /// SPEC §2 over the tile into `out` (`tile.len × out_dtype.size()` bytes).
     fn merge(&self, tile: &Tile, params: &MergeParams, out: &mut [u8]) -> Result<()>;
 
+    /// [`Backend::merge`], returning also SPEC §1's counts of the same tile ([`Backend::probe`]'s
+    /// result) from the one read of its bytes: plain RAM reports what each agent changed without
+    /// a probe pass.
+    fn merge_counted(
+        &self,
+        tile: &Tile,
+        params: &MergeParams,
+        out: &mut [u8],
+    ) -> Result<TileCounts>;
+
     /// SPEC §4's generalized task-arithmetic rule over the tile into `out`.
     fn combine(&self, tile: &Tile, params: &CombineParams, out: &mut [u8]) -> Result<()>;
 }

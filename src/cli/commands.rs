@@ -324,13 +324,6 @@ fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
     let backend = compute.backend()?;
     let pass = compute.pass(backend.as_ref());
     let report = engine::probe_all(&inputs, backend.as_ref(), &pass, compute.show_progress())?;
-    if let Some(dir) = &args.plot {
-        for path in rlmerge::figures::write_all(&report, dir, args.per_tensor)? {
-            if !compute.quiet {
-                eprintln!("wrote {}", path.display());
-            }
-        }
-    }
     let retention = match &merged {
         Some(m) => Some(engine::retention(
             &inputs,
@@ -340,6 +333,15 @@ fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
         )?),
         None => None,
     };
+    if let Some(dir) = &args.plot {
+        let figures =
+            rlmerge::figures::write_all(&report, retention.as_ref(), dir, args.per_tensor)?;
+        for path in figures {
+            if !compute.quiet {
+                eprintln!("wrote {}", path.display());
+            }
+        }
+    }
     if args.json {
         let mut v = report.to_json(args.per_tensor);
         if let Some(r) = &retention {

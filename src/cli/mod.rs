@@ -204,7 +204,8 @@ pub struct AnalyzeArgs {
     pub merged: Option<PathBuf>,
     /// Write SVG figures into DIR: overlap.svg (each agent's changes by how many others made them
     /// too, the paper's Figure 1) and layers.svg (density and unique share per layer); with
-    /// --per-tensor also lambda.svg (λ per layer under ram+ --scope layer).
+    /// --per-tensor also lambda.svg (λ per layer under ram+ --scope layer); with --merged also
+    /// retention.svg (how much of each agent the merge kept, per region).
     #[arg(long, value_name = "DIR")]
     pub plot: Option<PathBuf>,
 }

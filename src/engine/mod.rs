@@ -2,7 +2,7 @@
 //! (whole model for global RAM+, per tensor for tensor scope) and the merge pass through a
 //! [`Backend`], and stream the merged bytes into the output checkpoint.
 
-use crate::backend::{Backend, CombineParams, MergeParams, Tile};
+use crate::backend::{Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::decode;
 use crate::checkpoint::folder_files::check_base_config;
 use crate::checkpoint::{CheckpointWriter, DType, ModelFolder, OutputFolder, OutputTensor};
@@ -38,7 +38,7 @@ mod tiles;
 use fisher::FisherInputs;
 use output::{check_finite_output, finish, pass_base};
 pub use probe::probe_all;
-use probe::probe_tensors;
+use probe::{probe_tensors, to_global};
 pub use retention::{retention, RegionSums, Retention, REGIONS};
 use scans::combine_spec;
 use tiles::{batches, par_tiles, progress_bar, whole_rows, TensorTiles, TileBuffers, TileLoop};
@@ -217,7 +217,12 @@ pub fn merge(
         let jobs = run
             .map(|index| pass.job(index))
             .collect::<Result<Vec<_>>>()?;
-        pass.merge_tiles(&jobs, &writer)?;
+        let counts = pass.merge_tiles(&jobs, &writer)?;
+        if let Some(scope) = &mut pass.counted {
+            for (job, counts) in jobs.iter().zip(counts) {
+                scope.add(TensorStats::new(job.plan, counts));
+            }
+        }
     }
     pass.bar.finish_and_clear();
     let shards = writer.finish()?;
@@ -246,6 +251,9 @@ struct MergePass<'a> {
     /// Tensor-scope RAM+: per tensor its λ, and the probe's counts (folded per module as they
     /// come: the report a merge gives is per module, see `ProbeReport::compact`).
     per_tensor: Option<TensorScope>,
+    /// Plain RAM: the counts its merge kernels gave with each tile (no probe pass), gathered as
+    /// tensor scope gathers its probes'.
+    counted: Option<TensorScope>,
 }
 
 /// Layer and module scope: λ per agent for each group, in the report's group order, with an index
@@ -255,12 +263,33 @@ struct GroupLambdas {
     index: BTreeMap<String, usize>,
 }
 
-/// What tensor-scope RAM+ gathers tensor by tensor.
+/// What tensor-scope RAM+ (and plain RAM, without λ) gathers tensor by tensor.
 #[derive(Default)]
 struct TensorScope {
     lambdas: Vec<(std::sync::Arc<str>, Vec<f64>)>,
     stats: Vec<TensorStats>,
     count: usize,
+}
+
+impl TensorScope {
+    /// One more tensor's counts, folded per module every few thousand tensors.
+    fn add(&mut self, stats: TensorStats) {
+        self.stats.push(stats);
+        self.count += 1;
+        if self.stats.len() >= 4096 {
+            self.stats = crate::report::compact(std::mem::take(&mut self.stats));
+        }
+    }
+
+    /// The report of the tensors gathered.
+    fn report(self, agents: Vec<String>, epsilon: f32) -> ProbeReport {
+        ProbeReport {
+            agents,
+            epsilon,
+            tensor_count: self.count,
+            tensors: crate::report::compact(self.stats),
+        }
+    }
 }
 
 /// What a merge found about each agent's λ: the record's per-agent lines and the report.
@@ -308,6 +337,7 @@ impl<'a> MergePass<'a> {
             global_lambdas,
             group_lambdas: None,
             per_tensor: per_tensor.then(TensorScope::default),
+            counted: matches!(options.method, Method::Ram { .. }).then(TensorScope::default),
         }
     }
 
@@ -389,16 +419,13 @@ impl<'a> MergePass<'a> {
         scope
             .lambdas
             .push((plan.base.entry.name.clone(), lambdas.clone()));
-        scope.stats.push(stats);
-        scope.count += 1;
-        if scope.stats.len() >= 4096 {
-            scope.stats = crate::report::compact(std::mem::take(&mut scope.stats));
-        }
+        scope.add(stats);
         Ok(lambdas)
     }
 
     /// One batch's tiles in one tile loop, so the workers wait for each other once per batch.
-    fn merge_tiles(&self, jobs: &[MergeJob], writer: &CheckpointWriter) -> Result<()> {
+    /// Plain RAM: returns each job's counts (global layout) from its merge kernels.
+    fn merge_tiles(&self, jobs: &[MergeJob], writer: &CheckpointWriter) -> Result<Vec<TileCounts>> {
         let tensors: Vec<TensorTiles> = jobs
             .iter()
             .map(|job| TensorTiles {
@@ -414,29 +441,55 @@ impl<'a> MergePass<'a> {
             progress: &self.bar,
             stride: 1,
         };
-        par_tiles(&how, &tensors, Vec::new, |out, j, i, start, tile| {
-            let job = &jobs[j];
-            let out_dtype = writer.dtype(job.index);
-            out.resize(tile.len * out_dtype.size(), 0);
-            let out = &mut out[..tile.len * out_dtype.size()];
-            self.merge_tile(job, tile, start, out_dtype, out)
-                .with_context(|| {
-                    format!("merge of tensor '{}' failed at tile {i}", job.plan.name())
-                })?;
-            check_finite_output(
-                tile,
-                out_dtype,
-                out,
-                job.plan.name(),
-                start,
-                !self.options.pass.scan_nonfinite,
-            )?;
-            writer.write_at(job.index, start * out_dtype.size() as u64, out)
-        })?;
-        Ok(())
+        let counting = self.counted.is_some();
+        let zeros = || -> Vec<TileCounts> {
+            jobs.iter()
+                .map(|job| TileCounts::zeros(if counting { job.present.len() } else { 0 }))
+                .collect()
+        };
+        let workers = par_tiles(
+            &how,
+            &tensors,
+            || (Vec::new(), zeros()),
+            |(out, counts), j, i, start, tile| {
+                let job = &jobs[j];
+                let out_dtype = writer.dtype(job.index);
+                out.resize(tile.len * out_dtype.size(), 0);
+                let out = &mut out[..tile.len * out_dtype.size()];
+                self.merge_tile(job, tile, start, out_dtype, out, &mut counts[j])
+                    .with_context(|| {
+                        format!("merge of tensor '{}' failed at tile {i}", job.plan.name())
+                    })?;
+                check_finite_output(
+                    tile,
+                    out_dtype,
+                    out,
+                    job.plan.name(),
+                    start,
+                    !self.options.pass.scan_nonfinite,
+                )?;
+                writer.write_at(job.index, start * out_dtype.size() as u64, out)
+            },
+        )?;
+        if !counting {
+            return Ok(Vec::new());
+        }
+        let mut local = zeros();
+        for (_, counts) in &workers {
+            for (l, c) in local.iter_mut().zip(counts) {
+                l.add(c);
+            }
+        }
+        let n = self.inputs.agents.len();
+        Ok(local
+            .iter()
+            .zip(jobs)
+            .map(|(local, job)| to_global(local, &job.present, n))
+            .collect())
     }
 
-    /// One tile of `job` (first element `start`) merged into `out`.
+    /// One tile of `job` (first element `start`) merged into `out`; plain RAM adds the tile's
+    /// counts to `counts`.
     fn merge_tile(
         &self,
         job: &MergeJob,
@@ -444,6 +497,7 @@ impl<'a> MergePass<'a> {
         start: u64,
         out_dtype: DType,
         out: &mut [u8],
+        counts: &mut TileCounts,
     ) -> Result<()> {
         match &job.rule {
             TileRule::Base => {
@@ -457,7 +511,12 @@ impl<'a> MergePass<'a> {
                     out_dtype,
                     shared: self.options.method.shared(),
                 };
-                self.backend.merge(tile, &params, out)
+                if self.counted.is_some() {
+                    counts.add(&self.backend.merge_counted(tile, &params, out)?);
+                    Ok(())
+                } else {
+                    self.backend.merge(tile, &params, out)
+                }
             }
             TileRule::Combine(spec) => {
                 let ranks = tile_ranks(tile, spec);
@@ -477,24 +536,20 @@ impl<'a> MergePass<'a> {
         }
     }
 
-    /// The probe report (global, or tensor scope's folded one) and the λ found.
+    /// The probe report (global, tensor scope's folded one, or plain RAM's counted one) and the
+    /// λ found.
     fn boost_report(self, global: Option<ProbeReport>) -> BoostReport {
         let agents = self.inputs.agent_labels();
         let epsilon = self.options.pass.epsilon;
-        match self.per_tensor {
-            Some(scope) => BoostReport {
-                report: Some(ProbeReport {
-                    agents,
-                    epsilon,
-                    tensor_count: scope.count,
-                    tensors: crate::report::compact(scope.stats),
-                }),
+        match (self.per_tensor, self.counted) {
+            (Some(mut scope), _) => BoostReport {
+                tensor_lambdas: Some(std::mem::take(&mut scope.lambdas)),
+                report: Some(scope.report(agents, epsilon)),
                 global_lambdas: self.global_lambdas,
-                tensor_lambdas: Some(scope.lambdas),
                 group_lambdas: None,
             },
-            None => BoostReport {
-                report: global,
+            (None, counted) => BoostReport {
+                report: global.or_else(|| counted.map(|c| c.report(agents, epsilon))),
                 global_lambdas: self.global_lambdas,
                 tensor_lambdas: None,
                 group_lambdas: self.group_lambdas.map(|g| g.ordered),

@@ -54,18 +54,20 @@ pub(super) fn probe_tensors(
             l.add(s);
         }
     }
-    // Spread the present agents' rows into the N-wide global layout.
     Ok(local
         .iter()
         .zip(&presents)
-        .map(|(local, present)| {
-            let mut global = TileCounts::zeros(n);
-            for (slot, &t) in present.iter().enumerate() {
-                global.hist[t * n..t * n + present.len()].copy_from_slice(local.row(slot));
-            }
-            global
-        })
+        .map(|(local, present)| to_global(local, present, n))
         .collect())
+}
+
+/// A tensor's counts over its present agents spread into the N-wide global layout.
+pub(super) fn to_global(local: &TileCounts, present: &[usize], n: usize) -> TileCounts {
+    let mut global = TileCounts::zeros(n);
+    for (slot, &t) in present.iter().enumerate() {
+        global.hist[t * n..t * n + present.len()].copy_from_slice(local.row(slot));
+    }
+    global
 }
 
 /// The whole-model probe (SPEC §1): counts per tensor, from which every report and λ derives.

@@ -97,13 +97,25 @@ impl Backend for CpuBackend {
     }
 
     fn merge(&self, tile: &Tile, params: &MergeParams, out: &mut [u8]) -> Result<()> {
-        let out_size = params.out_dtype.size();
-        debug_assert_eq!(out.len(), tile.len * out_size);
-        let n = tile.agents.len();
-        self.each_chunk(n, out, out_size, ChunkScratch::new, |s, start, out| {
-            merge_chunk(tile, params, start, out.len() / out_size, s, out)
-        });
+        self.merge_tile(tile, params, out, false);
         Ok(())
+    }
+
+    fn merge_counted(
+        &self,
+        tile: &Tile,
+        params: &MergeParams,
+        out: &mut [u8],
+    ) -> Result<TileCounts> {
+        let n = tile.agents.len();
+        if n > 32 {
+            // Masks of more agents do not fit the merge's u32 lanes: merge, then probe.
+            self.merge_tile(tile, params, out, false);
+            return self.probe(tile, params.epsilon);
+        }
+        Ok(self
+            .merge_tile(tile, params, out, true)
+            .unwrap_or_else(|| TileCounts::zeros(n)))
     }
 
     fn combine(&self, tile: &Tile, params: &CombineParams, out: &mut [u8]) -> Result<()> {
@@ -116,6 +128,7 @@ impl Backend for CpuBackend {
             out_size,
             || CombineScratch::new(n),
             |s, start, out| combine_chunk(tile, params, start, out.len() / out_size, s, out),
+            |(), ()| (),
         );
         Ok(())
     }
@@ -129,29 +142,69 @@ impl CpuBackend {
     }
 
     /// Runs `f(scratch, first element, out chunk)` over `out` in chunks of [`CHUNK`] elements of
-    /// `out_size` bytes: on the calling worker (with its kept buffers for `agents` agents), or
-    /// spread over the pool for a caller outside it.
-    fn each_chunk<S: 'static>(
+    /// `out_size` bytes — on the calling worker (with its kept buffers for `agents` agents), or
+    /// spread over the pool for a caller outside it — and folds the chunks' results with `add`.
+    fn each_chunk<S: 'static, R: Send + Default>(
         &self,
         agents: usize,
         out: &mut [u8],
         out_size: usize,
         init: impl Fn() -> S + Send + Sync,
-        f: impl Fn(&mut S, usize, &mut [u8]) + Send + Sync,
-    ) {
+        f: impl Fn(&mut S, usize, &mut [u8]) -> R + Send + Sync,
+        add: impl Fn(R, R) -> R + Send + Sync,
+    ) -> R {
         if self.on_worker() {
             with_scratch(agents, &init, |s| {
-                for (c, out) in out.chunks_mut(CHUNK * out_size).enumerate() {
-                    f(s, c * CHUNK, out);
-                }
-            });
+                out.chunks_mut(CHUNK * out_size)
+                    .enumerate()
+                    .fold(R::default(), |acc, (c, out)| add(acc, f(s, c * CHUNK, out)))
+            })
         } else {
             self.pool.install(|| {
                 out.par_chunks_mut(CHUNK * out_size)
                     .enumerate()
-                    .for_each_init(&init, |s, (c, out)| f(s, c * CHUNK, out));
-            });
+                    .map_init(&init, |s, (c, out)| f(s, c * CHUNK, out))
+                    .reduce(R::default, &add)
+            })
         }
+    }
+
+    /// SPEC §2 over the tile into `out`; with `count`, also SPEC §1's counts of the same elements.
+    fn merge_tile(
+        &self,
+        tile: &Tile,
+        params: &MergeParams,
+        out: &mut [u8],
+        count: bool,
+    ) -> Option<TileCounts> {
+        let out_size = params.out_dtype.size();
+        debug_assert_eq!(out.len(), tile.len * out_size);
+        let n = tile.agents.len();
+        self.each_chunk(
+            n,
+            out,
+            out_size,
+            ChunkScratch::new,
+            |s, start, out| {
+                let len = out.len() / out_size;
+                if count {
+                    merge_chunk_counted(tile, params, start, len, s, out);
+                    let mut counts = TileCounts::zeros(n);
+                    count_masks(&s.masks[..len], &mut s.patterns, &mut counts);
+                    Some(counts)
+                } else {
+                    merge_chunk(tile, params, start, len, s, out);
+                    None
+                }
+            },
+            |a: Option<TileCounts>, b| match (a, b) {
+                (Some(mut a), Some(b)) => {
+                    a.add(&b);
+                    Some(a)
+                }
+                (a, b) => a.or(b),
+            },
+        )
     }
 }
 
@@ -189,7 +242,7 @@ struct ProbeScratch {
     base: Vec<f32>,
     agent: Vec<f32>,
     masks: Vec<u64>,
-    patterns: Vec<u64>,
+    patterns: Vec<u32>,
 }
 
 impl ProbeScratch {
@@ -198,13 +251,13 @@ impl ProbeScratch {
             base: vec![0.0; CHUNK],
             agent: vec![0.0; CHUNK],
             masks: vec![0; CHUNK],
-            patterns: vec![0; 1 << PATTERN_TABLE_AGENTS],
+            patterns: vec![0; PATTERN_SLOTS],
         }
     }
 }
 
 /// Up to this many agents the probe counts mask patterns in a table of 2^n entries.
-const PATTERN_TABLE_AGENTS: usize = 10;
+const PATTERN_TABLE_AGENTS: usize = 8;
 
 /// Adds `hits` elements changed by exactly the agents in `mask` to the histogram.
 fn add_mask(counts: &mut TileCounts, mask: u64, hits: u64) {
@@ -238,24 +291,49 @@ multiversion! {
             }
         }
         let mut counts = TileCounts::zeros(n);
-        if n <= PATTERN_TABLE_AGENTS {
-            // Few agents: count each mask pattern once, then spread patterns into the histogram.
-            let patterns = &mut s.patterns[..1 << n];
-            patterns.fill(0);
-            for &m in masks.iter() {
-                patterns[m as usize] += 1;
-            }
-            for (m, &hits) in patterns.iter().enumerate().skip(1).filter(|(_, &h)| h != 0) {
-                add_mask(&mut counts, m as u64, hits);
-            }
-        } else {
-            for &m in masks.iter().filter(|&&m| m != 0) {
-                add_mask(&mut counts, m, 1);
-            }
-        }
+        count_masks(masks, &mut s.patterns, &mut counts);
         counts
     }
 }
+
+/// Adds each element's agent mask (bit t: agent t changed it) to the histogram: few agents count
+/// each mask pattern once (in four interleaved tables of 2^n entries — `patterns` holds
+/// [`PATTERN_SLOTS`] — so the increments of a run of equal masks, mostly 0, do not wait for each
+/// other), then spread the patterns; many agents add mask by mask.
+fn count_masks<M: Copy + Into<u64>>(masks: &[M], patterns: &mut [u32], counts: &mut TileCounts) {
+    let n = counts.agents;
+    if n <= PATTERN_TABLE_AGENTS {
+        let size = 1 << n;
+        let patterns = &mut patterns[..4 * size];
+        patterns.fill(0);
+        let (t0, rest) = patterns.split_at_mut(size);
+        let (t1, rest) = rest.split_at_mut(size);
+        let (t2, t3) = rest.split_at_mut(size);
+        let mut quads = masks.chunks_exact(4);
+        for q in &mut quads {
+            t0[q[0].into() as usize] += 1;
+            t1[q[1].into() as usize] += 1;
+            t2[q[2].into() as usize] += 1;
+            t3[q[3].into() as usize] += 1;
+        }
+        for &m in quads.remainder() {
+            t0[m.into() as usize] += 1;
+        }
+        for m in 1..size {
+            let hits = t0[m] + t1[m] + t2[m] + t3[m];
+            if hits != 0 {
+                add_mask(counts, m as u64, hits as u64);
+            }
+        }
+    } else {
+        for m in masks.iter().map(|&m| m.into()).filter(|&m| m != 0) {
+            add_mask(counts, m, 1);
+        }
+    }
+}
+
+/// Entries of a scratch's pattern tables: four of 2^[`PATTERN_TABLE_AGENTS`].
+const PATTERN_SLOTS: usize = 4 << PATTERN_TABLE_AGENTS;
 
 /// Per-worker buffers for one chunk of the merge.
 struct ChunkScratch {
@@ -267,6 +345,11 @@ struct ChunkScratch {
     result: Vec<f32>,
     /// Agents agreeing with the sign of Σ, per element (`--shared consensus`).
     agree: Vec<u32>,
+    /// A counted merge ([`Backend::merge_counted`]): each element's agent mask (u32, as the
+    /// counts that build it: more agents than 32 count with a probe), and the table
+    /// [`count_masks`] counts them in.
+    masks: Vec<u32>,
+    patterns: Vec<u32>,
 }
 
 impl ChunkScratch {
@@ -279,14 +362,14 @@ impl ChunkScratch {
             lambda: vec![0.0; CHUNK],
             result: vec![0.0; CHUNK],
             agree: vec![0; CHUNK],
+            masks: vec![0; CHUNK],
+            patterns: vec![0; PATTERN_SLOTS],
         }
     }
 }
 
 multiversion! {
-    /// SPEC §2 over elements `start..start + len` of the tile, in the spec's arithmetic order:
-    /// τ = a − b; Σ of active τ in agent order; c = 1 → b + λ·τ; c ≥ 2 → b + Σ/c (IEEE division:
-    /// the correctly rounded quotient); c = 0 → base bits.
+    /// SPEC §2 over elements `start..start + len` of the tile (see [`merge_chunk_body`]).
     fn merge_chunk(
         tile: &Tile,
         p: &MergeParams,
@@ -295,77 +378,118 @@ multiversion! {
         s: &mut ChunkScratch,
         out: &mut [u8],
     ) {
-        let in_size = tile.dtype.size();
-        let base = &mut s.base[..len];
-        let agent = &mut s.agent[..len];
-        let sum = &mut s.sum[..len];
-        let count = &mut s.count[..len];
-        let lambda = &mut s.lambda[..len];
-        let base_bytes = chunk_bytes(tile.base, start, len, in_size);
-        decode(tile.dtype, base_bytes, base);
-        sum.fill(0.0);
-        count.fill(0);
-        lambda.fill(-0.0);
-        for (t, bytes) in tile.agents.iter().enumerate() {
-            decode(tile.dtype, chunk_bytes(bytes, start, len, in_size), agent);
-            let lam_bits = p.lambdas[t].to_bits();
-            for ((((&a, &b), s), c), l) in agent
-                .iter()
-                .zip(base.iter())
-                .zip(sum.iter_mut())
-                .zip(count.iter_mut())
-                .zip(lambda.iter_mut())
-            {
-                let tau = a - b;
-                // All-ones where agent t is active: selects as bit masks so the loop vectorizes.
-                let m = ((tau.abs() > p.epsilon) as u32).wrapping_neg();
-                // Adding +0.0 leaves any sum of non-zero τ unchanged, so the masked add is exact.
-                *s += f32::from_bits(tau.to_bits() & m);
-                *c += m & 1;
-                // Σ of the active agents' λ, inactive ones adding −0.0 (x + −0.0 = x for every x):
-                // exactly λ_t where agent t alone is active, the only place it is used. An add,
-                // not a select into memory, which AVX2 would turn into a slow masked store.
-                *l += f32::from_bits((lam_bits & m) | (0x8000_0000 & !m));
-            }
-        }
-        if p.shared == SharedRule::Consensus {
-            consensus_in_shared_region(tile, p, start, len, s);
-        }
-        let (base, sum, count, lambda, result) = (
-            &s.base[..len],
-            &s.sum[..len],
-            &s.count[..len],
-            &s.lambda[..len],
-            &mut s.result[..len],
-        );
-        // step = λ·Σ for the single agent (c = 1), else the correctly rounded quotient Σ / c
-        // (SPEC §2: IEEE division, as the paper's script; the GPU computes the same quotient with
-        // integers, `method::div_by_count`); c = 0 keeps the base.
-        for (((r, &b), &s), (&c, &l)) in result
-            .iter_mut()
+        merge_chunk_body::<false>(tile, p, start, len, s, out)
+    }
+}
+
+multiversion! {
+    /// [`merge_chunk`], leaving each element's agent mask (SPEC §1) in `s.masks`.
+    fn merge_chunk_counted(
+        tile: &Tile,
+        p: &MergeParams,
+        start: usize,
+        len: usize,
+        s: &mut ChunkScratch,
+        out: &mut [u8],
+    ) {
+        merge_chunk_body::<true>(tile, p, start, len, s, out)
+    }
+}
+
+/// SPEC §2 over elements `start..start + len` of the tile, in the spec's arithmetic order:
+/// τ = a − b; Σ of active τ in agent order; c = 1 → b + λ·τ; c ≥ 2 → b + Σ/c (IEEE division:
+/// the correctly rounded quotient); c = 0 → base bits. With `MASKS`, each element's agent mask
+/// is left in `s.masks` too (bit t: agent t changed it), from the same comparisons.
+#[inline(always)]
+fn merge_chunk_body<const MASKS: bool>(
+    tile: &Tile,
+    p: &MergeParams,
+    start: usize,
+    len: usize,
+    s: &mut ChunkScratch,
+    out: &mut [u8],
+) {
+    let in_size = tile.dtype.size();
+    let base = &mut s.base[..len];
+    let agent = &mut s.agent[..len];
+    let sum = &mut s.sum[..len];
+    let count = &mut s.count[..len];
+    let lambda = &mut s.lambda[..len];
+    let masks = &mut s.masks[..len];
+    let base_bytes = chunk_bytes(tile.base, start, len, in_size);
+    decode(tile.dtype, base_bytes, base);
+    sum.fill(0.0);
+    count.fill(0);
+    lambda.fill(-0.0);
+    // Each active agent adds `bit` to the element's count: 1, or with MASKS its own bit 1 << t,
+    // so the count holds the agent mask until the popcount below makes it a count.
+    for (t, bytes) in tile.agents.iter().enumerate() {
+        decode(tile.dtype, chunk_bytes(bytes, start, len, in_size), agent);
+        let lam_bits = p.lambdas[t].to_bits();
+        let bit = if MASKS { 1u32 << t } else { 1 };
+        for ((((&a, &b), s), c), l) in agent
+            .iter()
             .zip(base.iter())
-            .zip(sum.iter())
-            .zip(count.iter().zip(lambda.iter()))
+            .zip(sum.iter_mut())
+            .zip(count.iter_mut())
+            .zip(lambda.iter_mut())
         {
-            let single = ((c == 1) as u32).wrapping_neg();
-            let step = f32::from_bits(((s * l).to_bits() & single) | ((s / c as f32).to_bits() & !single));
-            let merged = (b + step).to_bits();
-            let keep_base = ((c == 0) as u32).wrapping_neg();
-            *r = f32::from_bits((b.to_bits() & keep_base) | (merged & !keep_base));
+            let tau = a - b;
+            // All-ones where agent t is active: selects as bit masks so the loop vectorizes.
+            let m = ((tau.abs() > p.epsilon) as u32).wrapping_neg();
+            // Adding +0.0 leaves any sum of non-zero τ unchanged, so the masked add is exact.
+            *s += f32::from_bits(tau.to_bits() & m);
+            *c += m & bit;
+            // Σ of the active agents' λ, inactive ones adding −0.0 (x + −0.0 = x for every x):
+            // exactly λ_t where agent t alone is active, the only place it is used. An add, not
+            // a select into memory, which AVX2 would turn into a slow masked store.
+            *l += f32::from_bits((lam_bits & m) | (0x8000_0000 & !m));
         }
-        encode(p.out_dtype, result, out);
-        // c = 0: the base's bits pass through untouched. decode→encode already returns them for every
-        // value but a signalling NaN of a 16-bit type (the encoder quiets it), so only NaN chunks need this.
-        let has_nan = base.iter().fold(false, |acc, b| acc | b.is_nan());
-        if p.out_dtype == tile.dtype && in_size == 2 && has_nan {
-            for ((o, bb), &c) in out
-                .chunks_exact_mut(2)
-                .zip(base_bytes.chunks_exact(2))
-                .zip(count.iter())
-            {
-                if c == 0 {
-                    o.copy_from_slice(bb);
-                }
+    }
+    if MASKS {
+        for (mask, c) in masks.iter_mut().zip(count.iter_mut()) {
+            *mask = *c;
+            *c = c.count_ones();
+        }
+    }
+    if p.shared == SharedRule::Consensus {
+        consensus_in_shared_region(tile, p, start, len, s);
+    }
+    let (base, sum, count, lambda, result) = (
+        &s.base[..len],
+        &s.sum[..len],
+        &s.count[..len],
+        &s.lambda[..len],
+        &mut s.result[..len],
+    );
+    // step = λ·Σ for the single agent (c = 1), else the correctly rounded quotient Σ / c
+    // (SPEC §2: IEEE division, as the paper's script; the GPU computes the same quotient with
+    // integers, `method::div_by_count`); c = 0 keeps the base.
+    for (((r, &b), &s), (&c, &l)) in result
+        .iter_mut()
+        .zip(base.iter())
+        .zip(sum.iter())
+        .zip(count.iter().zip(lambda.iter()))
+    {
+        let single = ((c == 1) as u32).wrapping_neg();
+        let step =
+            f32::from_bits(((s * l).to_bits() & single) | ((s / c as f32).to_bits() & !single));
+        let merged = (b + step).to_bits();
+        let keep_base = ((c == 0) as u32).wrapping_neg();
+        *r = f32::from_bits((b.to_bits() & keep_base) | (merged & !keep_base));
+    }
+    encode(p.out_dtype, result, out);
+    // c = 0: the base's bits pass through untouched. decode→encode already returns them for every
+    // value but a signalling NaN of a 16-bit type (the encoder quiets it), so only NaN chunks need this.
+    let has_nan = base.iter().fold(false, |acc, b| acc | b.is_nan());
+    if p.out_dtype == tile.dtype && in_size == 2 && has_nan {
+        for ((o, bb), &c) in out
+            .chunks_exact_mut(2)
+            .zip(base_bytes.chunks_exact(2))
+            .zip(count.iter())
+        {
+            if c == 0 {
+                o.copy_from_slice(bb);
             }
         }
     }
@@ -432,7 +556,7 @@ mod tests {
     /// Both probe paths (pattern table for few agents, per-bit loop for many) against a naive count.
     #[test]
     fn probe_counts_match_a_naive_count_for_few_and_many_agents() {
-        for n in [1usize, 3, 10, 11, 13] {
+        for n in [1usize, 3, 8, 9, 13] {
             let len = CHUNK * 2 + 77;
             let mut rng = SplitMix64::new(n as u64);
             let base: Vec<f32> = (0..len).map(|i| i as f32 * 0.001).collect();
@@ -470,6 +594,32 @@ mod tests {
                 }
             }
             assert_eq!(got, want, "n = {n}");
+            // A counted merge: the same counts, and the bytes of the plain merge — on a tile
+            // worker (its chunks in turn) and from outside the pool (chunks spread).
+            let lambdas: Vec<f32> = (0..n).map(|t| 1.0 + t as f32 / 8.0).collect();
+            let params = MergeParams {
+                epsilon: 1e-5,
+                lambdas: &lambdas,
+                out_dtype: DType::F32,
+                shared: SharedRule::Mean,
+            };
+            let backend = CpuBackend::new(2).unwrap();
+            let mut plain = vec![0u8; len * 4];
+            backend.merge(&tile, &params, &mut plain).unwrap();
+            let mut counted = vec![0u8; len * 4];
+            let counts = backend.merge_counted(&tile, &params, &mut counted).unwrap();
+            assert_eq!((counts, &counted), (want.clone(), &plain), "n = {n}");
+            let on_worker = std::sync::Mutex::new(None);
+            backend.run_workers(&|| {
+                let mut out = vec![0u8; len * 4];
+                let counts = backend.merge_counted(&tile, &params, &mut out).unwrap();
+                *on_worker.lock().unwrap() = Some((counts, out));
+            });
+            assert_eq!(
+                on_worker.into_inner().unwrap(),
+                Some((want, plain)),
+                "n = {n}"
+            );
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Chunk buffers: two slots that alternate so the upload and dispatch of one chunk overlap the
 //! readback of the other, and the loop that runs a tile through them chunk by chunk.
 
-use super::kernels::Kernel;
+use super::kernels::{Kernel, KernelResult};
 use super::layout::{chunk_params, Comb, Params, WORKGROUP};
 use super::{GpuBackend, GPU_MAX_AGENTS, GPU_MAX_TABLE_AGENTS};
 use crate::backend::{ranges, Tile};
@@ -93,8 +93,8 @@ impl GpuBackend {
             let hist = storage("hist", 4 * (n * n) as u64, dst | result);
             let readback = d.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("readback"),
-                // Holds a chunk's merged output or the probe histogram, whichever is larger.
-                size: (words * 4).max(4 * (n * n) as u64),
+                // Holds a chunk's merged output and the probe histogram, one after the other.
+                size: words * 4 + 4 * (n * n) as u64,
                 usage: wgpu::BufferUsages::MAP_READ | dst,
                 mapped_at_creation: false,
             });
@@ -301,26 +301,51 @@ impl GpuBackend {
         unreachable!("the loop returns or fails in its second round")
     }
 
-    /// Waits for submission `index` (a chunk) and hands the first `bytes` bytes of its result,
-    /// in `buffer`, to `take`.
+    /// Waits for submission `index` (a chunk) and hands its results to `take`: per part, `bytes`
+    /// bytes from `offset` of `buffer` — parts of one buffer (the readback copy) or each in its
+    /// own (mapped results).
     pub(super) fn read_back(
         &self,
-        buffer: &wgpu::Buffer,
-        bytes: u64,
+        parts: &[(&wgpu::Buffer, u64, u64)],
         index: wgpu::SubmissionIndex,
         what: &str,
-        take: impl FnOnce(&[u8]),
+        take: impl FnOnce(&[&[u8]]),
     ) -> Result<()> {
-        let slice = buffer.slice(..bytes);
+        let one_buffer = parts.iter().all(|(b, _, _)| std::ptr::eq(*b, parts[0].0));
+        // The slices mapped: the span of every part where they share a buffer, else each part.
+        let maps: Vec<(&wgpu::Buffer, u64, u64)> = if one_buffer {
+            let end = parts.iter().map(|(_, o, n)| o + n).max().unwrap_or(0);
+            vec![(parts[0].0, 0, end)]
+        } else {
+            parts.to_vec()
+        };
+        let slices: Vec<wgpu::BufferSlice> =
+            maps.iter().map(|(b, o, n)| b.slice(*o..o + n)).collect();
         let waited = Instant::now();
-        self.map_wait(&[slice], wgpu::MapMode::Read, Some(index), what)?;
+        self.map_wait(&slices, wgpu::MapMode::Read, Some(index), what)?;
         let copied = Instant::now();
-        let view = slice
-            .get_mapped_range()
+        let views = slices
+            .iter()
+            .map(|s| s.get_mapped_range())
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|e| anyhow!("reading the GPU {what} result failed: {e}"))?;
-        take(&view);
-        drop(view);
-        buffer.unmap();
+        let bytes: Vec<&[u8]> = parts
+            .iter()
+            .enumerate()
+            .map(|(i, (_, offset, n))| {
+                if one_buffer {
+                    &views[0][*offset as usize..(offset + n) as usize]
+                } else {
+                    &views[i][..]
+                }
+            })
+            .collect();
+        take(&bytes);
+        drop(bytes);
+        drop(views);
+        for (b, _, _) in &maps {
+            b.unmap();
+        }
         self.add_time(|t| {
             t.wait += copied - waited;
             t.readback += copied.elapsed();
@@ -329,8 +354,8 @@ impl GpuBackend {
     }
 
     /// Runs `kernel` over the tile chunk by chunk, two chunks in flight; `finish(chunk_start,
-    /// chunk_len, bytes)` receives each chunk's readback. `(eps, shared)` go into the uniforms
-    /// (`Params::eps`, `Params::shared_rule`).
+    /// chunk_len, results)` receives each chunk's readback, one slice per [`Kernel::results`].
+    /// `(eps, shared)` go into the uniforms (`Params::eps`, `Params::shared_rule`).
     pub(super) fn run_chunks(
         &self,
         tile: &Tile,
@@ -338,7 +363,7 @@ impl GpuBackend {
         (eps, shared): (f32, u32),
         prepare: impl Fn(&Slot, usize, usize) -> Result<()>,
         kernel: Kernel,
-        mut finish: impl FnMut(usize, usize, &[u8]),
+        mut finish: impl FnMut(usize, usize, &[&[u8]]),
     ) -> Result<()> {
         let n = tile.agents.len();
         ensure!(n >= 1, "no agents in the tile");
@@ -351,28 +376,15 @@ impl GpuBackend {
         let buffers = guard.as_mut().expect("buffers were just ensured");
         let mut last = std::mem::take(&mut buffers.last);
         let buffers = &*buffers;
-        let readback_bytes = |len: usize| -> u64 {
-            match kernel {
-                Kernel::Probe => (4 * n * n) as u64,
-                Kernel::Merge | Kernel::Combine => (len * out_dt.size()).div_ceil(4) as u64 * 4,
-            }
-        };
-        // Where a slot's result is read: the result buffer itself when mapped, else its copy.
-        fn result_of(slot: &Slot, kernel: Kernel, mapped: bool) -> (&wgpu::Buffer, &wgpu::Buffer) {
-            let result = match kernel {
-                Kernel::Probe => &slot.hist,
-                Kernel::Merge | Kernel::Combine => &slot.out,
-            };
-            (result, if mapped { result } else { &slot.readback })
-        }
+        let mapped = self.ctx.mapped;
+        let parts = |slot, len| result_parts(slot, kernel, n, len * out_dt.size());
+        let read_from = |slot, len| read_parts(slot, &parts(slot, len), mapped);
         // Waits for a submitted chunk's results and hands them on.
         let mut drain =
             |(slot, start, len, index): (usize, usize, usize, wgpu::SubmissionIndex)| {
                 let what = format!("{} of chunk at element {start}", kernel.name());
-                let (_, read) = result_of(&buffers.slots[slot], kernel, self.ctx.mapped);
-                self.read_back(read, readback_bytes(len), index, &what, |b| {
-                    finish(start, len, b)
-                })
+                let read = read_from(&buffers.slots[slot], len);
+                self.read_back(&read, index, &what, |b| finish(start, len, b))
             };
         // (slot, start, len, submission) submitted but not yet read back
         let mut pending = None;
@@ -384,19 +396,28 @@ impl GpuBackend {
             self.upload(slot, tile, start, &params, last[i % 2].take())
                 .with_context(|| format!("chunk at element {start}"))?;
             let submitted = Instant::now();
-            let (pipeline, group) = match kernel {
-                Kernel::Probe => (&self.ctx.probe_pipeline, &slot.probe_group),
-                Kernel::Merge => (&self.ctx.merge_pipeline, &slot.merge_group),
-                Kernel::Combine => (&self.ctx.combine_pipeline, &slot.combine_group),
-            };
             let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
-            if let Kernel::Probe = kernel {
+            if kernel.results().contains(&KernelResult::Hist) {
                 encoder.clear_buffer(&slot.hist, 0, None);
             }
-            self.dispatch(&mut encoder, pipeline, group, &params);
-            let (result, read) = result_of(slot, kernel, self.ctx.mapped);
-            if !self.ctx.mapped {
-                encoder.copy_buffer_to_buffer(result, 0, read, 0, readback_bytes(len));
+            for (pipeline, group) in match kernel {
+                Kernel::Probe => vec![(&self.ctx.probe_pipeline, &slot.probe_group)],
+                Kernel::Merge => vec![(&self.ctx.merge_pipeline, &slot.merge_group)],
+                // The probe reads the chunk the merge read, from the same buffers.
+                Kernel::MergeCounted => vec![
+                    (&self.ctx.merge_pipeline, &slot.merge_group),
+                    (&self.ctx.probe_pipeline, &slot.probe_group),
+                ],
+                Kernel::Combine => vec![(&self.ctx.combine_pipeline, &slot.combine_group)],
+            } {
+                self.dispatch(&mut encoder, pipeline, group, &params);
+            }
+            if !mapped {
+                for ((result, bytes), (read, offset, _)) in
+                    parts(slot, len).into_iter().zip(read_from(slot, len))
+                {
+                    encoder.copy_buffer_to_buffer(result, 0, read, offset, bytes);
+                }
             }
             let index = self.ctx.queue.submit(Some(encoder.finish()));
             last[i % 2] = Some(index.clone());
@@ -416,6 +437,45 @@ impl GpuBackend {
         guard.as_mut().expect("buffers were just ensured").last = last;
         Ok(())
     }
+}
+
+/// Where each of `kernel`'s results is in `slot`, and its bytes (`out_bytes` of merged output,
+/// padded to a word; the histogram of `n` agents).
+fn result_parts(
+    slot: &Slot,
+    kernel: Kernel,
+    n: usize,
+    out_bytes: usize,
+) -> Vec<(&wgpu::Buffer, u64)> {
+    kernel
+        .results()
+        .iter()
+        .map(|r| match r {
+            KernelResult::Hist => (&slot.hist, (4 * n * n) as u64),
+            KernelResult::Out => (&slot.out, out_bytes.div_ceil(4) as u64 * 4),
+        })
+        .collect()
+}
+
+/// Where the host reads each result: in place where buffers are mapped, else from the slot's
+/// readback copy, one after another.
+fn read_parts<'a>(
+    slot: &'a Slot,
+    parts: &[(&'a wgpu::Buffer, u64)],
+    mapped: bool,
+) -> Vec<(&'a wgpu::Buffer, u64, u64)> {
+    let mut offset = 0;
+    parts
+        .iter()
+        .map(|&(result, bytes)| {
+            if mapped {
+                (result, 0, bytes)
+            } else {
+                offset += bytes;
+                (&slot.readback, offset - bytes, bytes)
+            }
+        })
+        .collect()
 }
 
 /// Floats the coefficient buffer holds: a row per element of a chunk (+1 for a row straddling its

@@ -11,15 +11,35 @@ use anyhow::{ensure, Result};
 pub(super) enum Kernel {
     Probe,
     Merge,
+    /// The merge, then the probe over the same uploaded chunk.
+    MergeCounted,
     Combine,
+}
+
+/// What a kernel leaves for the host to read back.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum KernelResult {
+    /// The merged chunk in the output dtype.
+    Out,
+    /// The probe's histogram, n² u32.
+    Hist,
 }
 
 impl Kernel {
     pub(super) fn name(self) -> &'static str {
         match self {
             Kernel::Probe => "probe",
-            Kernel::Merge => "merge",
+            Kernel::Merge | Kernel::MergeCounted => "merge",
             Kernel::Combine => "combine",
+        }
+    }
+
+    /// Its results, in the order the host receives them.
+    pub(super) fn results(self) -> &'static [KernelResult] {
+        match self {
+            Kernel::Probe => &[KernelResult::Hist],
+            Kernel::Merge | Kernel::Combine => &[KernelResult::Out],
+            Kernel::MergeCounted => &[KernelResult::Out, KernelResult::Hist],
         }
     }
 }
@@ -123,7 +143,8 @@ impl GpuBackend {
                 Ok(())
             },
             Kernel::Combine,
-            |start, len, bytes| {
+            |start, len, results| {
+                let bytes = results[0];
                 out[start * size..(start + len) * size].copy_from_slice(&bytes[..len * size])
             },
         )

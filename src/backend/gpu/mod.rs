@@ -103,23 +103,14 @@ impl Backend for GpuBackend {
     }
 
     fn probe(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts> {
-        let n = tile.agents.len();
-        let mut counts = TileCounts::zeros(n);
+        let mut counts = TileCounts::zeros(tile.agents.len());
         self.run_chunks(
             tile,
             tile.dtype,
             (epsilon, wgsl::SHARED_MEAN),
             |_, _, _| Ok(()),
             Kernel::Probe,
-            |_, _, bytes| {
-                for (h, w) in counts
-                    .hist
-                    .iter_mut()
-                    .zip(bytemuck::cast_slice::<u8, u32>(bytes))
-                {
-                    *h += *w as u64;
-                }
-            },
+            |_, _, results| add_hist(&mut counts, results[0]),
         )?;
         Ok(counts)
     }
@@ -129,6 +120,44 @@ impl Backend for GpuBackend {
     }
 
     fn merge(&self, tile: &Tile, params: &MergeParams, out: &mut [u8]) -> Result<()> {
+        let mut unused = TileCounts::zeros(0);
+        self.merge_tile(tile, params, out, Kernel::Merge, &mut unused)
+    }
+
+    fn merge_counted(
+        &self,
+        tile: &Tile,
+        params: &MergeParams,
+        out: &mut [u8],
+    ) -> Result<TileCounts> {
+        let mut counts = TileCounts::zeros(tile.agents.len());
+        self.merge_tile(tile, params, out, Kernel::MergeCounted, &mut counts)?;
+        Ok(counts)
+    }
+}
+
+/// Adds a chunk's probe histogram (n² u32) to the tile's counts.
+fn add_hist(counts: &mut TileCounts, bytes: &[u8]) {
+    for (h, w) in counts
+        .hist
+        .iter_mut()
+        .zip(bytemuck::cast_slice::<u8, u32>(bytes))
+    {
+        *h += *w as u64;
+    }
+}
+
+impl GpuBackend {
+    /// SPEC §2 over the tile into `out` with `kernel` (`Merge`, or `MergeCounted`, whose
+    /// histograms are added to `counts`).
+    fn merge_tile(
+        &self,
+        tile: &Tile,
+        params: &MergeParams,
+        out: &mut [u8],
+        kernel: Kernel,
+        counts: &mut TileCounts,
+    ) -> Result<()> {
         let lambdas = bytemuck::cast_slice::<f32, u8>(params.lambdas).to_vec();
         let q = &self.ctx.queue;
         let size = params.out_dtype.size();
@@ -146,9 +175,12 @@ impl Backend for GpuBackend {
                 q.write_buffer(&slot.lambdas, 0, &lambdas);
                 Ok(())
             },
-            Kernel::Merge,
-            |start, len, bytes| {
-                out[start * size..(start + len) * size].copy_from_slice(&bytes[..len * size])
+            kernel,
+            |start, len, results| {
+                out[start * size..(start + len) * size].copy_from_slice(&results[0][..len * size]);
+                if let Some(hist) = results.get(1) {
+                    add_hist(counts, hist);
+                }
             },
         )
     }

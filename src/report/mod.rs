@@ -2,6 +2,8 @@
 //! histogram "changed and shared with k other agents", ρ_t and λ_t under each rule — globally, per
 //! module and per tensor, as text tables or JSON.
 
+pub mod retention;
+
 use crate::backend::TileCounts;
 use crate::inputs::TensorPlan;
 use crate::method::settings::layer_index;
