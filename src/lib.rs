@@ -5,6 +5,7 @@
 //! → `backend` (the math over one tile) → `checkpoint::writer` (shards, atomic output).
 
 pub mod backend;
+pub mod cancel;
 pub mod checkpoint;
 pub mod demo;
 pub mod engine;

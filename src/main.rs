@@ -1,6 +1,5 @@
 mod cli;
 
-use clap::Parser;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -16,26 +15,9 @@ fn main() -> ExitCode {
         eprintln!("error: interrupted; nothing was written at the output path");
         std::process::exit(130);
     });
-    let cli = cli::Cli::parse();
-    match cli::run(cli) {
-        Ok(()) => ExitCode::SUCCESS,
-        // A closed pipe (`rlmerge analyze | head`) is the reader's choice, not a failure.
-        Err(err)
-            if err
-                .chain()
-                .filter_map(|e| e.downcast_ref::<std::io::Error>())
-                .any(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
-        {
-            ExitCode::SUCCESS
-        }
-        Err(err) => {
-            // Names read from files may hold control characters: they are shown escaped.
-            eprintln!("error: {}", rlmerge::error::printable(&format!("{err:#}")));
-            if rlmerge::error::is_usage(&err) {
-                ExitCode::from(2)
-            } else {
-                ExitCode::from(1)
-            }
-        }
+    let (code, error) = cli::run_args(std::env::args_os(), &mut std::io::stdout().lock());
+    if let Some(message) = error {
+        eprintln!("{message}");
     }
+    ExitCode::from(code)
 }

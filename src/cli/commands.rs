@@ -3,7 +3,7 @@
 
 use super::{
     AnalyzeArgs, Cli, Command, ComputeArgs, DemoArgs, DeviceChoice, InputArgs, MergeArgs,
-    OutputArgs, RunArgs, VerifyArgs,
+    MethodsArgs, OutputArgs, RunArgs, VerifyArgs,
 };
 use anyhow::{Context, Result};
 use rlmerge::backend::cpu::CpuBackend;
@@ -101,12 +101,13 @@ fn warn_all(warnings: &[String]) {
     }
 }
 
-pub fn run(cli: Cli) -> Result<()> {
-    let mut out = std::io::stdout().lock();
+/// Runs the command, its output (tables, JSON, summaries) into `out`; warnings, progress and
+/// notes go to stderr.
+pub fn run(cli: Cli, mut out: &mut dyn Write) -> Result<()> {
     match cli.command {
         Command::Merge(args) => run_merge(&args, &mut out),
         Command::Run(args) => run_recipe(&args, &mut out),
-        Command::Methods => run_methods(&mut out),
+        Command::Methods(args) => run_methods(&args, &mut out),
         Command::Analyze(args) => run_analyze(&args, &mut out),
         Command::Demo(args) => run_demo(&args, &mut out),
         Command::Devices => run_devices(&mut out),
@@ -268,7 +269,39 @@ fn merge_job(
     print_lambdas(out, &summary.record)
 }
 
-fn run_methods(out: &mut impl Write) -> Result<()> {
+fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
+    let scope_name = |p: &rlmerge::method::catalog::Param| match p.scope {
+        rlmerge::method::catalog::Scope::Shared => "shared",
+        rlmerge::method::catalog::Scope::PerModel => "per model",
+    };
+    if args.json {
+        let methods: Vec<serde_json::Value> = Kind::ALL
+            .iter()
+            .map(|kind| {
+                let params: Vec<serde_json::Value> = kind
+                    .params()
+                    .iter()
+                    .map(|p| {
+                        serde_json::json!({
+                            "name": p.name,
+                            "scope": scope_name(p),
+                            "default": p.default.text(p.range),
+                            "range": p.range.text(),
+                            "about": p.about,
+                        })
+                    })
+                    .collect();
+                serde_json::json!({
+                    "name": kind.name(),
+                    "about": kind.about(),
+                    "reference": kind.reference(),
+                    "parameters": params,
+                })
+            })
+            .collect();
+        writeln!(out, "{}", serde_json::to_string_pretty(&methods)?)?;
+        return Ok(());
+    }
     for kind in Kind::ALL {
         writeln!(
             out,
@@ -278,10 +311,7 @@ fn run_methods(out: &mut impl Write) -> Result<()> {
             kind.reference()
         )?;
         for p in kind.params() {
-            let scope = match p.scope {
-                rlmerge::method::catalog::Scope::Shared => "shared",
-                rlmerge::method::catalog::Scope::PerModel => "per model",
-            };
+            let scope = scope_name(p);
             writeln!(
                 out,
                 "    {:<16} {:<10} default {:<16} {:<26} {}",

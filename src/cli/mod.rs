@@ -1,12 +1,61 @@
-//! The command line: argument definitions (clap lives here, in the binary, and nowhere in the
-//! library). Each flag becomes library data in [`commands`]: method flags a
+//! The command line: argument definitions (clap lives here, in the front ends — the binary and
+//! the Python extension, `python/src/lib.rs`, which compiles this same module — and nowhere in
+//! the library). Each flag becomes library data in [`commands`]: method flags a
 //! [`rlmerge::job::MethodFlags`], compute flags a backend and an [`rlmerge::engine::Pass`].
 //!
-//! Exit codes: 0 success, 1 the merge/analysis failed (bad input, I/O), 2 usage error.
+//! Exit codes: 0 success, 1 the merge/analysis failed (bad input, I/O), 2 usage error, 130
+//! interrupted.
 
 mod commands;
 
 pub use commands::run;
+
+/// What a command's result means for the user: the exit code, and the one-line error to print
+/// (`error: …`, names read from files escaped) unless it succeeded.
+pub fn outcome(result: anyhow::Result<()>) -> (u8, Option<String>) {
+    match result {
+        Ok(()) => (0, None),
+        // A closed pipe (`rlmerge analyze | head`) is the reader's choice, not a failure.
+        Err(err)
+            if err
+                .chain()
+                .filter_map(|e| e.downcast_ref::<std::io::Error>())
+                .any(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            (0, None)
+        }
+        Err(err) => {
+            let message = format!("error: {}", rlmerge::error::printable(&format!("{err:#}")));
+            let code = if rlmerge::cancel::is_interrupted(&err) {
+                130
+            } else if rlmerge::error::is_usage(&err) {
+                2
+            } else {
+                1
+            };
+            (code, Some(message))
+        }
+    }
+}
+
+/// Parses `args` (the program name first) and runs the command, its output into `out`: the exit
+/// code and the error line, as [`outcome`]. Help and version requests print and succeed; bad
+/// arguments give clap's message and exit code 2.
+pub fn run_args<I, T>(args: I, out: &mut dyn std::io::Write) -> (u8, Option<String>)
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    use clap::Parser;
+    match Cli::try_parse_from(args) {
+        Ok(cli) => outcome(run(cli, out)),
+        Err(e) if !e.use_stderr() => {
+            let _ = write!(out, "{}", e.render());
+            (0, None)
+        }
+        Err(e) => (2, Some(e.render().to_string().trim_end().to_string())),
+    }
+}
 
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -35,7 +84,7 @@ pub enum Command {
     /// Run a mergekit YAML recipe (its model names must be local folders).
     Run(RunArgs),
     /// List every merge method with its parameters, defaults and reference.
-    Methods,
+    Methods(MethodsArgs),
     /// Probe the task vectors: what each agent changed, what is shared, ρ_t and λ_t.
     Analyze(AnalyzeArgs),
     /// Write a small built-in example (a base and three agents), analyze it and merge it with RAM+.
@@ -44,6 +93,13 @@ pub enum Command {
     Devices,
     /// Check a merged folder against the checksums its record holds (outputs and inputs).
     Verify(VerifyArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct MethodsArgs {
+    /// Print JSON on stdout instead of the table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]

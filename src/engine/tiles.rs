@@ -199,9 +199,13 @@ pub(super) fn par_tiles<S: Send>(
                 finite_only: scan_nonfinite,
                 spread: false,
             };
-            let done = buffers.visit(&read, (start, len), |tile| {
-                visit(&mut state, j, i, start as u64, tile)
-            });
+            let done = crate::cancel::check()
+                .map_err(anyhow::Error::from)
+                .and_then(|()| {
+                    buffers.visit(&read, (start, len), |tile| {
+                        visit(&mut state, j, i, start as u64, tile)
+                    })
+                });
             match done {
                 Ok(()) => {
                     progress.inc((len * plan.base.entry.dtype.size() * (1 + present.len())) as u64)

@@ -121,12 +121,12 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let raw = read_yaml(text)?;
     refuse_unsupported(&raw, text)?;
-    let kind = Kind::from_name(&raw.merge_method).with_context(|| {
-        format!(
+    let kind = Kind::from_name(&raw.merge_method).ok_or_else(|| {
+        usage(format!(
             "unknown merge_method '{}' (line {}); `rlmerge methods` lists them",
             raw.merge_method,
             line_of(text, "merge_method")
-        )
+        ))
     })?;
     let Listed {
         mut entries,

@@ -1,0 +1,236 @@
+"""rlmerge: merge RL-trained LLM agents that share a base model into one checkpoint.
+
+The functions here run the rlmerge library in this process (no subprocess): the same code,
+checks and exit rules as the ``rlmerge`` command, whose one-line error becomes the message of a
+:class:`MergeError` (a :class:`UsageError`, also a ``ValueError``, for a bad request). The GIL is
+released while a merge runs, and Ctrl-C stops it cleanly: nothing is left at the output path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from ._rlmerge import __version__
+from ._rlmerge import call as _call
+
+__all__ = [
+    "MergeError",
+    "UsageError",
+    "merge",
+    "run",
+    "analyze",
+    "verify",
+    "methods",
+    "__version__",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: The record a merge writes into its output folder.
+RECORD_FILE = "rlmerge_record.json"
+
+
+class MergeError(Exception):
+    """A merge, analysis or check failed (bad input, I/O); the message is the command's error."""
+
+
+class UsageError(MergeError, ValueError):
+    """The request itself is wrong (unknown method or parameter, bad path, value out of range)."""
+
+
+def _cli(args: Sequence[str], capture: bool = True) -> str:
+    """Runs the rlmerge command line with ``args``; its output, or the error raised."""
+    code, output, error = _call([str(a) for a in args], capture)
+    if code == 0:
+        return output
+    message = (error or "failed").splitlines()[0]
+    if message.startswith("error: "):
+        message = message[len("error: "):]
+    if code == 2:
+        raise UsageError(message)
+    if code == 130:
+        raise KeyboardInterrupt(message)
+    raise MergeError(message)
+
+
+def _where(name: PathLike) -> str:
+    """A model as the command takes it: an existing path made absolute, else as given."""
+    text = os.fspath(name)
+    return os.path.abspath(text) if os.path.exists(text) else text
+
+
+def _compute_args(device: str, quiet: bool, threads: int = 0) -> List[str]:
+    args = ["--device", device]
+    if threads:
+        args += ["--threads", str(threads)]
+    if quiet:
+        args.append("--quiet")
+    return args
+
+
+def _output_args(out: PathLike, force: bool, out_dtype: Optional[str],
+                 shard_size: Optional[str]) -> List[str]:
+    args = ["-o", os.fspath(out)]
+    if force:
+        args.append("--force")
+    if out_dtype is not None:
+        args += ["--out-dtype", out_dtype]
+    if shard_size is not None:
+        args += ["--shard-size", str(shard_size)]
+    return args
+
+
+def _summary(out: PathLike) -> Dict[str, Any]:
+    """What a merge wrote, from its record: method, λ per agent, shards and checksums."""
+    with open(os.path.join(os.fspath(out), RECORD_FILE), encoding="utf-8") as f:
+        record = json.load(f)
+    record["out"] = os.path.abspath(os.fspath(out))
+    record["shards"] = [o["file"] for o in record.get("outputs", [])
+                        if o["file"].endswith(".safetensors")]
+    return record
+
+
+def _split_params(models: Sequence[str], params: Mapping[str, Any],
+                  given: Sequence[PathLike]) -> tuple:
+    """Recipe parameters: scalars for every model; a list (one value per model) or a dict
+    (model → value) per model. A value that is itself a list is a mergekit gradient."""
+    shared: Dict[str, Any] = {}
+    per_model: List[Dict[str, Any]] = [{} for _ in models]
+    for key, value in params.items():
+        if isinstance(value, Mapping):
+            names = {}
+            for i, m in enumerate(given):
+                for alias in {os.fspath(m), models[i], os.path.basename(os.fspath(m).rstrip("/"))}:
+                    names.setdefault(alias, i)
+            for name, v in value.items():
+                if os.fspath(name) not in names:
+                    raise UsageError(
+                        f"parameter {key!r} names {name!r}, which is not one of the models merged")
+                per_model[names[os.fspath(name)]][key] = v
+        elif isinstance(value, (list, tuple)):
+            if len(value) != len(models):
+                raise UsageError(
+                    f"parameter {key!r} has {len(value)} values for {len(models)} models "
+                    "(a list gives one value per model; a gradient goes per model)")
+            for i, v in enumerate(value):
+                per_model[i][key] = v
+        else:
+            shared[key] = value
+    return shared, per_model
+
+
+def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out: Optional[PathLike] = None,
+          *, device: str = "auto", quiet: bool = True, force: bool = False,
+          out_dtype: Optional[str] = None, shard_size: Optional[str] = None, threads: int = 0,
+          **params: Any) -> Dict[str, Any]:
+    """Merges ``models`` (agents fine-tuned from ``base``) with ``method`` into the folder ``out``.
+
+    Parameters are keywords as in a mergekit recipe: ``density=0.5``, ``rule="official"``; a
+    list gives one value per model (``weight=[0.7, 0.3]``), a dict names models
+    (``weight={"coder": 0.7, "tools": 0.3}``). ``device`` is ``"auto"``, ``"cpu"`` or ``"gpu"``.
+    Returns the merge's record as a dict (method, λ per agent, input and output checksums) with
+    ``out`` and the ``shards`` written. Raises :class:`MergeError` (:class:`UsageError` for a bad
+    request); nothing is left at ``out`` when it fails.
+    """
+    if out is None:
+        raise UsageError("merge needs out=, the folder to write the merged model into")
+    if isinstance(models, (str, bytes, os.PathLike)):
+        raise UsageError("models must be a list of folders, not one path")
+    wheres = [_where(m) for m in models]
+    shared, per_model = _split_params(wheres, params, list(models))
+    recipe: Dict[str, Any] = {
+        "merge_method": method,
+        "base_model": _where(base),
+        "models": [{"model": m, "parameters": p} if p else {"model": m}
+                   for m, p in zip(wheres, per_model)],
+    }
+    if shared:
+        recipe["parameters"] = shared
+    # The recipe goes through the same reader and checks as `rlmerge run`.
+    fd, path = tempfile.mkstemp(prefix="rlmerge-recipe-", suffix=".yml")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(_yaml(recipe))
+        try:
+            _cli(["run", path, *_compute_args(device, quiet, threads),
+                  *_output_args(out, force, out_dtype, shard_size)])
+        except MergeError as e:
+            # The recipe is this call's keywords: its file name would only confuse.
+            message = str(e).replace(f"recipe {path}: ", "")
+            raise type(e)(message) from None
+    finally:
+        os.unlink(path)
+    return _summary(out)
+
+
+def _yaml(value: Any, indent: int = 0) -> str:
+    """A recipe as mergekit-style block YAML (keys as written, values as JSON flow scalars and
+    lists, which YAML reads as they are), so errors can name its lines."""
+    pad = " " * indent
+    lines = []
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if isinstance(v, Mapping) or (isinstance(v, list) and v and isinstance(v[0], Mapping)):
+                lines.append(f"{pad}{k}:")
+                lines.append(_yaml(v, indent + 2))
+            else:
+                lines.append(f"{pad}{k}: {json.dumps(v)}")
+    else:
+        for item in value:
+            body = _yaml(item, indent + 2).lstrip()
+            lines.append(f"{pad}- {body}")
+    return "\n".join(lines)
+
+
+def run(recipe: PathLike, out: PathLike, *, device: str = "auto", quiet: bool = True,
+        force: bool = False, out_dtype: Optional[str] = None, shard_size: Optional[str] = None,
+        threads: int = 0) -> Dict[str, Any]:
+    """Runs a mergekit YAML recipe into ``out``, as ``rlmerge run``; returns what :func:`merge`
+    returns."""
+    _cli(["run", os.fspath(recipe), *_compute_args(device, quiet, threads),
+          *_output_args(out, force, out_dtype, shard_size)])
+    return _summary(out)
+
+
+def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False, *,
+            merged: Optional[PathLike] = None, plot: Optional[PathLike] = None,
+            epsilon: Optional[float] = None, device: str = "auto", quiet: bool = True,
+            threads: int = 0) -> Dict[str, Any]:
+    """What each agent changed (the data of ``rlmerge analyze --json``): density, unique and
+    shared counts, ρ and λ per agent, by module and tensor with ``per_tensor``; with ``merged``,
+    the retention of each agent in that merged folder; with ``plot``, SVG figures written there.
+    """
+    if isinstance(models, (str, bytes, os.PathLike)):
+        raise UsageError("models must be a list of folders, not one path")
+    args = ["analyze", "--json", "--base", _where(base)]
+    for m in models:
+        args += ["--model", _where(m)]
+    if per_tensor:
+        args.append("--per-tensor")
+    if merged is not None:
+        args += ["--merged", os.fspath(merged)]
+    if plot is not None:
+        args += ["--plot", os.fspath(plot)]
+    if epsilon is not None:
+        args += ["--epsilon", repr(float(epsilon))]
+    return json.loads(_cli(args + _compute_args(device, quiet, threads)))
+
+
+def verify(dir: PathLike, against: bool = False, *, device: str = "auto") -> Dict[str, Any]:
+    """Checks a merged folder against its record (every checksum, the structure); with
+    ``against``, recomputes the merge from the recorded inputs and compares the bytes. Returns
+    ``{"path", "ok": True, "report"}``; raises :class:`MergeError` naming what differs."""
+    args = ["verify", os.fspath(dir), "--device", device]
+    if against:
+        args.append("--against")
+    report = _cli(args)
+    return {"path": os.path.abspath(os.fspath(dir)), "ok": True, "report": report.strip()}
+
+
+def methods() -> List[Dict[str, Any]]:
+    """Every merge method: name, description, reference and parameters (scope, default, range)."""
+    return json.loads(_cli(["methods", "--json"]))

@@ -1,0 +1,215 @@
+"""The Python package: the API merges, analyzes, verifies and lists methods through the same
+library as the command; errors are MergeError/UsageError with the command's message and leave
+nothing behind; the pip-installed command equals the cargo-built binary byte for byte."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import rlmerge
+from conftest import cargo_binary, pip_command
+
+
+def folder_bytes(path: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.suffix == ".safetensors"}
+
+
+def test_merge_returns_the_record_and_verifies(demo, tmp_path):
+    root, base, agents = demo
+    out = tmp_path / "merged"
+    summary = rlmerge.merge(base, agents, out=out)
+    assert summary["out"] == str(out)
+    assert summary["method"]["method"] == "ram+"
+    lambdas = [a["lambda"] for a in summary["agents"]]
+    assert len(lambdas) == 3 and all(1.0 <= l <= 1.2 for l in lambdas), lambdas
+    assert summary["shards"] == ["model.safetensors"]
+    assert all("crc32" in o for o in summary["outputs"])
+    assert (out / "overlap.svg").exists()
+    result = rlmerge.verify(out)
+    assert result["ok"] and "verified" in result["report"]
+
+
+def test_api_and_command_give_the_same_bytes(demo, tmp_path):
+    """The API (a recipe from keywords) and both commands (flags) write the same tensors."""
+    root, base, agents = demo
+    for method, params, flags in [
+        ("ram+", {}, []),
+        ("ram", {"shared": "consensus"}, ["--shared", "consensus"]),
+        ("ties", {"density": 0.5, "weight": [0.7, 0.2, 0.1]}, None),
+    ]:
+        api = tmp_path / f"api-{method}"
+        rlmerge.merge(base, agents, method=method, out=api, device="cpu", **params)
+        outputs = [folder_bytes(api)]
+        if flags is not None:
+            for binary in (pip_command(), cargo_binary()):
+                out = tmp_path / f"cli-{method}-{len(outputs)}"
+                cmd = [binary, "merge", "-q", "--device", "cpu", "--method", method,
+                       "--base", str(base), "-o", str(out), *flags]
+                for a in agents:
+                    cmd += ["--model", str(a)]
+                subprocess.run(cmd, check=True)
+                outputs.append(folder_bytes(out))
+        assert all(o == outputs[0] for o in outputs), method
+        assert outputs[0], method
+
+
+def test_pip_command_equals_cargo_binary(demo, tmp_path):
+    """Same bytes out, same output and exit codes, from the pip-installed command and the binary."""
+    root, base, agents = demo
+    recipe = tmp_path / "recipe.yml"
+    recipe.write_text(
+        "merge_method: ties\n"
+        f"base_model: {base}\n"
+        "parameters:\n  density: 0.4\n"
+        "models:\n" + "".join(f"  - model: {a}\n    parameters:\n      weight: 0.5\n" for a in agents)
+    )
+    results = []
+    for i, binary in enumerate((pip_command(), cargo_binary())):
+        out = tmp_path / f"run-{i}"
+        subprocess.run([binary, "run", str(recipe), "-q", "-o", str(out)], check=True)
+        analyze = subprocess.run([binary, "analyze", "--json", "-q", "--base", str(base),
+                                  "--model", str(agents[0]), "--model", str(agents[1])],
+                                 check=True, capture_output=True, text=True).stdout
+        bad = subprocess.run([binary, "merge", "--bogus"], capture_output=True, text=True)
+        missing = subprocess.run([binary, "merge", "-q", "--base", str(base), "--model",
+                                  str(tmp_path / "nowhere"), "-o", str(tmp_path / f"x{i}")],
+                                 capture_output=True, text=True)
+        results.append((folder_bytes(out), analyze, bad.returncode, missing.returncode,
+                        missing.stderr))
+    assert results[0] == results[1]
+    assert results[0][2:4] == (2, 1)
+
+
+def test_analyze_is_the_commands_json(demo):
+    root, base, agents = demo
+    report = rlmerge.analyze(base, agents, per_tensor=True, device="cpu")
+    cli = subprocess.run([cargo_binary(), "analyze", "--json", "--per-tensor", "-q", "--device",
+                          "cpu", "--base", str(base)] + sum((["--model", str(a)] for a in agents), []),
+                         check=True, capture_output=True, text=True).stdout
+    assert report == json.loads(cli)
+    assert [a["agent"] for a in report["agents"]] == [str(a) for a in agents]
+
+
+def test_analyze_retention_and_plots(demo, tmp_path):
+    root, base, agents = demo
+    merged = tmp_path / "ta"
+    rlmerge.merge(base, agents, method="task_arithmetic", out=merged, weight=0.5)
+    report = rlmerge.analyze(base, agents, merged=merged, plot=tmp_path / "plots")
+    for a in report["retention"]["agents"]:
+        assert abs(a["unique"]["retention"] - 0.5) < 0.05, a
+    names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert names == ["layers.svg", "overlap.svg", "retention.svg"]
+
+
+def test_methods_lists_every_method_with_its_parameters():
+    methods = {m["name"]: m for m in rlmerge.methods()}
+    assert {"ram", "ram+", "ties", "della", "slerp"} <= set(methods)
+    ram_plus = {p["name"]: p for p in methods["ram+"]["parameters"]}
+    assert {"rule", "scope", "shared", "epsilon"} <= set(ram_plus)
+    assert ram_plus["scope"]["default"] == "global"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(method="nope"), rlmerge.UsageError, ["unknown merge_method 'nope'"]),
+        (dict(method="ties", weight=1, density=2.0), rlmerge.UsageError, ["density", "[0, 1]"]),
+        (dict(method="ties", weight=[1, 2]), rlmerge.UsageError, ["2 values for 3 models"]),
+        (dict(method="ties", weight={"stranger": 1}), rlmerge.UsageError, ["stranger"]),
+        (dict(method="ram", device="tpu"), rlmerge.UsageError, ["tpu"]),
+        (dict(method="ram", scope="layer"), rlmerge.UsageError, ["scope"]),
+    ],
+)
+def test_bad_requests_raise_usage_errors_and_write_nothing(demo, tmp_path, kwargs, error, words):
+    root, base, agents = demo
+    out = tmp_path / "out"
+    with pytest.raises(error) as info:
+        rlmerge.merge(base, agents, out=out, **kwargs)
+    assert isinstance(info.value, ValueError)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    assert not str(info.value).startswith("error:")
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_failures_raise_merge_error_naming_the_problem(demo, tmp_path):
+    root, base, agents = demo
+    with pytest.raises(rlmerge.MergeError) as info:
+        rlmerge.merge(base, [tmp_path / "missing-agent"], out=tmp_path / "out")
+    assert "missing-agent" in str(info.value)
+    assert not isinstance(info.value, ValueError) or isinstance(info.value, rlmerge.UsageError)
+    assert not (tmp_path / "out").exists()
+    # A merge into an existing folder it did not write: refused, the folder untouched.
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("mine")
+    with pytest.raises(rlmerge.UsageError):
+        rlmerge.merge(base, agents, out=keep, force=True)
+    assert (keep / "notes.txt").read_text() == "mine"
+    with pytest.raises(rlmerge.MergeError, match="nothing-here"):
+        rlmerge.verify(tmp_path / "nothing-here")
+
+
+@pytest.fixture(scope="module")
+def big_demo(tmp_path_factory):
+    """A 64 MiB example, so a merge runs long enough to be seen running."""
+    root = tmp_path_factory.mktemp("big")
+    subprocess.run([pip_command(), "demo", str(root), "--write-only", "--quiet",
+                    "--model-size", "64MiB"], check=True)
+    return root, root / "base", [root / a for a in ("coding-agent", "tool-agent", "memory-agent")]
+
+
+def test_the_gil_is_released_while_merging(big_demo, tmp_path):
+    root, base, agents = big_demo
+    span = {}
+
+    def work():
+        span["start"] = time.monotonic()
+        rlmerge.merge(base, agents, method="della", out=tmp_path / "m", device="cpu",
+                      threads=1, weight=1, density=0.5)
+        span["end"] = time.monotonic()
+
+    t = threading.Thread(target=work)
+    ticks = []
+    t.start()
+    while t.is_alive():
+        ticks.append(time.monotonic())
+        time.sleep(0.001)
+    t.join()
+    assert "end" in span, "the merge failed"
+    inside = [x for x in ticks if span["start"] + 0.05 < x < span["end"] - 0.05]
+    assert span["end"] - span["start"] > 0.2
+    assert len(inside) > 10, "Python code could not run while the merge ran"
+
+
+def test_ctrl_c_stops_a_merge_and_leaves_nothing(big_demo, tmp_path):
+    root, base, agents = big_demo
+    parent = tmp_path / "outs"
+    parent.mkdir()
+    script = (
+        "import sys, rlmerge\n"
+        f"rlmerge.merge({str(base)!r}, {[str(a) for a in agents]!r}, method='della', "
+        f"out={str(parent / 'merged')!r}, device='cpu', threads=1, weight=1, density=0.5)\n"
+        "print('finished')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(parent.iterdir()) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the merge ended before it could be interrupted"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0, stdout
+    assert "KeyboardInterrupt" in stderr, stderr
+    assert "finished" not in stdout
+    assert sorted(os.listdir(parent)) == [], "a scratch or output folder was left"
