@@ -44,6 +44,23 @@ fn xml(text: &str) -> String {
         .replace('"', "&quot;")
 }
 
+/// A figure's opening: the 900-pixel-wide canvas `height` high, white, text of `font_size`, and
+/// its title at (20, y).
+fn svg_start(height: f64, font_size: u32, (y, title): (u32, &str)) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="900" height="{height}" viewBox="0 0 900 {height}" font-family="sans-serif" font-size="{font_size}">"#
+    );
+    let _ = writeln!(s, r#"<rect width="900" height="{height}" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="20" y="{y}" font-size="16">{}</text>"#,
+        xml(title)
+    );
+    s
+}
+
 /// The short name of an agent: its folder's last component.
 fn label(agent: &str) -> String {
     Path::new(agent)
@@ -59,15 +76,13 @@ pub fn overlap(report: &ProbeReport) -> String {
     let (left, bar_w, row_h, top) = (230.0, 640.0, 44.0, 56.0);
     let legend_rows = n.div_ceil(8);
     let height = top + row_h * n as f64 + 30.0 + 22.0 * legend_rows as f64;
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="900" height="{height}" viewBox="0 0 900 {height}" font-family="sans-serif" font-size="13">"#
-    );
-    let _ = writeln!(s, r#"<rect width="900" height="{height}" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="20" y="28" font-size="16">Changed elements of each agent, by how many other agents changed them too</text>"#
+    let mut s = svg_start(
+        height,
+        13,
+        (
+            28,
+            "Changed elements of each agent, by how many other agents changed them too",
+        ),
     );
     for t in 0..n {
         let row = total.row(t);
@@ -190,17 +205,7 @@ fn line_chart(
     let x_of = |i: usize| left + (right - left) * (i as f64 + 0.5) / groups as f64;
     let span = (range.1 - range.0).max(1e-12);
     let y_of = |v: f64| bottom - (bottom - top) * ((v - range.0) / span).clamp(0.0, 1.0);
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="900" height="{height}" viewBox="0 0 900 {height}" font-family="sans-serif" font-size="11">"#
-    );
-    let _ = writeln!(s, r#"<rect width="900" height="{height}" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="20" y="26" font-size="16">{}</text>"#,
-        xml(title)
-    );
+    let mut s = svg_start(height, 11, (26, title));
     let _ = writeln!(
         s,
         r##"<path d="M{left} {top} V{bottom} H{right}" stroke="#444" fill="none"/>"##
@@ -281,17 +286,11 @@ pub fn retention(r: &Retention) -> String {
         .fold(1.0f64, f64::max);
     let x_of = |v: f64| left + (right - left) * (v / max).clamp(0.0, 1.0);
     let height = top + row_h * n as f64 + 40.0;
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="900" height="{height}" viewBox="0 0 900 {height}" font-family="sans-serif" font-size="11">"#
+    let title = format!(
+        "Retention r = Σ (θ_out − θ₀)·τ / Σ τ² of each agent in {}",
+        label(&r.merged)
     );
-    let _ = writeln!(s, r#"<rect width="900" height="{height}" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="20" y="26" font-size="16">Retention r = Σ (θ_out − θ₀)·τ / Σ τ² of each agent in {}</text>"#,
-        xml(&label(&r.merged))
-    );
+    let mut s = svg_start(height, 11, (26, &title));
     for (i, region) in REGIONS.iter().enumerate() {
         let x = left + 110.0 * i as f64;
         let _ = writeln!(

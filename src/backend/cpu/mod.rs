@@ -187,13 +187,12 @@ impl CpuBackend {
             ChunkScratch::new,
             |s, start, out| {
                 let len = out.len() / out_size;
+                merge_chunk(tile, params, start, len, s, out, count);
                 if count {
-                    merge_chunk_counted(tile, params, start, len, s, out);
                     let mut counts = TileCounts::zeros(n);
                     count_masks(&s.masks[..len], &mut s.patterns, &mut counts);
                     Some(counts)
                 } else {
-                    merge_chunk(tile, params, start, len, s, out);
                     None
                 }
             },
@@ -369,7 +368,8 @@ impl ChunkScratch {
 }
 
 multiversion! {
-    /// SPEC §2 over elements `start..start + len` of the tile (see [`merge_chunk_body`]).
+    /// SPEC §2 over elements `start..start + len` of the tile (see [`merge_chunk_body`]); with
+    /// `masks`, each element's agent mask (SPEC §1) is left in `s.masks`.
     fn merge_chunk(
         tile: &Tile,
         p: &MergeParams,
@@ -377,22 +377,13 @@ multiversion! {
         len: usize,
         s: &mut ChunkScratch,
         out: &mut [u8],
+        masks: bool,
     ) {
-        merge_chunk_body::<false>(tile, p, start, len, s, out)
-    }
-}
-
-multiversion! {
-    /// [`merge_chunk`], leaving each element's agent mask (SPEC §1) in `s.masks`.
-    fn merge_chunk_counted(
-        tile: &Tile,
-        p: &MergeParams,
-        start: usize,
-        len: usize,
-        s: &mut ChunkScratch,
-        out: &mut [u8],
-    ) {
-        merge_chunk_body::<true>(tile, p, start, len, s, out)
+        if masks {
+            merge_chunk_body::<true>(tile, p, start, len, s, out)
+        } else {
+            merge_chunk_body::<false>(tile, p, start, len, s, out)
+        }
     }
 }
 
