@@ -12,6 +12,7 @@ pub mod engine;
 pub mod error;
 pub mod figures;
 pub mod hash;
+pub mod hub;
 pub mod inputs;
 pub mod job;
 pub mod method;

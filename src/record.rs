@@ -29,7 +29,20 @@ pub struct AgentSummary {
 pub struct InputChecksums {
     /// The folder, resolved to an absolute path.
     pub path: PathBuf,
+    /// `org/name@commit` where the folder is a Hugging Face cache snapshot (a model named by Hub
+    /// id): a rerun or `verify --against` elsewhere names the same snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hub_id: Option<String>,
     pub files: Vec<FileChecksum>,
+}
+
+/// How the model card names an input: a Hub snapshot by its id (`org/name` in the front matter,
+/// `org/name@commit` in the text), a folder by its path.
+fn card_name(path: &str) -> (String, String) {
+    match crate::hub::id_of_snapshot(std::path::Path::new(path)) {
+        Some(id) => (id.split('@').next().unwrap_or(&id).to_string(), id),
+        None => (path.to_string(), path.to_string()),
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -101,9 +114,9 @@ pub fn write(dir: &Path, record: &MergeRecord) -> Result<()> {
 pub fn model_card(r: &MergeRecord) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "---\nbase_model:");
-    let _ = writeln!(s, "- {}", yaml_str(&r.base));
+    let _ = writeln!(s, "- {}", yaml_str(&card_name(&r.base).0));
     for a in &r.agents {
-        let _ = writeln!(s, "- {}", yaml_str(&a.path));
+        let _ = writeln!(s, "- {}", yaml_str(&card_name(&a.path).0));
     }
     let _ = writeln!(
         s,
@@ -144,7 +157,7 @@ pub fn model_card(r: &MergeRecord) -> String {
             );
         }
     }
-    let _ = writeln!(s, "## Inputs\n\n- base: `{}`", r.base);
+    let _ = writeln!(s, "## Inputs\n\n- base: `{}`", card_name(&r.base).1);
     for (t, a) in r.agents.iter().enumerate() {
         let lambda = match (a.lambda, &r.method) {
             (_, Method::Combine(_)) => "parameters in the record".into(),
@@ -161,7 +174,12 @@ pub fn model_card(r: &MergeRecord) -> String {
             ),
             None => String::new(),
         };
-        let _ = writeln!(s, "- agent {}: `{}` — {lambda}{counts}", t + 1, a.path);
+        let _ = writeln!(
+            s,
+            "- agent {}: `{}` — {lambda}{counts}",
+            t + 1,
+            card_name(&a.path).1
+        );
     }
     if r.outputs.iter().any(|f| f.file == OVERLAP_FIGURE) {
         let _ = writeln!(

@@ -129,6 +129,9 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
           **params: Any) -> Dict[str, Any]:
     """Merges ``models`` (agents fine-tuned from ``base``) with ``method`` into the folder ``out``.
 
+    ``base`` and each model are folders or Hugging Face Hub ids (``org/name``,
+    ``org/name@revision``), taken from the HF cache or downloaded into it.
+
     Parameters are keywords as in a mergekit recipe: ``density=0.5``, ``rule="official"``; a
     list gives one value per model (``weight=[0.7, 0.3]``), a dict names models
     (``weight={"coder": 0.7, "tools": 0.3}``). ``device`` is ``"auto"``, ``"cpu"`` or ``"gpu"``.

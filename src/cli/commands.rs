@@ -23,7 +23,14 @@ impl InputArgs {
     /// The base and agent folders given with --base and --model.
     fn folders(&self) -> Result<(PathBuf, Vec<PathBuf>)> {
         match (&self.base, self.models.is_empty()) {
-            (Some(b), false) => Ok((b.clone(), self.models.clone())),
+            // A name that is no path but a Hub id (org/name[@revision]): the cache's snapshot,
+            // downloaded first unless HF_HUB_OFFLINE.
+            (Some(b), false) => {
+                let progress = std::io::stderr().is_terminal();
+                let locate = |p: &PathBuf| rlmerge::hub::locate(p, progress);
+                let models = self.models.iter().map(locate).collect::<Result<_>>()?;
+                Ok((locate(b)?, models))
+            }
             _ => Err(usage(
                 "give the models with --base DIR and --model DIR (repeat for each agent), or a recipe with --config",
             )),

@@ -81,7 +81,7 @@ pub struct Cli {
 pub enum Command {
     /// Merge agents fine-tuned from one base into a new Hugging Face folder.
     Merge(MergeArgs),
-    /// Run a mergekit YAML recipe (its model names must be local folders).
+    /// Run a mergekit YAML recipe (models as folders or Hugging Face Hub ids).
     Run(RunArgs),
     /// List every merge method with its parameters, defaults and reference.
     Methods(MethodsArgs),
@@ -131,11 +131,12 @@ pub enum DeviceChoice {
 /// Inputs and compute options shared by `merge` and `analyze`.
 #[derive(Args, Debug)]
 pub struct InputArgs {
-    /// The base model folder all agents were fine-tuned from.
-    #[arg(long, value_name = "DIR")]
+    /// The base model all agents were fine-tuned from: a folder, or a Hugging Face Hub id
+    /// (org/name or org/name@revision) taken from the HF cache or downloaded into it.
+    #[arg(long, value_name = "DIR|ID")]
     pub base: Option<PathBuf>,
-    /// An agent model folder (repeat for each agent).
-    #[arg(long = "model", value_name = "DIR")]
+    /// An agent model, folder or Hub id (repeat for each agent).
+    #[arg(long = "model", value_name = "DIR|ID")]
     pub models: Vec<PathBuf>,
     #[command(flatten)]
     pub compute: ComputeArgs,

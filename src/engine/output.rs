@@ -115,8 +115,10 @@ pub(super) fn finish(
     let input_sums = std::iter::once(&inputs.base)
         .chain(&inputs.agents)
         .map(|m| {
+            let path = std::fs::canonicalize(&m.dir).unwrap_or_else(|_| m.dir.clone());
             Ok(InputChecksums {
-                path: std::fs::canonicalize(&m.dir).unwrap_or_else(|_| m.dir.clone()),
+                hub_id: crate::hub::id_of_snapshot(&path),
+                path,
                 files: m.checksums()?,
             })
         })

@@ -70,7 +70,7 @@ struct SliceSource {
 /// relative to the recipe's folder.
 fn local_folder(reference: &str, recipe_dir: &Path) -> Result<PathBuf> {
     if reference.trim().is_empty() {
-        bail!("a model reference is empty (`model:` needs a folder)");
+        bail!("a model reference is empty (`model:` needs a folder or a Hub id)");
     }
     if reference.contains('+') && !Path::new(reference).exists() {
         bail!("model '{reference}': LoRA references (model+lora) are not supported yet");
@@ -83,9 +83,14 @@ fn local_folder(reference: &str, recipe_dir: &Path) -> Result<PathBuf> {
     if beside.is_dir() {
         return Ok(beside);
     }
+    if crate::hub::ModelId::parse(reference).is_some() {
+        return crate::hub::locate(
+            &direct,
+            std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        );
+    }
     bail!(
-        "model '{reference}' is not a local folder (looked in {} and {}); rlmerge does not download \
-         models: put the Hugging Face folder on disk and name its path",
+        "model '{reference}' is not a local folder (looked in {} and {}) nor a Hub id (org/name)",
         std::env::current_dir().map_or_else(|_| ".".into(), |d| d.display().to_string()),
         recipe_dir.display()
     )

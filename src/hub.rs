@@ -1,0 +1,297 @@
+//! Models named by Hugging Face Hub id (`org/name`, `org/name@revision`) wherever a model is
+//! named. A path that exists is a folder; otherwise an id is looked up in the local Hugging Face
+//! cache — `HF_HUB_CACHE`, else `HF_HOME/hub`, else `~/.cache/huggingface/hub`, in the layout the
+//! official client writes (`models--org--name/refs/<rev>` → `snapshots/<commit>/`) — and, unless
+//! `HF_HUB_OFFLINE` is set, downloaded into that same cache with the `hf-hub` crate: only the
+//! files a merge needs, honouring `HF_TOKEN` and `HF_ENDPOINT`. A snapshot folder names its id
+//! and commit ([`id_of_snapshot`]), which the merge record keeps.
+
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+
+/// The Hub's address unless `HF_ENDPOINT` says otherwise.
+pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
+
+/// A model id with the revision asked for (`main` when none).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelId {
+    pub org: String,
+    pub name: String,
+    pub revision: String,
+}
+
+impl ModelId {
+    /// `org/name` or `org/name@revision`; `None` for anything else (a path).
+    pub fn parse(text: &str) -> Option<ModelId> {
+        let (repo, revision) = match text.split_once('@') {
+            Some((repo, rev)) => (repo, rev),
+            None => (text, "main"),
+        };
+        let (org, name) = repo.split_once('/')?;
+        let part = |p: &str| {
+            !p.is_empty()
+                && p != "."
+                && p != ".."
+                && !p.starts_with('-')
+                && p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        };
+        let rev_ok = !revision.is_empty()
+            && !revision.split('/').any(|s| s.is_empty() || s == "..")
+            && revision
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'));
+        (part(org) && part(name) && rev_ok).then(|| ModelId {
+            org: org.into(),
+            name: name.into(),
+            revision: revision.into(),
+        })
+    }
+
+    /// `org/name`.
+    pub fn repo(&self) -> String {
+        format!("{}/{}", self.org, self.name)
+    }
+
+    /// The repository's folder in the cache.
+    pub fn cache_folder(&self, cache: &Path) -> PathBuf {
+        cache.join(format!("models--{}--{}", self.org, self.name))
+    }
+}
+
+impl std::fmt::Display for ModelId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}@{}", self.org, self.name, self.revision)
+    }
+}
+
+/// The Hugging Face cache: `HF_HUB_CACHE`, else `HF_HOME/hub`, else `~/.cache/huggingface/hub`.
+pub fn cache_dir() -> PathBuf {
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    if let Some(dir) = var("HF_HUB_CACHE") {
+        return dir;
+    }
+    if let Some(home) = var("HF_HOME") {
+        return home.join("hub");
+    }
+    var("HOME")
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join(".cache")
+        .join("huggingface")
+        .join("hub")
+}
+
+/// Whether `HF_HUB_OFFLINE` forbids downloads (1, true, yes, on — as the Python client reads it).
+pub fn offline() -> bool {
+    std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "1" | "true" | "yes" | "on"
+        )
+    })
+}
+
+fn is_commit(rev: &str) -> bool {
+    rev.len() == 40 && rev.chars().all(|c| c.is_ascii_hexdigit())
+}
+
+/// Whether a snapshot folder holds weights (a download may have stopped before them).
+fn has_weights(dir: &Path) -> bool {
+    dir.join("model.safetensors").is_file() || dir.join("model.safetensors.index.json").is_file()
+}
+
+/// The cached snapshot of `id` (its folder and commit), if the cache has one with weights.
+pub fn cached(id: &ModelId, cache: &Path) -> Option<(PathBuf, String)> {
+    let repo = id.cache_folder(cache);
+    let commit = if is_commit(&id.revision) {
+        id.revision.to_ascii_lowercase()
+    } else {
+        std::fs::read_to_string(repo.join("refs").join(&id.revision))
+            .ok()?
+            .trim()
+            .to_string()
+    };
+    let dir = repo.join("snapshots").join(&commit);
+    has_weights(&dir).then_some((dir, commit))
+}
+
+/// `org/name@commit` of a folder inside a Hugging Face cache (`…/models--org--name/snapshots/
+/// <commit>`), as the record keeps it.
+pub fn id_of_snapshot(dir: &Path) -> Option<String> {
+    let commit = dir.file_name()?.to_str()?;
+    let snapshots = dir.parent()?;
+    if snapshots.file_name()? != "snapshots" || !is_commit(commit) {
+        return None;
+    }
+    let repo = snapshots.parent()?.file_name()?.to_str()?;
+    let (org, name) = repo.strip_prefix("models--")?.split_once("--")?;
+    Some(format!("{org}/{name}@{commit}"))
+}
+
+/// Files of a repository a merge needs: weights, their index, config, tokenizer and generation
+/// files (not other formats' weights, images or training state).
+pub fn needed(file: &str) -> bool {
+    if file.contains('/') {
+        return false;
+    }
+    file.ends_with(".safetensors")
+        || matches!(
+            file,
+            "model.safetensors.index.json"
+                | "config.json"
+                | "generation_config.json"
+                | "special_tokens_map.json"
+                | "added_tokens.json"
+                | "vocab.json"
+                | "vocab.txt"
+                | "merges.txt"
+                | "chat_template.jinja"
+                | "chat_template.json"
+        )
+        || file.starts_with("tokenizer")
+}
+
+/// Where a model named `name` is: an existing path as it is; an id from the cache, or downloaded
+/// into it (with a progress bar when `progress`). Anything else is an error naming it.
+pub fn locate(name: &Path, progress: bool) -> Result<PathBuf> {
+    if name.exists() {
+        return Ok(name.to_path_buf());
+    }
+    let Some(id) = name.to_str().and_then(ModelId::parse) else {
+        return Ok(name.to_path_buf());
+    };
+    let cache = cache_dir();
+    if let Some((dir, _)) = cached(&id, &cache) {
+        return Ok(dir);
+    }
+    if offline() {
+        bail!(
+            "model {} is not a folder, and the Hugging Face cache has no snapshot of it with \
+             weights (looked in {}); HF_HUB_OFFLINE is set, so it is not downloaded",
+            name.display(),
+            id.cache_folder(&cache).display()
+        );
+    }
+    download(&id, &cache, progress)
+        .with_context(|| format!("cannot download model {} into {}", id, cache.display()))
+}
+
+/// Downloads the files a merge needs of `id` into the cache; returns the snapshot folder.
+fn download(id: &ModelId, cache: &Path, progress: bool) -> Result<PathBuf> {
+    use hf_hub::api::sync::ApiBuilder;
+    use hf_hub::{Cache, Repo, RepoType};
+    let endpoint = std::env::var("HF_ENDPOINT")
+        .ok()
+        .filter(|e| !e.is_empty())
+        .unwrap_or_else(|| DEFAULT_ENDPOINT.into());
+    let store = Cache::new(cache.to_path_buf());
+    let token = std::env::var("HF_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty())
+        .or_else(|| store.token());
+    let api = ApiBuilder::from_cache(store)
+        .with_endpoint(endpoint.trim_end_matches('/').to_string())
+        .with_token(token)
+        .with_progress(progress)
+        .build()?;
+    let repo = api.repo(Repo::with_revision(
+        id.repo(),
+        RepoType::Model,
+        id.revision.clone(),
+    ));
+    let info = repo
+        .info()
+        .with_context(|| format!("{endpoint} does not list {id}"))?;
+    let files: Vec<&str> = info
+        .siblings
+        .iter()
+        .map(|s| s.rfilename.as_str())
+        .filter(|f| needed(f))
+        .collect();
+    if !files.iter().any(|f| f.ends_with(".safetensors")) {
+        bail!("{id} has no .safetensors weights on {endpoint}");
+    }
+    for file in &files {
+        repo.download(file)
+            .with_context(|| format!("downloading {file} of {id}"))?;
+    }
+    let dir = id.cache_folder(cache).join("snapshots").join(&info.sha);
+    if !has_weights(&dir) {
+        bail!(
+            "the download of {id} left no weights in {} (the server's commit headers do not match its listing)",
+            dir.display()
+        );
+    }
+    Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_parse_and_paths_do_not() {
+        let id = ModelId::parse("org/model-1.5B@v2").unwrap();
+        assert_eq!(
+            (id.repo().as_str(), id.revision.as_str()),
+            ("org/model-1.5B", "v2")
+        );
+        assert_eq!(ModelId::parse("org/m").unwrap().revision, "main");
+        assert_eq!(
+            ModelId::parse("org/m@refs/pr/3").unwrap().revision,
+            "refs/pr/3"
+        );
+        for not_id in [
+            "m",
+            "/abs/path",
+            "./a/b",
+            "a/b/c",
+            "../m",
+            "org/",
+            "org/m@",
+            "a b/c",
+            "org/m@x/../y",
+        ] {
+            assert_eq!(ModelId::parse(not_id), None, "{not_id}");
+        }
+    }
+
+    #[test]
+    fn snapshot_folders_name_their_id() {
+        let c = "0123456789abcdef0123456789abcdef01234567";
+        let dir = PathBuf::from(format!("/c/hub/models--org--m-1/snapshots/{c}"));
+        assert_eq!(id_of_snapshot(&dir), Some(format!("org/m-1@{c}")));
+        assert_eq!(
+            id_of_snapshot(Path::new("/c/hub/models--org--m-1/snapshots/main")),
+            None
+        );
+        assert_eq!(id_of_snapshot(Path::new("/tmp/base")), None);
+    }
+
+    #[test]
+    fn a_merge_needs_weights_config_and_tokenizer_only() {
+        for f in [
+            "model.safetensors",
+            "model-00001-of-00002.safetensors",
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+        ] {
+            assert!(needed(f), "{f}");
+        }
+        for f in [
+            "pytorch_model.bin",
+            "README.md",
+            "onnx/model.onnx",
+            "optimizer.pt",
+            ".gitattributes",
+        ] {
+            assert!(!needed(f), "{f}");
+        }
+    }
+}
