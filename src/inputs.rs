@@ -2,7 +2,7 @@
 //! and the plan of which agents hold each base tensor.
 
 use crate::checkpoint::safetensors_file::shape_text;
-use crate::checkpoint::{ModelFolder, ModelTensor};
+use crate::checkpoint::{DType, ModelFolder, ModelTensor};
 use crate::error::usage;
 use crate::method::{self};
 use crate::record::InputChecksums;
@@ -62,6 +62,21 @@ impl TensorPlan {
         self.agents[t].map(|i| &inputs.agents[t].tensors[i as usize])
     }
 
+    /// The dtype its tiles are read in (SPEC §5): the base's when every agent holding the tensor
+    /// has it too, else f32 — bf16 and f16 convert to f32 exactly, so inputs of mixed dtypes meet
+    /// in f32 and the maths is that of every input first converted to f32.
+    pub fn tile_dtype(&self, inputs: &Inputs) -> DType {
+        let base = self.base.entry.dtype;
+        let mixed = (0..self.agents.len())
+            .filter_map(|t| self.agent(inputs, t))
+            .any(|a| a.entry.dtype != base);
+        if mixed {
+            DType::F32
+        } else {
+            base
+        }
+    }
+
     /// Global indices of the agents that have this tensor.
     pub fn present(&self) -> Vec<usize> {
         (0..self.agents.len())
@@ -71,7 +86,7 @@ impl TensorPlan {
 }
 
 impl Inputs {
-    /// Opens every folder and checks each agent tensor's dtype and shape against the base's.
+    /// Opens every folder and checks each agent tensor's shape against the base's.
     pub fn open(base_dir: &Path, agent_dirs: &[PathBuf]) -> Result<Inputs> {
         ensure!(
             !agent_dirs.is_empty(),
@@ -126,7 +141,8 @@ impl Inputs {
                     continue;
                 };
                 let at = &agent.tensors[index];
-                if at.entry.dtype != bt.entry.dtype || at.entry.shape != bt.entry.shape {
+                // Dtypes may differ (each input is decoded exactly to f32: `tile_dtype`).
+                if at.entry.shape != bt.entry.shape {
                     bail!(
                         "tensor '{}' in {} is {} {} but in the base ({}) it is {} {}",
                         bt.entry.name,

@@ -114,8 +114,11 @@ fn shape_differs_from_base() {
     );
 }
 
+/// An agent saved in another dtype than the base (an f32 RL actor beside a bf16 base) is no
+/// longer refused: it merges in f32 (tests/mixed_dtypes.rs checks the bytes), and the output keeps
+/// the base's dtype. A different shape still is refused.
 #[test]
-fn dtype_differs_from_base() {
+fn dtype_differs_from_base_merges_and_shape_differs_is_refused() {
     let c = case();
     write_folder(
         &c.bad,
@@ -125,14 +128,22 @@ fn dtype_differs_from_base() {
         ],
         1,
     );
+    let (o, out) = merge_out(&c, &[&c.good, &c.bad], &[]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let merged = read_folder(&out);
+    assert_eq!(merged["b.weight"].0, Dtype::BF16);
+    std::fs::remove_dir_all(&out).unwrap();
+    write_folder(
+        &c.bad,
+        &[
+            tensor("a.weight", Dtype::BF16, &[4, 5], 1.0),
+            tensor("b.weight", Dtype::F32, &[8], 1.0),
+        ],
+        1,
+    );
     expect_failure(
         &c,
-        &[
-            &bad_path(&c, "model.safetensors"),
-            "b.weight",
-            "f32",
-            "bf16",
-        ],
+        &[&bad_path(&c, "model.safetensors"), "b.weight", "[8]", "[7]"],
     );
 }
 

@@ -2,7 +2,7 @@
 //! in order for statistics scans or on every worker at once for the probe and merge passes.
 
 use crate::backend::Tile;
-use crate::checkpoint::dtype::{decode_one, first_nonfinite};
+use crate::checkpoint::dtype::{decode, decode_one, first_nonfinite};
 use crate::checkpoint::{ModelFolder, ModelTensor};
 use crate::inputs::{Inputs, TensorPlan};
 use anyhow::{bail, Result};
@@ -48,8 +48,7 @@ impl TileBuffers {
             finite_only,
             spread,
         } = *read;
-        let dtype = plan.base.entry.dtype;
-        let (offset, bytes) = ((start * dtype.size()) as u64, len * dtype.size());
+        let tile_dtype = plan.tile_dtype(inputs);
         let sources = std::iter::once((&inputs.base, &plan.base)).chain(present.iter().map(|&t| {
             let at = plan
                 .agent(inputs, t)
@@ -62,21 +61,32 @@ impl TileBuffers {
             .collect();
         let load_one =
             |(model, tensor, buf): (&ModelFolder, &ModelTensor, &mut Vec<u8>)| -> Result<()> {
-                buf.resize(bytes, 0);
+                // Each input in its own dtype; checked and hashed as stored.
+                let dtype = tensor.entry.dtype;
+                let offset = (start * dtype.size()) as u64;
+                buf.resize(len * dtype.size(), 0);
                 model.read(tensor, offset, buf)?;
                 model.record_read(tensor, offset, buf);
-                match finite_only.then(|| first_nonfinite(dtype, buf)).flatten() {
-                    None => Ok(()),
-                    Some(i) => bail!(
+                if let Some(i) = finite_only.then(|| first_nonfinite(dtype, buf)).flatten() {
+                    bail!(
                         "tensor '{}' in {} has a non-finite value ({}) at element {}; \
                      rlmerge refuses NaN and infinity unless --allow-nonfinite",
                         plan.name(),
                         model.file_of(tensor).display(),
                         decode_one(dtype, buf, i),
                         start + i
-                    ),
+                    );
                 }
+                // Mixed dtypes: the tile is f32, to which bf16 and f16 convert exactly.
+                if dtype != tile_dtype {
+                    let mut values = vec![0.0f32; len];
+                    decode(dtype, buf, &mut values);
+                    buf.clear();
+                    buf.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+                }
+                Ok(())
             };
+        let bytes = len * tile_dtype.size();
         // Spreading a small tile over threads costs more than reading it; results keep input order.
         let results: Vec<Result<()>> = if spread && bytes >= 1 << 17 {
             jobs.into_par_iter().map(load_one).collect()
@@ -99,7 +109,7 @@ impl TileBuffers {
             .map(|v| v.as_slice())
             .collect();
         visit(&Tile {
-            dtype: read.plan.base.entry.dtype,
+            dtype: read.plan.tile_dtype(read.inputs),
             len,
             base: &self.base,
             agents: &agents,
