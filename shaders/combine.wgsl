@@ -30,6 +30,7 @@ struct Comb {
     element_index: u32,
     inv_n: f32,
     sign_of_values: u32,  // 1: the consensus sign is that of Σ kept v (SCE)
+    row_period: u32,      // rows repeat every row_period (0: never; columns of a matrix)
 }
 
 @group(0) @binding(3) var<uniform> c: Comb;
@@ -105,7 +106,14 @@ fn row_of(i: u32) -> u32 {
     if (c.row_len == 0u) {
         return 0u;
     }
-    return (c.start + i) / c.row_len - c.first_row;
+    let r = (c.start + i) / c.row_len;
+    if (c.row_period == 0u) {
+        return r - c.first_row;
+    }
+    // src/method/combine.rs `coef_row`, relative to the chunk's first row, which the host's
+    // window of rows starts at and wraps past the period from.
+    let m = r % c.row_period;
+    return select(m + c.row_period - c.first_row, m - c.first_row, m >= c.first_row);
 }
 
 // v_t of chunk element i.

@@ -489,9 +489,26 @@ fn gpu_equals_cpu_for_every_method() {
         compare(&outs[0], &outs[1], "fisher");
         // nuslerp takes exactly two models.
         let f = fixture(740 + d as u64, dtype, &odd_shapes(), &DENSITIES[..2], 1);
-        let owned = method_args("nuslerp", &["weight=0.4"]);
-        let args: Vec<&str> = owned.iter().map(String::as_str).collect();
-        assert_same(&f, "nu", &args, &["--gpu-chunk-elems", "998"]);
+        // … one angle per tensor, per row, or per column (rows that repeat across a chunk).
+        for (i, mode) in [
+            &[][..],
+            &["nuslerp_flatten=false"],
+            &["nuslerp_flatten=false", "nuslerp_row_wise=true"],
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let owned = method_args("nuslerp", &[&["weight=0.4"][..], mode].concat());
+            let args: Vec<&str> = owned.iter().map(String::as_str).collect();
+            for chunk in ["998", "7"] {
+                assert_same(
+                    &f,
+                    &format!("nu{i}-{chunk}"),
+                    &args,
+                    &["--gpu-chunk-elems", chunk],
+                );
+            }
+        }
         // Two-model methods: slerp (row-wise coefficients) and passthrough.
         let f = fixture(720 + d as u64, dtype, &odd_shapes(), &DENSITIES[..1], 1);
         for (i, (method, params)) in [

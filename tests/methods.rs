@@ -176,6 +176,56 @@ fn model_stock_by_hand() {
 }
 
 #[test]
+fn model_stock_filter_wise_by_hand() {
+    let d = tempfile::tempdir().unwrap();
+    // Row 0: parallel task vectors (t = 1, the mean of the models); row 1: orthogonal ones
+    // (t = 0, the base). Over the whole tensor the cosine would mix them.
+    models(
+        d.path(),
+        &[2, 2],
+        &[0., 0., 5., 5.],
+        &[&[1., 0., 6., 5.], &[2., 0., 5., 6.]],
+    );
+    let y = "merge_method: model_stock\nbase_model: base\nmodels:\n  - model: a\n  - model: b\nparameters:\n  filter_wise: true\n";
+    assert_close(&run(d.path(), y, &[]), &[1.5, 0.0, 5.0, 5.0]);
+    // A vector is one row.
+    models(d.path(), &[2], &[0., 0.], &[&[1., 0.], &[2., 0.]]);
+    assert_close(&run(d.path(), y, &[]), &[1.5, 0.0]);
+}
+
+#[test]
+fn nuslerp_rows_and_columns_by_hand() {
+    let d = tempfile::tempdir().unwrap();
+    let h = 0.5f32.sqrt();
+    // τ_a = [[1, 0], [1, 0]], τ_b = [[0, 1], [2, 0]], t = 0.5.
+    models(
+        d.path(),
+        &[2, 2],
+        &[0.; 4],
+        &[&[1., 0., 1., 0.], &[0., 1., 2., 0.]],
+    );
+    let recipe = |flatten: bool, row_wise: bool| {
+        format!("merge_method: nuslerp\nbase_model: base\nmodels:\n  - model: a\n    parameters: {{weight: 1}}\n  - model: b\n    parameters: {{weight: 1}}\nparameters:\n  nuslerp_flatten: {flatten}\n  nuslerp_row_wise: {row_wise}\n")
+    };
+    // Rows: row 0 orthogonal (both sin(π/4)); row 1 collinear, so a lerp: (1.5, 0).
+    assert_close(
+        &run(d.path(), &recipe(false, false), &[]),
+        &[h, h, 1.5, 0.0],
+    );
+    // Columns: column 0 is (1, 1) and (0, 2), 45° apart: both coefficients sin(π/8)/sin(π/4);
+    // column 1 is (0, 0) and (1, 0): a zero vector is orthogonal to everything, so sin(π/4)·(1, 0).
+    let c = ((std::f64::consts::PI / 8.0).sin() / (std::f64::consts::PI / 4.0).sin()) as f32;
+    assert_close(
+        &run(d.path(), &recipe(false, true), &[]),
+        &[c, h, 3.0 * c, 0.0],
+    );
+    // Flattening (the default) wins over row_wise: one angle for the whole tensor.
+    let whole = run(d.path(), &recipe(true, true), &[]);
+    assert_eq!(whole, run(d.path(), &recipe(true, false), &[]));
+    assert_ne!(whole, run(d.path(), &recipe(false, false), &[]));
+}
+
+#[test]
 fn spherical_methods_by_hand() {
     let d = tempfile::tempdir().unwrap();
     let h = 0.5f32.sqrt();
@@ -345,6 +395,34 @@ fn della_keeps_by_rank_within_rows() {
         (l1_out / l1_in - 1.0).abs() < 1e-5,
         "L1 {l1_out} vs {l1_in}"
     );
+}
+
+/// DELLA on a tensor of three dimensions [a, b, c] ranks along dimension 1, as mergekit does: the
+/// b elements that share (i, k) form a group, so the keep probability follows j in [i, j, k].
+#[test]
+fn della_ranks_along_dimension_one_of_3d_tensors() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b, c) = (40, 50, 60);
+    // |τ| grows with j and shrinks with k: ranking along the last dimension would invert it.
+    let tau: Vec<f32> = (0..a * b * c)
+        .map(|i| {
+            let (j, k) = ((i / c) % b, i % c);
+            0.001 * (1 + j) as f32 * (1.0 - k as f32 / (2 * c) as f32)
+        })
+        .collect();
+    models(d.path(), &[a, b, c], &vec![0.0; a * b * c], &[&tau]);
+    let y = "merge_method: della_linear\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, density: 0.5, epsilon: 0.3}\n";
+    let out = run(d.path(), y, &["--seed", "9"]);
+    let kept_at = |j: usize| {
+        let kept = (0..a * c)
+            .filter(|&ik| out[(ik / c) * b * c + j * c + ik % c] != 0.0)
+            .count();
+        kept as f64 / (a * c) as f64
+    };
+    // p = 0.2 + 0.6·j/49: 0.2 at j = 0, 0.8 at j = 49 (2,400 draws each).
+    let (low, high) = (kept_at(0), kept_at(b - 1));
+    assert!((low - 0.2).abs() < 0.04, "j = 0 kept {low}");
+    assert!((high - 0.8).abs() < 0.04, "j = 49 kept {high}");
 }
 
 /// `RLMERGE_SIMD` caps below the widest kernel build (see src/simd.rs).

@@ -130,7 +130,12 @@ fn tile_ranks(tile: &Tile, spec: &CombineSpec) -> Vec<Vec<u32>> {
                 v.iter_mut().zip(&base).for_each(|(x, b)| *x -= b);
             }
             let mut ranks = Vec::new();
-            row_ranks(&v, spec.rank_rows as usize, &mut ranks);
+            row_ranks(
+                &v,
+                spec.rank_rows as usize,
+                spec.rank_stride as usize,
+                &mut ranks,
+            );
             ranks
         })
         .collect()

@@ -329,7 +329,7 @@ const LINEAR: [Param; 2] = [
 const MODEL_STOCK: [Param; 1] = [flag(
     "filter_wise",
     false,
-    "one angle per row (true: not yet)",
+    "one t per row (along the last dimension) instead of per tensor",
 )];
 const SLERP: [Param; 1] = [p(
     "t",
@@ -343,9 +343,13 @@ const NUSLERP: [Param; 3] = [
     flag(
         "nuslerp_flatten",
         true,
-        "one angle per tensor (false: not yet)",
+        "one angle per tensor (false: per row, or per column with nuslerp_row_wise)",
     ),
-    flag("nuslerp_row_wise", false, "angles per column (not yet)"),
+    flag(
+        "nuslerp_row_wise",
+        false,
+        "without flatten: one angle per column (dim 0) instead of per row",
+    ),
 ];
 const MULTISLERP: [Param; 3] = [
     WEIGHT,

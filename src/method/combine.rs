@@ -39,18 +39,24 @@ pub fn rank_threshold(p0: f32, step: f32, rank: u32) -> u32 {
     (p * 4_294_967_296.0f32) as u32
 }
 
-/// 1-based ranks of |v| ascending within each row of `row_len` elements (ties: lower index
-/// first, as a stable sort), for a run of whole rows.
-pub fn row_ranks(v: &[f32], row_len: usize, out: &mut Vec<u32>) {
+/// 1-based ranks of |v| ascending within each rank group (ties: lower index first, as a stable
+/// sort), for a run of whole slabs of `slab` elements: in each slab, elements k, k + `stride`,
+/// k + 2·`stride`, … form group k (stride 1: the slab is one group, a row). That is a ranking
+/// along dimension 1, as mergekit's DELLA ranks: a matrix's rows, or for a tensor [a, b, c, …]
+/// the b elements that share every other index (slab b·c·…, stride c·…).
+pub fn row_ranks(v: &[f32], slab: usize, stride: usize, out: &mut Vec<u32>) {
     out.clear();
     out.resize(v.len(), 0);
-    let mut order: Vec<u32> = Vec::with_capacity(row_len);
-    for (row, ranks) in v.chunks(row_len).zip(out.chunks_mut(row_len)) {
-        order.clear();
-        order.extend(0..row.len() as u32);
-        order.sort_by_key(|&i| (magnitude_key(row[i as usize]), i));
-        for (pos, &i) in order.iter().enumerate() {
-            ranks[i as usize] = pos as u32 + 1;
+    let stride = stride.max(1);
+    let mut order: Vec<u32> = Vec::with_capacity(slab / stride);
+    for (slab, ranks) in v.chunks(slab).zip(out.chunks_mut(slab)) {
+        for k in 0..stride.min(slab.len()) {
+            order.clear();
+            order.extend((k..slab.len()).step_by(stride).map(|i| i as u32));
+            order.sort_by_key(|&i| (magnitude_key(slab[i as usize]), i));
+            for (pos, &i) in order.iter().enumerate() {
+                ranks[i as usize] = pos as u32 + 1;
+            }
         }
     }
 }
@@ -225,6 +231,11 @@ pub struct CombineSpec {
     pub lambda: f32,
     /// Elements per coefficient row (0: one row for the whole tensor).
     pub row_len: u64,
+    /// With `row_len`, element idx takes row (idx / row_len) mod `row_period` when this is not
+    /// 0: the rows repeat (one per column of a matrix: `row_len` 1, period = columns). See
+    /// [`coef_row`].
+    #[serde(default)]
+    pub row_period: u64,
     /// Per row: `[base coefficient, c_0 … c_{n−1}]`; out = bc·θ₀ + Δ (bc = 1: θ₀ + Δ exactly,
     /// bc = 0: Δ alone), d_t = v_t · c_t.
     pub coefs: Vec<f32>,
@@ -239,14 +250,26 @@ pub struct CombineSpec {
     /// The consensus sign is that of Σ kept v_t (SCE) rather than of Σ d_t (TIES).
     #[serde(default)]
     pub sign_of_values: bool,
-    /// Row length of DELLA's rank rows (0: no keep rule needs ranks). Tiles then hold whole rows
-    /// and come with each agent's [`row_ranks`].
+    /// Slab length of DELLA's rank groups (0: no keep rule needs ranks). Tiles then hold whole
+    /// slabs and come with each agent's [`row_ranks`].
     #[serde(default)]
     pub rank_rows: u64,
+    /// Stride of the rank groups within a slab (0 or 1: the slab is one row); see [`row_ranks`].
+    #[serde(default)]
+    pub rank_stride: u64,
     /// Fisher: every element has its own coefficient row, computed by the host per tile and
     /// passed with it (`CombineParams::coefs`) instead of `coefs` (`row_len` is 1).
     #[serde(default)]
     pub tile_coefs: bool,
+}
+
+/// The coefficient row of tensor element `idx` for rows of `row_len` elements (0: one row) that
+/// repeat every `period` rows (0: never) — the one definition statistics and backends share
+/// (shaders/combine.wgsl `row_of` computes the same).
+#[inline]
+pub fn coef_row(idx: u64, row_len: u64, period: u64) -> u64 {
+    let r = idx.checked_div(row_len).unwrap_or(0);
+    r.checked_rem(period).unwrap_or(r)
 }
 
 /// Fisher merging's coefficient rows for a run of elements: for element i,
@@ -280,7 +303,7 @@ impl CombineSpec {
 
     /// The coefficient row number of tensor element `idx`.
     pub fn row_index(&self, idx: u64) -> u64 {
-        idx.checked_div(self.row_len).unwrap_or(0)
+        coef_row(idx, self.row_len, self.row_period)
     }
 
     /// The coefficient row of tensor element `idx`.
@@ -467,11 +490,13 @@ mod tests {
             normalize,
             lambda: 1.0,
             row_len: 0,
+            row_period: 0,
             coefs,
             nearswap: None,
             element_keep: None,
             sign_of_values: false,
             rank_rows: 0,
+            rank_stride: 0,
             tile_coefs: false,
         }
     }
@@ -576,6 +601,20 @@ mod tests {
         assert_eq!(div_rn(1.0, 3.0), 1.0 / 3.0);
         assert_eq!(nearswap(0.5, 0.0, 2.0), 0.25 * 2.0);
         assert_eq!(nearswap(3.0, 0.0, 2.0), 2.0);
+    }
+
+    /// Rank groups: a row whole (stride 1), or elements `stride` apart within each slab.
+    #[test]
+    fn row_ranks_by_hand() {
+        let mut r = Vec::new();
+        row_ranks(&[3.0, -1.0, 2.0, 5.0, 4.0, 0.5], 3, 1, &mut r);
+        assert_eq!(r, [3, 1, 2, 3, 2, 1]);
+        // Slab [[3, −1], [2, 5], [4, 0.5]] of shape [3, 2], stride 2: columns ranked.
+        row_ranks(&[3.0, -1.0, 2.0, 5.0, 4.0, 0.5], 6, 2, &mut r);
+        assert_eq!(r, [2, 2, 1, 3, 3, 1]);
+        // Ties by index.
+        row_ranks(&[1.0, 1.0, -1.0], 3, 1, &mut r);
+        assert_eq!(r, [1, 2, 3]);
     }
 
     #[test]

@@ -50,6 +50,19 @@ pub enum Sparsify {
     },
 }
 
+/// Which vectors of a tensor a per-vector statistic (a cosine, a norm) runs over — mergekit's
+/// `dim` choices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Vectors {
+    /// The whole tensor, flattened: one vector.
+    Whole,
+    /// Along the last dimension: consecutive rows of `shape[-1]` elements (a 1-D tensor is one).
+    Rows,
+    /// Along the first dimension: element i belongs to vector i mod (numel / shape[0]) — a
+    /// matrix's columns (a 1-D tensor is one).
+    Columns,
+}
+
 /// How the base enters the result.
 #[derive(Clone, Debug, PartialEq)]
 pub enum BaseTerm {
@@ -57,12 +70,14 @@ pub enum BaseTerm {
     Add,
     /// Δ alone (θ_t absolute, e.g. linear).
     None,
-    /// Model Stock: t from the task vectors' mean pairwise cosine.
-    ModelStock,
+    /// Model Stock: t from the task vectors' mean pairwise cosine, over the whole tensor or per
+    /// row (`filter_wise`).
+    ModelStock { vectors: Vectors },
     /// Row-wise slerp from θ₀ toward the one agent by `t`.
     Slerp { t: f64 },
-    /// Slerp between the two models' vectors (task vectors with a base), whole tensors.
-    Nuslerp { t: f64 },
+    /// Slerp between the two models' vectors (task vectors with a base): whole tensors
+    /// (`nuslerp_flatten`, the default), rows, or columns (`nuslerp_row_wise`).
+    Nuslerp { t: f64, vectors: Vectors },
     /// Spherical weighted mean of the vectors, scaled by their weighted mean norm.
     Multislerp { weights: Vec<f64> },
     /// Karcher mean of the unit vectors on the sphere, scaled by the mean norm.
@@ -78,14 +93,22 @@ pub enum BaseTerm {
 
 impl BaseTerm {
     /// The Gram matrix these coefficients need: of the task vectors (`Some(true)`), of the
-    /// models (`Some(false)`), or none.
+    /// models (`Some(false)`), or none — one per vector of [`Self::vectors`].
     pub fn gram_of(&self, delta: bool) -> Option<bool> {
         match self {
-            BaseTerm::ModelStock => Some(true),
+            BaseTerm::ModelStock { .. } => Some(true),
             BaseTerm::Nuslerp { .. } | BaseTerm::Multislerp { .. } | BaseTerm::Karcher { .. } => {
                 Some(delta)
             }
             _ => None,
+        }
+    }
+
+    /// The vectors the Gram matrices run over.
+    pub fn vectors(&self) -> Vectors {
+        match *self {
+            BaseTerm::ModelStock { vectors } | BaseTerm::Nuslerp { vectors, .. } => vectors,
+            _ => Vectors::Whole,
         }
     }
 }
@@ -305,9 +328,13 @@ fn spherical(l: &Lookup, present: &[usize], with_base: bool) -> Result<TensorPar
         let base = BaseTerm::Multislerp { weights };
         return Ok(TensorParams::interpolation(present.len(), with_base, base));
     }
-    if l.flag("nuslerp_row_wise")? || !l.flag("nuslerp_flatten")? {
-        bail!("nuslerp with nuslerp_row_wise or nuslerp_flatten: false is not supported yet");
-    }
+    // mergekit: flatten wins; else dim 0 (row_wise: the vectors run down the first dimension,
+    // so there is one per column) or dim −1 (one per row).
+    let vectors = match (l.flag("nuslerp_flatten")?, l.flag("nuslerp_row_wise")?) {
+        (true, _) => Vectors::Whole,
+        (false, true) => Vectors::Columns,
+        (false, false) => Vectors::Rows,
+    };
     if present.len() != 2 {
         bail!("nuslerp takes exactly two models, got {}", present.len());
     }
@@ -320,7 +347,7 @@ fn spherical(l: &Lookup, present: &[usize], with_base: bool) -> Result<TensorPar
     Ok(TensorParams::interpolation(
         2,
         with_base,
-        BaseTerm::Nuslerp { t },
+        BaseTerm::Nuslerp { t, vectors },
     ))
 }
 
@@ -366,10 +393,11 @@ impl MethodConfig {
                 }
             }
             Kind::ModelStock => {
-                if l.flag("filter_wise")? {
-                    bail!("model_stock with filter_wise: true is not supported yet");
-                }
-                TensorParams::interpolation(n, false, BaseTerm::ModelStock)
+                let vectors = match l.flag("filter_wise")? {
+                    true => Vectors::Rows,
+                    false => Vectors::Whole,
+                };
+                TensorParams::interpolation(n, false, BaseTerm::ModelStock { vectors })
             }
             Kind::Slerp => {
                 let t = l.number("t", None)?;

@@ -153,16 +153,22 @@ pub fn read_folder(dir: &Path) -> BTreeMap<String, Read> {
     }
     let mut out = BTreeMap::new();
     for f in files {
-        let data = std::fs::read(&f).unwrap();
-        let st = SafeTensors::deserialize(&data).unwrap();
-        for (name, view) in st.tensors() {
-            out.insert(
-                name,
-                (view.dtype(), view.shape().to_vec(), view.data().to_vec()),
-            );
-        }
+        out.append(&mut read_file(&f));
     }
     out
+}
+
+/// Every tensor of one safetensors file.
+pub fn read_file(file: &Path) -> BTreeMap<String, Read> {
+    let data = std::fs::read(file).unwrap();
+    let st = SafeTensors::deserialize(&data).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let read = (view.dtype(), view.shape().to_vec(), view.data().to_vec());
+            (name, read)
+        })
+        .collect()
 }
 
 /// splitmix64: deterministic test data.
@@ -447,7 +453,7 @@ pub fn merge_cmd(f: &Fixture, out: &Path, extra: &[&str]) -> assert_cmd::Command
 }
 
 /// The methods with CLI parameters that exercise each part of the core (tests/methods.rs, tests/gpu_parity.rs).
-pub const METHODS: [(&str, &[&str]); 15] = [
+pub const METHODS: [(&str, &[&str]); 16] = [
     ("linear", &["weight=0.7"]),
     ("task_arithmetic", &["weight=0.6", "lambda=1.3"]),
     ("ties", &["weight=1", "density=0.4"]),
@@ -459,6 +465,7 @@ pub const METHODS: [(&str, &[&str]); 15] = [
         &["weight=0.9", "density=0.5", "gamma=0.1", "normalize=true"],
     ),
     ("model_stock", &[]),
+    ("model_stock", &["filter_wise=true"]),
     (
         "ties",
         &[

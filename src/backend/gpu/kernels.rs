@@ -90,15 +90,32 @@ impl GpuBackend {
             |slot, start, len| {
                 let first = params.start + start as u64;
                 let first_row = spec.row_index(first);
-                let rows = spec.row_index(first + len as u64 - 1) - first_row + 1;
+                // Rows in the chunk: consecutive, wrapping around when they repeat (columns).
+                let unwrapped = |i: u64| i.checked_div(spec.row_len).unwrap_or(0);
+                let mut rows = unwrapped(first + len as u64 - 1) - unwrapped(first) + 1;
+                if spec.row_period > 0 {
+                    rows = rows.min(spec.row_period);
+                }
                 let floats = rows as usize * row_floats;
                 ensure!(
                     floats <= slot.coefs.size() as usize / 4,
                     "internal: {floats} coefficients do not fit the GPU buffer"
                 );
-                // Fisher's rows come with the tile; the others' with the tensor.
+                // Fisher's rows come with the tile; the others' with the tensor, from the
+                // chunk's first row on (row_of in the shader wraps repeating rows the same way).
+                let wrapped: Vec<f32>;
                 let (source, from) = if spec.tile_coefs {
                     (params.coefs, start * row_floats)
+                } else if spec.row_period > 0 {
+                    wrapped = (0..rows)
+                        .flat_map(|j| {
+                            let r = ((first_row + j) % spec.row_period) as usize;
+                            spec.coefs[r * row_floats..(r + 1) * row_floats]
+                                .iter()
+                                .copied()
+                        })
+                        .collect();
+                    (&wrapped[..], 0)
                 } else {
                     (&spec.coefs[..], first_row as usize * row_floats)
                 };
@@ -118,7 +135,7 @@ impl GpuBackend {
                     element_index: spec.element_keep.map_or(0, |(c, _)| c.index),
                     inv_n: spec.element_keep.map_or(0.0, |(_, i)| i),
                     sign_of_values: spec.sign_of_values as u32,
-                    _pad: 0,
+                    row_period: spec.row_period.min(u32::MAX as u64) as u32,
                 };
                 q.write_buffer(&slot.comb, 0, bytemuck::bytes_of(&comb));
                 q.write_buffer(&slot.rules, 0, bytemuck::cast_slice(&rules));

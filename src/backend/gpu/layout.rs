@@ -120,7 +120,7 @@ pub(super) struct Comb {
     pub(super) element_index: u32,
     pub(super) inv_n: f32,
     pub(super) sign_of_values: u32,
-    pub(super) _pad: u32,
+    pub(super) row_period: u32,
 }
 
 /// An agent's keep rule as the 8 words `rules` holds.
@@ -217,7 +217,7 @@ mod tests {
             fields!(Params; len, pairs, n, in_dt, out_dt, stride, eps, zero, groups_x, shared_rule);
         let comb = fields!(Comb; start, row_len, first_row, delta, consensus, norm_mode, lambda,
             fixed_recip, nearswap, nearswap_t, element_keep, element_value, element_index, inv_n,
-            sign_of_values);
+            sign_of_values, row_period);
         let combine = module(COMBINE_WGSL);
         for (name, (fields, size)) in [("Params", params), ("Comb", comb)] {
             let (wgsl, span) = wgsl_struct(&combine, name);

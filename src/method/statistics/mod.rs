@@ -11,8 +11,8 @@ use sce::sce_statistics;
 use super::closed_form::{
     karcher_coefs, model_stock_t, multislerp_coefs, nuslerp_coefs, slerp_coefs,
 };
-use super::combine::{random_threshold, row_ranks, CombineSpec, Keep, Normalize};
-use super::tensor_params::{BaseTerm, Sparsify, TensorParams};
+use super::combine::{coef_row, random_threshold, row_ranks, CombineSpec, Keep, Normalize};
+use super::tensor_params::{BaseTerm, Sparsify, TensorParams, Vectors};
 use crate::hash::hash_key;
 use crate::scans::{lock, states, unlock, worker_states, Scans, SCAN_CHUNK};
 use crate::select::{cut_of, rank_cuts};
@@ -33,16 +33,17 @@ pub fn build_spec(
     present: &[usize],
     scan: &mut dyn Scans,
 ) -> Result<CombineSpec> {
-    let rank_rows = rank_rows(params, numel, shape)?;
+    let ranked = rank_rows(params, numel, shape)?;
+    let rank_rows = ranked.slab;
     let masks = MaskKeys {
         seed,
         name,
         present,
     };
     // Rank cuts first: the masks must be known before any kept-element statistic.
-    let keep = keep_rules(params, numel, rank_rows, &masks, scan)?;
-    let row_len = row_len(params, numel, shape);
-    let sums = Sums::gather(params, &keep, numel, row_len, rank_rows, scan)?;
+    let keep = keep_rules(params, numel, ranked.group(), &masks, scan)?;
+    let rows = coef_rows(params, numel, shape);
+    let sums = Sums::gather(params, &keep, rows, ranked, scan)?;
     // SCE: the variance cut, then each agent's weight from its mean square on the kept elements.
     let (element_keep, sce_weights) = match params.base {
         BaseTerm::Sce { density } => sce_statistics(scan, params.weights.len(), numel, density)?,
@@ -56,10 +57,12 @@ pub fn build_spec(
         consensus: params.consensus,
         normalize,
         lambda: params.lambda as f32,
-        row_len,
+        row_len: rows.len,
+        row_period: rows.period,
         coefs,
         sign_of_values: matches!(params.base, BaseTerm::Sce { .. }),
         rank_rows,
+        rank_stride: ranked.stride,
         tile_coefs: params.base == BaseTerm::Fisher,
         element_keep,
         nearswap: match params.base {
@@ -84,11 +87,11 @@ impl MaskKeys<'_> {
 }
 
 /// Each agent's keep rule: rank cuts resolved to thresholds by [`rank_cuts`], random and
-/// row-ranked masks keyed by [`MaskKeys`].
+/// row-ranked masks keyed by [`MaskKeys`] (`rank_group`: elements ranked together).
 fn keep_rules(
     params: &TensorParams,
     numel: u64,
-    rank_rows: u64,
+    rank_group: u64,
     masks: &MaskKeys,
     scan: &mut dyn Scans,
 ) -> Result<Vec<Keep>> {
@@ -121,8 +124,8 @@ fn keep_rules(
             },
             Sparsify::RowRank { density, epsilon } => Keep::RowRank {
                 p0: (density - epsilon) as f32,
-                step: if rank_rows > 1 {
-                    (2.0 * epsilon / (rank_rows - 1) as f64) as f32
+                step: if rank_group > 1 {
+                    (2.0 * epsilon / (rank_group - 1) as f64) as f32
                 } else {
                     0.0
                 },
@@ -132,16 +135,42 @@ fn keep_rules(
         .collect())
 }
 
-/// Elements per coefficient row: 1 for Fisher (per element), a matrix row for slerp, else 0
-/// (one row for the whole tensor).
-fn row_len(params: &TensorParams, numel: u64, shape: &[usize]) -> u64 {
-    match params.base {
-        BaseTerm::Fisher => 1,
-        BaseTerm::Slerp { .. } => {
-            (numel / shape.first().copied().unwrap_or(1).max(1) as u64).max(1)
-        }
-        _ => 0,
+/// How a tensor's elements map to coefficient rows ([`coef_row`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct CoefRows {
+    /// Elements per row (0: one row for the whole tensor).
+    len: u64,
+    /// Rows repeat every `period` (0: never).
+    period: u64,
+    /// Number of rows.
+    count: usize,
+}
+
+impl CoefRows {
+    fn of(&self, idx: u64) -> usize {
+        coef_row(idx, self.len, self.period) as usize
     }
+}
+
+/// The coefficient rows of a tensor: one per element for Fisher, one per matrix row (the rest
+/// flattened) for slerp, one per vector of [`BaseTerm::vectors`] for model_stock and nuslerp,
+/// else one for the whole tensor.
+fn coef_rows(params: &TensorParams, numel: u64, shape: &[usize]) -> CoefRows {
+    let first = shape.first().copied().unwrap_or(1).max(1) as u64;
+    let last = shape.last().copied().unwrap_or(1).max(1) as u64;
+    let (len, period) = match (&params.base, params.base.vectors()) {
+        (BaseTerm::Fisher, _) => (1, 0),
+        (BaseTerm::Slerp { .. }, _) => ((numel / first).max(1), 0),
+        (_, Vectors::Rows) => (last, 0),
+        (_, Vectors::Columns) => (1, (numel / first).max(1)),
+        (_, Vectors::Whole) => (0, 0),
+    };
+    let count = match (len, period) {
+        (0, _) => 1,
+        (_, 0) => numel.div_ceil(len).max(1) as usize,
+        (_, p) => p as usize,
+    };
+    CoefRows { len, period, count }
 }
 
 /// The f64 sums a tensor's coefficients come from, each over the whole tensor in element order.
@@ -150,7 +179,8 @@ struct Sums {
     l1: Vec<(f64, f64)>,
     /// Whether agent t's sparsified vector is L1-rescaled.
     rescale: Vec<bool>,
-    /// n × n Gram matrix of the task vectors or of the models (see [`BaseTerm::gram_of`]).
+    /// n × n Gram matrix of the task vectors or of the models (see [`BaseTerm::gram_of`]), one
+    /// per coefficient row when the base term works per vector ([`BaseTerm::vectors`]).
     gram: Vec<f64>,
     /// Per coefficient row: Σθ₀², Σθ₁², Σθ₀θ₁ (slerp).
     rows: Vec<[f64; 3]>,
@@ -161,9 +191,8 @@ impl Sums {
     fn gather(
         params: &TensorParams,
         keep: &[Keep],
-        numel: u64,
-        row_len: u64,
-        rank_rows: u64,
+        rows: CoefRows,
+        rank_groups: RankRows,
         scan: &mut dyn Scans,
     ) -> Result<Sums> {
         let n = params.weights.len();
@@ -177,27 +206,32 @@ impl Sums {
             .map(|k| matches!(k, Keep::RowRank { .. }))
             .collect();
         let want_rows = matches!(params.base, BaseTerm::Slerp { .. });
-        let rows = numel.checked_div(row_len).map_or(1, |r| r as usize);
+        let grams = match params.base.vectors() {
+            Vectors::Whole => 1,
+            _ => rows.count,
+        };
         let mut sums = Sums {
             l1: vec![(0.0, 0.0); n],
-            gram: vec![0.0; n * n],
-            rows: vec![[0.0; 3]; if want_rows { rows } else { 0 }],
+            gram: vec![0.0; grams * n * n],
+            rows: vec![[0.0; 3]; if want_rows { rows.count } else { 0 }],
             rescale,
         };
         // Agents whose L1 norms a chunk scan gives (DELLA's need whole rows: tiles).
         let l1_agents: Vec<bool> = (0..n).map(|t| sums.rescale[t] && !ranked[t]).collect();
         let delta = params.delta;
         if want_rows {
-            sums.l1_and_rows(keep, &l1_agents, delta, row_len, scan)?;
+            sums.l1_and_rows(keep, &l1_agents, delta, rows.len, scan)?;
         } else if l1_agents.iter().any(|&a| a) {
             sums.l1_any_order(keep, &l1_agents, delta, scan)?;
         }
         let ranked_l1: Vec<bool> = (0..n).map(|t| sums.rescale[t] && ranked[t]).collect();
         if ranked_l1.iter().any(|&a| a) {
-            sums.l1_of_ranked_rows(keep, &ranked_l1, delta, rank_rows, scan)?;
+            sums.l1_of_ranked_rows(keep, &ranked_l1, delta, rank_groups, scan)?;
         }
-        if let Some(of_tau) = params.base.gram_of(delta) {
-            sums.gram(of_tau, scan)?;
+        match (params.base.gram_of(delta), params.base.vectors()) {
+            (None, _) => {}
+            (Some(of_tau), Vectors::Whole) => sums.gram(of_tau, scan)?,
+            (Some(of_tau), _) => sums.gram_per_row(of_tau, rows, scan)?,
         }
         Ok(sums)
     }
@@ -288,7 +322,7 @@ impl Sums {
         keep: &[Keep],
         agents: &[bool],
         delta: bool,
-        rank_rows: u64,
+        ranked: RankRows,
         scan: &mut dyn Scans,
     ) -> Result<()> {
         let mut ranks = Vec::new();
@@ -297,7 +331,7 @@ impl Sums {
         scan.tiles(&mut |tile| {
             for t in (0..agents.len()).filter(|&t| agents[t]) {
                 let v = if delta { &tile.tau[t] } else { &tile.x[t] };
-                row_ranks(v, rank_rows as usize, &mut ranks);
+                row_ranks(v, ranked.slab as usize, ranked.stride as usize, &mut ranks);
                 mask.resize(v.len(), 0);
                 keep[t].mask_into(v, tile.start as u32, &ranks, &mut mask);
                 let (all, kept) = abs_sums(v, &mask);
@@ -336,6 +370,29 @@ impl Sums {
         })
     }
 
+    /// One Gram matrix per coefficient row (model_stock's `filter_wise`, nuslerp without
+    /// flattening), each sum over its row's elements in element order.
+    fn gram_per_row(&mut self, of_tau: bool, rows: CoefRows, scan: &mut dyn Scans) -> Result<()> {
+        let n = self.l1.len();
+        let gram = &mut self.gram;
+        scan.tiles(&mut |tile| {
+            let v = if of_tau { tile.tau } else { tile.x };
+            for i in 0..tile.base.len() {
+                let g = &mut gram[rows.of(tile.start + i as u64) * n * n..][..n * n];
+                for a in 0..n {
+                    for b in a..n {
+                        let dot = v[a][i] as f64 * v[b][i] as f64;
+                        g[a * n + b] += dot;
+                        if a != b {
+                            g[b * n + a] += dot;
+                        }
+                    }
+                }
+            }
+            Ok(ControlFlow::Continue(()))
+        })
+    }
+
     /// Agent t's L1 rescale factor Σ|v| / Σ|kept v| (1 when it does not rescale).
     fn rescale_factor(&self, t: usize) -> f64 {
         let (all, kept) = self.l1[t];
@@ -362,10 +419,12 @@ fn coefficients(params: &TensorParams, sums: &Sums, sce_weights: &[f64]) -> Resu
             coefs.push(base(params.base == BaseTerm::Add));
             coefs.extend((0..n).map(|t| (params.weights[t] * sums.rescale_factor(t)) as f32));
         }
-        BaseTerm::ModelStock => {
-            let t = model_stock_t(&sums.gram, n);
-            coefs.push((1.0 - t) as f32);
-            coefs.extend((0..n).map(|_| (t / n as f64) as f32));
+        BaseTerm::ModelStock { .. } => {
+            for gram in sums.gram.chunks(n * n) {
+                let t = model_stock_t(gram, n);
+                coefs.push((1.0 - t) as f32);
+                coefs.extend((0..n).map(|_| (t / n as f64) as f32));
+            }
         }
         BaseTerm::Slerp { t } => {
             for m in &sums.rows {
@@ -373,10 +432,12 @@ fn coefficients(params: &TensorParams, sums: &Sums, sce_weights: &[f64]) -> Resu
                 coefs.extend([a as f32, b as f32]);
             }
         }
-        BaseTerm::Nuslerp { t } => {
-            coefs.push(base(delta));
-            let (a, b) = nuslerp_coefs(t, &sums.gram);
-            coefs.extend([a as f32, b as f32]);
+        BaseTerm::Nuslerp { t, .. } => {
+            for gram in sums.gram.chunks(n * n) {
+                coefs.push(base(delta));
+                let (a, b) = nuslerp_coefs(t, gram);
+                coefs.extend([a as f32, b as f32]);
+            }
         }
         BaseTerm::Multislerp { ref weights } => {
             coefs.push(base(delta));
@@ -465,23 +526,43 @@ fn abs_sums(values: &[f32], mask: &[u32]) -> (f64, f64) {
     (abs_sum(values, None), abs_sum(values, Some(mask)))
 }
 
-/// The row length of DELLA's ranks for a tensor of `shape` (0 when no keep rule ranks rows):
-/// the last dimension of a matrix, the whole of a vector (mergekit ranks along dimension 1 after
-/// making vectors one row).
-pub fn rank_rows(params: &TensorParams, numel: u64, shape: &[usize]) -> Result<u64> {
+/// How DELLA's ranks group a tensor's elements ([`row_ranks`]): slabs of `slab` elements (0: no
+/// ranks), in which elements `stride` apart form one group.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RankRows {
+    pub slab: u64,
+    pub stride: u64,
+}
+
+impl RankRows {
+    /// Elements per group.
+    pub fn group(&self) -> u64 {
+        self.slab / self.stride.max(1)
+    }
+}
+
+/// DELLA's rank groups for a tensor of `shape` (slab 0 when no keep rule ranks): mergekit ranks
+/// along dimension 1 after making a vector one row — a vector whole, a matrix's rows, and for
+/// more dimensions [a, b, c, …] the b elements sharing every other index.
+pub fn rank_rows(params: &TensorParams, numel: u64, shape: &[usize]) -> Result<RankRows> {
     if !params
         .sparsify
         .iter()
         .any(|s| matches!(s, Sparsify::RowRank { .. }))
     {
-        return Ok(0);
+        return Ok(RankRows { slab: 0, stride: 1 });
     }
-    match shape {
-        [_] | [] => Ok(numel.max(1)),
-        [_, cols] => Ok((*cols as u64).max(1)),
-        _ => anyhow::bail!(
-            "della on a tensor of {} dimensions is not supported yet",
-            shape.len()
-        ),
-    }
+    Ok(match shape {
+        [] | [_] => RankRows {
+            slab: numel.max(1),
+            stride: 1,
+        },
+        [_, rest @ ..] => {
+            let slab: u64 = rest.iter().map(|&d| d as u64).product();
+            RankRows {
+                slab: slab.max(1),
+                stride: (slab / (rest[0].max(1) as u64)).max(1),
+            }
+        }
+    })
 }

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Developer-side: (re)make the mergekit golden outputs that tests/mergekit_goldens.rs checks
+rlmerge against, so CI compares with mergekit 0.1.5 without installing torch.
+
+    python3 -m venv /tmp/mkvenv && /tmp/mkvenv/bin/pip install mergekit==0.1.5
+    /tmp/mkvenv/bin/python scripts/mergekit_goldens.py [RECIPE_NAME ...]
+
+Writes, under tests/fixtures/mergekit/:
+  models/{base,coder,tools,memory}/  small Qwen2-shaped bf16 models (made once, deterministic:
+                                     kept when present, so goldens stay comparable)
+  expected/NAME.safetensors          mergekit's output for recipes/NAME.yml (every recipe there
+                                     says `dtype: float32`), all tensors in one file
+  expected/NAME.config.json          mergekit's config.json for it (layer counts of slices)
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "mergekit"))
+MODELS = os.path.join(ROOT, "models")
+VOCAB, HIDDEN, INTER, LAYERS = 48, 16, 40, 4
+
+
+def shapes():
+    t = [("model.embed_tokens.weight", [VOCAB, HIDDEN])]
+    for l in range(LAYERS):
+        p = f"model.layers.{l}"
+        for proj in ["q_proj", "k_proj", "v_proj", "o_proj"]:
+            t.append((f"{p}.self_attn.{proj}.weight", [HIDDEN, HIDDEN]))
+            if proj != "o_proj":
+                t.append((f"{p}.self_attn.{proj}.bias", [HIDDEN]))
+        t.append((f"{p}.mlp.gate_proj.weight", [INTER, HIDDEN]))
+        t.append((f"{p}.mlp.up_proj.weight", [INTER, HIDDEN]))
+        t.append((f"{p}.mlp.down_proj.weight", [HIDDEN, INTER]))
+        t.append((f"{p}.input_layernorm.weight", [HIDDEN]))
+        t.append((f"{p}.post_attention_layernorm.weight", [HIDDEN]))
+    t.append(("model.norm.weight", [HIDDEN]))
+    t.append(("lm_head.weight", [VOCAB, HIDDEN]))
+    return t
+
+
+def config():
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTER,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-6,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * LAYERS,
+    }
+
+
+def make_models():
+    """base: norms near 1, weights ~ N(0, 0.02); agents change a share of the elements (an RL
+    agent few, a dense one all) by ~ N(0, 0.01), some of them the same elements."""
+    g = torch.Generator().manual_seed(20261203)
+    base = {}
+    for name, shape in shapes():
+        if "norm" in name:
+            base[name] = 1.0 + 0.05 * torch.randn(shape, generator=g)
+        else:
+            base[name] = 0.02 * torch.randn(shape, generator=g)
+    agents = {"coder": 0.1, "tools": 0.3, "memory": 1.0}
+    for name, density in [("base", None)] + list(agents.items()):
+        d = os.path.join(MODELS, name)
+        os.makedirs(d, exist_ok=True)
+        tensors = {}
+        for t, b in base.items():
+            if density is None:
+                x = b
+            else:
+                mask = torch.rand(b.shape, generator=g) < density
+                x = b + mask * 0.01 * torch.randn(b.shape, generator=g)
+            tensors[t] = x.to(torch.bfloat16).contiguous()
+        save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(config(), f, indent=2)
+
+
+def main():
+    if not os.path.isdir(os.path.join(MODELS, "base")):
+        make_models()
+    recipes = sorted(n[:-4] for n in os.listdir(os.path.join(ROOT, "recipes")) if n.endswith(".yml"))
+    wanted = sys.argv[1:] or recipes
+    os.makedirs(os.path.join(ROOT, "expected"), exist_ok=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    for name in wanted:
+        out = tempfile.mkdtemp(prefix="golden-")
+        shutil.rmtree(out)
+        # Absolute model folders: mergekit looks a bare name such as `tools` up on the Hub.
+        text = open(os.path.join(ROOT, "recipes", name + ".yml")).read()
+        for m in sorted(os.listdir(MODELS), key=len, reverse=True):
+            text = re.sub(rf"((?:model|base_model|source_model): ){m}\b", rf"\g<1>{MODELS}/{m}", text)
+        recipe = out + ".yml"
+        with open(recipe, "w") as f:
+            f.write(text)
+        subprocess.run([os.path.join(os.path.dirname(sys.executable), "mergekit-yaml"), recipe, out, "--quiet"], check=True, cwd=MODELS, env=env)
+        tensors = {}
+        for f in sorted(os.listdir(out)):
+            if f.endswith(".safetensors"):
+                tensors.update(load_file(os.path.join(out, f)))
+        save_file(tensors, os.path.join(ROOT, "expected", name + ".safetensors"))
+        shutil.copy(os.path.join(out, "config.json"), os.path.join(ROOT, "expected", name + ".config.json"))
+        shutil.rmtree(out)
+        os.remove(recipe)
+        print(f"{name}: {len(tensors)} tensors, {sum(t.numel() for t in tensors.values())} elements")
+
+
+if __name__ == "__main__":
+    main()

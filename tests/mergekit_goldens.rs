@@ -1,0 +1,95 @@
+//! rlmerge against mergekit 0.1.5 itself: every recipe in tests/fixtures/mergekit/recipes/ runs on
+//! the small Qwen2-shaped bf16 models beside it, and each output element must be within 1 ULP of
+//! what mergekit wrote for the same recipe (`dtype: float32`, `out_dtype: bfloat16`: mergekit
+//! computes in f32 and rounds once to bf16, as rlmerge does; its outputs are checked in under
+//! expected/, made by scripts/mergekit_goldens.py, so CI needs no torch). Same tensor names and
+//! shapes, and the same layer count in config.json.
+
+mod common;
+use common::*;
+use safetensors::tensor::Dtype;
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mergekit")
+}
+
+/// Integers ordered like the f32 values, adjacent floats one apart.
+fn ordered(x: f32) -> i64 {
+    let b = x.to_bits() as i32 as i64;
+    if b < 0 {
+        -(b & 0x7fff_ffff)
+    } else {
+        b
+    }
+}
+
+fn recipes() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(root().join("recipes"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter_map(|n| n.strip_suffix(".yml").map(str::to_string))
+        .collect();
+    names.sort();
+    names
+}
+
+/// Runs recipe `name` with rlmerge and returns the worst distance in ULP from mergekit's output.
+fn check(name: &str, out: &Path) -> i64 {
+    rlmerge()
+        .current_dir(root().join("models"))
+        .arg("run")
+        .arg(root().join("recipes").join(format!("{name}.yml")))
+        .args(["-q", "--device", "cpu", "-o"])
+        .arg(out)
+        .assert()
+        .success();
+    let want = read_file(&root().join("expected").join(format!("{name}.safetensors")));
+    let got = read_folder(out);
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "{name}: tensor names"
+    );
+    let mut worst = 0;
+    for (tensor, (wdt, wshape, wbytes)) in &want {
+        let (gdt, gshape, gbytes) = &got[tensor];
+        assert_eq!((*gdt, gshape), (Dtype::BF16, wshape), "{name}: {tensor}");
+        assert_eq!(*wdt, Dtype::BF16);
+        for (i, (g, w)) in from_bytes(*gdt, gbytes)
+            .iter()
+            .zip(from_bytes(*wdt, wbytes))
+            .enumerate()
+        {
+            // bf16 values are f32 values with 16 low bits zero: one bf16 ULP is 2¹⁶ f32 ones.
+            let d = (ordered(*g) - ordered(w)).abs() >> 16;
+            assert!(
+                d <= 1,
+                "{name}: {tensor}[{i}] is {g}, mergekit wrote {w} ({d} ULP apart)"
+            );
+            worst = worst.max(d);
+        }
+    }
+    let config = |p: PathBuf| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    };
+    let (g, w) = (
+        config(out.join("config.json")),
+        config(root().join("expected").join(format!("{name}.config.json"))),
+    );
+    for key in ["num_hidden_layers", "layer_types", "vocab_size"] {
+        assert_eq!(g[key], w[key], "{name}: config.json {key}");
+    }
+    worst
+}
+
+#[test]
+fn outputs_are_within_one_ulp_of_mergekit() {
+    let d = tempfile::tempdir().unwrap();
+    let names = recipes();
+    assert!(!names.is_empty());
+    for name in &names {
+        let worst = check(name, &d.path().join(name));
+        eprintln!("{name}: worst {worst} ULP");
+    }
+}
