@@ -85,7 +85,7 @@ def main():
         )
         command = [sys.executable, "-c", patch]
     else:
-        command = ["mergekit-yaml"]
+        command = [os.path.join(os.path.dirname(sys.executable), "mergekit-yaml")]
     subprocess.run(command + [recipe, mk_out, "--quiet"], check=True, env=env)
     subprocess.run([rlmerge, "run", recipe, "-o", rl_out, "--device", "cpu", "-q"], check=True)
     mk, rl = load_folder(mk_out), load_folder(rl_out)

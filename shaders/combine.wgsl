@@ -10,6 +10,7 @@ const KEEP_ALL: u32 = 0u;
 const KEEP_BAND: u32 = 1u;
 const KEEP_RANDOM: u32 = 2u;
 const KEEP_ROW_RANK: u32 = 3u;
+const KEEP_FLAGGED: u32 = 4u;
 const NORM_NONE: u32 = 0u;
 const NORM_FIXED: u32 = 1u;
 const NORM_TABLE: u32 = 2u;
@@ -34,7 +35,7 @@ struct Comb {
 }
 
 @group(0) @binding(3) var<uniform> c: Comb;
-// Per agent, 8 words: kind (KEEP_ALL, KEEP_BAND, KEEP_RANDOM, KEEP_ROW_RANK), then for a band: lo value,
+// Per agent, 8 words: kind (KEEP_ALL, KEEP_BAND, KEEP_RANDOM, KEEP_ROW_RANK, KEEP_FLAGGED), then for a band: lo value,
 // lo index, hi value, hi index, tie flags (bit 0: lo high-first, bit 1: hi high-first); for
 // random: words 5–7 = threshold, hash key 0, hash key 1; for row rank: words 1–2 = p0, step (f32
 // bits), 6–7 = hash key.
@@ -42,7 +43,8 @@ struct Comb {
 @group(0) @binding(5) var<storage, read> coefs: array<f32>;
 @group(0) @binding(6) var<storage, read> recips: array<f32>;
 @group(0) @binding(7) var<storage, read_write> out: array<u32>;
-// DELLA: agent t's row rank of chunk element i at ranks[t * rank_stride + i].
+// DELLA: agent t's row rank of chunk element i at ranks[t * rank_stride + i] (arcee_fusion: its
+// keep flag).
 @group(0) @binding(8) var<storage, read> ranks: array<u32>;
 
 fn opaque(x: f32) -> f32 {
@@ -84,6 +86,10 @@ fn keeps(t: u32, v: f32, idx: u32) -> bool {
     if (kind == KEEP_RANDOM) {
         let h = mix32(idx ^ rules[r + 6u]) ^ rules[r + 7u];
         return h < rules[r + 5u];
+    }
+    if (kind == KEEP_FLAGGED) {
+        // arcee_fusion: the host's keep flag in the ranks channel.
+        return ranks[t * rank_stride() + (idx - c.start)] != 0u;
     }
     if (kind == KEEP_ROW_RANK) {
         // src/method/combine.rs `rank_threshold`.

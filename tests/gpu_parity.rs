@@ -515,6 +515,7 @@ fn gpu_equals_cpu_for_every_method() {
             ("slerp", &["t=0.3"][..]),
             ("passthrough", &["scale=0.7"]),
             ("nearswap", &["t=0.004"]),
+            ("arcee_fusion", &[]),
         ]
         .into_iter()
         .enumerate()

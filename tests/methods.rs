@@ -193,6 +193,48 @@ fn model_stock_filter_wise_by_hand() {
     assert_close(&run(d.path(), y, &[]), &[1.5, 0.0]);
 }
 
+/// arcee_fusion by hand: a vector is one row, so one KL for all elements and importance ∝ |τ|;
+/// the fence Q2 + 1.5·IQR of |τ|·KL keeps the outliers only.
+#[test]
+fn arcee_fusion_by_hand() {
+    let d = tempfile::tempdir().unwrap();
+    // 8 elements, τ = (0, 0, 0, 0.01, 0.01, 0.02, 0.02, 1): sorted importances ∝ the same;
+    // Q1 = sorted[⌊0.25·7⌋ = 1] = 0, Q2 = sorted[3] = 0.01·KL, Q3 = sorted[5] = 0.02·KL:
+    // fence = (0.01 + 1.5·0.02)·KL = 0.04·KL, so only τ = 1 is kept.
+    let base = [0.5f32, -0.25, 0.125, 1.0, -1.0, 0.75, 0.0, 0.25];
+    let tau = [0.0f32, 0.0, 0.0, 0.01, -0.01, 0.02, 0.02, 1.0];
+    let model: Vec<f32> = base.iter().zip(&tau).map(|(b, t)| b + t).collect();
+    models(d.path(), &[8], &base, &[&model]);
+    let y =
+        "merge_method: arcee_fusion\nbase_model: base\nmodels:\n  - model: base\n  - model: a\n";
+    let mut want = base.to_vec();
+    want[7] = model[7];
+    assert_eq!(run(d.path(), y, &[]), want);
+    // Every τ equal: Q1 = Q2 = Q3, the fence is Q2 and everything is kept.
+    let model: Vec<f32> = base.iter().map(|b| b + 0.5).collect();
+    models(d.path(), &[8], &base, &[&model]);
+    assert_eq!(run(d.path(), y, &[]), model);
+    // Two models besides the base: refused before any tensor is read.
+    models(d.path(), &[8], &base, &[&model, &model]);
+    std::fs::write(
+        d.path().join("two.yml"),
+        "merge_method: arcee_fusion\nbase_model: base\nmodels:\n  - model: a\n  - model: b\n",
+    )
+    .unwrap();
+    let out = rlmerge()
+        .current_dir(d.path())
+        .args(["run", "two.yml", "-o", "two"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("arcee_fusion needs exactly one model besides the base"),
+        "{err}"
+    );
+    assert!(!d.path().join("two").exists());
+}
+
 #[test]
 fn nuslerp_rows_and_columns_by_hand() {
     let d = tempfile::tempdir().unwrap();
@@ -434,13 +476,25 @@ const SIMD_CAPS: [&str; 2] = ["baseline", "avx2"];
 fn results_do_not_depend_on_tiles_or_simd() {
     let f = fixture(900, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 2);
     let ram: [(&str, &[&str]); 3] = [("ram", &[]), ("ram+", &[]), ("ram", &["shared=consensus"])];
-    for (i, (method, params)) in METHODS.iter().chain(&ram).enumerate() {
+    // Methods of one model besides the base.
+    let one = fixture(902, Dtype::BF16, &odd_shapes(), &DENSITIES[1..2], 2);
+    let single: [(&str, &[&str]); 3] = [
+        ("arcee_fusion", &[]),
+        ("slerp", &["t=0.3"]),
+        ("nearswap", &["t=0.004"]),
+    ];
+    let cases = METHODS
+        .iter()
+        .chain(&ram)
+        .map(|m| (&f, m))
+        .chain(single.iter().map(|m| (&one, m)));
+    for (i, (f, (method, params))) in cases.enumerate() {
         let whole = f.dir.path().join(format!("{i}-{method}-whole"));
         let small = f.dir.path().join(format!("{i}-{method}-small"));
         let owned = method_args(method, params);
         let args: Vec<&str> = owned.iter().map(String::as_str).collect();
-        merge_cmd(&f, &whole, &args).assert().success();
-        merge_cmd(&f, &small, &[&args[..], &["--tile-elems", "37"]].concat())
+        merge_cmd(f, &whole, &args).assert().success();
+        merge_cmd(f, &small, &[&args[..], &["--tile-elems", "37"]].concat())
             .assert()
             .success();
         let want = read_folder(&whole);
@@ -448,7 +502,7 @@ fn results_do_not_depend_on_tiles_or_simd() {
         // Where the CPU has AVX-512 or AVX2, the kernels' narrower builds give the same bytes.
         for cap in SIMD_CAPS {
             let capped = f.dir.path().join(format!("{i}-{method}-{cap}"));
-            merge_cmd(&f, &capped, &args)
+            merge_cmd(f, &capped, &args)
                 .env("RLMERGE_SIMD", cap)
                 .assert()
                 .success();

@@ -114,9 +114,10 @@ enum TileRule {
     Base,
 }
 
-/// Each present agent's DELLA row ranks over a tile of whole rows (empty when the rule needs none).
-fn tile_ranks(tile: &Tile, spec: &CombineSpec) -> Vec<Vec<u32>> {
-    if spec.rank_rows == 0 {
+/// Each present agent's words for the tile's elements, in the ranks channel: DELLA's row ranks
+/// (tiles of whole rows), or arcee_fusion's keep flags; empty when the rule needs neither.
+fn tile_ranks(tile: &Tile, start: u64, spec: &CombineSpec) -> Vec<Vec<u32>> {
+    if spec.rank_rows == 0 && spec.fusion.is_none() {
         return Vec::new();
     }
     let mut base = vec![0.0f32; tile.len];
@@ -129,14 +130,17 @@ fn tile_ranks(tile: &Tile, spec: &CombineSpec) -> Vec<Vec<u32>> {
             if spec.delta {
                 v.iter_mut().zip(&base).for_each(|(x, b)| *x -= b);
             }
-            let mut ranks = Vec::new();
-            row_ranks(
-                &v,
-                spec.rank_rows as usize,
-                spec.rank_stride as usize,
-                &mut ranks,
-            );
-            ranks
+            let mut words = Vec::new();
+            match &spec.fusion {
+                Some(f) => f.flags(start, &v, &mut words),
+                None => row_ranks(
+                    &v,
+                    spec.rank_rows as usize,
+                    spec.rank_stride as usize,
+                    &mut words,
+                ),
+            }
+            words
         })
         .collect()
 }
@@ -524,7 +528,7 @@ impl<'a> MergePass<'a> {
                 }
             }
             TileRule::Combine(spec) => {
-                let ranks = tile_ranks(tile, spec);
+                let ranks = tile_ranks(tile, start, spec);
                 let mut coefs = Vec::new();
                 if let Some(f) = self.fisher {
                     f.tile_coefs(job.plan, &job.present, spec, (start, tile.len), &mut coefs)?;

@@ -42,7 +42,7 @@ pub(super) fn combine_spec(
         plan.name(),
         config.kind.name()
     );
-    let rank_rows = statistics::rank_rows(&params, numel, &plan.base.entry.shape)
+    let whole = statistics::scan_rows(&params, numel, &plan.base.entry.shape)
         .with_context(|| format!("tensor '{}'", plan.name()))?;
     let mut scans = TensorScans {
         inputs,
@@ -51,7 +51,7 @@ pub(super) fn combine_spec(
         // Larger tiles than the merge's: fewer parallel steps (the merge pass scans for NaN/Inf).
         pass: Pass {
             scan_nonfinite: false,
-            tile_elems: whole_rows(pass.tile_elems.max(SCAN_TILE_ELEMS), rank_rows.slab),
+            tile_elems: whole_rows(pass.tile_elems.max(SCAN_TILE_ELEMS), whole),
             ..pass.clone()
         },
         buffers,

@@ -28,6 +28,7 @@ pub enum Kind {
     Sce,
     Nearswap,
     Passthrough,
+    ArceeFusion,
     Fisher,
 }
 
@@ -427,7 +428,7 @@ const FISHER: [Param; 2] = [
 ];
 
 impl Kind {
-    pub const ALL: [Kind; 21] = [
+    pub const ALL: [Kind; 22] = [
         Kind::Ram,
         Kind::RamPlus,
         Kind::RamplusTl,
@@ -448,6 +449,7 @@ impl Kind {
         Kind::Sce,
         Kind::Nearswap,
         Kind::Passthrough,
+        Kind::ArceeFusion,
         Kind::Fisher,
     ];
 
@@ -473,6 +475,7 @@ impl Kind {
             Kind::Sce => "sce",
             Kind::Nearswap => "nearswap",
             Kind::Passthrough => "passthrough",
+            Kind::ArceeFusion => "arcee_fusion",
             Kind::Fisher => "fisher",
         }
     }
@@ -525,6 +528,7 @@ impl Kind {
             Kind::Sce => "select by variance, calculate weights, erase minority signs",
             Kind::Nearswap => "take the model's value where it is near the base",
             Kind::Passthrough => "copies one model's tensors, optionally scaled",
+            Kind::ArceeFusion => "keeps the model's changes whose importance |τ|·KL(softmax rows) clears the Tukey fence Q2 + 1.5·IQR",
             Kind::Fisher => "Σ λ_i F_i θ_i / Σ λ_i F_i with diagonal Fisher files",
         }
     }
@@ -544,6 +548,7 @@ impl Kind {
             Kind::Sce => "arXiv:2408.07990",
             Kind::Nearswap => "mergekit (alchemonaut)",
             Kind::Passthrough => "mergekit",
+            Kind::ArceeFusion => "mergekit (Arcee AI)",
             Kind::Fisher => "arXiv:2111.09832",
         }
     }
@@ -569,6 +574,7 @@ impl Kind {
             Kind::Sce => &SCE,
             Kind::Nearswap => &NEARSWAP,
             Kind::Passthrough => &PASSTHROUGH,
+            Kind::ArceeFusion => &[],
             Kind::Fisher => &FISHER,
         }
     }

@@ -29,6 +29,9 @@ pub enum Keep {
         step: f32,
         key: [u32; 2],
     },
+    /// Kept where the host's word for the element (in the ranks channel) is not 0: arcee_fusion's
+    /// importance test ([`Fusion::flags`]).
+    Flagged,
 }
 
 /// DELLA's keep threshold for an element of 1-based `rank`: ⌊p · 2³²⌋ with
@@ -82,6 +85,7 @@ impl Keep {
                 element_hash(key, idx) < rank_threshold(p0, step, rank)
             }
             Keep::All => true,
+            Keep::Flagged => rank != 0,
             Keep::Band { lo, hi } => {
                 let key = magnitude_key(v);
                 hi.inside(key, idx) && !lo.inside(key, idx)
@@ -120,6 +124,11 @@ fn keep_lanes(
             }
         }
         Keep::All => (0..len).for_each(|i| f(i, u32::MAX)),
+        Keep::Flagged => {
+            for (i, &r) in ranks[..len].iter().enumerate() {
+                f(i, lane(r != 0));
+            }
+        }
         // The top k (TIES): one cut.
         Keep::Band { lo, hi } if lo == RankCut::EMPTY => {
             for i in 0..len {
@@ -257,10 +266,44 @@ pub struct CombineSpec {
     /// Stride of the rank groups within a slab (0 or 1: the slab is one row); see [`row_ranks`].
     #[serde(default)]
     pub rank_stride: u64,
+    /// arcee_fusion: each row's KL divergence and the importance fence; the host flags each
+    /// tile's kept elements from them ([`Keep::Flagged`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fusion: Option<Fusion>,
     /// Fisher: every element has its own coefficient row, computed by the host per tile and
     /// passed with it (`CombineParams::coefs`) instead of `coefs` (`row_len` is 1).
     #[serde(default)]
     pub tile_coefs: bool,
+}
+
+/// arcee_fusion's statistics of one tensor (mergekit semantics): element i of row r is kept where
+/// importance = |θ₁ − θ₀|·kl[r] (one f32 product) ≥ `threshold`, where kl[r] is the KL divergence
+/// of softmax(θ₁'s row) from softmax(θ₀'s row), each probability plus 1e-8, and `threshold` =
+/// Q2 + 1.5·(Q3 − Q1) of the tensor's importances.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Fusion {
+    /// Elements per row (the last dimension; a vector is one row).
+    pub row_len: u64,
+    pub kl: Vec<f32>,
+    pub threshold: f32,
+}
+
+impl Fusion {
+    /// The importance of tensor element `idx` with task-vector value `tau`.
+    #[inline]
+    pub fn importance(&self, idx: u64, tau: f32) -> f32 {
+        tau.abs() * self.kl[(idx / self.row_len.max(1)) as usize]
+    }
+
+    /// `out[i]` = 1 where element `first + i`, task vector `tau[i]`, is kept, else 0.
+    pub fn flags(&self, first: u64, tau: &[f32], out: &mut Vec<u32>) {
+        out.clear();
+        out.extend(
+            tau.iter()
+                .enumerate()
+                .map(|(i, &t)| (self.importance(first + i as u64, t) >= self.threshold) as u32),
+        );
+    }
 }
 
 /// The coefficient row of tensor element `idx` for rows of `row_len` elements (0: one row) that
@@ -497,6 +540,7 @@ mod tests {
             sign_of_values: false,
             rank_rows: 0,
             rank_stride: 0,
+            fusion: None,
             tile_coefs: false,
         }
     }

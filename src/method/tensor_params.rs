@@ -48,6 +48,8 @@ pub enum Sparsify {
         density: f64,
         epsilon: f64,
     },
+    /// arcee_fusion: keep where |τ|·KL(row) reaches the Tukey fence of those importances.
+    Fusion,
 }
 
 /// Which vectors of a tensor a per-vector statistic (a cosine, a norm) runs over — mergekit's
@@ -423,6 +425,11 @@ impl MethodConfig {
                 weights: l.per_model("weight", present)?,
                 ..TensorParams::interpolation(n, false, BaseTerm::Fisher)
             },
+            // θ₀ + τ·mask (mergekit's tensors[0] + (tensors[1] − tensors[0])·fusion_mask).
+            Kind::ArceeFusion => TensorParams {
+                sparsify: vec![Sparsify::Fusion; n],
+                ..TensorParams::interpolation(n, true, BaseTerm::Add)
+            },
             Kind::Nearswap => {
                 let t = l.number("t", None)?;
                 TensorParams::interpolation(n, true, BaseTerm::Nearswap { t })
@@ -468,7 +475,7 @@ impl MethodConfig {
             }
         };
         match kind {
-            Kind::Slerp | Kind::Nearswap => {
+            Kind::Slerp | Kind::Nearswap | Kind::ArceeFusion => {
                 need(agents == 1, "exactly one model besides the base")?
             }
             Kind::ModelStock => need(agents >= 2, "at least two models besides the base")?,

@@ -22,6 +22,7 @@ pub(super) mod wgsl {
     pub const KEEP_BAND: u32 = 1;
     pub const KEEP_RANDOM: u32 = 2;
     pub const KEEP_ROW_RANK: u32 = 3;
+    pub const KEEP_FLAGGED: u32 = 4;
     /// `Comb::norm_mode` (combine.wgsl).
     pub const NORM_NONE: u32 = 0;
     pub const NORM_FIXED: u32 = 1;
@@ -32,7 +33,7 @@ pub(super) mod wgsl {
 
     /// Every constant above with its WGSL name.
     #[cfg(test)]
-    pub const ALL: [(&str, u32); 14] = [
+    pub const ALL: [(&str, u32); 15] = [
         ("WG", WG),
         ("MAX_AGENTS", MAX_AGENTS),
         ("DT_BF16", DT_BF16),
@@ -42,6 +43,7 @@ pub(super) mod wgsl {
         ("KEEP_BAND", KEEP_BAND),
         ("KEEP_RANDOM", KEEP_RANDOM),
         ("KEEP_ROW_RANK", KEEP_ROW_RANK),
+        ("KEEP_FLAGGED", KEEP_FLAGGED),
         ("NORM_NONE", NORM_NONE),
         ("NORM_FIXED", NORM_FIXED),
         ("NORM_TABLE", NORM_TABLE),
@@ -127,6 +129,7 @@ pub(super) struct Comb {
 pub(super) fn rule_words(k: &Keep) -> [u32; 8] {
     match *k {
         Keep::All => [wgsl::KEEP_ALL, 0, 0, 0, 0, 0, 0, 0],
+        Keep::Flagged => [wgsl::KEEP_FLAGGED, 0, 0, 0, 0, 0, 0, 0],
         Keep::Band { lo, hi } => [
             wgsl::KEEP_BAND,
             lo.value,

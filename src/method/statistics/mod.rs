@@ -4,8 +4,11 @@
 //! row moments for slerp. Sums are f64 in element order, so every backend merges with the same
 //! coefficients.
 
+mod fusion;
 mod sce;
 
+use fusion::fusion_statistics;
+pub use fusion::row_kl;
 use sce::sce_statistics;
 
 use super::closed_form::{
@@ -49,6 +52,10 @@ pub fn build_spec(
         BaseTerm::Sce { density } => sce_statistics(scan, params.weights.len(), numel, density)?,
         _ => (None, Vec::new()),
     };
+    let fusion = match params.sparsify.contains(&Sparsify::Fusion) {
+        true => Some(fusion_statistics(scan, numel, last_dim(numel, shape))?),
+        false => None,
+    };
     let coefs = coefficients(params, &sums, &sce_weights)?;
     let normalize = normalization(params, &sce_weights, element_keep.is_some());
     Ok(CombineSpec {
@@ -63,6 +70,7 @@ pub fn build_spec(
         sign_of_values: matches!(params.base, BaseTerm::Sce { .. }),
         rank_rows,
         rank_stride: ranked.stride,
+        fusion,
         tile_coefs: params.base == BaseTerm::Fisher,
         element_keep,
         nearswap: match params.base {
@@ -113,6 +121,7 @@ fn keep_rules(
         .enumerate()
         .map(|(t, s)| match *s {
             Sparsify::All => Keep::All,
+            Sparsify::Fusion => Keep::Flagged,
             Sparsify::Ranks { lo, hi, .. } => {
                 let lo = cut_of(lo, numel, &mut found);
                 let hi = cut_of(hi, numel, &mut found);
@@ -539,6 +548,23 @@ impl RankRows {
     pub fn group(&self) -> u64 {
         self.slab / self.stride.max(1)
     }
+}
+
+/// Elements per row along the last dimension (a vector whole).
+fn last_dim(numel: u64, shape: &[usize]) -> u64 {
+    match shape {
+        [] | [_] => numel.max(1),
+        [.., last] => (*last as u64).max(1),
+    }
+}
+
+/// The length of the runs of elements the statistics scans need whole in each tile (0: none):
+/// DELLA's rank slabs, arcee_fusion's rows.
+pub fn scan_rows(params: &TensorParams, numel: u64, shape: &[usize]) -> Result<u64> {
+    if params.sparsify.contains(&Sparsify::Fusion) {
+        return Ok(last_dim(numel, shape));
+    }
+    Ok(rank_rows(params, numel, shape)?.slab)
 }
 
 /// DELLA's rank groups for a tensor of `shape` (slab 0 when no keep rule ranks): mergekit ranks
