@@ -185,6 +185,7 @@ fn mergekit(kind: Kind, params: &[(&str, f64)]) -> Method {
         models: vec![Default::default(); 3],
         seed: 0,
         with_base: true,
+        slices: Vec::new(),
     })
 }
 

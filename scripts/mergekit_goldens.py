@@ -6,7 +6,8 @@ rlmerge against, so CI compares with mergekit 0.1.5 without installing torch.
     /tmp/mkvenv/bin/python scripts/mergekit_goldens.py [RECIPE_NAME ...]
 
 Writes, under tests/fixtures/mergekit/:
-  models/{base,coder,tools,memory}/  small Qwen2-shaped bf16 models (made once, deterministic:
+  models/{base,coder,tools,memory}/  small Llama-shaped bf16 models (Llama: mergekit 0.1.5
+                                     cannot slice Qwen2 configs, whose layer_types it leaves stale) (made once, deterministic:
                                      kept when present, so goldens stay comparable)
   expected/NAME.safetensors          mergekit's output for recipes/NAME.yml (every recipe there
                                      says `dtype: float32`), all tensors in one file
@@ -34,8 +35,6 @@ def shapes():
         p = f"model.layers.{l}"
         for proj in ["q_proj", "k_proj", "v_proj", "o_proj"]:
             t.append((f"{p}.self_attn.{proj}.weight", [HIDDEN, HIDDEN]))
-            if proj != "o_proj":
-                t.append((f"{p}.self_attn.{proj}.bias", [HIDDEN]))
         t.append((f"{p}.mlp.gate_proj.weight", [INTER, HIDDEN]))
         t.append((f"{p}.mlp.up_proj.weight", [INTER, HIDDEN]))
         t.append((f"{p}.mlp.down_proj.weight", [HIDDEN, INTER]))
@@ -48,8 +47,8 @@ def shapes():
 
 def config():
     return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
         "vocab_size": VOCAB,
         "hidden_size": HIDDEN,
         "intermediate_size": INTER,
@@ -59,7 +58,6 @@ def config():
         "rms_norm_eps": 1e-6,
         "torch_dtype": "bfloat16",
         "tie_word_embeddings": False,
-        "layer_types": ["full_attention"] * LAYERS,
     }
 
 
@@ -107,7 +105,8 @@ def main():
         recipe = out + ".yml"
         with open(recipe, "w") as f:
             f.write(text)
-        subprocess.run([os.path.join(os.path.dirname(sys.executable), "mergekit-yaml"), recipe, out, "--quiet"], check=True, cwd=MODELS, env=env)
+        command = [os.path.join(os.path.dirname(sys.executable), "mergekit-yaml"), recipe, out, "--quiet"]
+        subprocess.run(command, check=True, cwd=MODELS, env=env)
         tensors = {}
         for f in sorted(os.listdir(out)):
             if f.endswith(".safetensors"):

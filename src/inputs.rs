@@ -6,8 +6,10 @@ use crate::checkpoint::{DType, ModelFolder, ModelTensor};
 use crate::error::usage;
 use crate::method::{self};
 use crate::record::InputChecksums;
+use crate::slices::{rename_layer, Placement, Slices, Source};
 use anyhow::{bail, ensure, Context, Result};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// The base and the agents, opened and checked against each other.
 pub struct Inputs {
@@ -17,19 +19,52 @@ pub struct Inputs {
     pub tensors: Vec<TensorPlan>,
     /// Things the user should know (tensors missing in some agents, extra tensors ignored).
     pub warnings: Vec<String>,
+    /// mergekit's `slices`, when the output's layers are taken from ranges of the inputs'.
+    pub slices: Option<Slices>,
 }
 
-/// One base tensor and where each agent keeps its counterpart: its index in that agent's
-/// [`ModelFolder::tensors`] (`None`: that agent lacks it). Indices, not copies: a model may have
-/// 10^5 tensors.
+/// One output tensor: its base tensor (θ₀, and the name, shape and dtype of the output) and where
+/// each agent keeps its counterpart: its index in that agent's [`ModelFolder::tensors`] (`None`:
+/// that agent lacks it). Indices, not copies: a model may have 10^5 tensors.
 pub struct TensorPlan {
     pub base: ModelTensor,
     pub agents: Box<[Option<u32>]>,
+    /// Slices: the output name (layers renumbered; `None`: the base tensor's name), the agent
+    /// whose folder holds `base` when a slice takes it from a model other than the base (methods
+    /// without θ₀), and where the tensor sits among the slices.
+    pub sliced: Option<SlicedTensor>,
+}
+
+/// What a sliced merge adds to a [`TensorPlan`].
+pub struct SlicedTensor {
+    pub name: Arc<str>,
+    pub base_from: Option<usize>,
+    pub placement: Placement,
 }
 
 impl TensorPlan {
+    /// The output tensor's name.
     pub fn name(&self) -> &str {
-        &self.base.entry.name
+        match &self.sliced {
+            Some(s) => &s.name,
+            None => &self.base.entry.name,
+        }
+    }
+
+    /// [`Self::name`], shared.
+    pub fn out_name(&self) -> Arc<str> {
+        match &self.sliced {
+            Some(s) => s.name.clone(),
+            None => self.base.entry.name.clone(),
+        }
+    }
+
+    /// The folder `base` is read from.
+    pub fn base_folder<'a>(&self, inputs: &'a Inputs) -> &'a ModelFolder {
+        match self.sliced.as_ref().and_then(|s| s.base_from) {
+            Some(t) => &inputs.agents[t],
+            None => &inputs.base,
+        }
     }
 
     /// This tensor in a companion folder read beside the inputs (a Fisher folder, a merged
@@ -88,6 +123,15 @@ impl TensorPlan {
 impl Inputs {
     /// Opens every folder and checks each agent tensor's shape against the base's.
     pub fn open(base_dir: &Path, agent_dirs: &[PathBuf]) -> Result<Inputs> {
+        Inputs::open_sliced(base_dir, agent_dirs, None)
+    }
+
+    /// [`Inputs::open`], the output's layers taken from `slices` when given.
+    pub fn open_sliced(
+        base_dir: &Path,
+        agent_dirs: &[PathBuf],
+        slices: Option<&Slices>,
+    ) -> Result<Inputs> {
         ensure!(
             !agent_dirs.is_empty(),
             "at least one agent model is needed (--model DIR)"
@@ -130,6 +174,16 @@ impl Inputs {
                     base_dir.display()
                 );
             }
+        }
+        if let Some(slices) = slices {
+            let tensors = sliced_plans(&base, &agents, slices)?;
+            return Ok(Inputs {
+                base,
+                agents,
+                tensors,
+                warnings: Vec::new(),
+                slices: Some(slices.clone()),
+            });
         }
         let mut warnings = Vec::new();
         let mut tensors = Vec::with_capacity(base.tensors.len());
@@ -177,6 +231,7 @@ impl Inputs {
             tensors.push(TensorPlan {
                 base: bt.clone(),
                 agents: found.into(),
+                sliced: None,
             });
         }
         for agent in &agents {
@@ -199,6 +254,7 @@ impl Inputs {
             agents,
             tensors,
             warnings,
+            slices: None,
         })
     }
 
@@ -247,6 +303,116 @@ impl Inputs {
             .map(|a| a.dir.display().to_string())
             .collect()
     }
+}
+
+/// The output tensors of a sliced merge (see [`crate::slices`]): the embeddings from the first
+/// slice's sources, each slice's layers renumbered consecutively, then the other tensors outside
+/// the layers from the last slice's sources. Every source must hold each tensor its slice's lead
+/// has, with the same shape.
+fn sliced_plans(
+    base: &ModelFolder,
+    agents: &[ModelFolder],
+    slices: &Slices,
+) -> Result<Vec<TensorPlan>> {
+    let folder = |m: Source| match m {
+        Source::Base => base,
+        Source::Agent(t) => &agents[t],
+    };
+    let layer_of = |t: &ModelTensor| crate::method::settings::layer_index(&t.entry.name);
+    // One output tensor from source name `name` in each source (layer `at(start)` of each).
+    let plan = |s: usize,
+                placement: Placement,
+                lead_name: &str,
+                source_name: &dyn Fn(usize) -> String,
+                out_name: Arc<str>|
+     -> Result<TensorPlan> {
+        let lead = slices.lead(s);
+        let lead_folder = folder(lead.model);
+        let lookup = |m: Source, start: usize| -> Result<&ModelTensor> {
+            let f = folder(m);
+            let name = source_name(start);
+            f.get(&name).with_context(|| {
+                format!(
+                    "slice {} takes tensor '{}' from {}, which does not have it",
+                    s + 1,
+                    crate::error::printable(&name),
+                    f.dir.display()
+                )
+            })
+        };
+        let bt = lookup(lead.model, lead.start)?;
+        debug_assert_eq!(source_name(lead.start), lead_name);
+        let mut found: Vec<Option<u32>> = vec![None; agents.len()];
+        for src in &slices.0[s].sources {
+            let Source::Agent(t) = src.model else {
+                continue;
+            };
+            let at = lookup(src.model, src.start)?;
+            if at.entry.shape != bt.entry.shape {
+                bail!(
+                    "tensor '{}' in {} is {} but in {} it is {} (slice {})",
+                    at.entry.name,
+                    agents[t].file_of(at).display(),
+                    shape_text(&at.entry.shape),
+                    lead_folder.file_of(bt).display(),
+                    shape_text(&bt.entry.shape),
+                    s + 1
+                );
+            }
+            found[t] = agents[t].index_of(&at.entry.name).map(|i| i as u32);
+        }
+        Ok(TensorPlan {
+            base: bt.clone(),
+            agents: found.into(),
+            sliced: Some(SlicedTensor {
+                name: out_name,
+                base_from: match lead.model {
+                    Source::Base => None,
+                    Source::Agent(t) => Some(t),
+                },
+                placement,
+            }),
+        })
+    };
+    // Tensors outside the layers: the embeddings from the first slice's lead, the rest from
+    // the last slice's.
+    let outside = |embeddings: bool| -> Result<Vec<TensorPlan>> {
+        let s = if embeddings { 0 } else { slices.0.len() - 1 };
+        let mut plans = Vec::new();
+        for t in &folder(slices.lead(s).model).tensors {
+            let placement = slices.outside_layers(&t.entry.name);
+            let embedding =
+                crate::report::Module::of(&t.entry.name) == crate::report::Module::Embed;
+            if layer_of(t).is_some() || embedding != embeddings {
+                continue;
+            }
+            let name = t.entry.name.clone();
+            plans.push(plan(
+                s,
+                placement,
+                &name,
+                &|_| name.to_string(),
+                name.clone(),
+            )?);
+        }
+        Ok(plans)
+    };
+    let mut tensors = outside(true)?;
+    for (layer, (s, i)) in slices.output_layers().enumerate() {
+        let lead = slices.lead(s);
+        for t in &folder(lead.model).tensors {
+            if layer_of(t) != Some(lead.start + i) {
+                continue;
+            }
+            let name = t.entry.name.clone();
+            let out: Arc<str> = rename_layer(&name, layer).into();
+            let source_name = |start: usize| rename_layer(&name, start + i);
+            tensors.push(plan(s, slices.placement(s, i), &name, &source_name, out)?);
+        }
+    }
+    tensors.extend(outside(false)?);
+    ensure!(!tensors.is_empty(), "the slices select no tensors");
+    Ok(tensors)
 }
 
 fn real_path(p: &Path) -> PathBuf {

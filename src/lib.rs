@@ -21,4 +21,5 @@ pub mod report;
 pub mod scans;
 pub mod select;
 mod simd;
+pub mod slices;
 pub mod verify;

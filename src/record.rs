@@ -63,6 +63,9 @@ pub struct MergeRecord {
     pub group_lambdas: Vec<(String, Vec<f64>)>,
     /// `None`: each tensor kept the base's dtype.
     pub out_dtype: Option<String>,
+    /// mergekit's `slices`: which layers of which input each output layer is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slices: Option<crate::slices::Slices>,
     pub shard_size: u64,
     pub warnings: Vec<String>,
     /// Base first, then the agents in order.

@@ -150,7 +150,7 @@ fn recompute_and_compare(
         .first()
         .context("the record lists no inputs")?;
     let agents: Vec<PathBuf> = record.inputs[1..].iter().map(|i| i.path.clone()).collect();
-    let inputs = Inputs::open(&base.path, &agents)?;
+    let inputs = Inputs::open_sliced(&base.path, &agents, record.slices.as_ref())?;
     let options = MergeOptions {
         pass: Pass {
             epsilon: record.epsilon,

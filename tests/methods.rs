@@ -155,12 +155,16 @@ fn linear_and_passthrough_by_hand() {
 #[test]
 fn slerp_by_hand() {
     let d = tempfile::tempdir().unwrap();
-    // Row 0: orthogonal unit vectors, t = 0.5: both coefficients sin(π/4)/sin(π/2) = √½.
-    // Row 1: parallel rows: plain lerp, 0.5·(2, 0) + 0.5·(4, 0) = (3, 0).
+    // One angle for the whole tensor (mergekit 0.1.5): θ₀ = (1, 0, 2, 0), θ₁ = (0, 1, 4, 0),
+    // cos θ = 8/√85; t = 0.5 gives both the coefficient sin(θ/2)/sin θ = 1/(2 cos(θ/2)).
     models(d.path(), &[2, 2], &[1., 0., 2., 0.], &[&[0., 1., 4., 0.]]);
     let y = "merge_method: slerp\nbase_model: base\nmodels:\n  - model: base\n  - model: a\nparameters:\n  t: 0.5\n";
-    let h = 0.5f32.sqrt();
-    assert_close(&run(d.path(), y, &[]), &[h, h, 3.0, 0.0]);
+    let theta = (8.0 / 85f64.sqrt()).acos();
+    let c = (1.0 / (2.0 * (theta / 2.0).cos())) as f32;
+    assert_close(&run(d.path(), y, &[]), &[c, c, 6.0 * c, 0.0]);
+    // Parallel tensors: plain lerp, 0.5·(2, 0) + 0.5·(4, 0).
+    models(d.path(), &[2], &[2., 0.], &[&[4., 0.]]);
+    assert_close(&run(d.path(), y, &[]), &[3.0, 0.0]);
 }
 
 #[test]

@@ -226,7 +226,7 @@ fn merge_job(
     out: &mut impl Write,
 ) -> Result<()> {
     compute.check()?;
-    let inputs = Inputs::open(&job.base, &job.agents)?;
+    let inputs = Inputs::open_sliced(&job.base, &job.agents, job.slices.as_ref())?;
     warn_all(&inputs.warnings);
     let backend = compute.backend()?;
     if !compute.quiet {

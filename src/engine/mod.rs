@@ -214,7 +214,7 @@ pub fn merge(
         .tensors
         .iter()
         .map(|p| OutputTensor {
-            name: p.base.entry.name.clone(),
+            name: p.out_name(),
             dtype: options.out_dtype.unwrap_or(p.base.entry.dtype),
             shape: p.base.entry.shape.clone(),
         })
@@ -381,9 +381,17 @@ impl<'a> MergePass<'a> {
         Ok(match method {
             Method::Combine(_) if present.is_empty() => TileRule::Base,
             Method::Combine(config) => {
-                let at = TensorPlace {
-                    name: plan.name(),
-                    t: layer_t(layer_index(plan.name()), self.layers),
+                let at = match &plan.sliced {
+                    Some(s) => TensorPlace {
+                        name: plan.name(),
+                        t: s.placement.t,
+                        slice: Some(s.placement.slice),
+                    },
+                    None => TensorPlace {
+                        name: plan.name(),
+                        t: layer_t(layer_index(plan.name()), self.layers),
+                        slice: None,
+                    },
                 };
                 TileRule::Combine(combine_spec(
                     self.inputs,
@@ -425,9 +433,7 @@ impl<'a> MergePass<'a> {
             .map(|&c| self.options.method.lambda(c))
             .collect();
         let scope = self.per_tensor.as_mut().expect("tensor scope");
-        scope
-            .lambdas
-            .push((plan.base.entry.name.clone(), lambdas.clone()));
+        scope.lambdas.push((plan.out_name(), lambdas.clone()));
         scope.add(stats);
         Ok(lambdas)
     }

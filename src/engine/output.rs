@@ -4,14 +4,16 @@
 use super::{BoostReport, MergeOptions, MergeSummary};
 use crate::backend::Tile;
 use crate::checkpoint::dtype::{decode, decode_one, encode, first_nonfinite};
-use crate::checkpoint::folder_files::copy_base_files;
+use crate::checkpoint::folder_files::{copy_base_files, read_config};
 use crate::checkpoint::safetensors_file::crc32_of_file;
 use crate::checkpoint::safetensors_file::FileChecksum;
 use crate::checkpoint::{DType, OutputFolder};
 use crate::inputs::{identical_inputs, Inputs};
 use crate::record::OVERLAP_FIGURE;
 use crate::record::{self, AgentSummary, InputChecksums, MergeRecord};
+use crate::slices::{Slices, Source};
 use anyhow::{bail, Context, Result};
+use std::path::Path;
 
 /// The base's values in the output dtype (a tensor no merged model has); same dtype: its bits.
 pub(super) fn pass_base(tile: &Tile, out_dtype: DType, out: &mut [u8]) {
@@ -98,7 +100,11 @@ pub(super) fn finish(
         .or_else(|| inputs.base.main_dtype())
         .unwrap_or(DType::F32);
     let mut outputs = shards;
-    for name in copy_base_files(&inputs.base.dir, folder.path(), out_dtype)? {
+    let copied = copy_base_files(&inputs.base.dir, folder.path(), out_dtype)?;
+    if let Some(slices) = &inputs.slices {
+        sliced_config(inputs, slices, folder.path())?;
+    }
+    for name in copied {
         outputs.push(crc32_of_file(&folder.path().join(name))?);
     }
     // Where a probe ran (RAM+), the paper's Figure 1 for these agents, shown by the model card.
@@ -134,6 +140,7 @@ pub(super) fn finish(
         tensor_lambdas: boost.tensor_lambdas.unwrap_or_default(),
         group_lambdas: boost.group_lambdas.unwrap_or_default(),
         out_dtype: options.out_dtype.map(|d| d.to_string()),
+        slices: inputs.slices.clone(),
         shard_size: options.shard_size,
         warnings: inputs
             .warnings
@@ -152,4 +159,23 @@ pub(super) fn finish(
         record,
         report: boost.report,
     })
+}
+
+/// A sliced merge's config.json: the layer count and per-layer lists of the output's layers.
+fn sliced_config(inputs: &Inputs, slices: &Slices, out: &Path) -> Result<()> {
+    let path = out.join("config.json");
+    if !path.is_file() {
+        return Ok(());
+    }
+    let mut config = read_config(out)?;
+    let config_of = |m: Source| {
+        let dir = match m {
+            Source::Base => &inputs.base.dir,
+            Source::Agent(t) => &inputs.agents[t].dir,
+        };
+        read_config(dir).unwrap_or_default()
+    };
+    slices.rewrite_config(&mut config, &config_of);
+    std::fs::write(&path, serde_json::to_string_pretty(&config)? + "\n")
+        .with_context(|| format!("cannot write {}", path.display()))
 }

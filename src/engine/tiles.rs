@@ -49,12 +49,14 @@ impl TileBuffers {
             spread,
         } = *read;
         let tile_dtype = plan.tile_dtype(inputs);
-        let sources = std::iter::once((&inputs.base, &plan.base)).chain(present.iter().map(|&t| {
-            let at = plan
-                .agent(inputs, t)
-                .expect("present agents have the tensor");
-            (&inputs.agents[t], at)
-        }));
+        let sources = std::iter::once((plan.base_folder(inputs), &plan.base)).chain(
+            present.iter().map(|&t| {
+                let at = plan
+                    .agent(inputs, t)
+                    .expect("present agents have the tensor");
+                (&inputs.agents[t], at)
+            }),
+        );
         let jobs: Vec<(&ModelFolder, &ModelTensor, &mut Vec<u8>)> = sources
             .zip(std::iter::once(&mut self.base).chain(self.agents.iter_mut()))
             .map(|((model, tensor), buf)| (model, tensor, buf))

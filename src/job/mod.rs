@@ -29,6 +29,8 @@ pub struct Job {
     pub recipe_text: String,
     /// The recipe file it came from (an output must not overwrite it).
     pub recipe_path: Option<PathBuf>,
+    /// mergekit's `slices`, when the recipe selects layers.
+    pub slices: Option<crate::slices::Slices>,
 }
 
 /// The method as command-line flags give it: `--method`, `--param KEY=VALUE` (see
@@ -62,6 +64,7 @@ impl Job {
             out_dtype: None,
             recipe_text: String::new(),
             recipe_path: None,
+            slices: None,
         })
     }
 
@@ -139,6 +142,7 @@ impl MethodFlags {
             models: vec![Default::default(); agents],
             seed: self.seed,
             with_base: true,
+            slices: Vec::new(),
         };
         crate::method::build::build(request, agents)
     }

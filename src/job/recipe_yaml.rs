@@ -6,7 +6,9 @@ use crate::checkpoint::DType;
 use crate::error::usage;
 use crate::method::build::{self, MethodRequest};
 use crate::method::settings::{Scalar, Setting, Settings};
+use crate::method::tensor_params::SliceSettings;
 use crate::method::Kind;
+use crate::slices::{self, Slice, Slices, Source};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -100,12 +102,12 @@ fn local_folder(reference: &str, recipe_dir: &Path) -> Result<PathBuf> {
 fn layer_count(dir: &Path) -> Result<usize> {
     let json =
         crate::checkpoint::folder_files::read_config(dir).context("slices need the layer count")?;
-    let path = dir.join("config.json");
-    ["num_hidden_layers", "n_layer", "num_layers"]
-        .iter()
-        .find_map(|k| json.get(k).and_then(|v| v.as_u64()))
-        .map(|n| n as usize)
-        .with_context(|| format!("{}: no num_hidden_layers", path.display()))
+    crate::slices::layer_count(&json).with_context(|| {
+        format!(
+            "{}: no num_hidden_layers",
+            dir.join("config.json").display()
+        )
+    })
 }
 
 /// Reads a mergekit YAML recipe.
@@ -137,6 +139,7 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         mut entries,
         base_ref,
         shared,
+        slices,
     } = listed_models(&raw, text, dir)?;
     let out_dtype =
         match raw.out_dtype.as_ref().or(raw.dtype.as_ref()) {
@@ -170,6 +173,19 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         .iter()
         .map(|(m, _)| local_folder(m, dir))
         .collect::<Result<Vec<_>>>()?;
+    let (slices, slice_settings) = match slices {
+        Some(read) => {
+            let names: Vec<String> = entries.iter().map(|(m, _)| m.clone()).collect();
+            let (slices, settings) = slices_of(read, &base_ref, with_base, &names)?;
+            (Some(slices), settings)
+        }
+        None => (None, Vec::new()),
+    };
+    if slices.is_some() && kind == Kind::Fisher {
+        return Err(usage(
+            "fisher with slices is not supported; merge whole models",
+        ));
+    }
     let models = model_settings(entries, dir)?;
     let request = MethodRequest {
         kind,
@@ -177,12 +193,25 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         models,
         seed,
         with_base,
+        slices: slice_settings,
     };
     let epsilon = match kind {
         Kind::Ram | Kind::RamPlus | Kind::RamplusTl => build::epsilon(&request)?,
         _ => None,
     };
     let method = build::build(request, agents.len()).map_err(|e| at_line_of_parameter(e, text))?;
+    if let (Some(slices), crate::method::Method::Combine(config)) = (&slices, &method) {
+        for (n, slice) in slices.0.iter().enumerate() {
+            let models = slice
+                .sources
+                .iter()
+                .filter(|s| s.model != Source::Base)
+                .count();
+            config
+                .check(models)
+                .map_err(|e| usage(format!("slice {}: {e}", n + 1)))?;
+        }
+    }
     Ok(Job {
         base,
         agents,
@@ -191,6 +220,7 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         out_dtype,
         recipe_text: text.to_string(),
         recipe_path: None,
+        slices,
     })
 }
 
@@ -235,20 +265,31 @@ fn refuse_unsupported(raw: &RawConfig, text: &str) -> Result<()> {
     }
 }
 
-/// What `models` or a slice lists: (model, its parameters) in order, the base_model named, and
-/// the method-wide parameters (a slice's merged in).
+/// What `models` or the slices list: (model, its parameters) in order, the base_model named, the
+/// method-wide parameters (a lone slice's merged in), and the slices when they select layers.
 struct Listed {
     entries: Vec<(String, Settings)>,
     base_ref: Option<String>,
     shared: Settings,
+    slices: Option<Vec<RawSlice>>,
 }
 
-/// The models of `models`, or of one slice over every layer (the only slicing supported yet).
+/// One slice of the recipe: its sources (model, first layer, parameters), its length and its own
+/// parameters.
+struct RawSlice {
+    sources: Vec<(String, usize, Settings)>,
+    len: usize,
+    parameters: Settings,
+}
+
+/// The models of `models`, or of the slices: one slice over every layer of each model reads as
+/// `models` (mergekit's slerp examples write it so); any other slicing selects layers.
 fn listed_models(raw: &RawConfig, text: &str, dir: &Path) -> Result<Listed> {
     let mut listed = Listed {
         entries: Vec::new(),
         base_ref: raw.base_model.clone(),
         shared: raw.parameters.clone().unwrap_or_default(),
+        slices: None,
     };
     let slices = match (&raw.models, &raw.slices) {
         (Some(_), Some(_)) => bail!("a recipe has either 'models' or 'slices', not both"),
@@ -263,34 +304,143 @@ fn listed_models(raw: &RawConfig, text: &str, dir: &Path) -> Result<Listed> {
         (None, Some(slices)) => slices,
     };
     let line = line_of(text, "slices");
-    if slices.len() != 1 {
-        bail!("'slices' with {} slices is not supported yet (line {line}); one slice over all layers is", slices.len());
+    if slices.is_empty() {
+        return Err(usage(format!("'slices' is empty (line {line})")));
     }
-    let slice = &slices[0];
-    if slice.residual_weight.is_some() {
-        bail!(
-            "'residual_weight' in a slice is not supported yet (line {})",
-            line_of(text, "residual_weight")
-        );
-    }
-    if let Some(b) = &slice.base_model {
-        listed.base_ref = Some(b.clone());
-    }
-    for (k, v) in slice.parameters.clone().unwrap_or_default() {
-        listed.shared.insert(k, v);
-    }
-    for s in &slice.sources {
-        let layers = layer_count(&local_folder(&s.model, dir)?)?;
-        if s.layer_range != [0, layers] {
+    let mut read = Vec::new();
+    for (n, slice) in slices.iter().enumerate() {
+        if slice.residual_weight.is_some() {
             bail!(
-                "slice source '{}' takes layers {:?} of {layers}; only slices over all layers are supported yet (line {line})",
-                s.model, s.layer_range
+                "'residual_weight' in a slice is not supported yet (line {})",
+                line_of(text, "residual_weight")
             );
         }
-        let settings = s.parameters.clone().unwrap_or_default();
-        listed.entries.push((s.model.clone(), settings));
+        if let Some(b) = &slice.base_model {
+            match &listed.base_ref {
+                Some(global) if global != b => {
+                    return Err(usage(format!(
+                        "slice {} names base_model '{b}' but the recipe's is '{global}'; one base \
+                         for every slice is supported",
+                        n + 1
+                    )))
+                }
+                _ => listed.base_ref = Some(b.clone()),
+            }
+        }
+        if slice.sources.is_empty() {
+            return Err(usage(format!(
+                "slice {} has no sources (line {line})",
+                n + 1
+            )));
+        }
+        let mut sources = Vec::new();
+        let mut len = None;
+        for s in &slice.sources {
+            let [start, end] = s.layer_range;
+            let layers = layer_count(&local_folder(&s.model, dir)?)?;
+            if start >= end || end > layers {
+                return Err(usage(format!(
+                    "slice {} takes layer_range [{start}, {end}] of '{}', which has {layers} \
+                     layers; a range is [first, last + 1] with first < last + 1 ≤ {layers} \
+                     (line {line})",
+                    n + 1,
+                    s.model
+                )));
+            }
+            if *len.get_or_insert(end - start) != end - start {
+                return Err(usage(format!(
+                    "slice {}: every source must take as many layers (got {} and {}; line {line})",
+                    n + 1,
+                    len.unwrap_or(0),
+                    end - start
+                )));
+            }
+            if sources.iter().any(|(m, _, _)| *m == s.model) {
+                return Err(usage(format!(
+                    "slice {} lists model '{}' twice (line {line})",
+                    n + 1,
+                    s.model
+                )));
+            }
+            let settings = s.parameters.clone().unwrap_or_default();
+            sources.push((s.model.clone(), start, settings));
+        }
+        read.push(RawSlice {
+            sources,
+            len: len.unwrap_or(0),
+            parameters: slice.parameters.clone().unwrap_or_default(),
+        });
     }
+    // One slice over every layer of each model: the models, as `models` lists them.
+    let whole = |s: &RawSlice| -> Result<bool> {
+        for (m, start, _) in &s.sources {
+            if *start != 0 || s.len != layer_count(&local_folder(m, dir)?)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    };
+    if read.len() == 1 && whole(&read[0])? {
+        let slice = read.remove(0);
+        listed.shared.extend(slice.parameters);
+        listed.entries = slice.sources.into_iter().map(|(m, _, s)| (m, s)).collect();
+        return Ok(listed);
+    }
+    // Models in the order they first appear; their parameters are the slices' own.
+    for slice in &read {
+        for (m, _, _) in &slice.sources {
+            if !listed.entries.iter().any(|(e, _)| e == m) {
+                listed.entries.push((m.clone(), Settings::new()));
+            }
+        }
+    }
+    listed.slices = Some(read);
     Ok(listed)
+}
+
+/// The slices of a recipe over the merge's base and agents (`agents`: the model references in
+/// agent order), with each slice's parameters per agent.
+fn slices_of(
+    read: Vec<RawSlice>,
+    base_ref: &str,
+    with_base: bool,
+    agents: &[String],
+) -> Result<(Slices, Vec<SliceSettings>)> {
+    let mut slices = Vec::new();
+    let mut settings = Vec::new();
+    for (n, slice) in read.into_iter().enumerate() {
+        let mut models = vec![Settings::new(); agents.len()];
+        let mut sources = Vec::new();
+        for (m, start, params) in slice.sources {
+            let model = if with_base && m == base_ref {
+                Source::Base
+            } else {
+                let t = agents
+                    .iter()
+                    .position(|a| *a == m)
+                    .expect("every source is listed");
+                models[t] = params;
+                Source::Agent(t)
+            };
+            sources.push(slices::SliceSource { model, start });
+        }
+        if with_base && !sources.iter().any(|s| s.model == Source::Base) {
+            return Err(usage(format!(
+                "slice {} has no source from the base_model '{base_ref}', which this method \
+                 needs in every slice (as θ₀)",
+                n + 1
+            )));
+        }
+        slices.push(Slice {
+            sources,
+            len: slice.len,
+        });
+        settings.push(SliceSettings {
+            parameters: slice.parameters,
+            models,
+        });
+    }
+    Ok((Slices(slices), settings))
 }
 
 /// Each merged model's parameters; Fisher folders are local folders too, found the same way as

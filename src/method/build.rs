@@ -7,7 +7,7 @@
 
 use super::catalog::{Kind, Param, ParamDefault, Range, Scope};
 use super::settings::{ConditionalValue, Scalar, Setting, Settings};
-use super::tensor_params::MethodConfig;
+use super::tensor_params::{MethodConfig, SliceSettings};
 use super::{defaults, BoostRule, BoostScope, Method, SharedRule, MAX_AGENTS};
 use crate::error::usage;
 use anyhow::Result;
@@ -22,6 +22,8 @@ pub struct MethodRequest {
     pub seed: u64,
     /// Whether θ₀ enters the formula (see [`MethodConfig::with_base`]).
     pub with_base: bool,
+    /// Each slice's own parameters (recipes with `slices`).
+    pub slices: Vec<SliceSettings>,
 }
 
 /// The RAM threshold ε a request sets, validated (`None`: not set).
@@ -37,6 +39,18 @@ pub fn build(req: MethodRequest, agents: usize) -> Result<Method> {
             "at most {MAX_AGENTS} models can be merged at once, got {agents}"
         )));
     }
+    let ram_family = matches!(req.kind, Kind::Ram | Kind::RamPlus | Kind::RamplusTl);
+    let slice_settings = req
+        .slices
+        .iter()
+        .any(|s| !s.parameters.is_empty() || s.models.iter().any(|m| !m.is_empty()));
+    if ram_family && slice_settings {
+        return Err(usage(format!(
+            "{} takes its parameters method-wide; set them under the recipe's top-level \
+             `parameters`, not in a slice",
+            req.kind.name()
+        )));
+    }
     match req.kind {
         Kind::Ram => Ok(Method::Ram {
             shared: shared_rule(&req),
@@ -49,8 +63,12 @@ pub fn build(req: MethodRequest, agents: usize) -> Result<Method> {
                 models: req.models,
                 seed: req.seed,
                 with_base: req.with_base,
+                slices: req.slices,
             };
-            config.check(agents).map_err(|e| usage(e.to_string()))?;
+            // With slices each slice has its own models: the recipe reader checks each.
+            if config.slices.is_empty() {
+                config.check(agents).map_err(|e| usage(e.to_string()))?;
+            }
             cross_checks(&config, agents)?;
             Ok(Method::Combine(config))
         }
@@ -71,10 +89,14 @@ fn check_keys_and_values(req: &MethodRequest) -> Result<()> {
             ))
         })
     };
-    for (key, setting) in &req.shared {
-        check_setting(find(key, None)?, setting, None)?;
+    let slices = req.slices.iter();
+    for shared in std::iter::once(&req.shared).chain(slices.clone().map(|s| &s.parameters)) {
+        for (key, setting) in shared {
+            check_setting(find(key, None)?, setting, None)?;
+        }
     }
-    for (m, settings) in req.models.iter().enumerate() {
+    let per_model = slices.flat_map(|s| s.models.iter().enumerate());
+    for (m, settings) in req.models.iter().enumerate().chain(per_model) {
         for (key, setting) in settings {
             let param = find(key, Some(m))?;
             if param.scope == Scope::Shared {
@@ -310,6 +332,7 @@ mod tests {
             models,
             seed: 0,
             with_base: true,
+            slices: Vec::new(),
         }
     }
 

@@ -521,7 +521,7 @@ impl Kind {
             Kind::Della => "per-row rank-based drop probabilities with TIES consensus",
             Kind::DellaLinear => "DELLA drop without consensus",
             Kind::ModelStock => "interpolates the base toward the mean by the task vectors' mean cosine",
-            Kind::Slerp => "spherical interpolation of base and one model, per output row",
+            Kind::Slerp => "spherical interpolation of base and one model, per tensor",
             Kind::Nuslerp => "normalized slerp of two models or task vectors",
             Kind::Multislerp => "spherical weighted mean of several models",
             Kind::Karcher => "Riemannian (Karcher) mean on the sphere",

@@ -45,12 +45,14 @@ pub enum ConditionalValue {
 /// Named settings, as under `parameters:`.
 pub type Settings = BTreeMap<String, Setting>;
 
-/// Where a tensor sits, for resolving settings: its name and its layer position t ∈ [0, 1]
-/// (layer i of L: i / (L − 1); tensors outside the layers: 0, as mergekit does).
+/// Where a tensor sits, for resolving settings: its name, its layer position t ∈ [0, 1]
+/// (layer i of L: i / (L − 1); tensors outside the layers: 0, as mergekit does; with slices, i and
+/// L within its slice) and its slice, whose parameters come first.
 #[derive(Clone, Copy, Debug)]
 pub struct TensorPlace<'a> {
     pub name: &'a str,
     pub t: f64,
+    pub slice: Option<usize>,
 }
 
 fn gradient(values: &[Scalar], t: f64) -> Option<Scalar> {
@@ -144,7 +146,11 @@ mod tests {
     use super::*;
 
     fn at(name: &str, t: f64) -> TensorPlace<'_> {
-        TensorPlace { name, t }
+        TensorPlace {
+            name,
+            t,
+            slice: None,
+        }
     }
 
     #[test]

@@ -22,6 +22,20 @@ pub struct MethodConfig {
     /// Whether θ₀ enters the formula (methods where the base is optional: nuslerp, multislerp).
     #[serde(default = "yes")]
     pub with_base: bool,
+    /// Each slice's own parameters, when a recipe's `slices` set them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slices: Vec<SliceSettings>,
+}
+
+/// One slice's parameters (mergekit: a slice source's own first, then the slice's, then the
+/// method-wide ones).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SliceSettings {
+    #[serde(default)]
+    pub parameters: Settings,
+    /// Per agent, as its source in the slice sets them (empty: none, or not a source).
+    #[serde(default)]
+    pub models: Vec<Settings>,
 }
 
 fn yes() -> bool {
@@ -75,7 +89,7 @@ pub enum BaseTerm {
     /// Model Stock: t from the task vectors' mean pairwise cosine, over the whole tensor or per
     /// row (`filter_wise`).
     ModelStock { vectors: Vectors },
-    /// Row-wise slerp from θ₀ toward the one agent by `t`.
+    /// Slerp of the whole tensor from θ₀ toward the one agent by `t`.
     Slerp { t: f64 },
     /// Slerp between the two models' vectors (task vectors with a base): whole tensors
     /// (`nuslerp_flatten`, the default), rows, or columns (`nuslerp_row_wise`).
@@ -146,8 +160,9 @@ impl TensorParams {
     }
 }
 
-/// The tensor-wise settings lookup: model setting first, then method-wide, then the catalog's
-/// default ([`super::catalog::ParamDefault`], the one source of defaults).
+/// The tensor-wise settings lookup: the model's setting (in the tensor's slice, then the
+/// recipe's models), then the slice's, then method-wide, then the catalog's default
+/// ([`super::catalog::ParamDefault`], the one source of defaults).
 struct Lookup<'a> {
     config: &'a MethodConfig,
     at: TensorPlace<'a>,
@@ -155,16 +170,13 @@ struct Lookup<'a> {
 
 impl Lookup<'_> {
     fn find(&self, name: &str, model: Option<usize>) -> Option<Scalar> {
+        let slice = self.at.slice.and_then(|s| self.config.slices.get(s));
+        let in_settings = |s: Option<&Settings>| s?.get(name)?.resolve(self.at);
         model
-            .and_then(|m| self.config.models.get(m))
-            .and_then(|s| s.get(name))
-            .and_then(|s| s.resolve(self.at))
-            .or_else(|| {
-                self.config
-                    .parameters
-                    .get(name)
-                    .and_then(|s| s.resolve(self.at))
-            })
+            .and_then(|m| in_settings(slice.and_then(|s| s.models.get(m))))
+            .or_else(|| model.and_then(|m| in_settings(self.config.models.get(m))))
+            .or_else(|| in_settings(slice.map(|s| &s.parameters)))
+            .or_else(|| in_settings(Some(&self.config.parameters)))
     }
 
     fn default(&self, name: &str) -> ParamDefault {

@@ -103,7 +103,7 @@ pub struct TensorStats {
 impl TensorStats {
     pub fn new(plan: &TensorPlan, counts: TileCounts) -> TensorStats {
         TensorStats {
-            name: plan.base.entry.name.clone(),
+            name: plan.out_name(),
             module: Module::of(plan.name()),
             numel: plan.numel() as u64,
             present: plan

@@ -161,15 +161,14 @@ impl CoefRows {
     }
 }
 
-/// The coefficient rows of a tensor: one per element for Fisher, one per matrix row (the rest
-/// flattened) for slerp, one per vector of [`BaseTerm::vectors`] for model_stock and nuslerp,
-/// else one for the whole tensor.
+/// The coefficient rows of a tensor: one per element for Fisher, one per vector of
+/// [`BaseTerm::vectors`] for model_stock and nuslerp, else one for the whole tensor (slerp
+/// included: mergekit 0.1.5 interpolates each whole tensor).
 fn coef_rows(params: &TensorParams, numel: u64, shape: &[usize]) -> CoefRows {
     let first = shape.first().copied().unwrap_or(1).max(1) as u64;
     let last = shape.last().copied().unwrap_or(1).max(1) as u64;
     let (len, period) = match (&params.base, params.base.vectors()) {
         (BaseTerm::Fisher, _) => (1, 0),
-        (BaseTerm::Slerp { .. }, _) => ((numel / first).max(1), 0),
         (_, Vectors::Rows) => (last, 0),
         (_, Vectors::Columns) => (1, (numel / first).max(1)),
         (_, Vectors::Whole) => (0, 0),
@@ -229,7 +228,7 @@ impl Sums {
         let l1_agents: Vec<bool> = (0..n).map(|t| sums.rescale[t] && !ranked[t]).collect();
         let delta = params.delta;
         if want_rows {
-            sums.l1_and_rows(keep, &l1_agents, delta, rows.len, scan)?;
+            sums.l1_and_rows(keep, &l1_agents, delta, rows, scan)?;
         } else if l1_agents.iter().any(|&a| a) {
             sums.l1_any_order(keep, &l1_agents, delta, scan)?;
         }
@@ -283,13 +282,13 @@ impl Sums {
         Ok(())
     }
 
-    /// L1 norms and slerp's row moments in one in-order scan per agent.
+    /// L1 norms and slerp's moments per coefficient row in one in-order scan per agent.
     fn l1_and_rows(
         &mut self,
         keep: &[Keep],
         agents: &[bool],
         delta: bool,
-        row_len: u64,
+        coef_rows: CoefRows,
         scan: &mut dyn Scans,
     ) -> Result<()> {
         let l1_state = states(self.l1.iter().copied());
@@ -308,7 +307,7 @@ impl Sums {
             if t == 0 {
                 let mut rows = lock(&rows_state);
                 for (j, (&b, &x)) in c.base.iter().zip(c.x).enumerate() {
-                    let m = &mut rows[((c.start + j as u64) / row_len) as usize];
+                    let m = &mut rows[coef_rows.of(c.start + j as u64)];
                     m[0] += b as f64 * b as f64;
                     m[1] += x as f64 * x as f64;
                     m[2] += b as f64 * x as f64;
