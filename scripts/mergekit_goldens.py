@@ -88,9 +88,33 @@ def make_models():
             json.dump(config(), f, indent=2)
 
 
+def make_adapters():
+    """PEFT LoRA adapters on the base (f32, B drawn at random so the update is not zero): one with
+    rank_pattern and alpha_pattern, one rsLoRA that also adapts the embeddings."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    adapters = [
+        ("coder-lora", 1, dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                               rank_pattern={"down_proj": 2}, alpha_pattern={"v_proj": 2})),
+        ("tools-lora", 2, dict(r=4, lora_alpha=4, use_rslora=True,
+                               target_modules=["o_proj", "up_proj", "embed_tokens"])),
+    ]
+    for name, seed, cfg in adapters:
+        model = LlamaForCausalLM.from_pretrained(os.path.join(MODELS, "base"), dtype=torch.float32)
+        peft_model = get_peft_model(model, LoraConfig(**cfg))
+        g = torch.Generator().manual_seed(seed)
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.data = 0.05 * torch.randn(p.shape, generator=g)
+        peft_model.save_pretrained(os.path.join(MODELS, name))
+
+
 def main():
     if not os.path.isdir(os.path.join(MODELS, "base")):
         make_models()
+    if not os.path.isdir(os.path.join(MODELS, "coder-lora")):
+        make_adapters()
     recipes = sorted(n[:-4] for n in os.listdir(os.path.join(ROOT, "recipes")) if n.endswith(".yml"))
     wanted = sys.argv[1:] or recipes
     os.makedirs(os.path.join(ROOT, "expected"), exist_ok=True)
@@ -101,11 +125,13 @@ def main():
         # Absolute model folders: mergekit looks a bare name such as `tools` up on the Hub.
         text = open(os.path.join(ROOT, "recipes", name + ".yml")).read()
         for m in sorted(os.listdir(MODELS), key=len, reverse=True):
-            text = re.sub(rf"((?:model|base_model|source_model): ){m}\b", rf"\g<1>{MODELS}/{m}", text)
+            text = re.sub(rf"((?:model|base_model|source_model): |\+){m}\b", rf"\g<1>{MODELS}/{m}", text)
         recipe = out + ".yml"
         with open(recipe, "w") as f:
             f.write(text)
-        command = [os.path.join(os.path.dirname(sys.executable), "mergekit-yaml"), recipe, out, "--quiet"]
+        # LoRA agents (BASE+ADAPTER) applied in f32 by PEFT, as rlmerge applies them.
+        command = [os.path.join(os.path.dirname(sys.executable), "mergekit-yaml"), recipe, out, "--quiet",
+                   "--lora-merge-dtype", "float32", "--lora-merge-cache", out + "-lora"]
         subprocess.run(command, check=True, cwd=MODELS, env=env)
         tensors = {}
         for f in sorted(os.listdir(out)):
@@ -114,6 +140,7 @@ def main():
         save_file(tensors, os.path.join(ROOT, "expected", name + ".safetensors"))
         shutil.copy(os.path.join(out, "config.json"), os.path.join(ROOT, "expected", name + ".config.json"))
         shutil.rmtree(out)
+        shutil.rmtree(out + "-lora", ignore_errors=True)
         os.remove(recipe)
         print(f"{name}: {len(tensors)} tensors, {sum(t.numel() for t in tensors.values())} elements")
 

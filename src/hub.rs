@@ -143,6 +143,7 @@ pub fn needed(file: &str) -> bool {
             file,
             "model.safetensors.index.json"
                 | "config.json"
+                | "adapter_config.json"
                 | "generation_config.json"
                 | "special_tokens_map.json"
                 | "added_tokens.json"

@@ -2,6 +2,7 @@
 //! and the plan of which agents hold each base tensor.
 
 use crate::checkpoint::safetensors_file::shape_text;
+use crate::checkpoint::safetensors_file::Interner;
 use crate::checkpoint::{DType, ModelFolder, ModelTensor};
 use crate::error::usage;
 use crate::method::{self};
@@ -102,14 +103,21 @@ impl TensorPlan {
     /// in f32 and the maths is that of every input first converted to f32.
     pub fn tile_dtype(&self, inputs: &Inputs) -> DType {
         let base = self.base.entry.dtype;
+        // A LoRA agent's tensor is θ₀ plus its update, made in f32.
         let mixed = (0..self.agents.len())
-            .filter_map(|t| self.agent(inputs, t))
-            .any(|a| a.entry.dtype != base);
+            .filter_map(|t| Some((t, self.agent(inputs, t)?)))
+            .any(|(t, a)| a.entry.dtype != base || inputs.agents[t].has_update(&a.entry.name));
         if mixed {
             DType::F32
         } else {
             base
         }
+    }
+
+    /// How many times wider its tiles' elements are than the base's (2 for a 16-bit base read in
+    /// f32): tiles hold that many times fewer elements, so their bytes stay as planned.
+    pub fn widening(&self, inputs: &Inputs) -> usize {
+        (self.tile_dtype(inputs).size() / self.base.entry.dtype.size().max(1)).max(1)
     }
 
     /// Global indices of the agents that have this tensor.
@@ -155,9 +163,7 @@ impl Inputs {
         );
         let agents = agent_dirs
             .iter()
-            .map(|d| {
-                ModelFolder::open_interned(d, &mut interner).context("cannot open an agent model")
-            })
+            .map(|d| open_agent(base_dir, d, &mut interner))
             .collect::<Result<Vec<_>>>()?;
         for agent in &agents {
             if !agent
@@ -271,6 +277,14 @@ impl Inputs {
             ))),
             None => Ok(()),
         }
+    }
+
+    /// Drops the LoRA agents' decoded A and B matrices of the tensors just merged.
+    pub fn forget_lora_matrices(&self) {
+        self.agents
+            .iter()
+            .filter_map(|a| a.lora.as_ref())
+            .for_each(|l| l.forget());
     }
 
     /// Bytes of tensor data one pass reads (base + every agent tensor).
@@ -413,6 +427,39 @@ fn sliced_plans(
     tensors.extend(outside(false)?);
     ensure!(!tensors.is_empty(), "the slices select no tensors");
     Ok(tensors)
+}
+
+/// An agent folder, or a LoRA agent: an adapter folder, or `BASE+ADAPTER` whose BASE is the
+/// merge's base (the adapter is applied to it).
+fn open_agent(base_dir: &Path, dir: &Path, interner: &mut Interner) -> Result<ModelFolder> {
+    use crate::checkpoint::lora::{is_adapter, split_reference};
+    let text = dir.to_string_lossy();
+    let adapter = match split_reference(&text) {
+        Some((base, adapter)) => {
+            if real_path(Path::new(base)) != real_path(base_dir) {
+                return Err(usage(format!(
+                    "LoRA agent {text}: its base {base} is not the merge's base {}; an adapter \
+                     is applied to the merge's base",
+                    base_dir.display()
+                )));
+            }
+            if !is_adapter(Path::new(adapter)) {
+                bail!(
+                    "LoRA agent {text}: {adapter} is not a PEFT adapter folder (no {} beside \
+                     {})",
+                    crate::checkpoint::lora::ADAPTER_CONFIG,
+                    crate::checkpoint::lora::ADAPTER_WEIGHTS
+                );
+            }
+            Some(PathBuf::from(adapter))
+        }
+        None => is_adapter(dir).then(|| dir.to_path_buf()),
+    };
+    match adapter {
+        Some(a) => ModelFolder::open_lora(base_dir, &a, interner)
+            .with_context(|| format!("cannot open the LoRA agent {}", a.display())),
+        None => ModelFolder::open_interned(dir, interner).context("cannot open an agent model"),
+    }
 }
 
 fn real_path(p: &Path) -> PathBuf {

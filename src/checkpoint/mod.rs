@@ -3,6 +3,7 @@
 pub mod crc;
 pub mod dtype;
 pub mod folder_files;
+pub mod lora;
 pub mod model;
 pub mod open_files;
 pub mod output_folder;

@@ -1,6 +1,7 @@
 //! A Hugging Face model folder: `model.safetensors`, or shards listed by `model.safetensors.index.json`.
 
 use super::dtype::DType;
+use super::lora::LoraAdapter;
 use super::safetensors_file::{
     crc32_of_file, FileChecksum, Interner, SafetensorsFile, TensorEntry,
 };
@@ -27,6 +28,8 @@ pub struct ModelFolder {
     /// Indices into `tensors`, sorted by name: lookups by binary search, 4 bytes per tensor (a
     /// model may have 10^5 tensors).
     by_name: Vec<u32>,
+    /// A LoRA agent: the base's shards read through this adapter (`dir` is the adapter's).
+    pub lora: Option<LoraAdapter>,
 }
 
 impl ModelFolder {
@@ -118,7 +121,38 @@ impl ModelFolder {
             shards,
             tensors,
             by_name,
+            lora: None,
         })
+    }
+
+    /// A LoRA agent: the base at `base_dir` with adapter folder `adapter_dir` applied (see
+    /// [`super::lora`]); every module the adapter updates must be a base tensor of its shape.
+    pub fn open_lora(
+        base_dir: &Path,
+        adapter_dir: &Path,
+        interner: &mut Interner,
+    ) -> Result<ModelFolder> {
+        let mut folder = Self::open_interned(base_dir, interner)?;
+        let adapter = LoraAdapter::open(adapter_dir, interner)?;
+        for name in adapter.targets() {
+            let Some(t) = folder.get(name) else {
+                bail!(
+                    "{}: the adapter updates '{name}', which the base {} does not have; was it \
+                     trained on this base?",
+                    adapter_dir.display(),
+                    base_dir.display()
+                );
+            };
+            adapter.check_shape(name, &t.entry.shape)?;
+        }
+        folder.dir = adapter_dir.to_path_buf();
+        folder.lora = Some(adapter);
+        Ok(folder)
+    }
+
+    /// Whether tensor `name` is the base's plus a LoRA update (read as f32).
+    pub fn has_update(&self, name: &str) -> bool {
+        self.lora.as_ref().is_some_and(|l| l.update(name).is_some())
     }
 
     pub fn get(&self, name: &str) -> Option<&ModelTensor> {
@@ -148,8 +182,15 @@ impl ModelFolder {
         &self.shards[tensor.shard].path
     }
 
-    /// Size and CRC-32 of every file that holds weights (shards, and the index when sharded).
+    /// Size and CRC-32 of every file that holds weights (shards, and the index when sharded); a
+    /// LoRA agent's are its adapter's files (its base's are the base input's).
     pub fn checksums(&self) -> Result<Vec<FileChecksum>> {
+        if let Some(l) = &self.lora {
+            return Ok(vec![
+                l.file.checksum()?,
+                crc32_of_file(&l.dir.join(super::lora::ADAPTER_CONFIG))?,
+            ]);
+        }
         let mut sums = self
             .shards
             .iter()
@@ -164,7 +205,8 @@ impl ModelFolder {
 
     /// Fails if any shard changed since it was opened.
     pub fn check_unchanged(&self) -> Result<()> {
-        self.shards.iter().try_for_each(|s| s.check_unchanged())
+        self.shards.iter().try_for_each(|s| s.check_unchanged())?;
+        self.lora.iter().try_for_each(|l| l.file.check_unchanged())
     }
 
     /// The folder and every file of it that holds weights (shards, index).
@@ -174,6 +216,10 @@ impl ModelFolder {
         let index = self.dir.join(INDEX_FILE);
         if index.symlink_metadata().is_ok() {
             paths.push(index);
+        }
+        if let Some(l) = &self.lora {
+            paths.push(l.file.path.clone());
+            paths.push(l.dir.join(super::lora::ADAPTER_CONFIG));
         }
         paths
     }

@@ -17,7 +17,7 @@ use rlmerge::inputs::Inputs;
 use rlmerge::job::{Job, MERGEKIT_CONFIG_FILE};
 use rlmerge::method::{Kind, Method};
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 impl InputArgs {
     /// The base and agent folders given with --base and --model.
@@ -27,7 +27,18 @@ impl InputArgs {
             // downloaded first unless HF_HUB_OFFLINE.
             (Some(b), false) => {
                 let progress = std::io::stderr().is_terminal();
-                let locate = |p: &PathBuf| rlmerge::hub::locate(p, progress);
+                // BASE+ADAPTER (a LoRA agent): each part found as a model is.
+                let locate = |p: &PathBuf| match p
+                    .to_str()
+                    .and_then(rlmerge::checkpoint::lora::split_reference)
+                {
+                    Some((b, a)) => {
+                        let b = rlmerge::hub::locate(Path::new(b), progress)?;
+                        let a = rlmerge::hub::locate(Path::new(a), progress)?;
+                        Ok(PathBuf::from(format!("{}+{}", b.display(), a.display())))
+                    }
+                    None => rlmerge::hub::locate(p, progress),
+                };
                 let models = self.models.iter().map(locate).collect::<Result<_>>()?;
                 Ok((locate(b)?, models))
             }

@@ -227,6 +227,7 @@ pub fn merge(
             .map(|index| pass.job(index))
             .collect::<Result<Vec<_>>>()?;
         let counts = pass.merge_tiles(&jobs, &writer)?;
+        inputs.forget_lora_matrices();
         if let Some(scope) = &mut pass.counted {
             for (job, counts) in jobs.iter().zip(counts) {
                 scope.add(TensorStats::new(job.plan, counts));
@@ -359,12 +360,13 @@ impl<'a> MergePass<'a> {
         let plan = &self.inputs.tensors[index];
         let present = plan.present();
         let rule = self.rule_of(plan, &present)?;
+        // Tiles read in f32 from a 16-bit base (mixed dtypes, LoRA agents) hold fewer elements,
+        // so a tile's bytes stay what the pass chose.
+        let elems = (self.pass.tile_elems / plan.widening(self.inputs)).max(1);
         // DELLA ranks whole rows: its tiles hold whole rows.
         let tile_elems = match &rule {
-            TileRule::Combine(spec) if spec.rank_rows > 0 => {
-                whole_rows(self.pass.tile_elems, spec.rank_rows)
-            }
-            _ => self.pass.tile_elems,
+            TileRule::Combine(spec) if spec.rank_rows > 0 => whole_rows(elems, spec.rank_rows),
+            _ => elems,
         };
         Ok(MergeJob {
             index,

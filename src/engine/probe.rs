@@ -83,6 +83,7 @@ pub fn probe_all(
     for run in batches(&inputs.tensors, pass.tile_elems) {
         let plans: Vec<&TensorPlan> = inputs.tensors[run].iter().collect();
         let counts = probe_tensors(inputs, &plans, backend, pass, &bar)?;
+        inputs.forget_lora_matrices();
         for (plan, counts) in plans.into_iter().zip(counts) {
             tensors.push(TensorStats::new(plan, counts));
         }

@@ -51,7 +51,10 @@ pub(super) fn combine_spec(
         // Larger tiles than the merge's: fewer parallel steps (the merge pass scans for NaN/Inf).
         pass: Pass {
             scan_nonfinite: false,
-            tile_elems: whole_rows(pass.tile_elems.max(SCAN_TILE_ELEMS), whole),
+            tile_elems: whole_rows(
+                pass.tile_elems.max(SCAN_TILE_ELEMS) / plan.widening(inputs),
+                whole,
+            ),
             ..pass.clone()
         },
         buffers,

@@ -79,10 +79,23 @@ impl TileBuffers {
                         start + i
                     );
                 }
-                // Mixed dtypes: the tile is f32, to which bf16 and f16 convert exactly.
-                if dtype != tile_dtype {
+                // Mixed dtypes: the tile is f32, to which bf16 and f16 convert exactly; a LoRA
+                // agent's tensor is θ₀ plus its update, added in f32.
+                let update = model
+                    .lora
+                    .as_ref()
+                    .filter(|l| l.update(&tensor.entry.name).is_some());
+                if dtype != tile_dtype || update.is_some() {
                     let mut values = vec![0.0f32; len];
                     decode(dtype, buf, &mut values);
+                    if let Some(l) = update {
+                        l.add_update(
+                            &tensor.entry.name,
+                            &tensor.entry.shape,
+                            start as u64,
+                            &mut values,
+                        )?;
+                    }
                     buf.clear();
                     buf.extend(values.iter().flat_map(|v| v.to_le_bytes()));
                 }

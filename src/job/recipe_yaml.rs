@@ -74,8 +74,13 @@ fn local_folder(reference: &str, recipe_dir: &Path) -> Result<PathBuf> {
     if reference.trim().is_empty() {
         bail!("a model reference is empty (`model:` needs a folder or a Hub id)");
     }
-    if reference.contains('+') && !Path::new(reference).exists() {
-        bail!("model '{reference}': LoRA references (model+lora) are not supported yet");
+    // mergekit's BASE+ADAPTER: each part found as a model is.
+    if let Some((base, adapter)) = crate::checkpoint::lora::split_reference(reference) {
+        let (b, a) = (
+            local_folder(base, recipe_dir)?,
+            local_folder(adapter, recipe_dir)?,
+        );
+        return Ok(PathBuf::from(format!("{}+{}", b.display(), a.display())));
     }
     let direct = PathBuf::from(reference);
     if direct.is_dir() {
@@ -165,6 +170,17 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         (None, true) => bail!("merge_method {} needs base_model", kind.name()),
     };
     let base = local_folder(&base_ref, dir)?;
+    // A LoRA agent first among models without a base: its base gives the layout.
+    let base = match crate::checkpoint::lora::split_reference(&base.to_string_lossy()) {
+        Some((b, _)) if !with_base => PathBuf::from(b),
+        Some(_) => {
+            return Err(usage(format!(
+                "base_model '{base_ref}' is a LoRA reference; name the base model itself and \
+                 list BASE+ADAPTER among the models"
+            )))
+        }
+        None => base,
+    };
     // The base is not merged as an agent when listed among the models (mergekit excludes it).
     if with_base {
         entries.retain(|(m, _)| *m != base_ref);

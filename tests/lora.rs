@@ -1,0 +1,307 @@
+//! LoRA agents: a PEFT adapter folder (or mergekit's BASE+ADAPTER) merged as the agent
+//! θ₀ + s·B·A, computed tile by tile. Against an independent reference: the same merge with each
+//! adapter first merged into a full f32 checkpoint by the test, for every method, on both
+//! backends; and the errors a user can run into. (tests/mergekit_goldens.rs checks LoRA merges
+//! against mergekit + PEFT themselves.)
+
+mod common;
+use common::*;
+use safetensors::tensor::Dtype;
+use std::path::{Path, PathBuf};
+
+fn models() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mergekit/models")
+}
+
+/// The adapter in `adapter` merged into the base as PEFT defines it, in the f32 order rlmerge
+/// promises (SPEC §5): per element Σ_k B[i,k]·A[k,j] with k ascending, times s, plus θ₀.
+fn merged_by_hand(adapter: &Path, out: &Path) {
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    let lora = read_file(&adapter.join("adapter_model.safetensors"));
+    let base = read_folder(&models().join("base"));
+    let pattern = |key: &str, module: &str| -> Option<f64> {
+        config[key]
+            .as_object()?
+            .iter()
+            .find(|(k, _)| module == k.as_str() || module.ends_with(&format!(".{k}")))
+            .and_then(|(_, v)| v.as_f64())
+    };
+    let mut tensors = Vec::new();
+    for (name, (dt, shape, bytes)) in &base {
+        let mut w = from_bytes(*dt, bytes);
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        let key = |m: &str| format!("base_model.model.{module}.{m}");
+        let (a, b, transposed) = match (
+            lora.get(&key("lora_A.weight")),
+            lora.get(&key("lora_embedding_A")),
+        ) {
+            (Some(a), _) => (a, &lora[&key("lora_B.weight")], false),
+            (None, Some(a)) => (a, &lora[&key("lora_embedding_B")], true),
+            (None, None) => {
+                tensors.push(T {
+                    name: name.clone(),
+                    dtype: Dtype::F32,
+                    shape: shape.clone(),
+                    values: w,
+                });
+                continue;
+            }
+        };
+        let r = pattern("rank_pattern", module).unwrap_or(config["r"].as_f64().unwrap());
+        let alpha =
+            pattern("alpha_pattern", module).unwrap_or(config["lora_alpha"].as_f64().unwrap());
+        let s = if config["use_rslora"].as_bool().unwrap_or(false) {
+            alpha / r.sqrt()
+        } else {
+            alpha / r
+        } as f32;
+        let (av, bv) = (from_bytes(a.0, &a.2), from_bytes(b.0, &b.2));
+        let (m, n, r) = (shape[0], shape[1], r as usize);
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = 0.0f32;
+                for k in 0..r {
+                    acc += if transposed {
+                        av[k * m + i] * bv[j * r + k]
+                    } else {
+                        bv[i * r + k] * av[k * n + j]
+                    };
+                }
+                w[i * n + j] += acc * s;
+            }
+        }
+        tensors.push(T {
+            name: name.clone(),
+            dtype: Dtype::F32,
+            shape: shape.clone(),
+            values: w,
+        });
+    }
+    write_folder(out, &tensors, 1);
+}
+
+fn merge(out: &Path, agents: &[PathBuf], args: &[&str]) {
+    let mut cmd = rlmerge();
+    cmd.arg("merge").arg("--base").arg(models().join("base"));
+    for a in agents {
+        cmd.arg("--model").arg(a);
+    }
+    cmd.args(["-q", "-o"])
+        .arg(out)
+        .args(args)
+        .assert()
+        .success();
+}
+
+#[test]
+fn lora_agents_merge_as_their_full_checkpoints_for_every_method() {
+    let d = tempfile::tempdir().unwrap();
+    let full: Vec<PathBuf> = ["coder-lora", "tools-lora"]
+        .iter()
+        .map(|a| {
+            let out = d.path().join(format!("{a}-full"));
+            merged_by_hand(&models().join(a), &out);
+            out
+        })
+        .collect();
+    // The adapter folder, and mergekit's BASE+ADAPTER.
+    let lora = vec![
+        models().join("coder-lora"),
+        PathBuf::from(format!(
+            "{}+{}",
+            models().join("base").display(),
+            models().join("tools-lora").display()
+        )),
+    ];
+    let ram: [(&str, &[&str]); 2] = [("ram", &[]), ("ram+", &[])];
+    for (i, (method, params)) in METHODS.iter().chain(&ram).enumerate() {
+        let owned = method_args(method, params);
+        let args: Vec<&str> = owned.iter().map(String::as_str).collect();
+        let (a, b) = (
+            d.path().join(format!("{i}-lora")),
+            d.path().join(format!("{i}-full")),
+        );
+        merge(&a, &lora, &args);
+        merge(&b, &full, &args);
+        assert_eq!(read_folder(&a), read_folder(&b), "{method} {params:?}");
+        if i == 0 {
+            // The record names the adapters, and verify --against reruns the merge.
+            rlmerge()
+                .args(["verify", "--against"])
+                .arg(&a)
+                .assert()
+                .success();
+        }
+    }
+}
+
+#[test]
+fn lora_agents_merge_to_the_same_bytes_on_the_gpu() {
+    let d = tempfile::tempdir().unwrap();
+    let agents = vec![models().join("coder-lora"), models().join("tools-lora")];
+    for (i, args) in [
+        &["--method", "ram+"][..],
+        &[
+            "--method",
+            "ties",
+            "--param",
+            "weight=1",
+            "--param",
+            "density=0.5",
+        ],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (cpu, gpu) = (
+            d.path().join(format!("cpu{i}")),
+            d.path().join(format!("gpu{i}")),
+        );
+        merge(&cpu, &agents, &[args, &["--device", "cpu"]].concat());
+        let o = rlmerge()
+            .arg("merge")
+            .arg("--base")
+            .arg(models().join("base"))
+            .arg("--model")
+            .arg(&agents[0])
+            .arg("--model")
+            .arg(&agents[1])
+            .args(["-q", "--device", "gpu", "-o"])
+            .arg(&gpu)
+            .args(args)
+            .output()
+            .unwrap();
+        if !o.status.success() {
+            // No adapter here (see tests/gpu_parity.rs): nothing to compare.
+            assert!(String::from_utf8_lossy(&o.stderr).contains("adapter"));
+            return;
+        }
+        assert_eq!(read_folder(&cpu), read_folder(&gpu), "{args:?}");
+    }
+}
+
+/// What a user can get wrong: an adapter on another base, an adapter for modules the base lacks,
+/// a rank that disagrees with the matrices, DoRA. Each an error naming the file; nothing written.
+#[test]
+fn bad_lora_agents_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let copy = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| -> PathBuf {
+        let to = d.path().join(name);
+        std::fs::create_dir_all(&to).unwrap();
+        let from = models().join("coder-lora");
+        std::fs::copy(
+            from.join("adapter_model.safetensors"),
+            to.join("adapter_model.safetensors"),
+        )
+        .unwrap();
+        let mut c: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(from.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        edit(&mut c);
+        std::fs::write(to.join("adapter_config.json"), c.to_string()).unwrap();
+        to
+    };
+    let cases: Vec<(PathBuf, &str, i32)> = vec![
+        (
+            PathBuf::from(format!(
+                "{}+{}",
+                models().join("tools").display(),
+                models().join("coder-lora").display()
+            )),
+            "is not the merge's base",
+            2,
+        ),
+        (
+            copy("rank", &|c| c["r"] = 8.into()),
+            "the config's rank for it is 8",
+            1,
+        ),
+        (copy("dora", &|c| c["use_dora"] = true.into()), "DoRA", 1),
+        (
+            copy("peft", &|c| c["peft_type"] = "IA3".into()),
+            "only LORA adapters",
+            1,
+        ),
+        (
+            PathBuf::from(format!(
+                "{}+{}",
+                models().join("base").display(),
+                models().join("tools").display()
+            )),
+            "is not a PEFT adapter folder",
+            1,
+        ),
+    ];
+    for (i, (agent, want, code)) in cases.into_iter().enumerate() {
+        let out = d.path().join(format!("out{i}"));
+        let o = rlmerge()
+            .arg("merge")
+            .arg("--base")
+            .arg(models().join("base"))
+            .arg("--model")
+            .arg(&agent)
+            .arg("--model")
+            .arg(models().join("memory"))
+            .args(["-q", "--method", "ram", "-o"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(code), "case {i}: {err}");
+        assert!(err.contains(want), "case {i}: {err}");
+        assert!(!out.exists(), "case {i}");
+    }
+    // An adapter for modules a base does not have: named.
+    let other = d.path().join("other-base");
+    write_folder(
+        &other,
+        &[T {
+            name: "model.layers.0.mlp.up_proj.weight".into(),
+            dtype: Dtype::BF16,
+            shape: vec![40, 16],
+            values: vec![0.5; 640],
+        }],
+        1,
+    );
+    std::fs::copy(models().join("base/config.json"), other.join("config.json")).unwrap();
+    let o = rlmerge()
+        .arg("merge")
+        .arg("--base")
+        .arg(&other)
+        .arg("--model")
+        .arg(models().join("coder-lora"))
+        .args(["-q", "--method", "ram", "-o"])
+        .arg(d.path().join("x"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("which the base") && err.contains("does not have"),
+        "{err}"
+    );
+}
+
+/// analyze takes LoRA agents too, and reports them as dense (a low-rank update touches every
+/// element of the matrices it targets).
+#[test]
+fn analyze_reports_a_lora_agent() {
+    let o = rlmerge()
+        .arg("analyze")
+        .arg("--base")
+        .arg(models().join("base"))
+        .arg("--model")
+        .arg(models().join("coder-lora"))
+        .arg("--model")
+        .arg(models().join("coder"))
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let text = v.to_string();
+    assert!(text.contains("coder-lora"), "{text}");
+}
