@@ -487,6 +487,28 @@ fn gpu_equals_cpu_for_every_method() {
             outs.push(o);
         }
         compare(&outs[0], &outs[1], "fisher");
+        // DELLA on a tensor of three dimensions (ranks along dimension 1, in strided groups), and
+        // model_stock per row, beside a matrix.
+        let shapes = [
+            ("model.layers.0.mlp.experts.weight", vec![3, 40, 7]),
+            ("model.layers.0.self_attn.q_proj.weight", vec![23, 19]),
+        ];
+        let f = fixture(780 + d as u64, dtype, &shapes, &DENSITIES[..3], 1);
+        for (i, (method, params)) in [
+            ("della", &["weight=1", "density=0.5", "epsilon=0.2"][..]),
+            (
+                "della_linear",
+                &["weight=0.7", "density=0.4", "epsilon=0.3"],
+            ),
+            ("model_stock", &["filter_wise=true"]),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let owned = method_args(method, params);
+            let args: Vec<&str> = owned.iter().map(String::as_str).collect();
+            assert_same(&f, &format!("d{i}"), &args, &["--gpu-chunk-elems", "998"]);
+        }
         // nuslerp takes exactly two models.
         let f = fixture(740 + d as u64, dtype, &odd_shapes(), &DENSITIES[..2], 1);
         // … one angle per tensor, per row, or per column (rows that repeat across a chunk).

@@ -130,7 +130,8 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     """Merges ``models`` (agents fine-tuned from ``base``) with ``method`` into the folder ``out``.
 
     ``base`` and each model are folders or Hugging Face Hub ids (``org/name``,
-    ``org/name@revision``), taken from the HF cache or downloaded into it.
+    ``org/name@revision``), taken from the HF cache or downloaded into it. A model may be a LoRA
+    agent: a PEFT adapter folder, or ``"BASE+ADAPTER"`` with BASE the merge's base.
 
     Parameters are keywords as in a mergekit recipe: ``density=0.5``, ``rule="official"``; a
     list gives one value per model (``weight=[0.7, 0.3]``), a dict names models

@@ -213,3 +213,18 @@ def test_ctrl_c_stops_a_merge_and_leaves_nothing(big_demo, tmp_path):
     assert "KeyboardInterrupt" in stderr, stderr
     assert "finished" not in stdout
     assert sorted(os.listdir(parent)) == [], "a scratch or output folder was left"
+
+
+def test_lora_agents_merge_from_python(tmp_path):
+    """A PEFT adapter folder, and mergekit's BASE+ADAPTER, are agents from Python too."""
+    models = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "mergekit" / "models"
+    base = models / "base"
+    agents = [models / "coder-lora", f"{base}+{models / 'tools-lora'}"]
+    summary = rlmerge.merge(base, agents, method="ties", out=tmp_path / "lora",
+                            density=0.5, weight=1.0)
+    assert [Path(a["path"]).name for a in summary["agents"]] == ["coder-lora", "tools-lora"]
+    assert rlmerge.verify(tmp_path / "lora", against=True)["ok"]
+    with pytest.raises(rlmerge.UsageError, match="is not the merge's base"):
+        rlmerge.merge(base, [f"{models / 'tools'}+{models / 'coder-lora'}"], method="ram",
+                      out=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
