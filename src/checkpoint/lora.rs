@@ -16,8 +16,9 @@ pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 
 /// Decoded A and B matrices kept at most this many bytes at once: the tensors in flight (one
-/// 4096-wide rank-16 pair is 0.5 MiB), the oldest dropped first.
-const CACHE_BYTES: usize = 8 << 20;
+/// 4096-wide rank-16 pair is 0.5 MiB), the oldest dropped first; the engine drops them all after
+/// each batch of tensors.
+const CACHE_BYTES: usize = 4 << 20;
 
 /// One base tensor's low-rank update.
 pub struct LoraUpdate {
@@ -362,7 +363,7 @@ impl LoraAdapter {
         let u = &self.updates[name];
         let d = self.decoded(name, u)?;
         let (r, n) = (u.rank, shape[1]);
-        let mut acc = vec![0.0f32; n];
+        let mut acc = vec![0.0f32; n.min(values.len())];
         let mut at = 0usize;
         while at < values.len() {
             let e = start as usize + at;

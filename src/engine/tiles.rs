@@ -86,18 +86,20 @@ impl TileBuffers {
                     .as_ref()
                     .filter(|l| l.update(&tensor.entry.name).is_some());
                 if dtype != tile_dtype || update.is_some() {
-                    let mut values = vec![0.0f32; len];
-                    decode(dtype, buf, &mut values);
-                    if let Some(l) = update {
-                        l.add_update(
-                            &tensor.entry.name,
-                            &tensor.entry.shape,
-                            start as u64,
-                            &mut values,
-                        )?;
+                    // Widened a run at a time, so only the raw and the f32 tile are held.
+                    const RUN: usize = 1024;
+                    let mut wide = Vec::with_capacity(len * 4);
+                    let mut run = [0.0f32; RUN];
+                    for (r, raw) in buf.chunks(RUN * dtype.size()).enumerate() {
+                        let values = &mut run[..raw.len() / dtype.size()];
+                        decode(dtype, raw, values);
+                        if let Some(l) = update {
+                            let at = (start + r * RUN) as u64;
+                            l.add_update(&tensor.entry.name, &tensor.entry.shape, at, values)?;
+                        }
+                        wide.extend(values.iter().flat_map(|v| v.to_le_bytes()));
                     }
-                    buf.clear();
-                    buf.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+                    *buf = wide;
                 }
                 Ok(())
             };
