@@ -1,8 +1,8 @@
 //! Per-tensor statistics of the mergekit-family methods, gathered by scans over the tensor's
 //! tiles before its merge pass, and the combine rule built from them: exact rank cuts by
-//! magnitude (`crate::select`), L1 norms for rescaling, Gram sums for Model Stock and the slerps,
-//! row moments for slerp. Sums are f64 in element order, so every backend merges with the same
-//! coefficients.
+//! magnitude (`crate::select`), L1 norms for rescaling, Gram sums for Model Stock and the slerps
+//! (per tensor, or per row or column), moments for slerp, arcee_fusion's row KL and fence. Sums are
+//! f64 in element order, so every backend merges with the same coefficients.
 
 mod fusion;
 mod sce;
