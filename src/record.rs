@@ -66,6 +66,9 @@ pub struct MergeRecord {
     /// mergekit's `slices`: which layers of which input each output layer is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slices: Option<crate::slices::Slices>,
+    /// The model whose tokenizer files the output took (`None`: the base's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
     pub shard_size: u64,
     pub warnings: Vec<String>,
     /// Base first, then the agents in order.

@@ -166,6 +166,7 @@ fn recompute_and_compare(
             .transpose()?,
         shard_size: record.shard_size,
         force: true,
+        tokenizer: record.tokenizer.as_ref().map(PathBuf::from),
         ..MergeOptions::new(record.method.clone(), backend)
     };
     // Recomputed beside the output (the same disk, which held the output once), or where that

@@ -259,7 +259,13 @@ fn merge_job(
         } else {
             vec![(MERGEKIT_CONFIG_FILE.to_string(), job.recipe_text.clone())]
         },
-        protect: job.recipe_path.iter().cloned().collect(),
+        protect: job
+            .recipe_path
+            .iter()
+            .chain(&job.tokenizer)
+            .cloned()
+            .collect(),
+        tokenizer: job.tokenizer.clone(),
     };
     let summary = engine::merge(&inputs, &options, backend.as_ref(), &output.out).map_err(|e| {
         if rlmerge::error::is_usage(&e) {

@@ -67,6 +67,7 @@ impl MergeOptions {
             show_progress: false,
             extra_files: Vec::new(),
             protect: Vec::new(),
+            tokenizer: None,
         }
     }
 }
@@ -85,6 +86,9 @@ pub struct MergeOptions {
     pub extra_files: Vec<(String, String)>,
     /// Paths besides the input models that the output must stay clear of (the recipe file).
     pub protect: Vec<PathBuf>,
+    /// The model whose tokenizer files the output takes (`None`: the base's); its vocabulary
+    /// must be the base's.
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// What a finished merge reports.
@@ -158,6 +162,9 @@ pub fn merge(
         inputs.refuse_base_as_agent()?;
     }
     check_base_config(&inputs.base.dir)?;
+    if let Some(t) = &options.tokenizer {
+        crate::checkpoint::folder_files::check_same_vocabulary(&inputs.base.dir, t)?;
+    }
     let fisher = match &options.method {
         Method::Combine(c) if c.kind == Kind::Fisher => Some(FisherInputs::open(c, inputs)?),
         _ => None,

@@ -100,7 +100,8 @@ pub(super) fn finish(
         .or_else(|| inputs.base.main_dtype())
         .unwrap_or(DType::F32);
     let mut outputs = shards;
-    let copied = copy_base_files(&inputs.base.dir, folder.path(), out_dtype)?;
+    let tokenizer = options.tokenizer.as_deref();
+    let copied = copy_base_files(&inputs.base.dir, tokenizer, folder.path(), out_dtype)?;
     if let Some(slices) = &inputs.slices {
         sliced_config(inputs, slices, folder.path())?;
     }
@@ -141,6 +142,11 @@ pub(super) fn finish(
         group_lambdas: boost.group_lambdas.unwrap_or_default(),
         out_dtype: options.out_dtype.map(|d| d.to_string()),
         slices: inputs.slices.clone(),
+        // Absolute, so verify --against finds it from anywhere.
+        tokenizer: options.tokenizer.as_ref().map(|t| {
+            let path = std::fs::canonicalize(t).unwrap_or_else(|_| t.clone());
+            path.display().to_string()
+        }),
         shard_size: options.shard_size,
         warnings: inputs
             .warnings

@@ -31,6 +31,9 @@ pub struct Job {
     pub recipe_path: Option<PathBuf>,
     /// mergekit's `slices`, when the recipe selects layers.
     pub slices: Option<crate::slices::Slices>,
+    /// The model whose tokenizer files the output takes (`tokenizer_source: model:NAME`; `None`:
+    /// the base's).
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// The method as command-line flags give it: `--method`, `--param KEY=VALUE` (see
@@ -65,6 +68,7 @@ impl Job {
             recipe_text: String::new(),
             recipe_path: None,
             slices: None,
+            tokenizer: None,
         })
     }
 

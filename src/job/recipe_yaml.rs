@@ -146,6 +146,7 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         shared,
         slices,
     } = listed_models(&raw, text, dir)?;
+    let tokenizer = tokenizer_source(&raw, text, dir)?;
     let out_dtype =
         match raw.out_dtype.as_ref().or(raw.dtype.as_ref()) {
             None => None,
@@ -237,6 +238,7 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         recipe_text: text.to_string(),
         recipe_path: None,
         slices,
+        tokenizer,
     })
 }
 
@@ -261,7 +263,6 @@ fn read_yaml(text: &str) -> Result<RawConfig> {
 fn refuse_unsupported(raw: &RawConfig, text: &str) -> Result<()> {
     for (key, set) in [
         ("modules", raw.modules.is_some()),
-        ("tokenizer", raw.tokenizer.is_some()),
         ("chat_template", raw.chat_template.is_some()),
     ] {
         if set {
@@ -271,13 +272,56 @@ fn refuse_unsupported(raw: &RawConfig, text: &str) -> Result<()> {
             );
         }
     }
-    match &raw.tokenizer_source {
-        None => Ok(()),
-        Some(serde_yaml::Value::String(s)) if s == "base" => Ok(()),
-        Some(_) => bail!(
-            "tokenizer_source: only 'base' is supported yet (line {}); the tokenizer is copied from the base model",
-            line_of(text, "tokenizer_source")
-        ),
+    Ok(())
+}
+
+/// The tokenizer the output takes (`tokenizer_source`, or the `tokenizer:` section's `source`):
+/// `None` for the base's; `model:NAME` (or a model named directly) for that model's, whose
+/// vocabulary must be the base's. `union`, per-token sources and padding are refused.
+fn tokenizer_source(raw: &RawConfig, text: &str, dir: &Path) -> Result<Option<PathBuf>> {
+    let (source, key) = match (&raw.tokenizer_source, &raw.tokenizer) {
+        (Some(_), Some(_)) => {
+            return Err(usage(
+                "give either tokenizer_source or a tokenizer section, not both",
+            ))
+        }
+        (Some(s), None) => (s.clone(), "tokenizer_source"),
+        (None, Some(section)) => {
+            let map = section.as_mapping().cloned().unwrap_or_default();
+            for (k, _) in &map {
+                let k = k.as_str().unwrap_or("?");
+                if k != "source" {
+                    return Err(usage(format!(
+                        "tokenizer.{k} is not supported yet by rlmerge (line {}); only \
+                         tokenizer.source is",
+                        line_of(text, k)
+                    )));
+                }
+            }
+            match map.get("source") {
+                Some(s) => (s.clone(), "source"),
+                None => return Ok(None),
+            }
+        }
+        (None, None) => return Ok(None),
+    };
+    let line = line_of(text, key);
+    let Some(s) = source.as_str() else {
+        return Err(usage(format!(
+            "tokenizer source must be base, union or model:NAME (line {line})"
+        )));
+    };
+    match s {
+        "base" => Ok(None),
+        "union" => Err(usage(format!(
+            "tokenizer source 'union' is not supported yet (line {line}): it re-indexes every \
+             model's embeddings for a new vocabulary; 'base' and model:NAME with the base's \
+             vocabulary are"
+        ))),
+        name => {
+            let name = name.strip_prefix("model:").unwrap_or(name);
+            Ok(Some(local_folder(name, dir)?))
+        }
     }
 }
 
