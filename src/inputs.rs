@@ -5,9 +5,10 @@ use crate::checkpoint::safetensors_file::shape_text;
 use crate::checkpoint::safetensors_file::Interner;
 use crate::checkpoint::{DType, ModelFolder, ModelTensor};
 use crate::error::usage;
+use crate::method::settings::rename_layer;
 use crate::method::{self};
 use crate::record::InputChecksums;
-use crate::slices::{rename_layer, Placement, Slices, Source};
+use crate::slices::{is_embedding, Placement, Slices, Source};
 use anyhow::{bail, ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -333,47 +334,43 @@ fn sliced_plans(
         Source::Agent(t) => &agents[t],
     };
     let layer_of = |t: &ModelTensor| crate::method::settings::layer_index(&t.entry.name);
-    // One output tensor from source name `name` in each source (layer `at(start)` of each).
+    // One output tensor of slice `s` from its lead's tensor `lead_tensor`: in each other source,
+    // the tensor `source_name(its first layer)`.
     let plan = |s: usize,
                 placement: Placement,
-                lead_name: &str,
+                lead_tensor: &ModelTensor,
                 source_name: &dyn Fn(usize) -> String,
                 out_name: Arc<str>|
      -> Result<TensorPlan> {
         let lead = slices.lead(s);
-        let lead_folder = folder(lead.model);
-        let lookup = |m: Source, start: usize| -> Result<&ModelTensor> {
-            let f = folder(m);
-            let name = source_name(start);
-            f.get(&name).with_context(|| {
-                format!(
-                    "slice {} takes tensor '{}' from {}, which does not have it",
-                    s + 1,
-                    crate::error::printable(&name),
-                    f.dir.display()
-                )
-            })
-        };
-        let bt = lookup(lead.model, lead.start)?;
-        debug_assert_eq!(source_name(lead.start), lead_name);
+        let bt = lead_tensor;
         let mut found: Vec<Option<u32>> = vec![None; agents.len()];
         for src in &slices.0[s].sources {
             let Source::Agent(t) = src.model else {
                 continue;
             };
-            let at = lookup(src.model, src.start)?;
+            let name = source_name(src.start);
+            let Some(index) = agents[t].index_of(&name) else {
+                bail!(
+                    "slice {} takes tensor '{}' from {}, which does not have it",
+                    s + 1,
+                    crate::error::printable(&name),
+                    agents[t].dir.display()
+                );
+            };
+            let at = &agents[t].tensors[index];
             if at.entry.shape != bt.entry.shape {
                 bail!(
                     "tensor '{}' in {} is {} but in {} it is {} (slice {})",
                     at.entry.name,
                     agents[t].file_of(at).display(),
                     shape_text(&at.entry.shape),
-                    lead_folder.file_of(bt).display(),
+                    folder(lead.model).file_of(bt).display(),
                     shape_text(&bt.entry.shape),
                     s + 1
                 );
             }
-            found[t] = agents[t].index_of(&at.entry.name).map(|i| i as u32);
+            found[t] = Some(index as u32);
         }
         Ok(TensorPlan {
             base: bt.clone(),
@@ -391,23 +388,15 @@ fn sliced_plans(
     // Tensors outside the layers: the embeddings from the first slice's lead, the rest from
     // the last slice's.
     let outside = |embeddings: bool| -> Result<Vec<TensorPlan>> {
-        let s = if embeddings { 0 } else { slices.0.len() - 1 };
+        let placement = slices.outside_layers(embeddings);
         let mut plans = Vec::new();
-        for t in &folder(slices.lead(s).model).tensors {
-            let placement = slices.outside_layers(&t.entry.name);
-            let embedding =
-                crate::report::Module::of(&t.entry.name) == crate::report::Module::Embed;
-            if layer_of(t).is_some() || embedding != embeddings {
+        for t in &folder(slices.lead(placement.slice).model).tensors {
+            if layer_of(t).is_some() || is_embedding(&t.entry.name) != embeddings {
                 continue;
             }
             let name = t.entry.name.clone();
-            plans.push(plan(
-                s,
-                placement,
-                &name,
-                &|_| name.to_string(),
-                name.clone(),
-            )?);
+            let same = |_| name.to_string();
+            plans.push(plan(placement.slice, placement, t, &same, name.clone())?);
         }
         Ok(plans)
     };
@@ -418,10 +407,11 @@ fn sliced_plans(
             if layer_of(t) != Some(lead.start + i) {
                 continue;
             }
-            let name = t.entry.name.clone();
-            let out: Arc<str> = rename_layer(&name, layer).into();
-            let source_name = |start: usize| rename_layer(&name, start + i);
-            tensors.push(plan(s, slices.placement(s, i), &name, &source_name, out)?);
+            // A tensor of a layer has a layer number to replace.
+            let renamed = |to: usize| rename_layer(&t.entry.name, to).unwrap_or_default();
+            let out: Arc<str> = renamed(layer).into();
+            let source_name = |start: usize| renamed(start + i);
+            tensors.push(plan(s, slices.placement(s, i), t, &source_name, out)?);
         }
     }
     tensors.extend(outside(false)?);

@@ -3,7 +3,6 @@
 //! Output layers are numbered consecutively; the tensors outside the layers come from the first
 //! slice's models (embeddings) or the last one's (final norm, lm_head), as mergekit takes them.
 
-use crate::method::settings::layer_index;
 use serde::{Deserialize, Serialize};
 
 /// Which input a slice source is.
@@ -38,8 +37,6 @@ pub struct Slices(pub Vec<Slice>);
 pub struct Placement {
     /// The slice whose sources and parameters it takes.
     pub slice: usize,
-    /// The layer offset within the slice (`None`: a tensor outside the layers).
-    pub offset: Option<usize>,
     /// Its position for parameter gradients: i / (len − 1) within the slice (1 for a slice of
     /// one layer), 0 outside the layers — mergekit's.
     pub t: f64,
@@ -64,7 +61,6 @@ impl Slices {
         let len = self.0[s].len;
         Placement {
             slice: s,
-            offset: Some(i),
             t: if len > 1 {
                 i as f64 / (len - 1) as f64
             } else {
@@ -73,13 +69,12 @@ impl Slices {
         }
     }
 
-    /// The slice a tensor outside the layers comes from: the first for embeddings (mergekit's
-    /// "pre" weights), the last for everything else (final norm, lm_head: "post" weights).
-    pub fn outside_layers(&self, name: &str) -> Placement {
-        let pre = crate::report::Module::of(name) == crate::report::Module::Embed;
+    /// The placement of a tensor outside the layers: from the first slice for embeddings
+    /// (mergekit's "pre" weights), from the last for everything else (final norm, lm_head: "post"
+    /// weights; see [`is_embedding`]).
+    pub fn outside_layers(&self, embedding: bool) -> Placement {
         Placement {
-            slice: if pre { 0 } else { self.0.len() - 1 },
-            offset: None,
+            slice: if embedding { 0 } else { self.0.len() - 1 },
             t: 0.0,
         }
     }
@@ -93,6 +88,11 @@ impl Slices {
             .find(|x| x.model == Source::Base)
             .unwrap_or(&sources[0])
     }
+}
+
+/// Whether a tensor outside the layers is an embedding (taken from the first slice).
+pub fn is_embedding(name: &str) -> bool {
+    crate::report::Module::of(name) == crate::report::Module::Embed
 }
 
 /// The keys of a config.json that count layers (the first one present is the model's count).
@@ -152,33 +152,22 @@ impl Slices {
     }
 }
 
-/// `name` with its layer number replaced by `layer` (names like `model.layers.7.mlp…`).
-pub fn rename_layer(name: &str, layer: usize) -> String {
-    let mut parts: Vec<String> = name.split('.').map(str::to_string).collect();
-    if let Some(i) = (1..parts.len()).find(|&i| {
-        matches!(parts[i - 1].as_str(), "layers" | "h" | "blocks" | "layer")
-            && parts[i].parse::<usize>().is_ok()
-    }) {
-        parts[i] = layer.to_string();
-    }
-    debug_assert!(layer_index(name).is_some());
-    parts.join(".")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn layers_are_renamed_and_placed() {
+        use crate::method::settings::rename_layer;
         assert_eq!(
-            rename_layer("model.layers.7.mlp.up_proj.weight", 12),
-            "model.layers.12.mlp.up_proj.weight"
+            rename_layer("model.layers.7.mlp.up_proj.weight", 12).as_deref(),
+            Some("model.layers.12.mlp.up_proj.weight")
         );
         assert_eq!(
-            rename_layer("transformer.h.0.attn.c_attn.weight", 3),
-            "transformer.h.3.attn.c_attn.weight"
+            rename_layer("transformer.h.0.attn.c_attn.weight", 3).as_deref(),
+            Some("transformer.h.3.attn.c_attn.weight")
         );
+        assert_eq!(rename_layer("model.norm.weight", 3), None);
         let s = Slices(vec![
             Slice {
                 sources: vec![SliceSource {
@@ -202,8 +191,9 @@ mod tests {
         );
         assert_eq!(s.placement(0, 1).t, 0.5);
         assert_eq!(s.placement(1, 0).t, 1.0);
-        assert_eq!(s.outside_layers("model.embed_tokens.weight").slice, 0);
-        assert_eq!(s.outside_layers("lm_head.weight").slice, 1);
-        assert_eq!(s.outside_layers("model.norm.weight").slice, 1);
+        assert!(is_embedding("model.embed_tokens.weight"));
+        assert!(!is_embedding("lm_head.weight") && !is_embedding("model.norm.weight"));
+        assert_eq!(s.outside_layers(true).slice, 0);
+        assert_eq!(s.outside_layers(false).slice, 1);
     }
 }

@@ -74,7 +74,8 @@ struct AdapterConfig {
     alpha_pattern: HashMap<String, f64>,
     #[serde(default)]
     modules_to_save: Option<serde_json::Value>,
-    /// PEFT features that change what the adapter computes; refused when set.
+    /// PEFT features that change what the adapter computes; refused when set (JSON null reads as
+    /// `None`).
     #[serde(default)]
     lora_bias: bool,
     #[serde(default)]
@@ -134,27 +135,12 @@ impl LoraAdapter {
         }
         for (key, set) in [
             ("lora_bias", config.lora_bias),
-            (
-                "layer_replication",
-                config
-                    .layer_replication
-                    .as_ref()
-                    .is_some_and(|v| !v.is_null()),
-            ),
+            ("layer_replication", config.layer_replication.is_some()),
             (
                 "trainable_token_indices",
-                config
-                    .trainable_token_indices
-                    .as_ref()
-                    .is_some_and(|v| !v.is_null()),
+                config.trainable_token_indices.is_some(),
             ),
-            (
-                "target_parameters",
-                config
-                    .target_parameters
-                    .as_ref()
-                    .is_some_and(|v| !v.is_null()),
-            ),
+            ("target_parameters", config.target_parameters.is_some()),
         ] {
             if set {
                 return Err(fail(format!("adapters with {key} are not supported yet")));
@@ -185,12 +171,7 @@ impl LoraAdapter {
                     .map(|m| (m.to_string(), is_b, emb))
             });
             let Some((module, is_b, embedding)) = found else {
-                if config
-                    .modules_to_save
-                    .as_ref()
-                    .is_some_and(|m| !m.is_null())
-                    || !name.contains("lora_")
-                {
+                if config.modules_to_save.is_some() || !name.contains("lora_") {
                     bail!(
                         "{}: tensor '{}' is a full copy of a module (modules_to_save); adapters \
                          that save whole modules are not supported yet",

@@ -124,10 +124,25 @@ impl Scalar {
 /// The layer number of a tensor from names like `model.layers.7.mlp…` (`Some(7)`), `None` for
 /// tensors outside the layers (embeddings, the final norm); [`layer_t`] turns it into t.
 pub fn layer_index(name: &str) -> Option<usize> {
-    let parts: Vec<&str> = name.split('.').collect();
-    parts.windows(2).find_map(|w| {
-        matches!(w[0], "layers" | "h" | "blocks" | "layer")
-            .then(|| w[1].parse().ok())
+    layer_part(&name.split('.').collect::<Vec<_>>()).map(|(_, layer)| layer)
+}
+
+/// `name` with its layer number replaced by `layer` ([`layer_index`]'s names); `None` for a
+/// tensor outside the layers.
+pub fn rename_layer(name: &str, layer: usize) -> Option<String> {
+    let mut parts: Vec<&str> = name.split('.').collect();
+    let (at, _) = layer_part(&parts)?;
+    let number = layer.to_string();
+    parts[at] = &number;
+    Some(parts.join("."))
+}
+
+/// Which of a name's dot-separated parts is its layer number (the first number after `layers`,
+/// `h`, `blocks` or `layer`), and the number.
+fn layer_part(parts: &[&str]) -> Option<(usize, usize)> {
+    (1..parts.len()).find_map(|i| {
+        matches!(parts[i - 1], "layers" | "h" | "blocks" | "layer")
+            .then(|| parts[i].parse().ok().map(|layer| (i, layer)))
             .flatten()
     })
 }

@@ -166,10 +166,9 @@ impl CoefRows {
 /// included: mergekit 0.1.5 interpolates each whole tensor).
 fn coef_rows(params: &TensorParams, numel: u64, shape: &[usize]) -> CoefRows {
     let first = shape.first().copied().unwrap_or(1).max(1) as u64;
-    let last = shape.last().copied().unwrap_or(1).max(1) as u64;
     let (len, period) = match (&params.base, params.base.vectors()) {
         (BaseTerm::Fisher, _) => (1, 0),
-        (_, Vectors::Rows) => (last, 0),
+        (_, Vectors::Rows) => (last_dim(numel, shape), 0),
         (_, Vectors::Columns) => (1, (numel / first).max(1)),
         (_, Vectors::Whole) => (0, 0),
     };
