@@ -205,6 +205,17 @@ fn bad_lora_agents_are_refused() {
         std::fs::write(to.join("adapter_config.json"), c.to_string()).unwrap();
         to
     };
+    // An adapter folder with this config text, with or without weights.
+    let broken = |name: &str, config: &str, weights: bool| -> PathBuf {
+        let to = d.path().join(name);
+        std::fs::create_dir_all(&to).unwrap();
+        std::fs::write(to.join("adapter_config.json"), config).unwrap();
+        if weights {
+            let w = models().join("coder-lora/adapter_model.safetensors");
+            std::fs::copy(w, to.join("adapter_model.safetensors")).unwrap();
+        }
+        to
+    };
     let cases: Vec<(PathBuf, &str, i32)> = vec![
         (
             PathBuf::from(format!(
@@ -233,6 +244,27 @@ fn bad_lora_agents_are_refused() {
                 models().join("tools").display()
             )),
             "is not a PEFT adapter folder",
+            1,
+        ),
+        // BASE+ with nothing after the +: a path, which does not exist.
+        (
+            PathBuf::from(format!("{}+", models().join("base").display())),
+            "does not exist",
+            1,
+        ),
+        (
+            broken("json", "{\"r\": ", true),
+            "not a LoRA adapter config",
+            1,
+        ),
+        (
+            broken("noweights", "{\"r\": 4, \"lora_alpha\": 8}", false),
+            "adapter_model.safetensors",
+            1,
+        ),
+        (
+            copy("zero", &|c| c["r"] = 0.into()),
+            "r must be at least 1",
             1,
         ),
     ];

@@ -643,7 +643,7 @@ fn merge_config_equals_run() {
 fn recipe_errors_are_clear() {
     let d = tempfile::tempdir().unwrap();
     models(d.path(), &[2], &[0., 0.], &[&[1., 0.], &[0., 1.]]);
-    let cases: [(&str, &[&str]); 7] = [
+    let cases: [(&str, &[&str]); 10] = [
         ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\nfrobnicate: 1\n", &["frobnicate", "line 5"]),
         ("merge_method: ties\nbase_model: base\nmodules:\n  x: {}\n", &["modules", "not supported yet", "line 3"]),
         ("merge_method: ties\nbase_model: base\nslices:\n  - sources:\n      - model: a\n        layer_range: [0, 1]\n", &["config.json"]),
@@ -651,6 +651,11 @@ fn recipe_errors_are_clear() {
         ("merge_method: nonsense\nmodels:\n  - model: a\n", &["unknown merge_method 'nonsense'", "line 1"]),
         ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {density: 0.5}\n", &["needs parameter 'weight'", "model.layers.0.w"]),
         ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, gamma: 0.1}\n", &["unknown parameter 'gamma'", "line 5"]),
+        // The new modes' switches take true or false only.
+        ("merge_method: model_stock\nbase_model: base\nmodels:\n  - model: a\n  - model: b\nparameters:\n  filter_wise: maybe\n", &["parameter 'filter_wise' must be true or false", "line 7"]),
+        ("merge_method: nuslerp\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1}\n  - model: b\n    parameters: {weight: 1}\nparameters:\n  nuslerp_row_wise: 2\n", &["parameter 'nuslerp_row_wise' must be true or false"]),
+        // arcee_fusion takes no parameters.
+        ("merge_method: arcee_fusion\nbase_model: base\nmodels:\n  - model: a\nparameters:\n  t: 0.5\n", &["unknown parameter 't'", "arcee_fusion"]),
     ];
     for (yaml, wants) in cases {
         std::fs::write(d.path().join("r.yml"), yaml).unwrap();

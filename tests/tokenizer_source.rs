@@ -131,6 +131,17 @@ fn other_vocabularies_and_unsupported_sources_are_refused() {
             "model 'nowhere' is not a local folder",
             1,
         ),
+        // A file, not a model folder.
+        (
+            "tokenizer_source: model:base/config.json\n",
+            "is base/config.json, which is not a folder",
+            1,
+        ),
+        (
+            "tokenizer_source: 5\n",
+            "tokenizer source must be base, union or model:NAME (line 6)",
+            2,
+        ),
     ]
     .into_iter()
     .enumerate()

@@ -90,6 +90,13 @@ fn local_folder(reference: &str, recipe_dir: &Path) -> Result<PathBuf> {
     if beside.is_dir() {
         return Ok(beside);
     }
+    // A file is no model, though its path may look like a Hub id (org/name).
+    if let Some(file) = [&direct, &beside].into_iter().find(|p| p.exists()) {
+        bail!(
+            "model '{reference}' is {}, which is not a folder (a model is a folder with config.json and safetensors weights)",
+            file.display()
+        );
+    }
     if crate::hub::ModelId::parse(reference).is_some() {
         return crate::hub::locate(
             &direct,
@@ -340,6 +347,8 @@ struct RawSlice {
     sources: Vec<(String, usize, Settings)>,
     len: usize,
     parameters: Settings,
+    /// Every source takes all its model's layers.
+    whole: bool,
 }
 
 /// The models of `models`, or of the slices: one slice over every layer of each model reads as
@@ -395,6 +404,7 @@ fn listed_models(raw: &RawConfig, text: &str, dir: &Path) -> Result<Listed> {
         }
         let mut sources = Vec::new();
         let mut len = None;
+        let mut whole = true;
         for s in &slice.sources {
             let [start, end] = s.layer_range;
             let layers = layer_count(&local_folder(&s.model, dir)?)?;
@@ -422,6 +432,7 @@ fn listed_models(raw: &RawConfig, text: &str, dir: &Path) -> Result<Listed> {
                     s.model
                 )));
             }
+            whole &= start == 0 && end == layers;
             let settings = s.parameters.clone().unwrap_or_default();
             sources.push((s.model.clone(), start, settings));
         }
@@ -429,18 +440,11 @@ fn listed_models(raw: &RawConfig, text: &str, dir: &Path) -> Result<Listed> {
             sources,
             len: len.unwrap_or(0),
             parameters: slice.parameters.clone().unwrap_or_default(),
+            whole,
         });
     }
     // One slice over every layer of each model: the models, as `models` lists them.
-    let whole = |s: &RawSlice| -> Result<bool> {
-        for (m, start, _) in &s.sources {
-            if *start != 0 || s.len != layer_count(&local_folder(m, dir)?)? {
-                return Ok(false);
-            }
-        }
-        Ok(true)
-    };
-    if read.len() == 1 && whole(&read[0])? {
+    if read.len() == 1 && read[0].whole {
         let slice = read.remove(0);
         listed.shared.extend(slice.parameters);
         listed.entries = slice.sources.into_iter().map(|(m, _, s)| (m, s)).collect();
