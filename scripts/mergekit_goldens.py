@@ -110,11 +110,58 @@ def make_adapters():
         peft_model.save_pretrained(os.path.join(MODELS, name))
 
 
+# Tokenizers: the base's 45 letters (a BPE vocabulary) and 3 special tokens fill its 48 rows.
+LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("S") + 1)]
+SPECIALS = ["<s>", "</s>", "<|im_start|>"]
+# Agents whose tokenizers grew, their embeddings resized: (folder, weights of, regular tokens
+# added to the BPE vocabulary, special tokens added).
+GROWN = [
+    ("tools-tok", "tools", [], ["<tool_call>", "</tool_call>"]),
+    ("coder-tok", "coder", ["ab"], ["<think>", "<tool_call>"]),
+]
+
+
+def save_tokenizer(d, regular, specials):
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(LETTERS + regular)}
+    merges = [tuple(t) for t in regular]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(d)
+
+
+def make_tokenizer_models():
+    """The base and memory get the base's tokenizer; tools-tok and coder-tok are tools and coder
+    with tokens added and their embedding and lm_head rows grown (new rows ~ N(0, 0.02))."""
+    for name in ["base", "memory"]:
+        save_tokenizer(os.path.join(MODELS, name), [], SPECIALS)
+    g = torch.Generator().manual_seed(7)
+    for name, weights_of, regular, specials in GROWN:
+        d = os.path.join(MODELS, name)
+        os.makedirs(d, exist_ok=True)
+        tensors = load_file(os.path.join(MODELS, weights_of, "model.safetensors"))
+        rows = VOCAB + len(regular) + len(specials)
+        for t in ["model.embed_tokens.weight", "lm_head.weight"]:
+            extra = 0.02 * torch.randn([rows - VOCAB, HIDDEN], generator=g)
+            tensors[t] = torch.cat([tensors[t].float(), extra]).to(torch.bfloat16).contiguous()
+        save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(dict(config(), vocab_size=rows), f, indent=2)
+        # The regular tokens after the letters, then the base's specials and the new ones.
+        save_tokenizer(d, regular, SPECIALS + specials)
+
+
 def main():
     if not os.path.isdir(os.path.join(MODELS, "base")):
         make_models()
     if not os.path.isdir(os.path.join(MODELS, "coder-lora")):
         make_adapters()
+    if not os.path.isdir(os.path.join(MODELS, "tools-tok")):
+        make_tokenizer_models()
     recipes = sorted(n[:-4] for n in os.listdir(os.path.join(ROOT, "recipes")) if n.endswith(".yml"))
     wanted = sys.argv[1:] or recipes
     os.makedirs(os.path.join(ROOT, "expected"), exist_ok=True)
@@ -124,8 +171,10 @@ def main():
         shutil.rmtree(out)
         # Absolute model folders: mergekit looks a bare name such as `tools` up on the Hub.
         text = open(os.path.join(ROOT, "recipes", name + ".yml")).read()
+        # (`source: base` / `tokenizer_source: base` are keywords, not the folder.)
         for m in sorted(os.listdir(MODELS), key=len, reverse=True):
-            text = re.sub(rf"((?:model|base_model|source_model): |\+){m}\b", rf"\g<1>{MODELS}/{m}", text)
+            keys = "model|base_model|source_model" + ("" if m == "base" else "|source|tokenizer_source")
+            text = re.sub(rf"((?:{keys}): |\+){m}(?![\w-])", rf"\g<1>{MODELS}/{m}", text)
         recipe = out + ".yml"
         with open(recipe, "w") as f:
             f.write(text)
@@ -139,6 +188,9 @@ def main():
                 tensors.update(load_file(os.path.join(out, f)))
         save_file(tensors, os.path.join(ROOT, "expected", name + ".safetensors"))
         shutil.copy(os.path.join(out, "config.json"), os.path.join(ROOT, "expected", name + ".config.json"))
+        # The vocabulary, where the recipe sets a tokenizer (token ids of a union vary by run).
+        if os.path.exists(os.path.join(out, "tokenizer.json")) and "tokenizer" in text:
+            shutil.copy(os.path.join(out, "tokenizer.json"), os.path.join(ROOT, "expected", name + ".tokenizer.json"))
         shutil.rmtree(out)
         shutil.rmtree(out + "-lora", ignore_errors=True)
         os.remove(recipe)

@@ -9,6 +9,7 @@ use crate::method::settings::rename_layer;
 use crate::method::{self};
 use crate::record::InputChecksums;
 use crate::slices::{is_embedding, Placement, Slices, Source};
+use crate::vocabulary::{TokenizerSettings, VocabTensor, Vocabulary};
 use anyhow::{bail, ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -23,6 +24,17 @@ pub struct Inputs {
     pub warnings: Vec<String>,
     /// mergekit's `slices`, when the output's layers are taken from ranges of the inputs'.
     pub slices: Option<Slices>,
+    /// The output's vocabulary when a tokenizer source is set (mergekit's `tokenizer_source`).
+    pub vocabulary: Option<Arc<Vocabulary>>,
+}
+
+/// What shapes the output beyond the base's tensors: mergekit's slices and tokenizer source.
+#[derive(Clone, Copy, Default)]
+pub struct Layout<'a> {
+    pub slices: Option<&'a Slices>,
+    pub tokenizer: Option<&'a TokenizerSettings>,
+    /// Whether θ₀ enters the merge: a token some model lacks then takes the base's row first.
+    pub with_base: bool,
 }
 
 /// One output tensor: its base tensor (θ₀, and the name, shape and dtype of the output) and where
@@ -35,6 +47,14 @@ pub struct TensorPlan {
     /// whose folder holds `base` when a slice takes it from a model other than the base (methods
     /// without θ₀), and where the tensor sits among the slices.
     pub sliced: Option<SlicedTensor>,
+    /// A tensor indexed by token whose rows are re-indexed for the output's vocabulary.
+    pub vocab: Option<VocabPlan>,
+}
+
+/// A re-indexed tensor's rows ([`VocabTensor`]) and its output shape.
+pub struct VocabPlan {
+    pub rows: VocabTensor,
+    pub shape: Arc<[usize]>,
 }
 
 /// What a sliced merge adds to a [`TensorPlan`].
@@ -80,18 +100,37 @@ impl TensorPlan {
             );
         };
         ensure!(
-            t.entry.shape == self.base.entry.shape,
+            t.entry.shape == *self.shape(),
             "tensor '{}' in {} has shape {}, but the model's is {}",
             crate::error::printable(self.name()),
             folder.file_of(t).display(),
             shape_text(&t.entry.shape),
-            shape_text(&self.base.entry.shape)
+            shape_text(self.shape())
         );
         Ok(t)
     }
 
     pub fn numel(&self) -> usize {
-        self.base.entry.numel
+        match &self.vocab {
+            Some(v) => v.shape.iter().product(),
+            None => self.base.entry.numel,
+        }
+    }
+
+    /// The output tensor's shape: the base's, but for the rows of a re-indexed vocabulary.
+    pub fn shape(&self) -> &Arc<[usize]> {
+        match &self.vocab {
+            Some(v) => &v.shape,
+            None => &self.base.entry.shape,
+        }
+    }
+
+    /// Which input `base` is read from.
+    pub fn base_source(&self) -> Source {
+        match self.sliced.as_ref().and_then(|s| s.base_from) {
+            Some(t) => Source::Agent(t),
+            None => Source::Base,
+        }
     }
 
     /// Agent `t`'s counterpart, if it has one.
@@ -104,6 +143,10 @@ impl TensorPlan {
     /// in f32 and the maths is that of every input first converted to f32.
     pub fn tile_dtype(&self, inputs: &Inputs) -> DType {
         let base = self.base.entry.dtype;
+        // Re-indexed rows may be means, made in f32.
+        if self.vocab.is_some() {
+            return DType::F32;
+        }
         // A LoRA agent's tensor is θ₀ plus its update, made in f32.
         let mixed = (0..self.agents.len())
             .filter_map(|t| Some((t, self.agent(inputs, t)?)))
@@ -132,15 +175,12 @@ impl TensorPlan {
 impl Inputs {
     /// Opens every folder and checks each agent tensor's shape against the base's.
     pub fn open(base_dir: &Path, agent_dirs: &[PathBuf]) -> Result<Inputs> {
-        Inputs::open_sliced(base_dir, agent_dirs, None)
+        Inputs::open_with(base_dir, agent_dirs, Layout::default())
     }
 
-    /// [`Inputs::open`], the output's layers taken from `slices` when given.
-    pub fn open_sliced(
-        base_dir: &Path,
-        agent_dirs: &[PathBuf],
-        slices: Option<&Slices>,
-    ) -> Result<Inputs> {
+    /// [`Inputs::open`], the output's layers taken from `layout.slices` and its vocabulary from
+    /// `layout.tokenizer` when given.
+    pub fn open_with(base_dir: &Path, agent_dirs: &[PathBuf], layout: Layout) -> Result<Inputs> {
         ensure!(
             !agent_dirs.is_empty(),
             "at least one agent model is needed (--model DIR)"
@@ -182,17 +222,33 @@ impl Inputs {
                 );
             }
         }
-        if let Some(slices) = slices {
-            let tensors = sliced_plans(&base, &agents, slices)?;
+        let vocabulary = layout
+            .tokenizer
+            .map(|t| Vocabulary::build(t, &base, &agents).map(Arc::new))
+            .transpose()
+            .context("cannot build the output's vocabulary")?;
+        let reindex = vocabulary.as_ref().map(|v| Reindex {
+            vocabulary: v,
+            with_base: layout.with_base,
+        });
+        let mut warnings: Vec<String> = vocabulary
+            .iter()
+            .flat_map(|v| v.warnings.iter().cloned())
+            .collect();
+        if let Some(slices) = layout.slices {
+            let mut tensors = sliced_plans(&base, &agents, slices, reindex.as_ref())?;
+            if let Some(r) = &reindex {
+                r.plan_all(&base, &agents, &mut tensors, &mut warnings)?;
+            }
             return Ok(Inputs {
                 base,
                 agents,
                 tensors,
-                warnings: Vec::new(),
+                warnings,
                 slices: Some(slices.clone()),
+                vocabulary,
             });
         }
-        let mut warnings = Vec::new();
         let mut tensors = Vec::with_capacity(base.tensors.len());
         for bt in &base.tensors {
             let mut found = Vec::with_capacity(agents.len());
@@ -202,17 +258,36 @@ impl Inputs {
                     continue;
                 };
                 let at = &agent.tensors[index];
-                // Dtypes may differ (each input is decoded exactly to f32: `tile_dtype`).
-                if at.entry.shape != bt.entry.shape {
+                // Dtypes may differ (each input is decoded exactly to f32: `tile_dtype`);
+                // rows of a token-indexed tensor too, when re-indexed.
+                let reindexed = reindex
+                    .as_ref()
+                    .is_some_and(|r| r.indexed_by_token(bt, Source::Base, at));
+                if at.entry.shape != bt.entry.shape && !reindexed {
+                    // Embeddings that differ in rows alone: a vocabulary that grew.
+                    let rows_only = layout.tokenizer.is_none()
+                        && matches!(
+                            crate::report::Module::of(&bt.entry.name),
+                            crate::report::Module::Embed | crate::report::Module::LmHead
+                        )
+                        && at.entry.shape.len() == bt.entry.shape.len()
+                        && at.entry.shape[1..] == bt.entry.shape[1..];
                     bail!(
-                        "tensor '{}' in {} is {} {} but in the base ({}) it is {} {}",
+                        "tensor '{}' in {} is {} {} but in the base ({}) it is {} {}{}",
                         bt.entry.name,
                         agent.file_of(at).display(),
                         at.entry.dtype,
                         shape_text(&at.entry.shape),
                         base.file_of(bt).display(),
                         bt.entry.dtype,
-                        shape_text(&bt.entry.shape)
+                        shape_text(&bt.entry.shape),
+                        if rows_only {
+                            "; its vocabulary differs from the base's: set tokenizer_source \
+                             (union, base or model:NAME) in a recipe to merge the embeddings \
+                             token by token"
+                        } else {
+                            ""
+                        }
                     );
                 }
                 found.push(Some(index as u32));
@@ -239,7 +314,11 @@ impl Inputs {
                 base: bt.clone(),
                 agents: found.into(),
                 sliced: None,
+                vocab: None,
             });
+        }
+        if let Some(r) = &reindex {
+            r.plan_all(&base, &agents, &mut tensors, &mut warnings)?;
         }
         for agent in &agents {
             let extra: Vec<&str> = agent
@@ -262,6 +341,7 @@ impl Inputs {
             tensors,
             warnings,
             slices: None,
+            vocabulary,
         })
     }
 
@@ -328,6 +408,7 @@ fn sliced_plans(
     base: &ModelFolder,
     agents: &[ModelFolder],
     slices: &Slices,
+    reindex: Option<&Reindex>,
 ) -> Result<Vec<TensorPlan>> {
     let folder = |m: Source| match m {
         Source::Base => base,
@@ -359,7 +440,8 @@ fn sliced_plans(
                 );
             };
             let at = &agents[t].tensors[index];
-            if at.entry.shape != bt.entry.shape {
+            let reindexed = reindex.is_some_and(|r| r.indexed_by_token(bt, lead.model, at));
+            if at.entry.shape != bt.entry.shape && !reindexed {
                 bail!(
                     "tensor '{}' in {} is {} but in {} it is {} (slice {})",
                     at.entry.name,
@@ -383,6 +465,7 @@ fn sliced_plans(
                 },
                 placement,
             }),
+            vocab: None,
         })
     };
     // Tensors outside the layers: the embeddings from the first slice's lead, the rest from
@@ -417,6 +500,90 @@ fn sliced_plans(
     tensors.extend(outside(false)?);
     ensure!(!tensors.is_empty(), "the slices select no tensors");
     Ok(tensors)
+}
+
+/// Re-indexing token-indexed tensors for the output's vocabulary.
+struct Reindex<'a> {
+    vocabulary: &'a Arc<Vocabulary>,
+    with_base: bool,
+}
+
+impl Reindex<'_> {
+    /// Whether tensor `bt` of model `of` is indexed by token (an embedding or output head of that
+    /// model's vocab_size rows), and agent tensor `at` its counterpart: the same dimensions but
+    /// the first.
+    fn indexed_by_token(&self, bt: &ModelTensor, of: Source, at: &ModelTensor) -> bool {
+        self.is_token_tensor(bt, of)
+            && at.entry.shape.len() == bt.entry.shape.len()
+            && at.entry.shape[1..] == bt.entry.shape[1..]
+    }
+
+    fn is_token_tensor(&self, bt: &ModelTensor, of: Source) -> bool {
+        use crate::report::Module;
+        matches!(Module::of(&bt.entry.name), Module::Embed | Module::LmHead)
+            && bt.entry.shape.len() >= 2
+            && bt.entry.shape[0] == self.vocabulary.vocab_size(of)
+    }
+
+    /// Plans the re-indexed reads of every token-indexed tensor in `plans` (those whose rows
+    /// all stay where they are are read as they are).
+    fn plan_all(
+        &self,
+        base: &ModelFolder,
+        agents: &[ModelFolder],
+        plans: &mut [TensorPlan],
+        warnings: &mut Vec<String>,
+    ) -> Result<()> {
+        for plan in plans.iter_mut() {
+            if !self.is_token_tensor(&plan.base, plan.base_source()) {
+                continue;
+            }
+            let lead = plan.base_source();
+            let mut models: Vec<Source> = Vec::new();
+            if self.with_base || plan.present().is_empty() {
+                models.push(lead);
+            }
+            for t in plan.present() {
+                if !models.contains(&Source::Agent(t)) {
+                    models.push(Source::Agent(t));
+                }
+            }
+            let rows_of = |s: Source| -> usize {
+                if s == lead {
+                    return plan.base.entry.shape[0];
+                }
+                match s {
+                    Source::Agent(t) => {
+                        plan.agents[t].map_or(0, |i| agents[t].tensors[i as usize].entry.shape[0])
+                    }
+                    Source::Base => base
+                        .get(&plan.base.entry.name)
+                        .map_or(0, |t| t.entry.shape[0]),
+                }
+            };
+            let row_len: usize = plan.base.entry.shape[1..].iter().product();
+            let rows = self
+                .vocabulary
+                .plan_tensor(plan.name(), &models, row_len, &rows_of)?;
+            if self.vocabulary.keeps_rows(&rows, &models, &rows_of) {
+                continue;
+            }
+            if !rows.missing_everywhere.is_empty() {
+                warnings.push(format!(
+                    "tensor '{}': no merged model has token(s) {:?}; their rows are zero",
+                    plan.name(),
+                    rows.missing_everywhere
+                ));
+            }
+            let mut shape = plan.base.entry.shape.to_vec();
+            shape[0] = rows.rows();
+            plan.vocab = Some(VocabPlan {
+                rows,
+                shape: shape.into(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// An agent folder, or a LoRA agent: an adapter folder, or `BASE+ADAPTER` whose BASE is the

@@ -23,3 +23,4 @@ pub mod select;
 mod simd;
 pub mod slices;
 pub mod verify;
+pub mod vocabulary;

@@ -66,9 +66,14 @@ pub struct MergeRecord {
     /// mergekit's `slices`: which layers of which input each output layer is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slices: Option<crate::slices::Slices>,
-    /// The model whose tokenizer files the output took (`None`: the base's).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tokenizer: Option<String>,
+    /// The tokenizer source and token settings (`None`: the base's tokenizer, rows as they are);
+    /// a record of 0.x before them may hold the source model's folder alone.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "tokenizer_settings"
+    )]
+    pub tokenizer: Option<crate::vocabulary::TokenizerSettings>,
     pub shard_size: u64,
     pub warnings: Vec<String>,
     /// Base first, then the agents in order.
@@ -216,4 +221,26 @@ pub fn model_card(r: &MergeRecord) -> String {
 
 fn yaml_str(s: &str) -> String {
     serde_json::to_string(s).expect("strings serialize")
+}
+
+/// [`MergeRecord::tokenizer`]: the settings, or an older record's model folder.
+fn tokenizer_settings<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<crate::vocabulary::TokenizerSettings>, D::Error> {
+    use crate::vocabulary::{TokenizerSettings, TokenizerSource};
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Folder(String),
+        Settings(TokenizerSettings),
+    }
+    Ok(match Option::<Written>::deserialize(d)? {
+        None => None,
+        Some(Written::Settings(s)) => Some(s),
+        Some(Written::Folder(f)) => Some(TokenizerSettings {
+            source: TokenizerSource::Model(f.into()),
+            tokens: Vec::new(),
+            pad_to_multiple_of: None,
+        }),
+    })
 }

@@ -7,7 +7,7 @@ use crate::checkpoint::output_folder::{sweep, Scratch};
 use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
 use crate::checkpoint::{DType, ModelFolder};
 use crate::engine::{self, MergeOptions, Pass};
-use crate::inputs::Inputs;
+use crate::inputs::{Inputs, Layout};
 use crate::record::MergeRecord;
 use anyhow::{Context, Result};
 use std::io::Read;
@@ -150,7 +150,15 @@ fn recompute_and_compare(
         .first()
         .context("the record lists no inputs")?;
     let agents: Vec<PathBuf> = record.inputs[1..].iter().map(|i| i.path.clone()).collect();
-    let inputs = Inputs::open_sliced(&base.path, &agents, record.slices.as_ref())?;
+    let inputs = Inputs::open_with(
+        &base.path,
+        &agents,
+        Layout {
+            slices: record.slices.as_ref(),
+            tokenizer: record.tokenizer.as_ref(),
+            with_base: record.method.uses_base(),
+        },
+    )?;
     let options = MergeOptions {
         pass: Pass {
             epsilon: record.epsilon,
@@ -166,7 +174,6 @@ fn recompute_and_compare(
             .transpose()?,
         shard_size: record.shard_size,
         force: true,
-        tokenizer: record.tokenizer.as_ref().map(PathBuf::from),
         ..MergeOptions::new(record.method.clone(), backend)
     };
     // Recomputed beside the output (the same disk, which held the output once), or where that

@@ -1,85 +1,121 @@
-//! `tokenizer_source: model:NAME` (and the `tokenizer:` section's `source`): the output takes that
-//! model's tokenizer files when its vocabulary is the base's, token for token; other vocabularies,
-//! `union` and per-token sources are refused, naming what differs, with nothing written.
+//! Tokenizer sources (SPEC §5b): `model:NAME` with the base's vocabulary takes its files and
+//! leaves the weights as they are; `union`, other vocabularies, `tokens` and padding re-index the
+//! embedding and lm_head rows token by token, checked here row by row against the rules on the
+//! fixture models (tools-tok and coder-tok added tokens and grew their embeddings); mistakes a
+//! user can make are refused, naming what is wrong, with nothing written. (Equality with mergekit
+//! itself: tests/mergekit_goldens.rs, recipes tokenizer_*.)
 
 mod common;
 use common::*;
+use safetensors::tensor::Dtype;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-fn tokenizer_json(extra: &[(&str, u64)]) -> String {
-    let mut added = vec![serde_json::json!({"id": 4, "content": "<|im_end|>", "special": true})];
-    for (t, id) in extra {
-        added.push(serde_json::json!({"id": id, "content": t, "special": true}));
-    }
-    serde_json::json!({
-        "version": "1.0",
-        "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "<unk>": 3}, "merges": ["a b"]},
-        "added_tokens": added,
-    })
-    .to_string()
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mergekit/models")
 }
 
-/// base and coder (the fixture models) with tokenizers: coder's has its own chat template;
-/// `tool` adds a token.
+/// The fixture models copied into `dir` (so recipes and outputs sit together); `coder` gets the
+/// base's tokenizer with its own chat template.
 fn models(dir: &Path) -> PathBuf {
-    let from = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mergekit/models");
-    for (m, src, template, extra) in [
-        ("base", "base", "base template", &[][..]),
-        ("coder", "coder", "coder template", &[]),
-        ("tool", "tools", "tool template", &[("<tool_call>", 5)]),
-    ] {
+    for m in ["base", "coder", "tools-tok", "coder-tok", "memory"] {
         let to = dir.join(m);
         std::fs::create_dir_all(&to).unwrap();
-        for f in ["model.safetensors", "config.json"] {
-            std::fs::copy(from.join(src).join(f), to.join(f)).unwrap();
+        for e in std::fs::read_dir(fixtures().join(m)).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
         }
-        std::fs::write(to.join("tokenizer.json"), tokenizer_json(extra)).unwrap();
-        let config = serde_json::json!({"chat_template": template, "model_max_length": 128});
-        std::fs::write(to.join("tokenizer_config.json"), config.to_string()).unwrap();
     }
+    std::fs::copy(
+        fixtures().join("base/tokenizer.json"),
+        dir.join("coder/tokenizer.json"),
+    )
+    .unwrap();
+    let config = serde_json::json!({"chat_template": "coder template", "model_max_length": 128});
+    std::fs::write(dir.join("coder/tokenizer_config.json"), config.to_string()).unwrap();
     dir.to_path_buf()
+}
+
+fn run_recipe(dir: &Path, recipe: &str, out: &str) -> std::process::Output {
+    std::fs::write(dir.join(format!("{out}.yml")), recipe).unwrap();
+    rlmerge()
+        .current_dir(dir)
+        .args([
+            "run",
+            &format!("{out}.yml"),
+            "-q",
+            "--device",
+            "cpu",
+            "-o",
+            out,
+        ])
+        .output()
+        .unwrap()
 }
 
 fn run(dir: &Path, tail: &str, out: &str) -> std::process::Output {
     let recipe = format!(
         "merge_method: task_arithmetic\nbase_model: base\nmodels:\n  - model: coder\n    parameters: {{weight: 1}}\n{tail}"
     );
-    std::fs::write(dir.join(format!("{out}.yml")), recipe).unwrap();
-    rlmerge()
-        .current_dir(dir)
-        .args(["run", &format!("{out}.yml"), "-q", "-o", out])
-        .output()
+    run_recipe(dir, &recipe, out)
+}
+
+fn ok(o: &std::process::Output, what: &str) {
+    assert!(
+        o.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// A tokenizer.json's vocabulary by token.
+fn vocab(dir: &Path) -> HashMap<String, usize> {
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
+            .unwrap();
+    let mut v: HashMap<String, usize> = json["model"]["vocab"]
+        .as_object()
         .unwrap()
+        .iter()
+        .map(|(t, i)| (t.clone(), i.as_u64().unwrap() as usize))
+        .collect();
+    for a in json["added_tokens"].as_array().unwrap() {
+        v.insert(
+            a["content"].as_str().unwrap().into(),
+            a["id"].as_u64().unwrap() as usize,
+        );
+    }
+    v
+}
+
+/// Row `r` of a [rows, 16] bf16 tensor of a folder, as f32.
+fn row(folder: &Path, tensor: &str, r: usize) -> Vec<f32> {
+    let t = &read_folder(folder)[tensor];
+    assert_eq!(t.0, Dtype::BF16);
+    let h = t.1[1];
+    from_bytes(t.0, &t.2[r * h * 2..(r + 1) * h * 2])
 }
 
 #[test]
 fn the_output_takes_the_named_models_tokenizer() {
     let d = tempfile::tempdir().unwrap();
     let dir = models(d.path());
-    let plain = run(&dir, "", "plain");
-    assert!(
-        plain.status.success(),
-        "{}",
-        String::from_utf8_lossy(&plain.stderr)
-    );
+    ok(&run(&dir, "", "plain"), "plain");
     for (out, tail) in [
         ("model", "tokenizer_source: model:coder\n"),
         ("named", "tokenizer_source: coder\n"),
         ("section", "tokenizer:\n  source: model:coder\n"),
+        ("from-base", "tokenizer_source: base\n"),
     ] {
-        let o = run(&dir, tail, out);
-        assert!(
-            o.status.success(),
-            "{out}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
+        ok(&run(&dir, tail, out), out);
         let read = |p: PathBuf| std::fs::read_to_string(p).unwrap();
+        let from = if out == "from-base" { "base" } else { "coder" };
         assert_eq!(
             read(dir.join(out).join("tokenizer_config.json")),
-            read(dir.join("coder/tokenizer_config.json")),
+            read(dir.join(from).join("tokenizer_config.json")),
             "{out}"
         );
-        // Weights and config as without it.
+        // The same vocabulary: weights and config as without a tokenizer source.
         assert_eq!(
             read_folder(&dir.join(out)),
             read_folder(&dir.join("plain")),
@@ -95,62 +131,303 @@ fn the_output_takes_the_named_models_tokenizer() {
             .assert()
             .success();
     }
-    assert_eq!(
-        std::fs::read_to_string(dir.join("plain/tokenizer_config.json")).unwrap(),
-        std::fs::read_to_string(dir.join("base/tokenizer_config.json")).unwrap()
-    );
 }
 
+/// `union` over agents that added tokens, by the rules: every token in the output vocabulary at
+/// the ids the union gives (base's first, then each model's new ones in order), config.json's
+/// vocab_size, and each row of task arithmetic θ₀ + Σ w·(θ − θ₀) over the re-indexed rows — a
+/// model's own row where it has the token (at its own id: coder-tok's ids of the base's special
+/// tokens are one higher), else the donor's, else the mean of the two that have it.
 #[test]
-fn other_vocabularies_and_unsupported_sources_are_refused() {
+fn union_merges_the_embeddings_token_by_token() {
     let d = tempfile::tempdir().unwrap();
     let dir = models(d.path());
+    let recipe = "merge_method: task_arithmetic\nbase_model: base\nmodels:\n  - model: tools-tok\n    parameters: {weight: 0.5}\n  - model: coder-tok\n    parameters: {weight: 0.25}\n  - model: memory\n    parameters: {weight: 1.0}\ntokenizer_source: union\n";
+    ok(&run_recipe(&dir, recipe, "union"), "union");
+    let out = dir.join("union");
+    let v = vocab(&out);
+    let base = vocab(&dir.join("base"));
+    assert_eq!(v.len(), 52);
+    for (t, &i) in &base {
+        assert_eq!(v[t], i, "{t}");
+    }
+    // Regular tokens first (coder's "ab"), then the added ones by model: tools', then coder's.
+    for (t, i) in [
+        ("ab", 48),
+        ("<tool_call>", 49),
+        ("</tool_call>", 50),
+        ("<think>", 51),
+    ] {
+        assert_eq!(v[t], i, "{t}");
+    }
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["vocab_size"], 52);
+    let tc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(tc["added_tokens_decoder"]["51"]["content"], "<think>");
+    assert_eq!(tc["added_tokens_decoder"]["48"]["special"], false);
+    let models = ["base", "tools-tok", "coder-tok", "memory"];
+    let vocabs: Vec<HashMap<String, usize>> = models.iter().map(|m| vocab(&dir.join(m))).collect();
+    let w = [0.5f32, 0.25, 1.0];
+    for tensor in ["model.embed_tokens.weight", "lm_head.weight"] {
+        let rows_of = |m: usize, t: &str| {
+            vocabs[m]
+                .get(t)
+                .map(|&r| row(&dir.join(models[m]), tensor, r))
+        };
+        for (t, &i) in &v {
+            let own: Vec<Option<Vec<f32>>> = (0..4).map(|m| rows_of(m, t)).collect();
+            let have: Vec<&Vec<f32>> = own.iter().flatten().collect();
+            let default = match have.len() {
+                1 => have[0].clone(),
+                _ if own[0].is_some() => own[0].clone().unwrap(),
+                _ => {
+                    // f32 sum in order, one division.
+                    let mut s = [0.0f32; 16];
+                    for r in &have {
+                        s.iter_mut().zip(r.iter()).for_each(|(a, b)| *a += b);
+                    }
+                    s.iter().map(|x| x / have.len() as f32).collect()
+                }
+            };
+            let rows: Vec<Vec<f32>> = own
+                .into_iter()
+                .map(|o| o.unwrap_or(default.clone()))
+                .collect();
+            let want: Vec<f32> = (0..16)
+                .map(|c| {
+                    let b = rows[0][c];
+                    let mut delta = 0.0f32;
+                    for k in 0..3 {
+                        delta += (rows[k + 1][c] - b) * w[k];
+                    }
+                    round_to(Dtype::BF16, b + delta)
+                })
+                .collect();
+            assert_eq!(row(&out, tensor, i), want, "{tensor} row {i} ({t:?})");
+        }
+    }
+    rlmerge()
+        .args(["verify", "--against"])
+        .arg(&out)
+        .assert()
+        .success();
+    // The same merge from flags.
+    let flags = dir.join("flags");
+    let o = rlmerge()
+        .current_dir(&dir)
+        .args([
+            "merge",
+            "--base",
+            "base",
+            "--model",
+            "tools-tok",
+            "--model",
+            "coder-tok",
+        ])
+        .args(["--method", "linear", "--param", "weight=1"])
+        .args(["--tokenizer-source", "union", "-q", "-o"])
+        .arg(&flags)
+        .output()
+        .unwrap();
+    ok(&o, "flags");
+    assert_eq!(vocab(&flags), v);
+    // analyze reads the same re-indexed rows (and what the merge kept of each agent).
+    let o = rlmerge()
+        .current_dir(&dir)
+        .args([
+            "analyze",
+            "--base",
+            "base",
+            "--model",
+            "tools-tok",
+            "--model",
+            "coder-tok",
+        ])
+        .args([
+            "--tokenizer-source",
+            "union",
+            "--json",
+            "-q",
+            "--merged",
+            "flags",
+        ])
+        .output()
+        .unwrap();
+    ok(&o, "analyze");
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(report["agents"].as_array().unwrap().len(), 2, "{report}");
+    // The GPU backend (lavapipe in CI) re-indexes to the same bytes.
+    let gpu = dir.join("gpu");
+    let o = rlmerge()
+        .current_dir(&dir)
+        .args(["run", "union.yml", "-q", "--device", "gpu", "-o"])
+        .arg(&gpu)
+        .output()
+        .unwrap();
+    if o.status.success() {
+        assert_eq!(read_folder(&gpu), read_folder(&out));
+    } else {
+        assert!(String::from_utf8_lossy(&o.stderr).contains("adapter"));
+    }
+}
+
+/// What a user can get wrong with tokenizer settings: each exits ≠ 0 with a message naming the
+/// problem, and writes nothing.
+#[test]
+fn bad_tokenizer_settings_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = models(d.path());
+    let tok = |body: &str| format!("tokenizer:\n{body}");
     for (i, (tail, want, code)) in [
         (
-            "tokenizer_source: model:tool\n",
-            "its vocabulary differs from the base's",
-            1,
-        ),
-        (
-            "tokenizer_source: union\n",
-            "'union' is not supported yet (line 6)",
-            2,
-        ),
-        (
-            "tokenizer:\n  source: base\n  tokens:\n    <x>:\n      source: base\n",
-            "tokenizer.tokens is not supported yet",
-            2,
-        ),
-        (
-            "tokenizer_source: base\ntokenizer:\n  source: base\n",
+            "tokenizer_source: base\ntokenizer:\n  source: base\n".to_string(),
             "either tokenizer_source or a tokenizer section",
             2,
         ),
         (
-            "tokenizer_source: model:nowhere\n",
+            "tokenizer_source: model:nowhere\n".into(),
             "model 'nowhere' is not a local folder",
             1,
         ),
-        // A file, not a model folder.
         (
-            "tokenizer_source: model:base/config.json\n",
+            "tokenizer_source: model:base/config.json\n".into(),
             "is base/config.json, which is not a folder",
             1,
         ),
         (
-            "tokenizer_source: 5\n",
+            "tokenizer_source: 5\n".into(),
             "tokenizer source must be base, union or model:NAME (line 6)",
             2,
+        ),
+        (
+            tok("  source: union\n  pad_to_multiple_of: 0\n"),
+            "pad_to_multiple_of (line 8) must be a whole number above 0",
+            2,
+        ),
+        (
+            tok("  source: union\n  pad_to: 8\n"),
+            "tokenizer.pad_to (line 8) is not a tokenizer setting",
+            2,
+        ),
+        (
+            tok("  tokens:\n    \"<x>\":\n      source: {kind: one}\n"),
+            "source's kind must be zero or model_token",
+            2,
+        ),
+        (
+            tok("  tokens:\n    \"<x>\":\n      source: {kind: model_token, model: coder}\n"),
+            "model_token takes token or token_id, exactly one",
+            2,
+        ),
+        (
+            tok("  tokens:\n    \"<x>\":\n      force: yes please\n"),
+            "force must be true or false",
+            2,
+        ),
+        (
+            tok("  tokens:\n    \"<x>\":\n      source: memory\n"),
+            "names ",
+            1,
+        ),
+        (
+            tok("  tokens:\n    \"<x>\":\n      source: {kind: model_token, model: coder, token: \"<nope>\"}\n"),
+            "token \"<nope>\" is not in",
+            1,
+        ),
+        (
+            tok("  tokens:\n    \"<x>\":\n      source: {kind: model_token, model: coder, token_id: 4096}\n"),
+            "takes row 4096 of '",
+            1,
+        ),
+        (
+            tok("  tokens:\n    \"<x>\":\n      force: true\n"),
+            "some merged models lack it; give it a source",
+            1,
         ),
     ]
     .into_iter()
     .enumerate()
     {
         let out = format!("bad{i}");
-        let o = run(&dir, tail, &out);
+        let o = run(&dir, &tail, &out);
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(code), "case {i}: {err}");
         assert!(err.contains(want), "case {i}: {err}");
         assert!(!dir.join(&out).exists(), "case {i}");
     }
+    // An agent whose embeddings grew, without a tokenizer source: the shape error says what to set.
+    let o = rlmerge()
+        .current_dir(&dir)
+        .args([
+            "merge",
+            "--base",
+            "base",
+            "--model",
+            "tools-tok",
+            "-q",
+            "-o",
+            "grown",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("[50, 16]") && err.contains("set tokenizer_source"),
+        "{err}"
+    );
+    // A base without tokenizer.json cannot give a vocabulary.
+    std::fs::remove_file(dir.join("memory/tokenizer.json")).unwrap();
+    let o = rlmerge()
+        .current_dir(&dir)
+        .args([
+            "merge",
+            "--base",
+            "memory",
+            "--model",
+            "tools-tok",
+            "--tokenizer-source",
+        ])
+        .args(["union", "-q", "-o", "nobase"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("needs the base's tokenizer.json"), "{err}");
+    assert!(!dir.join("nobase").exists() && !dir.join("grown").exists());
+    // A tokenizer that numbers past the model's rows.
+    let mut json: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("coder-tok/tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    json["added_tokens"][4]["id"] = 60.into();
+    std::fs::write(dir.join("coder-tok/tokenizer.json"), json.to_string()).unwrap();
+    let config = dir.join("coder-tok/config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    c["vocab_size"] = 61.into();
+    std::fs::write(&config, c.to_string()).unwrap();
+    let o = rlmerge()
+        .current_dir(&dir)
+        .args([
+            "merge",
+            "--base",
+            "base",
+            "--model",
+            "coder-tok",
+            "--tokenizer-source",
+        ])
+        .args(["union", "-q", "-o", "past"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("has 51 rows, but its tokenizer puts token"),
+        "{err}"
+    );
+    assert!(!dir.join("past").exists());
 }

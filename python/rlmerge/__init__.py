@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
@@ -126,6 +127,7 @@ def _split_params(models: Sequence[str], params: Mapping[str, Any],
 def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out: Optional[PathLike] = None,
           *, device: str = "auto", quiet: bool = True, force: bool = False,
           out_dtype: Optional[str] = None, shard_size: Optional[str] = None, threads: int = 0,
+          tokenizer_source: Optional[str] = None, tokenizer: Optional[Mapping[str, Any]] = None,
           **params: Any) -> Dict[str, Any]:
     """Merges ``models`` (agents fine-tuned from ``base``) with ``method`` into the folder ``out``.
 
@@ -136,6 +138,9 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     Parameters are keywords as in a mergekit recipe: ``density=0.5``, ``rule="official"``; a
     list gives one value per model (``weight=[0.7, 0.3]``), a dict names models
     (``weight={"coder": 0.7, "tools": 0.3}``). ``device`` is ``"auto"``, ``"cpu"`` or ``"gpu"``.
+    ``tokenizer_source`` (``"base"``, ``"union"`` or a model) or ``tokenizer`` (mergekit's section:
+    ``{"source": ..., "tokens": {...}, "pad_to_multiple_of": n}``) sets the output's vocabulary;
+    agents that added tokens then merge their embeddings token by token.
     Returns the merge's record as a dict (method, λ per agent, input and output checksums) with
     ``out`` and the ``shards`` written. Raises :class:`MergeError` (:class:`UsageError` for a bad
     request); nothing is left at ``out`` when it fails.
@@ -154,6 +159,10 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     }
     if shared:
         recipe["parameters"] = shared
+    if tokenizer_source is not None:
+        recipe["tokenizer_source"] = _where(tokenizer_source) if tokenizer_source not in ("base", "union") else tokenizer_source
+    if tokenizer is not None:
+        recipe["tokenizer"] = dict(tokenizer)
     # The recipe goes through the same reader and checks as `rlmerge run`.
     fd, path = tempfile.mkstemp(prefix="rlmerge-recipe-", suffix=".yml")
     try:
@@ -178,11 +187,13 @@ def _yaml(value: Any, indent: int = 0) -> str:
     lines = []
     if isinstance(value, Mapping):
         for k, v in value.items():
+            # A key other than a plain word (a token such as "<tool_call>") goes quoted.
+            key = k if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k)) else json.dumps(str(k))
             if isinstance(v, Mapping) or (isinstance(v, list) and v and isinstance(v[0], Mapping)):
-                lines.append(f"{pad}{k}:")
+                lines.append(f"{pad}{key}:")
                 lines.append(_yaml(v, indent + 2))
             else:
-                lines.append(f"{pad}{k}: {json.dumps(v)}")
+                lines.append(f"{pad}{key}: {json.dumps(v)}")
     else:
         for item in value:
             body = _yaml(item, indent + 2).lstrip()

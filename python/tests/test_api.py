@@ -228,3 +228,34 @@ def test_lora_agents_merge_from_python(tmp_path):
         rlmerge.merge(base, [f"{models / 'tools'}+{models / 'coder-lora'}"], method="ram",
                       out=tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+def test_tokenizer_sources_from_python(tmp_path):
+    """Agents that added tokens merge token by token from Python: tokenizer_source="union" equals
+    the command's --tokenizer-source union, and the tokenizer section's tokens and padding reach
+    the output's vocabulary and config."""
+    models = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "mergekit" / "models"
+    base, agents = models / "base", [models / "tools-tok", models / "coder-tok"]
+    api = tmp_path / "api"
+    rlmerge.merge(base, agents, method="ties", out=api, device="cpu", density=0.5, weight=1.0,
+                  tokenizer_source="union")
+    cli = tmp_path / "cli"
+    cmd = [cargo_binary(), "merge", "-q", "--device", "cpu", "--method", "ties", "--param",
+           "density=0.5", "--param", "weight=1", "--tokenizer-source", "union", "--base",
+           str(base), "--model", str(agents[0]), "--model", str(agents[1]), "-o", str(cli)]
+    subprocess.run(cmd, check=True)
+    assert folder_bytes(api) == folder_bytes(cli)
+    assert json.loads((api / "config.json").read_text())["vocab_size"] == 52
+    padded = tmp_path / "padded"
+    rlmerge.merge(base, agents, method="task_arithmetic", out=padded, weight=0.5,
+                  tokenizer={"source": "base", "pad_to_multiple_of": 16,
+                             "tokens": {"<tool_call>": {"source": str(agents[0])},
+                                        "<x>": {"source": {"kind": "zero"}}}})
+    added = json.loads((padded / "tokenizer.json").read_text())["added_tokens"]
+    assert [a["content"] for a in added][-2:] == ["<tool_call>", "<x>"]
+    assert json.loads((padded / "config.json").read_text())["vocab_size"] == 64
+    assert rlmerge.verify(padded, against=True)["ok"]
+    with pytest.raises(rlmerge.UsageError, match="pad_to_multiple_of"):
+        rlmerge.merge(base, agents, method="ties", out=tmp_path / "bad", weight=1.0,
+                      tokenizer={"pad_to_multiple_of": -3})
+    assert not (tmp_path / "bad").exists()

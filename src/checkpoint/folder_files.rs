@@ -2,13 +2,14 @@
 
 use super::dtype::DType;
 use anyhow::{bail, Context, Result};
-use std::collections::BTreeMap;
 use std::path::Path;
 
-/// Files copied from the base folder when present (config, generation config, tokenizer).
-pub const COPIED_FROM_BASE: &[&str] = &[
-    "config.json",
-    "generation_config.json",
+/// The model's own files copied from the base folder when present.
+pub const MODEL_FILES: &[&str] = &["config.json", "generation_config.json"];
+
+/// The tokenizer's files, copied from the base folder when present (or from the tokenizer source:
+/// [`crate::vocabulary::Vocabulary::write_files`]).
+pub const TOKENIZER_FILES: &[&str] = &[
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -19,70 +20,6 @@ pub const COPIED_FROM_BASE: &[&str] = &[
     "chat_template.jinja",
     "chat_template.json",
 ];
-
-/// A model's vocabulary (token → id) from its `tokenizer.json`, as a fast tokenizer's
-/// `get_vocab()` gives it: the model's vocabulary (a map, or Unigram's list of pieces) and the
-/// added tokens. `None` when the folder has no tokenizer.json.
-pub fn vocabulary(dir: &Path) -> Result<Option<BTreeMap<String, u64>>> {
-    let path = dir.join("tokenizer.json");
-    if !path.is_file() {
-        return Ok(None);
-    }
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("cannot read {}", path.display()))?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
-    let mut vocab = BTreeMap::new();
-    match &json["model"]["vocab"] {
-        serde_json::Value::Object(m) => {
-            for (tok, id) in m {
-                vocab.insert(tok.clone(), id.as_u64().unwrap_or(u64::MAX));
-            }
-        }
-        serde_json::Value::Array(pieces) => {
-            for (id, p) in pieces.iter().enumerate() {
-                if let Some(tok) = p.get(0).and_then(|t| t.as_str()) {
-                    vocab.insert(tok.to_string(), id as u64);
-                }
-            }
-        }
-        _ => bail!("{}: no model.vocab", path.display()),
-    }
-    for t in json["added_tokens"].as_array().into_iter().flatten() {
-        if let (Some(tok), Some(id)) = (t["content"].as_str(), t["id"].as_u64()) {
-            vocab.insert(tok.to_string(), id);
-        }
-    }
-    Ok(Some(vocab))
-}
-
-/// Refuses `tokenizer_source: model:NAME` unless NAME's vocabulary is the base's, token for
-/// token: the embeddings are then merged as they are and only the tokenizer files differ.
-pub fn check_same_vocabulary(base: &Path, source: &Path) -> Result<()> {
-    let (Some(b), Some(s)) = (vocabulary(base)?, vocabulary(source)?) else {
-        bail!(
-            "tokenizer_source {}: both it and the base {} need a tokenizer.json to compare their \
-             vocabularies",
-            source.display(),
-            base.display()
-        );
-    };
-    if let Some((tok, id)) = s
-        .iter()
-        .find(|(t, id)| b.get(*t) != Some(id))
-        .or_else(|| b.iter().find(|(t, _)| !s.contains_key(*t)))
-    {
-        bail!(
-            "tokenizer_source {}: its vocabulary differs from the base's ({} vs {} tokens; first \
-             difference: {tok:?}, id {id}); re-indexing the embeddings for another vocabulary \
-             (union, model:NAME with other tokens) is not supported yet",
-            source.display(),
-            s.len(),
-            b.len()
-        );
-    }
-    Ok(())
-}
 
 /// Reads `dir/config.json` as a loader needs it: a regular file (not a folder or a FIFO, which
 /// would hang the read) holding a JSON object.
@@ -141,22 +78,19 @@ pub fn set_config_dtype(config: &mut serde_json::Value, dtype: DType) {
     }
 }
 
-/// Copies [`COPIED_FROM_BASE`] from `base` into `out` (regular files only) — the tokenizer's files
-/// from `tokenizer` instead when given (`tokenizer_source: model:NAME`); `config.json`'s dtype
-/// keys are set to the output dtype ([`set_config_dtype`]). Returns the names copied.
+/// Copies [`MODEL_FILES`] and [`TOKENIZER_FILES`] from `base` into `out` (regular files only) —
+/// the tokenizer's as `vocabulary` says when a tokenizer source is set, with config.json's
+/// `vocab_size` its rows; `config.json`'s dtype keys are set to the output dtype
+/// ([`set_config_dtype`]). Returns the names written.
 pub fn copy_base_files(
     base: &Path,
-    tokenizer: Option<&Path>,
+    vocabulary: Option<&crate::vocabulary::Vocabulary>,
     out: &Path,
     out_dtype: DType,
 ) -> Result<Vec<String>> {
     let mut copied = Vec::new();
-    for name in COPIED_FROM_BASE {
-        let from_model = matches!(*name, "config.json" | "generation_config.json");
-        let src = match tokenizer {
-            Some(t) if !from_model => t.join(name),
-            _ => base.join(name),
-        };
+    for name in MODEL_FILES {
+        let src = base.join(name);
         if !src.is_file() {
             continue;
         }
@@ -164,6 +98,9 @@ pub fn copy_base_files(
         if *name == "config.json" {
             let mut config = read_config(base)?;
             set_config_dtype(&mut config, out_dtype);
+            if let Some(v) = vocabulary {
+                v.set_config_vocab_size(&mut config);
+            }
             std::fs::write(&dst, serde_json::to_string_pretty(&config)? + "\n")
                 .with_context(|| format!("cannot write {}", dst.display()))?;
         } else {
@@ -171,6 +108,21 @@ pub fn copy_base_files(
                 .with_context(|| format!("cannot copy {} to {}", src.display(), dst.display()))?;
         }
         copied.push(name.to_string());
+    }
+    match vocabulary {
+        Some(v) => copied.extend(v.write_files(out)?),
+        None => {
+            for name in TOKENIZER_FILES {
+                let (src, dst) = (base.join(name), out.join(name));
+                if !src.is_file() {
+                    continue;
+                }
+                std::fs::copy(&src, &dst).with_context(|| {
+                    format!("cannot copy {} to {}", src.display(), dst.display())
+                })?;
+                copied.push(name.to_string());
+            }
+        }
     }
     Ok(copied)
 }

@@ -13,7 +13,7 @@ use rlmerge::checkpoint::output_folder;
 use rlmerge::demo;
 use rlmerge::engine::{self, MergeOptions, Pass};
 use rlmerge::error::usage;
-use rlmerge::inputs::Inputs;
+use rlmerge::inputs::{Inputs, Layout};
 use rlmerge::job::{Job, MERGEKIT_CONFIG_FILE};
 use rlmerge::method::{Kind, Method};
 use std::io::{IsTerminal, Write};
@@ -46,6 +46,23 @@ impl InputArgs {
                 "give the models with --base DIR and --model DIR (repeat for each agent), or a recipe with --config",
             )),
         }
+    }
+
+    /// `--tokenizer-source`: base, union, or a model (a folder or Hub id, as for --model).
+    fn tokenizer(&self) -> Result<Option<rlmerge::vocabulary::TokenizerSettings>> {
+        use rlmerge::vocabulary::{parse_source, TokenizerSettings};
+        let Some(text) = &self.tokenizer_source else {
+            return Ok(None);
+        };
+        let locate = |name: &str| -> Result<PathBuf> {
+            rlmerge::hub::locate(Path::new(name), std::io::stderr().is_terminal())
+                .with_context(|| format!("--tokenizer-source {name}: use base, union or a model"))
+        };
+        Ok(Some(TokenizerSettings {
+            source: parse_source(text, &locate)?,
+            tokens: Vec::new(),
+            pad_to_multiple_of: None,
+        }))
     }
 }
 
@@ -218,7 +235,9 @@ fn run_merge(args: &MergeArgs, out: &mut impl Write) -> Result<()> {
         Some(path) => Job::from_recipe(path, args.output.seed)?,
         None => {
             let (base, agents) = args.inputs.folders()?;
-            Job::from_flags(base, agents, &args.method_flags())?
+            let mut job = Job::from_flags(base, agents, &args.method_flags())?;
+            job.tokenizer = args.inputs.tokenizer()?;
+            job
         }
     };
     merge_job(job, &args.inputs.compute, &args.output, out)
@@ -237,7 +256,15 @@ fn merge_job(
     out: &mut impl Write,
 ) -> Result<()> {
     compute.check()?;
-    let inputs = Inputs::open_sliced(&job.base, &job.agents, job.slices.as_ref())?;
+    let inputs = Inputs::open_with(
+        &job.base,
+        &job.agents,
+        Layout {
+            slices: job.slices.as_ref(),
+            tokenizer: job.tokenizer.as_ref(),
+            with_base: job.method.uses_base(),
+        },
+    )?;
     warn_all(&inputs.warnings);
     let backend = compute.backend()?;
     if !compute.quiet {
@@ -262,10 +289,9 @@ fn merge_job(
         protect: job
             .recipe_path
             .iter()
-            .chain(&job.tokenizer)
             .cloned()
+            .chain(job.tokenizer.iter().flat_map(|t| t.folders()))
             .collect(),
-        tokenizer: job.tokenizer.clone(),
     };
     let summary = engine::merge(&inputs, &options, backend.as_ref(), &output.out).map_err(|e| {
         if rlmerge::error::is_usage(&e) {
@@ -358,7 +384,13 @@ fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
     let compute = &args.inputs.compute;
     compute.check()?;
     let (base, agents) = args.inputs.folders()?;
-    let inputs = Inputs::open(&base, &agents)?;
+    let tokenizer = args.inputs.tokenizer()?;
+    let layout = Layout {
+        tokenizer: tokenizer.as_ref(),
+        with_base: true,
+        ..Layout::default()
+    };
+    let inputs = Inputs::open_with(&base, &agents, layout)?;
     warn_all(&inputs.warnings);
     // Bad --merged or --plot paths fail before the probe reads anything.
     let merged = match &args.merged {

@@ -138,6 +138,11 @@ pub struct InputArgs {
     /// An agent model, folder or Hub id (repeat for each agent).
     #[arg(long = "model", value_name = "DIR|ID")]
     pub models: Vec<PathBuf>,
+    /// The output's vocabulary, as mergekit's tokenizer_source: base, union, or a model folder
+    /// (model:DIR or DIR). Agents whose embeddings differ in rows (added tokens) then merge token
+    /// by token (SPEC §5b) [default: the base's tokenizer, every model of the base's shape].
+    #[arg(long, value_name = "base|union|MODEL")]
+    pub tokenizer_source: Option<String>,
     #[command(flatten)]
     pub compute: ComputeArgs,
 }
@@ -175,7 +180,7 @@ pub struct MergeArgs {
     pub inputs: InputArgs,
     /// A mergekit YAML recipe giving the models, method and parameters (instead of --base,
     /// --model and --method).
-    #[arg(long, value_name = "RECIPE.yml", conflicts_with_all = ["base", "models", "method"])]
+    #[arg(long, value_name = "RECIPE.yml", conflicts_with_all = ["base", "models", "method", "tokenizer_source"])]
     pub config: Option<PathBuf>,
     /// Merge method (`rlmerge methods` lists them with their parameters).
     #[arg(long, value_parser = parse_method)]

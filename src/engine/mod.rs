@@ -67,7 +67,6 @@ impl MergeOptions {
             show_progress: false,
             extra_files: Vec::new(),
             protect: Vec::new(),
-            tokenizer: None,
         }
     }
 }
@@ -84,11 +83,9 @@ pub struct MergeOptions {
     pub show_progress: bool,
     /// Files written beside the weights as given, e.g. the mergekit recipe: (name, text).
     pub extra_files: Vec<(String, String)>,
-    /// Paths besides the input models that the output must stay clear of (the recipe file).
+    /// Paths besides the input models that the output must stay clear of (the recipe file, a
+    /// tokenizer source).
     pub protect: Vec<PathBuf>,
-    /// The model whose tokenizer files the output takes (`None`: the base's); its vocabulary
-    /// must be the base's.
-    pub tokenizer: Option<PathBuf>,
 }
 
 /// What a finished merge reports.
@@ -162,9 +159,6 @@ pub fn merge(
         inputs.refuse_base_as_agent()?;
     }
     check_base_config(&inputs.base.dir)?;
-    if let Some(t) = &options.tokenizer {
-        crate::checkpoint::folder_files::check_same_vocabulary(&inputs.base.dir, t)?;
-    }
     let fisher = match &options.method {
         Method::Combine(c) if c.kind == Kind::Fisher => Some(FisherInputs::open(c, inputs)?),
         _ => None,
@@ -223,7 +217,7 @@ pub fn merge(
         .map(|p| OutputTensor {
             name: p.out_name(),
             dtype: options.out_dtype.unwrap_or(p.base.entry.dtype),
-            shape: p.base.entry.shape.clone(),
+            shape: p.shape().clone(),
         })
         .collect();
     let mut pass = MergePass::new(inputs, options, backend, fisher.as_ref(), global_lambdas);

@@ -100,8 +100,8 @@ pub(super) fn finish(
         .or_else(|| inputs.base.main_dtype())
         .unwrap_or(DType::F32);
     let mut outputs = shards;
-    let tokenizer = options.tokenizer.as_deref();
-    let copied = copy_base_files(&inputs.base.dir, tokenizer, folder.path(), out_dtype)?;
+    let vocabulary = inputs.vocabulary.as_deref();
+    let copied = copy_base_files(&inputs.base.dir, vocabulary, folder.path(), out_dtype)?;
     if let Some(slices) = &inputs.slices {
         sliced_config(inputs, slices, folder.path())?;
     }
@@ -143,10 +143,7 @@ pub(super) fn finish(
         out_dtype: options.out_dtype.map(|d| d.to_string()),
         slices: inputs.slices.clone(),
         // Absolute, so verify --against finds it from anywhere.
-        tokenizer: options.tokenizer.as_ref().map(|t| {
-            let path = std::fs::canonicalize(t).unwrap_or_else(|_| t.clone());
-            path.display().to_string()
-        }),
+        tokenizer: vocabulary.map(|v| v.settings.absolute()),
         shard_size: options.shard_size,
         warnings: inputs
             .warnings

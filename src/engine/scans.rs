@@ -42,7 +42,7 @@ pub(super) fn combine_spec(
         plan.name(),
         config.kind.name()
     );
-    let whole = statistics::scan_rows(&params, numel, &plan.base.entry.shape)
+    let whole = statistics::scan_rows(&params, numel, plan.shape())
         .with_context(|| format!("tensor '{}'", plan.name()))?;
     let mut scans = TensorScans {
         inputs,
@@ -62,7 +62,7 @@ pub(super) fn combine_spec(
     statistics::build_spec(
         &params,
         numel,
-        &plan.base.entry.shape,
+        plan.shape(),
         config.seed,
         plan.name(),
         present,

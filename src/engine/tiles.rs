@@ -5,6 +5,8 @@ use crate::backend::Tile;
 use crate::checkpoint::dtype::{decode, decode_one, first_nonfinite};
 use crate::checkpoint::{ModelFolder, ModelTensor};
 use crate::inputs::{Inputs, TensorPlan};
+use crate::slices::Source;
+use crate::vocabulary::{RowFrom, VocabTensor};
 use anyhow::{bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
@@ -49,60 +51,51 @@ impl TileBuffers {
             spread,
         } = *read;
         let tile_dtype = plan.tile_dtype(inputs);
-        let sources = std::iter::once((plan.base_folder(inputs), &plan.base)).chain(
-            present.iter().map(|&t| {
+        let sources = std::iter::once((plan.base_source(), plan.base_folder(inputs), &plan.base))
+            .chain(present.iter().map(|&t| {
                 let at = plan
                     .agent(inputs, t)
                     .expect("present agents have the tensor");
-                (&inputs.agents[t], at)
-            }),
-        );
-        let jobs: Vec<(&ModelFolder, &ModelTensor, &mut Vec<u8>)> = sources
+                (Source::Agent(t), &inputs.agents[t], at)
+            }));
+        let jobs: Vec<(Source, &ModelFolder, &ModelTensor, &mut Vec<u8>)> = sources
             .zip(std::iter::once(&mut self.base).chain(self.agents.iter_mut()))
-            .map(|((model, tensor), buf)| (model, tensor, buf))
+            .map(|((source, model, tensor), buf)| (source, model, tensor, buf))
             .collect();
-        let load_one =
-            |(model, tensor, buf): (&ModelFolder, &ModelTensor, &mut Vec<u8>)| -> Result<()> {
-                // Each input in its own dtype; checked and hashed as stored.
-                let dtype = tensor.entry.dtype;
-                let offset = (start * dtype.size()) as u64;
-                buf.resize(len * dtype.size(), 0);
-                model.read(tensor, offset, buf)?;
-                model.record_read(tensor, offset, buf);
-                if let Some(i) = finite_only.then(|| first_nonfinite(dtype, buf)).flatten() {
-                    bail!(
-                        "tensor '{}' in {} has a non-finite value ({}) at element {}; \
-                     rlmerge refuses NaN and infinity unless --allow-nonfinite",
-                        plan.name(),
-                        model.file_of(tensor).display(),
-                        decode_one(dtype, buf, i),
-                        start + i
-                    );
+        let load_one = |(source, model, tensor, buf): (
+            Source,
+            &ModelFolder,
+            &ModelTensor,
+            &mut Vec<u8>,
+        )|
+         -> Result<()> {
+            if let Some(v) = &plan.vocab {
+                return load_rows(read, &v.rows, source, (start, len), buf);
+            }
+            // Each input in its own dtype; checked and hashed as stored.
+            let dtype = tensor.entry.dtype;
+            let offset = (start * dtype.size()) as u64;
+            buf.resize(len * dtype.size(), 0);
+            model.read(tensor, offset, buf)?;
+            model.record_read(tensor, offset, buf);
+            if finite_only {
+                refuse_nonfinite(plan, model, tensor, buf, start)?;
+            }
+            // Mixed dtypes: the tile is f32, to which bf16 and f16 convert exactly; a LoRA
+            // agent's tensor is θ₀ plus its update, added in f32.
+            if dtype != tile_dtype || model.has_update(&tensor.entry.name) {
+                // Widened a run at a time, so only the raw and the f32 tile are held.
+                let mut wide = Vec::with_capacity(len * 4);
+                let mut run = [0.0f32; RUN];
+                for (r, raw) in buf.chunks(RUN * dtype.size()).enumerate() {
+                    let values = &mut run[..raw.len() / dtype.size()];
+                    widen(model, tensor, raw, (start + r * RUN) as u64, values)?;
+                    wide.extend(values.iter().flat_map(|v| v.to_le_bytes()));
                 }
-                // Mixed dtypes: the tile is f32, to which bf16 and f16 convert exactly; a LoRA
-                // agent's tensor is θ₀ plus its update, added in f32.
-                let update = model
-                    .lora
-                    .as_ref()
-                    .filter(|l| l.update(&tensor.entry.name).is_some());
-                if dtype != tile_dtype || update.is_some() {
-                    // Widened a run at a time, so only the raw and the f32 tile are held.
-                    const RUN: usize = 1024;
-                    let mut wide = Vec::with_capacity(len * 4);
-                    let mut run = [0.0f32; RUN];
-                    for (r, raw) in buf.chunks(RUN * dtype.size()).enumerate() {
-                        let values = &mut run[..raw.len() / dtype.size()];
-                        decode(dtype, raw, values);
-                        if let Some(l) = update {
-                            let at = (start + r * RUN) as u64;
-                            l.add_update(&tensor.entry.name, &tensor.entry.shape, at, values)?;
-                        }
-                        wide.extend(values.iter().flat_map(|v| v.to_le_bytes()));
-                    }
-                    *buf = wide;
-                }
-                Ok(())
-            };
+                *buf = wide;
+            }
+            Ok(())
+        };
         let bytes = len * tile_dtype.size();
         // Spreading a small tile over threads costs more than reading it; results keep input order.
         let results: Vec<Result<()>> = if spread && bytes >= 1 << 17 {
@@ -132,6 +125,182 @@ impl TileBuffers {
             agents: &agents,
         })
     }
+}
+
+/// Elements widened to f32 at a time.
+const RUN: usize = 1024;
+
+/// Decodes `raw` (elements of `tensor` from element `at`) into `values`, adding a LoRA agent's
+/// update.
+fn widen(
+    model: &ModelFolder,
+    tensor: &ModelTensor,
+    raw: &[u8],
+    at: u64,
+    values: &mut [f32],
+) -> Result<()> {
+    decode(tensor.entry.dtype, raw, values);
+    if let Some(l) = model
+        .lora
+        .as_ref()
+        .filter(|l| l.update(&tensor.entry.name).is_some())
+    {
+        l.add_update(&tensor.entry.name, &tensor.entry.shape, at, values)?;
+    }
+    Ok(())
+}
+
+/// Fails on the first NaN or ±Inf of `raw` (elements of `tensor` from `start`), naming tensor,
+/// file and element.
+fn refuse_nonfinite(
+    plan: &TensorPlan,
+    model: &ModelFolder,
+    tensor: &ModelTensor,
+    raw: &[u8],
+    start: usize,
+) -> Result<()> {
+    let dtype = tensor.entry.dtype;
+    if let Some(i) = first_nonfinite(dtype, raw) {
+        bail!(
+            "tensor '{}' in {} has a non-finite value ({}) at element {}; rlmerge refuses NaN \
+             and infinity unless --allow-nonfinite",
+            plan.name(),
+            model.file_of(tensor).display(),
+            decode_one(dtype, raw, i),
+            start + i
+        );
+    }
+    Ok(())
+}
+
+/// Reads `out.len()` elements of input `source`'s copy of a re-indexed tensor from its element
+/// `at`, as f32.
+fn read_f32(read: &TileRead, source: Source, at: usize, out: &mut [f32]) -> Result<()> {
+    let plan = read.plan;
+    let (model, tensor) = if source == plan.base_source() {
+        (plan.base_folder(read.inputs), &plan.base)
+    } else {
+        match source {
+            Source::Agent(t) => match plan.agent(read.inputs, t) {
+                Some(at) => (&read.inputs.agents[t], at),
+                None => bail!(
+                    "tensor '{}': its rows come from {}, which does not have it",
+                    plan.name(),
+                    read.inputs.agents[t].dir.display()
+                ),
+            },
+            Source::Base => bail!(
+                "tensor '{}': its rows come from the base, which does not enter its merge",
+                plan.name()
+            ),
+        }
+    };
+    let size = tensor.entry.dtype.size();
+    let mut raw = vec![0u8; RUN.min(out.len()) * size];
+    for (k, values) in out.chunks_mut(RUN).enumerate() {
+        let from = at + k * RUN;
+        let raw = &mut raw[..values.len() * size];
+        model.read(tensor, (from * size) as u64, raw)?;
+        if read.finite_only {
+            refuse_nonfinite(plan, model, tensor, raw, from)?;
+        }
+        widen(model, tensor, raw, from as u64, values)?;
+    }
+    Ok(())
+}
+
+/// Elements `start..start + len` of input `source`'s copy of a re-indexed tensor (see
+/// [`VocabTensor::row_from`]) into `buf` as f32: own rows read in runs, default rows from the
+/// model named, means summed in f32 in order then divided once, padding rows the input's mean row.
+fn load_rows(
+    read: &TileRead,
+    rows: &VocabTensor,
+    source: Source,
+    (start, len): (usize, usize),
+    buf: &mut Vec<u8>,
+) -> Result<()> {
+    let mut values = vec![0.0f32; len];
+    gather_rows(read, rows, source, start, &mut values)?;
+    buf.clear();
+    buf.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+    Ok(())
+}
+
+/// [`load_rows`] into `out`, from element `start`.
+fn gather_rows(
+    read: &TileRead,
+    rows: &VocabTensor,
+    source: Source,
+    start: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    let h = rows.row_len;
+    let end = start + out.len();
+    let mut at = start;
+    let mut scratch = Vec::new();
+    while at < end {
+        let (r, c0) = (at / h, at % h);
+        let n = (h - c0).min(end - at);
+        let from = rows.row_from(source, r);
+        // Whole rows that continue a run of the same model's rows are read at once.
+        let mut span = n;
+        if let RowFrom::Row(s, row) = from {
+            if c0 == 0 {
+                let mut k = 1;
+                while at + span + h <= end
+                    && rows.row_from(source, r + k) == RowFrom::Row(s, row + k as u32)
+                {
+                    span += h;
+                    k += 1;
+                }
+            }
+        }
+        let dst = &mut out[at - start..at - start + span];
+        match from {
+            RowFrom::Row(s, row) => read_f32(read, s, row as usize * h + c0, dst)?,
+            RowFrom::Zero => dst.fill(0.0),
+            RowFrom::Mean(list) => {
+                dst.fill(0.0);
+                scratch.resize(span, 0.0);
+                for &(s, row) in list {
+                    read_f32(read, s, row as usize * h + c0, &mut scratch)?;
+                    dst.iter_mut().zip(&scratch).for_each(|(d, x)| *d += x);
+                }
+                let count = list.len() as f32;
+                dst.iter_mut().for_each(|d| *d /= count);
+            }
+            RowFrom::Pad => {
+                let mean = rows.pad_mean(source, || pad_mean(read, rows, source))?;
+                dst.copy_from_slice(&mean[c0..c0 + span]);
+            }
+        }
+        at += span;
+    }
+    Ok(())
+}
+
+/// Input `source`'s mean row over its re-indexed token rows (the padding rows' value, as
+/// mergekit pads): summed in f64 a block of rows at a time, rounded once.
+fn pad_mean(read: &TileRead, rows: &VocabTensor, source: Source) -> Result<Vec<f32>> {
+    let h = rows.row_len;
+    let tokens = rows.token_rows();
+    let mut sum = vec![0.0f64; h];
+    let block = (RUN * 64 / h.max(1)).max(1);
+    let mut values = Vec::new();
+    let mut r = 0;
+    while r < tokens {
+        let n = block.min(tokens - r);
+        values.resize(n * h, 0.0);
+        gather_rows(read, rows, source, r * h, &mut values)?;
+        for row in values.chunks(h) {
+            sum.iter_mut().zip(row).for_each(|(s, &x)| *s += x as f64);
+        }
+        r += n;
+    }
+    Ok(sum
+        .iter()
+        .map(|&s| (s / tokens.max(1) as f64) as f32)
+        .collect())
 }
 
 /// One tensor's part in a tile loop ([`par_tiles`]): its plan, the agents read with the base,

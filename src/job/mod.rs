@@ -31,9 +31,9 @@ pub struct Job {
     pub recipe_path: Option<PathBuf>,
     /// mergekit's `slices`, when the recipe selects layers.
     pub slices: Option<crate::slices::Slices>,
-    /// The model whose tokenizer files the output takes (`tokenizer_source: model:NAME`; `None`:
-    /// the base's).
-    pub tokenizer: Option<PathBuf>,
+    /// mergekit's `tokenizer_source` / `tokenizer:` section (`None`: the base's tokenizer, every
+    /// model's embeddings of the base's shape).
+    pub tokenizer: Option<crate::vocabulary::TokenizerSettings>,
 }
 
 /// The method as command-line flags give it: `--method`, `--param KEY=VALUE` (see
