@@ -360,6 +360,16 @@ impl Inputs {
         }
     }
 
+    /// Drops the LoRA agents' decoded A and B matrices of `plan`'s tensor, whose tiles are all
+    /// read.
+    pub fn forget_lora_tensor(&self, plan: &TensorPlan) {
+        for t in plan.present() {
+            if let (Some(l), Some(at)) = (&self.agents[t].lora, plan.agent(self, t)) {
+                l.forget_one(&at.entry.name);
+            }
+        }
+    }
+
     /// Drops the LoRA agents' decoded A and B matrices of the tensors just merged.
     pub fn forget_lora_matrices(&self) {
         self.agents

@@ -337,3 +337,49 @@ fn analyze_reports_a_lora_agent() {
     let text = v.to_string();
     assert!(text.contains("coder-lora"), "{text}");
 }
+
+/// Each pass reads every A/B pair of the adapter once, whatever the tiling and the workers: many
+/// small tiles of each tensor on 4 workers (which once could decode a pair twice at the same
+/// time, or again after the cache let it go).
+#[test]
+fn the_adapter_is_read_once_per_pass() {
+    use rlmerge::backend::cpu::CpuBackend;
+    use rlmerge::engine::{merge, MergeOptions};
+    use rlmerge::inputs::Inputs;
+    use rlmerge::job::MethodFlags;
+    let d = tempfile::tempdir().unwrap();
+    let backend = CpuBackend::new(4).unwrap();
+    for (i, (method, params, passes)) in [
+        ("ram", vec![], 1),
+        ("ram+", vec![], 2),
+        ("ties", vec!["weight=1", "density=0.5"], 2),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let inputs = Inputs::open(
+            &models().join("base"),
+            &[models().join("coder-lora"), models().join("tools")],
+        )
+        .unwrap();
+        let flags = MethodFlags {
+            method: rlmerge::method::Kind::from_name(method),
+            params: params
+                .iter()
+                .map(|p| rlmerge::job::parse_param(p).unwrap())
+                .collect(),
+            ..Default::default()
+        };
+        let mut options = MergeOptions::new(flags.method_for(2).unwrap(), &backend);
+        options.pass.tile_elems = 24;
+        merge(
+            &inputs,
+            &options,
+            &backend,
+            &d.path().join(format!("out{i}")),
+        )
+        .unwrap();
+        let lora = inputs.agents[0].lora.as_ref().unwrap();
+        assert_eq!(lora.pairs_read(), passes * lora.len(), "{method}");
+    }
+}

@@ -15,10 +15,12 @@ use std::sync::{Arc, Mutex};
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 
-/// Decoded A and B matrices kept at most this many bytes at once: the tensors in flight (one
-/// 4096-wide rank-16 pair is 0.5 MiB), the oldest dropped first; the engine drops them all after
-/// each batch of tensors.
-const CACHE_BYTES: usize = 4 << 20;
+/// Decoded A and B matrices kept at most this many bytes at once, the oldest dropped first (read
+/// again if needed). The engine drops a tensor's pair as soon as its tiles are all merged
+/// ([`LoraAdapter::forget_one`]), so the cache holds the pairs of the tensors in flight — one per
+/// worker at most (a 4096-wide rank-16 pair is 0.5 MiB; 8192 × 28672 at rank 16, 2.3 MiB); this
+/// bound only stops many cores on very wide tensors from holding more.
+const CACHE_BYTES: usize = 32 << 20;
 
 /// One base tensor's low-rank update.
 pub struct LoraUpdate {
@@ -46,14 +48,54 @@ pub struct LoraAdapter {
     /// By base tensor name (`{module}.weight`).
     updates: HashMap<String, LoraUpdate>,
     cache: Mutex<Cache>,
+    /// A/B pairs read from the adapter so far (one per updated tensor and pass).
+    pairs_read: std::sync::atomic::AtomicUsize,
 }
 
-/// Decoded pairs by tensor name, in the order they were decoded, and their bytes.
+/// Decoded pairs by tensor name, in the order they were decoded, and their bytes; plus the
+/// buffers of pairs dropped, reused for the next ones (the adapter's matrices come in a few
+/// shapes), and the raw bytes read, so decoding a pair does not churn the allocator.
 #[derive(Default)]
 struct Cache {
     pairs: HashMap<String, Arc<Decoded>>,
     order: std::collections::VecDeque<String>,
     bytes: usize,
+    spare: Vec<Vec<f32>>,
+    raw: Vec<u8>,
+}
+
+/// Spare buffers kept at most.
+const SPARE: usize = 8;
+
+impl Cache {
+    /// A buffer of `len` zeros: the smallest spare that holds it, else a new one.
+    fn buffer(&mut self, len: usize) -> Vec<f32> {
+        let fit = (0..self.spare.len())
+            .filter(|&i| self.spare[i].capacity() >= len)
+            .min_by_key(|&i| self.spare[i].capacity());
+        let mut v = match fit {
+            Some(i) => self.spare.swap_remove(i),
+            None => Vec::with_capacity(len),
+        };
+        v.clear();
+        v.resize(len, 0.0);
+        v
+    }
+
+    /// Removes pair `name`, keeping its buffers when no tile holds it any more.
+    fn drop_pair(&mut self, name: &str) {
+        let Some(d) = self.pairs.remove(name) else {
+            return;
+        };
+        self.bytes -= (d.a.len() + d.b.len()) * 4;
+        if let Ok(d) = Arc::try_unwrap(d) {
+            for v in [d.a, d.b] {
+                if self.spare.len() < SPARE {
+                    self.spare.push(v);
+                }
+            }
+        }
+    }
 }
 
 #[derive(serde::Deserialize)]
@@ -243,12 +285,36 @@ impl LoraAdapter {
             file,
             updates,
             cache: Mutex::new(Cache::default()),
+            pairs_read: Default::default(),
         })
     }
 
     /// Drops every decoded pair (the engine calls this when the tensors in flight are done).
     pub fn forget(&self) {
         *self.cache.lock().unwrap_or_else(|e| e.into_inner()) = Cache::default();
+    }
+
+    /// How many A/B pairs were read from the adapter so far.
+    pub fn pairs_read(&self) -> usize {
+        self.pairs_read.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How many tensors the adapter updates.
+    pub fn len(&self) -> usize {
+        self.updates.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.updates.is_empty()
+    }
+
+    /// Drops the decoded A and B of update `name` (its tensor's tiles are all merged).
+    pub fn forget_one(&self, name: &str) {
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.pairs.contains_key(name) {
+            cache.drop_pair(name);
+            cache.order.retain(|n| n != name);
+        }
     }
 
     /// The update of base tensor `name`, if the adapter has one.
@@ -282,47 +348,48 @@ impl LoraAdapter {
         Ok(())
     }
 
-    /// A and B of update `name`, decoded (read from the adapter once while cached).
+    /// A and B of update `name`, decoded (read from the adapter once while cached). Decoded
+    /// under the cache's lock: workers that need the same pair at once wait for one read.
     fn decoded(&self, name: &str, u: &LoraUpdate) -> Result<Arc<Decoded>> {
-        if let Some(d) = self
-            .cache
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pairs
-            .get(name)
-        {
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = cache.pairs.get(name) {
             return Ok(d.clone());
         }
-        let read = |e: &TensorEntry| -> Result<Vec<f32>> {
-            let mut bytes = vec![0u8; e.byte_len() as usize];
-            self.file.read(e, 0, &mut bytes)?;
-            self.file.record_read(e, 0, &bytes);
-            let mut v = vec![0.0f32; e.numel];
-            decode(e.dtype, &bytes, &mut v);
+        let read = |cache: &mut Cache, e: &TensorEntry| -> Result<Vec<f32>> {
+            let mut raw = std::mem::take(&mut cache.raw);
+            raw.resize(e.byte_len() as usize, 0);
+            self.file.read(e, 0, &mut raw)?;
+            self.file.record_read(e, 0, &raw);
+            let mut v = cache.buffer(e.numel);
+            decode(e.dtype, &raw, &mut v);
+            cache.raw = raw;
             Ok(v)
         };
-        let (a, mut b) = (read(&u.a)?, read(&u.b)?);
+        self.pairs_read
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let a = read(&mut cache, &u.a)?;
+        let mut b = read(&mut cache, &u.b)?;
         if u.transposed {
             // Bᵀ [r, n] from B [n, r].
             let n = u.b.shape[0];
-            let mut t = vec![0.0f32; b.len()];
+            let mut t = cache.buffer(b.len());
             for j in 0..n {
                 for k in 0..u.rank {
                     t[k * n + j] = b[j * u.rank + k];
                 }
             }
-            b = t;
+            let b_stored = std::mem::replace(&mut b, t);
+            if cache.spare.len() < SPARE {
+                cache.spare.push(b_stored);
+            }
         }
         let d = Arc::new(Decoded { a, b });
         let size = |d: &Decoded| (d.a.len() + d.b.len()) * 4;
-        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         while cache.bytes + size(&d) > CACHE_BYTES {
             let Some(old) = cache.order.pop_front() else {
                 break;
             };
-            if let Some(o) = cache.pairs.remove(&old) {
-                cache.bytes -= size(&o);
-            }
+            cache.drop_pair(&old);
         }
         if cache.pairs.insert(name.to_string(), d.clone()).is_none() {
             cache.bytes += size(&d);
@@ -344,12 +411,14 @@ impl LoraAdapter {
         let u = &self.updates[name];
         let d = self.decoded(name, u)?;
         let (r, n) = (u.rank, shape[1]);
-        let mut acc = vec![0.0f32; n.min(values.len())];
+        // Runs of one row's columns, at most ACC long (no allocation per call).
+        const ACC: usize = 1024;
+        let mut acc = [0.0f32; ACC];
         let mut at = 0usize;
         while at < values.len() {
             let e = start as usize + at;
             let (i, j0) = (e / n, e % n);
-            let len = (n - j0).min(values.len() - at);
+            let len = (n - j0).min(values.len() - at).min(ACC);
             let acc = &mut acc[..len];
             acc.iter_mut().for_each(|x| *x = 0.0);
             // One output row: Σ_k c_k · row_k[j] over the row's columns, k in order.

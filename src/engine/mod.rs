@@ -458,6 +458,7 @@ impl<'a> MergePass<'a> {
             run_workers: &|w| self.backend.run_workers(w),
             progress: &self.bar,
             stride: 1,
+            last_read: true,
         };
         let counting = self.counted.is_some();
         let zeros = || -> Vec<TileCounts> {

@@ -40,6 +40,7 @@ pub(super) fn probe_tensors(
         run_workers: &|w| backend.run_workers(w),
         progress,
         stride: 1,
+        last_read: true,
     };
     let workers = par_tiles(&how, &tensors, zeros, |sums, j, i, _, tile| {
         let counts = backend

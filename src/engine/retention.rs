@@ -45,6 +45,7 @@ pub fn retention(
         },
         progress: &bar,
         stride: 1,
+        last_read: true,
     };
     let init = || vec![[RegionSums::default(); 3]; n];
     let workers = par_tiles(&how, &tensors, init, |sums, j, _, start, tile| {

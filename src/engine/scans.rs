@@ -59,7 +59,7 @@ pub(super) fn combine_spec(
         },
         buffers,
     };
-    statistics::build_spec(
+    let spec = statistics::build_spec(
         &params,
         numel,
         plan.shape(),
@@ -68,7 +68,10 @@ pub(super) fn combine_spec(
         present,
         &mut scans,
     )
-    .with_context(|| format!("statistics of tensor '{}'", plan.name()))
+    .with_context(|| format!("statistics of tensor '{}'", plan.name()));
+    // The merge pass reads the tensor again, LoRA pairs included.
+    inputs.forget_lora_tensor(plan);
+    spec
 }
 
 /// The statistics scans of one tensor, over the same tile reads as the merge pass.
@@ -212,6 +215,7 @@ impl Scans for TensorScans<'_> {
             },
             progress: &ProgressBar::hidden(),
             stride: every.max(1),
+            last_read: false,
         };
         par_tiles(
             &how,

@@ -72,27 +72,35 @@ impl TileBuffers {
             if let Some(v) = &plan.vocab {
                 return load_rows(read, &v.rows, source, (start, len), buf);
             }
-            // Each input in its own dtype; checked and hashed as stored.
+            // Each input in its own dtype; checked and hashed as stored. Mixed dtypes: the tile
+            // is f32, to which bf16 and f16 convert exactly; a LoRA agent's tensor is θ₀ plus its
+            // update, added in f32. Such a tile's raw bytes are read into its tail and widened in
+            // place front to back, so the tile's bytes are all it holds.
             let dtype = tensor.entry.dtype;
+            let widened = dtype != tile_dtype || model.has_update(&tensor.entry.name);
+            let size = if widened { 4 } else { dtype.size() };
+            buf.resize(len * size, 0);
+            let tail = len * (size - dtype.size());
             let offset = (start * dtype.size()) as u64;
-            buf.resize(len * dtype.size(), 0);
-            model.read(tensor, offset, buf)?;
-            model.record_read(tensor, offset, buf);
+            model.read(tensor, offset, &mut buf[tail..])?;
+            model.record_read(tensor, offset, &buf[tail..]);
             if finite_only {
-                refuse_nonfinite(plan, model, tensor, buf, start)?;
+                refuse_nonfinite(plan, model, tensor, &buf[tail..], start)?;
             }
-            // Mixed dtypes: the tile is f32, to which bf16 and f16 convert exactly; a LoRA
-            // agent's tensor is θ₀ plus its update, added in f32.
-            if dtype != tile_dtype || model.has_update(&tensor.entry.name) {
-                // Widened a run at a time, so only the raw and the f32 tile are held.
-                let mut wide = Vec::with_capacity(len * 4);
+            if widened {
+                let mut raw = [0u8; RUN * 4];
                 let mut run = [0.0f32; RUN];
-                for (r, raw) in buf.chunks(RUN * dtype.size()).enumerate() {
-                    let values = &mut run[..raw.len() / dtype.size()];
-                    widen(model, tensor, raw, (start + r * RUN) as u64, values)?;
-                    wide.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+                for i0 in (0..len).step_by(RUN) {
+                    let n = RUN.min(len - i0);
+                    // Run i0's f32 bytes end at 4·(i0 + n), before the next run's raw bytes.
+                    let from = tail + i0 * dtype.size();
+                    let raw = &mut raw[..n * dtype.size()];
+                    raw.copy_from_slice(&buf[from..from + raw.len()]);
+                    widen(model, tensor, raw, (start + i0) as u64, &mut run[..n])?;
+                    for (k, v) in run[..n].iter().enumerate() {
+                        buf[(i0 + k) * 4..(i0 + k + 1) * 4].copy_from_slice(&v.to_le_bytes());
+                    }
                 }
-                *buf = wide;
             }
             Ok(())
         };
@@ -335,6 +343,9 @@ pub(super) struct TileLoop<'a> {
     pub(super) run_workers: &'a dyn Fn(&(dyn Fn() + Sync)),
     pub(super) progress: &'a ProgressBar,
     pub(super) stride: usize,
+    /// Drop each tensor's decoded LoRA pairs once its tiles are done: the pass is the tensor's
+    /// last read (not a statistics scan, whose tensor is read again by the next scan).
+    pub(super) last_read: bool,
 }
 
 /// The tile loop of the probe and merge passes: every tile of `tensors`, one tensor after the
@@ -359,6 +370,7 @@ pub(super) fn par_tiles<S: Send>(
         run_workers,
         progress,
         stride,
+        last_read,
     } = *how;
     // The first tile of each tensor in the loop's numbering, then the end.
     let firsts: Vec<usize> = std::iter::once(0)
@@ -368,6 +380,11 @@ pub(super) fn par_tiles<S: Send>(
         }))
         .collect();
     let count = *firsts.last().expect("one entry at least");
+    // Tiles of each tensor still to finish (those the stride visits): at 0 its LoRA pairs go.
+    let left: Vec<AtomicUsize> = firsts
+        .windows(2)
+        .map(|w| AtomicUsize::new(w[1].div_ceil(stride) - w[0].div_ceil(stride)))
+        .collect();
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let first_error: Mutex<Option<(usize, anyhow::Error)>> = Mutex::new(None);
@@ -402,6 +419,9 @@ pub(super) fn par_tiles<S: Send>(
                         visit(&mut state, j, i, start as u64, tile)
                     })
                 });
+            if left[j].fetch_sub(1, Ordering::AcqRel) == 1 && last_read {
+                inputs.forget_lora_tensor(plan);
+            }
             match done {
                 Ok(()) => {
                     progress.inc((len * plan.base.entry.dtype.size() * (1 + present.len())) as u64)
