@@ -210,6 +210,34 @@ pub fn model_card(r: &MergeRecord) -> String {
             String::new()
         }
     );
+    if let Some(t) = &r.tokenizer {
+        use crate::vocabulary::TokenizerSource;
+        let source = match &t.source {
+            TokenizerSource::Base => "the base's".to_string(),
+            TokenizerSource::Union => "the union of every model's".to_string(),
+            TokenizerSource::Model(p) => format!("`{}`'s", card_name(&p.display().to_string()).1),
+        };
+        let _ = writeln!(
+            s,
+            "\nVocabulary: {source} tokenizer{}{}; each model's embedding and output rows follow it \
+             token by token (a token a model lacks takes another model's row, \
+             as mergekit does).",
+            if t.tokens.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    ", with {}",
+                    t.tokens
+                        .iter()
+                        .map(|k| format!("`{}`", k.token))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            },
+            t.pad_to_multiple_of
+                .map_or(String::new(), |m| format!(", rows padded to a multiple of {m}"))
+        );
+    }
     if !r.warnings.is_empty() {
         let _ = writeln!(s, "\n## Notes\n");
         for w in &r.warnings {

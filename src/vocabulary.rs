@@ -105,37 +105,76 @@ impl TokenizerSettings {
 
 /// A token the tokenizer adds to its model's vocabulary, with its settings as tokenizer.json
 /// keeps them (`special`, `normalized`, `lstrip`, …).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Deserialize)]
 struct AddedToken {
-    id: usize,
+    id: u32,
     content: String,
-    /// The entry's other keys, in their order.
+    /// The entry's other keys.
+    #[serde(flatten)]
     settings: Map<String, Value>,
 }
 
 /// A model's tokenizer as a merge needs it: its vocabulary (token → id, the added tokens among
-/// them, as `get_vocab()` gives it) up to the model's vocab_size.
+/// them, as `get_vocab()` gives it) up to the model's vocab_size. Read from tokenizer.json
+/// straight into the map (a 150,000-token vocabulary is some 10 MB here, far more as a JSON tree).
 #[derive(Clone, Debug)]
 struct Tokenizer {
     /// The folder it was read from.
     dir: PathBuf,
-    vocab: HashMap<String, usize>,
+    vocab: HashMap<String, u32>,
     added: Vec<AddedToken>,
     /// Rows the model's embeddings hold for tokens: config.json's vocab_size, else the vocabulary's size.
     vocab_size: usize,
 }
 
-/// The tokenizer.json of `dir` (`None` when it has none).
-fn read_tokenizer_json(dir: &Path) -> Result<Option<Value>> {
-    let path = dir.join("tokenizer.json");
-    if !path.is_file() {
-        return Ok(None);
+/// The parts of tokenizer.json a merge reads.
+#[derive(Deserialize)]
+struct TokenizerFile {
+    model: ModelPart,
+    #[serde(default)]
+    added_tokens: Vec<AddedToken>,
+}
+
+#[derive(Deserialize)]
+struct ModelPart {
+    vocab: VocabPart,
+}
+
+/// `model.vocab`: a map (BPE, WordPiece, WordLevel) or Unigram's list of [piece, score].
+struct VocabPart(HashMap<String, u32>);
+
+impl<'de> Deserialize<'de> for VocabPart {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = VocabPart;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a map of token to id, or a list of [token, score]")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<VocabPart, A::Error> {
+                let mut v = HashMap::with_capacity(map.size_hint().unwrap_or(0));
+                while let Some((tok, id)) = map.next_entry::<String, u32>()? {
+                    v.insert(tok, id);
+                }
+                Ok(VocabPart(v))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> std::result::Result<VocabPart, A::Error> {
+                let mut v = HashMap::with_capacity(seq.size_hint().unwrap_or(0));
+                while let Some((tok, _score)) = seq.next_element::<(String, f64)>()? {
+                    let id = v.len() as u32;
+                    v.entry(tok).or_insert(id);
+                }
+                Ok(VocabPart(v))
+            }
+        }
+        d.deserialize_any(Visit)
     }
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("cannot read {}", path.display()))?;
-    let json: Value =
-        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
-    Ok(Some(json))
 }
 
 /// config.json's vocabulary size: `vocab_size` at the top or in `text_config`.
@@ -148,59 +187,49 @@ pub fn config_vocab_size(config: &Value) -> Option<usize> {
 }
 
 impl Tokenizer {
-    fn from_json(dir: &Path, json: &Value) -> Result<Tokenizer> {
+    /// The tokenizer of `dir` (`None`: it has no tokenizer.json).
+    fn read(dir: &Path) -> Result<Option<Tokenizer>> {
         let path = dir.join("tokenizer.json");
-        let mut vocab = HashMap::new();
-        match &json["model"]["vocab"] {
-            Value::Object(m) => {
-                for (tok, id) in m {
-                    let id = id.as_u64().with_context(|| {
-                        format!("{}: token {tok:?} has no integer id", path.display())
-                    })?;
-                    vocab.insert(tok.clone(), id as usize);
-                }
-            }
-            Value::Array(pieces) => {
-                for (id, p) in pieces.iter().enumerate() {
-                    if let Some(tok) = p.get(0).and_then(Value::as_str) {
-                        vocab.insert(tok.to_string(), id);
-                    }
-                }
-            }
-            _ => bail!("{}: no model.vocab", path.display()),
+        if !path.is_file() {
+            return Ok(None);
         }
-        let mut added = Vec::new();
-        for t in json["added_tokens"].as_array().into_iter().flatten() {
-            let (Some(content), Some(id)) = (t["content"].as_str(), t["id"].as_u64()) else {
-                bail!("{}: an added token lacks content or id", path.display());
-            };
-            let mut settings = t.as_object().cloned().unwrap_or_default();
-            settings.remove("id");
-            settings.remove("content");
-            vocab.insert(content.to_string(), id as usize);
-            added.push(AddedToken {
-                id: id as usize,
-                content: content.to_string(),
-                settings,
-            });
+        let file = std::fs::File::open(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let parsed: TokenizerFile = serde_json::from_reader(std::io::BufReader::new(file))
+            .with_context(|| {
+                format!("{}: not a tokenizer.json rlmerge can read", path.display())
+            })?;
+        let mut vocab = parsed.model.vocab.0;
+        let mut added = parsed.added_tokens;
+        for a in &added {
+            vocab.insert(a.content.clone(), a.id);
         }
         added.sort_by_key(|a| a.id);
-        let config = read_config(dir).ok();
-        let vocab_size = config
+        let vocab_size = read_config(dir)
+            .ok()
             .as_ref()
             .and_then(config_vocab_size)
             .unwrap_or(vocab.len());
-        Ok(Tokenizer {
+        Ok(Some(Tokenizer {
             dir: dir.to_path_buf(),
             vocab,
             added,
             vocab_size,
-        })
+        }))
+    }
+
+    /// Model `m`'s tokenizer: its own, or — a LoRA agent, or a folder without tokenizer.json —
+    /// the base's (`None`).
+    fn of_model(m: &ModelFolder) -> Result<Option<Tokenizer>> {
+        if m.lora.is_some() {
+            return Ok(None);
+        }
+        Tokenizer::read(&m.dir)
     }
 
     /// Tokens by id, lowest first (ties by text): a deterministic order over the vocabulary.
-    fn by_id(&self) -> Vec<(&str, usize)> {
-        let mut v: Vec<(&str, usize)> = self.vocab.iter().map(|(t, &i)| (t.as_str(), i)).collect();
+    fn by_id(&self) -> Vec<(&str, u32)> {
+        let mut v: Vec<(&str, u32)> = self.vocab.iter().map(|(t, &i)| (t.as_str(), i)).collect();
         v.sort_unstable_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(b.0)));
         v
     }
@@ -208,19 +237,51 @@ impl Tokenizer {
     fn is_added(&self, token: &str) -> bool {
         self.added.iter().any(|a| a.content == token)
     }
+
+    /// Removes the tokens at or past vocab_size (they have no row), as mergekit strips the
+    /// base's tokenizer; whether any was.
+    fn strip(&mut self) -> bool {
+        let n = self.vocab_size;
+        let before = self.vocab.len();
+        self.vocab.retain(|_, i| (*i as usize) < n);
+        self.added.retain(|a| (a.id as usize) < n);
+        self.vocab.len() != before
+    }
+
+    /// Adds `content` as an added token: the next id, or its id when the vocabulary already has
+    /// it (as the tokenizers library does). Returns whether it is new to the added tokens.
+    fn add(&mut self, content: &str, settings: Map<String, Value>) -> bool {
+        if content.is_empty() || self.is_added(content) {
+            return false;
+        }
+        let id = match self.vocab.get(content) {
+            Some(&id) => id,
+            None => self.vocab.values().max().map_or(0, |m| m + 1),
+        };
+        self.vocab.insert(content.to_string(), id);
+        self.added.push(AddedToken {
+            id,
+            content: content.to_string(),
+            settings,
+        });
+        true
+    }
 }
 
-/// The output tokenizer's files: taken as they are from a folder, or written.
+/// The output tokenizer's files: taken as they are from a folder, or that folder's with
+/// tokenizer.json and tokenizer_config.json rewritten (written when the merge is done, from the
+/// source's files, so no JSON tree is held during the merge).
 #[derive(Debug)]
-pub enum TokenizerFiles {
-    /// The tokenizer files of this folder, unchanged.
+enum TokenizerFiles {
     CopyFrom(PathBuf),
-    /// The tokenizer files of `from` with tokenizer.json (and tokenizer_config.json's
-    /// `added_tokens_decoder`) rewritten.
     Rewrite {
         from: PathBuf,
-        tokenizer_json: Value,
-        added: Vec<(usize, String, Map<String, Value>)>,
+        /// Tokens at or past this id are dropped (the base's vocab_size, when it strips any).
+        strip_from: Option<u32>,
+        /// Added tokens appended to tokenizer.json's, in order.
+        appended: Vec<AddedToken>,
+        /// Every added token of the output (tokenizer_config.json's `added_tokens_decoder`).
+        added: Vec<AddedToken>,
     },
 }
 
@@ -228,22 +289,26 @@ pub enum TokenizerFiles {
 #[derive(Debug)]
 pub struct Vocabulary {
     pub settings: TokenizerSettings,
-    /// Output tokens by id.
-    tokens: Vec<String>,
+    /// Tokens of the output vocabulary (ids 0..len).
+    len: usize,
     /// Rows of the output's embeddings: the tokens, padded to `pad_to_multiple_of`.
     pub rows: usize,
     /// For the base (0) and each agent (t + 1): output row → its own row (`ABSENT`: it lacks
     /// the token).
     perms: Vec<Vec<u32>>,
+    /// The text of the rows some model lacks or `tokens` names (for their defaults' messages).
+    names: HashMap<u32, String>,
+    /// Each model's highest own row and its token (its embeddings must have more rows).
+    highest: Vec<Option<(u32, String)>>,
     /// The `tokenizer.tokens` settings by output row, sources resolved.
     configs: HashMap<u32, (Option<RowDefault>, bool)>,
-    pub files: TokenizerFiles,
+    files: TokenizerFiles,
     /// The base's (0) and each agent's (t + 1) vocab_size: a model's tensors of that many rows
     /// that are embeddings or the output head are indexed by token.
     vocab_sizes: Vec<usize>,
     /// The base's and each agent's folder (for messages).
     dirs: Vec<PathBuf>,
-    /// What the user should know (tokens only padding had, models without a tokenizer).
+    /// What the user should know (models without a tokenizer, added tokens set twice).
     pub warnings: Vec<String>,
 }
 
@@ -274,39 +339,31 @@ fn real(p: &Path) -> PathBuf {
 
 impl Vocabulary {
     /// The output vocabulary `settings` ask for over these models, and every model's map to it.
+    /// One model's vocabulary is held at a time beside the output's (each tokenizer.json is read
+    /// twice at most).
     pub fn build(
         settings: &TokenizerSettings,
         base: &ModelFolder,
         agents: &[ModelFolder],
     ) -> Result<Vocabulary> {
         let mut warnings = Vec::new();
-        let base_json = read_tokenizer_json(&base.dir)?.with_context(|| {
+        let mut base_tok = Tokenizer::read(&base.dir)?.with_context(|| {
             format!(
                 "a tokenizer source needs the base's tokenizer.json, and {} has none",
                 base.dir.display()
             )
         })?;
-        let base_full = Tokenizer::from_json(&base.dir, &base_json)?;
-        let (base_tok, stripped_json) = strip(&base_full, &base_json);
-        // An agent without a tokenizer (a LoRA adapter, or none saved) has the base's.
-        let mut models = vec![base_tok.clone()];
+        let base_strips = base_tok.strip();
+        let mut vocab_sizes = vec![base_tok.vocab_size];
         for a in agents {
-            let tok = match (a.lora.is_some(), read_tokenizer_json(&a.dir)?) {
-                (false, Some(json)) => Tokenizer::from_json(&a.dir, &json)?,
-                (lora, _) => {
-                    if !lora {
-                        warnings.push(format!(
-                            "{} has no tokenizer.json; its vocabulary is taken to be the base's",
-                            a.dir.display()
-                        ));
-                    }
-                    Tokenizer {
-                        dir: a.dir.clone(),
-                        ..base_tok.clone()
-                    }
-                }
-            };
-            models.push(tok);
+            let own = Tokenizer::of_model(a)?;
+            if own.is_none() && a.lora.is_none() {
+                warnings.push(format!(
+                    "{} has no tokenizer.json; its vocabulary is taken to be the base's",
+                    a.dir.display()
+                ));
+            }
+            vocab_sizes.push(own.map_or(base_tok.vocab_size, |t| t.vocab_size));
         }
         let source_of = |p: &Path, what: &str| -> Result<Source> {
             let r = real(p);
@@ -324,61 +381,103 @@ impl Vocabulary {
                     )
                 })
         };
-        // The output tokenizer.
-        let (mut out, files_from, mut rewrite, mut json) = match &settings.source {
-            TokenizerSource::Base => (
-                base_tok.clone(),
-                base.dir.clone(),
-                stripped_json.is_some(),
-                stripped_json.unwrap_or(base_json),
-            ),
+        // The output tokenizer, and the added tokens its tokenizer.json gains. From the base's,
+        // the base's tokens keep their ids; from another model's, the base's map is kept.
+        let base_len = base_tok.vocab.len();
+        let base_vocab_size = base_tok.vocab_size;
+        let added_before;
+        let (mut out, files_from, mut rewrite, base_map) = match &settings.source {
+            TokenizerSource::Base => {
+                added_before = base_tok.added.len();
+                (base_tok, base.dir.clone(), base_strips, None)
+            }
             TokenizerSource::Model(p) => {
-                let json = read_tokenizer_json(p)?.with_context(|| {
+                let t = Tokenizer::read(p)?.with_context(|| {
                     format!("tokenizer source {} has no tokenizer.json", p.display())
                 })?;
-                (Tokenizer::from_json(p, &json)?, p.clone(), false, json)
+                added_before = t.added.len();
+                (t, p.clone(), false, Some(base_tok))
             }
             TokenizerSource::Union => {
-                let mut json = stripped_json.unwrap_or(base_json);
-                let mut out = base_tok.clone();
-                union(&mut out, &mut json, &models, &mut warnings);
-                (out, base.dir.clone(), true, json)
+                added_before = base_tok.added.len();
+                let mut out = base_tok;
+                union(&mut out, agents, &mut warnings)?;
+                (out, base.dir.clone(), true, None)
             }
         };
         for t in &settings.tokens {
             if !out.vocab.contains_key(&t.token) {
-                add_token(&mut out, &mut json, &t.token, plain_settings());
-                rewrite = true;
+                rewrite |= out.add(&t.token, plain_settings());
             }
         }
-        // Output tokens by id, which must run 0..n without a gap.
+        // Output ids must run 0..n without a gap.
         let n = out.vocab.len();
-        let mut tokens = vec![String::new(); n];
-        for (tok, &id) in &out.vocab {
-            ensure!(
-                id < n,
+        if let Some((tok, id)) = out.vocab.iter().find(|(_, &id)| id as usize >= n) {
+            bail!(
                 "{}/tokenizer.json: token {tok:?} has id {id}, but the vocabulary has {n} tokens \
                  (ids with gaps cannot index embedding rows)",
                 out.dir.display()
             );
-            tokens[id] = tok.clone();
         }
         let rows = match settings.pad_to_multiple_of {
             Some(m) if m > 0 => n.div_ceil(m) * m,
             _ => n,
         };
-        let perms = models
-            .iter()
-            .map(|m| {
-                tokens
-                    .iter()
-                    .map(|tok| match m.vocab.get(tok) {
-                        Some(&i) if i < m.vocab_size => i as u32,
-                        _ => ABSENT,
-                    })
-                    .collect()
-            })
-            .collect();
+        // Each model's map to the output, its vocabulary read again (the base's once for all
+        // models that share it).
+        let perm_of = |m: &Tokenizer| -> (Vec<u32>, Option<(u32, String)>) {
+            let mut perm = vec![ABSENT; n];
+            let mut highest: Option<(u32, &str)> = None;
+            for (tok, &id) in &out.vocab {
+                if let Some(&own) = m.vocab.get(tok) {
+                    if (own as usize) < m.vocab_size {
+                        perm[id as usize] = own;
+                        if highest.is_none_or(|(h, _)| own > h) {
+                            highest = Some((own, tok));
+                        }
+                    }
+                }
+            }
+            (perm, highest.map(|(r, t)| (r, t.to_string())))
+        };
+        let (base_perm, base_highest) = match &base_map {
+            Some(b) => perm_of(b),
+            None => {
+                // The base's tokens at their own ids.
+                let mut perm = vec![ABSENT; n];
+                perm.iter_mut()
+                    .take(base_len)
+                    .enumerate()
+                    .for_each(|(i, p)| *p = i as u32);
+                let last = base_len.checked_sub(1).and_then(|l| {
+                    let tok = out.vocab.iter().find(|(_, &id)| id as usize == l)?.0;
+                    Some((l as u32, tok.clone()))
+                });
+                (perm, last)
+            }
+        };
+        drop(base_map);
+        let mut perms = vec![base_perm];
+        let mut highest = vec![base_highest];
+        for a in agents {
+            match Tokenizer::of_model(a)? {
+                Some(t) => {
+                    let (p, h) = perm_of(&t);
+                    perms.push(p);
+                    highest.push(h);
+                }
+                None => {
+                    perms.push(perms[0].clone());
+                    highest.push(highest[0].clone());
+                }
+            }
+        }
+        // The base's vocabulary, read again where a token names a row by its text.
+        let base_again = || -> Result<Tokenizer> {
+            let mut t = Tokenizer::read(&base.dir)?.context("the base's tokenizer.json is gone")?;
+            t.strip();
+            Ok(t)
+        };
         let mut configs = HashMap::new();
         for t in &settings.tokens {
             let what = format!("tokenizer.tokens {:?}", t.token);
@@ -394,45 +493,65 @@ impl Vocabulary {
                     token_id,
                 }) => {
                     let s = source_of(model, &what)?;
-                    let m = &models[slot(s)];
                     let row = match (token, token_id) {
-                        (Some(tok), None) => *m.vocab.get(tok).with_context(|| {
-                            format!(
-                                "{what}: token {tok:?} is not in {}'s vocabulary",
-                                m.dir.display()
-                            )
-                        })?,
+                        (Some(tok), None) => {
+                            let m = match s {
+                                Source::Base => None,
+                                Source::Agent(t) => Tokenizer::of_model(&agents[t])?,
+                            };
+                            let m = match m {
+                                Some(m) => m,
+                                None => base_again()?,
+                            };
+                            *m.vocab.get(tok).with_context(|| {
+                                format!(
+                                    "{what}: token {tok:?} is not in {}'s vocabulary",
+                                    m.dir.display()
+                                )
+                            })? as usize
+                        }
                         (None, Some(id)) => *id,
                         _ => bail!("{what}: give the source's token or its token_id, one of them"),
                     };
                     Some(RowDefault::Row(s, row as u32))
                 }
             };
-            configs.insert(out.vocab[&t.token] as u32, (default, t.force));
+            configs.insert(out.vocab[&t.token], (default, t.force));
         }
+        // Names of the rows that may need a default.
+        let names = out
+            .vocab
+            .iter()
+            .filter(|(_, &id)| {
+                configs.contains_key(&id) || perms.iter().any(|p| p[id as usize] == ABSENT)
+            })
+            .map(|(t, &id)| (id, t.clone()))
+            .collect();
         let files = if rewrite {
-            let added = out
-                .added
-                .iter()
-                .map(|a| (a.id, a.content.clone(), a.settings.clone()))
-                .collect();
             TokenizerFiles::Rewrite {
                 from: files_from,
-                tokenizer_json: json,
-                added,
+                strip_from: (base_strips && !matches!(settings.source, TokenizerSource::Model(_)))
+                    .then_some(base_vocab_size as u32),
+                appended: out.added[added_before..].to_vec(),
+                added: std::mem::take(&mut out.added),
             }
         } else {
             TokenizerFiles::CopyFrom(files_from)
         };
         Ok(Vocabulary {
             settings: settings.clone(),
-            tokens,
+            len: n,
             rows,
             perms,
+            names,
+            highest,
             configs,
             files,
-            vocab_sizes: models.iter().map(|m| m.vocab_size).collect(),
-            dirs: models.iter().map(|m| m.dir.clone()).collect(),
+            vocab_sizes,
+            dirs: std::iter::once(&base.dir)
+                .chain(agents.iter().map(|a| &a.dir))
+                .cloned()
+                .collect(),
             warnings,
         })
     }
@@ -444,21 +563,23 @@ impl Vocabulary {
 
     /// Tokens of the output vocabulary.
     pub fn len(&self) -> usize {
-        self.tokens.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
+        self.len == 0
+    }
+
+    /// The text of output row `r` (rows some model lacks or `tokens` names).
+    fn name(&self, r: usize) -> &str {
+        self.names.get(&(r as u32)).map_or("?", String::as_str)
     }
 
     /// The highest own row model `s` takes (its embeddings must have more rows), with its token.
     pub fn highest_row(&self, s: Source) -> Option<(u32, &str)> {
-        self.perms[slot(s)]
-            .iter()
-            .enumerate()
-            .filter(|(_, &r)| r != ABSENT)
-            .max_by_key(|(_, &r)| r)
-            .map(|(i, &r)| (r, self.tokens[i].as_str()))
+        self.highest[slot(s)]
+            .as_ref()
+            .map(|(r, t)| (*r, t.as_str()))
     }
 
     /// How tensor `name` (indexed by token along its first dimension) is read for `models` —
@@ -475,12 +596,13 @@ impl Vocabulary {
         let mut defaults = HashMap::new();
         let mut means = Vec::new();
         let mut warnings = Vec::new();
-        for (r, tok) in self.tokens.iter().enumerate() {
+        for r in 0..self.len {
             let config = self.configs.get(&(r as u32));
             let all = models.iter().all(|&m| has(m, r));
             if all && !config.is_some_and(|c| c.1) {
                 continue;
             }
+            let tok = self.name(r);
             let default = match config {
                 Some((Some(d), _)) => d.clone(),
                 Some((None, _)) => {
@@ -491,7 +613,7 @@ impl Vocabulary {
                         models.iter().copied().filter(|&m| has(m, r)).collect();
                     match present.len() {
                         0 => {
-                            warnings.push(tok.clone());
+                            warnings.push(tok.to_string());
                             RowDefault::Zero
                         }
                         1 => RowDefault::SameToken(present[0]),
@@ -570,7 +692,7 @@ impl Vocabulary {
         rows_of: &dyn Fn(Source) -> usize,
     ) -> bool {
         t.defaults.is_empty()
-            && self.rows == self.len()
+            && self.rows == self.len
             && models.iter().all(|&m| {
                 rows_of(m) == self.rows
                     && self.perms[slot(m)]
@@ -595,20 +717,20 @@ impl Vocabulary {
             TokenizerFiles::CopyFrom(d) => (d, None),
             TokenizerFiles::Rewrite {
                 from,
-                tokenizer_json,
+                strip_from,
+                appended,
                 added,
-            } => (from, Some((tokenizer_json, added))),
+            } => (from, Some((strip_from, appended, added))),
         };
         let mut written = Vec::new();
         for name in crate::checkpoint::folder_files::TOKENIZER_FILES {
             let src = from.join(name);
             let dst = out.join(name);
             match (rewrite, *name) {
-                (Some((json, _)), "tokenizer.json") => {
-                    std::fs::write(&dst, serde_json::to_string_pretty(json)? + "\n")
-                        .with_context(|| format!("cannot write {}", dst.display()))?;
+                (Some((strip, appended, _)), "tokenizer.json") => {
+                    write_tokenizer_json(&src, &dst, *strip, appended)?
                 }
-                (Some((_, added)), "tokenizer_config.json") if src.is_file() => {
+                (Some((_, _, added)), "tokenizer_config.json") if src.is_file() => {
                     let text = std::fs::read_to_string(&src)
                         .with_context(|| format!("cannot read {}", src.display()))?;
                     let mut config: Value = serde_json::from_str(&text)
@@ -616,14 +738,7 @@ impl Vocabulary {
                     if let Some(obj) = config.as_object_mut() {
                         let decoder: Map<String, Value> = added
                             .iter()
-                            .map(|(id, content, settings)| {
-                                let mut e = Map::new();
-                                e.insert("content".into(), content.clone().into());
-                                for (k, v) in settings {
-                                    e.insert(k.clone(), v.clone());
-                                }
-                                (id.to_string(), Value::Object(e))
-                            })
+                            .map(|a| (a.id.to_string(), added_entry(a, false)))
                             .collect();
                         obj.insert("added_tokens_decoder".into(), Value::Object(decoder));
                     }
@@ -664,45 +779,6 @@ impl Vocabulary {
     }
 }
 
-/// The base tokenizer with the tokens at or past its vocab_size removed (they have no row), as
-/// mergekit strips it; the rewritten tokenizer.json when any was.
-fn strip(tok: &Tokenizer, json: &Value) -> (Tokenizer, Option<Value>) {
-    let unused: HashSet<&str> = tok
-        .vocab
-        .iter()
-        .filter(|(_, &i)| i >= tok.vocab_size)
-        .map(|(t, _)| t.as_str())
-        .collect();
-    if unused.is_empty() {
-        return (tok.clone(), None);
-    }
-    let mut json = json.clone();
-    if let Some(vocab) = json["model"]["vocab"].as_object_mut() {
-        vocab.retain(|t, _| !unused.contains(t.as_str()));
-    }
-    if let Some(added) = json["added_tokens"].as_array_mut() {
-        added.retain(|e| {
-            e["id"]
-                .as_u64()
-                .is_some_and(|i| (i as usize) < tok.vocab_size)
-        });
-    }
-    if let Some(merges) = json["model"]["merges"].as_array_mut() {
-        merges.retain(|m| {
-            let parts: Vec<&str> = match m {
-                Value::String(s) => s.split(' ').collect(),
-                Value::Array(a) => a.iter().filter_map(Value::as_str).collect(),
-                _ => Vec::new(),
-            };
-            !parts.iter().any(|p| unused.contains(p))
-        });
-    }
-    let mut out = tok.clone();
-    out.vocab.retain(|_, i| *i < tok.vocab_size);
-    out.added.retain(|a| a.id < tok.vocab_size);
-    (out, Some(json))
-}
-
 /// The settings of a token added as plain text (not special), as the tokenizers library gives
 /// them.
 fn plain_settings() -> Map<String, Value> {
@@ -715,85 +791,135 @@ fn plain_settings() -> Map<String, Value> {
     m
 }
 
-/// Adds `content` to `out` as an added token (the next id, or its id when the vocabulary
-/// already has it) and to tokenizer.json's `added_tokens`.
-fn add_token(out: &mut Tokenizer, json: &mut Value, content: &str, settings: Map<String, Value>) {
-    if content.is_empty() || out.is_added(content) {
-        return;
-    }
-    let id = match out.vocab.get(content) {
-        Some(&id) => id,
-        None => out.vocab.values().max().map_or(0, |m| m + 1),
-    };
-    out.vocab.insert(content.to_string(), id);
-    out.added.push(AddedToken {
-        id,
-        content: content.to_string(),
-        settings: settings.clone(),
-    });
-    let mut entry = Map::new();
-    entry.insert("id".into(), id.into());
-    entry.insert("content".into(), content.into());
-    for (k, v) in settings {
-        entry.insert(k, v);
-    }
-    if !json["added_tokens"].is_array() {
-        json["added_tokens"] = Value::Array(Vec::new());
-    }
-    json["added_tokens"]
-        .as_array_mut()
-        .expect("just made an array")
-        .push(Value::Object(entry));
-}
-
-/// mergekit's union: the base's tokens, then each model's other tokens in model order (regular
-/// tokens by id, as plain added tokens), then every model's added tokens with the settings of
-/// the first model that has them.
-fn union(out: &mut Tokenizer, json: &mut Value, models: &[Tokenizer], warnings: &mut Vec<String>) {
-    let mut regular: Vec<&str> = Vec::new();
-    let mut seen: HashSet<&str> = HashSet::new();
-    let mut added: Vec<&AddedToken> = Vec::new();
-    let mut added_seen: HashMap<&str, &AddedToken> = HashMap::new();
-    for m in models {
+/// mergekit's union, into `out` (the base's): every agent's regular tokens the base lacks, in
+/// model order (each by id), as plain added tokens; then every model's added tokens (the base's
+/// first), with the settings of the first model that adds each. Agents are read one at a
+/// time; one without a tokenizer (LoRA) has the base's and adds nothing.
+fn union(out: &mut Tokenizer, agents: &[ModelFolder], warnings: &mut Vec<String>) -> Result<()> {
+    let mut regular: Vec<String> = Vec::new();
+    let mut regular_seen: HashSet<String> = HashSet::new();
+    // The base's added tokens first (its regular ones are in `out` already).
+    let mut added: Vec<AddedToken> = out.added.clone();
+    let mut added_seen: HashMap<String, usize> = added
+        .iter()
+        .enumerate()
+        .map(|(i, a)| (a.content.clone(), i))
+        .collect();
+    let mut take = |m: &Tokenizer| {
+        let own_added: HashSet<&str> = m.added.iter().map(|a| a.content.as_str()).collect();
         for (tok, id) in m.by_id() {
-            if id >= m.vocab_size || m.is_added(tok) {
+            if id as usize >= m.vocab_size || own_added.contains(tok) || out.vocab.contains_key(tok)
+            {
                 continue;
             }
-            if seen.insert(tok) {
-                regular.push(tok);
+            if regular_seen.insert(tok.to_string()) {
+                regular.push(tok.to_string());
             }
         }
         for a in &m.added {
-            if a.id >= m.vocab_size {
+            if a.id as usize >= m.vocab_size {
                 continue;
             }
-            match added_seen.get(a.content.as_str()) {
-                Some(first) => {
-                    if first.settings != a.settings {
-                        warnings.push(format!(
-                            "token {:?} is added with other settings by {}; the first model's are kept",
-                            a.content,
-                            m.dir.display()
-                        ));
-                    }
-                }
+            match added_seen.get(&a.content) {
+                Some(&first) if added[first].settings != a.settings => warnings.push(format!(
+                    "token {:?} is added with other settings by {}; the first model's are kept",
+                    a.content,
+                    m.dir.display()
+                )),
+                Some(_) => {}
                 None => {
-                    added_seen.insert(&a.content, a);
-                    added.push(a);
+                    added_seen.insert(a.content.clone(), added.len());
+                    added.push(a.clone());
                 }
             }
         }
-    }
-    let base_vocab: HashSet<String> = out.vocab.keys().cloned().collect();
-    for tok in regular {
-        if added_seen.contains_key(tok) || base_vocab.contains(tok) {
-            continue;
+    };
+    for a in agents {
+        if let Some(t) = Tokenizer::of_model(a)? {
+            take(&t);
         }
-        add_token(out, json, tok, plain_settings());
+    }
+    for tok in regular {
+        if !added_seen.contains_key(&tok) {
+            out.add(&tok, plain_settings());
+        }
     }
     for a in added {
-        add_token(out, json, &a.content, a.settings.clone());
+        out.add(&a.content, a.settings);
     }
+    Ok(())
+}
+
+/// An added token as tokenizer.json and tokenizer_config.json list it.
+fn added_entry(a: &AddedToken, with_id: bool) -> Value {
+    let mut e = Map::new();
+    if with_id {
+        e.insert("id".into(), a.id.into());
+    }
+    e.insert("content".into(), a.content.clone().into());
+    for (k, v) in &a.settings {
+        e.insert(k.clone(), v.clone());
+    }
+    Value::Object(e)
+}
+
+/// Writes `src` (a tokenizer.json) to `dst` with the tokens at or past `strip_from` dropped and
+/// `appended` added. Only `added_tokens` (and, when stripping, `model`) is parsed; every other
+/// part is copied as it is.
+fn write_tokenizer_json(
+    src: &Path,
+    dst: &Path,
+    strip_from: Option<u32>,
+    appended: &[AddedToken],
+) -> Result<()> {
+    use serde_json::value::RawValue;
+    let text =
+        std::fs::read_to_string(src).with_context(|| format!("cannot read {}", src.display()))?;
+    let mut top: std::collections::BTreeMap<String, Box<RawValue>> =
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", src.display()))?;
+    let mut added: Vec<Value> = match top.get("added_tokens") {
+        Some(raw) => serde_json::from_str(raw.get())?,
+        None => Vec::new(),
+    };
+    if let Some(n) = strip_from {
+        added.retain(|e| e["id"].as_u64().is_some_and(|i| i < n as u64));
+        if let Some(raw) = top.get("model") {
+            let mut model: Value = serde_json::from_str(raw.get())?;
+            let unused: HashSet<String> = model["vocab"]
+                .as_object()
+                .map(|v| {
+                    v.iter()
+                        .filter(|(_, i)| i.as_u64().is_some_and(|i| i >= n as u64))
+                        .map(|(t, _)| t.clone())
+                        .collect()
+                })
+                .unwrap_or_default();
+            if let Some(vocab) = model["vocab"].as_object_mut() {
+                vocab.retain(|t, _| !unused.contains(t));
+            }
+            if let Some(merges) = model["merges"].as_array_mut() {
+                merges.retain(|m| {
+                    let parts: Vec<&str> = match m {
+                        Value::String(s) => s.split(' ').collect(),
+                        Value::Array(a) => a.iter().filter_map(Value::as_str).collect(),
+                        _ => Vec::new(),
+                    };
+                    !parts.iter().any(|p| unused.contains(*p))
+                });
+            }
+            top.insert(
+                "model".into(),
+                RawValue::from_string(serde_json::to_string(&model)?)?,
+            );
+        }
+    }
+    added.extend(appended.iter().map(|a| added_entry(a, true)));
+    top.insert(
+        "added_tokens".into(),
+        RawValue::from_string(serde_json::to_string(&added)?)?,
+    );
+    std::fs::write(dst, serde_json::to_string(&top)? + "\n")
+        .with_context(|| format!("cannot write {}", dst.display()))
 }
 
 /// How a token-indexed tensor is read for each model (see [`Vocabulary::plan_tensor`]).

@@ -163,6 +163,11 @@ fn union_merges_the_embeddings_token_by_token() {
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["vocab_size"], 52);
+    let card = std::fs::read_to_string(out.join("README.md")).unwrap();
+    assert!(
+        card.contains("Vocabulary: the union of every model's tokenizer"),
+        "{card}"
+    );
     let tc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("tokenizer_config.json")).unwrap())
             .unwrap();
