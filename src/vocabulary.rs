@@ -114,67 +114,139 @@ struct AddedToken {
     settings: Map<String, Value>,
 }
 
-/// A model's tokenizer as a merge needs it: its vocabulary (token → id, the added tokens among
-/// them, as `get_vocab()` gives it) up to the model's vocab_size. Read from tokenizer.json
-/// straight into the map (a 150,000-token vocabulary is some 10 MB here, far more as a JSON tree).
+/// The output's vocabulary while it is built: token → id (the added tokens among them, as
+/// `get_vocab()` gives it), and its added tokens. The one whole vocabulary a merge holds (a
+/// 150,000-token one is some 9 MB); every other model's tokenizer.json is streamed.
 #[derive(Clone, Debug)]
 struct Tokenizer {
     /// The folder it was read from.
     dir: PathBuf,
     vocab: HashMap<String, u32>,
     added: Vec<AddedToken>,
-    /// Rows the model's embeddings hold for tokens: config.json's vocab_size, else the vocabulary's size.
-    vocab_size: usize,
 }
 
-/// The parts of tokenizer.json a merge reads.
-#[derive(Deserialize)]
-struct TokenizerFile {
-    model: ModelPart,
-    #[serde(default)]
-    added_tokens: Vec<AddedToken>,
+/// What streaming a tokenizer.json gives besides its vocabulary's entries.
+struct Scanned {
+    added: Vec<AddedToken>,
+    /// Entries of `model.vocab`.
+    entries: usize,
 }
 
-#[derive(Deserialize)]
-struct ModelPart {
-    vocab: VocabPart,
-}
-
-/// `model.vocab`: a map (BPE, WordPiece, WordLevel) or Unigram's list of [piece, score].
-struct VocabPart(HashMap<String, u32>);
-
-impl<'de> Deserialize<'de> for VocabPart {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = VocabPart;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a map of token to id, or a list of [token, score]")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> std::result::Result<VocabPart, A::Error> {
-                let mut v = HashMap::with_capacity(map.size_hint().unwrap_or(0));
-                while let Some((tok, id)) = map.next_entry::<String, u32>()? {
-                    v.insert(tok, id);
-                }
-                Ok(VocabPart(v))
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> std::result::Result<VocabPart, A::Error> {
-                let mut v = HashMap::with_capacity(seq.size_hint().unwrap_or(0));
-                while let Some((tok, _score)) = seq.next_element::<(String, f64)>()? {
-                    let id = v.len() as u32;
-                    v.entry(tok).or_insert(id);
-                }
-                Ok(VocabPart(v))
-            }
-        }
-        d.deserialize_any(Visit)
+/// Calls `each(token, id)` for every entry of `model.vocab` of `dir`'s tokenizer.json (a map, or
+/// Unigram's list of [piece, score]), holding none of them. `None` when it has no tokenizer.json.
+fn scan(dir: &Path, each: &mut dyn FnMut(&str, u32)) -> Result<Option<Scanned>> {
+    use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    use std::fmt;
+    let path = dir.join("tokenizer.json");
+    if !path.is_file() {
+        return Ok(None);
     }
+    struct Top<'a>(&'a mut dyn FnMut(&str, u32), &'a mut Scanned);
+    struct Model<'a>(&'a mut dyn FnMut(&str, u32), &'a mut usize);
+    struct Vocab<'a>(&'a mut dyn FnMut(&str, u32), &'a mut usize);
+    impl<'de> DeserializeSeed<'de> for Top<'_> {
+        type Value = ();
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_map(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Top<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a tokenizer.json object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            let mut model = false;
+            while let Some(key) = map.next_key::<String>()? {
+                match key.as_str() {
+                    "model" => {
+                        map.next_value_seed(Model(self.0, &mut self.1.entries))?;
+                        model = true;
+                    }
+                    "added_tokens" => {
+                        self.1.added = map
+                            .next_value::<Option<Vec<AddedToken>>>()?
+                            .unwrap_or_default()
+                    }
+                    _ => {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+            }
+            if !model {
+                return Err(serde::de::Error::missing_field("model"));
+            }
+            Ok(())
+        }
+    }
+    impl<'de> DeserializeSeed<'de> for Model<'_> {
+        type Value = ();
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_map(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Model<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("the tokenizer's model object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            let mut vocab = false;
+            while let Some(key) = map.next_key::<String>()? {
+                if key == "vocab" {
+                    map.next_value_seed(Vocab(&mut *self.0, &mut *self.1))?;
+                    vocab = true;
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+            if !vocab {
+                return Err(serde::de::Error::missing_field("model.vocab"));
+            }
+            Ok(())
+        }
+    }
+    impl<'de> DeserializeSeed<'de> for Vocab<'_> {
+        type Value = ();
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Vocab<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a map of token to id, or a list of [token, score]")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            while let Some((tok, id)) = map.next_entry::<String, u32>()? {
+                (self.0)(&tok, id);
+                *self.1 += 1;
+            }
+            Ok(())
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            let mut id = 0u32;
+            while let Some((tok, _score)) = seq.next_element::<(String, f64)>()? {
+                (self.0)(&tok, id);
+                id += 1;
+                *self.1 += 1;
+            }
+            Ok(())
+        }
+    }
+    let file =
+        std::fs::File::open(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut scanned = Scanned {
+        added: Vec::new(),
+        entries: 0,
+    };
+    let mut de = serde_json::Deserializer::from_reader(std::io::BufReader::new(file));
+    Top(each, &mut scanned)
+        .deserialize(&mut de)
+        .and_then(|()| de.end())
+        .with_context(|| format!("{}: not a tokenizer.json rlmerge can read", path.display()))?;
+    scanned.added.sort_by_key(|a| a.id);
+    Ok(Some(scanned))
 }
 
 /// config.json's vocabulary size: `vocab_size` at the top or in `text_config`.
@@ -186,66 +258,61 @@ pub fn config_vocab_size(config: &Value) -> Option<usize> {
         .map(|n| n as usize)
 }
 
+/// A model's vocab_size: config.json's, else its tokenizer's size (`scanned`).
+fn vocab_size_of(dir: &Path, scanned: &Scanned) -> usize {
+    read_config(dir)
+        .ok()
+        .as_ref()
+        .and_then(config_vocab_size)
+        .unwrap_or(scanned.entries + scanned.added.len())
+}
+
+/// The folder whose tokenizer is model `m`'s: its own, or — a LoRA agent, or a folder without
+/// tokenizer.json — the base's.
+fn tokenizer_dir<'a>(m: &'a ModelFolder, base: &'a Path) -> &'a Path {
+    if m.lora.is_none() && m.dir.join("tokenizer.json").is_file() {
+        &m.dir
+    } else {
+        base
+    }
+}
+
 impl Tokenizer {
-    /// The tokenizer of `dir` (`None`: it has no tokenizer.json).
-    fn read(dir: &Path) -> Result<Option<Tokenizer>> {
-        let path = dir.join("tokenizer.json");
-        if !path.is_file() {
+    /// `dir`'s tokenizer, with `strip` its tokens at or past its vocab_size left out (they have
+    /// no row: mergekit strips the base's so); whether any was.
+    fn read(dir: &Path, strip: bool) -> Result<Option<(Tokenizer, bool)>> {
+        let mut vocab = HashMap::new();
+        let Some(scanned) = scan(dir, &mut |tok, id| {
+            vocab.insert(tok.to_string(), id);
+        })?
+        else {
             return Ok(None);
-        }
-        let file = std::fs::File::open(&path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        let parsed: TokenizerFile = serde_json::from_reader(std::io::BufReader::new(file))
-            .with_context(|| {
-                format!("{}: not a tokenizer.json rlmerge can read", path.display())
-            })?;
-        let mut vocab = parsed.model.vocab.0;
-        let mut added = parsed.added_tokens;
+        };
+        let vocab_size = vocab_size_of(dir, &scanned);
+        let mut added = scanned.added;
         for a in &added {
             vocab.insert(a.content.clone(), a.id);
         }
-        added.sort_by_key(|a| a.id);
-        let vocab_size = read_config(dir)
-            .ok()
-            .as_ref()
-            .and_then(config_vocab_size)
-            .unwrap_or(vocab.len());
-        Ok(Some(Tokenizer {
-            dir: dir.to_path_buf(),
-            vocab,
-            added,
-            vocab_size,
-        }))
-    }
-
-    /// Model `m`'s tokenizer: its own, or — a LoRA agent, or a folder without tokenizer.json —
-    /// the base's (`None`).
-    fn of_model(m: &ModelFolder) -> Result<Option<Tokenizer>> {
-        if m.lora.is_some() {
-            return Ok(None);
+        let mut stripped = false;
+        if strip {
+            let n = vocab_size;
+            let before = vocab.len();
+            vocab.retain(|_, i| (*i as usize) < n);
+            added.retain(|a| (a.id as usize) < n);
+            stripped = vocab.len() != before;
         }
-        Tokenizer::read(&m.dir)
-    }
-
-    /// Tokens by id, lowest first (ties by text): a deterministic order over the vocabulary.
-    fn by_id(&self) -> Vec<(&str, u32)> {
-        let mut v: Vec<(&str, u32)> = self.vocab.iter().map(|(t, &i)| (t.as_str(), i)).collect();
-        v.sort_unstable_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(b.0)));
-        v
+        Ok(Some((
+            Tokenizer {
+                dir: dir.to_path_buf(),
+                vocab,
+                added,
+            },
+            stripped,
+        )))
     }
 
     fn is_added(&self, token: &str) -> bool {
         self.added.iter().any(|a| a.content == token)
-    }
-
-    /// Removes the tokens at or past vocab_size (they have no row), as mergekit strips the
-    /// base's tokenizer; whether any was.
-    fn strip(&mut self) -> bool {
-        let n = self.vocab_size;
-        let before = self.vocab.len();
-        self.vocab.retain(|_, i| (*i as usize) < n);
-        self.added.retain(|a| (a.id as usize) < n);
-        self.vocab.len() != before
     }
 
     /// Adds `content` as an added token: the next id, or its id when the vocabulary already has
@@ -265,6 +332,34 @@ impl Tokenizer {
             settings,
         });
         true
+    }
+
+    /// Model `dir`'s map to this vocabulary (output id → its own id, `ABSENT` where it lacks the
+    /// token or its id is ≥ `vocab_size`) and its highest own id with the output id there,
+    /// streaming its tokenizer.json.
+    fn map_of(&self, dir: &Path, vocab_size: usize) -> Result<(Vec<u32>, Highest)> {
+        let n = self.vocab.len();
+        let mut perm = vec![ABSENT; n];
+        let set = |tok: &str, own: u32, perm: &mut Vec<u32>| {
+            if (own as usize) < vocab_size {
+                if let Some(&id) = self.vocab.get(tok) {
+                    perm[id as usize] = own;
+                }
+            }
+        };
+        let scanned = scan(dir, &mut |tok, own| set(tok, own, &mut perm))?
+            .with_context(|| format!("{}: its tokenizer.json is gone", dir.display()))?;
+        // Added tokens override the model's entry of the same text, as in get_vocab().
+        for a in &scanned.added {
+            set(&a.content, a.id, &mut perm);
+        }
+        let highest = perm
+            .iter()
+            .enumerate()
+            .filter(|(_, &r)| r != ABSENT)
+            .max_by_key(|(_, &r)| r)
+            .map(|(i, &r)| (r, i as u32));
+        Ok((perm, highest))
     }
 }
 
@@ -298,8 +393,9 @@ pub struct Vocabulary {
     perms: Vec<Vec<u32>>,
     /// The text of the rows some model lacks or `tokens` names (for their defaults' messages).
     names: HashMap<u32, String>,
-    /// Each model's highest own row and its token (its embeddings must have more rows).
-    highest: Vec<Option<(u32, String)>>,
+    /// Each model's highest own row and the output row it goes to (its embeddings must have
+    /// more rows).
+    highest: Vec<Highest>,
     /// The `tokenizer.tokens` settings by output row, sources resolved.
     configs: HashMap<u32, (Option<RowDefault>, bool)>,
     files: TokenizerFiles,
@@ -313,6 +409,9 @@ pub struct Vocabulary {
 }
 
 const ABSENT: u32 = u32::MAX;
+
+/// A model's highest own row and the output row it goes to (`None`: it has no row there).
+type Highest = Option<(u32, u32)>;
 
 /// A default row for a token.
 #[derive(Clone, Debug, PartialEq)]
@@ -339,35 +438,49 @@ fn real(p: &Path) -> PathBuf {
 
 impl Vocabulary {
     /// The output vocabulary `settings` ask for over these models, and every model's map to it.
-    /// One model's vocabulary is held at a time beside the output's (each tokenizer.json is read
-    /// twice at most).
+    /// The output's vocabulary is the one held whole; every model's tokenizer.json is streamed
+    /// (twice at most: for the union, then for its map).
     pub fn build(
         settings: &TokenizerSettings,
         base: &ModelFolder,
         agents: &[ModelFolder],
     ) -> Result<Vocabulary> {
         let mut warnings = Vec::new();
-        let mut base_tok = Tokenizer::read(&base.dir)?.with_context(|| {
-            format!(
-                "a tokenizer source needs the base's tokenizer.json, and {} has none",
-                base.dir.display()
-            )
-        })?;
-        let base_strips = base_tok.strip();
-        let mut vocab_sizes = vec![base_tok.vocab_size];
+        let base_dir = &base.dir;
+        ensure!(
+            base_dir.join("tokenizer.json").is_file(),
+            "a tokenizer source needs the base's tokenizer.json, and {} has none",
+            base_dir.display()
+        );
         for a in agents {
-            let own = Tokenizer::of_model(a)?;
-            if own.is_none() && a.lora.is_none() {
+            if a.lora.is_none() && tokenizer_dir(a, base_dir) == base_dir.as_path() {
                 warnings.push(format!(
                     "{} has no tokenizer.json; its vocabulary is taken to be the base's",
                     a.dir.display()
                 ));
             }
-            vocab_sizes.push(own.map_or(base_tok.vocab_size, |t| t.vocab_size));
+        }
+        // Each model's vocab_size: its config's (a LoRA agent's is its base's), else its
+        // tokenizer's size.
+        let size_of = |config_dir: &Path, tok_dir: &Path| -> Result<usize> {
+            if let Some(n) = read_config(config_dir)
+                .ok()
+                .as_ref()
+                .and_then(config_vocab_size)
+            {
+                return Ok(n);
+            }
+            let s = scan(tok_dir, &mut |_, _| {})?.context("its tokenizer.json is gone")?;
+            Ok(s.entries + s.added.len())
+        };
+        let mut vocab_sizes = vec![size_of(base_dir, base_dir)?];
+        for a in agents {
+            let config_dir = if a.lora.is_some() { base_dir } else { &a.dir };
+            vocab_sizes.push(size_of(config_dir, tokenizer_dir(a, base_dir))?);
         }
         let source_of = |p: &Path, what: &str| -> Result<Source> {
             let r = real(p);
-            if r == real(&base.dir) {
+            if r == real(base_dir) {
                 return Ok(Source::Base);
             }
             agents
@@ -381,30 +494,27 @@ impl Vocabulary {
                     )
                 })
         };
-        // The output tokenizer, and the added tokens its tokenizer.json gains. From the base's,
-        // the base's tokens keep their ids; from another model's, the base's map is kept.
-        let base_len = base_tok.vocab.len();
-        let base_vocab_size = base_tok.vocab_size;
-        let added_before;
-        let (mut out, files_from, mut rewrite, base_map) = match &settings.source {
-            TokenizerSource::Base => {
-                added_before = base_tok.added.len();
-                (base_tok, base.dir.clone(), base_strips, None)
-            }
+        // The output tokenizer. From the base's (base, union), the base's tokens keep their ids.
+        let from_base = !matches!(settings.source, TokenizerSource::Model(_));
+        let (mut out, files_from, stripped) = match &settings.source {
             TokenizerSource::Model(p) => {
-                let t = Tokenizer::read(p)?.with_context(|| {
+                let (t, _) = Tokenizer::read(p, false)?.with_context(|| {
                     format!("tokenizer source {} has no tokenizer.json", p.display())
                 })?;
-                added_before = t.added.len();
-                (t, p.clone(), false, Some(base_tok))
+                (t, p.clone(), false)
             }
-            TokenizerSource::Union => {
-                added_before = base_tok.added.len();
-                let mut out = base_tok;
-                union(&mut out, agents, &mut warnings)?;
-                (out, base.dir.clone(), true, None)
+            _ => {
+                let (t, stripped) = Tokenizer::read(base_dir, true)?.context("read just now")?;
+                (t, base_dir.clone(), stripped)
             }
         };
+        let base_len = out.vocab.len();
+        let added_before = out.added.len();
+        let mut rewrite = stripped;
+        if matches!(settings.source, TokenizerSource::Union) {
+            union(&mut out, agents, base_dir, &vocab_sizes, &mut warnings)?;
+            rewrite = true;
+        }
         for t in &settings.tokens {
             if !out.vocab.contains_key(&t.token) {
                 rewrite |= out.add(&t.token, plain_settings());
@@ -423,61 +533,31 @@ impl Vocabulary {
             Some(m) if m > 0 => n.div_ceil(m) * m,
             _ => n,
         };
-        // Each model's map to the output, its vocabulary read again (the base's once for all
-        // models that share it).
-        let perm_of = |m: &Tokenizer| -> (Vec<u32>, Option<(u32, String)>) {
+        // Each model's map to the output.
+        let (base_perm, base_highest) = if from_base {
             let mut perm = vec![ABSENT; n];
-            let mut highest: Option<(u32, &str)> = None;
-            for (tok, &id) in &out.vocab {
-                if let Some(&own) = m.vocab.get(tok) {
-                    if (own as usize) < m.vocab_size {
-                        perm[id as usize] = own;
-                        if highest.is_none_or(|(h, _)| own > h) {
-                            highest = Some((own, tok));
-                        }
-                    }
-                }
-            }
-            (perm, highest.map(|(r, t)| (r, t.to_string())))
+            perm.iter_mut()
+                .take(base_len)
+                .enumerate()
+                .for_each(|(i, p)| *p = i as u32);
+            let last = base_len.checked_sub(1).map(|l| (l as u32, l as u32));
+            (perm, last)
+        } else {
+            out.map_of(base_dir, vocab_sizes[0])?
         };
-        let (base_perm, base_highest) = match &base_map {
-            Some(b) => perm_of(b),
-            None => {
-                // The base's tokens at their own ids.
-                let mut perm = vec![ABSENT; n];
-                perm.iter_mut()
-                    .take(base_len)
-                    .enumerate()
-                    .for_each(|(i, p)| *p = i as u32);
-                let last = base_len.checked_sub(1).and_then(|l| {
-                    let tok = out.vocab.iter().find(|(_, &id)| id as usize == l)?.0;
-                    Some((l as u32, tok.clone()))
-                });
-                (perm, last)
-            }
-        };
-        drop(base_map);
         let mut perms = vec![base_perm];
         let mut highest = vec![base_highest];
-        for a in agents {
-            match Tokenizer::of_model(a)? {
-                Some(t) => {
-                    let (p, h) = perm_of(&t);
-                    perms.push(p);
-                    highest.push(h);
-                }
-                None => {
-                    perms.push(perms[0].clone());
-                    highest.push(highest[0].clone());
-                }
+        for (t, a) in agents.iter().enumerate() {
+            let dir = tokenizer_dir(a, base_dir);
+            if dir == base_dir.as_path() && vocab_sizes[t + 1] == vocab_sizes[0] {
+                perms.push(perms[0].clone());
+                highest.push(highest[0]);
+            } else {
+                let (p, h) = out.map_of(dir, vocab_sizes[t + 1])?;
+                perms.push(p);
+                highest.push(h);
             }
         }
-        // The base's vocabulary, read again where a token names a row by its text.
-        let base_again = || -> Result<Tokenizer> {
-            let mut t = Tokenizer::read(&base.dir)?.context("the base's tokenizer.json is gone")?;
-            t.strip();
-            Ok(t)
-        };
         let mut configs = HashMap::new();
         for t in &settings.tokens {
             let what = format!("tokenizer.tokens {:?}", t.token);
@@ -495,18 +575,24 @@ impl Vocabulary {
                     let s = source_of(model, &what)?;
                     let row = match (token, token_id) {
                         (Some(tok), None) => {
-                            let m = match s {
-                                Source::Base => None,
-                                Source::Agent(t) => Tokenizer::of_model(&agents[t])?,
+                            let dir = match s {
+                                Source::Base => base_dir.as_path(),
+                                Source::Agent(t) => tokenizer_dir(&agents[t], base_dir),
                             };
-                            let m = match m {
-                                Some(m) => m,
-                                None => base_again()?,
-                            };
-                            *m.vocab.get(tok).with_context(|| {
+                            let mut found = None;
+                            let scanned = scan(dir, &mut |t, id| {
+                                if t == tok {
+                                    found = Some(id);
+                                }
+                            })?
+                            .context("its tokenizer.json is gone")?;
+                            if let Some(a) = scanned.added.iter().find(|a| a.content == *tok) {
+                                found = Some(a.id);
+                            }
+                            found.with_context(|| {
                                 format!(
                                     "{what}: token {tok:?} is not in {}'s vocabulary",
-                                    m.dir.display()
+                                    dir.display()
                                 )
                             })? as usize
                         }
@@ -518,20 +604,22 @@ impl Vocabulary {
             };
             configs.insert(out.vocab[&t.token], (default, t.force));
         }
-        // Names of the rows that may need a default.
+        // Names of the rows that may need a default, and of each model's highest row.
+        let named: HashSet<u32> = highest.iter().flatten().map(|&(_, id)| id).collect();
         let names = out
             .vocab
             .iter()
             .filter(|(_, &id)| {
-                configs.contains_key(&id) || perms.iter().any(|p| p[id as usize] == ABSENT)
+                named.contains(&id)
+                    || configs.contains_key(&id)
+                    || perms.iter().any(|p| p[id as usize] == ABSENT)
             })
             .map(|(t, &id)| (id, t.clone()))
             .collect();
         let files = if rewrite {
             TokenizerFiles::Rewrite {
                 from: files_from,
-                strip_from: (base_strips && !matches!(settings.source, TokenizerSource::Model(_)))
-                    .then_some(base_vocab_size as u32),
+                strip_from: (stripped && from_base).then_some(vocab_sizes[0] as u32),
                 appended: out.added[added_before..].to_vec(),
                 added: std::mem::take(&mut out.added),
             }
@@ -548,7 +636,7 @@ impl Vocabulary {
             configs,
             files,
             vocab_sizes,
-            dirs: std::iter::once(&base.dir)
+            dirs: std::iter::once(base_dir)
                 .chain(agents.iter().map(|a| &a.dir))
                 .cloned()
                 .collect(),
@@ -577,9 +665,7 @@ impl Vocabulary {
 
     /// The highest own row model `s` takes (its embeddings must have more rows), with its token.
     pub fn highest_row(&self, s: Source) -> Option<(u32, &str)> {
-        self.highest[slot(s)]
-            .as_ref()
-            .map(|(r, t)| (*r, t.as_str()))
+        self.highest[slot(s)].map(|(r, id)| (r, self.name(id as usize)))
     }
 
     /// How tensor `name` (indexed by token along its first dimension) is read for `models` —
@@ -793,38 +879,53 @@ fn plain_settings() -> Map<String, Value> {
 
 /// mergekit's union, into `out` (the base's): every agent's regular tokens the base lacks, in
 /// model order (each by id), as plain added tokens; then every model's added tokens (the base's
-/// first), with the settings of the first model that adds each. Agents are read one at a
-/// time; one without a tokenizer (LoRA) has the base's and adds nothing.
-fn union(out: &mut Tokenizer, agents: &[ModelFolder], warnings: &mut Vec<String>) -> Result<()> {
+/// first), with the settings of the first model that adds each. Agents' tokenizer.json are
+/// streamed; one without its own (LoRA) has the base's and adds nothing.
+fn union(
+    out: &mut Tokenizer,
+    agents: &[ModelFolder],
+    base_dir: &Path,
+    vocab_sizes: &[usize],
+    warnings: &mut Vec<String>,
+) -> Result<()> {
     let mut regular: Vec<String> = Vec::new();
     let mut regular_seen: HashSet<String> = HashSet::new();
-    // The base's added tokens first (its regular ones are in `out` already).
     let mut added: Vec<AddedToken> = out.added.clone();
     let mut added_seen: HashMap<String, usize> = added
         .iter()
         .enumerate()
         .map(|(i, a)| (a.content.clone(), i))
         .collect();
-    let mut take = |m: &Tokenizer| {
-        let own_added: HashSet<&str> = m.added.iter().map(|a| a.content.as_str()).collect();
-        for (tok, id) in m.by_id() {
-            if id as usize >= m.vocab_size || own_added.contains(tok) || out.vocab.contains_key(tok)
-            {
-                continue;
+    for (t, a) in agents.iter().enumerate() {
+        let dir = tokenizer_dir(a, base_dir);
+        if dir == base_dir {
+            continue;
+        }
+        let vs = vocab_sizes[t + 1];
+        let mut new: Vec<(u32, String)> = Vec::new();
+        let scanned = scan(dir, &mut |tok, id| {
+            if (id as usize) < vs && !out.vocab.contains_key(tok) {
+                new.push((id, tok.to_string()));
             }
-            if regular_seen.insert(tok.to_string()) {
-                regular.push(tok.to_string());
+        })?
+        .context("its tokenizer.json is gone")?;
+        let own_added: HashSet<&str> = scanned.added.iter().map(|a| a.content.as_str()).collect();
+        new.retain(|(_, tok)| !own_added.contains(tok.as_str()));
+        new.sort();
+        for (_, tok) in new {
+            if regular_seen.insert(tok.clone()) {
+                regular.push(tok);
             }
         }
-        for a in &m.added {
-            if a.id as usize >= m.vocab_size {
+        for a in &scanned.added {
+            if a.id as usize >= vs {
                 continue;
             }
             match added_seen.get(&a.content) {
                 Some(&first) if added[first].settings != a.settings => warnings.push(format!(
                     "token {:?} is added with other settings by {}; the first model's are kept",
                     a.content,
-                    m.dir.display()
+                    dir.display()
                 )),
                 Some(_) => {}
                 None => {
@@ -832,11 +933,6 @@ fn union(out: &mut Tokenizer, agents: &[ModelFolder], warnings: &mut Vec<String>
                     added.push(a.clone());
                 }
             }
-        }
-    };
-    for a in agents {
-        if let Some(t) = Tokenizer::of_model(a)? {
-            take(&t);
         }
     }
     for tok in regular {
