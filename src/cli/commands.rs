@@ -375,7 +375,11 @@ fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
     }
     writeln!(
         out,
-        "\nSet parameters in a mergekit recipe (rlmerge run RECIPE.yml -o OUT) or with --param KEY=VALUE."
+        "\nSet parameters in a mergekit recipe (rlmerge run RECIPE.yml -o OUT) or with --param KEY=VALUE.\n\
+         Every method also takes, in a recipe: slices (layer ranges per model, with per-slice\n\
+         parameters), tokenizer_source: base|union|model:NAME or a tokenizer section (source,\n\
+         tokens, pad_to_multiple_of) for agents that added tokens (also --tokenizer-source),\n\
+         BASE+ADAPTER LoRA agents, dtype and out_dtype."
     )?;
     Ok(())
 }
