@@ -837,12 +837,9 @@ impl Vocabulary {
                     "vocab.json" | "merges.txt" | "added_tokens.json" | "tokenizer.model",
                 ) => continue,
                 _ => {
-                    if !src.is_file() {
+                    if !crate::checkpoint::folder_files::copy_if_present(from, name, out)? {
                         continue;
                     }
-                    std::fs::copy(&src, &dst).with_context(|| {
-                        format!("cannot copy {} to {}", src.display(), dst.display())
-                    })?;
                 }
             }
             written.push(name.to_string());

@@ -150,25 +150,6 @@ fn check(name: &str, out: &Path) -> (i64, usize) {
     (worst, flips)
 }
 
-/// A tokenizer.json's vocabulary (the model's and the added tokens) by token.
-fn vocabulary(path: &Path) -> std::collections::HashMap<String, usize> {
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let mut v: std::collections::HashMap<String, usize> = json["model"]["vocab"]
-        .as_object()
-        .unwrap()
-        .iter()
-        .map(|(t, i)| (t.clone(), i.as_u64().unwrap() as usize))
-        .collect();
-    for a in json["added_tokens"].as_array().unwrap() {
-        v.insert(
-            a["content"].as_str().unwrap().into(),
-            a["id"].as_u64().unwrap() as usize,
-        );
-    }
-    v
-}
-
 /// For a recipe that sets a tokenizer: for each row of rlmerge's token-indexed tensors, the row
 /// of mergekit's that holds the same token (mergekit numbers a union's new tokens in an order
 /// that varies between runs); padding rows in place. The two vocabularies must be the same, and
@@ -181,8 +162,8 @@ fn token_rows(name: &str, out: &Path) -> Option<Vec<usize>> {
         return None;
     }
     let (ours, theirs) = (
-        vocabulary(&out.join("tokenizer.json")),
-        vocabulary(&expected),
+        tokenizer_vocab(&out.join("tokenizer.json")),
+        tokenizer_vocab(&expected),
     );
     let mut by_id: Vec<(&String, &usize)> = ours.iter().collect();
     by_id.sort_by_key(|(_, &i)| i);

@@ -68,24 +68,9 @@ fn ok(o: &std::process::Output, what: &str) {
     );
 }
 
-/// A tokenizer.json's vocabulary by token.
+/// A model folder's tokenizer.json vocabulary by token.
 fn vocab(dir: &Path) -> HashMap<String, usize> {
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
-            .unwrap();
-    let mut v: HashMap<String, usize> = json["model"]["vocab"]
-        .as_object()
-        .unwrap()
-        .iter()
-        .map(|(t, i)| (t.clone(), i.as_u64().unwrap() as usize))
-        .collect();
-    for a in json["added_tokens"].as_array().unwrap() {
-        v.insert(
-            a["content"].as_str().unwrap().into(),
-            a["id"].as_u64().unwrap() as usize,
-        );
-    }
-    v
+    tokenizer_vocab(&dir.join("tokenizer.json"))
 }
 
 /// Row `r` of a [rows, 16] bf16 tensor of a folder, as f32.

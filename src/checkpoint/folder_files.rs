@@ -104,8 +104,7 @@ pub fn copy_base_files(
             std::fs::write(&dst, serde_json::to_string_pretty(&config)? + "\n")
                 .with_context(|| format!("cannot write {}", dst.display()))?;
         } else {
-            std::fs::copy(&src, &dst)
-                .with_context(|| format!("cannot copy {} to {}", src.display(), dst.display()))?;
+            copy_if_present(base, name, out)?;
         }
         copied.push(name.to_string());
     }
@@ -113,18 +112,25 @@ pub fn copy_base_files(
         Some(v) => copied.extend(v.write_files(out)?),
         None => {
             for name in TOKENIZER_FILES {
-                let (src, dst) = (base.join(name), out.join(name));
-                if !src.is_file() {
-                    continue;
+                if copy_if_present(base, name, out)? {
+                    copied.push(name.to_string());
                 }
-                std::fs::copy(&src, &dst).with_context(|| {
-                    format!("cannot copy {} to {}", src.display(), dst.display())
-                })?;
-                copied.push(name.to_string());
             }
         }
     }
     Ok(copied)
+}
+
+/// Copies file `name` of folder `from` into `out` when `from` has it (a regular file); whether
+/// it did.
+pub fn copy_if_present(from: &Path, name: &str, out: &Path) -> Result<bool> {
+    let (src, dst) = (from.join(name), out.join(name));
+    if !src.is_file() {
+        return Ok(false);
+    }
+    std::fs::copy(&src, &dst)
+        .with_context(|| format!("cannot copy {} to {}", src.display(), dst.display()))?;
+    Ok(true)
 }
 
 #[cfg(test)]

@@ -583,3 +583,22 @@ pub fn wait_until_running(parent: &Path) {
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
+
+/// A tokenizer.json's vocabulary (the model's and the added tokens) by token.
+pub fn tokenizer_vocab(file: &Path) -> HashMap<String, usize> {
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+    let mut v: HashMap<String, usize> = json["model"]["vocab"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(t, i)| (t.clone(), i.as_u64().unwrap() as usize))
+        .collect();
+    for a in json["added_tokens"].as_array().unwrap() {
+        v.insert(
+            a["content"].as_str().unwrap().into(),
+            a["id"].as_u64().unwrap() as usize,
+        );
+    }
+    v
+}
