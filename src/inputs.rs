@@ -585,6 +585,18 @@ impl Reindex<'_> {
                     rows.missing_everywhere
                 ));
             }
+            if rows.rows() < plan.base.entry.shape[0]
+                && self.vocabulary.settings.pad_to_multiple_of.is_none()
+            {
+                warnings.push(format!(
+                    "tensor '{}' gets {} rows, one per token of the output's tokenizer, where \
+                     the base has {} (as mergekit sizes it); a recipe's tokenizer.pad_to_multiple_of \
+                     (e.g. 64) keeps padding rows",
+                    plan.name(),
+                    rows.rows(),
+                    plan.base.entry.shape[0]
+                ));
+            }
             let mut shape = plan.base.entry.shape.to_vec();
             shape[0] = rows.rows();
             plan.vocab = Some(VocabPlan {
