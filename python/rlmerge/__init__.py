@@ -214,10 +214,12 @@ def run(recipe: PathLike, out: PathLike, *, device: str = "auto", quiet: bool = 
 def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False, *,
             merged: Optional[PathLike] = None, plot: Optional[PathLike] = None,
             epsilon: Optional[float] = None, device: str = "auto", quiet: bool = True,
-            threads: int = 0) -> Dict[str, Any]:
+            threads: int = 0, tokenizer_source: Optional[str] = None) -> Dict[str, Any]:
     """What each agent changed (the data of ``rlmerge analyze --json``): density, unique and
     shared counts, ρ and λ per agent, by module and tensor with ``per_tensor``; with ``merged``,
     the retention of each agent in that merged folder; with ``plot``, SVG figures written there.
+    ``tokenizer_source`` (``"base"``, ``"union"`` or a model) compares agents that added tokens
+    token by token, as :func:`merge` merges them.
     """
     if isinstance(models, (str, bytes, os.PathLike)):
         raise UsageError("models must be a list of folders, not one path")
@@ -232,6 +234,9 @@ def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False
         args += ["--plot", os.fspath(plot)]
     if epsilon is not None:
         args += ["--epsilon", repr(float(epsilon))]
+    if tokenizer_source is not None:
+        args += ["--tokenizer-source", tokenizer_source if tokenizer_source in ("base", "union")
+                 else _where(tokenizer_source)]
     return json.loads(_cli(args + _compute_args(device, quiet, threads)))
 
 

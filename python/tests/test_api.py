@@ -255,6 +255,8 @@ def test_tokenizer_sources_from_python(tmp_path):
     assert [a["content"] for a in added][-2:] == ["<tool_call>", "<x>"]
     assert json.loads((padded / "config.json").read_text())["vocab_size"] == 64
     assert rlmerge.verify(padded, against=True)["ok"]
+    report = rlmerge.analyze(base, agents, tokenizer_source="union", merged=api, device="cpu")
+    assert len(report["agents"]) == 2
     with pytest.raises(rlmerge.UsageError, match="pad_to_multiple_of"):
         rlmerge.merge(base, agents, method="ties", out=tmp_path / "bad", weight=1.0,
                       tokenizer={"pad_to_multiple_of": -3})
