@@ -1104,3 +1104,69 @@ pub fn parse_source(
         name => TokenizerSource::Model(folder(name.strip_prefix("model:").unwrap_or(name))?),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn folder(json: &serde_json::Value, config: Option<serde_json::Value>) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("tokenizer.json"), json.to_string()).unwrap();
+        if let Some(c) = config {
+            std::fs::write(d.path().join("config.json"), c.to_string()).unwrap();
+        }
+        d
+    }
+
+    /// Unigram's list of [piece, score] numbers pieces by position; added tokens come with their
+    /// settings; other keys are skipped unread.
+    #[test]
+    fn scan_reads_a_unigram_list_and_the_added_tokens() {
+        let d = folder(
+            &serde_json::json!({
+                "version": "1.0", "normalizer": {"type": "NFKC"},
+                "added_tokens": [{"id": 3, "content": "<x>", "special": true, "normalized": false}],
+                "model": {"type": "Unigram", "unk_id": 0,
+                          "vocab": [["<unk>", 0.0], ["▁a", -1.5], ["b", -2.0]]}
+            }),
+            None,
+        );
+        let mut seen = Vec::new();
+        let s = scan(d.path(), &mut |t, id| seen.push((t.to_string(), id)))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            seen,
+            [("<unk>".into(), 0), ("▁a".into(), 1), ("b".into(), 2)]
+        );
+        assert_eq!((s.entries, s.added.len(), s.added[0].id), (3, 1, 3));
+        assert_eq!(s.added[0].settings["special"], true);
+        // Without a config, the vocabulary's size is the tokenizer's.
+        assert_eq!(vocab_size_of(d.path(), &s), 4);
+        assert!(scan(&d.path().join("nowhere"), &mut |_, _| {})
+            .unwrap()
+            .is_none());
+    }
+
+    /// The base's tokens past its config's vocab_size are stripped (they have no row); a token
+    /// added with the text of a vocabulary token keeps that id; a new one takes the next.
+    #[test]
+    fn strip_and_add_number_tokens_as_the_tokenizers_library() {
+        let d = folder(
+            &serde_json::json!({
+                "added_tokens": [{"id": 3, "content": "<pad>", "special": true}],
+                "model": {"vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]}
+            }),
+            Some(serde_json::json!({"vocab_size": 3})),
+        );
+        let (mut t, stripped) = Tokenizer::read(d.path(), true).unwrap().unwrap();
+        assert!(stripped);
+        assert_eq!(t.vocab.len(), 3);
+        assert!(t.added.is_empty());
+        assert!(t.add("b", plain_settings()));
+        assert_eq!(t.vocab["b"], 1);
+        assert!(t.add("<tool>", plain_settings()));
+        assert_eq!(t.vocab["<tool>"], 3);
+        assert!(!t.add("<tool>", plain_settings()), "added once");
+    }
+}
