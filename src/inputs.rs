@@ -382,7 +382,10 @@ impl Inputs {
     pub fn pass_bytes(&self) -> u64 {
         self.tensors
             .iter()
-            .map(|t| t.base.entry.byte_len() * (1 + t.present().len() as u64))
+            // A re-indexed tensor's tiles count in output rows, at the base's element size.
+            .map(|t| {
+                (t.numel() * t.base.entry.dtype.size()) as u64 * (1 + t.present().len() as u64)
+            })
             .sum()
     }
 
