@@ -60,6 +60,11 @@ fn run(dir: &Path, tail: &str, out: &str) -> std::process::Output {
     run_recipe(dir, &recipe, out)
 }
 
+/// `rlmerge ARGS`, run in `dir`.
+fn cli(dir: &Path, args: &[&str]) -> std::process::Output {
+    rlmerge().current_dir(dir).args(args).output().unwrap()
+}
+
 fn ok(o: &std::process::Output, what: &str) {
     assert!(
         o.status.success(),
@@ -225,9 +230,9 @@ fn union_merges_the_embeddings_token_by_token() {
     ok(&o, "flags");
     assert_eq!(vocab(&flags), v);
     // analyze reads the same re-indexed rows (and what the merge kept of each agent).
-    let o = rlmerge()
-        .current_dir(&dir)
-        .args([
+    let o = cli(
+        &dir,
+        &[
             "analyze",
             "--base",
             "base",
@@ -235,17 +240,14 @@ fn union_merges_the_embeddings_token_by_token() {
             "tools-tok",
             "--model",
             "coder-tok",
-        ])
-        .args([
             "--tokenizer-source",
             "union",
             "--json",
             "-q",
             "--merged",
             "flags",
-        ])
-        .output()
-        .unwrap();
+        ],
+    );
     ok(&o, "analyze");
     let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(report["agents"].as_array().unwrap().len(), 2, "{report}");
@@ -349,9 +351,9 @@ fn bad_tokenizer_settings_are_refused() {
         assert!(!dir.join(&out).exists(), "case {i}");
     }
     // An agent whose embeddings grew, without a tokenizer source: the shape error says what to set.
-    let o = rlmerge()
-        .current_dir(&dir)
-        .args([
+    let o = cli(
+        &dir,
+        &[
             "merge",
             "--base",
             "base",
@@ -360,9 +362,8 @@ fn bad_tokenizer_settings_are_refused() {
             "-q",
             "-o",
             "grown",
-        ])
-        .output()
-        .unwrap();
+        ],
+    );
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(
@@ -371,19 +372,21 @@ fn bad_tokenizer_settings_are_refused() {
     );
     // A base without tokenizer.json cannot give a vocabulary.
     std::fs::remove_file(dir.join("memory/tokenizer.json")).unwrap();
-    let o = rlmerge()
-        .current_dir(&dir)
-        .args([
+    let o = cli(
+        &dir,
+        &[
             "merge",
             "--base",
             "memory",
             "--model",
             "tools-tok",
             "--tokenizer-source",
-        ])
-        .args(["union", "-q", "-o", "nobase"])
-        .output()
-        .unwrap();
+            "union",
+            "-q",
+            "-o",
+            "nobase",
+        ],
+    );
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("needs the base's tokenizer.json"), "{err}");
@@ -400,19 +403,21 @@ fn bad_tokenizer_settings_are_refused() {
         serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
     c["vocab_size"] = 61.into();
     std::fs::write(&config, c.to_string()).unwrap();
-    let o = rlmerge()
-        .current_dir(&dir)
-        .args([
+    let o = cli(
+        &dir,
+        &[
             "merge",
             "--base",
             "base",
             "--model",
             "coder-tok",
             "--tokenizer-source",
-        ])
-        .args(["union", "-q", "-o", "past"])
-        .output()
-        .unwrap();
+            "union",
+            "-q",
+            "-o",
+            "past",
+        ],
+    );
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(
