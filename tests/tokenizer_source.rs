@@ -426,3 +426,59 @@ fn bad_tokenizer_settings_are_refused() {
     );
     assert!(!dir.join("past").exists());
 }
+
+/// Re-indexed rows on the GPU backend (lavapipe in CI): the same bytes as the CPU's for methods
+/// with rank cuts, random masks, per-row statistics and RAM's probe.
+#[test]
+fn union_merges_alike_on_the_gpu() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = models(d.path());
+    for (i, method) in [
+        &["ties", "--param", "weight=1", "--param", "density=0.5"][..],
+        &[
+            "della",
+            "--param",
+            "weight=1",
+            "--param",
+            "density=0.5",
+            "--param",
+            "epsilon=0.1",
+        ],
+        &["model_stock"],
+        &["ram+"],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let run = |device: &str| {
+            let out = format!("{device}{i}");
+            let mut args = vec!["merge", "--base", "base", "--model", "tools-tok"];
+            args.extend(["--model", "coder-tok", "--model", "memory", "--method"]);
+            args.extend(method);
+            args.extend([
+                "--tokenizer-source",
+                "union",
+                "-q",
+                "--device",
+                device,
+                "-o",
+            ]);
+            args.push(&out);
+            (cli(&dir, &args), dir.join(&out))
+        };
+        let (cpu, cpu_out) = run("cpu");
+        ok(&cpu, method[0]);
+        let (gpu, gpu_out) = run("gpu");
+        if !gpu.status.success() {
+            // No adapter here (see tests/gpu_parity.rs): nothing to compare.
+            assert!(String::from_utf8_lossy(&gpu.stderr).contains("adapter"));
+            return;
+        }
+        assert_eq!(
+            read_folder(&gpu_out),
+            read_folder(&cpu_out),
+            "{}",
+            method[0]
+        );
+    }
+}
