@@ -1,5 +1,5 @@
 //! rlmerge against mergekit 0.1.5 itself: every recipe in tests/fixtures/mergekit/recipes/ runs on
-//! the small Qwen2-shaped bf16 models beside it, and each output element must be within 1 ULP of
+//! the small Llama-shaped bf16 models beside it, and each output element must be within 1 ULP of
 //! what mergekit wrote for the same recipe (`dtype: float32`, `out_dtype: bfloat16`: mergekit
 //! computes in f32 and rounds once to bf16, as rlmerge does; its outputs are checked in under
 //! expected/, made by scripts/mergekit_goldens.py, so CI needs no torch). Same tensor names and
