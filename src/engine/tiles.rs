@@ -97,9 +97,7 @@ impl TileBuffers {
                     let raw = &mut raw[..n * dtype.size()];
                     raw.copy_from_slice(&buf[from..from + raw.len()]);
                     widen(model, tensor, raw, (start + i0) as u64, &mut run[..n])?;
-                    for (k, v) in run[..n].iter().enumerate() {
-                        buf[(i0 + k) * 4..(i0 + k + 1) * 4].copy_from_slice(&v.to_le_bytes());
-                    }
+                    put_f32(buf, i0, &run[..n]);
                 }
             }
             Ok(())
@@ -137,6 +135,16 @@ impl TileBuffers {
 
 /// Elements widened to f32 at a time.
 const RUN: usize = 1024;
+
+/// Writes `values` into an f32 tile's bytes from element `at`.
+fn put_f32(buf: &mut [u8], at: usize, values: &[f32]) {
+    for (b, v) in buf[at * 4..(at + values.len()) * 4]
+        .chunks_exact_mut(4)
+        .zip(values)
+    {
+        b.copy_from_slice(&v.to_le_bytes());
+    }
+}
 
 /// Decodes `raw` (elements of `tensor` from element `at`) into `values`, adding a LoRA agent's
 /// update.
@@ -204,7 +212,7 @@ fn read_f32(read: &TileRead, source: Source, at: usize, out: &mut [f32]) -> Resu
         }
     };
     let size = tensor.entry.dtype.size();
-    let mut raw = vec![0u8; RUN.min(out.len()) * size];
+    let mut raw = [0u8; RUN * 4];
     for (k, values) in out.chunks_mut(RUN).enumerate() {
         let from = at + k * RUN;
         let raw = &mut raw[..values.len() * size];
@@ -220,6 +228,7 @@ fn read_f32(read: &TileRead, source: Source, at: usize, out: &mut [f32]) -> Resu
 /// Elements `start..start + len` of input `source`'s copy of a re-indexed tensor (see
 /// [`VocabTensor::row_from`]) into `buf` as f32: own rows read in runs, default rows from the
 /// model named, means summed in f32 in order then divided once, padding rows the input's mean row.
+/// Gathered a run at a time, so the tile's bytes are all it holds.
 fn load_rows(
     read: &TileRead,
     rows: &VocabTensor,
@@ -227,10 +236,13 @@ fn load_rows(
     (start, len): (usize, usize),
     buf: &mut Vec<u8>,
 ) -> Result<()> {
-    let mut values = vec![0.0f32; len];
-    gather_rows(read, rows, source, start, &mut values)?;
-    buf.clear();
-    buf.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+    buf.resize(len * 4, 0);
+    let mut run = [0.0f32; RUN];
+    for i0 in (0..len).step_by(RUN) {
+        let values = &mut run[..RUN.min(len - i0)];
+        gather_rows(read, rows, source, start + i0, values)?;
+        put_f32(buf, i0, values);
+    }
     Ok(())
 }
 
