@@ -602,7 +602,11 @@ impl Vocabulary {
                     Some(RowDefault::Row(s, row as u32))
                 }
             };
-            configs.insert(out.vocab[&t.token], (default, t.force));
+            let id = *out
+                .vocab
+                .get(&t.token)
+                .with_context(|| format!("{what}: an empty token cannot be added"))?;
+            configs.insert(id, (default, t.force));
         }
         // Names of the rows that may need a default, and of each model's highest row.
         let named: HashSet<u32> = highest.iter().flatten().map(|&(_, id)| id).collect();

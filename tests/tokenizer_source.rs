@@ -65,6 +65,15 @@ fn cli(dir: &Path, args: &[&str]) -> std::process::Output {
     rlmerge().current_dir(dir).args(args).output().unwrap()
 }
 
+/// `rlmerge ARGS` in `dir` must fail with exit `code`, say `want`, and leave nothing at `out`.
+fn refused(dir: &Path, args: &[&str], code: i32, want: &str, out: &str) {
+    let o = cli(dir, args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(code), "{args:?}: {err}");
+    assert!(err.contains(want), "{args:?}: {err}");
+    assert!(!dir.join(out).exists(), "{args:?}");
+}
+
 fn ok(o: &std::process::Output, what: &str) {
     assert!(
         o.status.success(),
@@ -300,6 +309,21 @@ fn bad_tokenizer_settings_are_refused() {
             2,
         ),
         (
+            tok("  source: union\n  pad_to_multiple_of: 1000000000\n"),
+            "pad_to_multiple_of (line 8) must be a whole number above 0, at most 65536",
+            2,
+        ),
+        (
+            tok("  tokens:\n    \"\":\n      source: {kind: zero}\n"),
+            "a token is empty text",
+            2,
+        ),
+        (
+            tok("  tokens:\n    \"<x>\":\n      source: {kind: model_token, model: coder, token_id: -1}\n"),
+            "token_id must be a whole number",
+            2,
+        ),
+        (
             tok("  source: union\n  pad_to: 8\n"),
             "tokenizer.pad_to (line 8) is not a tokenizer setting",
             2,
@@ -351,46 +375,108 @@ fn bad_tokenizer_settings_are_refused() {
         assert!(!dir.join(&out).exists(), "case {i}");
     }
     // An agent whose embeddings grew, without a tokenizer source: the shape error says what to set.
-    let o = cli(
-        &dir,
-        &[
+    let grown = [
+        "merge",
+        "--base",
+        "base",
+        "--model",
+        "tools-tok",
+        "-q",
+        "-o",
+        "grown",
+    ];
+    refused(&dir, &grown, 1, "[50, 16]", "grown");
+    refused(&dir, &grown, 1, "set tokenizer_source", "grown");
+    // --tokenizer-source at nothing, a file, a device, empty text; beside a recipe.
+    for (source, want) in [
+        ("nowhere", "'nowhere' does not exist"),
+        ("base/config.json", "'base/config.json' is not a folder"),
+        ("/dev/null", "'/dev/null' is not a folder"),
+        ("", "'' is empty"),
+    ] {
+        let args = [
             "merge",
             "--base",
             "base",
             "--model",
             "tools-tok",
-            "-q",
-            "-o",
-            "grown",
-        ],
-    );
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("[50, 16]") && err.contains("set tokenizer_source"),
-        "{err}"
-    );
-    // A base without tokenizer.json cannot give a vocabulary.
-    std::fs::remove_file(dir.join("memory/tokenizer.json")).unwrap();
-    let o = cli(
+            "--tokenizer-source",
+        ];
+        refused(
+            &dir,
+            &[&args[..], &[source, "-q", "-o", "flag"]].concat(),
+            2,
+            want,
+            "flag",
+        );
+    }
+    refused(
         &dir,
         &[
             "merge",
-            "--base",
-            "memory",
-            "--model",
-            "tools-tok",
+            "--config",
+            "x.yml",
             "--tokenizer-source",
             "union",
-            "-q",
             "-o",
-            "nobase",
+            "flag",
         ],
+        2,
+        "cannot be used with",
+        "flag",
     );
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("needs the base's tokenizer.json"), "{err}");
-    assert!(!dir.join("nobase").exists() && !dir.join("grown").exists());
+    // The output at the tokenizer source (no agent): refused even with --force, and it stays.
+    let before = std::fs::read(dir.join("coder/tokenizer_config.json")).unwrap();
+    let args = [
+        "merge",
+        "--base",
+        "base",
+        "--model",
+        "tools-tok",
+        "--method",
+        "linear",
+    ];
+    refused(
+        &dir,
+        &[
+            &args[..],
+            &[
+                "--param",
+                "weight=1",
+                "--tokenizer-source",
+                "coder",
+                "--force",
+                "-q",
+                "-o",
+                "coder",
+            ],
+        ]
+        .concat(),
+        2,
+        "is the input folder coder",
+        "coder/model.safetensors.index.json",
+    );
+    assert_eq!(
+        std::fs::read(dir.join("coder/tokenizer_config.json")).unwrap(),
+        before
+    );
+    // A base without tokenizer.json cannot give a vocabulary.
+    std::fs::remove_file(dir.join("memory/tokenizer.json")).unwrap();
+    let args = [
+        "merge",
+        "--base",
+        "memory",
+        "--model",
+        "tools-tok",
+        "--tokenizer-source",
+    ];
+    refused(
+        &dir,
+        &[&args[..], &["union", "-q", "-o", "nobase"]].concat(),
+        1,
+        "needs the base's tokenizer.json",
+        "nobase",
+    );
     // A tokenizer that numbers past the model's rows.
     let mut json: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(dir.join("coder-tok/tokenizer.json")).unwrap(),
@@ -403,28 +489,21 @@ fn bad_tokenizer_settings_are_refused() {
         serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
     c["vocab_size"] = 61.into();
     std::fs::write(&config, c.to_string()).unwrap();
-    let o = cli(
+    let args = [
+        "merge",
+        "--base",
+        "base",
+        "--model",
+        "coder-tok",
+        "--tokenizer-source",
+    ];
+    refused(
         &dir,
-        &[
-            "merge",
-            "--base",
-            "base",
-            "--model",
-            "coder-tok",
-            "--tokenizer-source",
-            "union",
-            "-q",
-            "-o",
-            "past",
-        ],
+        &[&args[..], &["union", "-q", "-o", "past"]].concat(),
+        1,
+        "has 51 rows, but its tokenizer puts token",
+        "past",
     );
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("has 51 rows, but its tokenizer puts token"),
-        "{err}"
-    );
-    assert!(!dir.join("past").exists());
 }
 
 /// Re-indexed rows on the GPU backend (lavapipe in CI): the same bytes as the CPU's for methods

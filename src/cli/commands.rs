@@ -55,8 +55,24 @@ impl InputArgs {
             return Ok(None);
         };
         let locate = |name: &str| -> Result<PathBuf> {
-            rlmerge::hub::locate(Path::new(name), std::io::stderr().is_terminal())
-                .with_context(|| format!("--tokenizer-source {name}: use base, union or a model"))
+            let bad = |what: &str| {
+                usage(format!(
+                    "--tokenizer-source '{name}' {what}; give base, union or a model folder \
+                     (or Hub id) with a tokenizer.json"
+                ))
+            };
+            if name.trim().is_empty() {
+                return Err(bad("is empty"));
+            }
+            let p = rlmerge::hub::locate(Path::new(name), std::io::stderr().is_terminal())
+                .with_context(|| {
+                    format!("--tokenizer-source {name}: use base, union or a model")
+                })?;
+            match std::fs::metadata(&p) {
+                Ok(m) if m.is_dir() => Ok(p),
+                Ok(_) => Err(bad("is not a folder")),
+                Err(_) => Err(bad("does not exist")),
+            }
         };
         Ok(Some(TokenizerSettings {
             source: parse_source(text, &locate)?,

@@ -330,12 +330,12 @@ fn tokenizer_settings(
                     "source" => settings.source = source_of(v, "source")?,
                     "pad_to_multiple_of" => {
                         settings.pad_to_multiple_of = match v.as_u64() {
-                            Some(n) if n > 0 => Some(n as usize),
+                            Some(n) if (1..=MAX_PAD_MULTIPLE).contains(&n) => Some(n as usize),
                             _ if v.is_null() => None,
                             _ => {
                                 return Err(usage(format!(
                                     "tokenizer.pad_to_multiple_of (line {}) must be a whole \
-                                     number above 0",
+                                     number above 0, at most {MAX_PAD_MULTIPLE}",
                                     line_of(text, "pad_to_multiple_of")
                                 )))
                             }
@@ -356,6 +356,10 @@ fn tokenizer_settings(
     }
 }
 
+/// The largest `pad_to_multiple_of`: padding adds fewer rows than this (mergekit's users pad to
+/// 8–128); a larger multiple is a typo that would write that many rows.
+const MAX_PAD_MULTIPLE: u64 = 65536;
+
 /// `tokenizer.tokens`: each token's `source` (a model, `{kind: zero}`, or `{kind: model_token,
 /// model, token | token_id}`) and `force`.
 fn token_settings(
@@ -373,6 +377,9 @@ fn token_settings(
         let Some(token) = tok.as_str().map(str::to_string) else {
             return Err(bad(format!("token {tok:?} is not text")));
         };
+        if token.is_empty() {
+            return Err(bad("a token is empty text".into()));
+        }
         let mut setting = TokenSetting {
             token: token.clone(),
             source: None,
