@@ -158,11 +158,39 @@ impl TensorPlan {
         }
     }
 
-    /// How many times wider its tiles' elements are than the base's (2 for a 16-bit base read in
-    /// f32): tiles hold that many times fewer elements, so their bytes stay as planned.
-    pub fn widening(&self, inputs: &Inputs) -> usize {
-        (self.tile_dtype(inputs).size() / self.base.entry.dtype.size().max(1)).max(1)
+    /// Elements per tile of this tensor in a pass whose tiles hold `elems` elements of each input:
+    /// as many as keep a worker's bytes for a tile what they are when every input is stored like
+    /// the base. Tiles read in f32 from a 16-bit base (mixed dtypes, LoRA agents, re-indexed rows)
+    /// hold half as many elements, and a LoRA agent's A and B, which the worker holds while it
+    /// reads the tile, come out of the same budget: a LoRA merge needs no more memory than the
+    /// merge of the agent's full checkpoint, as long as the pairs fit the budget. Cut for pairs to
+    /// whole runs of [`Self::TILE_QUANTUM`] elements, never below one run (nor below the widened
+    /// size, when that is smaller).
+    pub fn tile_elems(&self, inputs: &Inputs, elems: usize) -> usize {
+        let present = self.present();
+        let readers = 1 + present.len();
+        let budget = readers * elems.max(1) * self.base.entry.dtype.size();
+        let per_elem = readers * self.tile_dtype(inputs).size();
+        let widened = (budget / per_elem).max(1);
+        let pairs: usize = present
+            .iter()
+            .filter_map(|&t| {
+                let name = &self.agent(inputs, t)?.entry.name;
+                inputs.agents[t].lora.as_ref()?.update(name)
+            })
+            .map(|u| u.stored_bytes())
+            .sum();
+        let q = Self::TILE_QUANTUM;
+        if pairs == 0 || widened <= q {
+            return widened;
+        }
+        let fit = budget.saturating_sub(pairs) / per_elem;
+        (fit - fit % q).max(q)
     }
+
+    /// The run tiles are cut to when [`Self::tile_elems`] shrinks them: a statistics scan's chunk,
+    /// so chunks still start at its multiples ([`crate::scans::Scans::any_order`]).
+    pub const TILE_QUANTUM: usize = crate::scans::SCAN_CHUNK;
 
     /// Global indices of the agents that have this tensor.
     pub fn present(&self) -> Vec<usize> {

@@ -383,3 +383,42 @@ fn the_adapter_is_read_once_per_pass() {
         assert_eq!(lora.pairs_read(), passes * lora.len(), "{method}");
     }
 }
+
+/// A tile of a tensor a LoRA agent updates holds what a tile of the same merge with every agent
+/// stored like the base holds, the agent's A and B included: f32 tiles with fewer elements, cut
+/// to whole statistics chunks; other tensors keep the planned tiles.
+#[test]
+fn a_lora_tensor_tile_holds_the_bytes_of_a_full_checkpoint_tile() {
+    use rlmerge::inputs::{Inputs, TensorPlan};
+    let inputs = Inputs::open(
+        &models().join("base"),
+        &[models().join("coder-lora"), models().join("tools")],
+    )
+    .unwrap();
+    let lora = inputs.agents[0].lora.as_ref().unwrap();
+    let (mut updated, mut plain) = (0, 0);
+    for plan in &inputs.tensors {
+        let readers = 1 + plan.present().len();
+        let base_size = 2; // the fixtures are bf16
+        let pair = lora.update(plan.name()).map(|u| u.stored_bytes());
+        for elems in [65536, 1 << 20] {
+            let e = plan.tile_elems(&inputs, elems);
+            match pair {
+                Some(pair) => {
+                    updated += 1;
+                    assert!(readers * e * 4 + pair <= readers * elems * base_size);
+                    assert_eq!(e % TensorPlan::TILE_QUANTUM, 0, "{}", plan.name());
+                    assert!(e >= elems / 2 - TensorPlan::TILE_QUANTUM, "{}", plan.name());
+                }
+                None => {
+                    plain += 1;
+                    assert_eq!(e, elems, "{}", plan.name());
+                }
+            }
+        }
+        // Tiles the size of a run or less are only widened.
+        let small = plan.tile_elems(&inputs, 24);
+        assert_eq!(small, if pair.is_some() { 12 } else { 24 });
+    }
+    assert!(updated > 0 && plain > 0);
+}

@@ -5,7 +5,7 @@
 //! is (B·A)ᵀ. Each element's update is Σ_k B[i,k]·A[k,j] in f32, k in order, times s, added to
 //! θ₀ in f32: the agent's tiles are f32 (SPEC §5), so both backends see the same values.
 
-use super::dtype::decode;
+use super::dtype::{decode, decode_one};
 use super::safetensors_file::{shape_text, Interner, SafetensorsFile, TensorEntry};
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::HashMap;
@@ -15,11 +15,13 @@ use std::sync::{Arc, Mutex};
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 
-/// Decoded A and B matrices kept at most this many bytes at once, the oldest dropped first (read
-/// again if needed). The engine drops a tensor's pair as soon as its tiles are all merged
+/// A/B pairs kept at most this many bytes at once, the oldest dropped first (read again if
+/// needed). The engine drops a tensor's pair as soon as its tiles are all merged
 /// ([`LoraAdapter::forget_one`]), so the cache holds the pairs of the tensors in flight — one per
-/// worker at most (a 4096-wide rank-16 pair is 0.5 MiB; 8192 × 28672 at rank 16, 2.3 MiB); this
-/// bound only stops many cores on very wide tensors from holding more.
+/// worker at most (a 4096-wide rank-16 pair in bf16 is 256 KiB; 8192 × 28672 at rank 16,
+/// 1.1 MiB), and the engine takes them out of the worker's tile budget
+/// ([`crate::inputs::TensorPlan::tile_elems`]); this bound only stops many cores on very wide
+/// tensors from holding more.
 const CACHE_BYTES: usize = 32 << 20;
 
 /// One base tensor's low-rank update.
@@ -32,13 +34,20 @@ pub struct LoraUpdate {
     transposed: bool,
 }
 
-/// A's rows (r × cols of the update before any transpose) and B as the loops want them: for a
-/// plain update B as stored (rows × r), for a transposed one A's columns and B transposed.
-struct Decoded {
-    /// Plain: A [r, n] row-major. Transposed: A [r, m] row-major.
-    a: Vec<f32>,
-    /// Plain: B [m, r] row-major. Transposed: Bᵀ [r, n] row-major.
-    b: Vec<f32>,
+impl LoraUpdate {
+    /// Bytes its A and B hold as stored (what a tile of its tensor holds besides the tile).
+    pub fn stored_bytes(&self) -> usize {
+        (self.a.byte_len() + self.b.byte_len()) as usize
+    }
+}
+
+/// A and B of one update, their bytes as stored in the adapter (each in its own dtype), decoded a
+/// run at a time as the tiles need them: the pair costs its file size, not twice it in f32.
+struct Pair {
+    /// A [r, cols] row-major (plain), A [r, rows] (transposed).
+    a: Vec<u8>,
+    /// B [rows, r] (plain), B [cols, r] (transposed).
+    b: Vec<u8>,
 }
 
 /// An opened adapter.
@@ -52,48 +61,18 @@ pub struct LoraAdapter {
     pairs_read: std::sync::atomic::AtomicUsize,
 }
 
-/// Decoded pairs by tensor name, in the order they were decoded, and their bytes; plus the
-/// buffers of pairs dropped, reused for the next ones (the adapter's matrices come in a few
-/// shapes), and the raw bytes read, so decoding a pair does not churn the allocator.
+/// Pairs by tensor name, in the order they were read, and their bytes.
 #[derive(Default)]
 struct Cache {
-    pairs: HashMap<String, Arc<Decoded>>,
+    pairs: HashMap<String, Arc<Pair>>,
     order: std::collections::VecDeque<String>,
     bytes: usize,
-    spare: Vec<Vec<f32>>,
-    raw: Vec<u8>,
 }
 
-/// Spare buffers kept at most.
-const SPARE: usize = 8;
-
 impl Cache {
-    /// A buffer of `len` zeros: the smallest spare that holds it, else a new one.
-    fn buffer(&mut self, len: usize) -> Vec<f32> {
-        let fit = (0..self.spare.len())
-            .filter(|&i| self.spare[i].capacity() >= len)
-            .min_by_key(|&i| self.spare[i].capacity());
-        let mut v = match fit {
-            Some(i) => self.spare.swap_remove(i),
-            None => Vec::with_capacity(len),
-        };
-        v.clear();
-        v.resize(len, 0.0);
-        v
-    }
-
-    /// Removes pair `name`, keeping its buffers when no tile holds it any more.
     fn drop_pair(&mut self, name: &str) {
-        let Some(d) = self.pairs.remove(name) else {
-            return;
-        };
-        self.bytes -= (d.a.len() + d.b.len()) * 4;
-        if let Ok(d) = Arc::try_unwrap(d) {
-            for v in [d.a, d.b] {
-                if self.spare.len() < SPARE {
-                    self.spare.push(v);
-                }
-            }
+        if let Some(p) = self.pairs.remove(name) {
+            self.bytes -= p.a.len() + p.b.len();
         }
     }
 }
@@ -348,59 +327,43 @@ impl LoraAdapter {
         Ok(())
     }
 
-    /// A and B of update `name`, decoded (read from the adapter once while cached). Decoded
-    /// under the cache's lock: workers that need the same pair at once wait for one read.
-    fn decoded(&self, name: &str, u: &LoraUpdate) -> Result<Arc<Decoded>> {
+    /// A and B of update `name` as stored (read from the adapter once while cached). Read under
+    /// the cache's lock: workers that need the same pair at once wait for one read.
+    fn pair(&self, name: &str, u: &LoraUpdate) -> Result<Arc<Pair>> {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(d) = cache.pairs.get(name) {
-            return Ok(d.clone());
+        if let Some(p) = cache.pairs.get(name) {
+            return Ok(p.clone());
         }
-        let read = |cache: &mut Cache, e: &TensorEntry| -> Result<Vec<f32>> {
-            let mut raw = std::mem::take(&mut cache.raw);
-            raw.resize(e.byte_len() as usize, 0);
-            self.file.read(e, 0, &mut raw)?;
-            self.file.record_read(e, 0, &raw);
-            let mut v = cache.buffer(e.numel);
-            decode(e.dtype, &raw, &mut v);
-            cache.raw = raw;
-            Ok(v)
+        let read = |e: &TensorEntry| -> Result<Vec<u8>> {
+            let mut bytes = vec![0u8; e.byte_len() as usize];
+            self.file.read(e, 0, &mut bytes)?;
+            self.file.record_read(e, 0, &bytes);
+            Ok(bytes)
         };
         self.pairs_read
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let a = read(&mut cache, &u.a)?;
-        let mut b = read(&mut cache, &u.b)?;
-        if u.transposed {
-            // Bᵀ [r, n] from B [n, r].
-            let n = u.b.shape[0];
-            let mut t = cache.buffer(b.len());
-            for j in 0..n {
-                for k in 0..u.rank {
-                    t[k * n + j] = b[j * u.rank + k];
-                }
-            }
-            let b_stored = std::mem::replace(&mut b, t);
-            if cache.spare.len() < SPARE {
-                cache.spare.push(b_stored);
-            }
-        }
-        let d = Arc::new(Decoded { a, b });
-        let size = |d: &Decoded| (d.a.len() + d.b.len()) * 4;
-        while cache.bytes + size(&d) > CACHE_BYTES {
+        let p = Arc::new(Pair {
+            a: read(&u.a)?,
+            b: read(&u.b)?,
+        });
+        let size = p.a.len() + p.b.len();
+        while cache.bytes + size > CACHE_BYTES {
             let Some(old) = cache.order.pop_front() else {
                 break;
             };
             cache.drop_pair(&old);
         }
-        if cache.pairs.insert(name.to_string(), d.clone()).is_none() {
-            cache.bytes += size(&d);
+        if cache.pairs.insert(name.to_string(), p.clone()).is_none() {
+            cache.bytes += size;
             cache.order.push_back(name.to_string());
         }
-        Ok(d)
+        Ok(p)
     }
 
     /// Adds update `name` to `values`, elements `start..start + values.len()` of the base tensor
     /// of `shape` ([m, n]) in f32: for element (i, j), s·Σ_k B[i,k]·A[k,j] (transposed:
-    /// s·Σ_k B[j,k]·A[k,i]), k ascending, no fused multiply-add.
+    /// s·Σ_k B[j,k]·A[k,i]), k ascending from 0, no fused multiply-add. A and B are decoded a run
+    /// at a time into the stack.
     pub fn add_update(
         &self,
         name: &str,
@@ -409,28 +372,62 @@ impl LoraAdapter {
         values: &mut [f32],
     ) -> Result<()> {
         let u = &self.updates[name];
-        let d = self.decoded(name, u)?;
-        let (r, n) = (u.rank, shape[1]);
-        // Runs of one row's columns, at most ACC long (no allocation per call).
+        let p = self.pair(name, u)?;
+        let (r, m, n) = (u.rank, shape[0], shape[1]);
+        let (ta, tb) = (u.a.dtype, u.b.dtype);
+        let (sa, sb) = (ta.size(), tb.size());
+        // Runs of one row's columns, at most ACC long; ranks taken KC at a time (no allocation
+        // per call).
         const ACC: usize = 1024;
+        const KC: usize = 256;
         let mut acc = [0.0f32; ACC];
+        let mut row = [0.0f32; ACC];
+        let mut coef = [0.0f32; KC];
         let mut at = 0usize;
         while at < values.len() {
             let e = start as usize + at;
             let (i, j0) = (e / n, e % n);
             let len = (n - j0).min(values.len() - at).min(ACC);
             let acc = &mut acc[..len];
-            acc.iter_mut().for_each(|x| *x = 0.0);
-            // One output row: Σ_k c_k · row_k[j] over the row's columns, k in order.
-            for k in 0..r {
-                let (c, row) = if u.transposed {
-                    // (B·A)ᵀ[i, j] = Σ_k A[k, i] · Bᵀ[k, j].
-                    (d.a[k * shape[0] + i], &d.b[k * n + j0..k * n + j0 + len])
+            acc.fill(0.0);
+            for k0 in (0..r).step_by(KC) {
+                let kc = KC.min(r - k0);
+                if u.transposed {
+                    // (B·A)ᵀ[i, j] = Σ_k A[k, i] · B[j, k]: the coefficients are A's column i,
+                    // each element's terms B's row j, decoded a block of rows at a time.
+                    for (k, c) in coef[..kc].iter_mut().enumerate() {
+                        *c = decode_one(ta, &p.a, (k0 + k) * m + i);
+                    }
+                    let rows = (ACC / kc).max(1);
+                    for jb in (0..len).step_by(rows) {
+                        let nb = rows.min(len - jb);
+                        for jj in 0..nb {
+                            let from = ((j0 + jb + jj) * r + k0) * sb;
+                            decode(
+                                tb,
+                                &p.b[from..from + kc * sb],
+                                &mut row[jj * kc..(jj + 1) * kc],
+                            );
+                        }
+                        for (jj, x) in acc[jb..jb + nb].iter_mut().enumerate() {
+                            for (&c, &y) in coef[..kc].iter().zip(&row[jj * kc..(jj + 1) * kc]) {
+                                *x += c * y;
+                            }
+                        }
+                    }
                 } else {
-                    (d.b[i * r + k], &d.a[k * n + j0..k * n + j0 + len])
-                };
-                for (x, &y) in acc.iter_mut().zip(row) {
-                    *x += c * y;
+                    // (B·A)[i, j] = Σ_k B[i, k] · A[k, j]: the coefficients are B's row i, the
+                    // terms A's rows over the run's columns.
+                    let from = (i * r + k0) * sb;
+                    decode(tb, &p.b[from..from + kc * sb], &mut coef[..kc]);
+                    for (k, &c) in coef[..kc].iter().enumerate() {
+                        let from = ((k0 + k) * n + j0) * sa;
+                        let row = &mut row[..len];
+                        decode(ta, &p.a[from..from + len * sa], row);
+                        for (x, &y) in acc.iter_mut().zip(row.iter()) {
+                            *x += c * y;
+                        }
+                    }
                 }
             }
             for (v, &x) in values[at..at + len].iter_mut().zip(acc.iter()) {
@@ -439,5 +436,96 @@ impl LoraAdapter {
             at += len;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+    use safetensors::tensor::{Dtype, TensorView};
+
+    /// An adapter of one update of `shape` at `rank`, A in bf16 and B in f32 (PEFT allows each its
+    /// own dtype), in `dir`; returns A and B as f32.
+    fn adapter(
+        dir: &Path,
+        shape: [usize; 2],
+        rank: usize,
+        transposed: bool,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let [m, n] = shape;
+        // Plain: A [r, n], B [m, r]; fan_in_fan_out: A [r, m], B [n, r].
+        let (a_cols, b_rows) = if transposed { (m, n) } else { (n, m) };
+        let value = |i: usize, salt: usize| ((i * 2654435761 + salt) % 1999) as f32 / 997.0 - 1.0;
+        let a: Vec<f32> = (0..rank * a_cols)
+            .map(|i| bf16::from_f32(value(i, 7)).to_f32())
+            .collect();
+        let b: Vec<f32> = (0..b_rows * rank).map(|i| value(i, 13) / 3.0).collect();
+        let a_bytes: Vec<u8> = a
+            .iter()
+            .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+            .collect();
+        let b_bytes: Vec<u8> = b.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let tensors = [
+            (
+                "base_model.model.layer.lora_A.weight",
+                TensorView::new(Dtype::BF16, vec![rank, a_cols], &a_bytes).unwrap(),
+            ),
+            (
+                "base_model.model.layer.lora_B.weight",
+                TensorView::new(Dtype::F32, vec![b_rows, rank], &b_bytes).unwrap(),
+            ),
+        ];
+        safetensors::serialize_to_file(tensors, None, &dir.join(ADAPTER_WEIGHTS)).unwrap();
+        let config = serde_json::json!({
+            "peft_type": "LORA", "r": rank, "lora_alpha": 3.0, "fan_in_fan_out": transposed
+        });
+        std::fs::write(dir.join(ADAPTER_CONFIG), config.to_string()).unwrap();
+        (a, b)
+    }
+
+    /// The update added run by run (runs across rows, longer than the loops' buffers) equals the
+    /// definition element by element — Σ_k in order from 0, times s — at ranks below and above
+    /// the loops' rank block, plain and transposed; and the pair is read once.
+    #[test]
+    fn the_update_is_the_definition_whatever_the_runs() {
+        let shape = [7, 2100];
+        for rank in [3, 300] {
+            for transposed in [false, true] {
+                let dir = tempfile::tempdir().unwrap();
+                let (a, b) = adapter(dir.path(), shape, rank, transposed);
+                let lora = LoraAdapter::open(dir.path(), &mut Interner::default()).unwrap();
+                lora.check_shape("layer.weight", &shape).unwrap();
+                let [m, n] = shape;
+                let s = 3.0 / rank as f32;
+                let expected: Vec<f32> = (0..m * n)
+                    .map(|e| {
+                        let (i, j) = (e / n, e % n);
+                        let mut acc = 0.0f32;
+                        for k in 0..rank {
+                            acc += if transposed {
+                                a[k * m + i] * b[j * rank + k]
+                            } else {
+                                b[i * rank + k] * a[k * n + j]
+                            };
+                        }
+                        0.5 + acc * s
+                    })
+                    .collect();
+                let mut got = vec![0.5f32; m * n];
+                let mut at = 0;
+                for len in [1, 1500, 2099, 4000].into_iter().cycle() {
+                    if at == m * n {
+                        break;
+                    }
+                    let len = len.min(m * n - at);
+                    lora.add_update("layer.weight", &shape, at as u64, &mut got[at..at + len])
+                        .unwrap();
+                    at += len;
+                }
+                assert_eq!(got, expected, "rank {rank}, transposed {transposed}");
+                assert_eq!(lora.pairs_read(), 1);
+            }
+        }
     }
 }

@@ -361,9 +361,8 @@ impl<'a> MergePass<'a> {
         let plan = &self.inputs.tensors[index];
         let present = plan.present();
         let rule = self.rule_of(plan, &present)?;
-        // Tiles read in f32 from a 16-bit base (mixed dtypes, LoRA agents) hold fewer elements,
-        // so a tile's bytes stay what the pass chose.
-        let elems = (self.pass.tile_elems / plan.widening(self.inputs)).max(1);
+        // Widened tiles and LoRA pairs: a tile's bytes stay what the pass chose.
+        let elems = plan.tile_elems(self.inputs, self.pass.tile_elems);
         // DELLA ranks whole rows: its tiles hold whole rows.
         let tile_elems = match &rule {
             TileRule::Combine(spec) if spec.rank_rows > 0 => whole_rows(elems, spec.rank_rows),
@@ -473,7 +472,7 @@ impl<'a> MergePass<'a> {
             |(out, counts), j, i, start, tile| {
                 let job = &jobs[j];
                 let out_dtype = writer.dtype(job.index);
-                out.resize(tile.len * out_dtype.size(), 0);
+                tiles::resize_exact(out, tile.len * out_dtype.size(), 0);
                 let out = &mut out[..tile.len * out_dtype.size()];
                 self.merge_tile(job, tile, start, out_dtype, out, &mut counts[j])
                     .with_context(|| {

@@ -1,7 +1,7 @@
 //! The statistics scans of one tensor ([`crate::scans::Scans`]) over the input files, and the
 //! combine rule they build.
 
-use super::tiles::{par_tiles, TensorTiles};
+use super::tiles::{par_tiles, resize_exact, TensorTiles};
 use super::tiles::{whole_rows, TileBuffers, TileLoop, TileRead};
 use super::Pass;
 use crate::backend::{ranges, Tile};
@@ -52,7 +52,7 @@ pub(super) fn combine_spec(
         pass: Pass {
             scan_nonfinite: false,
             tile_elems: whole_rows(
-                pass.tile_elems.max(SCAN_TILE_ELEMS) / plan.widening(inputs),
+                plan.tile_elems(inputs, pass.tile_elems.max(SCAN_TILE_ELEMS)),
                 whole,
             ),
             ..pass.clone()
@@ -205,7 +205,7 @@ impl Scans for TensorScans<'_> {
         let tensor = TensorTiles {
             plan: self.plan,
             present: self.present,
-            tile_elems: ANY_ORDER_TILE_ELEMS,
+            tile_elems: self.plan.tile_elems(self.inputs, ANY_ORDER_TILE_ELEMS),
         };
         let how = TileLoop {
             inputs: self.inputs,
@@ -245,14 +245,14 @@ impl Scans for TensorScans<'_> {
         let n = self.present.len();
         let (mut base, mut x, mut tau) = (Vec::new(), vec![Vec::new(); n], vec![Vec::new(); n]);
         self.each_tile(0, |_, start, tile| {
-            base.resize(tile.len, 0.0);
+            resize_exact(&mut base, tile.len, 0.0);
             decode(tile.dtype, tile.base, &mut base);
             let base_values = &base;
             x.par_iter_mut()
                 .zip(tau.par_iter_mut())
                 .zip(tile.agents.par_iter())
                 .for_each(|((x, tau), bytes)| {
-                    x.resize(tile.len, 0.0);
+                    resize_exact(x, tile.len, 0.0);
                     decode(tile.dtype, bytes, x);
                     tau.clear();
                     tau.extend(x.iter().zip(base_values).map(|(a, b)| a - b));

@@ -79,7 +79,7 @@ impl TileBuffers {
             let dtype = tensor.entry.dtype;
             let widened = dtype != tile_dtype || model.has_update(&tensor.entry.name);
             let size = if widened { 4 } else { dtype.size() };
-            buf.resize(len * size, 0);
+            resize_exact(buf, len * size, 0);
             let tail = len * (size - dtype.size());
             let offset = (start * dtype.size()) as u64;
             model.read(tensor, offset, &mut buf[tail..])?;
@@ -131,6 +131,18 @@ impl TileBuffers {
             agents: &agents,
         })
     }
+}
+
+/// Makes a buffer kept from tile to tile `len` long, for a tile that overwrites all of it (its
+/// contents are not kept). Grown to exactly `len`, the old allocation freed first: `Vec::resize`
+/// would double it and copy it, so a tile larger than the one before (a tensor's f32 tiles after
+/// a smaller tensor's) would leave up to twice the planned bytes, and the allocator a hole.
+pub(super) fn resize_exact<T: Clone>(buf: &mut Vec<T>, len: usize, fill: T) {
+    if len > buf.capacity() {
+        *buf = Vec::new();
+        buf.reserve_exact(len);
+    }
+    buf.resize(len, fill);
 }
 
 /// Elements widened to f32 at a time.
@@ -236,7 +248,7 @@ fn load_rows(
     (start, len): (usize, usize),
     buf: &mut Vec<u8>,
 ) -> Result<()> {
-    buf.resize(len * 4, 0);
+    resize_exact(buf, len * 4, 0);
     let mut run = [0.0f32; RUN];
     for i0 in (0..len).step_by(RUN) {
         let values = &mut run[..RUN.min(len - i0)];
