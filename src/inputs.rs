@@ -388,7 +388,7 @@ impl Inputs {
         }
     }
 
-    /// Drops the LoRA agents' decoded A and B matrices of `plan`'s tensor, whose tiles are all
+    /// Drops the LoRA agents' A and B matrices held for `plan`'s tensor, whose tiles are all
     /// read.
     pub fn forget_lora_tensor(&self, plan: &TensorPlan) {
         for t in plan.present() {
@@ -398,7 +398,7 @@ impl Inputs {
         }
     }
 
-    /// Drops the LoRA agents' decoded A and B matrices of the tensors just merged.
+    /// Drops the LoRA agents' A and B matrices held for the tensors just merged.
     pub fn forget_lora_matrices(&self) {
         self.agents
             .iter()

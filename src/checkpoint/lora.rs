@@ -268,7 +268,7 @@ impl LoraAdapter {
         })
     }
 
-    /// Drops every decoded pair (the engine calls this when the tensors in flight are done).
+    /// Drops every pair held (the engine calls this when the tensors in flight are done).
     pub fn forget(&self) {
         *self.cache.lock().unwrap_or_else(|e| e.into_inner()) = Cache::default();
     }
@@ -287,7 +287,7 @@ impl LoraAdapter {
         self.updates.is_empty()
     }
 
-    /// Drops the decoded A and B of update `name` (its tensor's tiles are all merged).
+    /// Drops the A and B held for update `name` (its tensor's tiles are all merged).
     pub fn forget_one(&self, name: &str) {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         if cache.pairs.contains_key(name) {
