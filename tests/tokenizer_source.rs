@@ -220,9 +220,9 @@ fn union_merges_the_embeddings_token_by_token() {
         .success();
     // The same merge from flags.
     let flags = dir.join("flags");
-    let o = rlmerge()
-        .current_dir(&dir)
-        .args([
+    let o = cli(
+        &dir,
+        &[
             "merge",
             "--base",
             "base",
@@ -230,12 +230,17 @@ fn union_merges_the_embeddings_token_by_token() {
             "tools-tok",
             "--model",
             "coder-tok",
-        ])
-        .args(["--method", "linear", "--param", "weight=1"])
-        .args(["--tokenizer-source", "union", "-q", "-o"])
-        .arg(&flags)
-        .output()
-        .unwrap();
+            "--method",
+            "linear",
+            "--param",
+            "weight=1",
+            "--tokenizer-source",
+            "union",
+            "-q",
+            "-o",
+            "flags",
+        ],
+    );
     ok(&o, "flags");
     assert_eq!(vocab(&flags), v);
     // analyze reads the same re-indexed rows (and what the merge kept of each agent).
