@@ -32,6 +32,8 @@ pub struct LoraUpdate {
     scale: f32,
     /// The update is (B·A)ᵀ (`fan_in_fan_out`, embedding adapters).
     transposed: bool,
+    /// Its place in the adapter's [`Cache`].
+    slot: usize,
 }
 
 impl LoraUpdate {
@@ -61,18 +63,28 @@ pub struct LoraAdapter {
     pairs_read: std::sync::atomic::AtomicUsize,
 }
 
-/// Pairs by tensor name, in the order they were read, and their bytes.
-#[derive(Default)]
+/// The pairs held, by update slot; the slots held in the order they were read; their bytes.
+/// Sized for every update when the adapter opens, so holding and dropping a pair allocates
+/// nothing but the pair.
 struct Cache {
-    pairs: HashMap<String, Arc<Pair>>,
-    order: std::collections::VecDeque<String>,
+    pairs: Vec<Option<Arc<Pair>>>,
+    order: std::collections::VecDeque<usize>,
     bytes: usize,
 }
 
 impl Cache {
-    fn drop_pair(&mut self, name: &str) {
-        if let Some(p) = self.pairs.remove(name) {
+    fn new(updates: usize) -> Cache {
+        Cache {
+            pairs: vec![None; updates],
+            order: std::collections::VecDeque::with_capacity(updates),
+            bytes: 0,
+        }
+    }
+
+    fn drop_pair(&mut self, slot: usize) {
+        if let Some(p) = self.pairs[slot].take() {
             self.bytes -= p.a.len() + p.b.len();
+            self.order.retain(|&s| s != slot);
         }
     }
 }
@@ -251,6 +263,7 @@ impl LoraAdapter {
                     rank,
                     scale: scale as f32,
                     transposed: config.fan_in_fan_out || embedding,
+                    slot: updates.len(),
                 },
             );
         }
@@ -259,18 +272,23 @@ impl LoraAdapter {
             "{}: the adapter has no lora_A/lora_B matrices",
             file.path.display()
         );
+        let count = updates.len();
         Ok(LoraAdapter {
             dir: dir.to_path_buf(),
             file,
             updates,
-            cache: Mutex::new(Cache::default()),
+            cache: Mutex::new(Cache::new(count)),
             pairs_read: Default::default(),
         })
     }
 
     /// Drops every pair held (the engine calls this when the tensors in flight are done).
     pub fn forget(&self) {
-        *self.cache.lock().unwrap_or_else(|e| e.into_inner()) = Cache::default();
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(slot) = cache.order.pop_front() {
+            cache.pairs[slot] = None;
+        }
+        cache.bytes = 0;
     }
 
     /// How many A/B pairs were read from the adapter so far.
@@ -289,10 +307,11 @@ impl LoraAdapter {
 
     /// Drops the A and B held for update `name` (its tensor's tiles are all merged).
     pub fn forget_one(&self, name: &str) {
-        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if cache.pairs.contains_key(name) {
-            cache.drop_pair(name);
-            cache.order.retain(|n| n != name);
+        if let Some(u) = self.updates.get(name) {
+            self.cache
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .drop_pair(u.slot);
         }
     }
 
@@ -327,11 +346,11 @@ impl LoraAdapter {
         Ok(())
     }
 
-    /// A and B of update `name` as stored (read from the adapter once while cached). Read under
+    /// A and B of update `u` as stored (read from the adapter once while cached). Read under
     /// the cache's lock: workers that need the same pair at once wait for one read.
-    fn pair(&self, name: &str, u: &LoraUpdate) -> Result<Arc<Pair>> {
+    fn pair(&self, u: &LoraUpdate) -> Result<Arc<Pair>> {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = cache.pairs.get(name) {
+        if let Some(p) = &cache.pairs[u.slot] {
             return Ok(p.clone());
         }
         let read = |e: &TensorEntry| -> Result<Vec<u8>> {
@@ -351,12 +370,11 @@ impl LoraAdapter {
             let Some(old) = cache.order.pop_front() else {
                 break;
             };
-            cache.drop_pair(&old);
+            cache.drop_pair(old);
         }
-        if cache.pairs.insert(name.to_string(), p.clone()).is_none() {
-            cache.bytes += size;
-            cache.order.push_back(name.to_string());
-        }
+        cache.pairs[u.slot] = Some(p.clone());
+        cache.bytes += size;
+        cache.order.push_back(u.slot);
         Ok(p)
     }
 
@@ -372,7 +390,7 @@ impl LoraAdapter {
         values: &mut [f32],
     ) -> Result<()> {
         let u = &self.updates[name];
-        let p = self.pair(name, u)?;
+        let p = self.pair(u)?;
         let (r, m, n) = (u.rank, shape[0], shape[1]);
         let (ta, tb) = (u.a.dtype, u.b.dtype);
         let (sa, sb) = (ta.size(), tb.size());
