@@ -474,10 +474,11 @@ fn della_ranks_along_dimension_one_of_3d_tensors() {
 /// `RLMERGE_SIMD` caps below the widest kernel build (see src/simd.rs).
 const SIMD_CAPS: [&str; 2] = ["baseline", "avx2"];
 
-/// Every method and every tile size gives the same bytes (ranks, masks and statistics are
-/// computed over whole tensors, whatever the tiling).
+/// Every method, every tile size and CPU thread count gives the same bytes (ranks, masks and
+/// statistics are computed over whole tensors, whatever the tiling; the statistics scans run on
+/// the CPU backend's threads, however many).
 #[test]
-fn results_do_not_depend_on_tiles_or_simd() {
+fn results_do_not_depend_on_tiles_threads_or_simd() {
     let f = fixture(900, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 2);
     let ram: [(&str, &[&str]); 3] = [("ram", &[]), ("ram+", &[]), ("ram", &["shared=consensus"])];
     // Methods of one model besides the base.
@@ -498,11 +499,18 @@ fn results_do_not_depend_on_tiles_or_simd() {
         let owned = method_args(method, params);
         let args: Vec<&str> = owned.iter().map(String::as_str).collect();
         merge_cmd(f, &whole, &args).assert().success();
-        merge_cmd(f, &small, &[&args[..], &["--tile-elems", "37"]].concat())
+        let small_args = ["--tile-elems", "37", "--device", "cpu", "--threads", "3"];
+        merge_cmd(f, &small, &[&args[..], &small_args].concat())
             .assert()
             .success();
         let want = read_folder(&whole);
-        assert_eq!(want, read_folder(&small), "{method}: tiles");
+        assert_eq!(want, read_folder(&small), "{method}: tiles, 3 threads");
+        let one = f.dir.path().join(format!("{i}-{method}-one-thread"));
+        let one_args = ["--device", "cpu", "--threads", "1"];
+        merge_cmd(f, &one, &[&args[..], &one_args].concat())
+            .assert()
+            .success();
+        assert_eq!(want, read_folder(&one), "{method}: one thread");
         // Where the CPU has AVX-512 or AVX2, the kernels' narrower builds give the same bytes.
         for cap in SIMD_CAPS {
             let capped = f.dir.path().join(format!("{i}-{method}-{cap}"));

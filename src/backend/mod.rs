@@ -93,6 +93,14 @@ pub trait Backend: Send + Sync {
     /// on that worker alone (the engine spreads tiles, not a tile's chunks).
     fn run_workers(&self, worker: &(dyn Fn() + Sync));
 
+    /// Runs `work` — a tensor's statistics scans, CPU work spread with rayon — on the CPU
+    /// threads this backend merges with: the CPU backend's workers (so `--threads` bounds the
+    /// scans too, and the tile buffers of a merge live on as many threads as it has workers);
+    /// rayon's global pool, every core, for a backend whose workers feed a device.
+    fn run_cpu_work(&self, work: &mut (dyn FnMut() + Send)) {
+        work()
+    }
+
     /// SPEC §1 over the tile: per agent, elements changed and shared with k others.
     fn probe(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts>;
 

@@ -153,7 +153,7 @@ pub struct ComputeArgs {
     /// Threshold: an element is changed when |θ_t − θ₀| > ε (absolute).
     #[arg(long, default_value_t = DEFAULT_EPSILON)]
     pub epsilon: f32,
-    /// Worker threads of the CPU backend (0 = all cores).
+    /// Worker threads of the CPU backend, its statistics scans included (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// No progress bars.

@@ -395,15 +395,14 @@ impl<'a> MergePass<'a> {
                         slice: None,
                     },
                 };
-                TileRule::Combine(combine_spec(
-                    self.inputs,
-                    plan,
-                    config,
-                    at,
-                    present,
-                    &self.options.pass,
-                    &mut self.buffers,
-                )?)
+                let (inputs, pass, buffers) = (self.inputs, &self.options.pass, &mut self.buffers);
+                let mut spec = None;
+                self.backend.run_cpu_work(&mut || {
+                    spec = Some(combine_spec(
+                        inputs, plan, config, at, present, pass, buffers,
+                    ));
+                });
+                TileRule::Combine(spec.expect("the scans ran")?)
             }
             _ => {
                 let lambdas = if self.per_tensor.is_some() {

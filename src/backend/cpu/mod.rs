@@ -71,6 +71,10 @@ impl Backend for CpuBackend {
         self.pool.broadcast(|_| worker());
     }
 
+    fn run_cpu_work(&self, work: &mut (dyn FnMut() + Send)) {
+        self.pool.install(work)
+    }
+
     fn probe(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts> {
         let n = tile.agents.len();
         let chunk = |s: &mut ProbeScratch, c: usize| {
