@@ -26,6 +26,9 @@ pub struct Inputs {
     pub slices: Option<Slices>,
     /// The output's vocabulary when a tokenizer source is set (mergekit's `tokenizer_source`).
     pub vocabulary: Option<Arc<Vocabulary>>,
+    /// Bytes of the largest set of LoRA A/B pairs one tensor's tiles hold (0: no LoRA agent),
+    /// which every tile of the merge leaves room for ([`TensorPlan::tile_elems`]).
+    pub lora_room: usize,
 }
 
 /// What shapes the output beyond the base's tensors: mergekit's slices and tokenizer source.
@@ -161,31 +164,40 @@ impl TensorPlan {
     /// Elements per tile of this tensor in a pass whose tiles hold `elems` elements of each input:
     /// as many as keep a worker's bytes for a tile what they are when every input is stored like
     /// the base. Tiles read in f32 from a 16-bit base (mixed dtypes, LoRA agents, re-indexed rows)
-    /// hold half as many elements, and a LoRA agent's A and B, which the worker holds while it
-    /// reads the tile, come out of the same budget: a LoRA merge needs no more memory than the
-    /// merge of the agent's full checkpoint, as long as the pairs fit the budget. Cut for pairs to
-    /// whole runs of [`Self::TILE_QUANTUM`] elements, never below one run (nor below the widened
-    /// size, when that is smaller).
+    /// hold half as many elements. A LoRA agent's A and B, which a worker holds while it reads a
+    /// tile of their tensor, come out of the same budget — and every tile of a LoRA merge leaves
+    /// room for the largest pairs ([`Inputs::lora_room`], up to a quarter of the budget): a
+    /// worker keeps its tile buffers from tensor to tensor, so a pair held beside a smaller tile
+    /// would still sit on top of the buffers a larger tile grew. A LoRA merge so needs no more
+    /// memory than the merge of the agents' full checkpoints while a tensor's pairs fit a quarter
+    /// of a worker's tile bytes. Cut for pairs to whole runs of [`Self::TILE_QUANTUM`] elements,
+    /// never below one run (nor below the widened size, when that is smaller).
     pub fn tile_elems(&self, inputs: &Inputs, elems: usize) -> usize {
         let present = self.present();
         let readers = 1 + present.len();
         let budget = readers * elems.max(1) * self.base.entry.dtype.size();
         let per_elem = readers * self.tile_dtype(inputs).size();
         let widened = (budget / per_elem).max(1);
-        let pairs: usize = present
-            .iter()
-            .filter_map(|&t| {
+        let reserve = self
+            .lora_bytes(inputs)
+            .max(inputs.lora_room.min(budget / 4));
+        let q = Self::TILE_QUANTUM;
+        if reserve == 0 || widened <= q {
+            return widened;
+        }
+        let fit = budget.saturating_sub(reserve) / per_elem;
+        (fit - fit % q).max(q)
+    }
+
+    /// Bytes of the LoRA A/B pairs of this tensor's agents, as stored.
+    pub fn lora_bytes(&self, inputs: &Inputs) -> usize {
+        (0..self.agents.len())
+            .filter_map(|t| {
                 let name = &self.agent(inputs, t)?.entry.name;
                 inputs.agents[t].lora.as_ref()?.update(name)
             })
             .map(|u| u.stored_bytes())
-            .sum();
-        let q = Self::TILE_QUANTUM;
-        if pairs == 0 || widened <= q {
-            return widened;
-        }
-        let fit = budget.saturating_sub(pairs) / per_elem;
-        (fit - fit % q).max(q)
+            .sum()
     }
 
     /// The run tiles are cut to when [`Self::tile_elems`] shrinks them: a statistics scan's chunk,
@@ -275,7 +287,9 @@ impl Inputs {
                 warnings,
                 slices: Some(slices.clone()),
                 vocabulary,
-            });
+                lora_room: 0,
+            }
+            .with_lora_room());
         }
         let mut tensors = Vec::with_capacity(base.tensors.len());
         for bt in &base.tensors {
@@ -370,7 +384,20 @@ impl Inputs {
             warnings,
             slices: None,
             vocabulary,
-        })
+            lora_room: 0,
+        }
+        .with_lora_room())
+    }
+
+    /// Sets [`Self::lora_room`] from the planned tensors.
+    fn with_lora_room(mut self) -> Inputs {
+        self.lora_room = self
+            .tensors
+            .iter()
+            .map(|p| p.lora_bytes(&self))
+            .max()
+            .unwrap_or(0);
+        self
     }
 
     /// Refuses the base given as an agent too, for every use that takes task vectors against

@@ -386,7 +386,9 @@ fn the_adapter_is_read_once_per_pass() {
 
 /// A tile of a tensor a LoRA agent updates holds what a tile of the same merge with every agent
 /// stored like the base holds, the agent's A and B included: f32 tiles with fewer elements, cut
-/// to whole statistics chunks; other tensors keep the planned tiles.
+/// to whole statistics chunks. Every other tile of the merge leaves room for the largest pair
+/// (up to a quarter of its bytes): tile buffers kept from tensor to tensor never grow past what
+/// a tile and a pair may hold together.
 #[test]
 fn a_lora_tensor_tile_holds_the_bytes_of_a_full_checkpoint_tile() {
     use rlmerge::inputs::{Inputs, TensorPlan};
@@ -396,29 +398,57 @@ fn a_lora_tensor_tile_holds_the_bytes_of_a_full_checkpoint_tile() {
     )
     .unwrap();
     let lora = inputs.agents[0].lora.as_ref().unwrap();
+    let room = inputs
+        .tensors
+        .iter()
+        .filter_map(|p| lora.update(p.name()))
+        .map(|u| u.stored_bytes())
+        .max()
+        .unwrap();
+    assert_eq!(inputs.lora_room, room);
+    let q = TensorPlan::TILE_QUANTUM;
     let (mut updated, mut plain) = (0, 0);
     for plan in &inputs.tensors {
         let readers = 1 + plan.present().len();
         let base_size = 2; // the fixtures are bf16
         let pair = lora.update(plan.name()).map(|u| u.stored_bytes());
         for elems in [65536, 1 << 20] {
+            let budget = readers * elems * base_size;
+            assert!(room <= budget / 4, "the fixture's pairs fit a quarter");
             let e = plan.tile_elems(&inputs, elems);
-            match pair {
+            assert_eq!(e % q, 0, "{}", plan.name());
+            let tile = match pair {
                 Some(pair) => {
                     updated += 1;
-                    assert!(readers * e * 4 + pair <= readers * elems * base_size);
-                    assert_eq!(e % TensorPlan::TILE_QUANTUM, 0, "{}", plan.name());
-                    assert!(e >= elems / 2 - TensorPlan::TILE_QUANTUM, "{}", plan.name());
+                    assert!(readers * e * 4 + pair <= budget, "{}", plan.name());
+                    readers * e * 4
                 }
                 None => {
                     plain += 1;
-                    assert_eq!(e, elems, "{}", plan.name());
+                    readers * e * base_size
                 }
-            }
+            };
+            // Room for the largest pair, and no smaller than that needs.
+            assert!(tile + room <= budget, "{}", plan.name());
+            let size = tile / (readers * e);
+            assert!(tile + room + readers * q * size > budget, "{}", plan.name());
         }
         // Tiles the size of a run or less are only widened.
         let small = plan.tile_elems(&inputs, 24);
         assert_eq!(small, if pair.is_some() { 12 } else { 24 });
     }
     assert!(updated > 0 && plain > 0);
+}
+
+/// A merge without LoRA agents keeps its tiles: no room is set aside.
+#[test]
+fn tiles_of_a_merge_without_lora_agents_are_the_planned_ones() {
+    use rlmerge::inputs::Inputs;
+    let inputs = Inputs::open(&models().join("base"), &[models().join("tools")]).unwrap();
+    assert_eq!(inputs.lora_room, 0);
+    for plan in &inputs.tensors {
+        for elems in [24, 65536, 1 << 20] {
+            assert_eq!(plan.tile_elems(&inputs, elems), elems, "{}", plan.name());
+        }
+    }
 }
