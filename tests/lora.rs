@@ -83,17 +83,18 @@ fn merged_by_hand(adapter: &Path, out: &Path) {
     write_folder(out, &tensors, 1);
 }
 
-fn merge(out: &Path, agents: &[PathBuf], args: &[&str]) {
+fn merge_cmd(out: &Path, agents: &[PathBuf], args: &[&str]) -> assert_cmd::Command {
     let mut cmd = rlmerge();
     cmd.arg("merge").arg("--base").arg(models().join("base"));
     for a in agents {
         cmd.arg("--model").arg(a);
     }
-    cmd.args(["-q", "-o"])
-        .arg(out)
-        .args(args)
-        .assert()
-        .success();
+    cmd.args(["-q", "-o"]).arg(out).args(args);
+    cmd
+}
+
+fn merge(out: &Path, agents: &[PathBuf], args: &[&str]) {
+    merge_cmd(out, agents, args).assert().success();
 }
 
 #[test]
@@ -128,6 +129,15 @@ fn lora_agents_merge_as_their_full_checkpoints_for_every_method() {
         merge(&b, &full, &args);
         assert_eq!(read_folder(&a), read_folder(&b), "{method} {params:?}");
         if i == 0 {
+            // The update's kernel gives the same bits in its narrower SIMD builds.
+            for cap in ["baseline", "avx2"] {
+                let c = d.path().join(format!("{i}-lora-{cap}"));
+                merge_cmd(&c, &lora, &args)
+                    .env("RLMERGE_SIMD", cap)
+                    .assert()
+                    .success();
+                assert_eq!(read_folder(&a), read_folder(&c), "{method}: SIMD {cap}");
+            }
             // The record names the adapters, and verify --against reruns the merge.
             rlmerge()
                 .args(["verify", "--against"])
@@ -184,7 +194,7 @@ fn lora_agents_merge_to_the_same_bytes_on_the_gpu() {
 }
 
 /// What a user can get wrong: an adapter on another base, an adapter for modules the base lacks,
-/// a rank that disagrees with the matrices, DoRA. Each an error naming the file; nothing written.
+/// a rank that disagrees with the matrices or is 0 or absurd, DoRA. Each an error naming the file; nothing written.
 #[test]
 fn bad_lora_agents_are_refused() {
     let d = tempfile::tempdir().unwrap();
@@ -229,6 +239,16 @@ fn bad_lora_agents_are_refused() {
         (
             copy("rank", &|c| c["r"] = 8.into()),
             "the config's rank for it is 8",
+            1,
+        ),
+        (
+            copy("rank0", &|c| c["rank_pattern"]["q_proj"] = 0.into()),
+            "has rank 0; ranks 1 to 4096",
+            1,
+        ),
+        (
+            copy("huge-rank", &|c| c["r"] = 5000.into()),
+            "has rank 5000; ranks 1 to 4096",
             1,
         ),
         (copy("dora", &|c| c["use_dora"] = true.into()), "DoRA", 1),

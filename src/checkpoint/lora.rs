@@ -7,6 +7,7 @@
 
 use super::dtype::{decode, decode_one};
 use super::safetensors_file::{shape_text, Interner, SafetensorsFile, TensorEntry};
+use crate::simd::multiversion;
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -181,8 +182,11 @@ impl LoraAdapter {
         }
         ensure!(config.r > 0, fail("r must be at least 1".into()));
         let (file, entries) = SafetensorsFile::open_interned(&dir.join(ADAPTER_WEIGHTS), interner)?;
-        let mut pairs: HashMap<String, (Option<TensorEntry>, Option<TensorEntry>, bool)> =
-            HashMap::new();
+        // By module name, in order: the same adapter always reports the same first error.
+        let mut pairs: std::collections::BTreeMap<
+            String,
+            (Option<TensorEntry>, Option<TensorEntry>, bool),
+        > = Default::default();
         for e in entries {
             // base_model.model.{module}.lora_A[.default].weight
             let name = e.name.strip_prefix("base_model.model.").unwrap_or(&e.name);
@@ -241,6 +245,11 @@ impl LoraAdapter {
                 shape_text(&b.shape)
             );
             let rank = *pattern_for(&config.rank_pattern, &module).unwrap_or(&config.r);
+            ensure!(
+                (1..=MAX_RANK).contains(&rank),
+                "{}: module '{module}' has rank {rank}; ranks 1 to {MAX_RANK} are supported",
+                config_path.display()
+            );
             let alpha = *pattern_for(&config.alpha_pattern, &module).unwrap_or(&config.lora_alpha);
             // Embedding adapters store A as [r, vocab] and B as [dim, r] too; both kinds [r, ·].
             ensure!(
@@ -380,8 +389,7 @@ impl LoraAdapter {
 
     /// Adds update `name` to `values`, elements `start..start + values.len()` of the base tensor
     /// of `shape` ([m, n]) in f32: for element (i, j), s·Σ_k B[i,k]·A[k,j] (transposed:
-    /// s·Σ_k B[j,k]·A[k,i]), k ascending from 0, no fused multiply-add. A and B are decoded a run
-    /// at a time into the stack.
+    /// s·Σ_k B[j,k]·A[k,i]), k ascending from 0, no fused multiply-add.
     pub fn add_update(
         &self,
         name: &str,
@@ -389,71 +397,142 @@ impl LoraAdapter {
         start: u64,
         values: &mut [f32],
     ) -> Result<()> {
+        self.each_update(name, shape, start, values.len(), |at, update, s| {
+            for (v, &x) in values[at..at + update.len()].iter_mut().zip(update) {
+                *v += x * s;
+            }
+        })
+    }
+
+    /// [`Self::add_update`] into f32 values stored as little-endian bytes (a widened tile).
+    pub fn add_update_bytes(
+        &self,
+        name: &str,
+        shape: &[usize],
+        start: u64,
+        bytes: &mut [u8],
+    ) -> Result<()> {
+        self.each_update(name, shape, start, bytes.len() / 4, |at, update, s| {
+            let out = bytes[at * 4..(at + update.len()) * 4].chunks_exact_mut(4);
+            for (b, &x) in out.zip(update) {
+                let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]) + x * s;
+                b.copy_from_slice(&v.to_le_bytes());
+            }
+        })
+    }
+
+    /// Hands `add` each run of update `name` over elements `start..start + len`: its offset from
+    /// `start`, Σ_k B·A over the run, and s. Column block by column block: a block's terms (A's
+    /// rows over it; transposed, B's rows over it, turned) are decoded once for every row that
+    /// crosses it, each row's coefficients (B's row; transposed, A's column) once per block.
+    fn each_update(
+        &self,
+        name: &str,
+        shape: &[usize],
+        start: u64,
+        len: usize,
+        mut add: impl FnMut(usize, &[f32], f32),
+    ) -> Result<()> {
         let u = &self.updates[name];
         let p = self.pair(u)?;
         let (r, m, n) = (u.rank, shape[0], shape[1]);
         let (ta, tb) = (u.a.dtype, u.b.dtype);
         let (sa, sb) = (ta.size(), tb.size());
-        // Runs of one row's columns, at most ACC long; ranks taken KC at a time (no allocation
-        // per call).
-        const ACC: usize = 1024;
-        const KC: usize = 256;
-        let mut acc = [0.0f32; ACC];
-        let mut row = [0.0f32; ACC];
-        let mut coef = [0.0f32; KC];
-        let mut at = 0usize;
-        while at < values.len() {
-            let e = start as usize + at;
-            let (i, j0) = (e / n, e % n);
-            let len = (n - j0).min(values.len() - at).min(ACC);
-            let acc = &mut acc[..len];
-            acc.fill(0.0);
-            for k0 in (0..r).step_by(KC) {
-                let kc = KC.min(r - k0);
-                if u.transposed {
-                    // (B·A)ᵀ[i, j] = Σ_k A[k, i] · B[j, k]: the coefficients are A's column i,
-                    // each element's terms B's row j, decoded a block of rows at a time.
-                    for (k, c) in coef[..kc].iter_mut().enumerate() {
-                        *c = decode_one(ta, &p.a, (k0 + k) * m + i);
-                    }
-                    let rows = (ACC / kc).max(1);
-                    for jb in (0..len).step_by(rows) {
-                        let nb = rows.min(len - jb);
-                        for jj in 0..nb {
-                            let from = ((j0 + jb + jj) * r + k0) * sb;
-                            decode(
-                                tb,
-                                &p.b[from..from + kc * sb],
-                                &mut row[jj * kc..(jj + 1) * kc],
-                            );
-                        }
-                        for (jj, x) in acc[jb..jb + nb].iter_mut().enumerate() {
-                            for (&c, &y) in coef[..kc].iter().zip(&row[jj * kc..(jj + 1) * kc]) {
-                                *x += c * y;
-                            }
-                        }
-                    }
-                } else {
-                    // (B·A)[i, j] = Σ_k B[i, k] · A[k, j]: the coefficients are B's row i, the
-                    // terms A's rows over the run's columns.
-                    let from = (i * r + k0) * sb;
-                    decode(tb, &p.b[from..from + kc * sb], &mut coef[..kc]);
-                    for (k, &c) in coef[..kc].iter().enumerate() {
-                        let from = ((k0 + k) * n + j0) * sa;
-                        let row = &mut row[..len];
-                        decode(ta, &p.a[from..from + len * sa], row);
-                        for (x, &y) in acc.iter_mut().zip(row.iter()) {
-                            *x += c * y;
-                        }
+        debug_assert!((1..=MAX_RANK).contains(&r));
+        if len == 0 {
+            return Ok(());
+        }
+        // Columns per block: the block's r rows of terms fill `terms` at most.
+        let cols = (MAX_RANK / r).clamp(1, BLOCK_COLS);
+        let mut terms = [0.0f32; MAX_RANK];
+        let mut coef = [0.0f32; MAX_RANK];
+        let mut acc = [0.0f32; BLOCK_COLS];
+        let (first, end) = (start as usize, start as usize + len);
+        let (row_lo, row_hi) = (first / n, (end - 1) / n);
+        for c0 in (0..n).step_by(cols) {
+            let c1 = (c0 + cols).min(n);
+            let w = c1 - c0;
+            // Rows whose part in the block is in the run (all but the first and last rows).
+            let mut rows = (row_lo..=row_hi)
+                .filter(|&i| i * n + c0 < end && i * n + c1 > first)
+                .peekable();
+            if rows.peek().is_none() {
+                continue;
+            }
+            if u.transposed {
+                // terms[k][j] = B[c0 + j, k]: B's rows over the block, turned.
+                for j in 0..w {
+                    let from = (c0 + j) * r * sb;
+                    decode(tb, &p.b[from..from + r * sb], &mut coef[..r]);
+                    for (k, &x) in coef[..r].iter().enumerate() {
+                        terms[k * w + j] = x;
                     }
                 }
+            } else {
+                // terms[k][j] = A[k, c0 + j].
+                for k in 0..r {
+                    let from = (k * n + c0) * sa;
+                    decode(
+                        ta,
+                        &p.a[from..from + w * sa],
+                        &mut terms[k * w..(k + 1) * w],
+                    );
+                }
             }
-            for (v, &x) in values[at..at + len].iter_mut().zip(acc.iter()) {
-                *v += x * u.scale;
+            for i in rows {
+                if u.transposed {
+                    for (k, c) in coef[..r].iter_mut().enumerate() {
+                        *c = decode_one(ta, &p.a, k * m + i);
+                    }
+                } else {
+                    let from = i * r * sb;
+                    decode(tb, &p.b[from..from + r * sb], &mut coef[..r]);
+                }
+                let lo = (i * n + c0).max(first);
+                let hi = (i * n + c1).min(end);
+                let acc = &mut acc[..hi - lo];
+                rank_sums(&coef[..r], &terms[lo - (i * n + c0)..], w, acc);
+                add(lo - first, acc, u.scale);
             }
-            at += len;
         }
         Ok(())
+    }
+}
+
+/// The highest LoRA rank merged: a block's terms and a row's coefficients fit the stack
+/// ([`LoraAdapter::add_update`]). A rank above the model's width adds nothing a full agent would
+/// not, and no adapter in use comes near.
+pub const MAX_RANK: usize = 4096;
+
+/// Columns per block of [`LoraAdapter::add_update`] at most (rank ≤ 16 reaches it).
+const BLOCK_COLS: usize = 256;
+
+multiversion! {
+    /// `acc[j] = Σ_k coef[k] · terms[k·stride + j]`, k ascending from 0, no fused multiply-add:
+    /// one row's update over a run of a column block (compiled for the baseline, AVX2 and
+    /// AVX-512; every build gives the same bits).
+    fn rank_sums(coef: &[f32], terms: &[f32], stride: usize, acc: &mut [f32]) {
+        // LANES columns at a time, their sums kept in registers over the whole rank.
+        const LANES: usize = 64;
+        let done = acc.len() - acc.len() % LANES;
+        let mut lanes = acc.chunks_exact_mut(LANES);
+        for (b, out) in lanes.by_ref().enumerate() {
+            let mut sums = [0.0f32; LANES];
+            for (k, &c) in coef.iter().enumerate() {
+                let t = &terms[k * stride + b * LANES..][..LANES];
+                for (x, &y) in sums.iter_mut().zip(t) {
+                    *x += c * y;
+                }
+            }
+            out.copy_from_slice(&sums);
+        }
+        for (j, out) in acc.iter_mut().enumerate().skip(done) {
+            let mut x = 0.0f32;
+            for (k, &c) in coef.iter().enumerate() {
+                x += c * terms[k * stride + j];
+            }
+            *out = x;
+        }
     }
 }
 
@@ -502,13 +581,14 @@ mod tests {
         (a, b)
     }
 
-    /// The update added run by run (runs across rows, longer than the loops' buffers) equals the
-    /// definition element by element — Σ_k in order from 0, times s — at ranks below and above
-    /// the loops' rank block, plain and transposed; and the pair is read once.
+    /// The update added run by run (runs across rows and column blocks, longer than a block)
+    /// equals the definition element by element — Σ_k in order from 0, times s — at ranks from 1
+    /// (the widest blocks) to [`MAX_RANK`] (one column per block), plain and transposed; and the
+    /// pair is read once.
     #[test]
     fn the_update_is_the_definition_whatever_the_runs() {
         let shape = [7, 2100];
-        for rank in [3, 300] {
+        for rank in [1, 3, 16, 300, 4096] {
             for transposed in [false, true] {
                 let dir = tempfile::tempdir().unwrap();
                 let (a, b) = adapter(dir.path(), shape, rank, transposed);
@@ -542,6 +622,20 @@ mod tests {
                     at += len;
                 }
                 assert_eq!(got, expected, "rank {rank}, transposed {transposed}");
+                // The same over f32 bytes (a widened tile), in tiles across rows.
+                let mut bytes: Vec<u8> = (0..m * n).flat_map(|_| 0.5f32.to_le_bytes()).collect();
+                for (k, tile) in bytes.chunks_mut(4 * 3001).enumerate() {
+                    lora.add_update_bytes("layer.weight", &shape, (k * 3001) as u64, tile)
+                        .unwrap();
+                }
+                let from_bytes: Vec<f32> = bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
+                assert_eq!(
+                    from_bytes, expected,
+                    "bytes: rank {rank}, transposed {transposed}"
+                );
                 assert_eq!(lora.pairs_read(), 1);
             }
         }

@@ -96,8 +96,23 @@ impl TileBuffers {
                     let from = tail + i0 * dtype.size();
                     let raw = &mut raw[..n * dtype.size()];
                     raw.copy_from_slice(&buf[from..from + raw.len()]);
-                    widen(model, tensor, raw, (start + i0) as u64, &mut run[..n])?;
+                    decode(dtype, raw, &mut run[..n]);
                     put_f32(buf, i0, &run[..n]);
+                }
+                // A LoRA agent's update over the whole tile at once: its terms are decoded once
+                // for all the tile's rows.
+                if let Some(l) = model
+                    .lora
+                    .as_ref()
+                    .filter(|_| model.has_update(&tensor.entry.name))
+                {
+                    let entry = &tensor.entry;
+                    l.add_update_bytes(
+                        &entry.name,
+                        &entry.shape,
+                        start as u64,
+                        &mut buf[..len * 4],
+                    )?;
                 }
             }
             Ok(())

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# LoRA agents against their full checkpoints: a synthetic base with a rank-RANK adapter on every
+# projection (benches/write_lora.py) merged beside a full agent, next to the same merge with the
+# adapter first merged into a bf16 checkpoint, then into an f32 one (the agent's exact values).
+# Prints, per method, the median and range of peak RSS and the median wall time of RUNS runs.
+#
+#   benches/lora_memory.sh [MODEL_SIZE=512MiB] [RUNS=7] [DIR=target/bench-lora] [RANK=16]
+#
+# THREADS=N passes --threads N (default: every core).
+set -euo pipefail
+size=${1:-512MiB}
+runs=${2:-7}
+dir=${3:-target/bench-lora}
+rank=${4:-16}
+cd "$(dirname "$0")/.."
+cargo build --release --quiet
+bin=target/release/rlmerge
+threads=(--threads "${THREADS:-0}")
+if [ ! -f "$dir/.made-$size-$rank" ]; then
+    rm -rf "$dir"
+    "$bin" demo "$dir" --model-size "$size" --write-only --quiet >/dev/null
+    python3 benches/write_lora.py "$dir/base" "$dir/lora" "$rank" >/dev/null
+    for dtype in bf16 f32; do
+        "$bin" merge -q --device cpu --base "$dir/base" --model "$dir/lora" \
+            --method task_arithmetic --param weight=1 --out-dtype "$dtype" -o "$dir/full-$dtype" >/dev/null
+    done
+    touch "$dir/.made-$size-$rank"
+fi
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+
+# "median (min-max)" of peak RSS in MB, then the median seconds, over $runs runs.
+measure() {
+    local samples
+    samples=$(for _ in $(seq "$runs"); do
+        rm -rf "$out/m"
+        /usr/bin/time -f "%M %e" "$bin" merge -q --device cpu "${threads[@]}" "$@" -o "$out/m" 2>&1 >/dev/null | tail -1
+    done)
+    local rss secs
+    rss=$(cut -d' ' -f1 <<<"$samples" | sort -n | awk '{ a[NR] = $1 } END {
+        printf "%.2f (%.2f-%.2f) MB", a[int((NR + 1) / 2)] / 1024, a[1] / 1024, a[NR] / 1024 }')
+    secs=$(cut -d' ' -f2 <<<"$samples" | sort -g | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')
+    echo "$rss $secs s"
+}
+
+printf '%-16s %-32s %-32s %-32s\n' method "LoRA agent" "bf16 full checkpoint" "f32 full checkpoint"
+for method in "ram" "task_arithmetic --param weight=0.5" "ties --param weight=0.5 --param density=0.5"; do
+    printf '%-16s' "${method%% *}"
+    for agent in lora full-bf16 full-f32; do
+        # shellcheck disable=SC2086
+        printf ' %-32s' "$(measure --base "$dir/base" --model "$dir/$agent" --model "$dir/tool-agent" --method $method)"
+    done
+    echo
+done
