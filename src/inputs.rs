@@ -27,7 +27,7 @@ pub struct Inputs {
     /// The output's vocabulary when a tokenizer source is set (mergekit's `tokenizer_source`).
     pub vocabulary: Option<Arc<Vocabulary>>,
     /// Bytes of the largest set of LoRA A/B pairs one tensor's tiles hold (0: no LoRA agent),
-    /// which every tile of the merge leaves room for ([`TensorPlan::tile_elems`]).
+    /// which the tiles of the merge leave room for ([`TensorPlan::tile_elems`]).
     pub lora_room: usize,
 }
 
@@ -161,26 +161,23 @@ impl TensorPlan {
         }
     }
 
-    /// Elements per tile of this tensor in a pass whose tiles hold `elems` elements of each input:
-    /// as many as keep a worker's bytes for a tile what they are when every input is stored like
-    /// the base. Tiles read in f32 from a 16-bit base (mixed dtypes, LoRA agents, re-indexed rows)
-    /// hold half as many elements. A LoRA agent's A and B, which a worker holds while it reads a
-    /// tile of their tensor, come out of the same budget — and every tile of a LoRA merge leaves
-    /// room for the largest pairs ([`Inputs::lora_room`], up to a quarter of the budget): a
-    /// worker keeps its tile buffers from tensor to tensor, so a pair held beside a smaller tile
-    /// would still sit on top of the buffers a larger tile grew. A LoRA merge so needs no more
-    /// memory than the merge of the agents' full checkpoints while a tensor's pairs fit a quarter
-    /// of a worker's tile bytes. Cut for pairs to whole runs of [`Self::TILE_QUANTUM`] elements,
-    /// never below one run (nor below the widened size, when that is smaller).
-    pub fn tile_elems(&self, inputs: &Inputs, elems: usize) -> usize {
-        let present = self.present();
-        let readers = 1 + present.len();
+    /// Elements per tile of this tensor in a pass of `workers` workers whose tiles hold `elems`
+    /// elements of each input: as many as keep the pass's bytes what they are when every input is
+    /// stored like the base. Tiles read in f32 from a 16-bit base (mixed dtypes, LoRA agents,
+    /// re-indexed rows) hold half as many elements. A LoRA merge holds the A/B pairs of one
+    /// tensor at a time, shared by the workers on it (the tile loop starts a LoRA tensor only
+    /// once the one before is done, [`crate::engine`]'s `par_tiles`), so every tile of the merge
+    /// leaves room for a worker's share of the largest ([`Inputs::lora_room`] / `workers`): tile
+    /// buffers, which workers keep from tensor to tensor, plus the pairs then never exceed the
+    /// full checkpoints' tiles, while that share leaves a run. Cut for pairs to whole runs of
+    /// [`Self::TILE_QUANTUM`] elements, never below one run (nor below the widened size, when
+    /// that is smaller).
+    pub fn tile_elems(&self, inputs: &Inputs, elems: usize, workers: usize) -> usize {
+        let readers = 1 + self.present().len();
         let budget = readers * elems.max(1) * self.base.entry.dtype.size();
         let per_elem = readers * self.tile_dtype(inputs).size();
         let widened = (budget / per_elem).max(1);
-        let reserve = self
-            .lora_bytes(inputs)
-            .max(inputs.lora_room.min(budget / 4));
+        let reserve = inputs.lora_room.div_ceil(workers.max(1));
         let q = Self::TILE_QUANTUM;
         if reserve == 0 || widened <= q {
             return widened;

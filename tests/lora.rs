@@ -358,11 +358,12 @@ fn analyze_reports_a_lora_agent() {
     assert!(text.contains("coder-lora"), "{text}");
 }
 
-/// Each pass reads every A/B pair of the adapter once, whatever the tiling and the workers: many
-/// small tiles of each tensor on 4 workers (which once could decode a pair twice at the same
-/// time, or again after the cache let it go).
+/// Each pass reads every A/B pair of the adapter once, whatever the tiling and the workers, and
+/// holds one at a time: many small tiles of each tensor on 4 workers (which once could decode a
+/// pair twice at the same time, or again after the cache let it go, and held one pair per
+/// worker).
 #[test]
-fn the_adapter_is_read_once_per_pass() {
+fn the_adapter_is_read_once_per_pass_and_one_pair_is_held_at_a_time() {
     use rlmerge::backend::cpu::CpuBackend;
     use rlmerge::engine::{merge, MergeOptions};
     use rlmerge::inputs::Inputs;
@@ -401,16 +402,16 @@ fn the_adapter_is_read_once_per_pass() {
         .unwrap();
         let lora = inputs.agents[0].lora.as_ref().unwrap();
         assert_eq!(lora.pairs_read(), passes * lora.len(), "{method}");
+        assert_eq!(lora.most_pairs_held(), 1, "{method}");
     }
 }
 
-/// A tile of a tensor a LoRA agent updates holds what a tile of the same merge with every agent
-/// stored like the base holds, the agent's A and B included: f32 tiles with fewer elements, cut
-/// to whole statistics chunks. Every other tile of the merge leaves room for the largest pair
-/// (up to a quarter of its bytes): tile buffers kept from tensor to tensor never grow past what
-/// a tile and a pair may hold together.
+/// The tiles of a LoRA merge leave each worker room for its share of the largest tensor's A and
+/// B (the pass holds one tensor's pairs at a time, shared by its workers): the workers' tile
+/// bytes plus one pair stay within the full checkpoints' tiles. Tiles of updated tensors are f32
+/// with fewer elements; all are cut to whole statistics chunks.
 #[test]
-fn a_lora_tensor_tile_holds_the_bytes_of_a_full_checkpoint_tile() {
+fn a_lora_merge_tile_leaves_room_for_a_share_of_the_pairs() {
     use rlmerge::inputs::{Inputs, TensorPlan};
     let inputs = Inputs::open(
         &models().join("base"),
@@ -427,37 +428,44 @@ fn a_lora_tensor_tile_holds_the_bytes_of_a_full_checkpoint_tile() {
         .unwrap();
     assert_eq!(inputs.lora_room, room);
     let q = TensorPlan::TILE_QUANTUM;
-    let (mut updated, mut plain) = (0, 0);
+    let (mut updated, mut plain, mut shrunk) = (0, 0, 0);
     for plan in &inputs.tensors {
         let readers = 1 + plan.present().len();
         let base_size = 2; // the fixtures are bf16
-        let pair = lora.update(plan.name()).map(|u| u.stored_bytes());
-        for elems in [65536, 1 << 20] {
-            let budget = readers * elems * base_size;
-            assert!(room <= budget / 4, "the fixture's pairs fit a quarter");
-            let e = plan.tile_elems(&inputs, elems);
-            assert_eq!(e % q, 0, "{}", plan.name());
-            let tile = match pair {
-                Some(pair) => {
-                    updated += 1;
-                    assert!(readers * e * 4 + pair <= budget, "{}", plan.name());
-                    readers * e * 4
+        let size = if lora.update(plan.name()).is_some() {
+            updated += 1;
+            4
+        } else {
+            plain += 1;
+            base_size
+        };
+        for workers in [1, 2, 3, 16] {
+            for elems in [8192, 65536, 1 << 20] {
+                let budget = readers * elems * base_size;
+                let e = plan.tile_elems(&inputs, elems, workers);
+                let widened = budget / (readers * size);
+                if widened <= q || budget - room.div_ceil(workers) < readers * q * size {
+                    // Never below a run: the room is what is left.
+                    assert_eq!(e, widened.min(q), "{}", plan.name());
+                    continue;
                 }
-                None => {
-                    plain += 1;
-                    readers * e * base_size
-                }
-            };
-            // Room for the largest pair, and no smaller than that needs.
-            assert!(tile + room <= budget, "{}", plan.name());
-            let size = tile / (readers * e);
-            assert!(tile + room + readers * q * size > budget, "{}", plan.name());
+                assert_eq!(e % q, 0, "{}", plan.name());
+                shrunk += 1;
+                let tile = readers * e * size;
+                // Room for a share of the largest pairs, and no smaller than that needs.
+                assert!(workers * tile + room <= workers * budget, "{}", plan.name());
+                assert!(
+                    workers * (tile + readers * q * size) + room > workers * budget,
+                    "{} {workers} {elems}",
+                    plan.name()
+                );
+            }
         }
         // Tiles the size of a run or less are only widened.
-        let small = plan.tile_elems(&inputs, 24);
-        assert_eq!(small, if pair.is_some() { 12 } else { 24 });
+        let small = plan.tile_elems(&inputs, 24, 2);
+        assert_eq!(small, if size == 4 { 12 } else { 24 });
     }
-    assert!(updated > 0 && plain > 0);
+    assert!(updated > 0 && plain > 0 && shrunk > 0);
 }
 
 /// A merge without LoRA agents keeps its tiles: no room is set aside.
@@ -468,7 +476,7 @@ fn tiles_of_a_merge_without_lora_agents_are_the_planned_ones() {
     assert_eq!(inputs.lora_room, 0);
     for plan in &inputs.tensors {
         for elems in [24, 65536, 1 << 20] {
-            assert_eq!(plan.tile_elems(&inputs, elems), elems, "{}", plan.name());
+            assert_eq!(plan.tile_elems(&inputs, elems, 2), elems, "{}", plan.name());
         }
     }
 }

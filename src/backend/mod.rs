@@ -93,6 +93,9 @@ pub trait Backend: Send + Sync {
     /// on that worker alone (the engine spreads tiles, not a tile's chunks).
     fn run_workers(&self, worker: &(dyn Fn() + Sync));
 
+    /// How many workers [`Self::run_workers`] runs.
+    fn workers(&self) -> usize;
+
     /// Runs `work` — a tensor's statistics scans, CPU work spread with rayon — on the CPU
     /// threads this backend merges with: the CPU backend's workers (so `--threads` bounds the
     /// scans too, and the tile buffers of a merge live on as many threads as it has workers);

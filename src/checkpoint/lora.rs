@@ -17,12 +17,10 @@ pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 
 /// A/B pairs kept at most this many bytes at once, the oldest dropped first (read again if
-/// needed). The engine drops a tensor's pair as soon as its tiles are all merged
-/// ([`LoraAdapter::forget_one`]), so the cache holds the pairs of the tensors in flight — one per
-/// worker at most (a 4096-wide rank-16 pair in bf16 is 256 KiB; 8192 × 28672 at rank 16,
-/// 1.1 MiB), and the engine takes them out of the worker's tile budget
-/// ([`crate::inputs::TensorPlan::tile_elems`]); this bound only stops many cores on very wide
-/// tensors from holding more.
+/// needed). The engine holds one tensor's pairs at a time — a tile loop starts a LoRA tensor once
+/// the one before it is done, and drops its pairs as soon as its tiles are all merged
+/// ([`LoraAdapter::forget_one`]) — and takes each worker's share of them out of its tile budget
+/// ([`crate::inputs::TensorPlan::tile_elems`]); this bound is a backstop.
 const CACHE_BYTES: usize = 32 << 20;
 
 /// One base tensor's low-rank update.
@@ -45,12 +43,23 @@ impl LoraUpdate {
 }
 
 /// A and B of one update, their bytes as stored in the adapter (each in its own dtype), decoded a
-/// run at a time as the tiles need them: the pair costs its file size, not twice it in f32.
+/// run at a time as the tiles need them: the pair costs its file size, not twice it in f32. One
+/// buffer, A then B, reused from pair to pair ([`Cache::spare`]).
 struct Pair {
+    bytes: Vec<u8>,
+    a_len: usize,
+}
+
+impl Pair {
     /// A [r, cols] row-major (plain), A [r, rows] (transposed).
-    a: Vec<u8>,
+    fn a(&self) -> &[u8] {
+        &self.bytes[..self.a_len]
+    }
+
     /// B [rows, r] (plain), B [cols, r] (transposed).
-    b: Vec<u8>,
+    fn b(&self) -> &[u8] {
+        &self.bytes[self.a_len..]
+    }
 }
 
 /// An opened adapter.
@@ -62,15 +71,21 @@ pub struct LoraAdapter {
     cache: Mutex<Cache>,
     /// A/B pairs read from the adapter so far (one per updated tensor and pass).
     pairs_read: std::sync::atomic::AtomicUsize,
+    /// The most pairs held at once so far.
+    most_held: std::sync::atomic::AtomicUsize,
 }
 
-/// The pairs held, by update slot; the slots held in the order they were read; their bytes.
-/// Sized for every update when the adapter opens, so holding and dropping a pair allocates
-/// nothing but the pair.
+/// The pairs held, by update slot; the slots held in the order they were read; their bytes; the
+/// buffer of the last pair dropped. Sized for every update when the adapter opens, so holding
+/// and dropping a pair allocates nothing but the pair — and the next pair reuses the buffer of
+/// the one before: the engine holds one tensor's pairs at a time, so a pass keeps one buffer
+/// the size of its largest pair, wherever its workers run (a pair freed by one worker's thread
+/// and the next allocated by another's would leave each thread's allocator arena holding one).
 struct Cache {
     pairs: Vec<Option<Arc<Pair>>>,
     order: std::collections::VecDeque<usize>,
     bytes: usize,
+    spare: Vec<u8>,
 }
 
 impl Cache {
@@ -79,13 +94,20 @@ impl Cache {
             pairs: vec![None; updates],
             order: std::collections::VecDeque::with_capacity(updates),
             bytes: 0,
+            spare: Vec::new(),
         }
     }
 
     fn drop_pair(&mut self, slot: usize) {
         if let Some(p) = self.pairs[slot].take() {
-            self.bytes -= p.a.len() + p.b.len();
+            self.bytes -= p.bytes.len();
             self.order.retain(|&s| s != slot);
+            // Nobody else holds it once its tensor is done: its buffer is the next pair's.
+            if let Ok(p) = Arc::try_unwrap(p) {
+                if p.bytes.capacity() > self.spare.capacity() {
+                    self.spare = p.bytes;
+                }
+            }
         }
     }
 }
@@ -288,21 +310,26 @@ impl LoraAdapter {
             updates,
             cache: Mutex::new(Cache::new(count)),
             pairs_read: Default::default(),
+            most_held: Default::default(),
         })
     }
 
     /// Drops every pair held (the engine calls this when the tensors in flight are done).
     pub fn forget(&self) {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        while let Some(slot) = cache.order.pop_front() {
-            cache.pairs[slot] = None;
+        while let Some(&slot) = cache.order.front() {
+            cache.drop_pair(slot);
         }
-        cache.bytes = 0;
     }
 
     /// How many A/B pairs were read from the adapter so far.
     pub fn pairs_read(&self) -> usize {
         self.pairs_read.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The most A/B pairs held at once so far.
+    pub fn most_pairs_held(&self) -> usize {
+        self.most_held.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// How many tensors the adapter updates.
@@ -362,19 +389,23 @@ impl LoraAdapter {
         if let Some(p) = &cache.pairs[u.slot] {
             return Ok(p.clone());
         }
-        let read = |e: &TensorEntry| -> Result<Vec<u8>> {
-            let mut bytes = vec![0u8; e.byte_len() as usize];
-            self.file.read(e, 0, &mut bytes)?;
-            self.file.record_read(e, 0, &bytes);
-            Ok(bytes)
-        };
+        let (a_len, size) = (u.a.byte_len() as usize, u.stored_bytes());
+        let mut bytes = std::mem::take(&mut cache.spare);
+        if bytes.capacity() < size {
+            // Grown exactly, the old buffer freed first.
+            bytes = Vec::new();
+            bytes.reserve_exact(size);
+        }
+        bytes.clear();
+        bytes.resize(size, 0);
+        let (a, b) = bytes.split_at_mut(a_len);
+        for (e, part) in [(&u.a, a), (&u.b, b)] {
+            self.file.read(e, 0, part)?;
+            self.file.record_read(e, 0, part);
+        }
         self.pairs_read
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let p = Arc::new(Pair {
-            a: read(&u.a)?,
-            b: read(&u.b)?,
-        });
-        let size = p.a.len() + p.b.len();
+        let p = Arc::new(Pair { bytes, a_len });
         while cache.bytes + size > CACHE_BYTES {
             let Some(old) = cache.order.pop_front() else {
                 break;
@@ -384,6 +415,8 @@ impl LoraAdapter {
         cache.pairs[u.slot] = Some(p.clone());
         cache.bytes += size;
         cache.order.push_back(u.slot);
+        self.most_held
+            .fetch_max(cache.order.len(), std::sync::atomic::Ordering::Relaxed);
         Ok(p)
     }
 
@@ -463,7 +496,7 @@ impl LoraAdapter {
                 // terms[k][j] = B[c0 + j, k]: B's rows over the block, turned.
                 for j in 0..w {
                     let from = (c0 + j) * r * sb;
-                    decode(tb, &p.b[from..from + r * sb], &mut coef[..r]);
+                    decode(tb, &p.b()[from..from + r * sb], &mut coef[..r]);
                     for (k, &x) in coef[..r].iter().enumerate() {
                         terms[k * w + j] = x;
                     }
@@ -474,7 +507,7 @@ impl LoraAdapter {
                     let from = (k * n + c0) * sa;
                     decode(
                         ta,
-                        &p.a[from..from + w * sa],
+                        &p.a()[from..from + w * sa],
                         &mut terms[k * w..(k + 1) * w],
                     );
                 }
@@ -482,11 +515,11 @@ impl LoraAdapter {
             for i in rows {
                 if u.transposed {
                     for (k, c) in coef[..r].iter_mut().enumerate() {
-                        *c = decode_one(ta, &p.a, k * m + i);
+                        *c = decode_one(ta, p.a(), k * m + i);
                     }
                 } else {
                     let from = i * r * sb;
-                    decode(tb, &p.b[from..from + r * sb], &mut coef[..r]);
+                    decode(tb, &p.b()[from..from + r * sb], &mut coef[..r]);
                 }
                 let lo = (i * n + c0).max(first);
                 let hi = (i * n + c1).min(end);

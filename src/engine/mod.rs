@@ -362,7 +362,7 @@ impl<'a> MergePass<'a> {
         let present = plan.present();
         let rule = self.rule_of(plan, &present)?;
         // Widened tiles and LoRA pairs: a tile's bytes stay what the pass chose.
-        let elems = plan.tile_elems(self.inputs, self.pass.tile_elems);
+        let elems = plan.tile_elems(self.inputs, self.pass.tile_elems, self.backend.workers());
         // DELLA ranks whole rows: its tiles hold whole rows.
         let tile_elems = match &rule {
             TileRule::Combine(spec) if spec.rank_rows > 0 => whole_rows(elems, spec.rank_rows),

@@ -25,7 +25,7 @@ pub(super) fn probe_tensors(
         .map(|(&plan, present)| TensorTiles {
             plan,
             present,
-            tile_elems: plan.tile_elems(inputs, pass.tile_elems),
+            tile_elems: plan.tile_elems(inputs, pass.tile_elems, backend.workers()),
         })
         .collect();
     let zeros = || -> Vec<TileCounts> {

@@ -33,7 +33,7 @@ pub fn retention(
         .map(|(plan, present)| TensorTiles {
             plan,
             present,
-            tile_elems: plan.tile_elems(inputs, pass.tile_elems),
+            tile_elems: plan.tile_elems(inputs, pass.tile_elems, rayon::current_num_threads()),
         })
         .collect();
     let bar = progress_bar(inputs.pass_bytes(), show_progress, "retention");

@@ -52,7 +52,7 @@ pub(super) fn combine_spec(
         pass: Pass {
             scan_nonfinite: false,
             tile_elems: whole_rows(
-                plan.tile_elems(inputs, pass.tile_elems.max(SCAN_TILE_ELEMS)),
+                plan.tile_elems(inputs, pass.tile_elems.max(SCAN_TILE_ELEMS), 1),
                 whole,
             ),
             ..pass.clone()
@@ -205,7 +205,9 @@ impl Scans for TensorScans<'_> {
         let tensor = TensorTiles {
             plan: self.plan,
             present: self.present,
-            tile_elems: self.plan.tile_elems(self.inputs, ANY_ORDER_TILE_ELEMS),
+            tile_elems: self
+                .plan
+                .tile_elems(self.inputs, ANY_ORDER_TILE_ELEMS, workers),
         };
         let how = TileLoop {
             inputs: self.inputs,

@@ -11,7 +11,7 @@ use anyhow::{bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
 
 /// Reusable tile buffers: one for the base, one per agent.
 pub(super) struct TileBuffers {
@@ -424,6 +424,31 @@ pub(super) fn par_tiles<S: Send>(
         .windows(2)
         .map(|w| AtomicUsize::new(w[1].div_ceil(stride) - w[0].div_ceil(stride)))
         .collect();
+    // One LoRA tensor at a time: each waits for the one before it (its pairs dropped) to finish,
+    // so the pass holds one tensor's pairs, shared by its workers (`TensorPlan::tile_elems`
+    // leaves each worker room for its share). The tiles before a waiting worker's were all
+    // handed out, to workers that wait only for earlier tensors: the wait ends.
+    let has_lora: Vec<bool> = tensors
+        .iter()
+        .map(|t| t.plan.lora_bytes(inputs) > 0)
+        .collect();
+    let lora_before: Vec<Option<usize>> = has_lora
+        .iter()
+        .enumerate()
+        .scan(None, |last, (j, &lora)| {
+            let before = *last;
+            if lora {
+                *last = Some(j);
+            }
+            Some(before)
+        })
+        .collect();
+    // A tensor without tiles to visit (empty, or skipped by the stride) is finished already.
+    let finished: Vec<AtomicBool> = left
+        .iter()
+        .map(|l| AtomicBool::new(l.load(Ordering::Relaxed) == 0))
+        .collect();
+    let gate = (Mutex::new(()), Condvar::new());
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let first_error: Mutex<Option<(usize, anyhow::Error)>> = Mutex::new(None);
@@ -442,6 +467,14 @@ pub(super) fn par_tiles<S: Send>(
                 present,
                 tile_elems,
             } = tensors[j];
+            if let Some(before) =
+                lora_before[j].filter(|&b| has_lora[j] && !finished[b].load(Ordering::Acquire))
+            {
+                let mut open = gate.0.lock().unwrap_or_else(|p| p.into_inner());
+                while !finished[before].load(Ordering::Acquire) {
+                    open = gate.1.wait(open).unwrap_or_else(|p| p.into_inner());
+                }
+            }
             let (i, step, numel) = (g - firsts[j], tile_elems.max(1), plan.numel());
             let (start, len) = (i * step, step.min(numel - i * step));
             let read = TileRead {
@@ -458,8 +491,13 @@ pub(super) fn par_tiles<S: Send>(
                         visit(&mut state, j, i, start as u64, tile)
                     })
                 });
-            if left[j].fetch_sub(1, Ordering::AcqRel) == 1 && last_read {
-                inputs.forget_lora_tensor(plan);
+            if left[j].fetch_sub(1, Ordering::AcqRel) == 1 {
+                if last_read {
+                    inputs.forget_lora_tensor(plan);
+                }
+                let _open = gate.0.lock().unwrap_or_else(|p| p.into_inner());
+                finished[j].store(true, Ordering::Release);
+                gate.1.notify_all();
             }
             match done {
                 Ok(()) => {

@@ -71,6 +71,10 @@ impl Backend for CpuBackend {
         self.pool.broadcast(|_| worker());
     }
 
+    fn workers(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
     fn run_cpu_work(&self, work: &mut (dyn FnMut() + Send)) {
         self.pool.install(work)
     }

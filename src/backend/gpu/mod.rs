@@ -96,10 +96,14 @@ impl Backend for GpuBackend {
     /// Two workers: while one waits for the device with its tile, the other reads the next.
     fn run_workers(&self, worker: &(dyn Fn() + Sync)) {
         std::thread::scope(|s| {
-            for _ in 0..2 {
+            for _ in 0..self.workers() {
                 s.spawn(worker);
             }
         });
+    }
+
+    fn workers(&self) -> usize {
+        2
     }
 
     fn probe(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts> {
