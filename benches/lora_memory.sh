@@ -6,7 +6,9 @@
 #
 #   benches/lora_memory.sh [MODEL_SIZE=512MiB] [RUNS=7] [DIR=target/bench-lora] [RANK=16]
 #
-# THREADS=N passes --threads N (default: every core).
+# THREADS=N passes --threads N (default: every core). BASE=DIR AGENT=DIR measure on checkpoints of
+# your own (any Hugging Face folders of one base, e.g. a 7B one) instead of the demo's synthetic
+# ones: the adapter and the full checkpoints are written under DIR.
 set -euo pipefail
 size=${1:-512MiB}
 runs=${2:-7}
@@ -16,15 +18,23 @@ cd "$(dirname "$0")/.."
 cargo build --release --quiet
 bin=target/release/rlmerge
 threads=(--threads "${THREADS:-0}")
-if [ ! -f "$dir/.made-$size-$rank" ]; then
-    rm -rf "$dir"
-    "$bin" demo "$dir" --model-size "$size" --write-only --quiet >/dev/null
-    python3 benches/write_lora.py "$dir/base" "$dir/lora" "$rank" >/dev/null
+base=${BASE:-$dir/base}
+agent=${AGENT:-$dir/tool-agent}
+made="$dir/.made-$rank-${BASE:+$(echo "$BASE" | tr / _)}$size"
+if [ ! -f "$made" ]; then
+    if [ -z "${BASE:-}" ]; then
+        rm -rf "$dir"
+        "$bin" demo "$dir" --model-size "$size" --write-only --quiet >/dev/null
+    fi
+    # Only what this script writes is replaced.
+    rm -rf "$dir/lora" "$dir/full-bf16" "$dir/full-f32"
+    mkdir -p "$dir"
+    python3 benches/write_lora.py "$base" "$dir/lora" "$rank" >/dev/null
     for dtype in bf16 f32; do
-        "$bin" merge -q --device cpu --base "$dir/base" --model "$dir/lora" \
+        "$bin" merge -q --device cpu --base "$base" --model "$dir/lora" \
             --method task_arithmetic --param weight=1 --out-dtype "$dtype" -o "$dir/full-$dtype" >/dev/null
     done
-    touch "$dir/.made-$size-$rank"
+    touch "$made"
 fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
@@ -46,9 +56,9 @@ measure() {
 printf '%-16s %-32s %-32s %-32s\n' method "LoRA agent" "bf16 full checkpoint" "f32 full checkpoint"
 for method in "ram" "task_arithmetic --param weight=0.5" "ties --param weight=0.5 --param density=0.5"; do
     printf '%-16s' "${method%% *}"
-    for agent in lora full-bf16 full-f32; do
+    for lora in lora full-bf16 full-f32; do
         # shellcheck disable=SC2086
-        printf ' %-32s' "$(measure --base "$dir/base" --model "$dir/$agent" --model "$dir/tool-agent" --method $method)"
+        printf ' %-32s' "$(measure --base "$base" --model "$dir/$lora" --model "$agent" --method $method)"
     done
     echo
 done
