@@ -268,8 +268,8 @@ impl LoraAdapter {
             );
             let rank = *pattern_for(&config.rank_pattern, &module).unwrap_or(&config.r);
             ensure!(
-                (1..=MAX_RANK).contains(&rank),
-                "{}: module '{module}' has rank {rank}; ranks 1 to {MAX_RANK} are supported",
+                rank >= 1,
+                "{}: module '{module}' has rank 0; a LoRA rank is at least 1",
                 config_path.display()
             );
             let alpha = *pattern_for(&config.alpha_pattern, &module).unwrap_or(&config.lora_alpha);
@@ -471,14 +471,15 @@ impl LoraAdapter {
         let (r, m, n) = (u.rank, shape[0], shape[1]);
         let (ta, tb) = (u.a.dtype, u.b.dtype);
         let (sa, sb) = (ta.size(), tb.size());
-        debug_assert!((1..=MAX_RANK).contains(&r));
+        debug_assert!(r >= 1);
         if len == 0 {
             return Ok(());
         }
-        // Columns per block: the block's r rows of terms fill `terms` at most.
-        let cols = (MAX_RANK / r).clamp(1, BLOCK_COLS);
-        let mut terms = [0.0f32; MAX_RANK];
-        let mut coef = [0.0f32; MAX_RANK];
+        // Columns per block: the block's r rows of terms take BLOCK_TERMS values (one column
+        // at least), beside a row's r coefficients; sized for the call, not for the largest rank.
+        let cols = (BLOCK_TERMS / r).clamp(1, BLOCK_COLS);
+        let mut scratch = vec![0.0f32; r + r * cols];
+        let (coef, terms) = scratch.split_at_mut(r);
         let mut acc = [0.0f32; BLOCK_COLS];
         let (first, end) = (start as usize, start as usize + len);
         let (row_lo, row_hi) = (first / n, (end - 1) / n);
@@ -496,8 +497,8 @@ impl LoraAdapter {
                 // terms[k][j] = B[c0 + j, k]: B's rows over the block, turned.
                 for j in 0..w {
                     let from = (c0 + j) * r * sb;
-                    decode(tb, &p.b()[from..from + r * sb], &mut coef[..r]);
-                    for (k, &x) in coef[..r].iter().enumerate() {
+                    decode(tb, &p.b()[from..from + r * sb], coef);
+                    for (k, &x) in coef.iter().enumerate() {
                         terms[k * w + j] = x;
                     }
                 }
@@ -514,17 +515,17 @@ impl LoraAdapter {
             }
             for i in rows {
                 if u.transposed {
-                    for (k, c) in coef[..r].iter_mut().enumerate() {
+                    for (k, c) in coef.iter_mut().enumerate() {
                         *c = decode_one(ta, p.a(), k * m + i);
                     }
                 } else {
                     let from = i * r * sb;
-                    decode(tb, &p.b()[from..from + r * sb], &mut coef[..r]);
+                    decode(tb, &p.b()[from..from + r * sb], coef);
                 }
                 let lo = (i * n + c0).max(first);
                 let hi = (i * n + c1).min(end);
                 let acc = &mut acc[..hi - lo];
-                rank_sums(&coef[..r], &terms[lo - (i * n + c0)..], w, acc);
+                rank_sums(coef, &terms[lo - (i * n + c0)..], w, acc);
                 add(lo - first, acc, u.scale);
             }
         }
@@ -532,10 +533,9 @@ impl LoraAdapter {
     }
 }
 
-/// The highest LoRA rank merged: a block's terms and a row's coefficients fit the stack
-/// ([`LoraAdapter::add_update`]). A rank above the model's width adds nothing a full agent would
-/// not, and no adapter in use comes near.
-pub const MAX_RANK: usize = 4096;
+/// Values of a column block's terms in [`LoraAdapter::add_update`] (rank × columns), 16 KiB:
+/// they stay in L1 while every row of a tile crosses the block.
+const BLOCK_TERMS: usize = 4096;
 
 /// Columns per block of [`LoraAdapter::add_update`] at most (rank ≤ 16 reaches it).
 const BLOCK_COLS: usize = 256;
@@ -616,12 +616,12 @@ mod tests {
 
     /// The update added run by run (runs across rows and column blocks, longer than a block)
     /// equals the definition element by element — Σ_k in order from 0, times s — at ranks from 1
-    /// (the widest blocks) to [`MAX_RANK`] (one column per block), plain and transposed; and the
-    /// pair is read once.
+    /// (the widest blocks) to above [`BLOCK_TERMS`] (one column per block), plain and transposed;
+    /// and the pair is read once.
     #[test]
     fn the_update_is_the_definition_whatever_the_runs() {
         let shape = [7, 2100];
-        for rank in [1, 3, 16, 300, 4096] {
+        for rank in [1, 3, 16, 300, 4100] {
             for transposed in [false, true] {
                 let dir = tempfile::tempdir().unwrap();
                 let (a, b) = adapter(dir.path(), shape, rank, transposed);
