@@ -152,7 +152,12 @@ impl ModelFolder {
 
     /// Whether tensor `name` is the base's plus a LoRA update (read as f32).
     pub fn has_update(&self, name: &str) -> bool {
-        self.lora.as_ref().is_some_and(|l| l.update(name).is_some())
+        self.lora_for(name).is_some()
+    }
+
+    /// The adapter that updates tensor `name`, when this agent is a LoRA one that does.
+    pub fn lora_for(&self, name: &str) -> Option<&LoraAdapter> {
+        self.lora.as_ref().filter(|l| l.update(name).is_some())
     }
 
     pub fn get(&self, name: &str) -> Option<&ModelTensor> {

@@ -77,7 +77,8 @@ impl TileBuffers {
             // update, added in f32. Such a tile's raw bytes are read into its tail and widened in
             // place front to back, so the tile's bytes are all it holds.
             let dtype = tensor.entry.dtype;
-            let widened = dtype != tile_dtype || model.has_update(&tensor.entry.name);
+            let lora = model.lora_for(&tensor.entry.name);
+            let widened = dtype != tile_dtype || lora.is_some();
             let size = if widened { 4 } else { dtype.size() };
             resize_exact(buf, len * size, 0);
             let tail = len * (size - dtype.size());
@@ -101,11 +102,7 @@ impl TileBuffers {
                 }
                 // A LoRA agent's update over the whole tile at once: its terms are decoded once
                 // for all the tile's rows.
-                if let Some(l) = model
-                    .lora
-                    .as_ref()
-                    .filter(|_| model.has_update(&tensor.entry.name))
-                {
+                if let Some(l) = lora {
                     let entry = &tensor.entry;
                     l.add_update_bytes(
                         &entry.name,
@@ -183,11 +180,7 @@ fn widen(
     values: &mut [f32],
 ) -> Result<()> {
     decode(tensor.entry.dtype, raw, values);
-    if let Some(l) = model
-        .lora
-        .as_ref()
-        .filter(|l| l.update(&tensor.entry.name).is_some())
-    {
+    if let Some(l) = model.lora_for(&tensor.entry.name) {
         l.add_update(&tensor.entry.name, &tensor.entry.shape, at, values)?;
     }
     Ok(())
@@ -428,19 +421,15 @@ pub(super) fn par_tiles<S: Send>(
     // so the pass holds one tensor's pairs, shared by its workers (`TensorPlan::tile_elems`
     // leaves each worker room for its share). The tiles before a waiting worker's were all
     // handed out, to workers that wait only for earlier tensors: the wait ends.
-    let has_lora: Vec<bool> = tensors
-        .iter()
-        .map(|t| t.plan.lora_bytes(inputs) > 0)
-        .collect();
-    let lora_before: Vec<Option<usize>> = has_lora
+    // For each LoRA tensor, the LoRA tensor before it in the loop.
+    let wait_for: Vec<Option<usize>> = tensors
         .iter()
         .enumerate()
-        .scan(None, |last, (j, &lora)| {
-            let before = *last;
-            if lora {
-                *last = Some(j);
+        .scan(None, |last, (j, t)| {
+            if t.plan.lora_bytes(inputs) == 0 {
+                return Some(None);
             }
-            Some(before)
+            Some(last.replace(j))
         })
         .collect();
     // A tensor without tiles to visit (empty, or skipped by the stride) is finished already.
@@ -467,9 +456,7 @@ pub(super) fn par_tiles<S: Send>(
                 present,
                 tile_elems,
             } = tensors[j];
-            if let Some(before) =
-                lora_before[j].filter(|&b| has_lora[j] && !finished[b].load(Ordering::Acquire))
-            {
+            if let Some(before) = wait_for[j].filter(|&b| !finished[b].load(Ordering::Acquire)) {
                 let mut open = gate.0.lock().unwrap_or_else(|p| p.into_inner());
                 while !finished[before].load(Ordering::Acquire) {
                     open = gate.1.wait(open).unwrap_or_else(|p| p.into_inner());
