@@ -6,7 +6,7 @@
 
 use crate::report::retention::{Retention, REGIONS};
 use crate::report::ProbeReport;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
 
@@ -35,13 +35,9 @@ fn hsl_hex(h: f64, s: f64, l: f64) -> String {
     format!("#{:02x}{:02x}{:02x}", byte(r), byte(g), byte(b))
 }
 
-/// Text with XML's special characters escaped.
+/// Text as XML (the one escaping rule: [`crate::escape::xml`]).
 fn xml(text: &str) -> String {
-    crate::error::printable(text)
-        .replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
+    crate::escape::xml(text)
 }
 
 /// A figure's opening: the 900-pixel-wide canvas `height` high, white, text of `font_size`, and
@@ -349,15 +345,16 @@ pub fn retention(r: &Retention) -> String {
 }
 
 /// Writes `overlap.svg` and `layers.svg` into `dir` (created if missing), with `per_tensor`
-/// `lambda.svg`, and with a merged folder's `retention` `retention.svg`; returns their paths.
+/// `lambda.svg`, and with a merged folder's `retention` `retention.svg`, through the output rules
+/// of [`crate::checkpoint::output_folder::write_files`] (never into or over `protect`, never
+/// through a link or into a FIFO, all at once); returns their paths.
 pub fn write_all(
     report: &ProbeReport,
     retained: Option<&Retention>,
     dir: &Path,
     per_tensor: bool,
+    protect: &[PathBuf],
 ) -> Result<Vec<PathBuf>> {
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let mut written = Vec::new();
     let mut figures = vec![
         ("overlap.svg", overlap(report)),
         ("layers.svg", layers(report)),
@@ -368,10 +365,9 @@ pub fn write_all(
     if let Some(r) = retained {
         figures.push(("retention.svg", retention(r)));
     }
-    for (name, svg) in figures {
-        let path = dir.join(name);
-        std::fs::write(&path, svg).with_context(|| format!("cannot write {}", path.display()))?;
-        written.push(path);
-    }
-    Ok(written)
+    let files: Vec<(&str, Vec<u8>)> = figures
+        .into_iter()
+        .map(|(name, svg)| (name, svg.into_bytes()))
+        .collect();
+    crate::checkpoint::output_folder::write_files(dir, &files, protect)
 }

@@ -110,10 +110,15 @@ pub fn cached(id: &ModelId, cache: &Path) -> Option<(PathBuf, String)> {
     let commit = if is_commit(&id.revision) {
         id.revision.to_ascii_lowercase()
     } else {
-        std::fs::read_to_string(repo.join("refs").join(&id.revision))
+        // A ref holds a commit, nothing else: not a path that would send the id elsewhere.
+        let commit = std::fs::read_to_string(repo.join("refs").join(&id.revision))
             .ok()?
             .trim()
-            .to_string()
+            .to_ascii_lowercase();
+        if !is_commit(&commit) {
+            return None;
+        }
+        commit
     };
     let dir = repo.join("snapshots").join(&commit);
     has_weights(&dir).then_some((dir, commit))
@@ -156,39 +161,144 @@ pub fn needed(file: &str) -> bool {
         || file.starts_with("tokenizer")
 }
 
-/// Where a model named `name` is: an existing path as it is; an id from the cache, or downloaded
-/// into it (with a progress bar when `progress`). Anything else is an error naming it.
+/// Where a model named `name` is. The rule (README "Hub ids"): an existing local folder wins,
+/// and when its name is also a Hub id a note on stderr says the folder was taken; otherwise an
+/// id is taken from the cache, or downloaded into it (with a progress bar when `progress`); a
+/// name that is neither gets an error saying both facts — no folder of that name here, and why
+/// the id could not be had.
 pub fn locate(name: &Path, progress: bool) -> Result<PathBuf> {
+    let id = name.to_str().and_then(ModelId::parse);
     if name.exists() {
+        if let Some(id) = &id {
+            eprintln!(
+                "note: {} is a local folder, taken instead of the Hub id {} (write ./{} or an \
+                 absolute path to say so)",
+                crate::escape::terminal(&name.display().to_string()),
+                id.repo(),
+                id.repo()
+            );
+        }
         return Ok(name.to_path_buf());
     }
-    let Some(id) = name.to_str().and_then(ModelId::parse) else {
+    let Some(id) = id else {
         return Ok(name.to_path_buf());
+    };
+    let no_folder = |why: String| {
+        anyhow::anyhow!(
+            "no folder {} here ({}), and the Hub id {id} could not be fetched: {why}",
+            crate::escape::terminal(&name.display().to_string()),
+            std::env::current_dir().map_or_else(|_| ".".into(), |d| d.display().to_string())
+        )
     };
     let cache = cache_dir();
     if let Some((dir, _)) = cached(&id, &cache) {
         return Ok(dir);
     }
     if offline() {
-        bail!(
-            "model {} is not a folder, and the Hugging Face cache has no snapshot of it with \
-             weights (looked in {}); HF_HUB_OFFLINE is set, so it is not downloaded",
-            name.display(),
+        return Err(no_folder(format!(
+            "the Hugging Face cache has no snapshot of it with weights (looked in {}), and \
+             HF_HUB_OFFLINE is set, so it is not downloaded",
             id.cache_folder(&cache).display()
-        );
+        )));
     }
-    download(&id, &cache, progress)
-        .with_context(|| format!("cannot download model {} into {}", id, cache.display()))
+    download_watched(&id, &cache, progress).map_err(|e| {
+        no_folder(format!(
+            "downloading it into {} failed: {}",
+            cache.display(),
+            crate::escape::terminal(&format!("{e:#}"))
+        ))
+    })
+}
+
+/// Seconds without an answer after which a download gives up: `HF_HUB_DOWNLOAD_TIMEOUT`, as the
+/// official client reads it, else its default of 10.
+pub fn download_timeout() -> std::time::Duration {
+    let secs = std::env::var("HF_HUB_DOWNLOAD_TIMEOUT")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .unwrap_or(10.0);
+    std::time::Duration::from_secs_f64(secs.min(86_400.0))
+}
+
+/// [`download`] on a thread of its own, given up when the server stops answering: the hf-hub
+/// client sets no socket timeouts, so a server that accepts and never answers would hang it.
+/// Each new byte in the repository's cache folder counts as an answer; [`download_timeout`]
+/// seconds without one — or a stop request of the job ([`crate::cancel`]) — end the wait with an
+/// error (the stalled request is left to the process's exit).
+fn download_watched(id: &ModelId, cache: &Path, progress: bool) -> Result<PathBuf> {
+    let limit = download_timeout();
+    let token = crate::cancel::current();
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let (id, cache) = (id.clone(), cache.to_path_buf());
+        std::thread::spawn(move || {
+            let _ = tx.send(download(&id, &cache, progress));
+        });
+    }
+    let folder = id.cache_folder(cache);
+    let mut seen = bytes_under(&folder);
+    let mut last = std::time::Instant::now();
+    loop {
+        match rx.recv_timeout(std::time::Duration::from_millis(100)) {
+            Ok(result) => return result,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                bail!("the download stopped without a result")
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        token.check()?;
+        let now = bytes_under(&folder);
+        if now != seen {
+            (seen, last) = (now, std::time::Instant::now());
+        } else if last.elapsed() >= limit {
+            bail!(
+                "{} did not answer for {:.0} s (HF_HUB_DOWNLOAD_TIMEOUT sets this limit)",
+                endpoint(),
+                limit.as_secs_f64()
+            );
+        }
+    }
+}
+
+/// Bytes of the files under `dir` (a repository's cache folder: a few dozen files).
+fn bytes_under(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => bytes_under(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
+}
+
+/// `HF_ENDPOINT`, else the Hub.
+fn endpoint() -> String {
+    std::env::var("HF_ENDPOINT")
+        .ok()
+        .filter(|e| !e.is_empty())
+        .unwrap_or_else(|| DEFAULT_ENDPOINT.into())
+}
+
+/// A client error as one line: the innermost cause (the network's own words), once — hf-hub's
+/// errors repeat their source's text at each level.
+fn network_error(e: hf_hub::api::sync::ApiError) -> anyhow::Error {
+    let mut inner: &dyn std::error::Error = &e;
+    while let Some(next) = inner.source() {
+        inner = next;
+    }
+    anyhow::anyhow!("{inner}")
 }
 
 /// Downloads the files a merge needs of `id` into the cache; returns the snapshot folder.
 fn download(id: &ModelId, cache: &Path, progress: bool) -> Result<PathBuf> {
     use hf_hub::api::sync::ApiBuilder;
     use hf_hub::{Cache, Repo, RepoType};
-    let endpoint = std::env::var("HF_ENDPOINT")
-        .ok()
-        .filter(|e| !e.is_empty())
-        .unwrap_or_else(|| DEFAULT_ENDPOINT.into());
+    let endpoint = endpoint();
     let store = Cache::new(cache.to_path_buf());
     let token = std::env::var("HF_TOKEN")
         .ok()
@@ -198,7 +308,9 @@ fn download(id: &ModelId, cache: &Path, progress: bool) -> Result<PathBuf> {
         .with_endpoint(endpoint.trim_end_matches('/').to_string())
         .with_token(token)
         .with_progress(progress)
-        .build()?;
+        .with_retries(2)
+        .build()
+        .map_err(network_error)?;
     let repo = api.repo(Repo::with_revision(
         id.repo(),
         RepoType::Model,
@@ -206,7 +318,8 @@ fn download(id: &ModelId, cache: &Path, progress: bool) -> Result<PathBuf> {
     ));
     let info = repo
         .info()
-        .with_context(|| format!("{endpoint} does not list {id}"))?;
+        .map_err(network_error)
+        .with_context(|| format!("cannot read {id}'s file list from {endpoint}"))?;
     let files: Vec<&str> = info
         .siblings
         .iter()
@@ -218,6 +331,7 @@ fn download(id: &ModelId, cache: &Path, progress: bool) -> Result<PathBuf> {
     }
     for file in &files {
         repo.download(file)
+            .map_err(network_error)
             .with_context(|| format!("downloading {file} of {id}"))?;
     }
     let dir = id.cache_folder(cache).join("snapshots").join(&info.sha);

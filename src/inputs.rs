@@ -29,6 +29,11 @@ pub struct Inputs {
     /// Bytes of the largest set of LoRA A/B pairs one tensor's tiles hold (0: no LoRA agent),
     /// which the tiles of the merge leave room for ([`TensorPlan::tile_elems`]).
     pub lora_room: usize,
+    /// The user let tensors missing in some models through ([`Layout::allow_missing_tensors`]).
+    pub allow_missing_tensors: bool,
+    /// Stops the passes over these inputs between tiles (see [`crate::cancel`]): the token of
+    /// the thread that opened them.
+    pub cancel: crate::cancel::Token,
 }
 
 /// What shapes the output beyond the base's tensors: mergekit's slices and tokenizer source.
@@ -38,6 +43,9 @@ pub struct Layout<'a> {
     pub tokenizer: Option<&'a TokenizerSettings>,
     /// Whether θ₀ enters the merge: a token some model lacks then takes the base's row first.
     pub with_base: bool,
+    /// Tensors some agent lacks, or has and the base lacks, are merged from the models that have
+    /// them (or ignored) with a warning instead of refused (`--allow-missing-tensors`).
+    pub allow_missing_tensors: bool,
 }
 
 /// One output tensor: its base tensor (θ₀, and the name, shape and dtype of the output) and where
@@ -98,14 +106,14 @@ impl TensorPlan {
         let Some(t) = folder.get(self.name()) else {
             bail!(
                 "tensor '{}' is missing in the {what} {}",
-                crate::error::printable(self.name()),
+                crate::escape::terminal(self.name()),
                 folder.dir.display()
             );
         };
         ensure!(
             t.entry.shape == *self.shape(),
             "tensor '{}' in {} has shape {}, but the model's is {}",
-            crate::error::printable(self.name()),
+            crate::escape::terminal(self.name()),
             folder.file_of(t).display(),
             shape_text(&t.entry.shape),
             shape_text(self.shape())
@@ -259,6 +267,8 @@ impl Inputs {
                 );
             }
         }
+        let base_config = refuse_other_architectures(&base, &agents, layout)?;
+        let mut warnings = check_adapters_base(&base, &agents)?;
         let vocabulary = layout
             .tokenizer
             .map(|t| Vocabulary::build(t, &base, &agents).map(Arc::new))
@@ -268,10 +278,7 @@ impl Inputs {
             vocabulary: v,
             with_base: layout.with_base,
         });
-        let mut warnings: Vec<String> = vocabulary
-            .iter()
-            .flat_map(|v| v.warnings.iter().cloned())
-            .collect();
+        warnings.extend(vocabulary.iter().flat_map(|v| v.warnings.iter().cloned()));
         if let Some(slices) = layout.slices {
             let mut tensors = sliced_plans(&base, &agents, slices, reindex.as_ref())?;
             if let Some(r) = &reindex {
@@ -285,6 +292,8 @@ impl Inputs {
                 slices: Some(slices.clone()),
                 vocabulary,
                 lora_room: 0,
+                allow_missing_tensors: layout.allow_missing_tensors,
+                cancel: crate::cancel::current(),
             }
             .with_lora_room());
         }
@@ -324,8 +333,13 @@ impl Inputs {
                             "; its vocabulary differs from the base's: set tokenizer_source \
                              (union, base or model:NAME) in a recipe to merge the embeddings \
                              token by token"
+                                .to_string()
                         } else {
-                            ""
+                            architecture_key_of(
+                                base_config.as_ref(),
+                                &bt.entry.shape,
+                                &at.entry.shape,
+                            )
                         }
                     );
                 }
@@ -338,6 +352,15 @@ impl Inputs {
                 .map(|(t, _)| agents[t].dir.display().to_string())
                 .collect();
             if !missing.is_empty() {
+                if !layout.allow_missing_tensors {
+                    return Err(usage(format!(
+                        "tensor '{}' of the base is missing in {}: an agent of the same \
+                         architecture has every tensor of its base; pass --allow-missing-tensors \
+                         to merge it from the models that have it",
+                        crate::escape::terminal(&bt.entry.name),
+                        missing.join(", ")
+                    )));
+                }
                 let what = if missing.len() == agents.len() {
                     "kept from the base".to_string()
                 } else {
@@ -367,6 +390,16 @@ impl Inputs {
                 .map(|t| &*t.entry.name)
                 .collect();
             if let Some(first) = extra.first() {
+                if !layout.allow_missing_tensors {
+                    return Err(usage(format!(
+                        "{} has {} tensor(s) the base lacks (first: '{}'): an agent of the same \
+                         architecture has only its base's tensors; pass --allow-missing-tensors \
+                         to ignore them",
+                        agent.dir.display(),
+                        extra.len(),
+                        crate::escape::terminal(first)
+                    )));
+                }
                 warnings.push(format!(
                     "{} has {} tensor(s) the base lacks (first: '{first}'); they are ignored",
                     agent.dir.display(),
@@ -382,6 +415,8 @@ impl Inputs {
             slices: None,
             vocabulary,
             lora_room: 0,
+            allow_missing_tensors: layout.allow_missing_tensors,
+            cancel: crate::cancel::current(),
         }
         .with_lora_room())
     }
@@ -500,7 +535,7 @@ fn sliced_plans(
                 bail!(
                     "slice {} takes tensor '{}' from {}, which does not have it",
                     s + 1,
-                    crate::error::printable(&name),
+                    crate::escape::terminal(&name),
                     agents[t].dir.display()
                 );
             };
@@ -694,6 +729,194 @@ fn open_agent(base_dir: &Path, dir: &Path, interner: &mut Interner) -> Result<Mo
             .with_context(|| format!("cannot open the LoRA agent {}", a.display())),
         None => ModelFolder::open_interned(dir, interner).context("cannot open an agent model"),
     }
+}
+
+/// Refuses an agent whose `config.json` gives another architecture than the base's (a key of
+/// [`crate::checkpoint::folder_files::ARCHITECTURE_KEYS`] differs): its tensors would otherwise
+/// merge by name into a model neither of them is. The layer count may differ in slices (each slice
+/// names its layers), the vocabulary with a tokenizer source (rows are re-indexed). Agents without
+/// a config.json (and LoRA agents, which are the base) are compared by their tensors alone.
+/// Returns the base's config, when it has one.
+fn refuse_other_architectures(
+    base: &ModelFolder,
+    agents: &[ModelFolder],
+    layout: Layout,
+) -> Result<Option<serde_json::Value>> {
+    use crate::checkpoint::folder_files::{architecture_difference, read_config};
+    let config_of = |m: &ModelFolder| -> Result<Option<serde_json::Value>> {
+        if m.lora.is_some() || m.dir.join("config.json").symlink_metadata().is_err() {
+            return Ok(None);
+        }
+        read_config(&m.dir).map(Some)
+    };
+    let Some(base_config) = config_of(base)? else {
+        return Ok(None);
+    };
+    let mut skip = Vec::new();
+    if layout.slices.is_some() {
+        skip.push("num_hidden_layers");
+    }
+    if layout.tokenizer.is_some() {
+        skip.push("vocab_size");
+    }
+    for agent in agents {
+        let Some(config) = config_of(agent)? else {
+            continue;
+        };
+        if let Some((key, b, a)) = architecture_difference(&base_config, &config, &skip) {
+            return Err(usage(format!(
+                "{} is a different architecture from the base {}: config.json key '{key}' is {a} \
+                 there and {b} in the base; rlmerge merges agents fine-tuned from the base{}",
+                agent.dir.display(),
+                base.dir.display(),
+                if key.ends_with("vocab_size") {
+                    " (an agent that added tokens: set tokenizer_source — union, base or \
+                     model:NAME — to merge the embeddings token by token)"
+                } else {
+                    ""
+                }
+            )));
+        }
+    }
+    Ok(Some(base_config))
+}
+
+/// For a tensor whose shape differs between the base and an agent: the base config's
+/// architecture key whose value is a dimension that differs (`; a different architecture: …`).
+fn architecture_key_of(
+    config: Option<&serde_json::Value>,
+    base_shape: &[usize],
+    agent_shape: &[usize],
+) -> String {
+    let differing = base_shape
+        .iter()
+        .zip(agent_shape)
+        .filter(|(b, a)| b != a)
+        .map(|(b, _)| *b as u64);
+    let key = config.and_then(|c| {
+        differing.clone().find_map(|d| {
+            crate::checkpoint::folder_files::ARCHITECTURE_KEYS
+                .iter()
+                .find(|k| c.get(**k).and_then(|v| v.as_u64()) == Some(d))
+        })
+    });
+    match key {
+        Some(k) => format!(
+            "; a different architecture: the base's config.json key '{k}' is {}",
+            config
+                .and_then(|c| c.get(*k))
+                .map_or(String::new(), |v| v.to_string())
+        ),
+        None if base_shape.len() != agent_shape.len() => "; a different architecture".into(),
+        None => "; a different architecture (another layer size than the base's)".into(),
+    }
+}
+
+/// The rule for a LoRA agent and the model it is applied to (always the merge's base): where its
+/// adapter names the model it was trained on (`base_model_name_or_path`), that must be the base.
+/// - a local folder that exists: the base, or a copy of it (the same config.json and weight file
+///   sizes); another model is refused (exit 2);
+/// - a Hub id, with the base a snapshot of a Hub repository: the same repository, else refused;
+/// - a Hub id, with the base a local folder: accepted, with a warning when the folder's name is
+///   not the id's name (a download keeps it, `--local-dir` may not).
+fn check_adapters_base(base: &ModelFolder, agents: &[ModelFolder]) -> Result<Vec<String>> {
+    let mut warnings = Vec::new();
+    let base_dir = real_path(&base.dir);
+    let base_id = crate::hub::id_of_snapshot(&base_dir).map(|id| {
+        id.split('@')
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase()
+    });
+    for agent in agents {
+        let Some(lora) = &agent.lora else { continue };
+        let Some(named) = crate::checkpoint::lora::trained_on(&lora.dir) else {
+            continue;
+        };
+        let refuse = |why: String| {
+            usage(format!(
+                "LoRA agent {} was trained on {} (its adapter_config.json's \
+                 base_model_name_or_path), {why}; an adapter is applied to the merge's base: \
+                 merge with that base, or correct base_model_name_or_path if it names the same \
+                 model",
+                lora.dir.display(),
+                crate::escape::terminal(&named),
+            ))
+        };
+        let named_path = Path::new(&named);
+        if named_path.is_dir() {
+            if real_path(named_path) != base_dir && !same_model(named_path, &base.dir) {
+                return Err(refuse(format!(
+                    "a different model from the merge's base {}",
+                    base.dir.display()
+                )));
+            }
+        } else if let Some(id) = crate::hub::ModelId::parse(&named) {
+            let id_repo = format!("{}/{}", id.org, id.name).to_ascii_lowercase();
+            match &base_id {
+                Some(b) if *b != id_repo => {
+                    return Err(refuse(format!(
+                        "not the merge's base {b} (from the Hub cache)"
+                    )))
+                }
+                Some(_) => {}
+                None => {
+                    let folder = base_dir
+                        .file_name()
+                        .map(|n| n.to_string_lossy().to_ascii_lowercase());
+                    if folder.as_deref() != Some(&id.name.to_ascii_lowercase()) {
+                        warnings.push(format!(
+                            "LoRA agent {} was trained on {}, and is applied to the base {}: \
+                             check that this folder holds that model",
+                            lora.dir.display(),
+                            crate::escape::terminal(&named),
+                            base.dir.display()
+                        ));
+                    }
+                }
+            }
+        } else if named_path.is_absolute() || named.starts_with('.') {
+            warnings.push(format!(
+                "LoRA agent {} was trained on {}, which is not here; it is applied to the base {}",
+                lora.dir.display(),
+                crate::escape::terminal(&named),
+                base.dir.display()
+            ));
+        }
+    }
+    Ok(warnings)
+}
+
+/// Whether folders `a` and `b` hold the same model: equal config.json (as JSON) and the same
+/// weight files with the same sizes and CRC-32s (a copy, a clone of a repository; an agent
+/// fine-tuned from `b` has its config and sizes, not its bytes). Read only when an adapter names
+/// a folder other than the base.
+fn same_model(a: &Path, b: &Path) -> bool {
+    use crate::checkpoint::folder_files::read_config;
+    let weights = |d: &Path| -> Option<Vec<(std::ffi::OsString, u64)>> {
+        let mut files: Vec<_> = std::fs::read_dir(d)
+            .ok()?
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+            .map(|e| Some((e.file_name(), std::fs::metadata(e.path()).ok()?.len())))
+            .collect::<Option<_>>()?;
+        files.sort();
+        Some(files)
+    };
+    let same_sizes = matches!(
+        (weights(a), weights(b)),
+        (Some(x), Some(y)) if x == y && !x.is_empty()
+    );
+    let same_bytes = || {
+        weights(a).unwrap_or_default().iter().all(|(name, _)| {
+            let crc =
+                |d: &Path| crate::checkpoint::safetensors_file::crc32_of_file(&d.join(name)).ok();
+            matches!((crc(a), crc(b)), (Some(x), Some(y)) if x == y)
+        })
+    };
+    matches!((read_config(a), read_config(b)), (Ok(x), Ok(y)) if x == y)
+        && same_sizes
+        && same_bytes()
 }
 
 fn real_path(p: &Path) -> PathBuf {

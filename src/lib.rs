@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod demo;
 pub mod engine;
 pub mod error;
+pub mod escape;
 pub mod figures;
 pub mod hash;
 pub mod hub;

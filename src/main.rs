@@ -10,10 +10,13 @@ fn main() -> ExitCode {
         std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir());
     }
     // Ctrl-C, SIGTERM, SIGHUP: remove this process's scratch folders, then exit as killed by it.
+    // Once outputs are being renamed into place the signal is too late: the run finishes and
+    // reports what it wrote.
     let _ = ctrlc::set_handler(|| {
-        rlmerge::checkpoint::output_folder::remove_live_scratch();
-        eprintln!("error: interrupted; nothing was written at the output path");
-        std::process::exit(130);
+        if rlmerge::checkpoint::output_folder::remove_live_scratch() {
+            eprintln!("error: interrupted; nothing was written at the output path");
+            std::process::exit(130);
+        }
     });
     let (code, error) = cli::run_args(std::env::args_os(), &mut std::io::stdout().lock());
     if let Some(message) = error {

@@ -53,6 +53,9 @@ pub struct MergeRecord {
     pub epsilon: f32,
     /// NaN/±Inf inputs were merged by IEEE rules instead of refused.
     pub allow_nonfinite: bool,
+    /// Tensors missing in some models were let through (`--allow-missing-tensors`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_missing_tensors: bool,
     pub base: String,
     pub agents: Vec<AgentSummary>,
     /// Tensor scope: λ per agent for each tensor.
@@ -106,7 +109,37 @@ impl MergeRecord {
                     path.display()
                 )
             })?;
-        serde_json::from_str(&text).with_context(|| format!("{}: invalid record", path.display()))
+        let record: MergeRecord = serde_json::from_str(&text)
+            .with_context(|| format!("{}: invalid record", path.display()))?;
+        record
+            .check_file_names()
+            .with_context(|| format!("{}: invalid record", path.display()))?;
+        Ok(record)
+    }
+
+    /// Every file a record lists — outputs, and each input folder's files — must be a plain file
+    /// name inside its folder (a downloaded merge's record is not trusted to send `verify`
+    /// elsewhere: no `/`, `\`, `..`, `.`, empty or NUL names).
+    fn check_file_names(&self) -> Result<()> {
+        let files = self
+            .outputs
+            .iter()
+            .chain(self.inputs.iter().flat_map(|i| &i.files));
+        for f in files {
+            let name = f.file.as_str();
+            let plain = !name.is_empty()
+                && name != "."
+                && name != ".."
+                && !name.contains(['/', '\\', '\0'])
+                && !std::path::Path::new(name).is_absolute();
+            if !plain {
+                anyhow::bail!(
+                    "it lists the file '{}', which is not a plain file name inside its folder",
+                    crate::escape::terminal(name)
+                );
+            }
+        }
+        Ok(())
     }
 }
 
@@ -168,7 +201,7 @@ pub fn model_card(r: &MergeRecord) -> String {
             );
         }
     }
-    let _ = writeln!(s, "## Inputs\n\n- base: `{}`", card_name(&r.base).1);
+    let _ = writeln!(s, "## Inputs\n\n- base: {}", code(&card_name(&r.base).1));
     for (t, a) in r.agents.iter().enumerate() {
         let lambda = match (a.lambda, &r.method) {
             (_, Method::Combine(_)) => "parameters in the record".into(),
@@ -187,9 +220,9 @@ pub fn model_card(r: &MergeRecord) -> String {
         };
         let _ = writeln!(
             s,
-            "- agent {}: `{}` — {lambda}{counts}",
+            "- agent {}: {} — {lambda}{counts}",
             t + 1,
-            card_name(&a.path).1
+            code(&card_name(&a.path).1)
         );
     }
     if r.outputs.iter().any(|f| f.file == OVERLAP_FIGURE) {
@@ -215,7 +248,9 @@ pub fn model_card(r: &MergeRecord) -> String {
         let source = match &t.source {
             TokenizerSource::Base => "the base's".to_string(),
             TokenizerSource::Union => "the union of every model's".to_string(),
-            TokenizerSource::Model(p) => format!("`{}`'s", card_name(&p.display().to_string()).1),
+            TokenizerSource::Model(p) => {
+                format!("{}'s", code(&card_name(&p.display().to_string()).1))
+            }
         };
         let _ = writeln!(
             s,
@@ -229,7 +264,7 @@ pub fn model_card(r: &MergeRecord) -> String {
                     ", with {}",
                     t.tokens
                         .iter()
-                        .map(|k| format!("`{}`", k.token))
+                        .map(|k| code(&k.token))
                         .collect::<Vec<_>>()
                         .join(", ")
                 )
@@ -241,14 +276,21 @@ pub fn model_card(r: &MergeRecord) -> String {
     if !r.warnings.is_empty() {
         let _ = writeln!(s, "\n## Notes\n");
         for w in &r.warnings {
-            let _ = writeln!(s, "- {w}");
+            let _ = writeln!(s, "- {}", crate::escape::markdown_text(w));
         }
     }
     s
 }
 
+/// A name in the card's YAML front matter: double-quoted (JSON's escapes are YAML's), hidden
+/// characters escaped first ([`crate::escape::terminal`]).
 fn yaml_str(s: &str) -> String {
-    serde_json::to_string(s).expect("strings serialize")
+    serde_json::to_string(&crate::escape::terminal(s)).expect("strings serialize")
+}
+
+/// A name in the card's Markdown: a code span it cannot leave ([`crate::escape::markdown_code`]).
+fn code(s: &str) -> String {
+    crate::escape::markdown_code(s)
 }
 
 /// [`MergeRecord::tokenizer`]: the settings, or an older record's model folder.

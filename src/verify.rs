@@ -26,22 +26,17 @@ pub struct Verification {
 
 fn check_file(dir: &Path, want: &FileChecksum, what: &str, v: &mut Verification) {
     let path = dir.join(&want.file);
+    let shown = crate::escape::terminal(&path.display().to_string()).into_owned();
     match crc32_of_file(&path) {
         Ok(got) if got == *want => v.ok.push(format!(
             "{what} {} ({} bytes, crc32 {})",
-            path.display(),
-            got.size,
-            got.crc32
+            shown, got.size, got.crc32
         )),
         Ok(got) => v.problems.push(format!(
             "{what} {} differs from the record: {} bytes crc32 {} (recorded {} bytes crc32 {})",
-            path.display(),
-            got.size,
-            got.crc32,
-            want.size,
-            want.crc32
+            shown, got.size, got.crc32, want.size, want.crc32
         )),
-        Err(e) => v.problems.push(format!("{what} {}: {e:#}", path.display())),
+        Err(e) => v.problems.push(format!("{what} {}: {e:#}", shown)),
     }
 }
 
@@ -92,7 +87,7 @@ pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verificat
             v.problems.push(format!(
                 "{} holds the weight file {}, which the record does not list",
                 out_dir.display(),
-                crate::error::printable(&name)
+                crate::escape::terminal(&name)
             ));
         }
     }
@@ -157,6 +152,7 @@ fn recompute_and_compare(
             slices: record.slices.as_ref(),
             tokenizer: record.tokenizer.as_ref(),
             with_base: record.method.uses_base(),
+            allow_missing_tensors: record.allow_missing_tensors,
         },
     )?;
     let options = MergeOptions {

@@ -148,7 +148,7 @@ fn dtype_differs_from_base_merges_and_shape_differs_is_refused() {
 }
 
 #[test]
-fn tensor_missing_in_an_agent_is_merged_from_the_others_with_a_warning() {
+fn tensor_missing_in_an_agent_is_refused_or_merged_from_the_others_with_allow_missing_tensors() {
     let c = case();
     let a = tensor("a.weight", Dtype::BF16, &[4, 5], 1.0);
     write_folder(&c.bad, std::slice::from_ref(&a), 1);
@@ -163,6 +163,16 @@ fn tensor_missing_in_an_agent_is_merged_from_the_others_with_a_warning() {
         .arg(&c.bad)
         .arg("-o")
         .arg(&out);
+    // Refused unless the user opts in: an agent of the base's architecture has all its tensors.
+    let refused = cmd.output().unwrap();
+    assert_eq!(refused.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("'b.weight'") && stderr.contains("--allow-missing-tensors"),
+        "{stderr}"
+    );
+    assert!(!out.exists());
+    cmd.arg("--allow-missing-tensors");
     let output = cmd.assert().success().get_output().clone();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(

@@ -66,12 +66,14 @@ fn a_base_without_a_usable_config_is_refused() {
 fn every_dtype_key_of_the_config_is_set_to_the_output_dtype() {
     let c = case();
     good_model(&c.bad, 1.0);
-    std::fs::write(
-        c.base.join("config.json"),
-        r#"{"model_type": "llava", "torch_dtype": "bfloat16", "dtype": "bfloat16",
-            "text_config": {"dtype": "bfloat16"}}"#,
-    )
-    .unwrap();
+    for dir in [&c.base, &c.good, &c.bad] {
+        std::fs::write(
+            dir.join("config.json"),
+            r#"{"model_type": "llava", "torch_dtype": "bfloat16", "dtype": "bfloat16",
+                "text_config": {"dtype": "bfloat16"}}"#,
+        )
+        .unwrap();
+    }
     let (o, out) = merge_out(&c, &[&c.good, &c.bad], &["--out-dtype", "f32"]);
     assert!(o.status.success(), "{}", err_of(&o));
     let config: serde_json::Value =
@@ -229,7 +231,11 @@ fn control_characters_in_tensor_names_are_escaped() {
         ],
         1,
     );
+    // Refused by default (a tensor the base lacks), and named escaped in the refusal too.
     let (o, _) = merge_out(&c, &[&c.good, &c.bad], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+    assert!(!err_of(&o).contains('\u{1b}') && err_of(&o).lines().count() == 1);
+    let (o, _) = merge_out(&c, &[&c.good, &c.bad], &["--allow-missing-tensors"]);
     assert!(o.status.success(), "{}", err_of(&o));
     let err = err_of(&o);
     assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
@@ -650,7 +656,7 @@ fn analyze_merged_and_plot_paths_are_checked() {
         assert!(!into.join("overlap.svg").exists(), "{into:?}");
     }
     let o = analyze(&["--plot".as_ref(), &os(&file)]);
-    assert_eq!(o.status.code(), Some(1), "{}", err_of(&o));
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me");
     let o = analyze(&["--plot".as_ref(), &os(c.dir.path())]);
     assert!(o.status.success(), "{}", err_of(&o));

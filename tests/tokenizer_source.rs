@@ -390,8 +390,15 @@ fn bad_tokenizer_settings_are_refused() {
         "-o",
         "grown",
     ];
-    refused(&dir, &grown, 1, "[50, 16]", "grown");
-    refused(&dir, &grown, 1, "set tokenizer_source", "grown");
+    // Its config says so first: another vocab_size is another architecture unless re-indexed.
+    refused(
+        &dir,
+        &grown,
+        2,
+        "config.json key 'vocab_size' is 50",
+        "grown",
+    );
+    refused(&dir, &grown, 2, "set tokenizer_source", "grown");
     // --tokenizer-source at nothing, a file, a device, empty text; beside a recipe.
     for (source, want) in [
         ("nowhere", "'nowhere' does not exist"),

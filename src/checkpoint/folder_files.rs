@@ -57,6 +57,46 @@ pub fn check_base_config(base: &Path) -> Result<()> {
         .context("the base's config.json is needed: a merged model without one does not load")
 }
 
+/// The `config.json` keys that fix a model's architecture: an agent whose value differs from the
+/// base's was not fine-tuned from it. Compared at the top level and in a nested `text_config`.
+pub const ARCHITECTURE_KEYS: &[&str] = &[
+    "model_type",
+    "architectures",
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+];
+
+/// The first [`ARCHITECTURE_KEYS`] key (with its path, e.g. `text_config.hidden_size`) whose value
+/// differs between configs `base` and `agent`, with both values; keys in `skip` and keys one of the
+/// two configs lacks are not compared.
+pub fn architecture_difference(
+    base: &serde_json::Value,
+    agent: &serde_json::Value,
+    skip: &[&str],
+) -> Option<(String, serde_json::Value, serde_json::Value)> {
+    let nests = [("", base, agent)].into_iter().chain(
+        match (base.get("text_config"), agent.get("text_config")) {
+            (Some(b), Some(a)) => Some(("text_config.", b, a)),
+            _ => None,
+        },
+    );
+    for (prefix, b, a) in nests {
+        for key in ARCHITECTURE_KEYS.iter().filter(|k| !skip.contains(k)) {
+            if let (Some(bv), Some(av)) = (b.get(*key), a.get(*key)) {
+                if bv != av && !(bv.is_null() || av.is_null()) {
+                    return Some((format!("{prefix}{key}"), bv.clone(), av.clone()));
+                }
+            }
+        }
+    }
+    None
+}
+
 /// Sets every dtype key of a model config to `dtype`: the top level's `torch_dtype` (always) and
 /// `dtype` (current transformers reads it first), and those keys wherever a nested config (e.g.
 /// `text_config`) has them.
@@ -136,6 +176,35 @@ pub fn copy_if_present(from: &Path, name: &str, out: &Path) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn architecture_differences_name_the_first_key() {
+        let base = serde_json::json!({"model_type": "qwen2", "num_hidden_layers": 2,
+            "text_config": {"hidden_size": 8}});
+        let same = serde_json::json!({"model_type": "qwen2", "num_hidden_layers": 2,
+            "torch_dtype": "float32"});
+        assert_eq!(architecture_difference(&base, &same, &[]), None);
+        let deeper = serde_json::json!({"model_type": "qwen2", "num_hidden_layers": 3});
+        let d = architecture_difference(&base, &deeper, &[]).unwrap();
+        assert_eq!(
+            (d.0.as_str(), d.1, d.2),
+            ("num_hidden_layers", 2.into(), 3.into())
+        );
+        assert_eq!(
+            architecture_difference(&base, &deeper, &["num_hidden_layers"]),
+            None
+        );
+        let llama = serde_json::json!({"model_type": "llama"});
+        assert_eq!(
+            architecture_difference(&base, &llama, &[]).unwrap().0,
+            "model_type"
+        );
+        let nested = serde_json::json!({"text_config": {"hidden_size": 16}});
+        assert_eq!(
+            architecture_difference(&base, &nested, &[]).unwrap().0,
+            "text_config.hidden_size"
+        );
+    }
 
     #[test]
     fn every_dtype_key_follows_the_output() {

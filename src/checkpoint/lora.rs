@@ -5,7 +5,7 @@
 //! is (B·A)ᵀ. Each element's update is Σ_k B[i,k]·A[k,j] in f32, k in order, times s, added to
 //! θ₀ in f32: the agent's tiles are f32 (SPEC §5), so both backends see the same values.
 
-use super::dtype::{decode, decode_one};
+use super::dtype::{decode, decode_one, first_nonfinite};
 use super::safetensors_file::{shape_text, Interner, SafetensorsFile, TensorEntry};
 use crate::simd::multiversion;
 use anyhow::{bail, ensure, Context, Result};
@@ -112,11 +112,18 @@ impl Cache {
     }
 }
 
+/// PEFT's default rank and alpha (`LoraConfig.r`, `LoraConfig.lora_alpha`): a config that omits
+/// them means these.
+const PEFT_DEFAULT_R: usize = 8;
+const PEFT_DEFAULT_ALPHA: f64 = 8.0;
+
 #[derive(serde::Deserialize)]
 struct AdapterConfig {
     #[serde(default)]
     peft_type: Option<String>,
+    #[serde(default = "default_r")]
     r: usize,
+    #[serde(default = "default_alpha")]
     lora_alpha: f64,
     #[serde(default)]
     fan_in_fan_out: bool,
@@ -125,9 +132,9 @@ struct AdapterConfig {
     #[serde(default)]
     use_dora: bool,
     #[serde(default)]
-    rank_pattern: HashMap<String, usize>,
+    rank_pattern: Patterns<usize>,
     #[serde(default)]
-    alpha_pattern: HashMap<String, f64>,
+    alpha_pattern: Patterns<f64>,
     #[serde(default)]
     modules_to_save: Option<serde_json::Value>,
     /// PEFT features that change what the adapter computes; refused when set (JSON null reads as
@@ -149,6 +156,20 @@ pub fn is_adapter(dir: &Path) -> bool {
         && !dir.join(super::model::INDEX_FILE).exists()
 }
 
+/// The model adapter folder `dir` says it was trained on: its config's `base_model_name_or_path`
+/// (a local path or a Hub id), when it names one.
+pub fn trained_on(dir: &Path) -> Option<String> {
+    let path = dir.join(ADAPTER_CONFIG);
+    super::model::check_regular_file(&path).ok()?;
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+    config
+        .get("base_model_name_or_path")?
+        .as_str()
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+}
+
 /// mergekit's `BASE+ADAPTER` reference split in two, when `reference` is not itself a path.
 pub fn split_reference(reference: &str) -> Option<(&str, &str)> {
     if Path::new(reference).exists() {
@@ -159,14 +180,77 @@ pub fn split_reference(reference: &str) -> Option<(&str, &str)> {
         .filter(|(b, a)| !b.is_empty() && !a.is_empty())
 }
 
-/// The pattern of `patterns` matching module `name` as PEFT matches them (`(.*\.)?{key}$`; keys
-/// are taken literally).
-fn pattern_for<'a, T>(patterns: &'a HashMap<String, T>, name: &str) -> Option<&'a T> {
-    let mut keys: Vec<&String> = patterns.keys().collect();
-    keys.sort();
-    keys.into_iter()
-        .find(|k| name == k.as_str() || name.ends_with(&format!(".{k}")))
-        .map(|k| &patterns[k])
+fn default_r() -> usize {
+    PEFT_DEFAULT_R
+}
+
+fn default_alpha() -> f64 {
+    PEFT_DEFAULT_ALPHA
+}
+
+/// `rank_pattern` / `alpha_pattern`: keys in the file's order (PEFT takes the first that matches),
+/// each a regular expression.
+struct Patterns<T>(Vec<(String, T)>);
+
+impl<T> Default for Patterns<T> {
+    fn default() -> Self {
+        Patterns(Vec::new())
+    }
+}
+
+impl<'de, T: serde::Deserialize<'de>> serde::Deserialize<'de> for Patterns<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct InOrder<T>(std::marker::PhantomData<T>);
+        impl<'de, T: serde::Deserialize<'de>> serde::de::Visitor<'de> for InOrder<T> {
+            type Value = Patterns<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object of module patterns")
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(Patterns(Vec::new()))
+            }
+            fn visit_map<M: serde::de::MapAccess<'de>>(
+                self,
+                mut map: M,
+            ) -> Result<Self::Value, M::Error> {
+                let mut keys = Vec::new();
+                while let Some(entry) = map.next_entry::<String, T>()? {
+                    keys.push(entry);
+                }
+                Ok(Patterns(keys))
+            }
+        }
+        d.deserialize_any(InOrder(std::marker::PhantomData))
+    }
+}
+
+impl<T> Patterns<T> {
+    /// Compiles every key as PEFT uses it: the whole of `(.*\.)?(KEY)$` must match a module name
+    /// (so `q_proj` matches `model.layers.0.self_attn.q_proj`, and `layers\.0\..*` a module of
+    /// layer 0).
+    fn compile(self, which: &str) -> Result<Vec<(regex::Regex, T)>> {
+        self.0
+            .into_iter()
+            .map(|(key, v)| {
+                let re = regex::Regex::new(&format!("^(?:.*\\.)?(?:{key})$")).map_err(|e| {
+                    anyhow::anyhow!(
+                        "{which} key {}: not a regular expression rlmerge can read: {e}",
+                        crate::escape::terminal(&key)
+                    )
+                })?;
+                Ok((re, v))
+            })
+            .collect()
+    }
+}
+
+/// The value of the first pattern (in the config file's order) matching module `name`, as PEFT's
+/// `get_pattern_key` picks it.
+fn pattern_for<'a, T>(patterns: &'a [(regex::Regex, T)], name: &str) -> Option<&'a T> {
+    patterns
+        .iter()
+        .find(|(re, _)| re.is_match(name))
+        .map(|(_, v)| v)
 }
 
 impl LoraAdapter {
@@ -203,6 +287,21 @@ impl LoraAdapter {
             }
         }
         ensure!(config.r > 0, fail("r must be at least 1".into()));
+        ensure!(
+            config.lora_alpha.is_finite(),
+            fail(format!(
+                "lora_alpha must be finite, got {}",
+                config.lora_alpha
+            ))
+        );
+        let rank_pattern = config
+            .rank_pattern
+            .compile("rank_pattern")
+            .map_err(|e| fail(e.to_string()))?;
+        let alpha_pattern = config
+            .alpha_pattern
+            .compile("alpha_pattern")
+            .map_err(|e| fail(e.to_string()))?;
         let (file, entries) = SafetensorsFile::open_interned(&dir.join(ADAPTER_WEIGHTS), interner)?;
         // By module name, in order: the same adapter always reports the same first error.
         let mut pairs: std::collections::BTreeMap<
@@ -266,13 +365,13 @@ impl LoraAdapter {
                 shape_text(&a.shape),
                 shape_text(&b.shape)
             );
-            let rank = *pattern_for(&config.rank_pattern, &module).unwrap_or(&config.r);
+            let rank = *pattern_for(&rank_pattern, &module).unwrap_or(&config.r);
             ensure!(
                 rank >= 1,
                 "{}: module '{module}' has rank 0; a LoRA rank is at least 1",
                 config_path.display()
             );
-            let alpha = *pattern_for(&config.alpha_pattern, &module).unwrap_or(&config.lora_alpha);
+            let alpha = *pattern_for(&alpha_pattern, &module).unwrap_or(&config.lora_alpha);
             // Embedding adapters store A as [r, vocab] and B as [dim, r] too; both kinds [r, ·].
             ensure!(
                 a.shape[0] == rank && b.shape[1] == rank,
@@ -286,6 +385,14 @@ impl LoraAdapter {
             } else {
                 alpha / rank as f64
             };
+            // The scale is a parameter of the merge: one that is not a finite f32 would turn every
+            // element the update touches into ±Inf or NaN.
+            ensure!(
+                (scale as f32).is_finite(),
+                "{}: module '{module}': the scale lora_alpha / r = {alpha} / {rank} is not a finite \
+                 32-bit number",
+                config_path.display()
+            );
             updates.insert(
                 format!("{module}.weight"),
                 LoraUpdate {
@@ -418,6 +525,35 @@ impl LoraAdapter {
         self.most_held
             .fetch_max(cache.order.len(), std::sync::atomic::Ordering::Relaxed);
         Ok(p)
+    }
+
+    /// Why element `element` of agent tensor `name` (its stored base value finite) became `value`,
+    /// not finite, once update `name` was added: a NaN or ±Inf stored in A or B, named with its
+    /// element, or else an update s·B·A that overflows 32-bit floats. The finiteness gate
+    /// ([`crate::engine`]'s tile reads) calls this to name what the user must fix.
+    pub fn nonfinite_error(&self, name: &str, element: u64, value: f32) -> anyhow::Error {
+        let u = &self.updates[name];
+        let file = self.file.path.display();
+        if let Ok(p) = self.pair(u) {
+            for (e, bytes) in [(&u.a, p.a()), (&u.b, p.b())] {
+                if let Some(k) = first_nonfinite(e.dtype, bytes) {
+                    return anyhow::anyhow!(
+                        "tensor '{}' in {file} has a non-finite value ({}) at element {k}; \
+                         rlmerge refuses NaN and infinity unless --allow-nonfinite",
+                        crate::escape::terminal(&e.name),
+                        decode_one(e.dtype, bytes, k)
+                    );
+                }
+            }
+        }
+        anyhow::anyhow!(
+            "{file}: the update s·B·A of '{}' is not finite ({value}) at element {element} \
+             (s = {}, rank {}): the adapter's values overflow 32-bit floats; rlmerge refuses NaN \
+             and infinity unless --allow-nonfinite",
+            crate::escape::terminal(name),
+            u.scale,
+            u.rank
+        )
     }
 
     /// Adds update `name` to `values`, elements `start..start + values.len()` of the base tensor

@@ -284,7 +284,7 @@ fn check_shard_name(index_path: &Path, name: &str) -> Result<()> {
         anyhow::anyhow!(
             "{}: shard name '{}' {why}",
             index_path.display(),
-            crate::error::printable(name)
+            crate::escape::terminal(name)
         )
     };
     if name.is_empty() {

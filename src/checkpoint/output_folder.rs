@@ -41,10 +41,30 @@ fn live() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
     LIVE.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Set, under [`LIVE`]'s lock, once a commit has started: from then on a termination signal no
+/// longer ends the process — the commit finishes and the run reports what it did.
+static COMMITTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Holds off termination signals while outputs are renamed into place ([`remove_live_scratch`]
+/// waits for it, then lets the process finish instead of exiting).
+pub struct CommitGuard(#[allow(dead_code)] std::sync::MutexGuard<'static, Vec<PathBuf>>);
+
+/// Starts a commit: see [`CommitGuard`].
+pub fn begin_commit() -> CommitGuard {
+    let guard = live();
+    COMMITTING.store(true, std::sync::atomic::Ordering::SeqCst);
+    CommitGuard(guard)
+}
+
 /// Removes every scratch folder and lock file of this process; for a signal handler, just before
 /// the process exits. Waits for a commit in progress (it holds the same lock) to finish first.
-pub fn remove_live_scratch() {
+/// Returns `false`, removing nothing, when a commit has started: its outputs are (being) put in
+/// place, so the process must finish and report them rather than exit saying nothing was written.
+pub fn remove_live_scratch() -> bool {
     let paths = live();
+    if COMMITTING.load(std::sync::atomic::Ordering::SeqCst) {
+        return false;
+    }
     for p in paths.iter() {
         // A worker may still be creating a file in it: try a few times.
         for _ in 0..20 {
@@ -61,6 +81,99 @@ pub fn remove_live_scratch() {
     }
     // Keep the registry locked: nothing may start a new scratch folder while the process exits.
     std::mem::forget(paths);
+    true
+}
+
+/// Writes `files` (name, bytes) into folder `dir` — analyze's figures — under the rules of every
+/// rlmerge output: `dir` resolved and refused when it is or lies inside one of `protect` (the
+/// inputs); a folder a merge wrote (it holds a record) is refused, its files are `verify`'s; a
+/// target that exists and is not a regular file (a symbolic link, FIFO, folder, device) is
+/// refused, never followed or opened; each file is written in a scratch folder beside and
+/// renamed into place (replacing a regular file of that name), all of them after every one is
+/// complete. A usage error (exit 2) leaves `dir` as it was. Returns the paths written.
+pub fn write_files(
+    dir: &Path,
+    files: &[(&str, Vec<u8>)],
+    protect: &[PathBuf],
+) -> Result<Vec<PathBuf>> {
+    let resolved = resolve_output(dir)?;
+    refuse_inside(dir, &resolved, protect)?;
+    let target_ok = |path: &Path| -> Result<()> {
+        match path.symlink_metadata() {
+            Ok(m) if !m.file_type().is_file() => Err(usage(format!(
+                "{} exists and is {}; rlmerge writes only regular files and replaces nothing \
+                 else (nothing was written)",
+                path.display(),
+                kind_of(&m)
+            ))),
+            _ => Ok(()),
+        }
+    };
+    if resolved.symlink_metadata().is_ok() {
+        if !resolved.is_dir() {
+            return Err(usage(format!(
+                "{} is not a folder (nothing was written)",
+                dir.display()
+            )));
+        }
+        if [RECORD_FILE, LEGACY_RECORD_FILE]
+            .iter()
+            .any(|r| resolved.join(r).symlink_metadata().is_ok())
+        {
+            return Err(usage(format!(
+                "{} is a merged folder (it holds {RECORD_FILE}); its files are checked by \
+                 `rlmerge verify` and are not replaced: choose another folder (nothing was \
+                 written)",
+                dir.display()
+            )));
+        }
+    }
+    for (name, _) in files {
+        target_ok(&resolved.join(name))?;
+    }
+    std::fs::create_dir_all(&resolved)
+        .with_context(|| format!("cannot create {}", dir.display()))?;
+    let scratch = Scratch::create(&resolved, ".rlmerge-tmp")?;
+    for (name, bytes) in files {
+        let path = scratch.path().join(name);
+        let mut f = File::options()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .with_context(|| format!("cannot create {}", path.display()))?;
+        io::Write::write_all(&mut f, bytes)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    let _commit = begin_commit();
+    let mut written = Vec::with_capacity(files.len());
+    for (name, _) in files {
+        let to = resolved.join(name);
+        // Checked again now: what appeared there since is not replaced either.
+        target_ok(&to)?;
+        std::fs::rename(scratch.path().join(name), &to)
+            .with_context(|| format!("cannot write {}", to.display()))?;
+        written.push(dir.join(name));
+    }
+    Ok(written)
+}
+
+/// What a file type is, for messages.
+fn kind_of(m: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = m.file_type();
+    if t.is_symlink() {
+        "a symbolic link"
+    } else if t.is_dir() {
+        "a folder"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_block_device() || t.is_char_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    }
 }
 
 /// A random identifier for scratch names: the process id, so a person can tell whose it is, and
@@ -538,8 +651,8 @@ impl OutputFolder {
     /// replaced, not even what appeared there during the merge; with it, only what
     /// [`replaceable`] allows, and only now that the new folder is complete.
     pub fn commit(self) -> Result<()> {
-        // Signals wait until the folders are where they belong.
-        let _hold = live();
+        // Signals wait until the folders are where they belong, then let the run report them.
+        let _hold = begin_commit();
         let (tmp, out) = (self.scratch.path(), &self.final_dir);
         match rename_noreplace(tmp, out) {
             Ok(()) => return Ok(()),

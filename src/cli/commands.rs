@@ -13,6 +13,7 @@ use rlmerge::checkpoint::output_folder;
 use rlmerge::demo;
 use rlmerge::engine::{self, MergeOptions, Pass};
 use rlmerge::error::usage;
+use rlmerge::escape::terminal;
 use rlmerge::inputs::{Inputs, Layout};
 use rlmerge::job::{Job, MERGEKIT_CONFIG_FILE};
 use rlmerge::method::{Kind, Method};
@@ -148,7 +149,7 @@ fn make_backend(
 
 fn warn_all(warnings: &[String]) {
     for w in warnings {
-        eprintln!("warning: {}", rlmerge::error::printable(w));
+        eprintln!("warning: {}", terminal(w));
     }
 }
 
@@ -234,12 +235,12 @@ fn print_lambdas(out: &mut impl Write, record: &rlmerge::record::MergeRecord) ->
     let scope = record.method.scope().map_or("tensor", |s| s.name());
     for a in &record.agents {
         match a.lambda {
-            Some(l) => writeln!(out, "  λ = {l:.6}  {}", a.path)?,
+            Some(l) => writeln!(out, "  λ = {l:.6}  {}", terminal(&a.path))?,
             None => writeln!(
                 out,
                 "  λ per {scope} (see {})  {}",
                 rlmerge::record::RECORD_FILE,
-                a.path
+                terminal(&a.path)
             )?,
         }
     }
@@ -279,6 +280,7 @@ fn merge_job(
             slices: job.slices.as_ref(),
             tokenizer: job.tokenizer.as_ref(),
             with_base: job.method.uses_base(),
+            allow_missing_tensors: compute.allow_missing_tensors,
         },
     )?;
     warn_all(&inputs.warnings);
@@ -325,7 +327,7 @@ fn merge_job(
         out,
         "merged {} model(s) into {} with {} ({} shard(s))",
         inputs.agents.len(),
-        output.out.display(),
+        terminal(&output.out.display().to_string()),
         job.method,
         summary.shards.len()
     )?;
@@ -408,6 +410,7 @@ fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
     let layout = Layout {
         tokenizer: tokenizer.as_ref(),
         with_base: true,
+        allow_missing_tensors: compute.allow_missing_tensors,
         ..Layout::default()
     };
     let inputs = Inputs::open_with(&base, &agents, layout)?;
@@ -420,10 +423,10 @@ fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
         ),
         None => None,
     };
+    // Figures go next to the models, never into them: the same rule as a merge's -o.
+    let mut protect = inputs.paths();
+    protect.extend(merged.iter().flat_map(|m| m.paths()));
     if let Some(dir) = &args.plot {
-        // Figures go next to the models, never into them: the same rule as a merge's -o.
-        let mut protect = inputs.paths();
-        protect.extend(merged.iter().flat_map(|m| m.paths()));
         let resolved = output_folder::resolve_output(dir)?;
         output_folder::refuse_inside(dir, &resolved, &protect)?;
     }
@@ -440,8 +443,13 @@ fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
         None => None,
     };
     if let Some(dir) = &args.plot {
-        let figures =
-            rlmerge::figures::write_all(&report, retention.as_ref(), dir, args.per_tensor)?;
+        let figures = rlmerge::figures::write_all(
+            &report,
+            retention.as_ref(),
+            dir,
+            args.per_tensor,
+            &protect,
+        )?;
         for path in figures {
             if !compute.quiet {
                 eprintln!("wrote {}", path.display());

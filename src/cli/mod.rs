@@ -25,7 +25,7 @@ pub fn outcome(result: anyhow::Result<()>) -> (u8, Option<String>) {
             (0, None)
         }
         Err(err) => {
-            let message = format!("error: {}", rlmerge::error::printable(&format!("{err:#}")));
+            let message = format!("error: {}", rlmerge::escape::terminal(&format!("{err:#}")));
             let code = if rlmerge::cancel::is_interrupted(&err) {
                 130
             } else if rlmerge::error::is_usage(&err) {
@@ -169,6 +169,10 @@ pub struct ComputeArgs {
     /// Merge NaN and ±Inf by IEEE rules instead of refusing inputs that hold them.
     #[arg(long)]
     pub allow_nonfinite: bool,
+    /// Merge a tensor some agents lack from the models that have it, and ignore tensors the base
+    /// lacks, with a warning, instead of refusing such agents.
+    #[arg(long)]
+    pub allow_missing_tensors: bool,
     /// Caps elements per GPU dispatch chunk (tests; the result does not depend on it).
     #[arg(long, hide = true)]
     pub gpu_chunk_elems: Option<usize>,

@@ -55,7 +55,7 @@ pub(super) fn check_finite_output(
                 "merged tensor '{}' has a non-finite value ({}) at element {}, where every input is \
                  finite: the method's parameters overflow, or the result exceeds the output dtype \
                  {out_dtype} (largest finite value {max}){}",
-                crate::error::printable(name),
+                crate::escape::terminal(name),
                 decode_one(out_dtype, out, e),
                 start + e as u64,
                 if allow_nonfinite {
@@ -136,6 +136,7 @@ pub(super) fn finish(
         method: options.method.clone(),
         epsilon: options.pass.epsilon,
         allow_nonfinite: !options.pass.scan_nonfinite,
+        allow_missing_tensors: inputs.allow_missing_tensors,
         base: inputs.base.dir.display().to_string(),
         agents,
         tensor_lambdas: boost.tensor_lambdas.unwrap_or_default(),

@@ -104,12 +104,11 @@ impl TileBuffers {
                 // for all the tile's rows.
                 if let Some(l) = lora {
                     let entry = &tensor.entry;
-                    l.add_update_bytes(
-                        &entry.name,
-                        &entry.shape,
-                        start as u64,
-                        &mut buf[..len * 4],
-                    )?;
+                    let values = &mut buf[..len * 4];
+                    l.add_update_bytes(&entry.name, &entry.shape, start as u64, values)?;
+                    if finite_only {
+                        refuse_nonfinite_update(tensor, l, values, start)?;
+                    }
                 }
             }
             Ok(())
@@ -209,6 +208,26 @@ fn refuse_nonfinite(
     Ok(())
 }
 
+/// The finiteness gate's second half for a LoRA agent: its stored base values passed
+/// [`refuse_nonfinite`]; its values with the update added (`values`, f32 bytes of elements from
+/// `start`) must be finite too — a NaN or ±Inf in A or B, or an update that overflows, is named.
+fn refuse_nonfinite_update(
+    tensor: &ModelTensor,
+    lora: &crate::checkpoint::lora::LoraAdapter,
+    values: &[u8],
+    start: usize,
+) -> Result<()> {
+    let f32 = crate::checkpoint::DType::F32;
+    match first_nonfinite(f32, values) {
+        Some(i) => Err(lora.nonfinite_error(
+            &tensor.entry.name,
+            (start + i) as u64,
+            decode_one(f32, values, i),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Reads `out.len()` elements of input `source`'s copy of a re-indexed tensor from its element
 /// `at`, as f32.
 fn read_f32(read: &TileRead, source: Source, at: usize, out: &mut [f32]) -> Result<()> {
@@ -241,6 +260,11 @@ fn read_f32(read: &TileRead, source: Source, at: usize, out: &mut [f32]) -> Resu
             refuse_nonfinite(plan, model, tensor, raw, from)?;
         }
         widen(model, tensor, raw, from as u64, values)?;
+        if read.finite_only {
+            if let Some(l) = model.lora_for(&tensor.entry.name) {
+                refuse_nonfinite_update(tensor, l, bytemuck::cast_slice(values), from)?;
+            }
+        }
     }
     Ok(())
 }
@@ -471,7 +495,9 @@ pub(super) fn par_tiles<S: Send>(
                 finite_only: scan_nonfinite,
                 spread: false,
             };
-            let done = crate::cancel::check()
+            let done = inputs
+                .cancel
+                .check()
                 .map_err(anyhow::Error::from)
                 .and_then(|()| {
                     buffers.visit(&read, (start, len), |tile| {

@@ -172,6 +172,7 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
             entries.insert(0, (b.clone(), Settings::new()));
         }
     }
+    let implicit_base = base_ref.is_none();
     let base_ref = match (base_ref, with_base) {
         (Some(b), _) => b,
         (None, false) => entries
@@ -200,6 +201,21 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         .iter()
         .map(|(m, _)| local_folder(m, dir))
         .collect::<Result<Vec<_>>>()?;
+    // An adapter folder alone is applied to the merge's base; without base_model there is none
+    // the user named (the first model only gives the layout), so it must say its own.
+    if implicit_base {
+        if let Some(a) = agents.iter().find(|a| {
+            crate::checkpoint::lora::split_reference(&a.to_string_lossy()).is_none()
+                && crate::checkpoint::lora::is_adapter(a)
+        }) {
+            return Err(usage(format!(
+                "model '{}' is a LoRA adapter, and merge_method {} has no base_model to apply it \
+                 to; write it as BASE+ADAPTER with the model it was trained on, or set base_model",
+                a.display(),
+                kind.name(),
+            )));
+        }
+    }
     let (slices, slice_settings) = match slices {
         Some(read) => {
             let names: Vec<String> = entries.iter().map(|(m, _)| m.clone()).collect();

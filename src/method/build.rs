@@ -139,7 +139,7 @@ fn shown(value: &Scalar) -> String {
     match value {
         Scalar::Bool(b) => b.to_string(),
         Scalar::Number(x) => x.to_string(),
-        Scalar::Text(t) => format!("'{}'", crate::error::printable(t)),
+        Scalar::Text(t) => format!("'{}'", crate::escape::terminal(t)),
     }
 }
 

@@ -433,7 +433,7 @@ impl ProbeReport {
                 rho_text(*c),
                 paper.lambda(*c),
                 official.lambda(*c),
-                crate::error::printable(&self.agents[t])
+                crate::escape::terminal(&self.agents[t])
             );
         }
         let _ = writeln!(
@@ -496,7 +496,7 @@ impl ProbeReport {
                 let _ = write!(
                     s,
                     "{:<48} {:<7} {:>11}",
-                    crate::error::printable(&t.name),
+                    crate::escape::terminal(&t.name),
                     t.module.name(),
                     t.numel
                 );

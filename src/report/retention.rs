@@ -85,7 +85,7 @@ impl Retention {
             s,
             "\nretention in {}: r = Σ (θ_out − θ₀)·τ / Σ τ² per region, and the share of changed \
              elements whose sign survived",
-            crate::error::printable(&self.merged)
+            crate::escape::terminal(&self.merged)
         );
         let _ = writeln!(
             s,
@@ -102,7 +102,7 @@ impl Retention {
                 );
                 let _ = write!(s, " {cell:>20}");
             }
-            let _ = writeln!(s, "  {}", crate::error::printable(a));
+            let _ = writeln!(s, "  {}", crate::escape::terminal(a));
         }
         s
     }
