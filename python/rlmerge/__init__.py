@@ -29,7 +29,7 @@ __all__ = [
     "__version__",
 ]
 
-PathLike = Union[str, "os.PathLike[str]"]
+PathLike = Union[str, bytes, "os.PathLike[str]"]
 
 #: The record a merge writes into its output folder.
 RECORD_FILE = "rlmerge_record.json"
@@ -58,10 +58,50 @@ def _cli(args: Sequence[str], capture: bool = True) -> str:
     raise MergeError(message)
 
 
-def _where(name: PathLike) -> str:
-    """A model as the command takes it: an existing path made absolute, else as given."""
-    text = os.fspath(name)
-    return os.path.abspath(text) if os.path.exists(text) else text
+#: A Hugging Face Hub id as the command reads one: org/name, optionally @revision.
+_HUB_ID = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*/[A-Za-z0-9_.][A-Za-z0-9_.-]*(@[A-Za-z0-9_./-]+)?")
+
+
+def _path(value: Any, what: str) -> str:
+    """A path argument as text: ``str``, ``bytes`` or ``os.PathLike`` (decoded as the OS does);
+    anything else is a :class:`UsageError` raised before anything is written."""
+    if isinstance(value, (str, bytes, os.PathLike)):
+        text = os.fsdecode(os.fspath(value))
+        if text == "" or "\0" in text:
+            raise UsageError(f"{what} must be a path, got {value!r}")
+        return text
+    raise UsageError(f"{what} must be a path (str, bytes or os.PathLike), got {type(value).__name__} {value!r}")
+
+
+def _where(name: Any, what: str = "model") -> str:
+    """A model as the command takes it: an existing path made absolute, a Hub id or
+    ``BASE+ADAPTER`` as given; anything else is a :class:`UsageError` naming it."""
+    text = _path(name, what)
+    if os.path.exists(text):
+        return os.path.abspath(text)
+    if _HUB_ID.fullmatch(text) or "+" in text:
+        return text
+    raise UsageError(f"{what} {text!r}: no such folder here ({os.getcwd()}), and not a Hub id (org/name)")
+
+
+def _check_common(device: Any, threads: Any) -> None:
+    """The compute keywords every call takes, checked in the API's own words."""
+    if device not in ("auto", "cpu", "gpu"):
+        raise UsageError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise UsageError(f"threads must be a whole number ≥ 0 (0: all cores), got {threads!r}")
+
+
+def _check_value(key: str, value: Any) -> None:
+    """A method parameter: a number, a bool, a string, or a list of them (a gradient)."""
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            _check_value(key, v)
+        return
+    if value is None:
+        raise UsageError(f"parameter {key!r} is None: give it a value, or leave it out for its default")
+    if not isinstance(value, (bool, int, float, str)):
+        raise UsageError(f"parameter {key!r} must be a number, a bool or a string, got {type(value).__name__}")
 
 
 def _compute_args(device: str, quiet: bool, threads: int = 0) -> List[str]:
@@ -75,7 +115,7 @@ def _compute_args(device: str, quiet: bool, threads: int = 0) -> List[str]:
 
 def _output_args(out: PathLike, force: bool, out_dtype: Optional[str],
                  shard_size: Optional[str]) -> List[str]:
-    args = ["-o", os.fspath(out)]
+    args = ["-o", _path(out, "out")]
     if force:
         args.append("--force")
     if out_dtype is not None:
@@ -87,9 +127,10 @@ def _output_args(out: PathLike, force: bool, out_dtype: Optional[str],
 
 def _summary(out: PathLike) -> Dict[str, Any]:
     """What a merge wrote, from its record: method, λ per agent, shards and checksums."""
-    with open(os.path.join(os.fspath(out), RECORD_FILE), encoding="utf-8") as f:
+    out = _path(out, "out")
+    with open(os.path.join(out, RECORD_FILE), encoding="utf-8") as f:
         record = json.load(f)
-    record["out"] = os.path.abspath(os.fspath(out))
+    record["out"] = os.path.abspath(out)
     record["shards"] = [o["file"] for o in record.get("outputs", [])
                         if o["file"].endswith(".safetensors")]
     return record
@@ -147,13 +188,22 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     """
     if out is None:
         raise UsageError("merge needs out=, the folder to write the merged model into")
+    out = _path(out, "out")
     if isinstance(models, (str, bytes, os.PathLike)):
         raise UsageError("models must be a list of folders, not one path")
+    _check_common(device, threads)
+    for key, value in params.items():
+        if isinstance(value, Mapping):
+            for v in value.values():
+                _check_value(key, v)
+        else:
+            _check_value(key, value)
+    base = _where(base, "base")
     wheres = [_where(m) for m in models]
     shared, per_model = _split_params(wheres, params, list(models))
     recipe: Dict[str, Any] = {
         "merge_method": method,
-        "base_model": _where(base),
+        "base_model": base,
         "models": [{"model": m, "parameters": p} if p else {"model": m}
                    for m, p in zip(wheres, per_model)],
     }
@@ -172,8 +222,10 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
             _cli(["run", path, *_compute_args(device, quiet, threads),
                   *_output_args(out, force, out_dtype, shard_size)])
         except MergeError as e:
-            # The recipe is this call's keywords: its file name would only confuse.
+            # The recipe is this call's keywords: its file name and line numbers would only
+            # confuse.
             message = str(e).replace(f"recipe {path}: ", "")
+            message = re.sub(r" \(line \d+\)| at line \d+( column \d+)?|,? line \d+", "", message)
             raise type(e)(message) from None
     finally:
         os.unlink(path)
@@ -206,7 +258,8 @@ def run(recipe: PathLike, out: PathLike, *, device: str = "auto", quiet: bool = 
         threads: int = 0) -> Dict[str, Any]:
     """Runs a mergekit YAML recipe into ``out``, as ``rlmerge run``; returns what :func:`merge`
     returns."""
-    _cli(["run", os.fspath(recipe), *_compute_args(device, quiet, threads),
+    _check_common(device, threads)
+    _cli(["run", _path(recipe, "recipe"), *_compute_args(device, quiet, threads),
           *_output_args(out, force, out_dtype, shard_size)])
     return _summary(out)
 
@@ -223,15 +276,16 @@ def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False
     """
     if isinstance(models, (str, bytes, os.PathLike)):
         raise UsageError("models must be a list of folders, not one path")
-    args = ["analyze", "--json", "--base", _where(base)]
+    _check_common(device, threads)
+    args = ["analyze", "--json", "--base", _where(base, "base")]
     for m in models:
         args += ["--model", _where(m)]
     if per_tensor:
         args.append("--per-tensor")
     if merged is not None:
-        args += ["--merged", os.fspath(merged)]
+        args += ["--merged", _path(merged, "merged")]
     if plot is not None:
-        args += ["--plot", os.fspath(plot)]
+        args += ["--plot", _path(plot, "plot")]
     if epsilon is not None:
         args += ["--epsilon", repr(float(epsilon))]
     if tokenizer_source is not None:
@@ -244,11 +298,13 @@ def verify(dir: PathLike, against: bool = False, *, device: str = "auto") -> Dic
     """Checks a merged folder against its record (every checksum, the structure); with
     ``against``, recomputes the merge from the recorded inputs and compares the bytes. Returns
     ``{"path", "ok": True, "report"}``; raises :class:`MergeError` naming what differs."""
-    args = ["verify", os.fspath(dir), "--device", device]
+    dir = _path(dir, "dir")
+    _check_common(device, 0)
+    args = ["verify", dir, "--device", device]
     if against:
         args.append("--against")
     report = _cli(args)
-    return {"path": os.path.abspath(os.fspath(dir)), "ok": True, "report": report.strip()}
+    return {"path": os.path.abspath(dir), "ok": True, "report": report.strip()}
 
 
 def methods() -> List[Dict[str, Any]]:

@@ -1,12 +1,23 @@
 """The ``rlmerge`` command installed by pip: the same command line as the Rust binary, run
-in-process, with the same output and exit codes."""
+in-process, with the same output and exit codes — Ctrl-C, SIGTERM and SIGHUP stop a merge with
+its scratch folders removed and exit 130, as the binary does."""
 
+import signal
 import sys
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def main() -> None:
     from ._rlmerge import call
 
+    # Python's default for SIGTERM and SIGHUP ends the process at once, leaving the running
+    # merge's scratch folder behind: turn them into the interrupt the call handles.
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), _interrupt)
     sys.stdout.flush()
     try:
         code, _, error = call(sys.argv[1:], False)

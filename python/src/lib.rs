@@ -26,8 +26,12 @@ fn call(
     args: Vec<String>,
     capture: bool,
 ) -> PyResult<(u8, String, Option<String>)> {
-    rlmerge::cancel::reset();
+    // This call's own stop request: Ctrl-C here stops this call's job, not those other threads
+    // run at the same time.
+    let token = rlmerge::cancel::Token::new();
+    let job_token = token.clone();
     let worker = std::thread::spawn(move || {
+        rlmerge::cancel::set_current(job_token);
         let argv = std::iter::once("rlmerge".to_string()).chain(args);
         let mut captured = Vec::new();
         let result = if capture {
@@ -37,6 +41,7 @@ fn call(
         };
         (result, captured)
     });
+    let mut interrupted = None;
     loop {
         let finished = py.detach(|| {
             let until = std::time::Instant::now() + SIGNAL_POLL;
@@ -49,15 +54,21 @@ fn call(
             break;
         }
         if let Err(signal) = py.check_signals() {
-            rlmerge::cancel::request();
-            let _ = py.detach(|| worker.join());
-            rlmerge::cancel::reset();
-            return Err(signal);
+            token.request();
+            interrupted = Some(signal);
+            break;
         }
     }
     let ((code, error), captured) = py
         .detach(|| worker.join())
         .map_err(|_| PyRuntimeError::new_err("rlmerge panicked; please report this as a bug"))?;
+    // A signal that came once the job no longer looked at its token (its output being committed,
+    // or done) is too late to stop it: what it did is reported as if the signal had not come.
+    if let Some(signal) = interrupted {
+        if code == 130 {
+            return Err(signal);
+        }
+    }
     Ok((code, String::from_utf8_lossy(&captured).into_owned(), error))
 }
 

@@ -261,3 +261,111 @@ def test_tokenizer_sources_from_python(tmp_path):
         rlmerge.merge(base, agents, method="ties", out=tmp_path / "bad", weight=1.0,
                       tokenizer={"pad_to_multiple_of": -3})
     assert not (tmp_path / "bad").exists()
+
+
+def test_paths_are_str_bytes_or_pathlike_and_nothing_else(demo, tmp_path):
+    """out=, plot=, base and models take str, bytes and os.PathLike alike (decoded as the OS
+    does); any other type is a UsageError before anything is written."""
+    root, base, agents = demo
+    out = tmp_path / "bytes-out"
+    summary = rlmerge.merge(os.fsencode(base), [os.fsencode(a) for a in agents], method="ram",
+                            out=os.fsencode(out))
+    assert summary["out"] == str(out)
+    assert (out / "model.safetensors").exists()
+    assert not any("b'" in p.name for p in tmp_path.iterdir())
+    plot = tmp_path / "figs"
+    rlmerge.analyze(base, agents, plot=os.fsencode(plot))
+    assert (plot / "overlap.svg").exists()
+    for bad in (123, 1.5, ["x"], None):
+        with pytest.raises(rlmerge.UsageError, match="must be a path"):
+            rlmerge.merge(base, agents, method="ram", out=bad if bad is not None else 0)
+    with pytest.raises(rlmerge.UsageError, match="must be a path"):
+        rlmerge.analyze(base, agents, plot=7)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bytes-out", "figs"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(method="ties", weight=None), ["'weight' is None"]),
+        (dict(method="ties", weight=[1, None, 1]), ["'weight' is None"]),
+        (dict(method="ram", threads=-1), ["threads", "≥ 0"]),
+        (dict(method="ram", threads="2"), ["threads"]),
+        (dict(method="ram", device=None), ["device"]),
+        (dict(method="ties", weight=object()), ["'weight'", "a number"]),
+    ],
+)
+def test_arguments_are_checked_in_the_apis_own_words(demo, tmp_path, kwargs, words):
+    root, base, agents = demo
+    with pytest.raises(rlmerge.UsageError) as info:
+        rlmerge.merge(base, agents, out=tmp_path / "out", **kwargs)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    for foreign in ("untagged enum", "unexpected argument", "line ", "rlmerge-recipe-"):
+        assert foreign not in str(info.value), str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_folder_is_a_usage_error_naming_it(demo, tmp_path):
+    root, base, agents = demo
+    with pytest.raises(rlmerge.UsageError, match="no such folder") as info:
+        rlmerge.merge(tmp_path / "no-base", agents, method="ram", out=tmp_path / "out")
+    assert "no-base" in str(info.value)
+    with pytest.raises(rlmerge.UsageError, match="no such folder"):
+        rlmerge.analyze(base, [tmp_path / "no-agent"])
+    # A recipe error names no line of a recipe the caller never wrote.
+    with pytest.raises(rlmerge.UsageError) as info:
+        rlmerge.merge(base, agents, method="ties", out=tmp_path / "out", weight=1, densty=0.5)
+    assert "line" not in str(info.value) and "densty" in str(info.value), str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_stops_only_the_call_it_reaches(big_demo, tmp_path):
+    """Cancellation is per call: Ctrl-C in the main thread stops the main thread's merge, and a
+    merge another thread runs at the same time finishes, complete and verified."""
+    root, base, agents = big_demo
+    done = {}
+
+    def background():
+        try:
+            done["summary"] = rlmerge.merge(base, agents, method="della", out=tmp_path / "bg",
+                                            device="cpu", threads=1, weight=1, density=0.5)
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            done["error"] = e
+
+    t = threading.Thread(target=background)
+    t.start()
+    time.sleep(0.3)
+    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        rlmerge.merge(base, agents, method="della", out=tmp_path / "fg", device="cpu",
+                      threads=1, weight=1, density=0.5)
+    t.join()
+    assert "error" not in done, done.get("error")
+    assert not (tmp_path / "fg").exists()
+    assert rlmerge.verify(tmp_path / "bg")["ok"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bg"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_the_pip_command_cleans_up_on_sigterm_and_sighup(big_demo, tmp_path, sig):
+    """The pip-installed command, like the binary, removes its scratch folder and exits 130."""
+    root, base, agents = big_demo
+    parent = tmp_path / "outs"
+    parent.mkdir()
+    cmd = [pip_command(), "merge", "-q", "--device", "cpu", "--threads", "1", "--method", "della",
+           "--param", "weight=1", "--param", "density=0.5", "--base", str(base)]
+    for a in agents:
+        cmd += ["--model", str(a)]
+    proc = subprocess.Popen(cmd + ["-o", str(parent / "merged")], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(parent.iterdir()) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the merge ended before it could be signalled"
+    time.sleep(0.2)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr, stderr
+    assert sorted(os.listdir(parent)) == [], "a scratch or output folder was left"
