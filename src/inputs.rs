@@ -5,10 +5,9 @@ use crate::checkpoint::safetensors_file::shape_text;
 use crate::checkpoint::safetensors_file::Interner;
 use crate::checkpoint::{DType, ModelFolder, ModelTensor};
 use crate::error::usage;
-use crate::method::settings::rename_layer;
 use crate::method::{self};
 use crate::record::InputChecksums;
-use crate::slices::{is_embedding, Placement, Slices, Source};
+use crate::slices::{is_embedding, LayerStack, Placement, Slices, Source};
 use crate::vocabulary::{TokenizerSettings, VocabTensor, Vocabulary};
 use anyhow::{bail, ensure, Context, Result};
 use std::path::{Path, PathBuf};
@@ -514,7 +513,33 @@ fn sliced_plans(
         Source::Base => base,
         Source::Agent(t) => &agents[t],
     };
-    let layer_of = |t: &ModelTensor| crate::method::settings::layer_index(&t.entry.name);
+    // Each model's decoder stack (the layers its config counts; another numbered stack, such as
+    // a vision tower's, stays whole and goes with the embeddings).
+    let stack_of = |m: Source| -> Result<LayerStack> {
+        let f = folder(m);
+        let config = crate::checkpoint::folder_files::read_config(f.config_dir())
+            .context("slices need the model's config.json")?;
+        LayerStack::find(
+            f.tensors.iter().map(|t| &*t.entry.name),
+            &config,
+            &f.dir.display().to_string(),
+        )
+    };
+    let mut stacks: Vec<(Source, LayerStack)> = Vec::new();
+    for slice in &slices.0 {
+        for src in &slice.sources {
+            if !stacks.iter().any(|(m, _)| *m == src.model) {
+                stacks.push((src.model, stack_of(src.model)?));
+            }
+        }
+    }
+    let stack = |m: Source| {
+        &stacks
+            .iter()
+            .find(|(x, _)| *x == m)
+            .expect("every source's")
+            .1
+    };
     // One output tensor of slice `s` from its lead's tensor `lead_tensor`: in each other source,
     // the tensor `source_name(its first layer)`.
     let plan = |s: usize,
@@ -572,9 +597,13 @@ fn sliced_plans(
     // the last slice's.
     let outside = |embeddings: bool| -> Result<Vec<TensorPlan>> {
         let placement = slices.outside_layers(embeddings);
+        let lead = slices.lead(placement.slice).model;
         let mut plans = Vec::new();
-        for t in &folder(slices.lead(placement.slice).model).tensors {
-            if layer_of(t).is_some() || is_embedding(&t.entry.name) != embeddings {
+        for t in &folder(lead).tensors {
+            let name = &t.entry.name;
+            // Before the layers: the embeddings and other numbered stacks (a vision tower).
+            let pre = is_embedding(name) || crate::slices::numbered(name).is_some();
+            if stack(lead).layer_of(name).is_some() || pre != embeddings {
                 continue;
             }
             let name = t.entry.name.clone();
@@ -586,14 +615,22 @@ fn sliced_plans(
     let mut tensors = outside(true)?;
     for (layer, (s, i)) in slices.output_layers().enumerate() {
         let lead = slices.lead(s);
+        let lead_stack = stack(lead.model);
         for t in &folder(lead.model).tensors {
-            if layer_of(t) != Some(lead.start + i) {
+            if lead_stack.layer_of(&t.entry.name) != Some(lead.start + i) {
                 continue;
             }
-            // A tensor of a layer has a layer number to replace.
-            let renamed = |to: usize| rename_layer(&t.entry.name, to).unwrap_or_default();
-            let out: Arc<str> = renamed(layer).into();
-            let source_name = |start: usize| renamed(start + i);
+            // A tensor of a layer has a layer number to replace (every source of the base's
+            // architecture names its stack alike).
+            let out: Arc<str> = lead_stack
+                .rename(&t.entry.name, layer)
+                .unwrap_or_default()
+                .into();
+            let source_name = |start: usize| {
+                lead_stack
+                    .rename(&t.entry.name, start + i)
+                    .unwrap_or_default()
+            };
             tensors.push(plan(s, slices.placement(s, i), t, &source_name, out)?);
         }
     }

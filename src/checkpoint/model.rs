@@ -30,6 +30,8 @@ pub struct ModelFolder {
     by_name: Vec<u32>,
     /// A LoRA agent: the base's shards read through this adapter (`dir` is the adapter's).
     pub lora: Option<LoraAdapter>,
+    /// The folder holding the model's config.json: `dir`, or a LoRA agent's base.
+    config_dir: PathBuf,
 }
 
 impl ModelFolder {
@@ -122,6 +124,7 @@ impl ModelFolder {
             tensors,
             by_name,
             lora: None,
+            config_dir: dir.to_path_buf(),
         })
     }
 
@@ -148,6 +151,11 @@ impl ModelFolder {
         folder.dir = adapter_dir.to_path_buf();
         folder.lora = Some(adapter);
         Ok(folder)
+    }
+
+    /// The folder whose config.json describes this model: its own, or a LoRA agent's base's.
+    pub fn config_dir(&self) -> &Path {
+        &self.config_dir
     }
 
     /// Whether tensor `name` is the base's plus a LoRA update (read as f32).

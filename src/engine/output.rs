@@ -173,11 +173,11 @@ fn sliced_config(inputs: &Inputs, slices: &Slices, out: &Path) -> Result<()> {
     }
     let mut config = read_config(out)?;
     let config_of = |m: Source| {
-        let dir = match m {
-            Source::Base => &inputs.base.dir,
-            Source::Agent(t) => &inputs.agents[t].dir,
+        let folder = match m {
+            Source::Base => &inputs.base,
+            Source::Agent(t) => &inputs.agents[t],
         };
-        read_config(dir).unwrap_or_default()
+        read_config(folder.config_dir()).unwrap_or_default()
     };
     slices.rewrite_config(&mut config, &config_of);
     std::fs::write(&path, serde_json::to_string_pretty(&config)? + "\n")

@@ -113,8 +113,20 @@ fn local_folder(reference: &str, recipe_dir: &Path) -> Result<PathBuf> {
     )
 }
 
-/// Layers of a model, from its config.json.
+/// Layers of a model, from its config.json (a LoRA agent `BASE+ADAPTER`: its base's).
 fn layer_count(dir: &Path) -> Result<usize> {
+    let text = dir.to_string_lossy();
+    let dir = match crate::checkpoint::lora::split_reference(&text) {
+        Some((base, _)) => Path::new(base),
+        None if crate::checkpoint::lora::is_adapter(dir) => {
+            return Err(usage(format!(
+                "{} is a LoRA adapter: in slices, write it as BASE+ADAPTER so its layers are \
+                 the base's",
+                dir.display()
+            )))
+        }
+        None => dir,
+    };
     let json =
         crate::checkpoint::folder_files::read_config(dir).context("slices need the layer count")?;
     crate::slices::layer_count(&json).with_context(|| {

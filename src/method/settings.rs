@@ -127,16 +127,6 @@ pub fn layer_index(name: &str) -> Option<usize> {
     layer_part(&name.split('.').collect::<Vec<_>>()).map(|(_, layer)| layer)
 }
 
-/// `name` with its layer number replaced by `layer` ([`layer_index`]'s names); `None` for a
-/// tensor outside the layers.
-pub fn rename_layer(name: &str, layer: usize) -> Option<String> {
-    let mut parts: Vec<&str> = name.split('.').collect();
-    let (at, _) = layer_part(&parts)?;
-    let number = layer.to_string();
-    parts[at] = &number;
-    Some(parts.join("."))
-}
-
 /// Which of a name's dot-separated parts is its layer number (the first number after `layers`,
 /// `h`, `blocks` or `layer`), and the number.
 fn layer_part(parts: &[&str]) -> Option<(usize, usize)> {
