@@ -312,13 +312,31 @@ impl Inputs {
                     .is_some_and(|r| r.indexed_by_token(bt, Source::Base, at));
                 if at.entry.shape != bt.entry.shape && !reindexed {
                     // Embeddings that differ in rows alone: a vocabulary that grew.
-                    let rows_only = layout.tokenizer.is_none()
-                        && matches!(
-                            crate::report::Module::of(&bt.entry.name),
-                            crate::report::Module::Embed | crate::report::Module::LmHead
-                        )
-                        && at.entry.shape.len() == bt.entry.shape.len()
+                    let by_token = matches!(
+                        crate::report::Module::of(&bt.entry.name),
+                        crate::report::Module::Embed | crate::report::Module::LmHead
+                    ) && at.entry.shape.len() == bt.entry.shape.len()
                         && at.entry.shape[1..] == bt.entry.shape[1..];
+                    let rows_only = layout.tokenizer.is_none() && by_token;
+                    // With a tokenizer source, a token-indexed tensor not re-indexed: its rows
+                    // are not its model's config vocab_size.
+                    if layout.tokenizer.is_some() && by_token {
+                        let vocab = base_config
+                            .as_ref()
+                            .and_then(crate::vocabulary::config_vocab_size);
+                        bail!(
+                            "tensor '{}' has {} rows in {} and {} in the base {}: a tokenizer \
+                             source re-indexes the tensors whose rows are their model's \
+                             config.json vocab_size, and the base's says {}; make each model's \
+                             vocab_size its embedding rows",
+                            crate::escape::terminal(&bt.entry.name),
+                            at.entry.shape[0],
+                            agent.file_of(at).display(),
+                            bt.entry.shape[0],
+                            base.file_of(bt).display(),
+                            vocab.map_or("none".to_string(), |v| v.to_string())
+                        );
+                    }
                     bail!(
                         "tensor '{}' in {} is {} {} but in the base ({}) it is {} {}{}",
                         bt.entry.name,

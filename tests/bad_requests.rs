@@ -661,7 +661,23 @@ fn analyze_merged_and_plot_paths_are_checked() {
     let o = analyze(&["--plot".as_ref(), &os(c.dir.path())]);
     assert!(o.status.success(), "{}", err_of(&o));
     assert!(c.dir.path().join("overlap.svg").is_file());
-    let o = analyze(&["--merged".as_ref(), &os(&c.base)]);
+    // An input given as the merged folder is a mistake: named, exit 2.
+    for input in [&c.base, &c.good] {
+        let o = analyze(&["--merged".as_ref(), &os(input)]);
+        assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+        assert!(
+            err_of(&o).contains("is an input of this analysis"),
+            "{}",
+            err_of(&o)
+        );
+    }
+    // A copy of the base, merged as nothing: it retains nothing.
+    let copy = c.dir.path().join("base-copy");
+    std::fs::create_dir(&copy).unwrap();
+    for f in ["model.safetensors", "config.json"] {
+        std::fs::copy(c.base.join(f), copy.join(f)).unwrap();
+    }
+    let o = analyze(&["--merged".as_ref(), &os(&copy)]);
     assert!(o.status.success(), "{}", err_of(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["retention"]["agents"][0]["all"]["retention"], 0.0);

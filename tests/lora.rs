@@ -22,11 +22,18 @@ fn merged_by_hand(adapter: &Path, out: &Path) {
     .unwrap();
     let lora = read_file(&adapter.join("adapter_model.safetensors"));
     let base = read_folder(&models().join("base"));
+    // PEFT's rule: each key a regular expression matched as `(.*\.)?(KEY)$` (the fixtures have
+    // one key per pattern, so the file's order — which PEFT follows — does not matter here;
+    // tests/trust.rs checks the order).
     let pattern = |key: &str, module: &str| -> Option<f64> {
         config[key]
             .as_object()?
             .iter()
-            .find(|(k, _)| module == k.as_str() || module.ends_with(&format!(".{k}")))
+            .find(|(k, _)| {
+                regex::Regex::new(&format!("^(?:.*\\.)?(?:{k})$"))
+                    .unwrap()
+                    .is_match(module)
+            })
             .and_then(|(_, v)| v.as_f64())
     };
     let mut tensors = Vec::new();

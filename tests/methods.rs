@@ -657,7 +657,7 @@ fn recipe_errors_are_clear() {
         ("merge_method: ties\nbase_model: base\nslices:\n  - sources:\n      - model: a\n        layer_range: [0, 1]\n", &["config.json"]),
         ("merge_method: fisher\nbase_model: base\nmodels:\n  - model: a\n", &["fisher", "needs parameter 'fisher'"]),
         ("merge_method: nonsense\nmodels:\n  - model: a\n", &["unknown merge_method 'nonsense'", "line 1"]),
-        ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {density: 0.5}\n", &["needs parameter 'weight'", "model.layers.0.w"]),
+        ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {density: 0.5}\n", &["needs parameter 'weight' for model 1", "weight:"]),
         ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, gamma: 0.1}\n", &["unknown parameter 'gamma'", "line 5"]),
         // The new modes' switches take true or false only.
         ("merge_method: model_stock\nbase_model: base\nmodels:\n  - model: a\n  - model: b\nparameters:\n  filter_wise: maybe\n", &["parameter 'filter_wise' must be true or false", "line 7"]),

@@ -1148,3 +1148,212 @@ fn lora_agents_work_in_slices() {
         err_of(&o)
     );
 }
+
+/// The smaller mistakes of issue #24 each get an error that names the problem and the fix, at
+/// once, with nothing written.
+#[test]
+fn smaller_mistakes_say_what_is_wrong_and_the_fix() {
+    let d = tempfile::tempdir().unwrap();
+    let memory = models().join("memory");
+    let refused = |o: std::process::Output, code: i32, wants: &[&str], out: &Path| {
+        let err = err_of(&o);
+        assert_eq!(o.status.code(), Some(code), "{wants:?}: {err}");
+        for w in wants {
+            assert!(err.contains(w), "want {w:?} in: {err}");
+        }
+        assert!(err.lines().count() == 1, "{err}");
+        assert!(!out.exists());
+    };
+    // A tokenizer file that is a FIFO: refused before the merge, never opened.
+    let base = d.path().join("base");
+    std::fs::create_dir(&base).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(models().join("base").join(f), base.join(f)).unwrap();
+    }
+    assert!(std::process::Command::new("mkfifo")
+        .arg(base.join("tokenizer.json"))
+        .status()
+        .unwrap()
+        .success());
+    let out = d.path().join("o1");
+    let o = rlmerge()
+        .arg("merge")
+        .arg("--base")
+        .arg(&base)
+        .arg("--model")
+        .arg(&memory)
+        .args(["-q", "--method", "ram", "-o"])
+        .arg(&out)
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    refused(o, 1, &["tokenizer.json", "not a regular file"], &out);
+    // An adapter saved as a PyTorch pickle only.
+    let bin = d.path().join("bin-adapter");
+    std::fs::create_dir(&bin).unwrap();
+    std::fs::copy(
+        models().join("coder-lora/adapter_config.json"),
+        bin.join("adapter_config.json"),
+    )
+    .unwrap();
+    std::fs::write(bin.join("adapter_model.bin"), b"not read").unwrap();
+    let out = d.path().join("o2");
+    refused(
+        merge_with(&[&bin], &out, &["--method", "ram"]),
+        1,
+        &["adapter_model.bin", "pickle", "safetensors"],
+        &out,
+    );
+    // An adapter given as the base.
+    let out = d.path().join("o3");
+    let o = rlmerge()
+        .arg("merge")
+        .arg("--base")
+        .arg(models().join("coder-lora"))
+        .arg("--model")
+        .arg(&memory)
+        .args(["-q", "--method", "ram", "-o"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    refused(
+        o,
+        1,
+        &["is a LoRA adapter, not a full model", "--model"],
+        &out,
+    );
+    // A method without a parameter it needs: before any tensor is read, exit 2, with the fix.
+    let out = d.path().join("o4");
+    refused(
+        merge_with(&[&memory], &out, &["--method", "ties"]),
+        2,
+        &["needs parameter 'weight'", "--param weight="],
+        &out,
+    );
+    // A huge value is shown short.
+    let out = d.path().join("o5");
+    let o = merge_with(
+        &[&memory],
+        &out,
+        &[
+            "--method",
+            "ties",
+            "--param",
+            "weight=1",
+            "--param",
+            "density=1e300",
+        ],
+    );
+    assert!(
+        err_of(&o).contains("got 1e300") && err_of(&o).len() < 200,
+        "{}",
+        err_of(&o)
+    );
+    refused(o, 2, &["density"], &out);
+    // A tokenizer source where the base's config vocab_size is not its embedding rows.
+    let vbase = d.path().join("vbase");
+    std::fs::create_dir(&vbase).unwrap();
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(models().join("base").join(f), vbase.join(f)).unwrap();
+    }
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(models().join("base/config.json")).unwrap())
+            .unwrap();
+    c["vocab_size"] = 64.into();
+    std::fs::write(vbase.join("config.json"), c.to_string()).unwrap();
+    let out = d.path().join("o6");
+    let o = rlmerge()
+        .arg("merge")
+        .arg("--base")
+        .arg(&vbase)
+        .arg("--model")
+        .arg(models().join("tools-tok"))
+        .args([
+            "-q",
+            "--method",
+            "task_arithmetic",
+            "--param",
+            "weight=1",
+            "--tokenizer-source",
+            "union",
+            "-o",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    refused(o, 1, &["config.json vocab_size", "says 64"], &out);
+}
+
+/// A signal that lands while the merge commits (or just after) never leaves a complete output
+/// beside "nothing was written": either the run was interrupted and nothing is at the output
+/// path (exit 130), or the output is complete, verifies, and the run says so (exit 0).
+#[test]
+fn a_signal_at_the_commit_never_misreports_the_output() {
+    let d = tempfile::tempdir().unwrap();
+    let (base, agents) = small(d.path(), &["a", "b"]);
+    // How long one merge takes here, to aim signals at its end.
+    let time_one = || {
+        let start = Instant::now();
+        let out = d.path().join("timing");
+        let _ = std::fs::remove_dir_all(&out);
+        let mut cmd = rlmerge();
+        cmd.arg("merge").arg("--base").arg(&base);
+        for a in &agents {
+            cmd.arg("--model").arg(a);
+        }
+        cmd.args(["-q", "--device", "cpu", "--method", "ram", "-o"])
+            .arg(&out)
+            .assert()
+            .success();
+        start.elapsed()
+    };
+    let typical = (0..3).map(|_| time_one()).min().unwrap();
+    let (mut interrupted, mut completed) = (0, 0);
+    for k in 0..30u32 {
+        let out = d.path().join(format!("out{k}"));
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rlmerge"));
+        cmd.arg("merge").arg("--base").arg(&base);
+        for a in &agents {
+            cmd.arg("--model").arg(a);
+        }
+        let child = cmd
+            .args(["-q", "--device", "cpu", "--method", "ram", "-o"])
+            .arg(&out)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // From 40 % to 120 % of a typical run, spread over the tries.
+        std::thread::sleep(typical * (40 + 80 * k / 29) / 100);
+        unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+        let o = child.wait_with_output().unwrap();
+        let err = err_of(&o);
+        match o.status.code() {
+            Some(130) => {
+                interrupted += 1;
+                assert!(
+                    !out.exists(),
+                    "exit 130 said nothing was written, but {out:?} exists"
+                );
+                assert!(err.contains("nothing was written"), "{err}");
+            }
+            Some(0) => {
+                completed += 1;
+                assert!(String::from_utf8_lossy(&o.stdout).contains("merged 2 model(s)"));
+                rlmerge().arg("verify").arg(&out).assert().success();
+            }
+            other => panic!("exit {other:?}: {err}"),
+        }
+        let left: Vec<String> = std::fs::read_dir(d.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".rlmerge-"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+    eprintln!("{interrupted} interrupted, {completed} completed");
+}

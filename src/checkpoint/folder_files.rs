@@ -54,7 +54,17 @@ pub fn read_config(dir: &Path) -> Result<serde_json::Value> {
 pub fn check_base_config(base: &Path) -> Result<()> {
     read_config(base)
         .map(|_| ())
-        .context("the base's config.json is needed: a merged model without one does not load")
+        .context("the base's config.json is needed: a merged model without one does not load")?;
+    // The files copied into the output: one that is there but no regular file (a FIFO, a
+    // device, a folder) is refused now, not dropped or blocked on at the end.
+    for name in MODEL_FILES.iter().chain(TOKENIZER_FILES) {
+        let path = base.join(name);
+        if path.symlink_metadata().is_ok() {
+            super::model::check_regular_file(&path)
+                .with_context(|| format!("the base's {name} is copied into the merged model"))?;
+        }
+    }
+    Ok(())
 }
 
 /// The `config.json` keys that fix a model's architecture: an agent whose value differs from the

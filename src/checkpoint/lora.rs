@@ -302,6 +302,16 @@ impl LoraAdapter {
             .alpha_pattern
             .compile("alpha_pattern")
             .map_err(|e| fail(e.to_string()))?;
+        if dir.join(ADAPTER_WEIGHTS).symlink_metadata().is_err()
+            && dir.join("adapter_model.bin").symlink_metadata().is_ok()
+        {
+            bail!(
+                "{}: only adapter_model.bin is here, a PyTorch pickle, which rlmerge does not \
+                 read (loading a pickle can run arbitrary code); save the adapter as \
+                 {ADAPTER_WEIGHTS} (PEFT: save_pretrained(..., safe_serialization=True))",
+                dir.display()
+            );
+        }
         let (file, entries) = SafetensorsFile::open_interned(&dir.join(ADAPTER_WEIGHTS), interner)?;
         // By module name, in order: the same adapter always reports the same first error.
         let mut pairs: std::collections::BTreeMap<

@@ -73,6 +73,16 @@ impl ModelFolder {
             index_shards(&index_path, index)?
         } else if present(&single_path) {
             vec![SINGLE_FILE.to_string()]
+        } else if dir
+            .join(super::lora::ADAPTER_CONFIG)
+            .symlink_metadata()
+            .is_ok()
+        {
+            bail!(
+                "{} is a LoRA adapter, not a full model: give it as an agent (--model, or \
+                 BASE+ADAPTER), with the model it was trained on as the base",
+                dir.display()
+            );
         } else {
             bail!(
                 "{}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)",

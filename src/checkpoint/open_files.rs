@@ -1,6 +1,6 @@
-//! Input files opened on demand, at most [`MAX_OPEN`] at a time (least recently used closed
-//! first), so a merge of any number of shards stays within the default limit of 1024 open files:
-//! 4 models of 400 shards each hold a handful. A file reopened after eviction must be the one
+//! Input files opened on demand, at most [`max_open`] at a time (least recently used closed
+//! first), so a merge of any number of shards stays within the process's limit of open files
+//! (`ulimit -n`): 4 models of 400 shards each hold a handful. A file reopened after eviction must be the one
 //! first opened — same device and inode (Unix), size and modification time — or the read fails
 //! as if the file had changed under the merge.
 
@@ -10,8 +10,31 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-/// Input files open at once, at most.
+/// Input files open at once, at most, where the open-file limit allows it.
 pub const MAX_OPEN: usize = 128;
+
+/// Input files open at once, at most: [`MAX_OPEN`], or a quarter of the process's soft limit of
+/// open files (`ulimit -n`) where that is lower — the rest stays for output shards, the GPU
+/// driver, Python — and never fewer than 4.
+pub fn max_open() -> usize {
+    static LIMIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        #[cfg(unix)]
+        {
+            let mut r = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit writes the struct it is given, which lives across the call.
+            if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0
+                && r.rlim_cur != libc::RLIM_INFINITY
+            {
+                return ((r.rlim_cur / 4) as usize).clamp(4, MAX_OPEN);
+            }
+        }
+        MAX_OPEN
+    })
+}
 
 /// What identifies one version of a file: (device, inode) where the OS has them, size and
 /// modification time.
@@ -86,7 +109,7 @@ pub fn get(path: &Path, identity: &Identity) -> Result<Arc<File>> {
     let file = Arc::new(file);
     let mut guard = CACHE.lock().unwrap_or_else(|p| p.into_inner());
     let cache = guard.get_or_insert_with(Cache::default);
-    if cache.open.len() >= MAX_OPEN {
+    if cache.open.len() >= max_open() {
         if let Some(oldest) = cache
             .open
             .iter()

@@ -416,6 +416,23 @@ fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
     let inputs = Inputs::open_with(&base, &agents, layout)?;
     warn_all(&inputs.warnings);
     // Bad --merged or --plot paths fail before the probe reads anything.
+    if let Some(dir) = &args.merged {
+        let real = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+        let merged_real = real(dir);
+        let input = std::iter::once(&inputs.base)
+            .chain(&inputs.agents)
+            .find(|m| {
+                real(&m.dir) == merged_real
+                    || real(m.config_dir()) == merged_real && m.lora.is_none()
+            });
+        if let Some(m) = input {
+            return Err(usage(format!(
+                "--merged {} is an input of this analysis ({}); give the folder the merge wrote",
+                dir.display(),
+                m.dir.display()
+            )));
+        }
+    }
     let merged = match &args.merged {
         Some(dir) => Some(
             rlmerge::checkpoint::ModelFolder::open(dir)

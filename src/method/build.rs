@@ -67,12 +67,43 @@ pub fn build(req: MethodRequest, agents: usize) -> Result<Method> {
             };
             // With slices each slice has its own models: the recipe reader checks each.
             if config.slices.is_empty() {
+                check_required(&config, agents)?;
                 config.check(agents).map_err(|e| usage(e.to_string()))?;
             }
             cross_checks(&config, agents)?;
             Ok(Method::Combine(config))
         }
     }
+}
+
+/// Every parameter the method requires (no default) is given — per model, or once for all —
+/// before any tensor is read, with the fix in the error.
+fn check_required(config: &MethodConfig, agents: usize) -> Result<()> {
+    for p in config.kind.params() {
+        if !matches!(p.default, ParamDefault::Required) || config.parameters.contains_key(p.name) {
+            continue;
+        }
+        let missing: Vec<usize> = match p.scope {
+            Scope::Shared => vec![0],
+            Scope::PerModel => (0..agents)
+                .filter(|&m| config.models.get(m).is_none_or(|s| !s.contains_key(p.name)))
+                .collect(),
+        };
+        if let Some(&m) = missing.first() {
+            let whom = match p.scope {
+                Scope::Shared => String::new(),
+                Scope::PerModel => format!(" for model {}", m + 1),
+            };
+            return Err(usage(format!(
+                "method {} needs parameter '{name}'{whom}: give it with --param {name}=VALUE, or \
+                 `{name}:` under the recipe's parameters ({})",
+                config.kind.name(),
+                p.range.requirement(),
+                name = p.name
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Every key known for the method and in the right scope; every value in its range.
@@ -138,8 +169,19 @@ fn check_setting(param: &Param, setting: &Setting, model: Option<usize>) -> Resu
 fn shown(value: &Scalar) -> String {
     match value {
         Scalar::Bool(b) => b.to_string(),
-        Scalar::Number(x) => x.to_string(),
+        Scalar::Number(x) => number(*x),
         Scalar::Text(t) => format!("'{}'", crate::escape::terminal(t)),
+    }
+}
+
+/// A number as errors show it: plainly, or in exponent form where that is shorter than 12
+/// characters' worth of digits (1e300 is not 301 digits).
+pub fn number(x: f64) -> String {
+    let plain = x.to_string();
+    if plain.len() > 12 && x.is_finite() {
+        format!("{x:e}")
+    } else {
+        plain
     }
 }
 
