@@ -69,7 +69,7 @@ fn mix32(v: u32) -> u32 {
     return x;
 }
 
-// src/method/combine.rs `RankCut::inside`.
+// src/select/cut.rs `RankCut::inside`.
 fn inside(key: u32, idx: u32, value: u32, index: u32, high_first: bool) -> bool {
     return key > value || (key == value && ((idx < index) != high_first));
 }

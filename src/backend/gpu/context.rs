@@ -1,6 +1,6 @@
 //! The adapter, device, queue and compiled pipelines, built once per process.
 
-use super::{CHUNK_WGSL, COMBINE_WGSL, DTYPE_WGSL, MERGE_WGSL, PROBE_WGSL};
+use super::{COMBINE_WGSL, MERGE_WGSL, PROBE_WGSL};
 use anyhow::{anyhow, bail, Context, Result};
 use std::sync::{Arc, Mutex};
 
@@ -218,7 +218,7 @@ pub(super) fn compute_pipeline(
     entry: &str,
     kernel: &str,
 ) -> wgpu::ComputePipeline {
-    let source = format!("{DTYPE_WGSL}\n{CHUNK_WGSL}\n{kernel}");
+    let source = super::shader_source(kernel);
     let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
         label: Some(entry),
         source: wgpu::ShaderSource::Wgsl(source.into()),

@@ -167,13 +167,12 @@ pub(super) fn dtype_code(d: DType) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::gpu::{CHUNK_WGSL, COMBINE_WGSL, DTYPE_WGSL, MERGE_WGSL, PROBE_WGSL};
+    use crate::backend::gpu::{shader_source, COMBINE_WGSL, MERGE_WGSL, PROBE_WGSL};
     use std::mem::{offset_of, size_of};
 
     /// A kernel's module as the host builds it (dtype.wgsl + chunk.wgsl + the kernel).
     fn module(kernel: &str) -> naga::Module {
-        let source = format!("{DTYPE_WGSL}\n{CHUNK_WGSL}\n{kernel}");
-        naga::front::wgsl::parse_str(&source).expect("the shaders parse")
+        naga::front::wgsl::parse_str(&shader_source(kernel)).expect("the shaders parse")
     }
 
     /// (member name, byte offset) of WGSL struct `name`, and its size.

@@ -34,6 +34,13 @@ pub(super) const CHUNK_WGSL: &str = include_str!("../../../shaders/chunk.wgsl");
 pub(super) const PROBE_WGSL: &str = include_str!("../../../shaders/probe.wgsl");
 pub(super) const MERGE_WGSL: &str = include_str!("../../../shaders/merge.wgsl");
 pub(super) const COMBINE_WGSL: &str = include_str!("../../../shaders/combine.wgsl");
+
+/// A kernel's whole WGSL source as every user of it builds it — the pipelines, the naga
+/// validation and the layout tests: the codecs (`dtype.wgsl`), the chunk's uniforms and bindings
+/// (`chunk.wgsl`), then the kernel file.
+pub(super) fn shader_source(kernel: &str) -> String {
+    format!("{DTYPE_WGSL}\n{CHUNK_WGSL}\n{kernel}")
+}
 /// Most agents a consensus merge with normalization takes here: one reciprocal per agreement mask.
 pub(super) const GPU_MAX_TABLE_AGENTS: usize = 16;
 
@@ -203,7 +210,7 @@ mod tests {
             ("merge", MERGE_WGSL),
             ("combine", COMBINE_WGSL),
         ] {
-            let source = format!("{DTYPE_WGSL}\n{CHUNK_WGSL}\n{kernel}");
+            let source = shader_source(kernel);
             let module = naga::front::wgsl::parse_str(&source)
                 .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(&source)));
             naga::valid::Validator::new(
@@ -221,5 +228,46 @@ mod tests {
             one_line("Validation Error\n\nCaused by:\n  In X\n    limit"),
             "Validation Error Caused by: In X limit"
         );
+    }
+}
+
+#[cfg(test)]
+mod citation_tests {
+    /// Every Rust item a shader comment cites as "src/….rs `item`" (or `Type::item`) is defined in
+    /// that file: the GPU twins stay pointed at their CPU originals when code moves.
+    #[test]
+    fn every_rust_item_a_shader_cites_exists() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let cite = regex::Regex::new(r"(src/[\w/]+\.rs)[\s/]*`([\w:]+)`").unwrap();
+        let mut checked = 0;
+        for entry in std::fs::read_dir(root.join("shaders")).unwrap() {
+            let path = entry.unwrap().path();
+            let text = std::fs::read_to_string(&path).unwrap();
+            // Comments only, joined so a citation may wrap onto the next comment line.
+            let comments: String = text
+                .lines()
+                .filter_map(|l| l.trim_start().strip_prefix("//"))
+                .collect::<Vec<_>>()
+                .join(" ");
+            for c in cite.captures_iter(&comments) {
+                let file = root.join(&c[1]);
+                let source = std::fs::read_to_string(&file).unwrap_or_else(|_| {
+                    panic!("{} cites {}, which does not exist", path.display(), &c[1])
+                });
+                let item = c[2].rsplit("::").next().unwrap();
+                let defined = ["fn ", "struct ", "enum ", "const ", "type "]
+                    .iter()
+                    .any(|k| source.contains(&format!("{k}{item}")));
+                assert!(
+                    defined,
+                    "{} cites {} `{}`, which that file does not define",
+                    path.display(),
+                    &c[1],
+                    &c[2]
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked >= 5, "only {checked} citations found");
     }
 }
