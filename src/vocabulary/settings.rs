@@ -1,0 +1,104 @@
+//! What a recipe asks of the output's tokenizer (`tokenizer_source`, the `tokenizer:` section),
+//! as settings the record keeps.
+
+use super::*;
+
+/// What a recipe asks of the output's tokenizer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TokenizerSettings {
+    pub source: TokenizerSource,
+    /// `tokenizer.tokens`: tokens the output must have, and where their rows come from.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tokens: Vec<TokenSetting>,
+    /// `tokenizer.pad_to_multiple_of`: rows added after the last token, each the mean row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pad_to_multiple_of: Option<usize>,
+}
+
+/// Whose tokenizer the output takes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenizerSource {
+    Base,
+    /// Every model's tokens: the base's, then each model's others in order.
+    Union,
+    /// That model's tokenizer, as it is.
+    Model(PathBuf),
+}
+
+/// One entry of `tokenizer.tokens`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TokenSetting {
+    pub token: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<EmbeddingSource>,
+    /// The source's row even for models that have the token.
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// Where a token's row comes from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EmbeddingSource {
+    /// This model's row for the same token.
+    Model(PathBuf),
+    /// The row of another token of a model: by its text or by its id in that model.
+    ModelToken {
+        model: PathBuf,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token_id: Option<usize>,
+    },
+    Zero,
+}
+
+impl TokenizerSettings {
+    /// The settings with every model folder made absolute (for the record: `verify --against`
+    /// runs from anywhere).
+    pub fn absolute(&self) -> TokenizerSettings {
+        let abs = |p: &PathBuf| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone());
+        let mut s = self.clone();
+        if let TokenizerSource::Model(p) = &mut s.source {
+            *p = abs(p);
+        }
+        for t in &mut s.tokens {
+            match &mut t.source {
+                Some(EmbeddingSource::Model(p)) => *p = abs(p),
+                Some(EmbeddingSource::ModelToken { model, .. }) => *model = abs(model),
+                _ => {}
+            }
+        }
+        s
+    }
+
+    /// Every folder the settings name (an output must not overwrite them).
+    pub fn folders(&self) -> Vec<PathBuf> {
+        let mut v = Vec::new();
+        if let TokenizerSource::Model(p) = &self.source {
+            v.push(p.clone());
+        }
+        for t in &self.tokens {
+            match &t.source {
+                Some(EmbeddingSource::Model(p)) => v.push(p.clone()),
+                Some(EmbeddingSource::ModelToken { model, .. }) => v.push(model.clone()),
+                _ => {}
+            }
+        }
+        v
+    }
+}
+
+/// Reads a `tokenizer_source` value or the `tokenizer:` section's `source` as a user writes it:
+/// `base`, `union`, or a model (`model:NAME` or NAME), found by `folder`.
+pub fn parse_source(
+    text: &str,
+    folder: &dyn Fn(&str) -> Result<PathBuf>,
+) -> Result<TokenizerSource> {
+    Ok(match text {
+        "base" => TokenizerSource::Base,
+        "union" => TokenizerSource::Union,
+        name => TokenizerSource::Model(folder(name.strip_prefix("model:").unwrap_or(name))?),
+    })
+}
