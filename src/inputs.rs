@@ -6,8 +6,9 @@ use crate::checkpoint::safetensors_file::Interner;
 use crate::checkpoint::{DType, ModelFolder, ModelTensor};
 use crate::error::usage;
 use crate::method::{self};
+use crate::names::{is_embedding, is_token_indexed};
 use crate::record::InputChecksums;
-use crate::slices::{is_embedding, LayerStack, Placement, Slices, Source};
+use crate::slices::{LayerStack, Placement, Slices, Source};
 use crate::vocabulary::{TokenizerSettings, VocabTensor, Vocabulary};
 use anyhow::{bail, ensure, Context, Result};
 use std::path::{Path, PathBuf};
@@ -312,10 +313,8 @@ impl Inputs {
                     .is_some_and(|r| r.indexed_by_token(bt, Source::Base, at));
                 if at.entry.shape != bt.entry.shape && !reindexed {
                     // Embeddings that differ in rows alone: a vocabulary that grew.
-                    let by_token = matches!(
-                        crate::report::Module::of(&bt.entry.name),
-                        crate::report::Module::Embed | crate::report::Module::LmHead
-                    ) && at.entry.shape.len() == bt.entry.shape.len()
+                    let by_token = is_token_indexed(&bt.entry.name)
+                        && at.entry.shape.len() == bt.entry.shape.len()
                         && at.entry.shape[1..] == bt.entry.shape[1..];
                     let rows_only = layout.tokenizer.is_none() && by_token;
                     // With a tokenizer source, a token-indexed tensor not re-indexed: its rows
@@ -620,7 +619,7 @@ fn sliced_plans(
         for t in &folder(lead).tensors {
             let name = &t.entry.name;
             // Before the layers: the embeddings and other numbered stacks (a vision tower).
-            let pre = is_embedding(name) || crate::slices::numbered(name).is_some();
+            let pre = is_embedding(name) || crate::names::numbered(name).is_some();
             if stack(lead).layer_of(name).is_some() || pre != embeddings {
                 continue;
             }
@@ -674,8 +673,7 @@ impl Reindex<'_> {
     }
 
     fn is_token_tensor(&self, bt: &ModelTensor, of: Source) -> bool {
-        use crate::report::Module;
-        matches!(Module::of(&bt.entry.name), Module::Embed | Module::LmHead)
+        is_token_indexed(&bt.entry.name)
             && bt.entry.shape.len() >= 2
             && bt.entry.shape[0] == self.vocabulary.vocab_size(of)
     }
@@ -771,8 +769,8 @@ fn open_agent(base_dir: &Path, dir: &Path, interner: &mut Interner) -> Result<Mo
                 bail!(
                     "LoRA agent {text}: {adapter} is not a PEFT adapter folder (no {} beside \
                      {})",
-                    crate::checkpoint::lora::ADAPTER_CONFIG,
-                    crate::checkpoint::lora::ADAPTER_WEIGHTS
+                    crate::checkpoint::files::ADAPTER_CONFIG,
+                    crate::checkpoint::files::ADAPTER_WEIGHTS
                 );
             }
             Some(PathBuf::from(adapter))

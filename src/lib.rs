@@ -17,6 +17,7 @@ pub mod hub;
 pub mod inputs;
 pub mod job;
 pub mod method;
+pub mod names;
 pub mod record;
 pub mod report;
 pub mod scans;

@@ -101,7 +101,7 @@ impl MergeRecord {
             p if !p.exists() && legacy.exists() => legacy,
             p => p,
         };
-        let text = crate::checkpoint::model::check_regular_file(&path)
+        let text = crate::checkpoint::files::check_regular_file(&path)
             .and_then(|()| Ok(std::fs::read_to_string(&path)?))
             .with_context(|| {
                 format!(

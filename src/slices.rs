@@ -71,7 +71,7 @@ impl Slices {
 
     /// The placement of a tensor outside the layers: from the first slice for embeddings
     /// (mergekit's "pre" weights), from the last for everything else (final norm, lm_head: "post"
-    /// weights; see [`is_embedding`]).
+    /// weights; see [`crate::names::is_embedding`]).
     pub fn outside_layers(&self, embedding: bool) -> Placement {
         Placement {
             slice: if embedding { 0 } else { self.0.len() - 1 },
@@ -88,11 +88,6 @@ impl Slices {
             .find(|x| x.model == Source::Base)
             .unwrap_or(&sources[0])
     }
-}
-
-/// Whether a tensor outside the layers is an embedding (taken from the first slice).
-pub fn is_embedding(name: &str) -> bool {
-    crate::report::Module::of(name) == crate::report::Module::Embed
 }
 
 /// The keys of a config.json that count layers (the first one present is the model's count).
@@ -151,7 +146,7 @@ impl LayerStack {
         let mut stacks: std::collections::BTreeMap<String, std::collections::BTreeSet<usize>> =
             Default::default();
         for name in names {
-            if let Some((prefix, i)) = numbered(name) {
+            if let Some((prefix, i)) = crate::names::numbered(name) {
                 stacks.entry(prefix.to_string()).or_default().insert(i);
             }
         }
@@ -214,7 +209,7 @@ impl LayerStack {
 
     /// The decoder layer tensor `name` belongs to; `None` outside this stack.
     pub fn layer_of(&self, name: &str) -> Option<usize> {
-        numbered(name)
+        crate::names::numbered(name)
             .filter(|(p, _)| *p == self.prefix)
             .map(|(_, i)| i)
     }
@@ -231,19 +226,6 @@ impl LayerStack {
             format!("{}.{layer}.{rest}", self.prefix)
         })
     }
-}
-
-/// A name's first numbered component: the prefix before it and the number
-/// (`model.layers.3.mlp.up_proj.weight` → `("model.layers", 3)`).
-pub fn numbered(name: &str) -> Option<(&str, usize)> {
-    let mut at = 0;
-    for part in name.split('.') {
-        if at > 0 && !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()) {
-            return Some((&name[..at - 1], part.parse().ok()?));
-        }
-        at += part.len() + 1;
-    }
-    None
 }
 
 impl Slices {
@@ -331,8 +313,6 @@ mod tests {
         );
         assert_eq!(s.placement(0, 1).t, 0.5);
         assert_eq!(s.placement(1, 0).t, 1.0);
-        assert!(is_embedding("model.embed_tokens.weight"));
-        assert!(!is_embedding("lm_head.weight") && !is_embedding("model.norm.weight"));
         assert_eq!(s.outside_layers(true).slice, 0);
         assert_eq!(s.outside_layers(false).slice, 1);
     }

@@ -7,8 +7,8 @@ use std::path::Path;
 /// The model's own files copied from the base folder when present.
 pub const MODEL_FILES: &[&str] = &["config.json", "generation_config.json"];
 
-/// The tokenizer's files, copied from the base folder when present (or from the tokenizer source:
-/// [`crate::vocabulary::Vocabulary::write_files`]).
+/// The tokenizer's files, copied from the base folder when present (or written by the tokenizer
+/// source's vocabulary, `vocabulary::Vocabulary::write_files`).
 pub const TOKENIZER_FILES: &[&str] = &[
     "tokenizer.json",
     "tokenizer_config.json",
@@ -28,7 +28,7 @@ pub fn read_config(dir: &Path) -> Result<serde_json::Value> {
     if path.symlink_metadata().is_err() {
         bail!("{} has no config.json ({})", dir.display(), path.display());
     }
-    super::model::check_regular_file(&path)?;
+    super::files::check_regular_file(&path)?;
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("cannot read {}", path.display()))?;
     let config: serde_json::Value =
@@ -60,7 +60,7 @@ pub fn check_base_config(base: &Path) -> Result<()> {
     for name in MODEL_FILES.iter().chain(TOKENIZER_FILES) {
         let path = base.join(name);
         if path.symlink_metadata().is_ok() {
-            super::model::check_regular_file(&path)
+            super::files::check_regular_file(&path)
                 .with_context(|| format!("the base's {name} is copied into the merged model"))?;
         }
     }
@@ -128,15 +128,16 @@ pub fn set_config_dtype(config: &mut serde_json::Value, dtype: DType) {
     }
 }
 
-/// Copies [`MODEL_FILES`] and [`TOKENIZER_FILES`] from `base` into `out` (regular files only) —
-/// the tokenizer's as `vocabulary` says when a tokenizer source is set, with config.json's
-/// `vocab_size` its rows; `config.json`'s dtype keys are set to the output dtype
-/// ([`set_config_dtype`]). Returns the names written.
+/// Copies [`MODEL_FILES`] from `base` into `out` (regular files only), `config.json` with its
+/// dtype keys set to the output dtype ([`set_config_dtype`]) and then `edit_config` applied (a
+/// tokenizer source sets `vocab_size`), and with `tokenizer` the base's [`TOKENIZER_FILES`] too
+/// (without it the caller writes the output's tokenizer). Returns the names written.
 pub fn copy_base_files(
     base: &Path,
-    vocabulary: Option<&crate::vocabulary::Vocabulary>,
     out: &Path,
     out_dtype: DType,
+    edit_config: &dyn Fn(&mut serde_json::Value),
+    tokenizer: bool,
 ) -> Result<Vec<String>> {
     let mut copied = Vec::new();
     for name in MODEL_FILES {
@@ -148,9 +149,7 @@ pub fn copy_base_files(
         if *name == "config.json" {
             let mut config = read_config(base)?;
             set_config_dtype(&mut config, out_dtype);
-            if let Some(v) = vocabulary {
-                v.set_config_vocab_size(&mut config);
-            }
+            edit_config(&mut config);
             std::fs::write(&dst, serde_json::to_string_pretty(&config)? + "\n")
                 .with_context(|| format!("cannot write {}", dst.display()))?;
         } else {
@@ -158,13 +157,10 @@ pub fn copy_base_files(
         }
         copied.push(name.to_string());
     }
-    match vocabulary {
-        Some(v) => copied.extend(v.write_files(out)?),
-        None => {
-            for name in TOKENIZER_FILES {
-                if copy_if_present(base, name, out)? {
-                    copied.push(name.to_string());
-                }
+    if tokenizer {
+        for name in TOKENIZER_FILES {
+            if copy_if_present(base, name, out)? {
+                copied.push(name.to_string());
             }
         }
     }

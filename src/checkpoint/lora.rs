@@ -13,8 +13,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-pub const ADAPTER_CONFIG: &str = "adapter_config.json";
-pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+use super::files::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 
 /// A/B pairs kept at most this many bytes at once, the oldest dropped first (read again if
 /// needed). The engine holds one tensor's pairs at a time — a tile loop starts a LoRA tensor once
@@ -152,15 +151,15 @@ struct AdapterConfig {
 /// Whether `dir` is a PEFT adapter folder (an adapter config, and no full weights).
 pub fn is_adapter(dir: &Path) -> bool {
     dir.join(ADAPTER_CONFIG).is_file()
-        && !dir.join(super::model::SINGLE_FILE).exists()
-        && !dir.join(super::model::INDEX_FILE).exists()
+        && !dir.join(super::files::SINGLE_FILE).exists()
+        && !dir.join(super::files::INDEX_FILE).exists()
 }
 
 /// The model adapter folder `dir` says it was trained on: its config's `base_model_name_or_path`
 /// (a local path or a Hub id), when it names one.
 pub fn trained_on(dir: &Path) -> Option<String> {
     let path = dir.join(ADAPTER_CONFIG);
-    super::model::check_regular_file(&path).ok()?;
+    super::files::check_regular_file(&path).ok()?;
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
     config
@@ -257,7 +256,7 @@ impl LoraAdapter {
     /// Opens adapter folder `dir`: its config, and every lora_A/lora_B pair of its weights.
     pub fn open(dir: &Path, interner: &mut Interner) -> Result<LoraAdapter> {
         let config_path = dir.join(ADAPTER_CONFIG);
-        super::model::check_regular_file(&config_path)?;
+        super::files::check_regular_file(&config_path)?;
         let text = std::fs::read_to_string(&config_path)
             .with_context(|| format!("cannot read {}", config_path.display()))?;
         let config: AdapterConfig = serde_json::from_str(&text)

@@ -2,6 +2,7 @@
 
 pub mod crc;
 pub mod dtype;
+pub mod files;
 pub mod folder_files;
 pub mod lora;
 pub mod model;

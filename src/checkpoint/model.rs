@@ -9,8 +9,7 @@ use anyhow::{bail, Context, Result};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-pub const SINGLE_FILE: &str = "model.safetensors";
-pub const INDEX_FILE: &str = "model.safetensors.index.json";
+use super::files::{check_regular_file, INDEX_FILE, SINGLE_FILE};
 
 /// A tensor of a model: which shard holds it and where.
 #[derive(Clone, Debug)]
@@ -74,7 +73,7 @@ impl ModelFolder {
         } else if present(&single_path) {
             vec![SINGLE_FILE.to_string()]
         } else if dir
-            .join(super::lora::ADAPTER_CONFIG)
+            .join(super::files::ADAPTER_CONFIG)
             .symlink_metadata()
             .is_ok()
         {
@@ -211,7 +210,7 @@ impl ModelFolder {
         if let Some(l) = &self.lora {
             return Ok(vec![
                 l.file.checksum()?,
-                crc32_of_file(&l.dir.join(super::lora::ADAPTER_CONFIG))?,
+                crc32_of_file(&l.dir.join(super::files::ADAPTER_CONFIG))?,
             ]);
         }
         let mut sums = self
@@ -242,7 +241,7 @@ impl ModelFolder {
         }
         if let Some(l) = &self.lora {
             paths.push(l.file.path.clone());
-            paths.push(l.dir.join(super::lora::ADAPTER_CONFIG));
+            paths.push(l.dir.join(super::files::ADAPTER_CONFIG));
         }
         paths
     }
@@ -318,22 +317,6 @@ fn check_shard_name(index_path: &Path, name: &str) -> Result<()> {
     }
     if !p.components().any(|c| matches!(c, Component::Normal(_))) || name.ends_with('/') {
         return Err(bad("names a folder, not a file"));
-    }
-    Ok(())
-}
-
-/// Fails unless `path` is a regular file (after links): folders, FIFOs, sockets and devices are
-/// refused before any read, which on a FIFO would wait forever.
-pub fn check_regular_file(path: &Path) -> Result<()> {
-    let meta =
-        std::fs::metadata(path).with_context(|| format!("cannot open {}", path.display()))?;
-    if !meta.is_file() {
-        let kind = if meta.is_dir() {
-            "a folder"
-        } else {
-            "not a regular file (a FIFO, socket or device)"
-        };
-        bail!("{} is {kind}", path.display());
     }
     Ok(())
 }

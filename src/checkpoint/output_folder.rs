@@ -529,7 +529,7 @@ fn manifest(dir: &Path) -> Option<Vec<String>> {
     let read = |name: &str, key: &str| -> Option<Vec<String>> {
         let path = dir.join(name);
         // Not a regular file (a FIFO would block the read): no manifest.
-        super::model::check_regular_file(&path).ok()?;
+        super::files::check_regular_file(&path).ok()?;
         let text = std::fs::read_to_string(&path).ok()?;
         let json: serde_json::Value = serde_json::from_str(&text).ok()?;
         let mut files: Vec<String> = json

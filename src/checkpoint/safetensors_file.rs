@@ -71,7 +71,7 @@ pub struct FileChecksum {
 
 /// CRC-32 of a whole file, read in 8 MiB blocks.
 pub fn crc32_of_file(path: &Path) -> Result<FileChecksum> {
-    super::model::check_regular_file(path)?;
+    super::files::check_regular_file(path)?;
     let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let size = file.metadata()?.len();
     let mut hasher = crc32fast::Hasher::new();
@@ -121,7 +121,7 @@ impl SafetensorsFile {
         path: &Path,
         interner: &mut Interner,
     ) -> Result<(SafetensorsFile, Vec<TensorEntry>)> {
-        super::model::check_regular_file(path)?;
+        super::files::check_regular_file(path)?;
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
         let meta = file
             .metadata()

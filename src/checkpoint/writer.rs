@@ -4,7 +4,7 @@
 
 use super::crc::{self, CrcStream};
 use super::dtype::DType;
-use super::model::{INDEX_FILE, SINGLE_FILE};
+use super::files::{INDEX_FILE, SINGLE_FILE};
 use super::positional::write_all_at;
 use super::safetensors_file::{crc32_of_file, FileChecksum};
 use anyhow::{bail, ensure, Context, Result};

@@ -8,8 +8,9 @@ use crate::checkpoint::folder_files::check_base_config;
 use crate::checkpoint::{CheckpointWriter, DType, ModelFolder, OutputFolder, OutputTensor};
 use crate::inputs::{Inputs, TensorPlan};
 use crate::method::combine::{row_ranks, CombineSpec};
-use crate::method::settings::{layer_index, layer_t, TensorPlace};
+use crate::method::settings::{layer_t, TensorPlace};
 use crate::method::{BoostScope, Kind, Method};
+use crate::names::layer_index;
 use crate::record::MergeRecord;
 use crate::report::{boost_group, ProbeReport, TensorStats};
 use anyhow::{Context, Result};
@@ -231,7 +232,7 @@ pub fn merge(
         inputs.forget_lora_matrices();
         if let Some(scope) = &mut pass.counted {
             for (job, counts) in jobs.iter().zip(counts) {
-                scope.add(TensorStats::new(job.plan, counts));
+                scope.add(probe::tensor_stats(job.plan, counts));
             }
         }
     }
@@ -427,7 +428,7 @@ impl<'a> MergePass<'a> {
     fn tensor_lambdas(&mut self, plan: &TensorPlan) -> Result<Vec<f64>> {
         let (inputs, pass) = (self.inputs, &self.options.pass);
         let counts = probe_tensors(inputs, &[plan], self.backend, pass, &self.bar)?.remove(0);
-        let stats = TensorStats::new(plan, counts);
+        let stats = probe::tensor_stats(plan, counts);
         let lambdas: Vec<f64> = stats
             .agent_counts()
             .iter()

@@ -101,7 +101,21 @@ pub(super) fn finish(
         .unwrap_or(DType::F32);
     let mut outputs = shards;
     let vocabulary = inputs.vocabulary.as_deref();
-    let copied = copy_base_files(&inputs.base.dir, vocabulary, folder.path(), out_dtype)?;
+    let set_vocab_size = |config: &mut serde_json::Value| {
+        if let Some(v) = vocabulary {
+            v.set_config_vocab_size(config);
+        }
+    };
+    let mut copied = copy_base_files(
+        &inputs.base.dir,
+        folder.path(),
+        out_dtype,
+        &set_vocab_size,
+        vocabulary.is_none(),
+    )?;
+    if let Some(v) = vocabulary {
+        copied.extend(v.write_files(folder.path())?);
+    }
     if let Some(slices) = &inputs.slices {
         sliced_config(inputs, slices, folder.path())?;
     }

@@ -86,7 +86,7 @@ pub fn probe_all(
         let counts = probe_tensors(inputs, &plans, backend, pass, &bar)?;
         inputs.forget_lora_matrices();
         for (plan, counts) in plans.into_iter().zip(counts) {
-            tensors.push(TensorStats::new(plan, counts));
+            tensors.push(tensor_stats(plan, counts));
         }
     }
     bar.finish_and_clear();
@@ -97,4 +97,14 @@ pub fn probe_all(
         tensor_count: tensors.len(),
         tensors,
     })
+}
+
+/// The probe counts of `plan`'s tensor as the report keeps them.
+pub(super) fn tensor_stats(plan: &TensorPlan, counts: crate::backend::TileCounts) -> TensorStats {
+    let present = plan
+        .agents
+        .iter()
+        .enumerate()
+        .fold(0, |m, (t, a)| m | (a.is_some() as u64) << t);
+    TensorStats::new(plan.out_name(), plan.numel() as u64, present, counts)
 }

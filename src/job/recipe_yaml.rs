@@ -139,7 +139,7 @@ fn layer_count(dir: &Path) -> Result<usize> {
 
 /// Reads a mergekit YAML recipe.
 pub(super) fn read(path: &Path, seed: u64) -> Result<Job> {
-    crate::checkpoint::model::check_regular_file(path)
+    crate::checkpoint::files::check_regular_file(path)
         .with_context(|| format!("cannot read recipe {}", path.display()))?;
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read recipe {}", path.display()))?;

@@ -121,22 +121,6 @@ impl Scalar {
     }
 }
 
-/// The layer number of a tensor from names like `model.layers.7.mlp…` (`Some(7)`), `None` for
-/// tensors outside the layers (embeddings, the final norm); [`layer_t`] turns it into t.
-pub fn layer_index(name: &str) -> Option<usize> {
-    layer_part(&name.split('.').collect::<Vec<_>>()).map(|(_, layer)| layer)
-}
-
-/// Which of a name's dot-separated parts is its layer number (the first number after `layers`,
-/// `h`, `blocks` or `layer`), and the number.
-fn layer_part(parts: &[&str]) -> Option<(usize, usize)> {
-    (1..parts.len()).find_map(|i| {
-        matches!(parts[i - 1], "layers" | "h" | "blocks" | "layer")
-            .then(|| parts[i].parse().ok().map(|layer| (i, layer)))
-            .flatten()
-    })
-}
-
 /// t for layer `i` of `layers` (mergekit: i / (L − 1), 1 for a single layer; 0 outside layers).
 pub fn layer_t(layer: Option<usize>, layers: usize) -> f64 {
     match layer {
@@ -202,9 +186,6 @@ mod tests {
 
     #[test]
     fn layer_positions() {
-        assert_eq!(layer_index("model.layers.12.mlp.up_proj.weight"), Some(12));
-        assert_eq!(layer_index("transformer.h.3.attn.c_attn.weight"), Some(3));
-        assert_eq!(layer_index("model.embed_tokens.weight"), None);
         assert_eq!(layer_t(Some(3), 4), 1.0);
         assert_eq!(layer_t(None, 4), 0.0);
         assert_eq!(layer_t(Some(0), 1), 1.0);

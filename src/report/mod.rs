@@ -5,73 +5,11 @@
 pub mod retention;
 
 use crate::backend::TileCounts;
-use crate::inputs::TensorPlan;
-use crate::method::settings::layer_index;
 use crate::method::{defaults, AgentCounts, BoostRule, BoostScope};
-use serde::Serialize;
+use crate::names::Module;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::fmt::Write;
-
-/// Which part of a transformer a tensor belongs to, from its name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Module {
-    Embed,
-    Attn,
-    Mlp,
-    Norm,
-    LmHead,
-    Other,
-}
-
-impl Module {
-    pub fn of(name: &str) -> Module {
-        let n = name.to_ascii_lowercase();
-        let has = |parts: &[&str]| parts.iter().any(|p| n.contains(p));
-        if has(&["lm_head", "output.weight"]) {
-            Module::LmHead
-        } else if has(&["embed", "wte", "wpe", "tok_embeddings"]) {
-            Module::Embed
-        } else if has(&["norm", "ln_", ".ln"]) {
-            Module::Norm
-        } else if has(&[
-            "attn",
-            "attention",
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "qkv",
-        ]) {
-            Module::Attn
-        } else if has(&[
-            "mlp",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-            "fc1",
-            "fc2",
-            "feed_forward",
-            "experts",
-        ]) {
-            Module::Mlp
-        } else {
-            Module::Other
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Module::Embed => "embed",
-            Module::Attn => "attn",
-            Module::Mlp => "mlp",
-            Module::Norm => "norm",
-            Module::LmHead => "lm_head",
-            Module::Other => "other",
-        }
-    }
-}
 
 /// The group of tensors whose counts give a tensor's λ in `scope` (SPEC §3): in layer scope
 /// "layer N" for a tensor of layer N (`….layers.N.…`), else its module kind (embed, norm,
@@ -80,10 +18,7 @@ impl Module {
 pub fn boost_group(scope: BoostScope, name: &str) -> Option<String> {
     match scope {
         BoostScope::Global | BoostScope::Tensor => None,
-        BoostScope::Layer => Some(match layer_index(name) {
-            Some(i) => format!("layer {i}"),
-            None => Module::of(name).name().to_string(),
-        }),
+        BoostScope::Layer => Some(crate::names::layer_group(name)),
         BoostScope::Module => Some(Module::of(name).name().to_string()),
     }
 }
@@ -101,16 +36,19 @@ pub struct TensorStats {
 }
 
 impl TensorStats {
-    pub fn new(plan: &TensorPlan, counts: TileCounts) -> TensorStats {
+    /// The counts of tensor `name` of `numel` elements, which the agents in mask `present`
+    /// (bit t: agent t) have.
+    pub fn new(
+        name: std::sync::Arc<str>,
+        numel: u64,
+        present: u64,
+        counts: TileCounts,
+    ) -> TensorStats {
         TensorStats {
-            name: plan.out_name(),
-            module: Module::of(plan.name()),
-            numel: plan.numel() as u64,
-            present: plan
-                .agents
-                .iter()
-                .enumerate()
-                .fold(0, |m, (t, a)| m | (a.is_some() as u64) << t),
+            module: Module::of(&name),
+            name,
+            numel,
+            present,
             counts,
         }
     }

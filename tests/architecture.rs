@@ -1,0 +1,163 @@
+//! The house's shape, checked (issue #25): no import circle between the crate's files. A file's
+//! dependencies are the crate-internal paths it names outside comments and its unit tests
+//! (`use crate::…`, `super::…`, inline `crate::a::b::f()`), each resolved to the longest prefix
+//! that is a module file; a circle (a strongly connected set of more than one file) fails the test
+//! with its edges, so a newcomer can follow a concept from its home without going round in
+//! circles.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+type Module = Vec<String>;
+
+/// Every module file under src/ by module path (`src/a/b.rs` and `src/a/b/mod.rs` are `a::b`;
+/// lib.rs and main.rs the root).
+fn modules(root: &Path) -> BTreeMap<Module, String> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![root.join("src")];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                let rel = p.strip_prefix(root.join("src")).unwrap().with_extension("");
+                let mut parts: Module = rel
+                    .components()
+                    .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                    .collect();
+                if parts.last().is_some_and(|l| l == "mod") {
+                    parts.pop();
+                }
+                if parts == ["lib"] || parts == ["main"] {
+                    parts.clear();
+                }
+                out.insert(parts, std::fs::read_to_string(&p).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// `text` without comments and without its `#[cfg(test)] mod tests` (tests may reach anywhere).
+fn code_of(text: &str) -> String {
+    let text = text.split("#[cfg(test)]\nmod tests").next().unwrap();
+    text.lines()
+        .map(|l| match l.find("//") {
+            Some(i) => &l[..i],
+            None => l,
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The module files `module`'s code names.
+fn dependencies(module: &Module, code: &str, files: &BTreeMap<Module, String>) -> BTreeSet<Module> {
+    let path = regex::Regex::new(r"\b(crate|super)((?:::\w+)+)(?:::\{([^;]*?)\})?").unwrap();
+    let resolve = |parts: &[String]| -> Option<Module> {
+        (1..=parts.len())
+            .rev()
+            .map(|i| parts[..i].to_vec())
+            .find(|p| files.contains_key(p))
+    };
+    let mut deps = BTreeSet::new();
+    for c in path.captures_iter(code) {
+        let mut segs: Vec<String> = c[2]
+            .split("::")
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect();
+        let mut base: Module = if &c[1] == "crate" {
+            Vec::new()
+        } else {
+            module[..module.len().saturating_sub(1)].to_vec()
+        };
+        while segs.first().is_some_and(|s| s == "super") {
+            base.pop();
+            segs.remove(0);
+        }
+        let full: Module = base.into_iter().chain(segs).collect();
+        let mut targets = vec![full.clone()];
+        if let Some(group) = c.get(3) {
+            for item in group.as_str().split(',') {
+                let item = item
+                    .split(" as ")
+                    .next()
+                    .unwrap()
+                    .trim()
+                    .trim_matches(|c| c == '{' || c == '}' || c == ' ');
+                if !item.is_empty() && item != "self" {
+                    targets.push(
+                        full.iter()
+                            .cloned()
+                            .chain(item.split("::").map(String::from))
+                            .collect(),
+                    );
+                }
+            }
+        }
+        for t in targets {
+            if let Some(r) = resolve(&t) {
+                if &r != module && !r.is_empty() {
+                    deps.insert(r);
+                }
+            }
+        }
+    }
+    deps
+}
+
+#[test]
+fn no_import_circles_between_files() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let files = modules(root);
+    let graph: BTreeMap<Module, BTreeSet<Module>> = files
+        .iter()
+        .map(|(m, text)| (m.clone(), dependencies(m, &code_of(text), &files)))
+        .collect();
+    // Circles: files that reach each other (reachability by depth-first search).
+    let reach = |from: &Module| -> BTreeSet<Module> {
+        let (mut seen, mut todo) = (BTreeSet::new(), vec![from.clone()]);
+        while let Some(m) = todo.pop() {
+            for d in &graph[&m] {
+                if seen.insert(d.clone()) {
+                    todo.push(d.clone());
+                }
+            }
+        }
+        seen
+    };
+    let reaches: BTreeMap<&Module, BTreeSet<Module>> =
+        graph.keys().map(|m| (m, reach(m))).collect();
+    let mut circles = Vec::new();
+    for (m, r) in &reaches {
+        if r.contains(*m) {
+            let circle: Vec<String> = reaches
+                .iter()
+                .filter(|(o, ro)| r.contains(**o) && ro.contains(*m))
+                .map(|(o, _)| o.join("::"))
+                .collect();
+            if !circles.contains(&circle) {
+                circles.push(circle);
+            }
+        }
+    }
+    assert!(
+        circles.is_empty(),
+        "import circles between files: {circles:?} (edges: {:?})",
+        circles
+            .iter()
+            .flatten()
+            .flat_map(|m| {
+                let key: Module = m.split("::").map(String::from).collect();
+                graph[&key]
+                    .iter()
+                    .filter(|d| circles.iter().any(|c| c.contains(&d.join("::"))))
+                    .map(move |d| format!("{m} -> {}", d.join("::")))
+                    .collect::<Vec<_>>()
+            })
+            .collect::<Vec<_>>()
+    );
+    // The checker sees the crate: a known dependency is found.
+    assert!(graph[&vec!["inputs".to_string()]].contains(&vec!["names".to_string()]));
+}
