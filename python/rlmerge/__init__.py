@@ -51,6 +51,7 @@ def _cli(args: Sequence[str], capture: bool = True) -> str:
     message = (error or "failed").splitlines()[0]
     if message.startswith("error: "):
         message = message[len("error: "):]
+    message = _api_words(message)
     if code == 2:
         raise UsageError(message)
     if code == 130:
@@ -104,13 +105,25 @@ def _check_value(key: str, value: Any) -> None:
         raise UsageError(f"parameter {key!r} must be a number, a bool or a string, got {type(value).__name__}")
 
 
-def _compute_args(device: str, quiet: bool, threads: int = 0) -> List[str]:
+def _compute_args(device: str, quiet: bool, threads: int = 0, allow_missing_tensors: bool = False,
+                  allow_nonfinite: bool = False) -> List[str]:
     args = ["--device", device]
     if threads:
         args += ["--threads", str(threads)]
     if quiet:
         args.append("--quiet")
+    if allow_missing_tensors:
+        args.append("--allow-missing-tensors")
+    if allow_nonfinite:
+        args.append("--allow-nonfinite")
     return args
+
+
+def _api_words(message: str) -> str:
+    """A command-line flag a message suggests, as this API's keyword."""
+    for flag in ("allow-missing-tensors", "allow-nonfinite"):
+        message = message.replace(f"--{flag}", f"{flag.replace('-', '_')}=True")
+    return message
 
 
 def _output_args(out: PathLike, force: bool, out_dtype: Optional[str],
@@ -169,6 +182,7 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
           *, device: str = "auto", quiet: bool = True, force: bool = False,
           out_dtype: Optional[str] = None, shard_size: Optional[str] = None, threads: int = 0,
           tokenizer_source: Optional[str] = None, tokenizer: Optional[Mapping[str, Any]] = None,
+          allow_missing_tensors: bool = False, allow_nonfinite: bool = False,
           **params: Any) -> Dict[str, Any]:
     """Merges ``models`` (agents fine-tuned from ``base``) with ``method`` into the folder ``out``.
 
@@ -182,6 +196,9 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     ``tokenizer_source`` (``"base"``, ``"union"`` or a model) or ``tokenizer`` (mergekit's section:
     ``{"source": ..., "tokens": {...}, "pad_to_multiple_of": n}``) sets the output's vocabulary;
     agents that added tokens then merge their embeddings token by token.
+    ``allow_missing_tensors=True`` merges a tensor some agents lack from those that have it (and
+    ignores tensors the base lacks) instead of refusing them; ``allow_nonfinite=True`` merges NaN
+    and ±Inf inputs by IEEE rules instead of refusing them.
     Returns the merge's record as a dict (method, λ per agent, input and output checksums) with
     ``out`` and the ``shards`` written. Raises :class:`MergeError` (:class:`UsageError` for a bad
     request); nothing is left at ``out`` when it fails.
@@ -219,7 +236,8 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(_yaml(recipe))
         try:
-            _cli(["run", path, *_compute_args(device, quiet, threads),
+            _cli(["run", path, *_compute_args(device, quiet, threads, allow_missing_tensors,
+                                               allow_nonfinite),
                   *_output_args(out, force, out_dtype, shard_size)])
         except MergeError as e:
             # The recipe is this call's keywords: its file name and line numbers would only
@@ -255,11 +273,13 @@ def _yaml(value: Any, indent: int = 0) -> str:
 
 def run(recipe: PathLike, out: PathLike, *, device: str = "auto", quiet: bool = True,
         force: bool = False, out_dtype: Optional[str] = None, shard_size: Optional[str] = None,
-        threads: int = 0) -> Dict[str, Any]:
+        threads: int = 0, allow_missing_tensors: bool = False,
+        allow_nonfinite: bool = False) -> Dict[str, Any]:
     """Runs a mergekit YAML recipe into ``out``, as ``rlmerge run``; returns what :func:`merge`
     returns."""
     _check_common(device, threads)
-    _cli(["run", _path(recipe, "recipe"), *_compute_args(device, quiet, threads),
+    _cli(["run", _path(recipe, "recipe"),
+          *_compute_args(device, quiet, threads, allow_missing_tensors, allow_nonfinite),
           *_output_args(out, force, out_dtype, shard_size)])
     return _summary(out)
 
@@ -267,7 +287,8 @@ def run(recipe: PathLike, out: PathLike, *, device: str = "auto", quiet: bool = 
 def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False, *,
             merged: Optional[PathLike] = None, plot: Optional[PathLike] = None,
             epsilon: Optional[float] = None, device: str = "auto", quiet: bool = True,
-            threads: int = 0, tokenizer_source: Optional[str] = None) -> Dict[str, Any]:
+            threads: int = 0, tokenizer_source: Optional[str] = None,
+            allow_missing_tensors: bool = False, allow_nonfinite: bool = False) -> Dict[str, Any]:
     """What each agent changed (the data of ``rlmerge analyze --json``): density, unique and
     shared counts, ρ and λ per agent, by module and tensor with ``per_tensor``; with ``merged``,
     the retention of each agent in that merged folder; with ``plot``, SVG figures written there.
@@ -291,7 +312,8 @@ def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False
     if tokenizer_source is not None:
         args += ["--tokenizer-source", tokenizer_source if tokenizer_source in ("base", "union")
                  else _where(tokenizer_source)]
-    return json.loads(_cli(args + _compute_args(device, quiet, threads)))
+    return json.loads(_cli(args + _compute_args(device, quiet, threads, allow_missing_tensors,
+                                                 allow_nonfinite)))
 
 
 def verify(dir: PathLike, against: bool = False, *, device: str = "auto") -> Dict[str, Any]:

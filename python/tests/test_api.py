@@ -369,3 +369,47 @@ def test_the_pip_command_cleans_up_on_sigterm_and_sighup(big_demo, tmp_path, sig
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr, stderr
     assert sorted(os.listdir(parent)) == [], "a scratch or output folder was left"
+
+
+def _drop_tensor(src: Path, dst: Path, drop: str) -> None:
+    """A copy of model folder ``src`` (one model.safetensors) without tensor ``drop``, written
+    with the safetensors format by hand: 8-byte header size, JSON header, data."""
+    import shutil
+    import struct
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            shutil.copy(f, dst / f.name)
+    raw = (src / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    out_header, chunks, at = {}, [], 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            out_header[name] = entry
+            continue
+        if name == drop:
+            continue
+        a, b = entry["data_offsets"]
+        chunks.append(data[a:b])
+        out_header[name] = dict(entry, data_offsets=[at, at + (b - a)])
+        at += b - a
+    text = json.dumps(out_header).encode()
+    text += b" " * (-len(text) % 8)
+    (dst / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + b"".join(chunks))
+
+
+def test_missing_tensors_are_refused_unless_allowed(demo, tmp_path):
+    root, base, agents = demo
+    partial = tmp_path / "partial"
+    _drop_tensor(agents[0], partial, "model.norm.weight")
+    with pytest.raises(rlmerge.UsageError) as info:
+        rlmerge.merge(base, [partial, agents[1]], method="ram", out=tmp_path / "out")
+    assert "allow_missing_tensors=True" in str(info.value), str(info.value)
+    assert "--allow" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+    summary = rlmerge.merge(base, [partial, agents[1]], method="ram", out=tmp_path / "out",
+                            allow_missing_tensors=True)
+    assert any("model.norm.weight" in w for w in summary["warnings"]), summary["warnings"]
+    assert rlmerge.verify(tmp_path / "out", against=True)["ok"]
