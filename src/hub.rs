@@ -162,14 +162,16 @@ pub fn needed(file: &str) -> bool {
 }
 
 /// Where a model named `name` is. The rule (README "Hub ids"): an existing local folder wins,
-/// and when its name is also a Hub id a note on stderr says the folder was taken; otherwise an
+/// and when its name is also an id the cache holds a note on stderr says the folder was taken; otherwise an
 /// id is taken from the cache, or downloaded into it (with a progress bar when `progress`); a
 /// name that is neither gets an error saying both facts — no folder of that name here, and why
 /// the id could not be had.
 pub fn locate(name: &Path, progress: bool) -> Result<PathBuf> {
     let id = name.to_str().and_then(ModelId::parse);
     if name.exists() {
-        if let Some(id) = &id {
+        // Said when the name is also an id the cache holds: the one case where the user may
+        // have meant the other.
+        if let Some(id) = id.as_ref().filter(|id| cached(id, &cache_dir()).is_some()) {
             eprintln!(
                 "note: {} is a local folder, taken instead of the Hub id {} (write ./{} or an \
                  absolute path to say so)",

@@ -907,6 +907,19 @@ fn local_folders_and_hub_ids_follow_one_stated_rule() {
             .output()
             .unwrap()
     };
+    // Not in the cache: the folder, nothing to say.
+    let o = merge("org/coder", "o0");
+    assert!(o.status.success(), "{}", err_of(&o));
+    assert!(!err_of(&o).contains("note:"), "{}", err_of(&o));
+    // In the cache too: the folder, and a note saying so.
+    let commit = "0123456789abcdef0123456789abcdef01234567";
+    let snapshot = cache.join("models--org--coder/snapshots").join(commit);
+    std::fs::create_dir_all(&snapshot).unwrap();
+    for f in ["model.safetensors", "config.json"] {
+        std::fs::copy(org.join("coder").join(f), snapshot.join(f)).unwrap();
+    }
+    std::fs::create_dir_all(cache.join("models--org--coder/refs")).unwrap();
+    std::fs::write(cache.join("models--org--coder/refs/main"), commit).unwrap();
     let o = merge("org/coder", "o1");
     assert!(o.status.success(), "{}", err_of(&o));
     assert!(
