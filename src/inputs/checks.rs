@@ -1,0 +1,289 @@
+//! The checks that make a set of folders the inputs of one merge: agents opened (LoRA agents on
+//! the base they were trained on), of the base's architecture, not given twice; identical
+//! inputs noticed.
+
+use super::*;
+
+/// An agent folder, or a LoRA agent: an adapter folder, or `BASE+ADAPTER` whose BASE is the
+/// merge's base (the adapter is applied to it).
+pub(super) fn open_agent(
+    base_dir: &Path,
+    dir: &Path,
+    interner: &mut Interner,
+) -> Result<ModelFolder> {
+    use crate::checkpoint::lora::{is_adapter, split_reference};
+    let text = dir.to_string_lossy();
+    let adapter = match split_reference(&text) {
+        Some((base, adapter)) => {
+            if real_path(Path::new(base)) != real_path(base_dir) {
+                return Err(usage(format!(
+                    "LoRA agent {text}: its base {base} is not the merge's base {}; an adapter \
+                     is applied to the merge's base",
+                    base_dir.display()
+                )));
+            }
+            if !is_adapter(Path::new(adapter)) {
+                bail!(
+                    "LoRA agent {text}: {adapter} is not a PEFT adapter folder (no {} beside \
+                     {})",
+                    crate::checkpoint::files::ADAPTER_CONFIG,
+                    crate::checkpoint::files::ADAPTER_WEIGHTS
+                );
+            }
+            Some(PathBuf::from(adapter))
+        }
+        None => is_adapter(dir).then(|| dir.to_path_buf()),
+    };
+    match adapter {
+        Some(a) => ModelFolder::open_lora(base_dir, &a, interner)
+            .with_context(|| format!("cannot open the LoRA agent {}", a.display())),
+        None => ModelFolder::open_interned(dir, interner).context("cannot open an agent model"),
+    }
+}
+
+/// Refuses an agent whose `config.json` gives another architecture than the base's (a key of
+/// [`crate::checkpoint::folder_files::ARCHITECTURE_KEYS`] differs): its tensors would otherwise
+/// merge by name into a model neither of them is. The layer count may differ in slices (each slice
+/// names its layers), the vocabulary with a tokenizer source (rows are re-indexed). Agents without
+/// a config.json (and LoRA agents, which are the base) are compared by their tensors alone.
+/// Returns the base's config, when it has one.
+pub(super) fn refuse_other_architectures(
+    base: &ModelFolder,
+    agents: &[ModelFolder],
+    layout: Layout,
+) -> Result<Option<serde_json::Value>> {
+    use crate::checkpoint::folder_files::{architecture_difference, read_config};
+    let config_of = |m: &ModelFolder| -> Result<Option<serde_json::Value>> {
+        if m.lora.is_some() || m.dir.join("config.json").symlink_metadata().is_err() {
+            return Ok(None);
+        }
+        read_config(&m.dir).map(Some)
+    };
+    let Some(base_config) = config_of(base)? else {
+        return Ok(None);
+    };
+    let mut skip = Vec::new();
+    if layout.slices.is_some() {
+        skip.push("num_hidden_layers");
+    }
+    if layout.tokenizer.is_some() {
+        skip.push("vocab_size");
+    }
+    for agent in agents {
+        let Some(config) = config_of(agent)? else {
+            continue;
+        };
+        if let Some((key, b, a)) = architecture_difference(&base_config, &config, &skip) {
+            return Err(usage(format!(
+                "{} is a different architecture from the base {}: config.json key '{key}' is {a} \
+                 there and {b} in the base; rlmerge merges agents fine-tuned from the base{}",
+                agent.dir.display(),
+                base.dir.display(),
+                if key.ends_with("vocab_size") {
+                    " (an agent that added tokens: set tokenizer_source — union, base or \
+                     model:NAME — to merge the embeddings token by token)"
+                } else {
+                    ""
+                }
+            )));
+        }
+    }
+    Ok(Some(base_config))
+}
+
+/// For a tensor whose shape differs between the base and an agent: the base config's
+/// architecture key whose value is a dimension that differs (`; a different architecture: …`).
+pub(super) fn architecture_key_of(
+    config: Option<&serde_json::Value>,
+    base_shape: &[usize],
+    agent_shape: &[usize],
+) -> String {
+    let differing = base_shape
+        .iter()
+        .zip(agent_shape)
+        .filter(|(b, a)| b != a)
+        .map(|(b, _)| *b as u64);
+    let key = config.and_then(|c| {
+        differing.clone().find_map(|d| {
+            crate::checkpoint::folder_files::ARCHITECTURE_KEYS
+                .iter()
+                .find(|k| c.get(**k).and_then(|v| v.as_u64()) == Some(d))
+        })
+    });
+    match key {
+        Some(k) => format!(
+            "; a different architecture: the base's config.json key '{k}' is {}",
+            config
+                .and_then(|c| c.get(*k))
+                .map_or(String::new(), |v| v.to_string())
+        ),
+        None if base_shape.len() != agent_shape.len() => "; a different architecture".into(),
+        None => "; a different architecture (another layer size than the base's)".into(),
+    }
+}
+
+/// The rule for a LoRA agent and the model it is applied to (always the merge's base): where its
+/// adapter names the model it was trained on (`base_model_name_or_path`), that must be the base.
+/// - a local folder that exists: the base, or a copy of it (the same config.json and weight file
+///   sizes); another model is refused (exit 2);
+/// - a Hub id, with the base a snapshot of a Hub repository: the same repository, else refused;
+/// - a Hub id, with the base a local folder: accepted, with a warning when the folder's name is
+///   not the id's name (a download keeps it, `--local-dir` may not).
+pub(super) fn check_adapters_base(
+    base: &ModelFolder,
+    agents: &[ModelFolder],
+) -> Result<Vec<String>> {
+    let mut warnings = Vec::new();
+    let base_dir = real_path(&base.dir);
+    let base_id = crate::hub::id_of_snapshot(&base_dir).map(|id| {
+        id.split('@')
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase()
+    });
+    for agent in agents {
+        let Some(lora) = &agent.lora else { continue };
+        let Some(named) = crate::checkpoint::lora::trained_on(&lora.dir) else {
+            continue;
+        };
+        let refuse = |why: String| {
+            usage(format!(
+                "LoRA agent {} was trained on {} (its adapter_config.json's \
+                 base_model_name_or_path), {why}; an adapter is applied to the merge's base: \
+                 merge with that base, or correct base_model_name_or_path if it names the same \
+                 model",
+                lora.dir.display(),
+                crate::escape::terminal(&named),
+            ))
+        };
+        let named_path = Path::new(&named);
+        if named_path.is_dir() {
+            if real_path(named_path) != base_dir && !same_model(named_path, &base.dir) {
+                return Err(refuse(format!(
+                    "a different model from the merge's base {}",
+                    base.dir.display()
+                )));
+            }
+        } else if let Some(id) = crate::hub::ModelId::parse(&named) {
+            let id_repo = format!("{}/{}", id.org, id.name).to_ascii_lowercase();
+            match &base_id {
+                Some(b) if *b != id_repo => {
+                    return Err(refuse(format!(
+                        "not the merge's base {b} (from the Hub cache)"
+                    )))
+                }
+                Some(_) => {}
+                None => {
+                    let folder = base_dir
+                        .file_name()
+                        .map(|n| n.to_string_lossy().to_ascii_lowercase());
+                    if folder.as_deref() != Some(&id.name.to_ascii_lowercase()) {
+                        warnings.push(format!(
+                            "LoRA agent {} was trained on {}, and is applied to the base {}: \
+                             check that this folder holds that model",
+                            lora.dir.display(),
+                            crate::escape::terminal(&named),
+                            base.dir.display()
+                        ));
+                    }
+                }
+            }
+        } else if named_path.is_absolute() || named.starts_with('.') {
+            warnings.push(format!(
+                "LoRA agent {} was trained on {}, which is not here; it is applied to the base {}",
+                lora.dir.display(),
+                crate::escape::terminal(&named),
+                base.dir.display()
+            ));
+        }
+    }
+    Ok(warnings)
+}
+
+/// Whether folders `a` and `b` hold the same model: equal config.json (as JSON) and the same
+/// weight files with the same sizes and CRC-32s (a copy, a clone of a repository; an agent
+/// fine-tuned from `b` has its config and sizes, not its bytes). Read only when an adapter names
+/// a folder other than the base.
+pub(super) fn same_model(a: &Path, b: &Path) -> bool {
+    use crate::checkpoint::folder_files::read_config;
+    let weights = |d: &Path| -> Option<Vec<(std::ffi::OsString, u64)>> {
+        let mut files: Vec<_> = std::fs::read_dir(d)
+            .ok()?
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+            .map(|e| Some((e.file_name(), std::fs::metadata(e.path()).ok()?.len())))
+            .collect::<Option<_>>()?;
+        files.sort();
+        Some(files)
+    };
+    let same_sizes = matches!(
+        (weights(a), weights(b)),
+        (Some(x), Some(y)) if x == y && !x.is_empty()
+    );
+    let same_bytes = || {
+        weights(a).unwrap_or_default().iter().all(|(name, _)| {
+            let crc =
+                |d: &Path| crate::checkpoint::safetensors_file::crc32_of_file(&d.join(name)).ok();
+            matches!((crc(a), crc(b)), (Some(x), Some(y)) if x == y)
+        })
+    };
+    matches!((read_config(a), read_config(b)), (Ok(x), Ok(y)) if x == y)
+        && same_sizes
+        && same_bytes()
+}
+
+pub(super) fn real_path(p: &Path) -> PathBuf {
+    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
+/// Warnings for inputs with identical weights (every weight file of the same size and CRC-32,
+/// known for free from the checksums the merge computed): two copies of one agent count its
+/// changes as shared by two; an agent equal to the base changes nothing.
+pub(crate) fn identical_inputs(sums: &[InputChecksums], uses_base: bool) -> Vec<String> {
+    fn key(i: &InputChecksums) -> Vec<(u64, &str)> {
+        let mut k: Vec<(u64, &str)> = i.files.iter().map(|f| (f.size, f.crc32.as_str())).collect();
+        k.sort_unstable();
+        k
+    }
+    let mut warnings = Vec::new();
+    let first = if uses_base { 0 } else { 1 };
+    for a in first..sums.len() {
+        for b in a + 1..sums.len() {
+            if key(&sums[a]) == key(&sums[b]) {
+                warnings.push(if a == 0 {
+                    format!(
+                        "agent {} holds the same weights as the base (every weight file has the \
+                         same size and CRC-32): it changes nothing",
+                        sums[b].path.display()
+                    )
+                } else {
+                    format!(
+                        "agents {} and {} hold the same weights (every weight file has the same \
+                         size and CRC-32): their changes count as shared by two agents",
+                        sums[a].path.display(),
+                        sums[b].path.display()
+                    )
+                });
+            }
+        }
+    }
+    warnings
+}
+
+/// Refuses an agent folder given twice (after resolving links): it would count one agent's
+/// changes as shared by two, and move every λ.
+pub(super) fn refuse_repeated_agents(agent_dirs: &[PathBuf]) -> Result<()> {
+    let mut seen: Vec<(PathBuf, &Path)> = Vec::new();
+    for dir in agent_dirs {
+        let r = real_path(dir);
+        if let Some((_, first)) = seen.iter().find(|(s, _)| *s == r) {
+            return Err(usage(format!(
+                "--model {} is given twice (also as {}); give each agent once",
+                dir.display(),
+                first.display()
+            )));
+        }
+        seen.push((r, dir));
+    }
+    Ok(())
+}

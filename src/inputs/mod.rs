@@ -1,0 +1,247 @@
+//! The inputs of a merge — one wing, one room per idea: the base and the agent folders opened and
+//! checked against each other (`checks.rs`), and the plan of which agents hold each output tensor
+//! (`plan.rs`), for whole models or mergekit's slices (`sliced.rs`), with token-indexed tensors
+//! re-indexed for a tokenizer source (`reindex.rs`).
+
+mod checks;
+mod plan;
+mod reindex;
+mod sliced;
+
+pub(crate) use checks::identical_inputs;
+use checks::{
+    architecture_key_of, check_adapters_base, open_agent, real_path, refuse_other_architectures,
+    refuse_repeated_agents,
+};
+use plan::whole_model_plans;
+pub use plan::{SlicedTensor, TensorPlan, VocabPlan};
+use reindex::Reindex;
+use sliced::sliced_plans;
+
+use crate::checkpoint::safetensors_file::shape_text;
+use crate::checkpoint::safetensors_file::Interner;
+use crate::checkpoint::{DType, ModelFolder, ModelTensor};
+use crate::error::usage;
+use crate::method::{self};
+use crate::names::{is_embedding, is_token_indexed};
+use crate::record::InputChecksums;
+use crate::slices::{LayerStack, Placement, Slices, Source};
+use crate::vocabulary::{TokenizerSettings, VocabTensor, Vocabulary};
+use anyhow::{bail, ensure, Context, Result};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The base and the agents, opened and checked against each other.
+pub struct Inputs {
+    pub base: ModelFolder,
+    pub agents: Vec<ModelFolder>,
+    /// Tensors to merge, in the base's storage order.
+    pub tensors: Vec<TensorPlan>,
+    /// Things the user should know (tensors missing in some agents, extra tensors ignored).
+    pub warnings: Vec<String>,
+    /// mergekit's `slices`, when the output's layers are taken from ranges of the inputs'.
+    pub slices: Option<Slices>,
+    /// The output's vocabulary when a tokenizer source is set (mergekit's `tokenizer_source`).
+    pub vocabulary: Option<Arc<Vocabulary>>,
+    /// Bytes of the largest set of LoRA A/B pairs one tensor's tiles hold (0: no LoRA agent),
+    /// which the tiles of the merge leave room for ([`TensorPlan::tile_elems`]).
+    pub lora_room: usize,
+    /// The user let tensors missing in some models through ([`Layout::allow_missing_tensors`]).
+    pub allow_missing_tensors: bool,
+    /// Stops the passes over these inputs between tiles (see [`crate::cancel`]): the token of
+    /// the thread that opened them.
+    pub cancel: crate::cancel::Token,
+}
+
+/// What shapes the output beyond the base's tensors: mergekit's slices and tokenizer source.
+#[derive(Clone, Copy, Default)]
+pub struct Layout<'a> {
+    pub slices: Option<&'a Slices>,
+    pub tokenizer: Option<&'a TokenizerSettings>,
+    /// Whether θ₀ enters the merge: a token some model lacks then takes the base's row first.
+    pub with_base: bool,
+    /// Tensors some agent lacks, or has and the base lacks, are merged from the models that have
+    /// them (or ignored) with a warning instead of refused (`--allow-missing-tensors`).
+    pub allow_missing_tensors: bool,
+}
+
+impl Inputs {
+    /// Opens every folder and checks each agent tensor's shape against the base's.
+    pub fn open(base_dir: &Path, agent_dirs: &[PathBuf]) -> Result<Inputs> {
+        Inputs::open_with(base_dir, agent_dirs, Layout::default())
+    }
+
+    /// [`Inputs::open`], the output's layers taken from `layout.slices` and its vocabulary from
+    /// `layout.tokenizer` when given.
+    pub fn open_with(base_dir: &Path, agent_dirs: &[PathBuf], layout: Layout) -> Result<Inputs> {
+        ensure!(
+            !agent_dirs.is_empty(),
+            "at least one agent model is needed (--model DIR)"
+        );
+        if agent_dirs.len() > method::MAX_AGENTS {
+            return Err(usage(format!(
+                "at most {} agent models can be handled at once, got {}",
+                method::MAX_AGENTS,
+                agent_dirs.len()
+            )));
+        }
+        refuse_repeated_agents(agent_dirs)?;
+        // One copy of each tensor name and shape for all models.
+        let mut interner = crate::checkpoint::safetensors_file::Interner::default();
+        let base = ModelFolder::open_interned(base_dir, &mut interner)
+            .context("cannot open the base model")?;
+        ensure!(
+            !base.tensors.is_empty(),
+            "the base model {} has no tensors (its header is empty)",
+            base_dir.display()
+        );
+        let agents = agent_dirs
+            .iter()
+            .map(|d| open_agent(base_dir, d, &mut interner))
+            .collect::<Result<Vec<_>>>()?;
+        for agent in &agents {
+            if !agent
+                .tensors
+                .iter()
+                .any(|t| base.get(&t.entry.name).is_some())
+            {
+                bail!(
+                    "{} has none of the base's tensor names (agent: '{}', base: '{}'); was it \
+                     fine-tuned from {}, and saved with the same names?",
+                    agent.dir.display(),
+                    agent.tensors.first().map_or("", |t| &*t.entry.name),
+                    base.tensors[0].entry.name,
+                    base_dir.display()
+                );
+            }
+        }
+        let base_config = refuse_other_architectures(&base, &agents, layout)?;
+        let mut warnings = check_adapters_base(&base, &agents)?;
+        let vocabulary = layout
+            .tokenizer
+            .map(|t| Vocabulary::build(t, &base, &agents).map(Arc::new))
+            .transpose()
+            .context("cannot build the output's vocabulary")?;
+        let reindex = vocabulary.as_ref().map(|v| Reindex {
+            vocabulary: v,
+            with_base: layout.with_base,
+        });
+        warnings.extend(vocabulary.iter().flat_map(|v| v.warnings.iter().cloned()));
+        if let Some(slices) = layout.slices {
+            let mut tensors = sliced_plans(&base, &agents, slices, reindex.as_ref())?;
+            if let Some(r) = &reindex {
+                r.plan_all(&base, &agents, &mut tensors, &mut warnings)?;
+            }
+            return Ok(Inputs {
+                base,
+                agents,
+                tensors,
+                warnings,
+                slices: Some(slices.clone()),
+                vocabulary,
+                lora_room: 0,
+                allow_missing_tensors: layout.allow_missing_tensors,
+                cancel: crate::cancel::current(),
+            }
+            .with_lora_room());
+        }
+        let tensors = whole_model_plans(
+            &base,
+            &agents,
+            layout,
+            reindex.as_ref(),
+            base_config.as_ref(),
+            &mut warnings,
+        )?;
+        Ok(Inputs {
+            base,
+            agents,
+            tensors,
+            warnings,
+            slices: None,
+            vocabulary,
+            lora_room: 0,
+            allow_missing_tensors: layout.allow_missing_tensors,
+            cancel: crate::cancel::current(),
+        }
+        .with_lora_room())
+    }
+
+    /// Sets [`Self::lora_room`] from the planned tensors.
+    fn with_lora_room(mut self) -> Inputs {
+        self.lora_room = self
+            .tensors
+            .iter()
+            .map(|p| p.lora_bytes(&self))
+            .max()
+            .unwrap_or(0);
+        self
+    }
+
+    /// Refuses the base given as an agent too, for every use that takes task vectors against
+    /// it (all but methods without a base, which merge the models themselves).
+    pub fn refuse_base_as_agent(&self) -> Result<()> {
+        let base = real_path(&self.base.dir);
+        match self.agents.iter().find(|a| real_path(&a.dir) == base) {
+            Some(a) => Err(usage(format!(
+                "--model {} is the base model {}; its task vector is zero — give each agent \
+                 once, and not the base",
+                a.dir.display(),
+                self.base.dir.display()
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Drops the LoRA agents' A and B matrices held for `plan`'s tensor, whose tiles are all
+    /// read.
+    pub fn forget_lora_tensor(&self, plan: &TensorPlan) {
+        for t in plan.present() {
+            if let (Some(l), Some(at)) = (&self.agents[t].lora, plan.agent(self, t)) {
+                l.forget_one(&at.entry.name);
+            }
+        }
+    }
+
+    /// Drops the LoRA agents' A and B matrices held for the tensors just merged.
+    pub fn forget_lora_matrices(&self) {
+        self.agents
+            .iter()
+            .filter_map(|a| a.lora.as_ref())
+            .for_each(|l| l.forget());
+    }
+
+    /// Bytes of tensor data one pass reads (base + every agent tensor).
+    pub fn pass_bytes(&self) -> u64 {
+        self.tensors
+            .iter()
+            // A re-indexed tensor's tiles count in output rows, at the base's element size.
+            .map(|t| {
+                (t.numel() * t.base.entry.dtype.size()) as u64 * (1 + t.present().len() as u64)
+            })
+            .sum()
+    }
+
+    /// Fails if any input file changed since it was opened.
+    pub fn check_unchanged(&self) -> Result<()> {
+        std::iter::once(&self.base)
+            .chain(&self.agents)
+            .try_for_each(|m| m.check_unchanged())
+    }
+
+    /// Every input folder and weight file (which may be links to elsewhere, as in the Hugging
+    /// Face cache): what an output must never overlap.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        std::iter::once(&self.base)
+            .chain(&self.agents)
+            .flat_map(ModelFolder::paths)
+            .collect()
+    }
+
+    pub fn agent_labels(&self) -> Vec<String> {
+        self.agents
+            .iter()
+            .map(|a| a.dir.display().to_string())
+            .collect()
+    }
+}
