@@ -6,7 +6,7 @@ use crate::backend::Backend;
 use crate::checkpoint::output_folder::{sweep, Scratch};
 use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
 use crate::checkpoint::{DType, ModelFolder};
-use crate::engine::{self, MergeOptions, Pass};
+use crate::engine::{self, MergeOptions, PassOptions};
 use crate::inputs::{Inputs, Layout};
 use crate::record::MergeRecord;
 use anyhow::{Context, Result};
@@ -156,10 +156,10 @@ fn recompute_and_compare(
         },
     )?;
     let options = MergeOptions {
-        pass: Pass {
+        pass: PassOptions {
             epsilon: record.epsilon,
             scan_nonfinite: !record.allow_nonfinite,
-            ..Pass::default_for(backend)
+            ..PassOptions::default_for(backend)
         },
         out_dtype: record
             .out_dtype

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 /// How a pass walks the tensors (both passes share it).
 #[derive(Clone, Debug)]
-pub struct Pass {
+pub struct PassOptions {
     pub epsilon: f32,
     pub tile_elems: usize,
     /// Fail on NaN/±Inf in any input tile. Off when the user allows them (`--allow-nonfinite`:
@@ -44,10 +44,10 @@ pub use retention::{retention, RegionSums, Retention, REGIONS};
 use scans::combine_spec;
 use tiles::{batches, par_tiles, progress_bar, whole_rows, TensorTiles, TileBuffers, TileLoop};
 
-impl Pass {
+impl PassOptions {
     /// The defaults: ε = 1e-5 (SPEC §1), the backend's tile size, NaN/±Inf inputs refused.
-    pub fn default_for(backend: &dyn Backend) -> Pass {
-        Pass {
+    pub fn default_for(backend: &dyn Backend) -> PassOptions {
+        PassOptions {
             epsilon: crate::method::DEFAULT_EPSILON,
             tile_elems: backend.preferred_tile_elems(),
             scan_nonfinite: true,
@@ -56,12 +56,12 @@ impl Pass {
 }
 
 impl MergeOptions {
-    /// `method` with every other option at the command line's default: the [`Pass`] defaults,
+    /// `method` with every other option at the command line's default: the [`PassOptions`] defaults,
     /// each tensor in the base's dtype, 5 GB shards, no replacing, no progress bar, no extra file.
     pub fn new(method: Method, backend: &dyn Backend) -> MergeOptions {
         MergeOptions {
             method,
-            pass: Pass::default_for(backend),
+            pass: PassOptions::default_for(backend),
             out_dtype: None,
             shard_size: 5_000_000_000,
             force: false,
@@ -76,7 +76,7 @@ impl MergeOptions {
 #[derive(Clone, Debug)]
 pub struct MergeOptions {
     pub method: Method,
-    pub pass: Pass,
+    pub pass: PassOptions,
     /// `None`: each tensor keeps the base's dtype.
     pub out_dtype: Option<DType>,
     pub shard_size: u64,
@@ -97,7 +97,7 @@ pub struct MergeSummary {
 }
 
 /// A tensor of the merge pass, its rule known, in its batch of tiles.
-struct MergeJob<'a> {
+struct TensorJob<'a> {
     /// Index in the plan and the output.
     index: usize,
     plan: &'a TensorPlan,
@@ -251,7 +251,7 @@ struct MergePass<'a> {
     /// How the merge pass reads: RAM+ probes every tensor before merging it (globally or just
     /// before), and inputs cannot change unnoticed, so it need not scan the same bytes for
     /// NaN/Inf again.
-    pass: Pass,
+    pass: PassOptions,
     bar: ProgressBar,
     buffers: TileBuffers,
     /// Layers of the model, for gradients over layers.
@@ -262,10 +262,10 @@ struct MergePass<'a> {
     group_lambdas: Option<GroupLambdas>,
     /// Tensor-scope RAM+: per tensor its λ, and the probe's counts (folded per module as they
     /// come: the report a merge gives is per module, see `ProbeReport::compact`).
-    per_tensor: Option<TensorScope>,
+    per_tensor: Option<TensorGathered>,
     /// Plain RAM: the counts its merge kernels gave with each tile (no probe pass), gathered as
     /// tensor scope gathers its probes'.
-    counted: Option<TensorScope>,
+    counted: Option<TensorGathered>,
 }
 
 /// Layer and module scope: λ per agent for each group, in the report's group order, with an index
@@ -277,13 +277,13 @@ struct GroupLambdas {
 
 /// What tensor-scope RAM+ (and plain RAM, without λ) gathers tensor by tensor.
 #[derive(Default)]
-struct TensorScope {
+struct TensorGathered {
     lambdas: Vec<(std::sync::Arc<str>, Vec<f64>)>,
     stats: Vec<TensorStats>,
     count: usize,
 }
 
-impl TensorScope {
+impl TensorGathered {
     /// One more tensor's counts, folded per module every few thousand tensors.
     fn add(&mut self, stats: TensorStats) {
         self.stats.push(stats);
@@ -334,7 +334,7 @@ impl<'a> MergePass<'a> {
             options,
             backend,
             fisher,
-            pass: Pass {
+            pass: PassOptions {
                 scan_nonfinite: options.pass.scan_nonfinite && options.method.boost().is_none(),
                 ..options.pass.clone()
             },
@@ -348,8 +348,8 @@ impl<'a> MergePass<'a> {
                 .map_or(0, |m| m + 1),
             global_lambdas,
             group_lambdas: None,
-            per_tensor: per_tensor.then(TensorScope::default),
-            counted: matches!(options.method, Method::Ram { .. }).then(TensorScope::default),
+            per_tensor: per_tensor.then(TensorGathered::default),
+            counted: matches!(options.method, Method::Ram { .. }).then(TensorGathered::default),
         }
     }
 
@@ -358,7 +358,7 @@ impl<'a> MergePass<'a> {
     }
 
     /// Tensor `index` with its rule and tile size.
-    fn job(&mut self, index: usize) -> Result<MergeJob<'a>> {
+    fn job(&mut self, index: usize) -> Result<TensorJob<'a>> {
         let plan = &self.inputs.tensors[index];
         let present = plan.present();
         let rule = self.rule_of(plan, &present)?;
@@ -369,7 +369,7 @@ impl<'a> MergePass<'a> {
             TileRule::Combine(spec) if spec.rank_rows > 0 => whole_rows(elems, spec.rank_rows),
             _ => elems,
         };
-        Ok(MergeJob {
+        Ok(TensorJob {
             index,
             plan,
             present,
@@ -442,7 +442,11 @@ impl<'a> MergePass<'a> {
 
     /// One batch's tiles in one tile loop, so the workers wait for each other once per batch.
     /// Plain RAM: returns each job's counts (global layout) from its merge kernels.
-    fn merge_tiles(&self, jobs: &[MergeJob], writer: &CheckpointWriter) -> Result<Vec<TileCounts>> {
+    fn merge_tiles(
+        &self,
+        jobs: &[TensorJob],
+        writer: &CheckpointWriter,
+    ) -> Result<Vec<TileCounts>> {
         let tensors: Vec<TensorTiles> = jobs
             .iter()
             .map(|job| TensorTiles {
@@ -510,7 +514,7 @@ impl<'a> MergePass<'a> {
     /// counts to `counts`.
     fn merge_tile(
         &self,
-        job: &MergeJob,
+        job: &TensorJob,
         tile: &Tile,
         start: u64,
         out_dtype: DType,

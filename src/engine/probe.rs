@@ -1,7 +1,7 @@
 //! RAM's probe pass (SPEC.md §1): per tensor, how many agents changed each element.
 
 use super::tiles::{batches, par_tiles, progress_bar, TensorTiles, TileLoop};
-use super::Pass;
+use super::PassOptions;
 use crate::backend::{Backend, TileCounts};
 use crate::inputs::{Inputs, TensorPlan};
 use crate::report::{ProbeReport, TensorStats};
@@ -14,7 +14,7 @@ pub(super) fn probe_tensors(
     inputs: &Inputs,
     plans: &[&TensorPlan],
     backend: &dyn Backend,
-    pass: &Pass,
+    pass: &PassOptions,
     progress: &ProgressBar,
 ) -> Result<Vec<TileCounts>> {
     let n = inputs.agents.len();
@@ -75,7 +75,7 @@ pub(super) fn to_global(local: &TileCounts, present: &[usize], n: usize) -> Tile
 pub fn probe_all(
     inputs: &Inputs,
     backend: &dyn Backend,
-    pass: &Pass,
+    pass: &PassOptions,
     show_progress: bool,
 ) -> Result<ProbeReport> {
     inputs.refuse_base_as_agent()?;

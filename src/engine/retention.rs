@@ -6,7 +6,7 @@
 //! shows w there.
 
 use super::tiles::{par_tiles, progress_bar, TensorTiles, TileLoop};
-use super::Pass;
+use super::PassOptions;
 use crate::checkpoint::dtype::decode;
 use crate::checkpoint::ModelFolder;
 use crate::inputs::Inputs;
@@ -18,7 +18,7 @@ use anyhow::{Context, Result};
 pub fn retention(
     inputs: &Inputs,
     merged: &ModelFolder,
-    pass: &Pass,
+    pass: &PassOptions,
     show_progress: bool,
 ) -> Result<Retention> {
     let n = inputs.agents.len();

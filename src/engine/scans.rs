@@ -3,7 +3,7 @@
 
 use super::tiles::{par_tiles, resize_exact, TensorTiles};
 use super::tiles::{whole_rows, TileBuffers, TileLoop, TileRead};
-use super::Pass;
+use super::PassOptions;
 use crate::backend::{ranges, Tile};
 use crate::checkpoint::dtype::{decode, decode_minus};
 use crate::inputs::{Inputs, TensorPlan};
@@ -29,7 +29,7 @@ pub(super) fn combine_spec(
     config: &MethodConfig,
     at: TensorPlace,
     present: &[usize],
-    pass: &Pass,
+    pass: &PassOptions,
     buffers: &mut TileBuffers,
 ) -> Result<CombineSpec> {
     let numel = plan.numel() as u64;
@@ -49,7 +49,7 @@ pub(super) fn combine_spec(
         plan,
         present,
         // Larger tiles than the merge's: fewer parallel steps (the merge pass scans for NaN/Inf).
-        pass: Pass {
+        pass: PassOptions {
             scan_nonfinite: false,
             tile_elems: whole_rows(
                 plan.tile_elems(inputs, pass.tile_elems.max(SCAN_TILE_ELEMS), 1),
@@ -79,7 +79,7 @@ pub(super) struct TensorScans<'a> {
     pub(super) inputs: &'a Inputs,
     pub(super) plan: &'a TensorPlan,
     pub(super) present: &'a [usize],
-    pub(super) pass: Pass,
+    pub(super) pass: PassOptions,
     pub(super) buffers: &'a mut TileBuffers,
 }
 
@@ -93,7 +93,7 @@ impl TensorScans<'_> {
         mut visit: impl FnMut(usize, u64, &Tile) -> Result<ControlFlow<()>>,
     ) -> Result<()> {
         // A scan from within the tensor looks for something near `from`: chunk-sized tiles.
-        let pass = Pass {
+        let pass = PassOptions {
             tile_elems: if from > 0 {
                 SCAN_CHUNK
             } else {

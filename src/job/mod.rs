@@ -123,9 +123,9 @@ impl MethodFlags {
             "shared",
             self.shared.map(|s| Scalar::Text(s.name().into())),
         );
-        let mut shared = Settings::new();
+        let mut method_wide = Settings::new();
         for (key, value) in &self.params {
-            if shared.insert(key.clone(), value.clone()).is_some() {
+            if method_wide.insert(key.clone(), value.clone()).is_some() {
                 return Err(usage(format!(
                     "--param {key} is given twice; give each parameter once"
                 )));
@@ -133,7 +133,7 @@ impl MethodFlags {
         }
         for (flag, key, value) in boost_flags.into_iter().chain([shared_flag]) {
             if let Some(v) = value {
-                if shared.insert(key.into(), Setting::Scalar(v)).is_some() {
+                if method_wide.insert(key.into(), Setting::Scalar(v)).is_some() {
                     return Err(usage(format!(
                         "{flag} and --param {key} both set {key}; give it once"
                     )));
@@ -142,7 +142,7 @@ impl MethodFlags {
         }
         let request = MethodRequest {
             kind,
-            shared,
+            method_wide,
             models: vec![Default::default(); agents],
             seed: self.seed,
             with_base: true,

@@ -165,7 +165,7 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
     let Listed {
         mut entries,
         base_ref,
-        shared,
+        method_wide,
         slices,
     } = listed_models(&raw, text, dir)?;
     let tokenizer = tokenizer_settings(&raw, text, dir)?;
@@ -244,7 +244,7 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
     let models = model_settings(entries, dir)?;
     let request = MethodRequest {
         kind,
-        shared,
+        method_wide,
         models,
         seed,
         with_base,
@@ -493,7 +493,7 @@ fn embedding_source(
 struct Listed {
     entries: Vec<(String, Settings)>,
     base_ref: Option<String>,
-    shared: Settings,
+    method_wide: Settings,
     slices: Option<Vec<RawSlice>>,
 }
 
@@ -513,7 +513,7 @@ fn listed_models(raw: &RawConfig, text: &str, dir: &Path) -> Result<Listed> {
     let mut listed = Listed {
         entries: Vec::new(),
         base_ref: raw.base_model.clone(),
-        shared: raw.parameters.clone().unwrap_or_default(),
+        method_wide: raw.parameters.clone().unwrap_or_default(),
         slices: None,
     };
     let slices = match (&raw.models, &raw.slices) {
@@ -602,7 +602,7 @@ fn listed_models(raw: &RawConfig, text: &str, dir: &Path) -> Result<Listed> {
     // One slice over every layer of each model: the models, as `models` lists them.
     if read.len() == 1 && read[0].whole {
         let slice = read.remove(0);
-        listed.shared.extend(slice.parameters);
+        listed.method_wide.extend(slice.parameters);
         listed.entries = slice.sources.into_iter().map(|(m, _, s)| (m, s)).collect();
         return Ok(listed);
     }

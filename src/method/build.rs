@@ -5,18 +5,18 @@
 //! rule and its coefficients, DELLA's density ± ε, multislerp's weight sum) is checked here too.
 //! Every failure is a usage error (exit 2) naming the parameter, the model and the range.
 
-use super::catalog::{Kind, Param, ParamDefault, Range, Scope};
+use super::catalog::{Kind, Param, ParamDefault, ParamScope, Range};
 use super::settings::{ConditionalValue, Scalar, Setting, Settings};
 use super::tensor_params::{MethodConfig, SliceSettings};
 use super::{defaults, BoostRule, BoostScope, Method, SharedRule, MAX_AGENTS};
 use crate::error::usage;
 use anyhow::Result;
 
-/// A method and its parameters as given: `shared` for the method, `models` per merged model (in
+/// A method and its parameters as given: `method_wide` for the method, `models` per merged model (in
 /// agent order; missing entries are empty).
 pub struct MethodRequest {
     pub kind: Kind,
-    pub shared: Settings,
+    pub method_wide: Settings,
     pub models: Vec<Settings>,
     /// Seed of random masks (DARE, DELLA).
     pub seed: u64,
@@ -59,7 +59,7 @@ pub fn build(req: MethodRequest, agents: usize) -> Result<Method> {
         kind => {
             let config = MethodConfig {
                 kind,
-                parameters: req.shared,
+                parameters: req.method_wide,
                 models: req.models,
                 seed: req.seed,
                 with_base: req.with_base,
@@ -84,15 +84,15 @@ fn check_required(config: &MethodConfig, agents: usize) -> Result<()> {
             continue;
         }
         let missing: Vec<usize> = match p.scope {
-            Scope::Shared => vec![0],
-            Scope::PerModel => (0..agents)
+            ParamScope::MethodWide => vec![0],
+            ParamScope::PerModel => (0..agents)
                 .filter(|&m| config.models.get(m).is_none_or(|s| !s.contains_key(p.name)))
                 .collect(),
         };
         if let Some(&m) = missing.first() {
             let whom = match p.scope {
-                Scope::Shared => String::new(),
-                Scope::PerModel => format!(" for model {}", m + 1),
+                ParamScope::MethodWide => String::new(),
+                ParamScope::PerModel => format!(" for model {}", m + 1),
             };
             return Err(usage(format!(
                 "method {} needs parameter '{name}'{whom}: give it with --param {name}=VALUE, or \
@@ -121,8 +121,10 @@ fn check_keys_and_values(req: &MethodRequest) -> Result<()> {
         })
     };
     let slices = req.slices.iter();
-    for shared in std::iter::once(&req.shared).chain(slices.clone().map(|s| &s.parameters)) {
-        for (key, setting) in shared {
+    for method_wide in
+        std::iter::once(&req.method_wide).chain(slices.clone().map(|s| &s.parameters))
+    {
+        for (key, setting) in method_wide {
             check_setting(find(key, None)?, setting, None)?;
         }
     }
@@ -130,7 +132,7 @@ fn check_keys_and_values(req: &MethodRequest) -> Result<()> {
     for (m, settings) in req.models.iter().enumerate().chain(per_model) {
         for (key, setting) in settings {
             let param = find(key, Some(m))?;
-            if param.scope == Scope::Shared {
+            if param.scope == ParamScope::MethodWide {
                 return Err(usage(format!(
                     "parameter '{key}' of method {} is set once for the method, not per model \
                      (model {})",
@@ -224,9 +226,9 @@ fn check_scalar(param: &Param, value: &Scalar, model: Option<usize>) -> Result<(
     Ok(())
 }
 
-/// A shared parameter given as one number (already range-checked).
+/// A method-wide parameter given as one number (already range-checked).
 fn shared_number(req: &MethodRequest, key: &str) -> Result<Option<f64>> {
-    match req.shared.get(key) {
+    match req.method_wide.get(key) {
         None => Ok(None),
         Some(Setting::Scalar(s)) => Ok(Some(s.as_f64(key)?)),
         Some(_) => Err(usage(format!(
@@ -237,7 +239,7 @@ fn shared_number(req: &MethodRequest, key: &str) -> Result<Option<f64>> {
 }
 
 fn shared_word(req: &MethodRequest, key: &str) -> Option<String> {
-    match req.shared.get(key) {
+    match req.method_wide.get(key) {
         Some(Setting::Scalar(Scalar::Text(t))) => Some(t.clone()),
         _ => None,
     }
@@ -299,7 +301,7 @@ fn ram_plus(req: &MethodRequest) -> Result<Method> {
     })
 }
 
-/// Model `m`'s value of `key` when it is one number (per-model first, then shared, then the
+/// Model `m`'s value of `key` when it is one number (per-model first, then method-wide, then the
 /// catalog's default).
 fn model_number(config: &MethodConfig, key: &str, m: usize) -> Option<f64> {
     let setting = config
@@ -364,10 +366,10 @@ fn cross_checks(config: &MethodConfig, agents: usize) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn req(kind: Kind, shared: &[(&str, Scalar)], models: Vec<Settings>) -> MethodRequest {
+    fn req(kind: Kind, method_wide: &[(&str, Scalar)], models: Vec<Settings>) -> MethodRequest {
         MethodRequest {
             kind,
-            shared: shared
+            method_wide: method_wide
                 .iter()
                 .map(|(k, v)| (k.to_string(), Setting::Scalar(v.clone())))
                 .collect(),

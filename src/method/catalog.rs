@@ -32,10 +32,10 @@ pub enum Kind {
     Fisher,
 }
 
-/// Whether a parameter is set once or per model.
+/// Whether a parameter is set once for the whole method or per model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Scope {
-    Shared,
+pub enum ParamScope {
+    MethodWide,
     PerModel,
 }
 
@@ -145,7 +145,7 @@ impl ParamDefault {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Param {
     pub name: &'static str,
-    pub scope: Scope,
+    pub scope: ParamScope,
     pub default: ParamDefault,
     pub range: Range,
     pub about: &'static str,
@@ -153,7 +153,7 @@ pub struct Param {
 
 const fn p(
     name: &'static str,
-    scope: Scope,
+    scope: ParamScope,
     default: ParamDefault,
     range: Range,
     about: &'static str,
@@ -179,10 +179,10 @@ const UNIT: Range = num(0.0, 1.0);
 const BOOL: Range = Range::Bool;
 
 use ParamDefault::{Bool, Number, Required, Word};
-use Scope::{PerModel, Shared};
+use ParamScope::{MethodWide, PerModel};
 
 const fn flag(name: &'static str, default: bool, about: &'static str) -> Param {
-    p(name, Shared, Bool(default), BOOL, about)
+    p(name, MethodWide, Bool(default), BOOL, about)
 }
 
 const WEIGHT: Param = p(
@@ -201,7 +201,7 @@ const DENSITY: Param = p(
 );
 const LAMBDA: Param = p(
     "lambda",
-    Shared,
+    MethodWide,
     Number(1.0),
     FINITE,
     "scale of the merged task vector",
@@ -209,7 +209,7 @@ const LAMBDA: Param = p(
 const INT8_MASK: Param = flag("int8_mask", false, "accepted; memory-only in mergekit");
 const EPSILON: Param = p(
     "epsilon",
-    Shared,
+    MethodWide,
     Number(defaults::EPSILON),
     num(0.0, INF),
     "|τ| > ε counts as changed",
@@ -217,7 +217,7 @@ const EPSILON: Param = p(
 /// RAM+'s paper rule slope r: λ ≤ 1 + r·α.
 const R: Param = p(
     "r",
-    Shared,
+    MethodWide,
     Number(defaults::R),
     num(0.0, 100.0),
     "paper rule slope",
@@ -269,7 +269,7 @@ const DELLA_LINEAR: [Param; 7] = and(gta(false, true), DELLA_EPS);
 /// RAM's rule for the shared region (SPEC §2b).
 const SHARED: Param = p(
     "shared",
-    Shared,
+    MethodWide,
     Word("mean"),
     Range::Choice(&["mean", "consensus"]),
     "shared region: mean of the agents that changed it, or of those agreeing with Σ's sign",
@@ -280,14 +280,14 @@ const RAM_PLUS: [Param; 7] = [
     SHARED,
     p(
         "rule",
-        Shared,
+        MethodWide,
         Word("paper"),
         Range::Choice(&["paper", "official"]),
         "paper (1 + r·min(ρ, α)) or official (1 + (R − 1)·min(ρ, 1))",
     ),
     p(
         "scope",
-        Shared,
+        MethodWide,
         Word("global"),
         Range::Choice(&["global", "tensor", "layer", "module"]),
         "one λ per agent, or per agent and tensor / layer / module kind",
@@ -295,7 +295,7 @@ const RAM_PLUS: [Param; 7] = [
     R,
     p(
         "alpha",
-        Shared,
+        MethodWide,
         ParamDefault::ByScope {
             global: defaults::ALPHA_GLOBAL,
             tensor: defaults::ALPHA_TENSOR,
@@ -305,7 +305,7 @@ const RAM_PLUS: [Param; 7] = [
     ),
     p(
         "rescale_factor",
-        Shared,
+        MethodWide,
         Number(defaults::RESCALE_FACTOR),
         num(1.0, 100.0),
         "official rule R",
@@ -317,7 +317,7 @@ const RAMPLUS_TL: [Param; 4] = [
     R,
     p(
         "alpha",
-        Shared,
+        MethodWide,
         Number(defaults::ALPHA_TENSOR),
         num(0.0, 1e6),
         "cap on ρ",
@@ -334,7 +334,7 @@ const MODEL_STOCK: [Param; 1] = [flag(
 )];
 const SLERP: [Param; 1] = [p(
     "t",
-    Shared,
+    MethodWide,
     Required,
     UNIT,
     "0 = base, 1 = the other model",
@@ -361,7 +361,7 @@ const MULTISLERP: [Param; 3] = [
     ),
     p(
         "eps",
-        Shared,
+        MethodWide,
         Number(1e-8),
         num(0.0, INF),
         "accepted; rlmerge uses 1e-8",
@@ -370,7 +370,7 @@ const MULTISLERP: [Param; 3] = [
 const KARCHER: [Param; 2] = [
     p(
         "max_iter",
-        Shared,
+        MethodWide,
         Number(10.0),
         Range::Integer {
             lo: 0.0,
@@ -380,7 +380,7 @@ const KARCHER: [Param; 2] = [
     ),
     p(
         "tol",
-        Shared,
+        MethodWide,
         Number(1e-5),
         num(0.0, INF),
         "convergence tolerance",
@@ -389,7 +389,7 @@ const KARCHER: [Param; 2] = [
 const SCE: [Param; 2] = [
     p(
         "select_topk",
-        Shared,
+        MethodWide,
         Number(1.0),
         UNIT,
         "fraction kept by variance",
@@ -398,7 +398,7 @@ const SCE: [Param; 2] = [
 ];
 const NEARSWAP: [Param; 1] = [p(
     "t",
-    Shared,
+    MethodWide,
     Required,
     num(0.0, INF),
     "similarity threshold",

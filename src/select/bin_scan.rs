@@ -1,4 +1,4 @@
-//! Pass 2 of a rank cut: the elements of one high bin, remembered while they fit, else counted by
+//! PassOptions 2 of a rank cut: the elements of one high bin, remembered while they fit, else counted by
 //! their low 16 bits; and where a cut splits the elements tied at its threshold.
 
 use super::bins::{locate, Bins16, BINS};
@@ -226,7 +226,7 @@ impl BinScan {
     }
 }
 
-/// Pass 2: a [`BinScan`] of each bin in `bins[t]`, each found by its own mask, together
+/// PassOptions 2: a [`BinScan`] of each bin in `bins[t]`, each found by its own mask, together
 /// remembering at most `bin_memory` members.
 pub(super) fn bin_scans(
     scan: &mut dyn Scans,

@@ -1,4 +1,4 @@
-//! Pass 1 of a rank cut: each agent's histogram of the high 16 bits of its magnitude keys inside
+//! PassOptions 1 of a rank cut: each agent's histogram of the high 16 bits of its magnitude keys inside
 //! a window of bins, with which bins hold several keys and, for followed bins, counts per chunk.
 
 use super::bins::{Bins16, BINS};

@@ -188,7 +188,7 @@ fn guess_windows(
     Ok((windows, guesses))
 }
 
-/// Pass 1: each cut agent's histogram of the high 16 bits of its magnitude keys, in the guessed
+/// PassOptions 1: each cut agent's histogram of the high 16 bits of its magnitude keys, in the guessed
 /// window; again over every bin for an agent whose cut the window missed.
 fn first_pass(
     scan: &mut dyn Scans,
@@ -221,7 +221,7 @@ fn first_pass(
 /// A cut whose index lies just past the m-th element tied at its key: (cut, agent, key, split).
 type Tie = (usize, usize, u32, Split);
 
-/// Pass 3: where a cut splits a tie no record could place, the index of the split, searched in
+/// PassOptions 3: where a cut splits a tie no record could place, the index of the split, searched in
 /// index order: from the chunk that holds it when that is known (a read of one chunk each), else
 /// from the start, all such searches in one scan.
 fn split_ties(
