@@ -319,14 +319,21 @@ def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False
 def verify(dir: PathLike, against: bool = False, *, device: str = "auto") -> Dict[str, Any]:
     """Checks a merged folder against its record (every checksum, the structure); with
     ``against``, recomputes the merge from the recorded inputs and compares the bytes. Returns
-    ``{"path", "ok": True, "report"}``; raises :class:`MergeError` naming what differs."""
+    what it found: ``{"path", "ok", "checks", "skipped", "problems"}`` — ``ok`` is False when a
+    check failed, and ``problems`` says which. Raises :class:`MergeError` when the folder cannot
+    be checked at all (no readable record)."""
     dir = _path(dir, "dir")
     _check_common(device, 0)
-    args = ["verify", dir, "--device", device]
+    args = ["verify", dir, "--json", "--device", device]
     if against:
         args.append("--against")
-    report = _cli(args)
-    return {"path": os.path.abspath(dir), "ok": True, "report": report.strip()}
+    code, output, error = _call(args, True)
+    if output.strip():
+        found = json.loads(output)
+        found["path"] = os.path.abspath(dir)
+        return found
+    _cli(args)  # raises the error the command gave
+    raise MergeError(error or "verify failed")
 
 
 def methods() -> List[Dict[str, Any]]:

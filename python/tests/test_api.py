@@ -413,3 +413,18 @@ def test_missing_tensors_are_refused_unless_allowed(demo, tmp_path):
                             allow_missing_tensors=True)
     assert any("model.norm.weight" in w for w in summary["warnings"]), summary["warnings"]
     assert rlmerge.verify(tmp_path / "out", against=True)["ok"]
+
+
+def test_verify_returns_what_it_found(demo, tmp_path):
+    root, base, agents = demo
+    out = tmp_path / "m"
+    rlmerge.merge(base, agents, method="ram", out=out)
+    found = rlmerge.verify(out)
+    assert found["ok"] and found["problems"] == [] and len(found["checks"]) > 3, found
+    shard = out / "model.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1
+    shard.write_bytes(bytes(raw))
+    found = rlmerge.verify(out)
+    assert not found["ok"], found
+    assert any("model.safetensors" in p for p in found["problems"]), found

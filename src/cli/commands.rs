@@ -11,7 +11,7 @@ use rlmerge::backend::gpu::{list_adapters, AdapterChoice, GpuBackend, GpuContext
 use rlmerge::backend::Backend;
 use rlmerge::checkpoint::output_folder;
 use rlmerge::demo;
-use rlmerge::engine::{self, MergeOptions, Pass};
+use rlmerge::engine::{self, MergeOptions, PassOptions};
 use rlmerge::error::usage;
 use rlmerge::escape::terminal;
 use rlmerge::inputs::{Inputs, Layout};
@@ -98,8 +98,8 @@ impl ComputeArgs {
         make_backend(self.device, self.threads, self.gpu_chunk_elems)
     }
 
-    fn pass(&self, backend: &dyn Backend) -> Pass {
-        Pass {
+    fn pass(&self, backend: &dyn Backend) -> PassOptions {
+        PassOptions {
             epsilon: self.epsilon,
             tile_elems: self
                 .tile_elems
@@ -174,22 +174,35 @@ fn run_verify(args: &VerifyArgs, out: &mut impl Write) -> Result<()> {
         None
     };
     let v = rlmerge::verify::verify(&args.dir, backend.as_deref())?;
-    for line in &v.ok {
-        writeln!(out, "ok    {line}")?;
-    }
-    for line in &v.skipped {
-        writeln!(out, "skip  {line}")?;
-    }
-    for line in &v.problems {
-        writeln!(out, "FAIL  {line}")?;
+    if args.json {
+        let found = serde_json::json!({
+            "path": args.dir.display().to_string(),
+            "ok": v.problems.is_empty(),
+            "checks": v.ok,
+            "skipped": v.skipped,
+            "problems": v.problems,
+        });
+        writeln!(out, "{}", serde_json::to_string_pretty(&found)?)?;
+    } else {
+        for line in &v.ok {
+            writeln!(out, "ok    {line}")?;
+        }
+        for line in &v.skipped {
+            writeln!(out, "skip  {line}")?;
+        }
+        for line in &v.problems {
+            writeln!(out, "FAIL  {line}")?;
+        }
     }
     if v.problems.is_empty() {
-        writeln!(
-            out,
-            "{} verified: {} checks passed",
-            args.dir.display(),
-            v.ok.len()
-        )?;
+        if !args.json {
+            writeln!(
+                out,
+                "{} verified: {} checks passed",
+                args.dir.display(),
+                v.ok.len()
+            )?;
+        }
         Ok(())
     } else {
         anyhow::bail!(
@@ -339,8 +352,8 @@ fn merge_job(
 
 fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
     let scope_name = |p: &rlmerge::method::catalog::Param| match p.scope {
-        rlmerge::method::catalog::Scope::Shared => "shared",
-        rlmerge::method::catalog::Scope::PerModel => "per model",
+        rlmerge::method::catalog::ParamScope::MethodWide => "method-wide",
+        rlmerge::method::catalog::ParamScope::PerModel => "per model",
     };
     if args.json {
         let methods: Vec<serde_json::Value> = Kind::ALL

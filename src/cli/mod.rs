@@ -1,7 +1,7 @@
 //! The command line: argument definitions (clap lives here, in the front ends — the binary and
 //! the Python extension, `python/src/lib.rs`, which compiles this same module — and nowhere in
 //! the library). Each flag becomes library data in [`commands`]: method flags a
-//! [`rlmerge::job::MethodFlags`], compute flags a backend and an [`rlmerge::engine::Pass`].
+//! [`rlmerge::job::MethodFlags`], compute flags a backend and an [`rlmerge::engine::PassOptions`].
 //!
 //! Exit codes: 0 success, 1 the merge/analysis failed (bad input, I/O), 2 usage error, 130
 //! interrupted.
@@ -115,6 +115,10 @@ pub struct VerifyArgs {
     /// Worker threads of the CPU backend (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Print what was found as JSON on stdout ({"path", "ok", "checks", "skipped", "problems"});
+    /// the exit code is still 1 when a check failed.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Where the probe and merge passes run.
