@@ -1,4 +1,5 @@
-//! The house's shape, checked (issue #25): no import circle between the crate's files. A file's
+//! The house's shape, checked (issue #25): no source file over 700 lines, no function over 100,
+//! and no import circle between the crate's files. A file's
 //! dependencies are the crate-internal paths it names outside comments and its unit tests
 //! (`use crate::…`, `super::…`, inline `crate::a::b::f()`), each resolved to the longest prefix
 //! that is a module file; a circle (a strongly connected set of more than one file) fails the test
@@ -160,4 +161,84 @@ fn no_import_circles_between_files() {
     );
     // The checker sees the crate: a known dependency is found.
     assert!(graph[&vec!["inputs".to_string()]].contains(&vec!["names".to_string()]));
+}
+
+/// Lines a source file may have, and lines a function may span (its `fn` line to its closing
+/// brace, doc comment not counted): past them a file holds more than one idea, a function more
+/// than one step.
+const FILE_LINES: usize = 700;
+const FN_LINES: usize = 100;
+
+/// Every `.rs` file under `dir`, recursively.
+fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// The name of the function a line declares, with its indentation, if it declares one with a
+/// body (rustfmt's layout: the body ends at a `}` line of the same indentation).
+fn fn_declared(line: &str) -> Option<(&str, &str)> {
+    let code = line.trim_start();
+    let indent = &line[..line.len() - code.len()];
+    let mut rest = code;
+    for prefix in [
+        "pub(crate) ",
+        "pub(super) ",
+        "pub ",
+        "const ",
+        "async ",
+        "unsafe ",
+    ] {
+        rest = rest.strip_prefix(prefix).unwrap_or(rest);
+    }
+    let name = rest.strip_prefix("fn ")?;
+    let name = &name[..name.find(|c: char| !(c.is_alphanumeric() || c == '_'))?];
+    (!line.trim_end().ends_with(';')).then_some((indent, name))
+}
+
+#[test]
+fn no_file_or_function_is_too_long() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    rust_files(&root.join("src"), &mut files);
+    rust_files(&root.join("python/src"), &mut files);
+    files.sort();
+    let mut found = Vec::new();
+    for path in &files {
+        let text = std::fs::read_to_string(path).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        let name = path.strip_prefix(root).unwrap().display();
+        if lines.len() > FILE_LINES {
+            found.push(format!(
+                "{name}: {} lines (at most {FILE_LINES})",
+                lines.len()
+            ));
+        }
+        for (i, line) in lines.iter().enumerate() {
+            let Some((indent, f)) = fn_declared(line) else {
+                continue;
+            };
+            let close = format!("{indent}}}");
+            let end = if line.trim_end().ends_with('}') {
+                i
+            } else {
+                (i..lines.len()).find(|&j| lines[j] == close).unwrap_or(i)
+            };
+            if end - i + 1 > FN_LINES {
+                found.push(format!(
+                    "{name}:{}: fn {f} spans {} lines (at most {FN_LINES})",
+                    i + 1,
+                    end - i + 1
+                ));
+            }
+        }
+    }
+    assert!(files.len() > 50, "the walk found the sources");
+    assert!(found.is_empty(), "split these:\n{}", found.join("\n"));
 }

@@ -414,7 +414,7 @@ fn the_adapter_is_read_once_per_pass_and_one_pair_is_held_at_a_time() {
 /// with fewer elements; all are cut to whole statistics chunks.
 #[test]
 fn a_lora_merge_tile_leaves_room_for_a_share_of_the_pairs() {
-    use rlmerge::inputs::{Inputs, TensorPlan};
+    use rlmerge::inputs::Inputs;
     let inputs = Inputs::open(
         &models().join("base"),
         &[models().join("coder-lora"), models().join("tools")],
@@ -429,7 +429,7 @@ fn a_lora_merge_tile_leaves_room_for_a_share_of_the_pairs() {
         .max()
         .unwrap();
     assert_eq!(inputs.lora_room, room);
-    let q = TensorPlan::TILE_QUANTUM;
+    let q = rlmerge::engine::TILE_QUANTUM;
     let (mut updated, mut plain, mut shrunk) = (0, 0, 0);
     for plan in &inputs.tensors {
         let readers = 1 + plan.present().len();
@@ -444,7 +444,7 @@ fn a_lora_merge_tile_leaves_room_for_a_share_of_the_pairs() {
         for workers in [1, 2, 3, 16] {
             for elems in [8192, 65536, 1 << 20] {
                 let budget = readers * elems * base_size;
-                let e = plan.tile_elems(&inputs, elems, workers);
+                let e = rlmerge::engine::tile_elems(plan, &inputs, elems, workers);
                 let widened = budget / (readers * size);
                 if widened <= q || budget - room.div_ceil(workers) < readers * q * size {
                     // Never below a run: the room is what is left.
@@ -464,7 +464,7 @@ fn a_lora_merge_tile_leaves_room_for_a_share_of_the_pairs() {
             }
         }
         // Tiles the size of a run or less are only widened.
-        let small = plan.tile_elems(&inputs, 24, 2);
+        let small = rlmerge::engine::tile_elems(plan, &inputs, 24, 2);
         assert_eq!(small, if size == 4 { 12 } else { 24 });
     }
     assert!(updated > 0 && plain > 0 && shrunk > 0);
@@ -478,7 +478,12 @@ fn tiles_of_a_merge_without_lora_agents_are_the_planned_ones() {
     assert_eq!(inputs.lora_room, 0);
     for plan in &inputs.tensors {
         for elems in [24, 65536, 1 << 20] {
-            assert_eq!(plan.tile_elems(&inputs, elems, 2), elems, "{}", plan.name());
+            assert_eq!(
+                rlmerge::engine::tile_elems(plan, &inputs, elems, 2),
+                elems,
+                "{}",
+                plan.name()
+            );
         }
     }
 }

@@ -360,7 +360,17 @@ fn record_and_card_hold_method_parameters_lambdas_and_inputs() {
         assert_eq!(a["counts"]["shared"].as_u64().unwrap(), counts[t].1);
     }
     let card = std::fs::read_to_string(out.join("README.md")).unwrap();
-    assert!(card.starts_with("---\nbase_model:"));
+    // Local folders are not Hub ids: the front matter names none (tests/hub.rs: Hub ids do).
+    assert!(
+        card.starts_with("---\nlibrary_name: transformers\n"),
+        "{card}"
+    );
+    assert!(!card.contains("base_model:"), "{card}");
+    assert!(card.contains("dtype bfloat16"), "{card}");
+    assert!(
+        card.contains("AutoModelForCausalLM.from_pretrained(path, torch_dtype=\"auto\")"),
+        "{card}"
+    );
     assert!(
         card.contains("ram+ (rule official, R = 1.3, scope global)"),
         "{card}"
@@ -372,4 +382,57 @@ fn record_and_card_hold_method_parameters_lambdas_and_inputs() {
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["model_type"], "llama");
     assert_eq!(config["torch_dtype"], "bfloat16");
+}
+
+/// A mergekit method merged from the command line saves the recipe mergekit would take
+/// (`mergekit_config.yml`), the model card shows it, and `rlmerge run` of it makes the same bytes.
+#[test]
+fn command_line_merges_save_a_recipe_that_makes_the_same_merge() {
+    let f = fixture(12, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 1);
+    for (method, params) in [
+        ("ties", &["weight=1", "density=0.4"][..]),
+        ("dare_ties", &["weight=1", "density=0.6"][..]),
+        ("linear", &["weight=0.7"][..]),
+    ] {
+        let out = f.dir.path().join(format!("out-{method}"));
+        let args = method_args(method, params);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        merge_cmd(&f, &out, &args).assert().success();
+        let recipe = std::fs::read_to_string(out.join("mergekit_config.yml")).unwrap();
+        assert!(
+            recipe.contains(&format!("merge_method: {method}")),
+            "{recipe}"
+        );
+        assert_eq!(
+            recipe.contains("--seed 3"),
+            method == "dare_ties",
+            "{recipe}"
+        );
+        let card = std::fs::read_to_string(out.join("README.md")).unwrap();
+        assert!(card.contains("## Configuration"), "{card}");
+        assert!(card.contains(&format!("merge_method: {method}")), "{card}");
+        assert!(
+            card.contains("parameters in the configuration below"),
+            "{card}"
+        );
+        let again = f.dir.path().join(format!("again-{method}"));
+        rlmerge()
+            .args(["run", "--quiet", "--seed", "3"])
+            .arg(out.join("mergekit_config.yml"))
+            .arg("-o")
+            .arg(&again)
+            .assert()
+            .success();
+        for shard in ["model.safetensors", "mergekit_config.yml"] {
+            assert_eq!(
+                std::fs::read(out.join(shard)).unwrap(),
+                std::fs::read(again.join(shard)).unwrap(),
+                "{method}: {shard}"
+            );
+        }
+    }
+    // The RAM family's card describes the rule itself; no recipe is made up for it.
+    let out = f.dir.path().join("out-ram");
+    merge_cmd(&f, &out, &["--method", "ram"]).assert().success();
+    assert!(!out.join("mergekit_config.yml").exists());
 }

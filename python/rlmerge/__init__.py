@@ -139,13 +139,28 @@ def _output_args(out: PathLike, force: bool, out_dtype: Optional[str],
 
 
 def _summary(out: PathLike) -> Dict[str, Any]:
-    """What a merge wrote, from its record: method, λ per agent, shards and checksums."""
+    """What a merge wrote: its record (``rlmerge_record.json``) as a dict, plus ``out`` (the
+    folder, absolute) and ``shards`` (the weight files written). The keys a caller reads most:
+
+    - ``method``: the method and its parameters; ``epsilon``; ``out_dtype`` / ``main_dtype``;
+    - ``agents``: one dict per agent, in order — ``path``; ``lambda`` (RAM+ global scope and
+      ``ram``: one λ; ``None`` where λ varies); ``lambdas`` (RAM+ layer, module or tensor scope:
+      λ by layer, module kind or tensor name); ``counts`` (``unique`` and ``shared`` changed
+      elements, when a probe ran);
+    - ``inputs`` / ``outputs``: every file read and written, with its CRC-32;
+    - ``warnings``: what the merge told you.
+    """
     out = _path(out, "out")
     with open(os.path.join(out, RECORD_FILE), encoding="utf-8") as f:
         record = json.load(f)
     record["out"] = os.path.abspath(out)
     record["shards"] = [o["file"] for o in record.get("outputs", [])
                         if o["file"].endswith(".safetensors")]
+    # λ per group (layer / module scope) or per tensor, by agent.
+    scoped = record.get("group_lambdas") or record.get("tensor_lambdas") or []
+    for t, agent in enumerate(record.get("agents", [])):
+        if scoped:
+            agent["lambdas"] = {name: values[t] for name, values in scoped}
     return record
 
 

@@ -33,7 +33,7 @@ def test_merge_returns_the_record_and_verifies(demo, tmp_path):
     assert all("crc32" in o for o in summary["outputs"])
     assert (out / "overlap.svg").exists()
     result = rlmerge.verify(out)
-    assert result["ok"] and "verified" in result["report"]
+    assert result["ok"] and result["checks"] and result["problems"] == [], result
 
 
 def test_api_and_command_give_the_same_bytes(demo, tmp_path):
@@ -138,6 +138,21 @@ def test_bad_requests_raise_usage_errors_and_write_nothing(demo, tmp_path, kwarg
     assert not str(info.value).startswith("error:")
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_scoped_lambdas_are_given_per_group(demo, tmp_path):
+    root, base, agents = demo
+    for scope, some_key in [("layer", "layer 0"), ("module", "mlp")]:
+        summary = rlmerge.merge(base, agents, method="ram+", scope=scope,
+                                out=tmp_path / scope, device="cpu")
+        for agent in summary["agents"]:
+            assert agent["lambda"] is None
+            lambdas = agent["lambdas"]
+            assert some_key in lambdas, sorted(lambdas)
+            assert all(value >= 1.0 for value in lambdas.values())
+    # Global scope: one λ, no groups.
+    summary = rlmerge.merge(base, agents, method="ram+", out=tmp_path / "global", device="cpu")
+    assert all(a["lambda"] >= 1.0 and "lambdas" not in a for a in summary["agents"])
 
 
 def test_failures_raise_merge_error_naming_the_problem(demo, tmp_path):

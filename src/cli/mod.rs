@@ -190,19 +190,20 @@ pub struct MergeArgs {
     /// --model and --method).
     #[arg(long, value_name = "RECIPE.yml", conflicts_with_all = ["base", "models", "method", "tokenizer_source"])]
     pub config: Option<PathBuf>,
-    /// Merge method (`rlmerge methods` lists them with their parameters).
+    /// Merge method [default: ram+] (`rlmerge methods` lists them with their parameters).
     #[arg(long, value_parser = parse_method)]
     pub method: Option<Kind>,
     /// A method parameter for every model, as KEY=VALUE (repeat), e.g. --param density=0.5.
     #[arg(long = "param", value_name = "KEY=VALUE", value_parser = parse_param)]
     pub params: Vec<(String, Setting)>,
-    /// RAM+ boost rule.
+    /// RAM+ boost rule [default: paper; ramplus_tl: paper].
     #[arg(long, value_parser = PossibleValuesParser::new([
         PossibleValue::new("paper").help("λ = 1 + r·min(ρ, α) (the paper)"),
         PossibleValue::new("official").help("λ = 1 + (R − 1)·min(ρ, 1) (the authors' released script)"),
     ]))]
     pub rule: Option<String>,
-    /// RAM+ scope of ρ: one λ per agent (global), or per agent and tensor, layer or module kind.
+    /// RAM+ scope of ρ: one λ per agent (global), or per agent and tensor, layer or module kind
+    /// [default: global; ramplus_tl: tensor].
     #[arg(long, value_parser = PossibleValuesParser::new(["global", "tensor", "layer", "module"])
         .map(|s| BoostScope::from_name(&s).expect("a listed scope")))]
     pub scope: Option<BoostScope>,
@@ -298,7 +299,12 @@ pub struct DemoArgs {
 
 /// A `--method` name (mergekit's, and `ram+`'s aliases).
 fn parse_method(s: &str) -> Result<Kind, String> {
-    Kind::from_name(s).ok_or_else(|| format!("unknown method '{s}' (`rlmerge methods` lists them)"))
+    Kind::from_name(s).ok_or_else(|| {
+        format!(
+            "unknown method '{s}'{}; `rlmerge methods` lists them",
+            rlmerge::error::did_you_mean(s, Kind::ALL.iter().map(|k| k.name()))
+        )
+    })
 }
 
 impl MergeArgs {

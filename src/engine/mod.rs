@@ -34,6 +34,7 @@ mod output;
 mod probe;
 mod retention;
 mod scans;
+mod tile_size;
 mod tiles;
 
 use fisher::FisherInputs;
@@ -42,6 +43,7 @@ pub use probe::probe_all;
 use probe::{probe_tensors, to_global};
 pub use retention::{retention, RegionSums, Retention, REGIONS};
 use scans::combine_spec;
+pub use tile_size::{tile_elems, TILE_QUANTUM};
 use tiles::{batches, par_tiles, progress_bar, whole_rows, TensorTiles, TileBuffers, TileLoop};
 
 impl PassOptions {
@@ -363,7 +365,12 @@ impl<'a> MergePass<'a> {
         let present = plan.present();
         let rule = self.rule_of(plan, &present)?;
         // Widened tiles and LoRA pairs: a tile's bytes stay what the pass chose.
-        let elems = plan.tile_elems(self.inputs, self.pass.tile_elems, self.backend.workers());
+        let elems = tile_elems(
+            plan,
+            self.inputs,
+            self.pass.tile_elems,
+            self.backend.workers(),
+        );
         // DELLA ranks whole rows: its tiles hold whole rows.
         let tile_elems = match &rule {
             TileRule::Combine(spec) if spec.rank_rows > 0 => whole_rows(elems, spec.rank_rows),

@@ -80,21 +80,7 @@ pub(super) fn finish(
     shards: Vec<FileChecksum>,
     folder: OutputFolder,
 ) -> Result<MergeSummary> {
-    let agent_counts = boost.report.as_ref().map(|r| r.total_agent_counts());
-    let agents = inputs
-        .agents
-        .iter()
-        .enumerate()
-        .map(|(t, a)| AgentSummary {
-            path: a.dir.display().to_string(),
-            // Tensor, layer and module scope: λ per tensor or group, in the record.
-            lambda: match (&boost.tensor_lambdas, &boost.group_lambdas) {
-                (None, None) => Some(boost.global_lambdas[t]),
-                _ => None,
-            },
-            counts: agent_counts.as_ref().map(|c| c[t]),
-        })
-        .collect();
+    let agents = agent_summaries(inputs, &boost);
     let out_dtype = options
         .out_dtype
         .or_else(|| inputs.base.main_dtype())
@@ -132,18 +118,7 @@ pub(super) fn finish(
         std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
         outputs.push(crc32_of_file(&path)?);
     }
-    // Tensors were hashed as they were read; only what the merge never read is read now.
-    let input_sums = std::iter::once(&inputs.base)
-        .chain(&inputs.agents)
-        .map(|m| {
-            let path = std::fs::canonicalize(&m.dir).unwrap_or_else(|_| m.dir.clone());
-            Ok(InputChecksums {
-                hub_id: crate::hub::id_of_snapshot(&path),
-                path,
-                files: m.checksums()?,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let input_sums = input_checksums(inputs)?;
     let record = MergeRecord {
         tool: "rlmerge".into(),
         version: env!("CARGO_PKG_VERSION").into(),
@@ -156,6 +131,7 @@ pub(super) fn finish(
         tensor_lambdas: boost.tensor_lambdas.unwrap_or_default(),
         group_lambdas: boost.group_lambdas.unwrap_or_default(),
         out_dtype: options.out_dtype.map(|d| d.to_string()),
+        main_dtype: Some(out_dtype.torch_name().to_string()),
         slices: inputs.slices.clone(),
         // Absolute, so verify --against finds it from anywhere.
         tokenizer: vocabulary.map(|v| v.settings.absolute()),
@@ -177,6 +153,41 @@ pub(super) fn finish(
         record,
         report: boost.report,
     })
+}
+
+/// Each agent's line of the record: its path, its λ (global scope), its changed counts.
+fn agent_summaries(inputs: &Inputs, boost: &BoostReport) -> Vec<AgentSummary> {
+    let agent_counts = boost.report.as_ref().map(|r| r.total_agent_counts());
+    inputs
+        .agents
+        .iter()
+        .enumerate()
+        .map(|(t, a)| AgentSummary {
+            path: a.dir.display().to_string(),
+            // Tensor, layer and module scope: λ per tensor or group, in the record.
+            lambda: match (&boost.tensor_lambdas, &boost.group_lambdas) {
+                (None, None) => Some(boost.global_lambdas[t]),
+                _ => None,
+            },
+            counts: agent_counts.as_ref().map(|c| c[t]),
+        })
+        .collect()
+}
+
+/// Every input's file checksums for the record. Tensors were hashed as they were read; only what
+/// the merge never read is read now.
+fn input_checksums(inputs: &Inputs) -> Result<Vec<InputChecksums>> {
+    std::iter::once(&inputs.base)
+        .chain(&inputs.agents)
+        .map(|m| {
+            let path = std::fs::canonicalize(&m.dir).unwrap_or_else(|_| m.dir.clone());
+            Ok(InputChecksums {
+                hub_id: crate::hub::id_of_snapshot(&path),
+                path,
+                files: m.checksums()?,
+            })
+        })
+        .collect()
 }
 
 /// A sliced merge's config.json: the layer count and per-layer lists of the output's layers.

@@ -1,5 +1,6 @@
 //! RAM's probe pass (SPEC.md §1): per tensor, how many agents changed each element.
 
+use super::tile_elems;
 use super::tiles::{batches, par_tiles, progress_bar, TensorTiles, TileLoop};
 use super::PassOptions;
 use crate::backend::{Backend, TileCounts};
@@ -25,7 +26,7 @@ pub(super) fn probe_tensors(
         .map(|(&plan, present)| TensorTiles {
             plan,
             present,
-            tile_elems: plan.tile_elems(inputs, pass.tile_elems, backend.workers()),
+            tile_elems: tile_elems(plan, inputs, pass.tile_elems, backend.workers()),
         })
         .collect();
     let zeros = || -> Vec<TileCounts> {

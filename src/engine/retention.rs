@@ -5,6 +5,7 @@
 //! (θ_out − θ₀ has the sign of τ_t). RAM keeps r = λ_t on U_t; task arithmetic with weight w
 //! shows w there.
 
+use super::tile_elems;
 use super::tiles::{par_tiles, progress_bar, TensorTiles, TileLoop};
 use super::PassOptions;
 use crate::checkpoint::dtype::decode;
@@ -33,7 +34,7 @@ pub fn retention(
         .map(|(plan, present)| TensorTiles {
             plan,
             present,
-            tile_elems: plan.tile_elems(inputs, pass.tile_elems, rayon::current_num_threads()),
+            tile_elems: tile_elems(plan, inputs, pass.tile_elems, rayon::current_num_threads()),
         })
         .collect();
     let bar = progress_bar(inputs.pass_bytes(), show_progress, "retention");

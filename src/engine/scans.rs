@@ -1,6 +1,7 @@
 //! The statistics scans of one tensor ([`crate::scans::Scans`]) over the input files, and the
 //! combine rule they build.
 
+use super::tile_elems;
 use super::tiles::{par_tiles, resize_exact, TensorTiles};
 use super::tiles::{whole_rows, TileBuffers, TileLoop, TileRead};
 use super::PassOptions;
@@ -52,7 +53,7 @@ pub(super) fn combine_spec(
         pass: PassOptions {
             scan_nonfinite: false,
             tile_elems: whole_rows(
-                plan.tile_elems(inputs, pass.tile_elems.max(SCAN_TILE_ELEMS), 1),
+                tile_elems(plan, inputs, pass.tile_elems.max(SCAN_TILE_ELEMS), 1),
                 whole,
             ),
             ..pass.clone()
@@ -205,9 +206,7 @@ impl Scans for TensorScans<'_> {
         let tensor = TensorTiles {
             plan: self.plan,
             present: self.present,
-            tile_elems: self
-                .plan
-                .tile_elems(self.inputs, ANY_ORDER_TILE_ELEMS, workers),
+            tile_elems: tile_elems(self.plan, self.inputs, ANY_ORDER_TILE_ELEMS, workers),
         };
         let how = TileLoop {
             inputs: self.inputs,

@@ -2,12 +2,9 @@
 //! in order for statistics scans or on every worker at once for the probe and merge passes.
 
 use crate::backend::Tile;
-use crate::checkpoint::dtype::{decode, decode_one, first_nonfinite};
-use crate::checkpoint::{ModelFolder, ModelTensor};
-use crate::inputs::{Inputs, TensorPlan};
-use crate::slices::Source;
-use crate::vocabulary::{RowFrom, VocabTensor};
-use anyhow::{bail, Result};
+pub(super) use crate::inputs::resize_exact;
+use crate::inputs::{Inputs, SourceRead, TensorPlan, TensorSource};
+use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -51,67 +48,18 @@ impl TileBuffers {
             spread,
         } = *read;
         let tile_dtype = plan.tile_dtype(inputs);
-        let sources = std::iter::once((plan.base_source(), plan.base_folder(inputs), &plan.base))
-            .chain(present.iter().map(|&t| {
-                let at = plan
-                    .agent(inputs, t)
-                    .expect("present agents have the tensor");
-                (Source::Agent(t), &inputs.agents[t], at)
-            }));
-        let jobs: Vec<(Source, &ModelFolder, &ModelTensor, &mut Vec<u8>)> = sources
+        let ctx = SourceRead {
+            inputs,
+            plan,
+            finite_only,
+        };
+        let sources = std::iter::once(plan.source(inputs, None))
+            .chain(present.iter().map(|&t| plan.source(inputs, Some(t))));
+        let jobs: Vec<(TensorSource, &mut Vec<u8>)> = sources
             .zip(std::iter::once(&mut self.base).chain(self.agents.iter_mut()))
-            .map(|((source, model, tensor), buf)| (source, model, tensor, buf))
             .collect();
-        let load_one = |(source, model, tensor, buf): (
-            Source,
-            &ModelFolder,
-            &ModelTensor,
-            &mut Vec<u8>,
-        )|
-         -> Result<()> {
-            if let Some(v) = &plan.vocab {
-                return load_rows(read, &v.rows, source, (start, len), buf);
-            }
-            // Each input in its own dtype; checked and hashed as stored. Mixed dtypes: the tile
-            // is f32, to which bf16 and f16 convert exactly; a LoRA agent's tensor is θ₀ plus its
-            // update, added in f32. Such a tile's raw bytes are read into its tail and widened in
-            // place front to back, so the tile's bytes are all it holds.
-            let dtype = tensor.entry.dtype;
-            let lora = model.lora_for(&tensor.entry.name);
-            let widened = dtype != tile_dtype || lora.is_some();
-            let size = if widened { 4 } else { dtype.size() };
-            resize_exact(buf, len * size, 0);
-            let tail = len * (size - dtype.size());
-            let offset = (start * dtype.size()) as u64;
-            model.read(tensor, offset, &mut buf[tail..])?;
-            model.record_read(tensor, offset, &buf[tail..]);
-            if finite_only {
-                refuse_nonfinite(plan, model, tensor, &buf[tail..], start)?;
-            }
-            if widened {
-                let mut raw = [0u8; RUN * 4];
-                let mut run = [0.0f32; RUN];
-                for i0 in (0..len).step_by(RUN) {
-                    let n = RUN.min(len - i0);
-                    // Run i0's f32 bytes end at 4·(i0 + n), before the next run's raw bytes.
-                    let from = tail + i0 * dtype.size();
-                    let raw = &mut raw[..n * dtype.size()];
-                    raw.copy_from_slice(&buf[from..from + raw.len()]);
-                    decode(dtype, raw, &mut run[..n]);
-                    put_f32(buf, i0, &run[..n]);
-                }
-                // A LoRA agent's update over the whole tile at once: its terms are decoded once
-                // for all the tile's rows.
-                if let Some(l) = lora {
-                    let entry = &tensor.entry;
-                    let values = &mut buf[..len * 4];
-                    l.add_update_bytes(&entry.name, &entry.shape, start as u64, values)?;
-                    if finite_only {
-                        refuse_nonfinite_update(tensor, l, values, start)?;
-                    }
-                }
-            }
-            Ok(())
+        let load_one = |(source, buf): (TensorSource, &mut Vec<u8>)| -> Result<()> {
+            source.read(&ctx, (start, len), buf)
         };
         let bytes = len * tile_dtype.size();
         // Spreading a small tile over threads costs more than reading it; results keep input order.
@@ -142,229 +90,6 @@ impl TileBuffers {
             agents: &agents,
         })
     }
-}
-
-/// Makes a buffer kept from tile to tile `len` long, for a tile that overwrites all of it (its
-/// contents are not kept). Grown to exactly `len`, the old allocation freed first: `Vec::resize`
-/// would double it and copy it, so a tile larger than the one before (a tensor's f32 tiles after
-/// a smaller tensor's) would leave up to twice the planned bytes, and the allocator a hole.
-pub(super) fn resize_exact<T: Clone>(buf: &mut Vec<T>, len: usize, fill: T) {
-    if len > buf.capacity() {
-        *buf = Vec::new();
-        buf.reserve_exact(len);
-    }
-    buf.resize(len, fill);
-}
-
-/// Elements widened to f32 at a time.
-const RUN: usize = 1024;
-
-/// Writes `values` into an f32 tile's bytes from element `at`.
-fn put_f32(buf: &mut [u8], at: usize, values: &[f32]) {
-    for (b, v) in buf[at * 4..(at + values.len()) * 4]
-        .chunks_exact_mut(4)
-        .zip(values)
-    {
-        b.copy_from_slice(&v.to_le_bytes());
-    }
-}
-
-/// Decodes `raw` (elements of `tensor` from element `at`) into `values`, adding a LoRA agent's
-/// update.
-fn widen(
-    model: &ModelFolder,
-    tensor: &ModelTensor,
-    raw: &[u8],
-    at: u64,
-    values: &mut [f32],
-) -> Result<()> {
-    decode(tensor.entry.dtype, raw, values);
-    if let Some(l) = model.lora_for(&tensor.entry.name) {
-        l.add_update(&tensor.entry.name, &tensor.entry.shape, at, values)?;
-    }
-    Ok(())
-}
-
-/// Fails on the first NaN or ±Inf of `raw` (elements of `tensor` from `start`), naming tensor,
-/// file and element.
-fn refuse_nonfinite(
-    plan: &TensorPlan,
-    model: &ModelFolder,
-    tensor: &ModelTensor,
-    raw: &[u8],
-    start: usize,
-) -> Result<()> {
-    let dtype = tensor.entry.dtype;
-    if let Some(i) = first_nonfinite(dtype, raw) {
-        bail!(
-            "tensor '{}' in {} has a non-finite value ({}) at element {}; rlmerge refuses NaN \
-             and infinity unless --allow-nonfinite",
-            plan.name(),
-            model.file_of(tensor).display(),
-            decode_one(dtype, raw, i),
-            start + i
-        );
-    }
-    Ok(())
-}
-
-/// The finiteness gate's second half for a LoRA agent: its stored base values passed
-/// [`refuse_nonfinite`]; its values with the update added (`values`, f32 bytes of elements from
-/// `start`) must be finite too — a NaN or ±Inf in A or B, or an update that overflows, is named.
-fn refuse_nonfinite_update(
-    tensor: &ModelTensor,
-    lora: &crate::checkpoint::lora::LoraAdapter,
-    values: &[u8],
-    start: usize,
-) -> Result<()> {
-    let f32 = crate::checkpoint::DType::F32;
-    match first_nonfinite(f32, values) {
-        Some(i) => Err(lora.nonfinite_error(
-            &tensor.entry.name,
-            (start + i) as u64,
-            decode_one(f32, values, i),
-        )),
-        None => Ok(()),
-    }
-}
-
-/// Reads `out.len()` elements of input `source`'s copy of a re-indexed tensor from its element
-/// `at`, as f32.
-fn read_f32(read: &TileRead, source: Source, at: usize, out: &mut [f32]) -> Result<()> {
-    let plan = read.plan;
-    let (model, tensor) = if source == plan.base_source() {
-        (plan.base_folder(read.inputs), &plan.base)
-    } else {
-        match source {
-            Source::Agent(t) => match plan.agent(read.inputs, t) {
-                Some(at) => (&read.inputs.agents[t], at),
-                None => bail!(
-                    "tensor '{}': its rows come from {}, which does not have it",
-                    plan.name(),
-                    read.inputs.agents[t].dir.display()
-                ),
-            },
-            Source::Base => bail!(
-                "tensor '{}': its rows come from the base, which does not enter its merge",
-                plan.name()
-            ),
-        }
-    };
-    let size = tensor.entry.dtype.size();
-    let mut raw = [0u8; RUN * 4];
-    for (k, values) in out.chunks_mut(RUN).enumerate() {
-        let from = at + k * RUN;
-        let raw = &mut raw[..values.len() * size];
-        model.read(tensor, (from * size) as u64, raw)?;
-        if read.finite_only {
-            refuse_nonfinite(plan, model, tensor, raw, from)?;
-        }
-        widen(model, tensor, raw, from as u64, values)?;
-        if read.finite_only {
-            if let Some(l) = model.lora_for(&tensor.entry.name) {
-                refuse_nonfinite_update(tensor, l, bytemuck::cast_slice(values), from)?;
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Elements `start..start + len` of input `source`'s copy of a re-indexed tensor (see
-/// [`VocabTensor::row_from`]) into `buf` as f32: own rows read in runs, default rows from the
-/// model named, means summed in f32 in order then divided once, padding rows the input's mean row.
-/// Gathered a run at a time, so the tile's bytes are all it holds.
-fn load_rows(
-    read: &TileRead,
-    rows: &VocabTensor,
-    source: Source,
-    (start, len): (usize, usize),
-    buf: &mut Vec<u8>,
-) -> Result<()> {
-    resize_exact(buf, len * 4, 0);
-    let mut run = [0.0f32; RUN];
-    for i0 in (0..len).step_by(RUN) {
-        let values = &mut run[..RUN.min(len - i0)];
-        gather_rows(read, rows, source, start + i0, values)?;
-        put_f32(buf, i0, values);
-    }
-    Ok(())
-}
-
-/// [`load_rows`] into `out`, from element `start`.
-fn gather_rows(
-    read: &TileRead,
-    rows: &VocabTensor,
-    source: Source,
-    start: usize,
-    out: &mut [f32],
-) -> Result<()> {
-    let h = rows.row_len;
-    let end = start + out.len();
-    let mut at = start;
-    let mut scratch = Vec::new();
-    while at < end {
-        let (r, c0) = (at / h, at % h);
-        let n = (h - c0).min(end - at);
-        let from = rows.row_from(source, r);
-        // Whole rows that continue a run of the same model's rows are read at once.
-        let mut span = n;
-        if let RowFrom::Row(s, row) = from {
-            if c0 == 0 {
-                let mut k = 1;
-                while at + span + h <= end
-                    && rows.row_from(source, r + k) == RowFrom::Row(s, row + k as u32)
-                {
-                    span += h;
-                    k += 1;
-                }
-            }
-        }
-        let dst = &mut out[at - start..at - start + span];
-        match from {
-            RowFrom::Row(s, row) => read_f32(read, s, row as usize * h + c0, dst)?,
-            RowFrom::Zero => dst.fill(0.0),
-            RowFrom::Mean(list) => {
-                dst.fill(0.0);
-                scratch.resize(span, 0.0);
-                for &(s, row) in list {
-                    read_f32(read, s, row as usize * h + c0, &mut scratch)?;
-                    dst.iter_mut().zip(&scratch).for_each(|(d, x)| *d += x);
-                }
-                let count = list.len() as f32;
-                dst.iter_mut().for_each(|d| *d /= count);
-            }
-            RowFrom::Pad => {
-                let mean = rows.pad_mean(source, || pad_mean(read, rows, source))?;
-                dst.copy_from_slice(&mean[c0..c0 + span]);
-            }
-        }
-        at += span;
-    }
-    Ok(())
-}
-
-/// Input `source`'s mean row over its re-indexed token rows (the padding rows' value, as
-/// mergekit pads): summed in f64 a block of rows at a time, rounded once.
-fn pad_mean(read: &TileRead, rows: &VocabTensor, source: Source) -> Result<Vec<f32>> {
-    let h = rows.row_len;
-    let tokens = rows.token_rows();
-    let mut sum = vec![0.0f64; h];
-    let block = (RUN * 64 / h.max(1)).max(1);
-    let mut values = Vec::new();
-    let mut r = 0;
-    while r < tokens {
-        let n = block.min(tokens - r);
-        values.resize(n * h, 0.0);
-        gather_rows(read, rows, source, r * h, &mut values)?;
-        for row in values.chunks(h) {
-            sum.iter_mut().zip(row).for_each(|(s, &x)| *s += x as f64);
-        }
-        r += n;
-    }
-    Ok(sum
-        .iter()
-        .map(|&s| (s / tokens.max(1) as f64) as f32)
-        .collect())
 }
 
 /// One tensor's part in a tile loop ([`par_tiles`]): its plan, the agents read with the base,
@@ -428,40 +153,8 @@ pub(super) fn par_tiles<S: Send>(
         stride,
         last_read,
     } = *how;
-    // The first tile of each tensor in the loop's numbering, then the end.
-    let firsts: Vec<usize> = std::iter::once(0)
-        .chain(tensors.iter().scan(0, |end, t| {
-            *end += t.count();
-            Some(*end)
-        }))
-        .collect();
-    let count = *firsts.last().expect("one entry at least");
-    // Tiles of each tensor still to finish (those the stride visits): at 0 its LoRA pairs go.
-    let left: Vec<AtomicUsize> = firsts
-        .windows(2)
-        .map(|w| AtomicUsize::new(w[1].div_ceil(stride) - w[0].div_ceil(stride)))
-        .collect();
-    // One LoRA tensor at a time: each waits for the one before it (its pairs dropped) to finish,
-    // so the pass holds one tensor's pairs, shared by its workers (`TensorPlan::tile_elems`
-    // leaves each worker room for its share). The tiles before a waiting worker's were all
-    // handed out, to workers that wait only for earlier tensors: the wait ends.
-    // For each LoRA tensor, the LoRA tensor before it in the loop.
-    let wait_for: Vec<Option<usize>> = tensors
-        .iter()
-        .enumerate()
-        .scan(None, |last, (j, t)| {
-            if t.plan.lora_bytes(inputs) == 0 {
-                return Some(None);
-            }
-            Some(last.replace(j))
-        })
-        .collect();
-    // A tensor without tiles to visit (empty, or skipped by the stride) is finished already.
-    let finished: Vec<AtomicBool> = left
-        .iter()
-        .map(|l| AtomicBool::new(l.load(Ordering::Relaxed) == 0))
-        .collect();
-    let gate = (Mutex::new(()), Condvar::new());
+    let schedule = Schedule::new(inputs, tensors, stride);
+    let count = schedule.count();
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let first_error: Mutex<Option<(usize, anyhow::Error)>> = Mutex::new(None);
@@ -474,19 +167,14 @@ pub(super) fn par_tiles<S: Send>(
             if g >= count || failed.load(Ordering::Relaxed) {
                 break;
             }
-            let j = firsts.partition_point(|&f| f <= g) - 1;
+            let j = schedule.tensor_of(g);
             let TensorTiles {
                 plan,
                 present,
                 tile_elems,
             } = tensors[j];
-            if let Some(before) = wait_for[j].filter(|&b| !finished[b].load(Ordering::Acquire)) {
-                let mut open = gate.0.lock().unwrap_or_else(|p| p.into_inner());
-                while !finished[before].load(Ordering::Acquire) {
-                    open = gate.1.wait(open).unwrap_or_else(|p| p.into_inner());
-                }
-            }
-            let (i, step, numel) = (g - firsts[j], tile_elems.max(1), plan.numel());
+            schedule.wait_turn(j);
+            let (i, step, numel) = (g - schedule.firsts[j], tile_elems.max(1), plan.numel());
             let (start, len) = (i * step, step.min(numel - i * step));
             let read = TileRead {
                 inputs,
@@ -504,14 +192,11 @@ pub(super) fn par_tiles<S: Send>(
                         visit(&mut state, j, i, start as u64, tile)
                     })
                 });
-            if left[j].fetch_sub(1, Ordering::AcqRel) == 1 {
+            schedule.tile_done(j, || {
                 if last_read {
                     inputs.forget_lora_tensor(plan);
                 }
-                let _open = gate.0.lock().unwrap_or_else(|p| p.into_inner());
-                finished[j].store(true, Ordering::Release);
-                gate.1.notify_all();
-            }
+            });
             match done {
                 Ok(()) => {
                     progress.inc((len * plan.base.entry.dtype.size() * (1 + present.len())) as u64)
@@ -532,6 +217,93 @@ pub(super) fn par_tiles<S: Send>(
         return Err(e);
     }
     Ok(states.into_inner().unwrap_or_else(|p| p.into_inner()))
+}
+
+/// A tile loop's numbering — each tensor's first tile, then the end — and its order of LoRA
+/// tensors: one at a time, each waiting for the one before it (its pairs dropped) to finish, so
+/// the pass holds one tensor's pairs, shared by its workers (`engine::tile_elems` leaves each
+/// worker room for its share). The tiles before a waiting worker's were all handed out, to
+/// workers that wait only for earlier tensors: the wait ends.
+struct Schedule {
+    firsts: Vec<usize>,
+    /// Tiles of each tensor still to finish (those the stride visits).
+    left: Vec<AtomicUsize>,
+    /// For each LoRA tensor, the LoRA tensor before it in the loop.
+    wait_for: Vec<Option<usize>>,
+    finished: Vec<AtomicBool>,
+    gate: (Mutex<()>, Condvar),
+}
+
+impl Schedule {
+    fn new(inputs: &Inputs, tensors: &[TensorTiles], stride: usize) -> Schedule {
+        let firsts: Vec<usize> = std::iter::once(0)
+            .chain(tensors.iter().scan(0, |end, t| {
+                *end += t.count();
+                Some(*end)
+            }))
+            .collect();
+        let left: Vec<AtomicUsize> = firsts
+            .windows(2)
+            .map(|w| AtomicUsize::new(w[1].div_ceil(stride) - w[0].div_ceil(stride)))
+            .collect();
+        let wait_for = tensors
+            .iter()
+            .enumerate()
+            .scan(None, |last, (j, t)| {
+                if t.plan.lora_bytes(inputs) == 0 {
+                    return Some(None);
+                }
+                Some(last.replace(j))
+            })
+            .collect();
+        // A tensor without tiles to visit (empty, or skipped by the stride) is finished already.
+        let finished = left
+            .iter()
+            .map(|l| AtomicBool::new(l.load(Ordering::Relaxed) == 0))
+            .collect();
+        Schedule {
+            firsts,
+            left,
+            wait_for,
+            finished,
+            gate: (Mutex::new(()), Condvar::new()),
+        }
+    }
+
+    /// Tiles in the loop.
+    fn count(&self) -> usize {
+        *self.firsts.last().expect("one entry at least")
+    }
+
+    /// The tensor of tile `g`.
+    fn tensor_of(&self, g: usize) -> usize {
+        self.firsts.partition_point(|&f| f <= g) - 1
+    }
+
+    /// Waits for the LoRA tensor before tensor `j`, if any, to finish.
+    fn wait_turn(&self, j: usize) {
+        let Some(before) = self.wait_for[j] else {
+            return;
+        };
+        if self.finished[before].load(Ordering::Acquire) {
+            return;
+        }
+        let mut open = self.gate.0.lock().unwrap_or_else(|p| p.into_inner());
+        while !self.finished[before].load(Ordering::Acquire) {
+            open = self.gate.1.wait(open).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Counts a tile of tensor `j` done; after its last, `last` runs (its LoRA pairs go) and
+    /// the tensor is finished.
+    fn tile_done(&self, j: usize, last: impl FnOnce()) {
+        if self.left[j].fetch_sub(1, Ordering::AcqRel) == 1 {
+            last();
+            let _open = self.gate.0.lock().unwrap_or_else(|p| p.into_inner());
+            self.finished[j].store(true, Ordering::Release);
+            self.gate.1.notify_all();
+        }
+    }
 }
 
 /// Consecutive runs of `plans` of [`BATCH_TILES`] tiles or more (the last may hold fewer).

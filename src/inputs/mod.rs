@@ -7,6 +7,7 @@ mod checks;
 mod plan;
 mod reindex;
 mod sliced;
+mod source;
 
 pub(crate) use checks::identical_inputs;
 use checks::{
@@ -17,6 +18,7 @@ use plan::whole_model_plans;
 pub use plan::{SlicedTensor, TensorPlan, VocabPlan};
 use reindex::Reindex;
 use sliced::sliced_plans;
+pub use source::{resize_exact, SourceRead, TensorSource};
 
 use crate::checkpoint::safetensors_file::shape_text;
 use crate::checkpoint::safetensors_file::Interner;
@@ -44,7 +46,7 @@ pub struct Inputs {
     /// The output's vocabulary when a tokenizer source is set (mergekit's `tokenizer_source`).
     pub vocabulary: Option<Arc<Vocabulary>>,
     /// Bytes of the largest set of LoRA A/B pairs one tensor's tiles hold (0: no LoRA agent),
-    /// which the tiles of the merge leave room for ([`TensorPlan::tile_elems`]).
+    /// which the tiles of the merge leave room for ([`crate::engine::tile_elems`]).
     pub lora_room: usize,
     /// The user let tensors missing in some models through ([`Layout::allow_missing_tensors`]).
     pub allow_missing_tensors: bool,

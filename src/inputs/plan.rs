@@ -124,31 +124,6 @@ impl TensorPlan {
         }
     }
 
-    /// Elements per tile of this tensor in a pass of `workers` workers whose tiles hold `elems`
-    /// elements of each input: as many as keep the pass's bytes what they are when every input is
-    /// stored like the base. Tiles read in f32 from a 16-bit base (mixed dtypes, LoRA agents,
-    /// re-indexed rows) hold half as many elements. A LoRA merge holds the A/B pairs of one
-    /// tensor at a time, shared by the workers on it (the tile loop starts a LoRA tensor only
-    /// once the one before is done, [`crate::engine`]'s `par_tiles`), so every tile of the merge
-    /// leaves room for a worker's share of the largest ([`Inputs::lora_room`] / `workers`): tile
-    /// buffers, which workers keep from tensor to tensor, plus the pairs then never exceed the
-    /// full checkpoints' tiles, while that share leaves a run. Cut for pairs to whole runs of
-    /// [`Self::TILE_QUANTUM`] elements, never below one run (nor below the widened size, when
-    /// that is smaller).
-    pub fn tile_elems(&self, inputs: &Inputs, elems: usize, workers: usize) -> usize {
-        let readers = 1 + self.present().len();
-        let budget = readers * elems.max(1) * self.base.entry.dtype.size();
-        let per_elem = readers * self.tile_dtype(inputs).size();
-        let widened = (budget / per_elem).max(1);
-        let reserve = inputs.lora_room.div_ceil(workers.max(1));
-        let q = Self::TILE_QUANTUM;
-        if reserve == 0 || widened <= q {
-            return widened;
-        }
-        let fit = budget.saturating_sub(reserve) / per_elem;
-        (fit - fit % q).max(q)
-    }
-
     /// Bytes of the LoRA A/B pairs of this tensor's agents, as stored.
     pub fn lora_bytes(&self, inputs: &Inputs) -> usize {
         (0..self.agents.len())
@@ -159,10 +134,6 @@ impl TensorPlan {
             .map(|u| u.stored_bytes())
             .sum()
     }
-
-    /// The run tiles are cut to when [`Self::tile_elems`] shrinks them: a statistics scan's chunk,
-    /// so chunks still start at its multiples ([`crate::scans::Scans::any_order`]).
-    pub const TILE_QUANTUM: usize = crate::scans::SCAN_CHUNK;
 
     /// Global indices of the agents that have this tensor.
     pub fn present(&self) -> Vec<usize> {
@@ -199,76 +170,11 @@ pub(super) fn whole_model_plans(
                 .as_ref()
                 .is_some_and(|r| r.indexed_by_token(bt, Source::Base, at));
             if at.entry.shape != bt.entry.shape && !reindexed {
-                // Embeddings that differ in rows alone: a vocabulary that grew.
-                let by_token = is_token_indexed(&bt.entry.name)
-                    && at.entry.shape.len() == bt.entry.shape.len()
-                    && at.entry.shape[1..] == bt.entry.shape[1..];
-                let rows_only = layout.tokenizer.is_none() && by_token;
-                // With a tokenizer source, a token-indexed tensor not re-indexed: its rows
-                // are not its model's config vocab_size.
-                if layout.tokenizer.is_some() && by_token {
-                    let vocab = base_config.and_then(crate::vocabulary::config_vocab_size);
-                    bail!(
-                        "tensor '{}' has {} rows in {} and {} in the base {}: a tokenizer \
-                         source re-indexes the tensors whose rows are their model's \
-                         config.json vocab_size, and the base's says {}; make each model's \
-                         vocab_size its embedding rows",
-                        crate::escape::terminal(&bt.entry.name),
-                        at.entry.shape[0],
-                        agent.file_of(at).display(),
-                        bt.entry.shape[0],
-                        base.file_of(bt).display(),
-                        vocab.map_or("none".to_string(), |v| v.to_string())
-                    );
-                }
-                bail!(
-                    "tensor '{}' in {} is {} {} but in the base ({}) it is {} {}{}",
-                    bt.entry.name,
-                    agent.file_of(at).display(),
-                    at.entry.dtype,
-                    shape_text(&at.entry.shape),
-                    base.file_of(bt).display(),
-                    bt.entry.dtype,
-                    shape_text(&bt.entry.shape),
-                    if rows_only {
-                        "; its vocabulary differs from the base's: set tokenizer_source \
-                         (union, base or model:NAME) in a recipe to merge the embeddings \
-                         token by token"
-                            .to_string()
-                    } else {
-                        architecture_key_of(base_config, &bt.entry.shape, &at.entry.shape)
-                    }
-                );
+                return Err(shape_mismatch(base, bt, agent, at, layout, base_config));
             }
             found.push(Some(index as u32));
         }
-        let missing: Vec<String> = found
-            .iter()
-            .enumerate()
-            .filter(|(_, f)| f.is_none())
-            .map(|(t, _)| agents[t].dir.display().to_string())
-            .collect();
-        if !missing.is_empty() {
-            if !layout.allow_missing_tensors {
-                return Err(usage(format!(
-                    "tensor '{}' of the base is missing in {}: an agent of the same \
-                     architecture has every tensor of its base; pass --allow-missing-tensors \
-                     to merge it from the models that have it",
-                    crate::escape::terminal(&bt.entry.name),
-                    missing.join(", ")
-                )));
-            }
-            let what = if missing.len() == agents.len() {
-                "kept from the base".to_string()
-            } else {
-                "merged from the agents that have it".to_string()
-            };
-            warnings.push(format!(
-                "tensor '{}' is missing in {}; {what}",
-                bt.entry.name,
-                missing.join(", ")
-            ));
-        }
+        note_missing(bt, &found, agents, layout, warnings)?;
         tensors.push(TensorPlan {
             base: bt.clone(),
             agents: found.into(),
@@ -280,29 +186,132 @@ pub(super) fn whole_model_plans(
         r.plan_all(base, agents, &mut tensors, warnings)?;
     }
     for agent in agents {
-        let extra: Vec<&str> = agent
-            .tensors
-            .iter()
-            .filter(|t| base.get(&t.entry.name).is_none())
-            .map(|t| &*t.entry.name)
-            .collect();
-        if let Some(first) = extra.first() {
-            if !layout.allow_missing_tensors {
-                return Err(usage(format!(
-                    "{} has {} tensor(s) the base lacks (first: '{}'): an agent of the same \
-                     architecture has only its base's tensors; pass --allow-missing-tensors \
-                     to ignore them",
-                    agent.dir.display(),
-                    extra.len(),
-                    crate::escape::terminal(first)
-                )));
-            }
-            warnings.push(format!(
-                "{} has {} tensor(s) the base lacks (first: '{first}'); they are ignored",
-                agent.dir.display(),
-                extra.len()
-            ));
-        }
+        refuse_extra(base, agent, layout, warnings)?;
     }
     Ok(tensors)
+}
+
+/// Base tensor `bt` and agent `agent`'s `at` differ in shape: the error, naming the config key
+/// where the architectures differ, or the tokenizer setting when only the vocabulary does.
+fn shape_mismatch(
+    base: &ModelFolder,
+    bt: &ModelTensor,
+    agent: &ModelFolder,
+    at: &ModelTensor,
+    layout: Layout,
+    base_config: Option<&serde_json::Value>,
+) -> anyhow::Error {
+    // Embeddings that differ in rows alone: a vocabulary that grew.
+    let by_token = is_token_indexed(&bt.entry.name)
+        && at.entry.shape.len() == bt.entry.shape.len()
+        && at.entry.shape[1..] == bt.entry.shape[1..];
+    let rows_only = layout.tokenizer.is_none() && by_token;
+    // With a tokenizer source, a token-indexed tensor not re-indexed: its rows
+    // are not its model's config vocab_size.
+    if layout.tokenizer.is_some() && by_token {
+        let vocab = base_config.and_then(crate::vocabulary::config_vocab_size);
+        return anyhow::anyhow!(
+            "tensor '{}' has {} rows in {} and {} in the base {}: a tokenizer \
+             source re-indexes the tensors whose rows are their model's \
+             config.json vocab_size, and the base's says {}; make each model's \
+             vocab_size its embedding rows",
+            crate::escape::terminal(&bt.entry.name),
+            at.entry.shape[0],
+            agent.file_of(at).display(),
+            bt.entry.shape[0],
+            base.file_of(bt).display(),
+            vocab.map_or("none".to_string(), |v| v.to_string())
+        );
+    }
+    anyhow::anyhow!(
+        "tensor '{}' in {} is {} {} but in the base ({}) it is {} {}{}",
+        bt.entry.name,
+        agent.file_of(at).display(),
+        at.entry.dtype,
+        shape_text(&at.entry.shape),
+        base.file_of(bt).display(),
+        bt.entry.dtype,
+        shape_text(&bt.entry.shape),
+        if rows_only {
+            "; its vocabulary differs from the base's: set tokenizer_source \
+             (union, base or model:NAME) in a recipe to merge the embeddings \
+             token by token"
+                .to_string()
+        } else {
+            architecture_key_of(base_config, &bt.entry.shape, &at.entry.shape)
+        }
+    )
+}
+
+/// Base tensor `bt` missing in some agents (`found`): an error unless `--allow-missing-tensors`,
+/// then a warning saying how it is merged.
+fn note_missing(
+    bt: &ModelTensor,
+    found: &[Option<u32>],
+    agents: &[ModelFolder],
+    layout: Layout,
+    warnings: &mut Vec<String>,
+) -> Result<()> {
+    let missing: Vec<String> = found
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| f.is_none())
+        .map(|(t, _)| agents[t].dir.display().to_string())
+        .collect();
+    if !missing.is_empty() {
+        if !layout.allow_missing_tensors {
+            return Err(usage(format!(
+                "tensor '{}' of the base is missing in {}: an agent of the same \
+                 architecture has every tensor of its base; pass --allow-missing-tensors \
+                 to merge it from the models that have it",
+                crate::escape::terminal(&bt.entry.name),
+                missing.join(", ")
+            )));
+        }
+        let what = if missing.len() == agents.len() {
+            "kept from the base".to_string()
+        } else {
+            "merged from the agents that have it".to_string()
+        };
+        warnings.push(format!(
+            "tensor '{}' is missing in {}; {what}",
+            bt.entry.name,
+            missing.join(", ")
+        ));
+    }
+    Ok(())
+}
+
+/// Tensors `agent` has and the base lacks: an error unless `--allow-missing-tensors`, then a
+/// warning (they are ignored).
+fn refuse_extra(
+    base: &ModelFolder,
+    agent: &ModelFolder,
+    layout: Layout,
+    warnings: &mut Vec<String>,
+) -> Result<()> {
+    let extra: Vec<&str> = agent
+        .tensors
+        .iter()
+        .filter(|t| base.get(&t.entry.name).is_none())
+        .map(|t| &*t.entry.name)
+        .collect();
+    if let Some(first) = extra.first() {
+        if !layout.allow_missing_tensors {
+            return Err(usage(format!(
+                "{} has {} tensor(s) the base lacks (first: '{}'): an agent of the same \
+                 architecture has only its base's tensors; pass --allow-missing-tensors \
+                 to ignore them",
+                agent.dir.display(),
+                extra.len(),
+                crate::escape::terminal(first)
+            )));
+        }
+        warnings.push(format!(
+            "{} has {} tensor(s) the base lacks (first: '{first}'); they are ignored",
+            agent.dir.display(),
+            extra.len()
+        ));
+    }
+    Ok(())
 }

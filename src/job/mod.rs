@@ -1,5 +1,5 @@
 //! A merge job: the one place a method name and its parameters — from command-line flags or from a
-//! mergekit YAML recipe (`job/recipe_yaml.rs`) — become a validated [`Method`] with its input folders.
+//! mergekit YAML recipe (`job/recipe_yaml/`) — become a validated [`Method`] with its input folders.
 //! Both go through [`crate::method::build`], so a value accepted by one is accepted by the other.
 
 mod recipe_yaml;
@@ -59,13 +59,19 @@ impl Job {
     /// passthrough) merge the models; the base then only gives the layout and the config files.
     pub fn from_flags(base: PathBuf, agents: Vec<PathBuf>, flags: &MethodFlags) -> Result<Job> {
         let method = flags.method_for(agents.len())?;
+        // A mergekit method gets the recipe mergekit would take for it, saved and shown in the
+        // model card as mergekit's own merges are; the RAM family is described by the card itself.
+        let recipe_text = match &method {
+            Method::Combine(_) => flags.recipe(&base, &agents),
+            _ => String::new(),
+        };
         Ok(Job {
             base,
             agents,
             method,
             epsilon: None,
             out_dtype: None,
-            recipe_text: String::new(),
+            recipe_text,
             recipe_path: None,
             slices: None,
             tokenizer: None,
@@ -82,6 +88,46 @@ impl Job {
 impl MethodFlags {
     /// The method with its parameters for `agents` merged models: the flags and `--param`s turned
     /// into one request for [`crate::method::build`], which validates it as it does recipes.
+    /// These flags as a mergekit recipe over `base` and `agents`: `merge_method`, the
+    /// parameters as method-wide `parameters` (mergekit applies them to every model), the models.
+    /// `rlmerge run` of it (with the same `--seed`) makes the same merge.
+    pub fn recipe(&self, base: &Path, agents: &[PathBuf]) -> String {
+        use serde_yaml::{Mapping, Value};
+        let path = |p: &Path| Value::String(p.to_string_lossy().into_owned());
+        let mut recipe = Mapping::new();
+        let kind = self.method.unwrap_or(Kind::RamPlus);
+        recipe.insert("merge_method".into(), kind.name().into());
+        recipe.insert("base_model".into(), path(base));
+        if !self.params.is_empty() {
+            let mut parameters = Mapping::new();
+            for (key, value) in &self.params {
+                let value = serde_yaml::to_value(value).unwrap_or(Value::Null);
+                parameters.insert(key.as_str().into(), value);
+            }
+            recipe.insert("parameters".into(), Value::Mapping(parameters));
+        }
+        let models = agents
+            .iter()
+            .map(|a| Value::Mapping(Mapping::from_iter([("model".into(), path(a))])))
+            .collect();
+        recipe.insert("models".into(), Value::Sequence(models));
+        let yaml = serde_yaml::to_string(&recipe).unwrap_or_default();
+        // Random masks (DARE, DELLA) depend on the seed.
+        let seeded = matches!(
+            kind,
+            Kind::DareLinear | Kind::DareTies | Kind::Della | Kind::DellaLinear
+        );
+        let seed = if seeded {
+            format!(" --seed {}", self.seed)
+        } else {
+            String::new()
+        };
+        format!(
+            "# Written by rlmerge from its command line: `rlmerge run` of this file{seed} makes \
+             the same merge.\n{yaml}"
+        )
+    }
+
     pub fn method_for(&self, agents: usize) -> Result<Method> {
         let kind = self.method.unwrap_or(Kind::RamPlus);
         let boost_flags = [

@@ -114,8 +114,9 @@ fn check_keys_and_values(req: &MethodRequest) -> Result<()> {
         let place = model.map_or(String::new(), |m| format!(" of model {}", m + 1));
         params.iter().find(|p| p.name == key).ok_or_else(|| {
             usage(format!(
-                "unknown parameter '{key}'{place} for method {} (it takes: {})",
+                "unknown parameter '{key}'{place} for method {}{} (it takes: {})",
                 req.kind.name(),
+                crate::error::did_you_mean(key, known.iter().copied()),
                 known.join(", ")
             ))
         })

@@ -392,69 +392,74 @@ impl ProbeReport {
             let _ = writeln!(s);
         }
         if per_tensor {
-            let _ = writeln!(s, "\nby module: density (unique / shared) per agent");
-            for (m, g) in self.modules() {
-                let _ = write!(s, "{:<8}", m.name());
-                for (t, c) in agent_counts(&g.counts).iter().enumerate() {
-                    let changed = c.unique + c.shared;
-                    let _ = write!(
-                        s,
-                        "  #{} {:>6.2}% ({}/{})",
-                        t + 1,
-                        100.0 * ratio(changed, g.numel[t]),
-                        c.unique,
-                        c.shared
-                    );
-                }
-                let _ = writeln!(s);
-            }
-            for scope in [BoostScope::Layer, BoostScope::Module] {
-                let _ = writeln!(
-                    s,
-                    "\nλ under ram+ scope {} (rule paper, r = {}, α = {}) per agent",
-                    scope.name(),
-                    defaults::R,
-                    defaults::ALPHA_GLOBAL
-                );
-                for (g, counts) in self.group_agent_counts(scope) {
-                    let _ = write!(s, "{g:<10}");
-                    for (t, c) in counts.iter().enumerate() {
-                        let _ = write!(s, "  #{} {:.4}", t + 1, group_rule().lambda(*c));
-                    }
-                    let _ = writeln!(s);
-                }
-            }
-            let _ = writeln!(
-                s,
-                "\nby tensor: density per agent, and λ under ram+ scope tensor (r = {}, α = {})",
-                defaults::R,
-                defaults::ALPHA_TENSOR
-            );
-            for t in &self.tensors {
+            self.render_details(&mut s);
+        }
+        s
+    }
+
+    /// [`Self::render_text`]'s per-module, per-group and per-tensor tables.
+    fn render_details(&self, s: &mut String) {
+        let _ = writeln!(s, "\nby module: density (unique / shared) per agent");
+        for (m, g) in self.modules() {
+            let _ = write!(s, "{:<8}", m.name());
+            for (t, c) in agent_counts(&g.counts).iter().enumerate() {
+                let changed = c.unique + c.shared;
                 let _ = write!(
                     s,
-                    "{:<48} {:<7} {:>11}",
-                    crate::escape::terminal(&t.name),
-                    t.module.name(),
-                    t.numel
+                    "  #{} {:>6.2}% ({}/{})",
+                    t + 1,
+                    100.0 * ratio(changed, g.numel[t]),
+                    c.unique,
+                    c.shared
                 );
-                for (a, c) in t.agent_counts().iter().enumerate() {
-                    if t.has(a) {
-                        let _ = write!(
-                            s,
-                            "  #{} {:>6.2}% λ {:.4}",
-                            a + 1,
-                            100.0 * ratio(c.unique + c.shared, t.numel),
-                            tensor_rule().lambda(*c)
-                        );
-                    } else {
-                        let _ = write!(s, "  #{} missing", a + 1);
-                    }
+            }
+            let _ = writeln!(s);
+        }
+        for scope in [BoostScope::Layer, BoostScope::Module] {
+            let _ = writeln!(
+                s,
+                "\nλ under ram+ scope {} (rule paper, r = {}, α = {}) per agent",
+                scope.name(),
+                defaults::R,
+                defaults::ALPHA_GLOBAL
+            );
+            for (g, counts) in self.group_agent_counts(scope) {
+                let _ = write!(s, "{g:<10}");
+                for (t, c) in counts.iter().enumerate() {
+                    let _ = write!(s, "  #{} {:.4}", t + 1, group_rule().lambda(*c));
                 }
                 let _ = writeln!(s);
             }
         }
-        s
+        let _ = writeln!(
+            s,
+            "\nby tensor: density per agent, and λ under ram+ scope tensor (r = {}, α = {})",
+            defaults::R,
+            defaults::ALPHA_TENSOR
+        );
+        for t in &self.tensors {
+            let _ = write!(
+                s,
+                "{:<48} {:<7} {:>11}",
+                crate::escape::terminal(&t.name),
+                t.module.name(),
+                t.numel
+            );
+            for (a, c) in t.agent_counts().iter().enumerate() {
+                if t.has(a) {
+                    let _ = write!(
+                        s,
+                        "  #{} {:>6.2}% λ {:.4}",
+                        a + 1,
+                        100.0 * ratio(c.unique + c.shared, t.numel),
+                        tensor_rule().lambda(*c)
+                    );
+                } else {
+                    let _ = write!(s, "  #{} missing", a + 1);
+                }
+            }
+            let _ = writeln!(s);
+        }
     }
 }
 

@@ -179,42 +179,48 @@ pub(super) fn histogram_pass(
             let mine: Vec<AgentPass> = (0..workers)
                 .filter_map(|w| parts[w * agents + t].take())
                 .collect();
-            let mut tally = WindowTally::NONE;
-            mine.iter().for_each(|p| tally.add(p.tally));
-            let lowest = mine.iter().map(|p| p.reached.0).min().unwrap_or(u32::MAX);
-            let highest = mine.iter().map(|p| p.reached.1).max().unwrap_or(0);
-            let (lo, bins) = if lowest > highest {
-                (0, 0)
-            } else {
-                (lowest, highest - lowest + 1)
-            };
-            let mut h = Histogram {
-                above: tally.above,
-                rest: 0,
-                rest_are_zeros: windows[t].is_some_and(|b| b.lo == 0),
-                lo,
-                counts: vec![0; bins as usize],
-                seen: 0,
-                mixed: vec![0; BINS / 2 / 64],
-                chunks: follow[t].iter().map(|&b| (b, Vec::new())).collect(),
-            };
-            for part in mine {
-                h.seen += part.seen;
-                part.high.drain_range(lo as usize, &mut h.counts);
-                h.mixed
-                    .iter_mut()
-                    .zip(&part.mixed)
-                    .for_each(|(a, &b)| *a |= b);
-                for ((_, all), (_, _, mine)) in h.chunks.iter_mut().zip(part.follow) {
-                    all.extend(mine);
-                }
-            }
-            for (_, chunks) in &mut h.chunks {
-                chunks.sort_unstable_by_key(|&(start, _)| start);
-            }
-            h.rest = h.seen - h.above - tally.inside;
-            debug_assert_eq!(tally.inside, h.counts.iter().sum::<u64>());
-            h
+            merged_histogram(mine, windows[t], &follow[t])
         })
         .collect())
+}
+
+/// One agent's [`Histogram`] from its workers' parts of [`histogram_pass`] (`window`: the agent's
+/// key window; `follow`: the bins whose chunks are counted).
+fn merged_histogram(mine: Vec<AgentPass>, window: Option<KeyWindow>, follow: &[u32]) -> Histogram {
+    let mut tally = WindowTally::NONE;
+    mine.iter().for_each(|p| tally.add(p.tally));
+    let lowest = mine.iter().map(|p| p.reached.0).min().unwrap_or(u32::MAX);
+    let highest = mine.iter().map(|p| p.reached.1).max().unwrap_or(0);
+    let (lo, bins) = if lowest > highest {
+        (0, 0)
+    } else {
+        (lowest, highest - lowest + 1)
+    };
+    let mut h = Histogram {
+        above: tally.above,
+        rest: 0,
+        rest_are_zeros: window.is_some_and(|b| b.lo == 0),
+        lo,
+        counts: vec![0; bins as usize],
+        seen: 0,
+        mixed: vec![0; BINS / 2 / 64],
+        chunks: follow.iter().map(|&b| (b, Vec::new())).collect(),
+    };
+    for part in mine {
+        h.seen += part.seen;
+        part.high.drain_range(lo as usize, &mut h.counts);
+        h.mixed
+            .iter_mut()
+            .zip(&part.mixed)
+            .for_each(|(a, &b)| *a |= b);
+        for ((_, all), (_, _, mine)) in h.chunks.iter_mut().zip(part.follow) {
+            all.extend(mine);
+        }
+    }
+    for (_, chunks) in &mut h.chunks {
+        chunks.sort_unstable_by_key(|&(start, _)| start);
+    }
+    h.rest = h.seen - h.above - tally.inside;
+    debug_assert_eq!(tally.inside, h.counts.iter().sum::<u64>());
+    h
 }

@@ -96,53 +96,7 @@ impl Vocabulary {
     ) -> Result<Vocabulary> {
         let mut warnings = Vec::new();
         let base_dir = &base.dir;
-        ensure!(
-            base_dir.join("tokenizer.json").is_file(),
-            "a tokenizer source needs the base's tokenizer.json, and {} has none",
-            base_dir.display()
-        );
-        for a in agents {
-            if a.lora.is_none() && tokenizer_dir(a, base_dir) == base_dir.as_path() {
-                warnings.push(format!(
-                    "{} has no tokenizer.json; its vocabulary is taken to be the base's",
-                    a.dir.display()
-                ));
-            }
-        }
-        // Each model's vocab_size: its config's (a LoRA agent's is its base's), else its
-        // tokenizer's size.
-        let size_of = |config_dir: &Path, tok_dir: &Path| -> Result<usize> {
-            if let Some(n) = read_config(config_dir)
-                .ok()
-                .as_ref()
-                .and_then(config_vocab_size)
-            {
-                return Ok(n);
-            }
-            let s = scan(tok_dir, &mut |_, _| {})?.context("its tokenizer.json is gone")?;
-            Ok(s.entries + s.added.len())
-        };
-        let mut vocab_sizes = vec![size_of(base_dir, base_dir)?];
-        for a in agents {
-            let config_dir = if a.lora.is_some() { base_dir } else { &a.dir };
-            vocab_sizes.push(size_of(config_dir, tokenizer_dir(a, base_dir))?);
-        }
-        let source_of = |p: &Path, what: &str| -> Result<Source> {
-            let r = real(p);
-            if r == real(base_dir) {
-                return Ok(Source::Base);
-            }
-            agents
-                .iter()
-                .position(|a| real(&a.dir) == r)
-                .map(Source::Agent)
-                .with_context(|| {
-                    format!(
-                        "{what} names {}, which is not one of the merged models",
-                        p.display()
-                    )
-                })
-        };
+        let vocab_sizes = vocab_sizes(base_dir, agents, &mut warnings)?;
         // The output tokenizer. From the base's (base, union), the base's tokens keep their ids.
         let from_base = !matches!(settings.source, TokenizerSource::Model(_));
         let (mut out, files_from, stripped) = match &settings.source {
@@ -182,81 +136,9 @@ impl Vocabulary {
             Some(m) if m > 0 => n.div_ceil(m) * m,
             _ => n,
         };
-        // Each model's map to the output.
-        let (base_perm, base_highest) = if from_base {
-            let mut perm = vec![ABSENT; n];
-            perm.iter_mut()
-                .take(base_len)
-                .enumerate()
-                .for_each(|(i, p)| *p = i as u32);
-            let last = base_len.checked_sub(1).map(|l| (l as u32, l as u32));
-            (perm, last)
-        } else {
-            out.map_of(base_dir, vocab_sizes[0])?
-        };
-        let mut perms = vec![base_perm];
-        let mut highest = vec![base_highest];
-        for (t, a) in agents.iter().enumerate() {
-            let dir = tokenizer_dir(a, base_dir);
-            if dir == base_dir.as_path() && vocab_sizes[t + 1] == vocab_sizes[0] {
-                perms.push(perms[0].clone());
-                highest.push(highest[0]);
-            } else {
-                let (p, h) = out.map_of(dir, vocab_sizes[t + 1])?;
-                perms.push(p);
-                highest.push(h);
-            }
-        }
-        let mut configs = HashMap::new();
-        for t in &settings.tokens {
-            let what = format!("tokenizer.tokens {:?}", t.token);
-            let default = match &t.source {
-                None => None,
-                Some(EmbeddingSource::Zero) => Some(RowDefault::Zero),
-                Some(EmbeddingSource::Model(p)) => {
-                    Some(RowDefault::SameToken(source_of(p, &what)?))
-                }
-                Some(EmbeddingSource::ModelToken {
-                    model,
-                    token,
-                    token_id,
-                }) => {
-                    let s = source_of(model, &what)?;
-                    let row = match (token, token_id) {
-                        (Some(tok), None) => {
-                            let dir = match s {
-                                Source::Base => base_dir.as_path(),
-                                Source::Agent(t) => tokenizer_dir(&agents[t], base_dir),
-                            };
-                            let mut found = None;
-                            let scanned = scan(dir, &mut |t, id| {
-                                if t == tok {
-                                    found = Some(id);
-                                }
-                            })?
-                            .context("its tokenizer.json is gone")?;
-                            if let Some(a) = scanned.added.iter().find(|a| a.content == *tok) {
-                                found = Some(a.id);
-                            }
-                            found.with_context(|| {
-                                format!(
-                                    "{what}: token {tok:?} is not in {}'s vocabulary",
-                                    dir.display()
-                                )
-                            })? as usize
-                        }
-                        (None, Some(id)) => *id,
-                        _ => bail!("{what}: give the source's token or its token_id, one of them"),
-                    };
-                    Some(RowDefault::Row(s, row as u32))
-                }
-            };
-            let id = *out
-                .vocab
-                .get(&t.token)
-                .with_context(|| format!("{what}: an empty token cannot be added"))?;
-            configs.insert(id, (default, t.force));
-        }
+        let (perms, highest) =
+            maps_to_output(&out, from_base, base_len, base_dir, agents, &vocab_sizes)?;
+        let configs = token_configs(settings, &out, base_dir, agents)?;
         // Names of the rows that may need a default, and of each model's highest row.
         let named: HashSet<u32> = highest.iter().flatten().map(|&(_, id)| id).collect();
         let names = out
@@ -448,6 +330,178 @@ impl Vocabulary {
             Source::Agent(_) => dir.to_string(),
         }
     }
+}
+
+/// Each model's vocab_size, the base's first: its config's (a LoRA agent's is its base's), else
+/// its tokenizer's size. An agent without tokenizer.json is taken to have the base's, with a warning.
+fn vocab_sizes(
+    base_dir: &Path,
+    agents: &[ModelFolder],
+    warnings: &mut Vec<String>,
+) -> Result<Vec<usize>> {
+    ensure!(
+        base_dir.join("tokenizer.json").is_file(),
+        "a tokenizer source needs the base's tokenizer.json, and {} has none",
+        base_dir.display()
+    );
+    for a in agents {
+        if a.lora.is_none() && tokenizer_dir(a, base_dir) == base_dir {
+            warnings.push(format!(
+                "{} has no tokenizer.json; its vocabulary is taken to be the base's",
+                a.dir.display()
+            ));
+        }
+    }
+    let size_of = |config_dir: &Path, tok_dir: &Path| -> Result<usize> {
+        if let Some(n) = read_config(config_dir)
+            .ok()
+            .as_ref()
+            .and_then(config_vocab_size)
+        {
+            return Ok(n);
+        }
+        let s = scan(tok_dir, &mut |_, _| {})?.context("its tokenizer.json is gone")?;
+        Ok(s.entries + s.added.len())
+    };
+    let mut sizes = vec![size_of(base_dir, base_dir)?];
+    for a in agents {
+        let config_dir = if a.lora.is_some() { base_dir } else { &a.dir };
+        sizes.push(size_of(config_dir, tokenizer_dir(a, base_dir))?);
+    }
+    Ok(sizes)
+}
+
+/// Each model's map to the output's ids (the base's first) and its highest row: from the base's
+/// tokenizer (`from_base`), the base's `base_len` tokens keep their ids; an agent with the base's
+/// tokenizer and size shares its map.
+#[allow(clippy::type_complexity)]
+fn maps_to_output(
+    out: &Tokenizer,
+    from_base: bool,
+    base_len: usize,
+    base_dir: &Path,
+    agents: &[ModelFolder],
+    vocab_sizes: &[usize],
+) -> Result<(Vec<Vec<u32>>, Vec<Option<(u32, u32)>>)> {
+    let n = out.vocab.len();
+    let (base_perm, base_highest) = if from_base {
+        let mut perm = vec![ABSENT; n];
+        perm.iter_mut()
+            .take(base_len)
+            .enumerate()
+            .for_each(|(i, p)| *p = i as u32);
+        let last = base_len.checked_sub(1).map(|l| (l as u32, l as u32));
+        (perm, last)
+    } else {
+        out.map_of(base_dir, vocab_sizes[0])?
+    };
+    let mut perms = vec![base_perm];
+    let mut highest = vec![base_highest];
+    for (t, a) in agents.iter().enumerate() {
+        let dir = tokenizer_dir(a, base_dir);
+        if dir == base_dir && vocab_sizes[t + 1] == vocab_sizes[0] {
+            perms.push(perms[0].clone());
+            highest.push(highest[0]);
+        } else {
+            let (p, h) = out.map_of(dir, vocab_sizes[t + 1])?;
+            perms.push(p);
+            highest.push(h);
+        }
+    }
+    Ok((perms, highest))
+}
+
+/// Each `tokenizer.tokens` entry's output id, with its default row and whether it is forced.
+fn token_configs(
+    settings: &TokenizerSettings,
+    out: &Tokenizer,
+    base_dir: &Path,
+    agents: &[ModelFolder],
+) -> Result<HashMap<u32, (Option<RowDefault>, bool)>> {
+    let mut configs = HashMap::new();
+    for t in &settings.tokens {
+        let what = format!("tokenizer.tokens {:?}", t.token);
+        let default = match &t.source {
+            None => None,
+            Some(source) => Some(row_default(source, base_dir, agents, &what)?),
+        };
+        let id = *out
+            .vocab
+            .get(&t.token)
+            .with_context(|| format!("{what}: an empty token cannot be added"))?;
+        configs.insert(id, (default, t.force));
+    }
+    Ok(configs)
+}
+
+/// Which merged model `p` is (`what` names the setting, for the message).
+fn source_of(p: &Path, base_dir: &Path, agents: &[ModelFolder], what: &str) -> Result<Source> {
+    let r = real(p);
+    if r == real(base_dir) {
+        return Ok(Source::Base);
+    }
+    agents
+        .iter()
+        .position(|a| real(&a.dir) == r)
+        .map(Source::Agent)
+        .with_context(|| {
+            format!(
+                "{what} names {}, which is not one of the merged models",
+                p.display()
+            )
+        })
+}
+
+/// The default row a `tokenizer.tokens` entry asks for its token (`what` names the entry).
+fn row_default(
+    source: &EmbeddingSource,
+    base_dir: &Path,
+    agents: &[ModelFolder],
+    what: &str,
+) -> Result<RowDefault> {
+    Ok(match source {
+        EmbeddingSource::Zero => RowDefault::Zero,
+        EmbeddingSource::Model(p) => RowDefault::SameToken(source_of(p, base_dir, agents, what)?),
+        EmbeddingSource::ModelToken {
+            model,
+            token,
+            token_id,
+        } => {
+            let s = source_of(model, base_dir, agents, what)?;
+            let row = match (token, token_id) {
+                (Some(tok), None) => {
+                    let dir = match s {
+                        Source::Base => base_dir,
+                        Source::Agent(t) => tokenizer_dir(&agents[t], base_dir),
+                    };
+                    token_id_in(dir, tok, what)?
+                }
+                (None, Some(id)) => *id,
+                _ => bail!("{what}: give the source's token or its token_id, one of them"),
+            };
+            RowDefault::Row(s, row as u32)
+        }
+    })
+}
+
+/// Token `tok`'s id in the tokenizer.json of `dir` (an added token's over the vocabulary's).
+fn token_id_in(dir: &Path, tok: &str, what: &str) -> Result<usize> {
+    let mut found = None;
+    let scanned = scan(dir, &mut |t, id| {
+        if t == tok {
+            found = Some(id);
+        }
+    })?
+    .context("its tokenizer.json is gone")?;
+    if let Some(a) = scanned.added.iter().find(|a| a.content == *tok) {
+        found = Some(a.id);
+    }
+    Ok(found.with_context(|| {
+        format!(
+            "{what}: token {tok:?} is not in {}'s vocabulary",
+            dir.display()
+        )
+    })? as usize)
 }
 
 #[cfg(test)]

@@ -33,16 +33,18 @@ pub(super) struct Scanned {
     pub(super) entries: usize,
 }
 
-/// Calls `each(token, id)` for every entry of `model.vocab` of `dir`'s tokenizer.json (a map, or
-/// Unigram's list of [piece, score]), holding none of them. `None` when it has no tokenizer.json.
-pub(super) fn scan(dir: &Path, each: &mut dyn FnMut(&str, u32)) -> Result<Option<Scanned>> {
+mod streamed {
+    use super::AddedToken;
+    use super::Scanned;
     use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
     use std::fmt;
-    let path = dir.join("tokenizer.json");
-    if !path.is_file() {
-        return Ok(None);
-    }
-    struct Top<'a>(&'a mut dyn FnMut(&str, u32), &'a mut Scanned);
+
+    /// serde seeds that stream tokenizer.json for [`super::scan`]: the top object, its `model`, and
+    /// `model.vocab`, each token handed to the callback as it is read.
+    pub(super) struct Top<'a>(
+        pub(super) &'a mut dyn FnMut(&str, u32),
+        pub(super) &'a mut Scanned,
+    );
     struct Model<'a>(&'a mut dyn FnMut(&str, u32), &'a mut usize);
     struct Vocab<'a>(&'a mut dyn FnMut(&str, u32), &'a mut usize);
     impl<'de> DeserializeSeed<'de> for Top<'_> {
@@ -135,6 +137,16 @@ pub(super) fn scan(dir: &Path, each: &mut dyn FnMut(&str, u32)) -> Result<Option
             Ok(())
         }
     }
+}
+
+/// Calls `each(token, id)` for every entry of `model.vocab` of `dir`'s tokenizer.json (a map, or
+/// Unigram's list of [piece, score]), holding none of them. `None` when it has no tokenizer.json.
+pub(super) fn scan(dir: &Path, each: &mut dyn FnMut(&str, u32)) -> Result<Option<Scanned>> {
+    use serde::de::DeserializeSeed;
+    let path = dir.join("tokenizer.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
     let file =
         std::fs::File::open(&path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut scanned = Scanned {
@@ -142,7 +154,7 @@ pub(super) fn scan(dir: &Path, each: &mut dyn FnMut(&str, u32)) -> Result<Option
         entries: 0,
     };
     let mut de = serde_json::Deserializer::from_reader(std::io::BufReader::new(file));
-    Top(each, &mut scanned)
+    streamed::Top(each, &mut scanned)
         .deserialize(&mut de)
         .and_then(|()| de.end())
         .with_context(|| format!("{}: not a tokenizer.json rlmerge can read", path.display()))?;

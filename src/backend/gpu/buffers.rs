@@ -2,7 +2,9 @@
 //! readback of the other, and the loop that runs a tile through them chunk by chunk.
 
 use super::kernels::{Kernel, KernelResult};
-use super::layout::{chunk_params, Comb, Params, WORKGROUP};
+use super::layout::{
+    chunk_params, Comb, Params, COMBINE_BINDINGS, MERGE_BINDINGS, PROBE_BINDINGS, WORKGROUP,
+};
 use super::{GpuBackend, GPU_MAX_AGENTS, GPU_MAX_TABLE_AGENTS};
 use crate::backend::{ranges, Tile};
 use crate::checkpoint::DType;
@@ -62,6 +64,22 @@ impl GpuBackend {
             }
         }
         *guard = None;
+        let slots = [self.make_slot(n, chunk), self.make_slot(n, chunk)];
+        self.ctx.check().with_context(|| {
+            format!("cannot allocate GPU buffers for {chunk} elements × {n} agents")
+        })?;
+        *guard = Some(Buffers {
+            agents: n,
+            chunk_elems: chunk,
+            slots,
+            last: [None, None],
+        });
+        Ok(())
+    }
+
+    /// One of the two chunk slots: every buffer a kernel binds, for chunks of `chunk` elements of
+    /// `n` agents, and each kernel's bind group.
+    fn make_slot(&self, n: usize, chunk: usize) -> Slot {
         let d = &self.ctx.device;
         let words = chunk as u64; // f32 worst case: one word per element
         let storage = |label: &str, bytes: u64, extra: wgpu::BufferUsages| {
@@ -73,97 +91,92 @@ impl GpuBackend {
             })
         };
         let dst = wgpu::BufferUsages::COPY_DST;
-        let make_slot = || {
-            let params = d.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("params"),
-                size: std::mem::size_of::<Params>() as u64,
+        let uniform = |label: &str, bytes: usize| {
+            d.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: bytes as u64,
                 usage: wgpu::BufferUsages::UNIFORM | dst,
                 mapped_at_creation: false,
-            });
-            // Mapped: inputs are written through a map, results read through one, no copies.
-            let (input, result) = if self.ctx.mapped {
-                (wgpu::BufferUsages::MAP_WRITE, wgpu::BufferUsages::MAP_READ)
-            } else {
-                (dst, wgpu::BufferUsages::COPY_SRC)
-            };
-            let base = storage("base", words * 4, input);
-            let agents = storage("agents", words * 4 * n as u64, input);
-            let lambdas = storage("lambdas", 4 * GPU_MAX_AGENTS as u64, dst);
-            let out = storage("out", words * 4, result);
-            let hist = storage("hist", 4 * (n * n) as u64, dst | result);
-            let readback = d.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("readback"),
-                // Holds a chunk's merged output and the probe histogram, one after the other.
-                size: words * 4 + 4 * (n * n) as u64,
-                usage: wgpu::BufferUsages::MAP_READ | dst,
-                mapped_at_creation: false,
-            });
-            fn entries<'a>(bufs: &[&'a wgpu::Buffer]) -> Vec<wgpu::BindGroupEntry<'a>> {
-                bufs.iter()
-                    .enumerate()
-                    .map(|(i, b)| wgpu::BindGroupEntry {
-                        binding: i as u32,
-                        resource: b.as_entire_binding(),
-                    })
-                    .collect()
-            }
-            let merge_group = d.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: Some("merge"),
-                layout: &self.ctx.merge_pipeline.get_bind_group_layout(0),
-                entries: &entries(&[&params, &base, &agents, &lambdas, &out]),
-            });
-            let probe_group = d.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: Some("probe"),
-                layout: &self.ctx.probe_pipeline.get_bind_group_layout(0),
-                entries: &entries(&[&params, &base, &agents, &hist]),
-            });
-            let comb = d.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("comb"),
-                size: std::mem::size_of::<Comb>() as u64,
-                usage: wgpu::BufferUsages::UNIFORM | dst,
-                mapped_at_creation: false,
-            });
-            let rules = storage("rules", 32 * GPU_MAX_AGENTS as u64, dst);
-            // DELLA's row ranks: one u32 per element and agent, laid out like `agents` in f32.
-            let ranks = storage("ranks", words * 4 * n as u64, dst);
-            let coefs = storage("coefs", coef_floats(chunk, n) as u64 * 4, dst);
-            let table = storage("reciprocal table", 4 << GPU_MAX_TABLE_AGENTS, dst);
-            let combine_group = d.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: Some("combine"),
-                layout: &self.ctx.combine_pipeline.get_bind_group_layout(0),
-                entries: &entries(&[
-                    &params, &base, &agents, &comb, &rules, &coefs, &table, &out, &ranks,
-                ]),
-            });
-            Slot {
-                params,
-                base,
-                agents,
-                lambdas,
-                out,
-                hist,
-                readback,
-                comb,
-                rules,
-                ranks,
-                coefs,
-                table,
-                merge_group,
-                probe_group,
-                combine_group,
+            })
+        };
+        let params = uniform("params", std::mem::size_of::<Params>());
+        // Mapped: inputs are written through a map, results read through one, no copies.
+        let (input, result) = if self.ctx.mapped {
+            (wgpu::BufferUsages::MAP_WRITE, wgpu::BufferUsages::MAP_READ)
+        } else {
+            (dst, wgpu::BufferUsages::COPY_SRC)
+        };
+        let base = storage("base", words * 4, input);
+        let agents = storage("agents", words * 4 * n as u64, input);
+        let lambdas = storage("lambdas", 4 * GPU_MAX_AGENTS as u64, dst);
+        let out = storage("out", words * 4, result);
+        let hist = storage("hist", 4 * (n * n) as u64, dst | result);
+        let readback = d.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            // Holds a chunk's merged output and the probe histogram, one after the other.
+            size: words * 4 + 4 * (n * n) as u64,
+            usage: wgpu::BufferUsages::MAP_READ | dst,
+            mapped_at_creation: false,
+        });
+        let comb = uniform("comb", std::mem::size_of::<Comb>());
+        let rules = storage("rules", 32 * GPU_MAX_AGENTS as u64, dst);
+        // DELLA's row ranks: one u32 per element and agent, laid out like `agents` in f32.
+        let ranks = storage("ranks", words * 4 * n as u64, dst);
+        let coefs = storage("coefs", coef_floats(chunk, n) as u64 * 4, dst);
+        let table = storage("reciprocal table", 4 << GPU_MAX_TABLE_AGENTS, dst);
+        // Each kernel's bind group from its table of bindings (`layout.rs`), by WGSL name.
+        let buffer = |name: &str| -> &wgpu::Buffer {
+            match name {
+                "p" => &params,
+                "base" => &base,
+                "agents" => &agents,
+                "lambdas" => &lambdas,
+                "out" => &out,
+                "hist" => &hist,
+                "c" => &comb,
+                "rules" => &rules,
+                "coefs" => &coefs,
+                "recips" => &table,
+                "ranks" => &ranks,
+                other => unreachable!("no GPU buffer is bound as {other}"),
             }
         };
-        let slots = [make_slot(), make_slot()];
-        self.ctx.check().with_context(|| {
-            format!("cannot allocate GPU buffers for {chunk} elements × {n} agents")
-        })?;
-        *guard = Some(Buffers {
-            agents: n,
-            chunk_elems: chunk,
-            slots,
-            last: [None, None],
-        });
-        Ok(())
+        let group = |label: &str, pipeline: &wgpu::ComputePipeline, names: &[&str]| {
+            let entries: Vec<wgpu::BindGroupEntry> = names
+                .iter()
+                .enumerate()
+                .map(|(i, name)| wgpu::BindGroupEntry {
+                    binding: i as u32,
+                    resource: buffer(name).as_entire_binding(),
+                })
+                .collect();
+            d.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some(label),
+                layout: &pipeline.get_bind_group_layout(0),
+                entries: &entries,
+            })
+        };
+        let ctx = &self.ctx;
+        let merge_group = group("merge", &ctx.merge_pipeline, &MERGE_BINDINGS);
+        let probe_group = group("probe", &ctx.probe_pipeline, &PROBE_BINDINGS);
+        let combine_group = group("combine", &ctx.combine_pipeline, &COMBINE_BINDINGS);
+        Slot {
+            params,
+            base,
+            agents,
+            lambdas,
+            out,
+            hist,
+            readback,
+            comb,
+            rules,
+            ranks,
+            coefs,
+            table,
+            merge_group,
+            probe_group,
+            combine_group,
+        }
     }
 
     /// Uploads the chunk `params` describes, starting at element `start` of the tile, into `slot`;

@@ -4,7 +4,7 @@
 use super::layout::{rule_words, wgsl, Comb};
 use super::{GpuBackend, GPU_MAX_TABLE_AGENTS};
 use crate::backend::{CombineParams, Tile};
-use crate::method::combine::Normalize;
+use crate::method::combine::{CombineSpec, Normalize};
 use anyhow::{ensure, Result};
 
 #[derive(Clone, Copy)]
@@ -64,21 +64,7 @@ impl GpuBackend {
             "the GPU backend indexes tensors with 32 bits; this one has more than {} elements (use --device cpu)",
             u32::MAX
         );
-        let (norm_mode, fixed_recip, table) = match &spec.normalize {
-            Normalize::None => (wgsl::NORM_NONE, 1.0, Vec::new()),
-            Normalize::Fixed(r) => (wgsl::NORM_FIXED, *r, Vec::new()),
-            Normalize::PerElement(w, floor) => {
-                ensure!(
-                    n <= GPU_MAX_TABLE_AGENTS,
-                    "the GPU backend normalizes a consensus merge of at most {GPU_MAX_TABLE_AGENTS} models, got {n} (use --device cpu)"
-                );
-                (
-                    wgsl::NORM_TABLE,
-                    1.0,
-                    crate::method::combine::reciprocal_table(w, *floor),
-                )
-            }
-        };
+        let (norm_mode, fixed_recip, table) = normalization(spec, n)?;
         let rules: Vec<u32> = spec.keep.iter().flat_map(rule_words).collect();
         let q = &self.ctx.queue;
         let size = params.out_dtype.size();
@@ -119,24 +105,7 @@ impl GpuBackend {
                 } else {
                     (&spec.coefs[..], first_row as usize * row_floats)
                 };
-                let comb = Comb {
-                    start: first as u32,
-                    row_len: spec.row_len.min(u32::MAX as u64) as u32,
-                    first_row: first_row as u32,
-                    delta: spec.delta as u32,
-                    consensus: spec.consensus as u32,
-                    norm_mode,
-                    lambda: spec.lambda,
-                    fixed_recip,
-                    nearswap: spec.nearswap.is_some() as u32,
-                    nearswap_t: spec.nearswap.unwrap_or(0.0),
-                    element_keep: spec.element_keep.is_some() as u32,
-                    element_value: spec.element_keep.map_or(0, |(c, _)| c.value),
-                    element_index: spec.element_keep.map_or(0, |(c, _)| c.index),
-                    inv_n: spec.element_keep.map_or(0.0, |(_, i)| i),
-                    sign_of_values: spec.sign_of_values as u32,
-                    row_period: spec.row_period.min(u32::MAX as u64) as u32,
-                };
+                let comb = uniform(spec, first, first_row, (norm_mode, fixed_recip));
                 q.write_buffer(&slot.comb, 0, bytemuck::bytes_of(&comb));
                 q.write_buffer(&slot.rules, 0, bytemuck::cast_slice(&rules));
                 q.write_buffer(
@@ -165,5 +134,52 @@ impl GpuBackend {
                 out[start * size..(start + len) * size].copy_from_slice(&bytes[..len * size])
             },
         )
+    }
+}
+
+/// The combine kernel's normalization: its mode, the fixed reciprocal, and the per-element table
+/// of reciprocals (consensus merges).
+fn normalization(spec: &CombineSpec, n: usize) -> Result<(u32, f32, Vec<f32>)> {
+    Ok(match &spec.normalize {
+        Normalize::None => (wgsl::NORM_NONE, 1.0, Vec::new()),
+        Normalize::Fixed(r) => (wgsl::NORM_FIXED, *r, Vec::new()),
+        Normalize::PerElement(w, floor) => {
+            ensure!(
+                n <= GPU_MAX_TABLE_AGENTS,
+                "the GPU backend normalizes a consensus merge of at most {GPU_MAX_TABLE_AGENTS} models, got {n} (use --device cpu)"
+            );
+            (
+                wgsl::NORM_TABLE,
+                1.0,
+                crate::method::combine::reciprocal_table(w, *floor),
+            )
+        }
+    })
+}
+
+/// The combine kernel's uniform for a chunk from element `first` (row `first_row`).
+fn uniform(
+    spec: &CombineSpec,
+    first: u64,
+    first_row: u64,
+    (norm_mode, fixed_recip): (u32, f32),
+) -> Comb {
+    Comb {
+        start: first as u32,
+        row_len: spec.row_len.min(u32::MAX as u64) as u32,
+        first_row: first_row as u32,
+        delta: spec.delta as u32,
+        consensus: spec.consensus as u32,
+        norm_mode,
+        lambda: spec.lambda,
+        fixed_recip,
+        nearswap: spec.nearswap.is_some() as u32,
+        nearswap_t: spec.nearswap.unwrap_or(0.0),
+        element_keep: spec.element_keep.is_some() as u32,
+        element_value: spec.element_keep.map_or(0, |(c, _)| c.value),
+        element_index: spec.element_keep.map_or(0, |(c, _)| c.index),
+        inv_n: spec.element_keep.map_or(0.0, |(_, i)| i),
+        sign_of_values: spec.sign_of_values as u32,
+        row_period: spec.row_period.min(u32::MAX as u64) as u32,
     }
 }

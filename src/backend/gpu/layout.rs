@@ -164,6 +164,16 @@ pub(super) fn dtype_code(d: DType) -> u32 {
     }
 }
 
+/// Each kernel's bindings in `@binding` order, by their WGSL names: the one list its bind group is
+/// made from (`buffers.rs`), checked against the shader by [`tests::bindings_match_the_wgsl`].
+pub(super) const PROBE_BINDINGS: [&str; 4] = ["p", "base", "agents", "hist"];
+/// See [`PROBE_BINDINGS`].
+pub(super) const MERGE_BINDINGS: [&str; 5] = ["p", "base", "agents", "lambdas", "out"];
+/// See [`PROBE_BINDINGS`].
+pub(super) const COMBINE_BINDINGS: [&str; 9] = [
+    "p", "base", "agents", "c", "rules", "coefs", "recips", "out", "ranks",
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,6 +212,33 @@ mod tests {
         match m.global_expressions[c.init] {
             naga::Expression::Literal(naga::Literal::U32(v)) => Some(v),
             ref e => panic!("WGSL constant {name} is not a u32 literal: {e:?}"),
+        }
+    }
+
+    /// Every kernel's bind-group table lists its WGSL's group-0 bindings by name, in order, and
+    /// nothing else: a binding added, moved or renamed on one side fails here.
+    #[test]
+    fn bindings_match_the_wgsl() {
+        for (kernel, table) in [
+            (PROBE_WGSL, &PROBE_BINDINGS[..]),
+            (MERGE_WGSL, &MERGE_BINDINGS[..]),
+            (COMBINE_WGSL, &COMBINE_BINDINGS[..]),
+        ] {
+            let m = module(kernel);
+            let mut bound: Vec<(u32, String)> = m
+                .global_variables
+                .iter()
+                .filter_map(|(_, v)| {
+                    let b = v.binding.as_ref()?;
+                    assert_eq!(b.group, 0, "{:?}: one bind group", v.name);
+                    Some((b.binding, v.name.clone().unwrap_or_default()))
+                })
+                .collect();
+            bound.sort();
+            let names: Vec<&str> = bound.iter().map(|(_, n)| n.as_str()).collect();
+            assert_eq!(names, table, "bindings of the WGSL vs the Rust table");
+            let slots: Vec<u32> = bound.iter().map(|(b, _)| *b).collect();
+            assert_eq!(slots, (0..table.len() as u32).collect::<Vec<_>>());
         }
     }
 

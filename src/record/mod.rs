@@ -4,13 +4,15 @@
 
 use crate::checkpoint::safetensors_file::FileChecksum;
 use crate::job::MERGEKIT_CONFIG_FILE;
-use crate::method::{AgentCounts, Method, SharedRule};
+use crate::method::{AgentCounts, Method};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
-use std::fmt::Write;
 use std::path::{Path, PathBuf};
 
+mod card;
+
 pub use crate::checkpoint::output_folder::{CARD_FILE, LEGACY_RECORD_FILE, RECORD_FILE};
+pub use card::model_card;
 
 /// The overlap figure a RAM+ merge writes beside its weights (see `crate::figures::overlap`).
 pub const OVERLAP_FIGURE: &str = "overlap.svg";
@@ -36,15 +38,6 @@ pub struct InputChecksums {
     pub files: Vec<FileChecksum>,
 }
 
-/// How the model card names an input: a Hub snapshot by its id (`org/name` in the front matter,
-/// `org/name@commit` in the text), a folder by its path.
-fn card_name(path: &str) -> (String, String) {
-    match crate::hub::id_of_snapshot(std::path::Path::new(path)) {
-        Some(id) => (id.split('@').next().unwrap_or(&id).to_string(), id),
-        None => (path.to_string(), path.to_string()),
-    }
-}
-
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct MergeRecord {
     pub tool: String,
@@ -66,6 +59,10 @@ pub struct MergeRecord {
     pub group_lambdas: Vec<(String, Vec<f64>)>,
     /// `None`: each tensor kept the base's dtype.
     pub out_dtype: Option<String>,
+    /// The dtype of the output's tensors by its torch name (of most of them, where the base mixes
+    /// dtypes); `None` in records older than it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub main_dtype: Option<String>,
     /// mergekit's `slices`: which layers of which input each output layer is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slices: Option<crate::slices::Slices>,
@@ -148,149 +145,18 @@ pub fn write(dir: &Path, record: &MergeRecord) -> Result<()> {
     let path = dir.join(RECORD_FILE);
     std::fs::write(&path, serde_json::to_string_pretty(record)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
+    // The recipe the merge saved (a recipe's, or the command line's as one), shown by the card.
+    let recipe = record
+        .outputs
+        .iter()
+        .any(|f| f.file == MERGEKIT_CONFIG_FILE)
+        .then(|| std::fs::read_to_string(dir.join(MERGEKIT_CONFIG_FILE)))
+        .transpose()
+        .with_context(|| format!("cannot read {MERGEKIT_CONFIG_FILE}"))?;
     let path = dir.join(CARD_FILE);
-    std::fs::write(&path, model_card(record))
+    std::fs::write(&path, model_card(record, recipe.as_deref()))
         .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
-}
-
-/// The Hugging Face model card: YAML front matter, then what was merged and how.
-pub fn model_card(r: &MergeRecord) -> String {
-    let mut s = String::new();
-    let _ = writeln!(s, "---\nbase_model:");
-    let _ = writeln!(s, "- {}", yaml_str(&card_name(&r.base).0));
-    for a in &r.agents {
-        let _ = writeln!(s, "- {}", yaml_str(&card_name(&a.path).0));
-    }
-    let _ = writeln!(
-        s,
-        "library_name: transformers\ntags:\n- merge\n- rlmerge\n- {}\n---\n",
-        r.method.name()
-    );
-    let _ = writeln!(s, "# Merged model\n");
-    match &r.method {
-        Method::Combine(c) => {
-            let _ = writeln!(
-                s,
-                "This model merges {} model(s) with rlmerge {} using **{}** — {} ({}), \
-                 with mergekit's semantics.\n",
-                r.agents.len(),
-                r.version,
-                c.kind.name(),
-                c.kind.about(),
-                c.kind.reference()
-            );
-        }
-        _ => {
-            let _ = writeln!(
-                s,
-                "This model merges {} reinforcement-learning-trained agents into their common base with \
-                 rlmerge {} using **{}**: parameters no agent changed \
-                 (|τ| ≤ ε = {:e}) keep the base value, parameters changed by several agents take the mean of \
-                 their task vectors over those agents only{}, and parameters changed by one agent keep that \
-                 agent's update{} (Reinforced Agent Merging, [arXiv:2601.13572](https://arxiv.org/abs/2601.13572)).\n",
-                r.agents.len(),
-                r.version,
-                r.method,
-                r.epsilon,
-                match r.method.shared() {
-                    SharedRule::Mean => "",
-                    SharedRule::Consensus => " whose change has the sign of the changes' sum",
-                },
-                if r.method.boost().is_some() { ", scaled by λ_t" } else { "" }
-            );
-        }
-    }
-    let _ = writeln!(s, "## Inputs\n\n- base: {}", code(&card_name(&r.base).1));
-    for (t, a) in r.agents.iter().enumerate() {
-        let lambda = match (a.lambda, &r.method) {
-            (_, Method::Combine(_)) => "parameters in the record".into(),
-            (Some(l), _) => format!("λ = {l:.6}"),
-            (None, m) => format!(
-                "λ per {} (see {RECORD_FILE})",
-                m.scope().map_or("tensor", |s| s.name())
-            ),
-        };
-        let counts = match a.counts {
-            Some(c) => format!(
-                ", {} unique and {} shared changed elements",
-                c.unique, c.shared
-            ),
-            None => String::new(),
-        };
-        let _ = writeln!(
-            s,
-            "- agent {}: {} — {lambda}{counts}",
-            t + 1,
-            code(&card_name(&a.path).1)
-        );
-    }
-    if r.outputs.iter().any(|f| f.file == OVERLAP_FIGURE) {
-        let _ = writeln!(
-            s,
-            "\nEach agent's changed elements by how many other agents changed them too (k = 0: \
-             unique; the paper's Figure 1):\n\n![overlap]({OVERLAP_FIGURE})"
-        );
-    }
-    let _ = writeln!(
-        s,
-        "\n## Output\n\n{} shard(s), dtype {}. How it was made is recorded in `{RECORD_FILE}`{}.",
-        r.shards().count(),
-        r.out_dtype.as_deref().unwrap_or("as the base"),
-        if r.outputs.iter().any(|f| f.file == MERGEKIT_CONFIG_FILE) {
-            format!(" and the mergekit configuration in `{MERGEKIT_CONFIG_FILE}`")
-        } else {
-            String::new()
-        }
-    );
-    if let Some(t) = &r.tokenizer {
-        use crate::vocabulary::TokenizerSource;
-        let source = match &t.source {
-            TokenizerSource::Base => "the base's".to_string(),
-            TokenizerSource::Union => "the union of every model's".to_string(),
-            TokenizerSource::Model(p) => {
-                format!("{}'s", code(&card_name(&p.display().to_string()).1))
-            }
-        };
-        let _ = writeln!(
-            s,
-            "\nVocabulary: {source} tokenizer{}{}; each model's embedding and output rows follow it \
-             token by token (a token a model lacks takes another model's row, \
-             as mergekit does).",
-            if t.tokens.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    ", with {}",
-                    t.tokens
-                        .iter()
-                        .map(|k| code(&k.token))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            },
-            t.pad_to_multiple_of
-                .map_or(String::new(), |m| format!(", rows padded to a multiple of {m}"))
-        );
-    }
-    if !r.warnings.is_empty() {
-        let _ = writeln!(s, "\n## Notes\n");
-        for w in &r.warnings {
-            let _ = writeln!(s, "- {}", crate::escape::markdown_text(w));
-        }
-    }
-    s
-}
-
-/// A name in the card's YAML front matter: double-quoted (JSON's escapes are YAML's), hidden
-/// characters escaped first ([`crate::escape::terminal`]).
-fn yaml_str(s: &str) -> String {
-    serde_json::to_string(&crate::escape::terminal(s)).expect("strings serialize")
-}
-
-/// A name in the card's Markdown: a code span it cannot leave ([`crate::escape::markdown_code`]).
-fn code(s: &str) -> String {
-    crate::escape::markdown_code(s)
 }
 
 /// [`MergeRecord::tokenizer`]: the settings, or an older record's model folder.

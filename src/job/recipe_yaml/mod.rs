@@ -1,6 +1,8 @@
 //! The mergekit YAML recipe: read, checked key by key, and turned into a [`Job`].
 //! Unknown keys and the parts rlmerge does not support yet are errors that name the key and line.
 
+mod tokenizer;
+
 use super::Job;
 use crate::checkpoint::DType;
 use crate::error::usage;
@@ -9,12 +11,10 @@ use crate::method::settings::{Scalar, Setting, Settings};
 use crate::method::tensor_params::SliceSettings;
 use crate::method::Kind;
 use crate::slices::{self, Slice, Slices, Source};
-use crate::vocabulary::{
-    parse_source, EmbeddingSource, TokenSetting, TokenizerSettings, TokenizerSource,
-};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
+use tokenizer::tokenizer_settings;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -157,9 +157,10 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
     refuse_unsupported(&raw, text)?;
     let kind = Kind::from_name(&raw.merge_method).ok_or_else(|| {
         usage(format!(
-            "unknown merge_method '{}' (line {}); `rlmerge methods` lists them",
+            "unknown merge_method '{}' (line {}){}; `rlmerge methods` lists them",
             raw.merge_method,
-            line_of(text, "merge_method")
+            line_of(text, "merge_method"),
+            crate::error::did_you_mean(&raw.merge_method, Kind::ALL.iter().map(|k| k.name()))
         ))
     })?;
     let Listed {
@@ -169,42 +170,9 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         slices,
     } = listed_models(&raw, text, dir)?;
     let tokenizer = tokenizer_settings(&raw, text, dir)?;
-    let out_dtype =
-        match raw.out_dtype.as_ref().or(raw.dtype.as_ref()) {
-            None => None,
-            Some(d) => Some(DType::parse_user(d).with_context(|| {
-                format!("unknown dtype '{d}' (use bfloat16, float16 or float32)")
-            })?),
-        };
-    // θ₀ enters the formula: always for most methods, for nuslerp/multislerp when named.
-    let with_base = kind.uses_base() || (kind.base_optional() && base_ref.is_some());
-    // Karcher averages every input, the base_model among them (mergekit's group entries).
-    if let (Kind::Karcher, Some(b)) = (kind, &base_ref) {
-        if !entries.iter().any(|(m, _)| m == b) {
-            entries.insert(0, (b.clone(), Settings::new()));
-        }
-    }
+    let out_dtype = out_dtype(&raw)?;
     let implicit_base = base_ref.is_none();
-    let base_ref = match (base_ref, with_base) {
-        (Some(b), _) => b,
-        (None, false) => entries
-            .first()
-            .map(|e| e.0.clone())
-            .context("the recipe lists no models")?,
-        (None, true) => bail!("merge_method {} needs base_model", kind.name()),
-    };
-    let base = local_folder(&base_ref, dir)?;
-    // A LoRA agent first among models without a base: its base gives the layout.
-    let base = match crate::checkpoint::lora::split_reference(&base.to_string_lossy()) {
-        Some((b, _)) if !with_base => PathBuf::from(b),
-        Some(_) => {
-            return Err(usage(format!(
-                "base_model '{base_ref}' is a LoRA reference; name the base model itself and \
-                 list BASE+ADAPTER among the models"
-            )))
-        }
-        None => base,
-    };
+    let (base, base_ref, with_base) = choose_base(kind, &mut entries, base_ref, dir)?;
     // The base is not merged as an agent when listed among the models (mergekit excludes it).
     if with_base {
         entries.retain(|(m, _)| *m != base_ref);
@@ -213,20 +181,8 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         .iter()
         .map(|(m, _)| local_folder(m, dir))
         .collect::<Result<Vec<_>>>()?;
-    // An adapter folder alone is applied to the merge's base; without base_model there is none
-    // the user named (the first model only gives the layout), so it must say its own.
     if implicit_base {
-        if let Some(a) = agents.iter().find(|a| {
-            crate::checkpoint::lora::split_reference(&a.to_string_lossy()).is_none()
-                && crate::checkpoint::lora::is_adapter(a)
-        }) {
-            return Err(usage(format!(
-                "model '{}' is a LoRA adapter, and merge_method {} has no base_model to apply it \
-                 to; write it as BASE+ADAPTER with the model it was trained on, or set base_model",
-                a.display(),
-                kind.name(),
-            )));
-        }
+        refuse_bare_adapter(&agents, kind)?;
     }
     let (slices, slice_settings) = match slices {
         Some(read) => {
@@ -255,17 +211,8 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         _ => None,
     };
     let method = build::build(request, agents.len()).map_err(|e| at_line_of_parameter(e, text))?;
-    if let (Some(slices), crate::method::Method::Combine(config)) = (&slices, &method) {
-        for (n, slice) in slices.0.iter().enumerate() {
-            let models = slice
-                .sources
-                .iter()
-                .filter(|s| s.model != Source::Base)
-                .count();
-            config
-                .check(models)
-                .map_err(|e| usage(format!("slice {}: {e}", n + 1)))?;
-        }
+    if let Some(slices) = &slices {
+        check_slice_counts(slices, &method)?;
     }
     Ok(Job {
         base,
@@ -278,6 +225,90 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         slices,
         tokenizer,
     })
+}
+
+/// The output dtype the recipe asks (`out_dtype`, or mergekit's older `dtype`).
+fn out_dtype(raw: &RawConfig) -> Result<Option<DType>> {
+    match raw.out_dtype.as_ref().or(raw.dtype.as_ref()) {
+        None => Ok(None),
+        Some(d) => Ok(Some(DType::parse_user(d).with_context(|| {
+            format!("unknown dtype '{d}' (use bfloat16, float16 or float32)")
+        })?)),
+    }
+}
+
+/// The merge's base folder, its reference as the recipe wrote it, and whether θ₀ enters the
+/// formula; without `base_model`, a method that does not need one takes the first model's layout.
+/// Karcher's base joins `entries` (it averages every input, as mergekit's group entries).
+fn choose_base(
+    kind: Kind,
+    entries: &mut Vec<(String, Settings)>,
+    base_ref: Option<String>,
+    dir: &Path,
+) -> Result<(PathBuf, String, bool)> {
+    // θ₀ enters the formula: always for most methods, for nuslerp/multislerp when named.
+    let with_base = kind.uses_base() || (kind.base_optional() && base_ref.is_some());
+    // Karcher averages every input, the base_model among them (mergekit's group entries).
+    if let (Kind::Karcher, Some(b)) = (kind, &base_ref) {
+        if !entries.iter().any(|(m, _)| m == b) {
+            entries.insert(0, (b.clone(), Settings::new()));
+        }
+    }
+    let base_ref = match (base_ref, with_base) {
+        (Some(b), _) => b,
+        (None, false) => entries
+            .first()
+            .map(|e| e.0.clone())
+            .context("the recipe lists no models")?,
+        (None, true) => bail!("merge_method {} needs base_model", kind.name()),
+    };
+    let base = local_folder(&base_ref, dir)?;
+    // A LoRA agent first among models without a base: its base gives the layout.
+    let base = match crate::checkpoint::lora::split_reference(&base.to_string_lossy()) {
+        Some((b, _)) if !with_base => PathBuf::from(b),
+        Some(_) => {
+            return Err(usage(format!(
+                "base_model '{base_ref}' is a LoRA reference; name the base model itself and \
+                 list BASE+ADAPTER among the models"
+            )))
+        }
+        None => base,
+    };
+    Ok((base, base_ref, with_base))
+}
+
+/// An adapter folder alone is applied to the merge's base; without `base_model` there is none the
+/// user named (the first model only gives the layout), so it must say its own.
+fn refuse_bare_adapter(agents: &[PathBuf], kind: Kind) -> Result<()> {
+    if let Some(a) = agents.iter().find(|a| {
+        crate::checkpoint::lora::split_reference(&a.to_string_lossy()).is_none()
+            && crate::checkpoint::lora::is_adapter(a)
+    }) {
+        return Err(usage(format!(
+            "model '{}' is a LoRA adapter, and merge_method {} has no base_model to apply it \
+             to; write it as BASE+ADAPTER with the model it was trained on, or set base_model",
+            a.display(),
+            kind.name(),
+        )));
+    }
+    Ok(())
+}
+
+/// Each slice gives the method as many models as it needs.
+fn check_slice_counts(slices: &Slices, method: &crate::method::Method) -> Result<()> {
+    if let crate::method::Method::Combine(config) = method {
+        for (n, slice) in slices.0.iter().enumerate() {
+            let models = slice
+                .sources
+                .iter()
+                .filter(|s| s.model != Source::Base)
+                .count();
+            config
+                .check(models)
+                .map_err(|e| usage(format!("slice {}: {e}", n + 1)))?;
+        }
+    }
+    Ok(())
 }
 
 /// The recipe as typed YAML, after the checks serde's typed maps would skip.
@@ -311,181 +342,6 @@ fn refuse_unsupported(raw: &RawConfig, text: &str) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// The tokenizer settings (`tokenizer_source`, or the `tokenizer:` section: `source`, default
-/// union as in mergekit, `tokens`, `pad_to_multiple_of`); `None` when the recipe sets neither.
-fn tokenizer_settings(
-    raw: &RawConfig,
-    text: &str,
-    dir: &Path,
-) -> Result<Option<TokenizerSettings>> {
-    let folder = |name: &str| local_folder(name, dir);
-    let source_of = |v: &serde_yaml::Value, key: &str| -> Result<TokenizerSource> {
-        let line = line_of(text, key);
-        let Some(s) = v.as_str() else {
-            return Err(usage(format!(
-                "tokenizer source must be base, union or model:NAME (line {line})"
-            )));
-        };
-        parse_source(s, &folder).with_context(|| format!("tokenizer source (line {line})"))
-    };
-    match (&raw.tokenizer_source, &raw.tokenizer) {
-        (Some(_), Some(_)) => Err(usage(
-            "give either tokenizer_source or a tokenizer section, not both",
-        )),
-        (None, None) => Ok(None),
-        (Some(s), None) => Ok(Some(TokenizerSettings {
-            source: source_of(s, "tokenizer_source")?,
-            tokens: Vec::new(),
-            pad_to_multiple_of: None,
-        })),
-        (None, Some(section)) => {
-            let line = line_of(text, "tokenizer");
-            let Some(map) = section.as_mapping() else {
-                return Err(usage(format!(
-                    "tokenizer (line {line}) must be a mapping of source, tokens and \
-                     pad_to_multiple_of"
-                )));
-            };
-            let mut settings = TokenizerSettings {
-                source: TokenizerSource::Union,
-                tokens: Vec::new(),
-                pad_to_multiple_of: None,
-            };
-            for (k, v) in map {
-                match k.as_str().unwrap_or("?") {
-                    "source" => settings.source = source_of(v, "source")?,
-                    "pad_to_multiple_of" => {
-                        settings.pad_to_multiple_of = match v.as_u64() {
-                            Some(n) if (1..=MAX_PAD_MULTIPLE).contains(&n) => Some(n as usize),
-                            _ if v.is_null() => None,
-                            _ => {
-                                return Err(usage(format!(
-                                    "tokenizer.pad_to_multiple_of (line {}) must be a whole \
-                                     number above 0, at most {MAX_PAD_MULTIPLE}",
-                                    line_of(text, "pad_to_multiple_of")
-                                )))
-                            }
-                        }
-                    }
-                    "tokens" => settings.tokens = token_settings(v, text, &folder)?,
-                    other => {
-                        return Err(usage(format!(
-                            "tokenizer.{other} (line {}) is not a tokenizer setting; mergekit's \
-                             are source, tokens and pad_to_multiple_of",
-                            line_of(text, other)
-                        )))
-                    }
-                }
-            }
-            Ok(Some(settings))
-        }
-    }
-}
-
-/// The largest `pad_to_multiple_of`: padding adds fewer rows than this (mergekit's users pad to
-/// 8–128); a larger multiple is a typo that would write that many rows.
-const MAX_PAD_MULTIPLE: u64 = 65536;
-
-/// `tokenizer.tokens`: each token's `source` (a model, `{kind: zero}`, or `{kind: model_token,
-/// model, token | token_id}`) and `force`.
-fn token_settings(
-    v: &serde_yaml::Value,
-    text: &str,
-    folder: &dyn Fn(&str) -> Result<PathBuf>,
-) -> Result<Vec<TokenSetting>> {
-    let line = line_of(text, "tokens");
-    let bad = |what: String| usage(format!("tokenizer.tokens (line {line}): {what}"));
-    let Some(map) = v.as_mapping() else {
-        return Err(bad("must map each token to its settings".into()));
-    };
-    let mut out = Vec::new();
-    for (tok, cfg) in map {
-        let Some(token) = tok.as_str().map(str::to_string) else {
-            return Err(bad(format!("token {tok:?} is not text")));
-        };
-        if token.is_empty() {
-            return Err(bad("a token is empty text".into()));
-        }
-        let mut setting = TokenSetting {
-            token: token.clone(),
-            source: None,
-            force: false,
-        };
-        let entries = match cfg {
-            serde_yaml::Value::Null => serde_yaml::Mapping::new(),
-            serde_yaml::Value::Mapping(m) => m.clone(),
-            _ => return Err(bad(format!("{token:?} must map to source and force"))),
-        };
-        for (k, v) in &entries {
-            match k.as_str().unwrap_or("?") {
-                "force" => {
-                    setting.force = v
-                        .as_bool()
-                        .ok_or_else(|| bad(format!("{token:?}: force must be true or false")))?
-                }
-                "source" => setting.source = Some(embedding_source(v, &token, folder, &bad)?),
-                other => {
-                    return Err(bad(format!(
-                        "{token:?}: unknown key '{other}' (source and force are)"
-                    )))
-                }
-            }
-        }
-        out.push(setting);
-    }
-    Ok(out)
-}
-
-/// One token's `source`.
-fn embedding_source(
-    v: &serde_yaml::Value,
-    token: &str,
-    folder: &dyn Fn(&str) -> Result<PathBuf>,
-    bad: &dyn Fn(String) -> anyhow::Error,
-) -> Result<EmbeddingSource> {
-    if let Some(model) = v.as_str() {
-        return Ok(EmbeddingSource::Model(folder(model)?));
-    }
-    let Some(m) = v.as_mapping() else {
-        return Err(bad(format!(
-            "{token:?}: source must be a model, {{kind: zero}} or {{kind: model_token, ...}}"
-        )));
-    };
-    let get = |k: &str| m.get(k);
-    match get("kind").and_then(|k| k.as_str()) {
-        Some("zero") => Ok(EmbeddingSource::Zero),
-        Some("model_token") => {
-            let model = get("model")
-                .and_then(|m| m.as_str())
-                .ok_or_else(|| bad(format!("{token:?}: model_token needs a model")))?;
-            let text = get("token").map(|t| {
-                t.as_str()
-                    .map(str::to_string)
-                    .ok_or_else(|| bad(format!("{token:?}: model_token's token must be text")))
-            });
-            let id = get("token_id").map(|t| {
-                t.as_u64()
-                    .map(|n| n as usize)
-                    .ok_or_else(|| bad(format!("{token:?}: token_id must be a whole number")))
-            });
-            let (token_text, token_id) = (text.transpose()?, id.transpose()?);
-            if token_text.is_some() == token_id.is_some() {
-                return Err(bad(format!(
-                    "{token:?}: model_token takes token or token_id, exactly one"
-                )));
-            }
-            Ok(EmbeddingSource::ModelToken {
-                model: folder(model)?,
-                token: token_text,
-                token_id,
-            })
-        }
-        _ => Err(bad(format!(
-            "{token:?}: source's kind must be zero or model_token"
-        ))),
-    }
 }
 
 /// What `models` or the slices list: (model, its parameters) in order, the base_model named, the
@@ -558,46 +414,7 @@ fn listed_models(raw: &RawConfig, text: &str, dir: &Path) -> Result<Listed> {
                 n + 1
             )));
         }
-        let mut sources = Vec::new();
-        let mut len = None;
-        let mut whole = true;
-        for s in &slice.sources {
-            let [start, end] = s.layer_range;
-            let layers = layer_count(&local_folder(&s.model, dir)?)?;
-            if start >= end || end > layers {
-                return Err(usage(format!(
-                    "slice {} takes layer_range [{start}, {end}] of '{}', which has {layers} \
-                     layers; a range is [first, last + 1] with first < last + 1 ≤ {layers} \
-                     (line {line})",
-                    n + 1,
-                    s.model
-                )));
-            }
-            if *len.get_or_insert(end - start) != end - start {
-                return Err(usage(format!(
-                    "slice {}: every source must take as many layers (got {} and {}; line {line})",
-                    n + 1,
-                    len.unwrap_or(0),
-                    end - start
-                )));
-            }
-            if sources.iter().any(|(m, _, _)| *m == s.model) {
-                return Err(usage(format!(
-                    "slice {} lists model '{}' twice (line {line})",
-                    n + 1,
-                    s.model
-                )));
-            }
-            whole &= start == 0 && end == layers;
-            let settings = s.parameters.clone().unwrap_or_default();
-            sources.push((s.model.clone(), start, settings));
-        }
-        read.push(RawSlice {
-            sources,
-            len: len.unwrap_or(0),
-            parameters: slice.parameters.clone().unwrap_or_default(),
-            whole,
-        });
+        read.push(read_slice(n, slice, dir, &line)?);
     }
     // One slice over every layer of each model: the models, as `models` lists them.
     if read.len() == 1 && read[0].whole {
@@ -616,6 +433,50 @@ fn listed_models(raw: &RawConfig, text: &str, dir: &Path) -> Result<Listed> {
     }
     listed.slices = Some(read);
     Ok(listed)
+}
+
+/// Slice `n` (from 0) of the recipe, its sources checked against their models' layer counts.
+fn read_slice(n: usize, slice: &SliceEntry, dir: &Path, line: &str) -> Result<RawSlice> {
+    let mut sources = Vec::new();
+    let mut len = None;
+    let mut whole = true;
+    for s in &slice.sources {
+        let [start, end] = s.layer_range;
+        let layers = layer_count(&local_folder(&s.model, dir)?)?;
+        if start >= end || end > layers {
+            return Err(usage(format!(
+                "slice {} takes layer_range [{start}, {end}] of '{}', which has {layers} \
+                 layers; a range is [first, last + 1] with first < last + 1 ≤ {layers} \
+                 (line {line})",
+                n + 1,
+                s.model
+            )));
+        }
+        if *len.get_or_insert(end - start) != end - start {
+            return Err(usage(format!(
+                "slice {}: every source must take as many layers (got {} and {}; line {line})",
+                n + 1,
+                len.unwrap_or(0),
+                end - start
+            )));
+        }
+        if sources.iter().any(|(m, _, _)| *m == s.model) {
+            return Err(usage(format!(
+                "slice {} lists model '{}' twice (line {line})",
+                n + 1,
+                s.model
+            )));
+        }
+        whole &= start == 0 && end == layers;
+        let settings = s.parameters.clone().unwrap_or_default();
+        sources.push((s.model.clone(), start, settings));
+    }
+    Ok(RawSlice {
+        sources,
+        len: len.unwrap_or(0),
+        parameters: slice.parameters.clone().unwrap_or_default(),
+        whole,
+    })
 }
 
 /// The slices of a recipe over the merge's base and agents (`agents`: the model references in

@@ -1,0 +1,188 @@
+//! Scratch folders: each with a lock file held while its process runs, removed on a termination
+//! signal unless a commit has started, and swept by a later run only when nobody holds its lock.
+
+use crate::checkpoint::open_files::Identity;
+use anyhow::{bail, Context, Result};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// Scratch folders (and their lock files) of this process, removed on a termination signal.
+static LIVE: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+fn live() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    LIVE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Set, under [`LIVE`]'s lock, once a commit has started: from then on a termination signal no
+/// longer ends the process — the commit finishes and the run reports what it did.
+static COMMITTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Holds off termination signals while outputs are renamed into place ([`remove_live_scratch`]
+/// waits for it, then lets the process finish instead of exiting).
+pub struct CommitGuard(#[allow(dead_code)] std::sync::MutexGuard<'static, Vec<PathBuf>>);
+
+/// Starts a commit: see [`CommitGuard`].
+pub fn begin_commit() -> CommitGuard {
+    let guard = live();
+    COMMITTING.store(true, std::sync::atomic::Ordering::SeqCst);
+    CommitGuard(guard)
+}
+
+/// Removes every scratch folder and lock file of this process; for a signal handler, just before
+/// the process exits. Waits for a commit in progress (it holds the same lock) to finish first.
+/// Returns `false`, removing nothing, when a commit has started: its outputs are (being) put in
+/// place, so the process must finish and report them rather than exit saying nothing was written.
+pub fn remove_live_scratch() -> bool {
+    let paths = live();
+    if COMMITTING.load(std::sync::atomic::Ordering::SeqCst) {
+        return false;
+    }
+    for p in paths.iter() {
+        // A worker may still be creating a file in it: try a few times.
+        for _ in 0..20 {
+            let gone = match p.symlink_metadata() {
+                Err(_) => true,
+                Ok(m) if m.is_dir() => std::fs::remove_dir_all(p).is_ok(),
+                Ok(_) => std::fs::remove_file(p).is_ok(),
+            };
+            if gone {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+    // Keep the registry locked: nothing may start a new scratch folder while the process exits.
+    std::mem::forget(paths);
+    true
+}
+
+/// A random identifier for scratch names: the process id, so a person can tell whose it is, and
+/// 64 random bits, so processes of other PID namespaces or hosts never collide.
+fn scratch_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    format!("{}-{:016x}", std::process::id(), h.finish())
+}
+
+/// A folder `PREFIX-ID` of this process, with its lock file `PREFIX-ID.lock` held until drop.
+/// Dropping it removes both (a committed output folder has been renamed away by then).
+pub struct Scratch {
+    dir: PathBuf,
+    id: String,
+    lock_path: PathBuf,
+    _lock: File,
+}
+
+impl Scratch {
+    /// Creates `PREFIX-ID` in `parent` (which must exist), its lock taken first.
+    pub fn create(parent: &Path, prefix: &str) -> Result<Scratch> {
+        for _ in 0..8 {
+            let id = scratch_id();
+            let lock_path = parent.join(format!("{prefix}-{id}.lock"));
+            // Created and registered under the registry's lock: a termination signal's cleanup
+            // (which takes that lock and keeps it) sees the file, or runs before it exists.
+            let mut registry = live();
+            let lock = File::options()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&lock_path)
+                .with_context(|| format!("cannot create {}", lock_path.display()))?;
+            registry.push(lock_path.clone());
+            drop(registry);
+            let scratch = Scratch {
+                dir: parent.join(format!("{prefix}-{id}")),
+                id,
+                lock_path,
+                _lock: lock,
+            };
+            // From here on, dropping `scratch` removes what exists of it.
+            scratch
+                ._lock
+                .lock()
+                .with_context(|| format!("cannot lock {}", scratch.lock_path.display()))?;
+            // A sweep may have taken the unlocked file for a dead one's and removed it in the
+            // instant before our lock: then start again under another name.
+            if !same_file(&scratch._lock, &scratch.lock_path) {
+                continue;
+            }
+            let mut registry = live();
+            registry.push(scratch.dir.clone());
+            std::fs::create_dir(&scratch.dir)
+                .with_context(|| format!("cannot create {}", scratch.dir.display()))?;
+            drop(registry);
+            return Ok(scratch);
+        }
+        bail!(
+            "cannot create a scratch folder in {} (its lock files keep disappearing)",
+            parent.display()
+        )
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The identifier in its name, for sibling names that share its lock.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_file(&self.lock_path);
+        live().retain(|p| *p != self.dir && *p != self.lock_path);
+    }
+}
+
+/// Whether the open `file` is the file at `path` now (not one created there since).
+fn same_file(file: &File, path: &Path) -> bool {
+    match (file.metadata(), path.metadata()) {
+        (Ok(a), Ok(b)) => Identity::of(&a) == Identity::of(&b),
+        _ => false,
+    }
+}
+
+/// Removes what dead processes left in `parent` under `prefix`: for every `PREFIX-ID.lock` that no
+/// process holds, `dead(id)` runs (to restore or remove siblings sharing the lock), then
+/// `PREFIX-ID` and the lock file go. A folder without a lock file is never touched.
+pub fn sweep(parent: &Path, prefix: &str, mut dead: impl FnMut(&str) -> Result<()>) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return Ok(());
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(id) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(prefix))
+            .and_then(|n| n.strip_prefix('-'))
+            .and_then(|n| n.strip_suffix(".lock"))
+        else {
+            continue;
+        };
+        let lock_path = entry.path();
+        let Ok(lock) = File::open(&lock_path) else {
+            continue;
+        };
+        if lock.try_lock().is_err() || !same_file(&lock, &lock_path) {
+            continue; // alive (or just removed by another sweep)
+        }
+        dead(id)?;
+        let dir = parent.join(format!("{prefix}-{id}"));
+        if dir.symlink_metadata().is_ok() {
+            std::fs::remove_dir_all(&dir).with_context(|| {
+                format!("cannot remove {}, left by a killed run", dir.display())
+            })?;
+        }
+        let _ = std::fs::remove_file(&lock_path);
+    }
+    Ok(())
+}

@@ -1,0 +1,368 @@
+//! Reading an input tensor: one room for every kind of input (SPEC §5, §5b). A
+//! [`TensorSource`] says how one input's copy of a planned tensor becomes tile values — stored
+//! bytes as they are, bytes widened to f32 (inputs of mixed dtypes) with a LoRA agent's update
+//! added, or rows re-indexed for the output's vocabulary — and every kind passes the same gate as
+//! it is read: its bytes hashed into the input's checksum, and, unless `--allow-nonfinite`, the
+//! first NaN or ±Inf refused with the tensor, file and element named ([`refuse_nonfinite`], and
+//! for a LoRA update [`refuse_nonfinite_update`]). The tile loop (`engine::tiles`) only asks each
+//! input's source to read; a new input kind (a DoRA adapter, a GGUF agent) is a new variant here.
+
+use super::{Inputs, TensorPlan};
+use crate::checkpoint::dtype::{decode, decode_one, first_nonfinite};
+use crate::checkpoint::lora::LoraAdapter;
+use crate::checkpoint::{DType, ModelFolder, ModelTensor};
+use crate::slices::Source;
+use crate::vocabulary::{RowFrom, VocabTensor};
+use anyhow::{bail, Result};
+
+/// What every source's read takes from the pass: the inputs, the plan of the tensor read, and
+/// whether NaN/±Inf are refused.
+#[derive(Clone, Copy)]
+pub struct SourceRead<'a> {
+    pub inputs: &'a Inputs,
+    pub plan: &'a TensorPlan,
+    pub finite_only: bool,
+}
+
+/// How one input's copy of a planned tensor is read into a tile.
+pub enum TensorSource<'a> {
+    /// Stored bytes as they are (the tile is in the stored dtype).
+    Stored {
+        model: &'a ModelFolder,
+        tensor: &'a ModelTensor,
+    },
+    /// Stored bytes decoded to f32 — the tile of inputs of mixed dtypes is f32, to which bf16 and
+    /// f16 convert exactly — with a LoRA agent's update s·B·A added in f32.
+    Widened {
+        model: &'a ModelFolder,
+        tensor: &'a ModelTensor,
+        lora: Option<&'a LoraAdapter>,
+    },
+    /// A token-indexed tensor's rows re-indexed for the output's vocabulary, as f32.
+    Reindexed {
+        rows: &'a VocabTensor,
+        source: Source,
+    },
+}
+
+impl TensorPlan {
+    /// How the base (`agent` `None`) or agent `t` (which has the tensor) is read for this plan.
+    pub fn source<'a>(&'a self, inputs: &'a Inputs, agent: Option<usize>) -> TensorSource<'a> {
+        let (source, model, tensor) = match agent {
+            None => (self.base_source(), self.base_folder(inputs), &self.base),
+            Some(t) => (
+                Source::Agent(t),
+                &inputs.agents[t],
+                self.agent(inputs, t)
+                    .expect("present agents have the tensor"),
+            ),
+        };
+        if let Some(v) = &self.vocab {
+            return TensorSource::Reindexed {
+                rows: &v.rows,
+                source,
+            };
+        }
+        let lora = model.lora_for(&tensor.entry.name);
+        if tensor.entry.dtype != self.tile_dtype(inputs) || lora.is_some() {
+            TensorSource::Widened {
+                model,
+                tensor,
+                lora,
+            }
+        } else {
+            TensorSource::Stored { model, tensor }
+        }
+    }
+}
+
+impl TensorSource<'_> {
+    /// The dtype of the tile values this source gives.
+    pub fn dtype(&self) -> DType {
+        match self {
+            TensorSource::Stored { tensor, .. } => tensor.entry.dtype,
+            _ => DType::F32,
+        }
+    }
+
+    /// Elements `start..start + len` into `buf` (made exactly as long as they take), hashed and
+    /// checked as they are read.
+    pub fn read(
+        &self,
+        ctx: &SourceRead,
+        (start, len): (usize, usize),
+        buf: &mut Vec<u8>,
+    ) -> Result<()> {
+        let (model, tensor, lora) = match *self {
+            TensorSource::Reindexed { rows, source } => {
+                return load_rows(ctx, rows, source, (start, len), buf)
+            }
+            TensorSource::Stored { model, tensor } => (model, tensor, None),
+            TensorSource::Widened {
+                model,
+                tensor,
+                lora,
+            } => (model, tensor, Some(lora)),
+        };
+        // Checked and hashed as stored. A widened tile's raw bytes are read into its tail and
+        // widened in place front to back, so the tile's bytes are all it holds.
+        let dtype = tensor.entry.dtype;
+        let widened = lora.is_some();
+        let size = if widened { 4 } else { dtype.size() };
+        resize_exact(buf, len * size, 0);
+        let tail = len * (size - dtype.size());
+        let offset = (start * dtype.size()) as u64;
+        model.read(tensor, offset, &mut buf[tail..])?;
+        model.record_read(tensor, offset, &buf[tail..]);
+        if ctx.finite_only {
+            refuse_nonfinite(ctx.plan, model, tensor, &buf[tail..], start)?;
+        }
+        if let Some(lora) = lora {
+            let mut raw = [0u8; RUN * 4];
+            let mut run = [0.0f32; RUN];
+            for i0 in (0..len).step_by(RUN) {
+                let n = RUN.min(len - i0);
+                // Run i0's f32 bytes end at 4·(i0 + n), before the next run's raw bytes.
+                let from = tail + i0 * dtype.size();
+                let raw = &mut raw[..n * dtype.size()];
+                raw.copy_from_slice(&buf[from..from + raw.len()]);
+                decode(dtype, raw, &mut run[..n]);
+                put_f32(buf, i0, &run[..n]);
+            }
+            // A LoRA agent's update over the whole tile at once: its terms are decoded once for
+            // all the tile's rows.
+            if let Some(l) = lora {
+                let entry = &tensor.entry;
+                let values = &mut buf[..len * 4];
+                l.add_update_bytes(&entry.name, &entry.shape, start as u64, values)?;
+                if ctx.finite_only {
+                    refuse_nonfinite_update(tensor, l, values, start)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Makes a buffer kept from tile to tile `len` long, for a tile that overwrites all of it (its
+/// contents are not kept). Grown to exactly `len`, the old allocation freed first: `Vec::resize`
+/// would double it and copy it, so a tile larger than the one before (a tensor's f32 tiles after
+/// a smaller tensor's) would leave up to twice the planned bytes, and the allocator a hole.
+pub fn resize_exact<T: Clone>(buf: &mut Vec<T>, len: usize, fill: T) {
+    if len > buf.capacity() {
+        *buf = Vec::new();
+        buf.reserve_exact(len);
+    }
+    buf.resize(len, fill);
+}
+
+/// Elements widened to f32 at a time.
+const RUN: usize = 1024;
+
+/// Writes `values` into an f32 tile's bytes from element `at`.
+fn put_f32(buf: &mut [u8], at: usize, values: &[f32]) {
+    for (b, v) in buf[at * 4..(at + values.len()) * 4]
+        .chunks_exact_mut(4)
+        .zip(values)
+    {
+        b.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+/// Decodes `raw` (elements of `tensor` from element `at`) into `values`, adding a LoRA agent's
+/// update.
+fn widen(
+    model: &ModelFolder,
+    tensor: &ModelTensor,
+    raw: &[u8],
+    at: u64,
+    values: &mut [f32],
+) -> Result<()> {
+    decode(tensor.entry.dtype, raw, values);
+    if let Some(l) = model.lora_for(&tensor.entry.name) {
+        l.add_update(&tensor.entry.name, &tensor.entry.shape, at, values)?;
+    }
+    Ok(())
+}
+
+/// Fails on the first NaN or ±Inf of `raw` (elements of `tensor` from `start`), naming tensor,
+/// file and element.
+fn refuse_nonfinite(
+    plan: &TensorPlan,
+    model: &ModelFolder,
+    tensor: &ModelTensor,
+    raw: &[u8],
+    start: usize,
+) -> Result<()> {
+    let dtype = tensor.entry.dtype;
+    if let Some(i) = first_nonfinite(dtype, raw) {
+        bail!(
+            "tensor '{}' in {} has a non-finite value ({}) at element {}; rlmerge refuses NaN \
+             and infinity unless --allow-nonfinite",
+            plan.name(),
+            model.file_of(tensor).display(),
+            decode_one(dtype, raw, i),
+            start + i
+        );
+    }
+    Ok(())
+}
+
+/// The finiteness gate's second half for a LoRA agent: its stored base values passed
+/// [`refuse_nonfinite`]; its values with the update added (`values`, f32 bytes of elements from
+/// `start`) must be finite too — a NaN or ±Inf in A or B, or an update that overflows, is named.
+fn refuse_nonfinite_update(
+    tensor: &ModelTensor,
+    lora: &crate::checkpoint::lora::LoraAdapter,
+    values: &[u8],
+    start: usize,
+) -> Result<()> {
+    let f32 = crate::checkpoint::DType::F32;
+    match first_nonfinite(f32, values) {
+        Some(i) => Err(lora.nonfinite_error(
+            &tensor.entry.name,
+            (start + i) as u64,
+            decode_one(f32, values, i),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Reads `out.len()` elements of input `source`'s copy of a re-indexed tensor from its element
+/// `at`, as f32.
+fn read_f32(read: &SourceRead, source: Source, at: usize, out: &mut [f32]) -> Result<()> {
+    let plan = read.plan;
+    let (model, tensor) = if source == plan.base_source() {
+        (plan.base_folder(read.inputs), &plan.base)
+    } else {
+        match source {
+            Source::Agent(t) => match plan.agent(read.inputs, t) {
+                Some(at) => (&read.inputs.agents[t], at),
+                None => bail!(
+                    "tensor '{}': its rows come from {}, which does not have it",
+                    plan.name(),
+                    read.inputs.agents[t].dir.display()
+                ),
+            },
+            Source::Base => bail!(
+                "tensor '{}': its rows come from the base, which does not enter its merge",
+                plan.name()
+            ),
+        }
+    };
+    let size = tensor.entry.dtype.size();
+    let mut raw = [0u8; RUN * 4];
+    for (k, values) in out.chunks_mut(RUN).enumerate() {
+        let from = at + k * RUN;
+        let raw = &mut raw[..values.len() * size];
+        model.read(tensor, (from * size) as u64, raw)?;
+        if read.finite_only {
+            refuse_nonfinite(plan, model, tensor, raw, from)?;
+        }
+        widen(model, tensor, raw, from as u64, values)?;
+        if read.finite_only {
+            if let Some(l) = model.lora_for(&tensor.entry.name) {
+                refuse_nonfinite_update(tensor, l, bytemuck::cast_slice(values), from)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Elements `start..start + len` of input `source`'s copy of a re-indexed tensor (see
+/// [`VocabTensor::row_from`]) into `buf` as f32: own rows read in runs, default rows from the
+/// model named, means summed in f32 in order then divided once, padding rows the input's mean row.
+/// Gathered a run at a time, so the tile's bytes are all it holds.
+fn load_rows(
+    read: &SourceRead,
+    rows: &VocabTensor,
+    source: Source,
+    (start, len): (usize, usize),
+    buf: &mut Vec<u8>,
+) -> Result<()> {
+    resize_exact(buf, len * 4, 0);
+    let mut run = [0.0f32; RUN];
+    for i0 in (0..len).step_by(RUN) {
+        let values = &mut run[..RUN.min(len - i0)];
+        gather_rows(read, rows, source, start + i0, values)?;
+        put_f32(buf, i0, values);
+    }
+    Ok(())
+}
+
+/// [`load_rows`] into `out`, from element `start`.
+fn gather_rows(
+    read: &SourceRead,
+    rows: &VocabTensor,
+    source: Source,
+    start: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    let h = rows.row_len;
+    let end = start + out.len();
+    let mut at = start;
+    let mut scratch = Vec::new();
+    while at < end {
+        let (r, c0) = (at / h, at % h);
+        let n = (h - c0).min(end - at);
+        let from = rows.row_from(source, r);
+        // Whole rows that continue a run of the same model's rows are read at once.
+        let mut span = n;
+        if let RowFrom::Row(s, row) = from {
+            if c0 == 0 {
+                let mut k = 1;
+                while at + span + h <= end
+                    && rows.row_from(source, r + k) == RowFrom::Row(s, row + k as u32)
+                {
+                    span += h;
+                    k += 1;
+                }
+            }
+        }
+        let dst = &mut out[at - start..at - start + span];
+        match from {
+            RowFrom::Row(s, row) => read_f32(read, s, row as usize * h + c0, dst)?,
+            RowFrom::Zero => dst.fill(0.0),
+            RowFrom::Mean(list) => {
+                dst.fill(0.0);
+                scratch.resize(span, 0.0);
+                for &(s, row) in list {
+                    read_f32(read, s, row as usize * h + c0, &mut scratch)?;
+                    dst.iter_mut().zip(&scratch).for_each(|(d, x)| *d += x);
+                }
+                let count = list.len() as f32;
+                dst.iter_mut().for_each(|d| *d /= count);
+            }
+            RowFrom::Pad => {
+                let mean = rows.pad_mean(source, || pad_mean(read, rows, source))?;
+                dst.copy_from_slice(&mean[c0..c0 + span]);
+            }
+        }
+        at += span;
+    }
+    Ok(())
+}
+
+/// Input `source`'s mean row over its re-indexed token rows (the padding rows' value, as
+/// mergekit pads): summed in f64 a block of rows at a time, rounded once.
+fn pad_mean(read: &SourceRead, rows: &VocabTensor, source: Source) -> Result<Vec<f32>> {
+    let h = rows.row_len;
+    let tokens = rows.token_rows();
+    let mut sum = vec![0.0f64; h];
+    let block = (RUN * 64 / h.max(1)).max(1);
+    let mut values = Vec::new();
+    let mut r = 0;
+    while r < tokens {
+        let n = block.min(tokens - r);
+        values.resize(n * h, 0.0);
+        gather_rows(read, rows, source, r * h, &mut values)?;
+        for row in values.chunks(h) {
+            sum.iter_mut().zip(row).for_each(|(s, &x)| *s += x as f64);
+        }
+        r += n;
+    }
+    Ok(sum
+        .iter()
+        .map(|&s| (s / tokens.max(1) as f64) as f32)
+        .collect())
+}

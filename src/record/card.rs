@@ -1,0 +1,227 @@
+//! The README.md model card of a merged folder: YAML front matter the Hub reads (the inputs' Hub
+//! ids, the method as a tag), what was merged and how, how to load it, and the mergekit recipe
+//! where the merge has one. Every name read from files or given by users passes `crate::escape`
+//! for the context it lands in: YAML strings, Markdown code spans, Markdown text, code blocks.
+
+use super::{MergeRecord, OVERLAP_FIGURE, RECORD_FILE};
+use crate::job::MERGEKIT_CONFIG_FILE;
+use crate::method::{Method, SharedRule};
+use std::fmt::Write;
+use std::path::Path;
+
+/// The Hugging Face model card: YAML front matter, then what was merged and how.
+pub fn model_card(r: &MergeRecord, recipe: Option<&str>) -> String {
+    let mut s = String::new();
+    front_matter(&mut s, r);
+    let _ = writeln!(s, "# Merged model\n");
+    summary(&mut s, r);
+    inputs(&mut s, r, recipe.is_some());
+    if r.outputs.iter().any(|f| f.file == OVERLAP_FIGURE) {
+        let _ = writeln!(
+            s,
+            "\nEach agent's changed elements by how many other agents changed them too (k = 0: \
+             unique; the paper's Figure 1):\n\n![overlap]({OVERLAP_FIGURE})"
+        );
+    }
+    output(&mut s, r);
+    vocabulary(&mut s, r);
+    loading(&mut s);
+    if let Some(recipe) = recipe {
+        configuration(&mut s, recipe);
+    }
+    if !r.warnings.is_empty() {
+        let _ = writeln!(s, "\n## Notes\n");
+        for w in &r.warnings {
+            let _ = writeln!(s, "- {}", crate::escape::markdown_text(w));
+        }
+    }
+    s
+}
+
+/// An input's Hub id (`org/name`, no revision) when it is a Hugging Face cache snapshot: the only
+/// names the front matter's `base_model` holds (a local folder's path is not a Hub id).
+fn hub_id(path: &str) -> Option<String> {
+    let id = crate::hub::id_of_snapshot(Path::new(path))?;
+    Some(id.split('@').next().unwrap_or(&id).to_string())
+}
+
+/// How the card's text names an input: a snapshot by `org/name@commit`, a folder by its path.
+fn shown_name(path: &str) -> String {
+    crate::hub::id_of_snapshot(Path::new(path)).unwrap_or_else(|| path.to_string())
+}
+
+/// The YAML front matter: `base_model` (the inputs that are Hub ids, each once; none when every
+/// input is a local folder), the library and the tags.
+fn front_matter(s: &mut String, r: &MergeRecord) {
+    let _ = writeln!(s, "---");
+    let mut ids: Vec<String> = Vec::new();
+    for path in std::iter::once(&r.base).chain(r.agents.iter().map(|a| &a.path)) {
+        if let Some(id) = hub_id(path).filter(|id| !ids.contains(id)) {
+            ids.push(id);
+        }
+    }
+    if !ids.is_empty() {
+        let _ = writeln!(s, "base_model:");
+        for id in &ids {
+            let _ = writeln!(s, "- {}", yaml_str(id));
+        }
+    }
+    let _ = writeln!(
+        s,
+        "library_name: transformers\ntags:\n- merge\n- rlmerge\n- {}\n---\n",
+        r.method.name()
+    );
+}
+
+/// What the method did, in a sentence or two.
+fn summary(s: &mut String, r: &MergeRecord) {
+    let _ = match &r.method {
+        Method::Combine(c) => writeln!(
+            s,
+            "This model merges {} model(s) with rlmerge {} using **{}** — {} ({}), with \
+             mergekit's semantics.\n",
+            r.agents.len(),
+            r.version,
+            c.kind.name(),
+            c.kind.about(),
+            c.kind.reference()
+        ),
+        _ => writeln!(
+            s,
+            "This model merges {} reinforcement-learning-trained agents into their common base \
+             with rlmerge {} using **{}**: parameters no agent changed (|τ| ≤ ε = {:e}) keep the \
+             base value, parameters changed by several agents take the mean of their task \
+             vectors over those agents only{}, and parameters changed by one agent keep that \
+             agent's update{} (Reinforced Agent Merging, \
+             [arXiv:2601.13572](https://arxiv.org/abs/2601.13572)).\n",
+            r.agents.len(),
+            r.version,
+            r.method,
+            r.epsilon,
+            match r.method.shared() {
+                SharedRule::Mean => "",
+                SharedRule::Consensus => " whose change has the sign of the changes' sum",
+            },
+            if r.method.boost().is_some() {
+                ", scaled by λ_t"
+            } else {
+                ""
+            }
+        ),
+    };
+}
+
+/// The base and each agent, with its λ or where its parameters are, and its changed counts.
+fn inputs(s: &mut String, r: &MergeRecord, has_recipe: bool) {
+    let _ = writeln!(s, "## Inputs\n\n- base: {}", code(&shown_name(&r.base)));
+    for (t, a) in r.agents.iter().enumerate() {
+        let lambda = match (a.lambda, &r.method) {
+            (_, Method::Combine(_)) if has_recipe => "parameters in the configuration below".into(),
+            (_, Method::Combine(_)) => "parameters in the record".into(),
+            (Some(l), _) => format!("λ = {l:.6}"),
+            (None, m) => format!(
+                "λ per {} (see {RECORD_FILE})",
+                m.scope().map_or("tensor", |s| s.name())
+            ),
+        };
+        let counts = match a.counts {
+            Some(c) => format!(
+                ", {} unique and {} shared changed elements",
+                c.unique, c.shared
+            ),
+            None => String::new(),
+        };
+        let _ = writeln!(
+            s,
+            "- agent {}: {} — {lambda}{counts}",
+            t + 1,
+            code(&shown_name(&a.path))
+        );
+    }
+}
+
+/// The shards, the dtype, and the files that say how the merge was made.
+fn output(s: &mut String, r: &MergeRecord) {
+    let dtype = r
+        .main_dtype
+        .as_deref()
+        .or(r.out_dtype.as_deref())
+        .unwrap_or("as the base's");
+    let _ = writeln!(
+        s,
+        "\n## Output\n\n{} shard(s), dtype {dtype}. How it was made is recorded in \
+         `{RECORD_FILE}`{}.",
+        r.shards().count(),
+        if r.outputs.iter().any(|f| f.file == MERGEKIT_CONFIG_FILE) {
+            format!(" and the mergekit configuration in `{MERGEKIT_CONFIG_FILE}`")
+        } else {
+            String::new()
+        }
+    );
+}
+
+/// The output's vocabulary, when a tokenizer source set it.
+fn vocabulary(s: &mut String, r: &MergeRecord) {
+    use crate::vocabulary::TokenizerSource;
+    let Some(t) = &r.tokenizer else {
+        return;
+    };
+    let source = match &t.source {
+        TokenizerSource::Base => "the base's".to_string(),
+        TokenizerSource::Union => "the union of every model's".to_string(),
+        TokenizerSource::Model(p) => format!("{}'s", code(&shown_name(&p.display().to_string()))),
+    };
+    let tokens = if t.tokens.is_empty() {
+        String::new()
+    } else {
+        let names: Vec<String> = t.tokens.iter().map(|k| code(&k.token)).collect();
+        format!(", with {}", names.join(", "))
+    };
+    let _ = writeln!(
+        s,
+        "\nVocabulary: {source} tokenizer{tokens}{}; each model's embedding and output rows \
+         follow it token by token (a token a model lacks takes another model's row, as mergekit \
+         does).",
+        t.pad_to_multiple_of.map_or(String::new(), |m| format!(
+            ", rows padded to a multiple of {m}"
+        ))
+    );
+}
+
+/// How to load the merged model with transformers.
+fn loading(s: &mut String) {
+    let _ = writeln!(
+        s,
+        "\n## Use\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n\
+         path = \"path/to/this/folder\"  # or its Hub id once uploaded\n\
+         tokenizer = AutoTokenizer.from_pretrained(path)\n\
+         model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=\"auto\")\n```"
+    );
+}
+
+/// The mergekit recipe, as mergekit's cards show it: in a code block no line of it can leave
+/// (a fence longer than any run of backticks in it), hidden characters made visible.
+fn configuration(s: &mut String, recipe: &str) {
+    let longest = recipe.split(|c| c != '`').map(str::len).max().unwrap_or(0);
+    let fence = "`".repeat(longest.max(2) + 1);
+    let _ = writeln!(
+        s,
+        "\n## Configuration\n\nThe mergekit configuration of this merge (`{MERGEKIT_CONFIG_FILE}`; \
+         `rlmerge run` and `mergekit-yaml` take it):\n\n{fence}yaml"
+    );
+    for line in recipe.lines() {
+        let _ = writeln!(s, "{}", crate::escape::terminal(line));
+    }
+    let _ = writeln!(s, "{fence}");
+}
+
+/// A name in the card's YAML front matter: double-quoted (JSON's escapes are YAML's), hidden
+/// characters escaped first ([`crate::escape::terminal`]).
+fn yaml_str(s: &str) -> String {
+    serde_json::to_string(&crate::escape::terminal(s)).expect("strings serialize")
+}
+
+/// A name in the card's Markdown: a code span it cannot leave ([`crate::escape::markdown_code`]).
+fn code(s: &str) -> String {
+    crate::escape::markdown_code(s)
+}
