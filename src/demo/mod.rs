@@ -9,6 +9,8 @@ use crate::hash::SplitMix64;
 use anyhow::{Context, Result};
 use std::path::Path;
 
+mod tokenizer;
+
 /// Shape of a synthetic decoder-only transformer.
 #[derive(Clone, Debug)]
 pub struct ModelShape {
@@ -181,7 +183,13 @@ fn write_model(
     write_json(
         &mut files,
         "tokenizer_config.json",
-        serde_json::json!({"model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast"}),
+        serde_json::json!({"model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast",
+                           "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}),
+    )?;
+    write_json(
+        &mut files,
+        "tokenizer.json",
+        tokenizer::tokenizer_json(shape.vocab),
     )?;
     let manifest = serde_json::json!({ "written_by": "rlmerge demo", "files": files });
     write_json(&mut files, DEMO_MANIFEST, manifest)?;
@@ -209,7 +217,26 @@ pub const DEMO_AGENTS: [(&str, u64, f64); 3] = [
     ("memory-agent", 33, 0.543),
 ];
 
-/// Writes `dir/base` and one folder per agent. One agent is sharded so both layouts are exercised.
+/// The demo's mergekit recipe, written beside its models: `rlmerge run rlmerge-demo/recipe.yml`.
+pub const RECIPE_FILE: &str = "recipe.yml";
+
+/// [`RECIPE_FILE`]'s text. Its model paths are the folders beside it (a recipe's paths resolve
+/// against the working directory, then the recipe's folder).
+const RECIPE: &str = "\
+# A mergekit recipe over the demo's models; `rlmerge run recipe.yml -o OUT` (from this folder, or
+# with its path) merges them, as mergekit-yaml would.
+merge_method: ties
+base_model: base
+parameters:
+  weight: 1.0
+  density: 0.5
+models:
+  - model: coding-agent
+  - model: tool-agent
+  - model: memory-agent
+";
+
+/// Writes `dir/base`, one folder per agent, and the recipe [`RECIPE_FILE`]. One agent is sharded so both layouts are exercised.
 /// Folders a demo wrote before are replaced; any other existing folder of those names is refused
 /// before anything is written. Returns (base dir, agent dirs).
 pub fn write_example(
@@ -235,6 +262,11 @@ pub fn write_example(
         write_model(&p, shape, seed, Some((seed ^ agent_seed, density)), shard)?;
         agents.push(p);
     }
+    crate::checkpoint::output_folder::write_files(
+        dir,
+        &[(RECIPE_FILE, RECIPE.as_bytes().to_vec())],
+        &[],
+    )?;
     Ok((base, agents))
 }
 

@@ -1,0 +1,166 @@
+//! README.md's examples run as written on the demo (issue #26): every `sh` block's `rlmerge`
+//! commands and every `yaml` block that is a recipe, in README order, in one folder holding
+//! `rlmerge-demo/` (what `rlmerge demo` writes); and the sample `analyze` rows against the
+//! command's own output. `text` blocks are synopses and are not run. Commands of other tools
+//! (cargo, pip, sudo, scripts/) set up the machine; `python` lines and `python` blocks run in
+//! `python/tests/test_readme.py`, with the installed package.
+
+use std::path::Path;
+use std::process::Command;
+
+/// README's fenced blocks: (info string, body).
+fn blocks(readme: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut open: Option<(String, String)> = None;
+    for line in readme.lines() {
+        match (&mut open, line.strip_prefix("```")) {
+            (None, Some(info)) => open = Some((info.trim().to_string(), String::new())),
+            (Some(_), Some(_)) => out.push(open.take().expect("open")),
+            (Some((_, body)), None) => {
+                body.push_str(line);
+                body.push('\n');
+            }
+            (None, None) => {}
+        }
+    }
+    out
+}
+
+/// A shell block's commands: continuation lines joined, trailing `  # comments` dropped.
+fn commands(body: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut current = String::new();
+    for line in body.lines() {
+        let line = match line.find("  #") {
+            Some(i) if !line[..i].contains('"') || line[..i].matches('"').count() % 2 == 0 => {
+                &line[..i]
+            }
+            _ => line,
+        };
+        let line = line.trim_end();
+        if let Some(head) = line.strip_suffix('\\') {
+            current.push_str(head.trim_end());
+            current.push(' ');
+            continue;
+        }
+        current.push_str(line.trim_start());
+        if !current.trim().is_empty() {
+            out.push(current.trim().to_string());
+        }
+        current.clear();
+    }
+    out
+}
+
+/// The program a command runs, past `VAR=value` assignments.
+fn program(command: &str) -> &str {
+    command
+        .split_whitespace()
+        .find(|w| !w.contains('='))
+        .unwrap_or("")
+}
+
+fn run(dir: &Path, command: &str) -> std::process::Output {
+    let bin = Path::new(env!("CARGO_BIN_EXE_rlmerge"));
+    let path = format!(
+        "{}:{}",
+        bin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    Command::new("sh")
+        .arg("-c")
+        .arg(command)
+        .current_dir(dir)
+        .env("PATH", path)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn every_readme_example_runs_on_the_demo() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let setup = run(d.path(), "rlmerge demo rlmerge-demo --write-only --quiet");
+    assert!(setup.status.success(), "{setup:?}");
+    let (mut ran, mut recipes) = (0, 0);
+    for (n, (info, body)) in blocks(&readme).into_iter().enumerate() {
+        match info.as_str() {
+            "sh" => {
+                for command in commands(&body) {
+                    match program(&command) {
+                        "rlmerge" => {}
+                        "cargo" | "pip" | "sudo" | "python" | "python3" => continue,
+                        p if p.starts_with("scripts/") => continue,
+                        other => panic!("README block {n}: `{command}` runs {other}, which this test does not know"),
+                    }
+                    let o = run(d.path(), &command);
+                    assert!(
+                        o.status.success(),
+                        "README block {n}: `{command}` failed:\n{}",
+                        String::from_utf8_lossy(&o.stderr)
+                    );
+                    ran += 1;
+                }
+            }
+            "yaml" if body.contains("merge_method:") => {
+                let file = format!("readme-{n}.yml");
+                std::fs::write(d.path().join(&file), &body).unwrap();
+                let o = run(
+                    d.path(),
+                    &format!("rlmerge run {file} -q -o readme-{n}-out"),
+                );
+                assert!(
+                    o.status.success(),
+                    "README block {n} (recipe) failed:\n{}",
+                    String::from_utf8_lossy(&o.stderr)
+                );
+                recipes += 1;
+            }
+            "yaml" => panic!("README block {n}: a yaml block that is not a whole recipe"),
+            "text" | "python" | "" => {}
+            other => panic!("README block {n}: unknown block kind {other:?}"),
+        }
+    }
+    assert!(
+        ran >= 7 && recipes >= 1,
+        "{ran} commands, {recipes} recipes ran"
+    );
+}
+
+/// The sample table under "Reading `analyze`" is what `analyze` prints for the demo.
+#[test]
+fn readme_analyze_sample_is_the_demos() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let after = &readme[readme.find("## Reading `analyze`").expect("the section")..];
+    let (_, sample) = blocks(after).into_iter().next().expect("its sample");
+    let d = tempfile::tempdir().unwrap();
+    assert!(
+        run(d.path(), "rlmerge demo rlmerge-demo --write-only --quiet")
+            .status
+            .success()
+    );
+    let o = run(
+        d.path(),
+        "rlmerge analyze --base rlmerge-demo/base --model rlmerge-demo/coding-agent \
+         --model rlmerge-demo/tool-agent --model rlmerge-demo/memory-agent",
+    );
+    assert!(o.status.success());
+    let printed = String::from_utf8_lossy(&o.stdout);
+    let printed: Vec<&str> = printed.lines().map(str::trim_end).collect();
+    for line in sample.lines() {
+        assert!(
+            printed.contains(&line),
+            "README's sample line is not printed: {line:?}"
+        );
+    }
+}
+
+#[test]
+fn commands_are_read_as_a_shell_reads_them() {
+    let body = "rlmerge a \\\n    --b c   # note\nFOO=1 rlmerge d\n\n";
+    assert_eq!(commands(body), ["rlmerge a --b c", "FOO=1 rlmerge d"]);
+    assert_eq!(program("FOO=1 rlmerge d"), "rlmerge");
+}
