@@ -102,5 +102,30 @@ pub fn retention(
         merged: merged.dir.display().to_string(),
         agents: inputs.agent_labels(),
         regions,
+        lambdas: recorded_lambdas(inputs, merged),
     })
+}
+
+/// The λ per agent the merged folder's record gives, when it is an rlmerge merge of these agents
+/// (the same folders, in any order); empty otherwise.
+fn recorded_lambdas(inputs: &Inputs, merged: &ModelFolder) -> Vec<Option<f64>> {
+    let Ok(record) = crate::record::MergeRecord::read(&merged.dir) else {
+        return Vec::new();
+    };
+    let real = |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    inputs
+        .agents
+        .iter()
+        .map(|a| {
+            let dir = real(&a.dir);
+            // The record's inputs are absolute: the base, then the agents in order.
+            record
+                .inputs
+                .iter()
+                .skip(1)
+                .zip(&record.agents)
+                .find(|(input, _)| real(&input.path) == dir)
+                .and_then(|(_, agent)| agent.lambda)
+        })
+        .collect()
 }

@@ -56,9 +56,17 @@ pub struct Retention {
     pub agents: Vec<String>,
     /// Per agent: unique, shared, all ([`REGIONS`]).
     pub regions: Vec<[RegionSums; 3]>,
+    /// Per agent, the λ the merge gave it, where the merged folder's record says (an rlmerge
+    /// merge of the RAM family with one λ per agent); empty otherwise.
+    pub lambdas: Vec<Option<f64>>,
 }
 
 impl Retention {
+    /// Agent `t`'s λ in the merge, if known.
+    pub fn lambda(&self, t: usize) -> Option<f64> {
+        self.lambdas.get(t).copied().flatten()
+    }
+
     pub fn to_json(&self) -> Value {
         let agents: Vec<Value> = self
             .agents
