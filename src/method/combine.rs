@@ -42,27 +42,7 @@ pub fn rank_threshold(p0: f32, step: f32, rank: u32) -> u32 {
     (p * 4_294_967_296.0f32) as u32
 }
 
-/// 1-based ranks of |v| ascending within each rank group (ties: lower index first, as a stable
-/// sort), for a run of whole slabs of `slab` elements: in each slab, elements k, k + `stride`,
-/// k + 2·`stride`, … form group k (stride 1: the slab is one group, a row). That is a ranking
-/// along dimension 1, as mergekit's DELLA ranks: a matrix's rows, or for a tensor [a, b, c, …]
-/// the b elements that share every other index (slab b·c·…, stride c·…).
-pub fn row_ranks(v: &[f32], slab: usize, stride: usize, out: &mut Vec<u32>) {
-    out.clear();
-    out.resize(v.len(), 0);
-    let stride = stride.max(1);
-    let mut order: Vec<u32> = Vec::with_capacity(slab / stride);
-    for (slab, ranks) in v.chunks(slab).zip(out.chunks_mut(slab)) {
-        for k in 0..stride.min(slab.len()) {
-            order.clear();
-            order.extend((k..slab.len()).step_by(stride).map(|i| i as u32));
-            order.sort_by_key(|&i| (magnitude_key(slab[i as usize]), i));
-            for (pos, &i) in order.iter().enumerate() {
-                ranks[i as usize] = pos as u32 + 1;
-            }
-        }
-    }
-}
+pub use crate::select::row_ranks;
 
 /// The keep threshold of a Bernoulli(density) mask.
 pub fn random_threshold(density: f64) -> u32 {
@@ -648,19 +628,6 @@ mod tests {
     }
 
     /// Rank groups: a row whole (stride 1), or elements `stride` apart within each slab.
-    #[test]
-    fn row_ranks_by_hand() {
-        let mut r = Vec::new();
-        row_ranks(&[3.0, -1.0, 2.0, 5.0, 4.0, 0.5], 3, 1, &mut r);
-        assert_eq!(r, [3, 1, 2, 3, 2, 1]);
-        // Slab [[3, −1], [2, 5], [4, 0.5]] of shape [3, 2], stride 2: columns ranked.
-        row_ranks(&[3.0, -1.0, 2.0, 5.0, 4.0, 0.5], 6, 2, &mut r);
-        assert_eq!(r, [2, 2, 1, 3, 3, 1]);
-        // Ties by index.
-        row_ranks(&[1.0, 1.0, -1.0], 3, 1, &mut r);
-        assert_eq!(r, [1, 2, 3]);
-    }
-
     #[test]
     fn random_masks_depend_on_tensor_agent_and_index_only() {
         use crate::hash::hash_key;

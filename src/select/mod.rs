@@ -8,6 +8,7 @@ mod cut;
 mod histogram;
 mod key_cut;
 mod key_window;
+mod ranks;
 #[cfg(test)]
 mod tests;
 
@@ -19,6 +20,7 @@ pub use cut::{magnitude_key, RankCut};
 use histogram::{histogram_pass, Histogram};
 pub use key_cut::key_rank_cut;
 use key_window::KeyWindow;
+pub use ranks::row_ranks;
 use std::ops::ControlFlow;
 
 /// The third pass's search for where cut `cut` splits the elements tied at key `key`: the index
