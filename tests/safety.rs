@@ -284,6 +284,36 @@ fn demo_never_replaces_the_users_files() {
         std::fs::read(d.join("coding-agent/model.safetensors")).unwrap(),
         b"theirs"
     );
+    // The demo's recipe.yml: the user's own file of that name, a link to one, or a FIFO is
+    // refused up front (exit 2, nothing written, the link's target untouched).
+    std::fs::remove_dir_all(&d).unwrap();
+    let theirs = dir.path().join("theirs.yml");
+    std::fs::write(&theirs, b"merge_method: mine\n").unwrap();
+    for plant in ["file", "link", "fifo"] {
+        std::fs::create_dir_all(&d).unwrap();
+        let recipe = d.join("recipe.yml");
+        match plant {
+            "file" => std::fs::write(&recipe, b"merge_method: mine\n").unwrap(),
+            "link" => std::os::unix::fs::symlink(&theirs, &recipe).unwrap(),
+            _ => assert!(std::process::Command::new("mkfifo")
+                .arg(&recipe)
+                .status()
+                .unwrap()
+                .success()),
+        }
+        let o = run();
+        assert_eq!(o.status.code(), Some(2), "{plant}: {}", stderr(&o));
+        assert!(stderr(&o).contains("recipe.yml"), "{}", stderr(&o));
+        assert!(
+            !d.join("base").exists(),
+            "{plant}: the demo wrote models first"
+        );
+        assert_eq!(std::fs::read(&theirs).unwrap(), b"merge_method: mine\n");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+    // Its own recipe is rewritten, as its own folders are.
+    assert!(run().status.success());
+    assert!(run().status.success());
 }
 
 #[test]

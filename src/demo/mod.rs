@@ -249,6 +249,19 @@ pub fn write_example(
     for d in std::iter::once("base").chain(DEMO_AGENTS.iter().map(|a| a.0)) {
         check_replaceable(&dir.join(d))?;
     }
+    // The recipe beside them is replaced only where it is the demo's own (the same text): a
+    // user's recipe.yml, a link or a FIFO of that name is refused before anything is written.
+    let recipe = dir.join(RECIPE_FILE);
+    if let Ok(m) = recipe.symlink_metadata() {
+        let ours = m.is_file() && std::fs::read(&recipe).is_ok_and(|b| b == RECIPE.as_bytes());
+        if !ours {
+            return Err(usage(format!(
+                "demo: {} exists and is not the demo's recipe; it will not be replaced: choose \
+                 another folder",
+                recipe.display()
+            )));
+        }
+    }
     write_model(&base, shape, seed, None, u64::MAX)?;
     let mut agents = Vec::new();
     for (name, agent_seed, density) in DEMO_AGENTS {
