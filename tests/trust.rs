@@ -734,6 +734,66 @@ fn hostile_names_are_escaped_in_cards_terminals_and_figures() {
         card.contains(&format!("``{}``", agents[0].display())),
         "{card}"
     );
+    // A mergekit method's card shows its recipe (the names in it) in a fenced block that no
+    // line of it can close: outside that block, the same rules hold.
+    let out = d.path().join("out-ties");
+    let mut cmd = rlmerge();
+    cmd.arg("merge").arg("--base").arg(&base);
+    for a in &agents {
+        cmd.arg("--model").arg(a);
+    }
+    let o = cmd
+        .args([
+            "--method",
+            "ties",
+            "--param",
+            "weight=1",
+            "--param",
+            "density=0.5",
+        ])
+        .args(["--allow-missing-tensors", "-o"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err_of(&o));
+    let card = std::fs::read_to_string(out.join("README.md")).unwrap();
+    for bad in ['\u{1b}', '\u{7}', '\u{202e}', '\u{ffff}'] {
+        assert!(!card.contains(bad), "card holds {bad:?}");
+    }
+    let body = card.splitn(3, "---\n").nth(2).unwrap();
+    let mut fence: Option<String> = None;
+    let mut fenced = 0;
+    for line in body.lines() {
+        let ticks: String = line.chars().take_while(|&c| c == '`').collect();
+        match &fence {
+            Some(f) if line == f => fence = None,
+            Some(f) => {
+                assert!(
+                    !line.starts_with(f.as_str()),
+                    "a line closes the fence: {line:?}"
+                );
+                fenced += 1;
+                continue;
+            }
+            None if ticks.len() >= 3 => {
+                fence = Some(ticks);
+                continue;
+            }
+            None => {}
+        }
+        let line = without_code_spans(line);
+        assert!(
+            !line.starts_with('#') || line == "# Merged model" || line.starts_with("## "),
+            "a forged heading: {line:?}"
+        );
+        assert!(
+            !line.contains("<img") && !line.contains("<script"),
+            "raw HTML: {line:?}"
+        );
+        assert!(!line.contains("](http://e"), "a live link: {line:?}");
+    }
+    assert!(fence.is_none(), "an unclosed fence");
+    assert!(fenced > 5 && card.contains("merge_method: ties"), "{card}");
     // The figures are well-formed XML, with the names in them.
     let plot = d.path().join("plot");
     let o = analyze_plot(&base, &agents, &plot, &["--allow-missing-tensors"]);
