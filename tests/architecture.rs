@@ -242,3 +242,64 @@ fn no_file_or_function_is_too_long() {
     assert!(files.len() > 50, "the walk found the sources");
     assert!(found.is_empty(), "split these:\n{}", found.join("\n"));
 }
+
+/// Every `pub fn` of the crate is used somewhere — in the crate, the binary, the Python binding,
+/// the tests or the benches: a public function nobody calls is dead code the compiler cannot
+/// flag (it may be the library's API). A name used anywhere else counts as used, so this only
+/// catches functions whose name appears nowhere but their definition.
+#[test]
+fn no_public_function_is_dead() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for dir in ["src", "python/src", "tests", "benches"] {
+        rust_files(&root.join(dir), &mut files);
+    }
+    let texts: Vec<(std::path::PathBuf, String)> = files
+        .into_iter()
+        .map(|f| {
+            let t = std::fs::read_to_string(&f).unwrap();
+            (f, t)
+        })
+        .collect();
+    let words = |text: &str, name: &str| {
+        text.match_indices(name)
+            .filter(|&(i, _)| {
+                let before = text[..i].chars().next_back();
+                let after = text[i + name.len()..].chars().next();
+                let word = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_');
+                !word(before) && !word(after)
+            })
+            .count()
+    };
+    let mut dead = Vec::new();
+    for (path, text) in texts
+        .iter()
+        .filter(|(p, _)| p.starts_with(root.join("src")))
+    {
+        for line in text.lines() {
+            let code = line.trim_start();
+            let Some(rest) = ["pub fn ", "pub(crate) fn ", "pub(super) fn "]
+                .iter()
+                .find_map(|p| code.strip_prefix(p))
+            else {
+                continue;
+            };
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            let uses: usize = texts.iter().map(|(_, t)| words(t, &name)).sum();
+            if uses <= 1 {
+                dead.push(format!(
+                    "{}: {name}",
+                    path.strip_prefix(root).unwrap().display()
+                ));
+            }
+        }
+    }
+    assert!(
+        dead.is_empty(),
+        "public functions nothing uses:\n{}",
+        dead.join("\n")
+    );
+}

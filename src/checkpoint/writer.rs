@@ -163,10 +163,6 @@ impl CheckpointWriter {
         self.tensors[index].dtype
     }
 
-    pub fn shard_count(&self) -> usize {
-        self.shards.len()
-    }
-
     /// Writes `bytes` of tensor `index` (in the planned list) starting at byte `start` within it.
     pub fn write_at(&self, index: usize, start: u64, bytes: &[u8]) -> Result<()> {
         let t = &self.tensors[index];

@@ -218,11 +218,6 @@ impl OutputFolder {
         self.scratch.path()
     }
 
-    /// The resolved output path.
-    pub fn final_path(&self) -> &Path {
-        &self.final_dir
-    }
-
     /// Moves the finished folder into place. Without `--force` nothing at the output path is
     /// replaced, not even what appeared there during the merge; with it, only what
     /// [`replaceable`] allows, and only now that the new folder is complete.
