@@ -13,15 +13,13 @@ fn models() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mergekit/models")
 }
 
-/// The adapter in `adapter` merged into the base as PEFT defines it, in the f32 order rlmerge
-/// promises (SPEC §5): per element Σ_k B[i,k]·A[k,j] with k ascending, times s, plus θ₀.
+/// The adapter in `adapter` merged into the base as PEFT defines it ([`lora_merged_by_hand`]),
+/// s = alpha / r (rsLoRA: alpha / √r) from the config's patterns.
 fn merged_by_hand(adapter: &Path, out: &Path) {
     let config: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap(),
     )
     .unwrap();
-    let lora = read_file(&adapter.join("adapter_model.safetensors"));
-    let base = read_folder(&models().join("base"));
     // PEFT's rule: each key a regular expression matched as `(.*\.)?(KEY)$` (the fixtures have
     // one key per pattern, so the file's order — which PEFT follows — does not matter here;
     // tests/trust.rs checks the order).
@@ -36,58 +34,17 @@ fn merged_by_hand(adapter: &Path, out: &Path) {
             })
             .and_then(|(_, v)| v.as_f64())
     };
-    let mut tensors = Vec::new();
-    for (name, (dt, shape, bytes)) in &base {
-        let mut w = from_bytes(*dt, bytes);
-        let module = name.strip_suffix(".weight").unwrap_or(name);
-        let key = |m: &str| format!("base_model.model.{module}.{m}");
-        let (a, b, transposed) = match (
-            lora.get(&key("lora_A.weight")),
-            lora.get(&key("lora_embedding_A")),
-        ) {
-            (Some(a), _) => (a, &lora[&key("lora_B.weight")], false),
-            (None, Some(a)) => (a, &lora[&key("lora_embedding_B")], true),
-            (None, None) => {
-                tensors.push(T {
-                    name: name.clone(),
-                    dtype: Dtype::F32,
-                    shape: shape.clone(),
-                    values: w,
-                });
-                continue;
-            }
-        };
+    let scale = |module: &str, _: usize| {
         let r = pattern("rank_pattern", module).unwrap_or(config["r"].as_f64().unwrap());
         let alpha =
             pattern("alpha_pattern", module).unwrap_or(config["lora_alpha"].as_f64().unwrap());
-        let s = if config["use_rslora"].as_bool().unwrap_or(false) {
-            alpha / r.sqrt()
+        if config["use_rslora"].as_bool().unwrap_or(false) {
+            (alpha / r.sqrt()) as f32
         } else {
-            alpha / r
-        } as f32;
-        let (av, bv) = (from_bytes(a.0, &a.2), from_bytes(b.0, &b.2));
-        let (m, n, r) = (shape[0], shape[1], r as usize);
-        for i in 0..m {
-            for j in 0..n {
-                let mut acc = 0.0f32;
-                for k in 0..r {
-                    acc += if transposed {
-                        av[k * m + i] * bv[j * r + k]
-                    } else {
-                        bv[i * r + k] * av[k * n + j]
-                    };
-                }
-                w[i * n + j] += acc * s;
-            }
+            (alpha / r) as f32
         }
-        tensors.push(T {
-            name: name.clone(),
-            dtype: Dtype::F32,
-            shape: shape.clone(),
-            values: w,
-        });
-    }
-    write_folder(out, &tensors, 1);
+    };
+    lora_merged_by_hand(&models().join("base"), adapter, out, &scale);
 }
 
 fn merge_cmd(out: &Path, agents: &[PathBuf], args: &[&str]) -> assert_cmd::Command {

@@ -218,42 +218,11 @@ fn lora_values_pass_the_finiteness_gate_for_every_method_and_backend() {
     assert!(o.status.success(), "{}", err_of(&o));
 }
 
-/// The agent PEFT itself would build from an adapter, by hand: per module, s = alpha / r from
-/// `alpha_of` / `rank_of`; element (i, j) += s·Σ_k B[i,k]·A[k,j], k ascending, in f32.
+/// The agent PEFT itself would build from an adapter, by hand ([`lora_merged_by_hand`]): per
+/// module, s = alpha / r with alpha from `alpha_of`; the base's config beside it.
 fn lora_by_hand(adapter: &Path, out: &Path, alpha_of: &dyn Fn(&str) -> f64) {
-    let lora = read_file(&adapter.join("adapter_model.safetensors"));
-    let base = read_folder(&models().join("base"));
-    let mut tensors = Vec::new();
-    for (name, (dt, shape, bytes)) in &base {
-        let mut w = from_bytes(*dt, bytes);
-        let module = name.strip_suffix(".weight").unwrap_or(name);
-        let key = |m: &str| format!("base_model.model.{module}.{m}");
-        if let (Some(a), Some(b)) = (
-            lora.get(&key("lora_A.weight")),
-            lora.get(&key("lora_B.weight")),
-        ) {
-            let (av, bv) = (from_bytes(a.0, &a.2), from_bytes(b.0, &b.2));
-            let r = a.1[0];
-            let s = (alpha_of(module) / r as f64) as f32;
-            let (m, n) = (shape[0], shape[1]);
-            for i in 0..m {
-                for j in 0..n {
-                    let mut acc = 0.0f32;
-                    for k in 0..r {
-                        acc += bv[i * r + k] * av[k * n + j];
-                    }
-                    w[i * n + j] += acc * s;
-                }
-            }
-        }
-        tensors.push(T {
-            name: name.clone(),
-            dtype: Dtype::F32,
-            shape: shape.clone(),
-            values: w,
-        });
-    }
-    write_folder(out, &tensors, 1);
+    let scale = |module: &str, r: usize| (alpha_of(module) / r as f64) as f32;
+    lora_merged_by_hand(&models().join("base"), adapter, out, &scale);
     std::fs::copy(models().join("base/config.json"), out.join("config.json")).unwrap();
 }
 

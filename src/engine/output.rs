@@ -9,6 +9,7 @@ use crate::checkpoint::safetensors_file::crc32_of_file;
 use crate::checkpoint::safetensors_file::FileChecksum;
 use crate::checkpoint::{DType, OutputFolder};
 use crate::inputs::{identical_inputs, Inputs};
+use crate::job::MERGEKIT_CONFIG_FILE;
 use crate::record::OVERLAP_FIGURE;
 use crate::record::{self, AgentSummary, InputChecksums, MergeRecord};
 use crate::slices::{Slices, Source};
@@ -145,7 +146,12 @@ pub(super) fn finish(
         inputs: input_sums,
         outputs,
     };
-    record::write(folder.path(), &record)?;
+    let recipe = options
+        .extra_files
+        .iter()
+        .find(|(name, _)| name == MERGEKIT_CONFIG_FILE)
+        .map(|(_, text)| text.as_str());
+    record::write(folder.path(), &record, recipe)?;
     inputs.check_unchanged()?;
     folder.commit()?;
     Ok(MergeSummary {

@@ -138,10 +138,9 @@ fn tick_label(v: f64, step: f64) -> String {
     format!("{v:.digits$}{unit}")
 }
 
-/// An SVG being written: the canvas, its text, and the legend's layout.
+/// An SVG being written: its elements, until [`Svg::finish`] puts them on a canvas.
 struct Svg {
     body: String,
-    height: f64,
 }
 
 impl Svg {
@@ -149,7 +148,6 @@ impl Svg {
     fn new(title: &str) -> Svg {
         let mut svg = Svg {
             body: String::new(),
-            height: 0.0,
         };
         svg.text(20.0, 26.0, 15.0, "start", title, None);
         svg
@@ -202,12 +200,10 @@ impl Svg {
     }
 
     /// The finished SVG, `height` high.
-    fn finish(mut self, height: f64) -> String {
-        self.height = height;
+    fn finish(self, height: f64) -> String {
         format!(
-            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"{h}\" viewBox=\"0 0 {WIDTH} {h}\" font-family=\"DejaVu Sans, Verdana, sans-serif\">\n<rect width=\"{WIDTH}\" height=\"{h}\" fill=\"white\"/>\n{}</svg>\n",
-            self.body,
-            h = self.height
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"{height}\" viewBox=\"0 0 {WIDTH} {height}\" font-family=\"DejaVu Sans, Verdana, sans-serif\">\n<rect width=\"{WIDTH}\" height=\"{height}\" fill=\"white\"/>\n{}</svg>\n",
+            self.body
         )
     }
 }

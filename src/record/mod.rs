@@ -3,7 +3,6 @@
 //! ("Recipe" means only the mergekit YAML a merge may come from, saved as `mergekit_config.yml`.)
 
 use crate::checkpoint::safetensors_file::FileChecksum;
-use crate::job::MERGEKIT_CONFIG_FILE;
 use crate::method::{AgentCounts, Method};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -140,21 +139,14 @@ impl MergeRecord {
     }
 }
 
-/// Writes the record and the model card into `dir`.
-pub fn write(dir: &Path, record: &MergeRecord) -> Result<()> {
+/// Writes the record and the model card into `dir`; `recipe` is the mergekit recipe the merge
+/// saved beside them (a recipe's, or the command line's as one), which the card shows.
+pub fn write(dir: &Path, record: &MergeRecord, recipe: Option<&str>) -> Result<()> {
     let path = dir.join(RECORD_FILE);
     std::fs::write(&path, serde_json::to_string_pretty(record)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
-    // The recipe the merge saved (a recipe's, or the command line's as one), shown by the card.
-    let recipe = record
-        .outputs
-        .iter()
-        .any(|f| f.file == MERGEKIT_CONFIG_FILE)
-        .then(|| std::fs::read_to_string(dir.join(MERGEKIT_CONFIG_FILE)))
-        .transpose()
-        .with_context(|| format!("cannot read {MERGEKIT_CONFIG_FILE}"))?;
     let path = dir.join(CARD_FILE);
-    std::fs::write(&path, model_card(record, recipe.as_deref()))
+    std::fs::write(&path, model_card(record, recipe))
         .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
 }

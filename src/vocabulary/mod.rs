@@ -248,14 +248,18 @@ impl Vocabulary {
                 }
             };
             // A named model's row: that model must enter this tensor's merge and hold the row.
+            let enters = |s: Source| -> Result<()> {
+                ensure!(
+                    models.contains(&s),
+                    "token {tok:?} takes its row of '{name}' from {}, which does not enter that \
+                     tensor's merge",
+                    self.describe(s)
+                );
+                Ok(())
+            };
             let resolved = match default {
                 RowDefault::SameToken(s) => {
-                    ensure!(
-                        models.contains(&s),
-                        "token {tok:?} takes its row of '{name}' from {}, which does not enter \
-                         that tensor's merge",
-                        self.describe(s)
-                    );
+                    enters(s)?;
                     ensure!(
                         has(s, r),
                         "token {tok:?} takes its row from {}, whose vocabulary lacks it",
@@ -264,12 +268,7 @@ impl Vocabulary {
                     RowDefault::Row(s, self.perms[slot(s)][r])
                 }
                 RowDefault::Row(s, row) => {
-                    ensure!(
-                        models.contains(&s),
-                        "token {tok:?} takes its row of '{name}' from {}, which does not enter \
-                         that tensor's merge",
-                        self.describe(s)
-                    );
+                    enters(s)?;
                     ensure!(
                         (row as usize) < rows_of(s),
                         "token {tok:?} takes row {row} of '{name}' in {}, which has {} rows",

@@ -602,3 +602,55 @@ pub fn tokenizer_vocab(file: &Path) -> HashMap<String, usize> {
     }
     v
 }
+
+/// Base folder `base` with the PEFT adapter in `adapter` merged into it by hand, as PEFT defines
+/// it and in the f32 order rlmerge promises (SPEC §5): element (i, j) += s·Σ_k B[i,k]·A[k,j]
+/// (embedding adapters: (B·A)ᵀ), k ascending, no fused multiply-add, with s = `scale(module, r)`.
+/// Written to `out` in f32, one shard — the independent reference of the LoRA tests.
+pub fn lora_merged_by_hand(
+    base: &Path,
+    adapter: &Path,
+    out: &Path,
+    scale: &dyn Fn(&str, usize) -> f32,
+) {
+    let lora = read_file(&adapter.join("adapter_model.safetensors"));
+    let mut tensors = Vec::new();
+    for (name, (dt, shape, bytes)) in &read_folder(base) {
+        let mut w = from_bytes(*dt, bytes);
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        let key = |m: &str| format!("base_model.model.{module}.{m}");
+        let pair = match (
+            lora.get(&key("lora_A.weight")),
+            lora.get(&key("lora_embedding_A")),
+        ) {
+            (Some(a), _) => Some((a, &lora[&key("lora_B.weight")], false)),
+            (None, Some(a)) => Some((a, &lora[&key("lora_embedding_B")], true)),
+            (None, None) => None,
+        };
+        if let Some((a, b, transposed)) = pair {
+            let (av, bv) = (from_bytes(a.0, &a.2), from_bytes(b.0, &b.2));
+            let (m, n, r) = (shape[0], shape[1], a.1[0]);
+            let s = scale(module, r);
+            for i in 0..m {
+                for j in 0..n {
+                    let mut acc = 0.0f32;
+                    for k in 0..r {
+                        acc += if transposed {
+                            av[k * m + i] * bv[j * r + k]
+                        } else {
+                            bv[i * r + k] * av[k * n + j]
+                        };
+                    }
+                    w[i * n + j] += acc * s;
+                }
+            }
+        }
+        tensors.push(T {
+            name: name.clone(),
+            dtype: Dtype::F32,
+            shape: shape.clone(),
+            values: w,
+        });
+    }
+    write_folder(out, &tensors, 1);
+}
