@@ -1399,3 +1399,71 @@ fn a_signal_at_the_commit_never_misreports_the_output() {
     }
     eprintln!("{interrupted} interrupted, {completed} completed");
 }
+
+/// retention.svg reads λ from the merged folder's record: a record that is a FIFO is never
+/// opened (analyze finishes, without λ), and a record of other agents gives none for them — only
+/// the record of a merge of these very agents gives theirs.
+#[test]
+fn retention_reads_lambda_only_from_a_regular_record_of_these_agents() {
+    let d = tempfile::tempdir().unwrap();
+    let (base, agents) = small(d.path(), &["a", "b"]);
+    let merged = d.path().join("merged");
+    let mut cmd = rlmerge();
+    cmd.arg("merge").arg("--base").arg(&base);
+    for a in &agents {
+        cmd.arg("--model").arg(a);
+    }
+    let o = cmd
+        .args(["-q", "--method", "ram+", "-o"])
+        .arg(&merged)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err_of(&o));
+    let has_lambda = |case: &str| {
+        let plot = d.path().join(format!("plot-{case}"));
+        let o = analyze_plot(
+            &base,
+            &agents,
+            &plot,
+            &["--merged", merged.to_str().unwrap()],
+        );
+        assert!(o.status.success(), "{case}: {}", err_of(&o));
+        std::fs::read_to_string(plot.join("retention.svg"))
+            .unwrap()
+            .contains("λ = ")
+    };
+    assert!(has_lambda("record"), "a merge of these agents gives its λ");
+    // The same weights with another merge's record: its agents are not these.
+    let record = merged.join("rlmerge_record.json");
+    let text = std::fs::read_to_string(&record).unwrap();
+    let other = text.replace(&agents[0].display().to_string(), "/elsewhere/a");
+    std::fs::write(&record, other).unwrap();
+    let a_lambda = {
+        let plot = d.path().join("plot-other");
+        let o = analyze_plot(
+            &base,
+            &agents,
+            &plot,
+            &["--merged", merged.to_str().unwrap()],
+        );
+        assert!(o.status.success(), "{}", err_of(&o));
+        std::fs::read_to_string(plot.join("retention.svg")).unwrap()
+    };
+    assert_eq!(
+        a_lambda.matches("λ = ").count(),
+        1,
+        "only agent b is this merge's"
+    );
+    std::fs::remove_file(&record).unwrap();
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&record)
+        .status()
+        .unwrap()
+        .success());
+    let start = Instant::now();
+    assert!(!has_lambda("fifo"), "a FIFO record gives no λ");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "the FIFO was opened"
+    );
+}
