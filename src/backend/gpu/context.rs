@@ -26,6 +26,12 @@ pub(super) fn backends_from_env() -> wgpu::Backends {
         .unwrap_or(wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12)
 }
 
+/// Held while an instance is made and its adapters listed or opened. On an H200 (NVIDIA 580,
+/// Vulkan) a test process that opened devices from several threads at once crashed (SIGSEGV) or
+/// hung, while every test passed alone; opening one at a time costs nothing a merge notices.
+/// A precaution: it was not re-run there with this lock.
+static OPENING: Mutex<()> = Mutex::new(());
+
 pub(super) fn new_instance() -> wgpu::Instance {
     wgpu::Instance::new(wgpu::InstanceDescriptor {
         backends: backends_from_env(),
@@ -35,6 +41,7 @@ pub(super) fn new_instance() -> wgpu::Instance {
 
 /// Every adapter wgpu sees (honouring `WGPU_BACKEND`).
 pub fn list_adapters() -> Vec<AdapterSummary> {
+    let _one_at_a_time = OPENING.lock().unwrap_or_else(|p| p.into_inner());
     let instance = new_instance();
     pollster::block_on(instance.enumerate_adapters(backends_from_env()))
         .into_iter()
@@ -95,6 +102,7 @@ impl GpuContext {
     /// Opens the best adapter for `choice` (honouring `WGPU_BACKEND`, `WGPU_ADAPTER_NAME`,
     /// `WGPU_POWER_PREF`); `Ok(None)` when none fits.
     pub fn open(choice: AdapterChoice) -> Result<Option<GpuContext>> {
+        let _one_at_a_time = OPENING.lock().unwrap_or_else(|p| p.into_inner());
         let instance = new_instance();
         let adapters = pollster::block_on(instance.enumerate_adapters(backends_from_env()));
         let wanted_name = std::env::var("WGPU_ADAPTER_NAME")

@@ -10,7 +10,9 @@ mod buffers;
 mod context;
 mod kernels;
 mod layout;
+mod subnormals;
 
+use super::cpu::CpuBackend;
 use super::{Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::method::SharedRule;
 use anyhow::Result;
@@ -18,7 +20,7 @@ use buffers::Buffers;
 pub use context::{list_adapters, AdapterChoice, AdapterSummary, GpuContext};
 use kernels::Kernel;
 use layout::wgsl;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 /// Most agents the shaders take: masks are one u32, the workgroup histogram 32².
@@ -56,6 +58,8 @@ pub struct PhaseTimes {
     pub wait: Duration,
     /// Copying mapped results out.
     pub readback: Duration,
+    /// Tiles computed by the CPU kernels: tiny values on an adapter that flushes subnormals.
+    pub cpu_tiles: u64,
 }
 
 pub struct GpuBackend {
@@ -63,16 +67,47 @@ pub struct GpuBackend {
     chunk_elems_cap: usize,
     buffers: Mutex<Option<Buffers>>,
     times: Mutex<PhaseTimes>,
+    /// The adapter flushes subnormal floats (`subnormals`): tiles with tiny values go to `cpu`.
+    flushes_subnormals: bool,
+    /// The CPU kernels, started on the first tile that needs them.
+    cpu: OnceLock<CpuBackend>,
 }
 
 impl GpuBackend {
+    /// The backend on `ctx`, after asking the adapter whether it flushes subnormals (one probe of
+    /// two elements).
     pub fn new(ctx: GpuContext) -> GpuBackend {
-        GpuBackend {
+        let mut gpu = GpuBackend {
             ctx,
             chunk_elems_cap: DEFAULT_CHUNK_ELEMS,
             buffers: Mutex::new(None),
             times: Mutex::new(PhaseTimes::default()),
+            flushes_subnormals: false,
+            cpu: OnceLock::new(),
+        };
+        gpu.flushes_subnormals = subnormals::adapter_flushes(&gpu);
+        gpu
+    }
+
+    /// Treats the adapter as one that flushes subnormals, whatever it does: tests exercise the
+    /// CPU route for tiny values on adapters (lavapipe) that keep them.
+    pub fn assume_flushing_subnormals(mut self) -> GpuBackend {
+        self.flushes_subnormals = true;
+        self
+    }
+
+    /// The CPU kernels when this tile must not run on this adapter (tiny values where subnormals
+    /// flush); `None` for the GPU.
+    fn cpu_for(&self, tile: &Tile) -> Result<Option<&CpuBackend>> {
+        if !self.flushes_subnormals || !subnormals::holds_tiny_values(tile) {
+            return Ok(None);
         }
+        self.add_time(|t| t.cpu_tiles += 1);
+        if let Some(cpu) = self.cpu.get() {
+            return Ok(Some(cpu));
+        }
+        let cpu = CpuBackend::new(0)?;
+        Ok(Some(self.cpu.get_or_init(|| cpu)))
     }
 
     /// Time spent per phase since the backend was made (benchmarks report it).
@@ -93,7 +128,13 @@ impl GpuBackend {
 
 impl Backend for GpuBackend {
     fn describe(&self) -> String {
-        self.ctx.describe()
+        let d = self.ctx.describe();
+        match self.flushes_subnormals {
+            true => format!(
+                "{d}; it flushes subnormals, so tiles with values below 2^-60 run on the CPU"
+            ),
+            false => d,
+        }
     }
 
     fn preferred_tile_elems(&self) -> usize {
@@ -114,23 +155,23 @@ impl Backend for GpuBackend {
     }
 
     fn probe(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts> {
-        let mut counts = TileCounts::zeros(tile.agents.len());
-        self.run_chunks(
-            tile,
-            tile.dtype,
-            (epsilon, wgsl::SHARED_MEAN),
-            |_, _, _| Ok(()),
-            Kernel::Probe,
-            |_, _, results| add_hist(&mut counts, results[0]),
-        )?;
-        Ok(counts)
+        match self.cpu_for(tile)? {
+            Some(cpu) => cpu.probe(tile, epsilon),
+            None => self.probe_on_device(tile, epsilon),
+        }
     }
 
     fn combine(&self, tile: &Tile, params: &CombineParams, out: &mut [u8]) -> Result<()> {
-        self.combine_tile(tile, params, out)
+        match self.cpu_for(tile)? {
+            Some(cpu) => cpu.combine(tile, params, out),
+            None => self.combine_tile(tile, params, out),
+        }
     }
 
     fn merge(&self, tile: &Tile, params: &MergeParams, out: &mut [u8]) -> Result<()> {
+        if let Some(cpu) = self.cpu_for(tile)? {
+            return cpu.merge(tile, params, out);
+        }
         let mut unused = TileCounts::zeros(0);
         self.merge_tile(tile, params, out, Kernel::Merge, &mut unused)
     }
@@ -141,8 +182,27 @@ impl Backend for GpuBackend {
         params: &MergeParams,
         out: &mut [u8],
     ) -> Result<TileCounts> {
+        if let Some(cpu) = self.cpu_for(tile)? {
+            return cpu.merge_counted(tile, params, out);
+        }
         let mut counts = TileCounts::zeros(tile.agents.len());
         self.merge_tile(tile, params, out, Kernel::MergeCounted, &mut counts)?;
+        Ok(counts)
+    }
+}
+
+impl GpuBackend {
+    /// The probe pass on the device, whatever the tile holds.
+    fn probe_on_device(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts> {
+        let mut counts = TileCounts::zeros(tile.agents.len());
+        self.run_chunks(
+            tile,
+            tile.dtype,
+            (epsilon, wgsl::SHARED_MEAN),
+            |_, _, _| Ok(()),
+            Kernel::Probe,
+            |_, _, results| add_hist(&mut counts, results[0]),
+        )?;
         Ok(counts)
     }
 }

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""The GPU backend next to the CPU backend on one machine, end to end.
+
+Writes a synthetic base + 3 RL-like agents (`rlmerge demo --model-size SIZE --write-only`), then
+times each method with `--device cpu` and `--device gpu`, runs alternating, next to the read limit
+(`cat` of every input + `cp -r` of the base). Prints a Markdown table: median wall time, input
+GB/s, ratio to the read limit, peak RSS. Standard library only, so it runs on a bare GPU host
+with a prebuilt binary and no toolchain:
+
+    benches/gpu_vs_cpu.py [--bin target/release/rlmerge] [--size 2GiB] [--runs 3] [--dir DIR]
+
+Before every timed run the previous output is deleted and dirty pages are flushed (`sync`), so
+no run pays for another's writeback.
+"""
+
+import argparse
+import glob
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+METHODS = [
+    ["ram"],
+    ["ram+"],
+    ["task_arithmetic", "--param", "weight=0.5"],
+    ["ties", "--param", "weight=1", "--param", "density=0.5"],
+    ["dare_ties", "--param", "weight=1", "--param", "density=0.5"],
+]
+AGENTS = ["coding-agent", "tool-agent", "memory-agent"]
+
+
+def timed(argv, out):
+    """Wall seconds and peak RSS (MiB) of one command; its output folder is removed first."""
+    shutil.rmtree(out, ignore_errors=True)
+    os.sync()
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    err = proc.stderr.read().decode(errors="replace")
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"{' '.join(argv)} failed:\n{err}")
+    return seconds, usage.ru_maxrss / 1024
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bin", default="target/release/rlmerge")
+    ap.add_argument("--size", default="2GiB")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dir", default="target/gpu-bench-models")
+    args = ap.parse_args()
+
+    marker = os.path.join(args.dir, f".size-{args.size}")
+    if not os.path.exists(marker):
+        shutil.rmtree(args.dir, ignore_errors=True)
+        t, _ = timed([args.bin, "demo", args.dir, "--model-size", args.size, "--write-only",
+                      "--quiet"], os.path.join(args.dir, ".none"))
+        open(marker, "w").close()
+        print(f"wrote the models in {t:.1f} s")
+    files = sorted(
+        f for m in ["base"] + AGENTS for f in glob.glob(os.path.join(args.dir, m, "*.safetensors"))
+    )
+    nbytes = sum(os.path.getsize(f) for f in files)
+    out = os.path.join(args.dir, ".out")
+
+    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)  # warm the cache
+    cat = statistics.median(timed(["cat", *files], out)[0] for _ in range(args.runs))
+    cp = statistics.median(
+        timed(["cp", "-r", os.path.join(args.dir, "base"), out], out)[0] for _ in range(args.runs)
+    )
+    limit = cat + cp
+    print(f"inputs {nbytes / 1e9:.2f} GB in {len(files)} files; cat {cat:.2f} s + cp {cp:.2f} s "
+          f"= read limit {limit:.2f} s (median of {args.runs})\n")
+
+    models = ["--base", os.path.join(args.dir, "base")]
+    for a in AGENTS:
+        models += ["--model", os.path.join(args.dir, a)]
+    print("| method | device | median s | input GB/s | × read limit | peak RSS |")
+    print("|---|---|---|---|---|---|")
+    for method in METHODS:
+        samples = {"cpu": [], "gpu": []}
+        rss = {"cpu": 0.0, "gpu": 0.0}
+        for _ in range(args.runs):
+            for device in samples:  # alternating, so drift hits both alike
+                argv = [args.bin, "merge", "-q", "--device", device, *models, "--method", *method,
+                        "-o", out]
+                t, r = timed(argv, out)
+                samples[device].append(t)
+                rss[device] = max(rss[device], r)
+        for device, ts in samples.items():
+            t = statistics.median(ts)
+            print(f"| {method[0]} | {device} | {t:.2f} | {nbytes / t / 1e9:.2f} | {t / limit:.2f} "
+                  f"| {rss[device]:.0f} MiB |", flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
