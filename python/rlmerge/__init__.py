@@ -1,9 +1,10 @@
 """rlmerge: merge RL-trained LLM agents that share a base model into one checkpoint.
 
-The functions here run the rlmerge library in this process (no subprocess): the same code,
-checks and exit rules as the ``rlmerge`` command, whose one-line error becomes the message of a
-:class:`MergeError` (a :class:`UsageError`, also a ``ValueError``, for a bad request). The GIL is
-released while a merge runs, and Ctrl-C stops it cleanly: nothing is left at the output path.
+The functions here call the rlmerge library in this process (no subprocess, no command line):
+a merge's keywords become the library's recipe, read and checked as a recipe file is. Failures
+raise :class:`MergeError` (:class:`UsageError`, also a ``ValueError``, for a bad request), made
+by the library's binding with its message. The GIL is released while a call runs, and Ctrl-C
+stops the call it interrupts cleanly: nothing is left at the output path.
 """
 
 from __future__ import annotations
@@ -11,12 +12,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
-import tempfile
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-from ._rlmerge import __version__
-from ._rlmerge import call as _call
+from . import _rlmerge as _native
+from ._rlmerge import MergeError, UsageError, __version__
 
 __all__ = [
     "MergeError",
@@ -30,33 +29,6 @@ __all__ = [
 ]
 
 PathLike = Union[str, bytes, "os.PathLike[str]"]
-
-#: The record a merge writes into its output folder.
-RECORD_FILE = "rlmerge_record.json"
-
-
-class MergeError(Exception):
-    """A merge, analysis or check failed (bad input, I/O); the message is the command's error."""
-
-
-class UsageError(MergeError, ValueError):
-    """The request itself is wrong (unknown method or parameter, bad path, value out of range)."""
-
-
-def _cli(args: Sequence[str], capture: bool = True) -> str:
-    """Runs the rlmerge command line with ``args``; its output, or the error raised."""
-    code, output, error = _call([str(a) for a in args], capture)
-    if code == 0:
-        return output
-    message = (error or "failed").splitlines()[0]
-    if message.startswith("error: "):
-        message = message[len("error: "):]
-    message = _api_words(message)
-    if code == 2:
-        raise UsageError(message)
-    if code == 130:
-        raise KeyboardInterrupt(message)
-    raise MergeError(message)
 
 
 #: A Hugging Face Hub id as the command reads one: org/name, optionally @revision.
@@ -105,42 +77,9 @@ def _check_value(key: str, value: Any) -> None:
         raise UsageError(f"parameter {key!r} must be a number, a bool or a string, got {type(value).__name__}")
 
 
-def _compute_args(device: str, quiet: bool, threads: int = 0, allow_missing_tensors: bool = False,
-                  allow_nonfinite: bool = False) -> List[str]:
-    args = ["--device", device]
-    if threads:
-        args += ["--threads", str(threads)]
-    if quiet:
-        args.append("--quiet")
-    if allow_missing_tensors:
-        args.append("--allow-missing-tensors")
-    if allow_nonfinite:
-        args.append("--allow-nonfinite")
-    return args
-
-
-def _api_words(message: str) -> str:
-    """A command-line flag a message suggests, as this API's keyword."""
-    for flag in ("allow-missing-tensors", "allow-nonfinite"):
-        message = message.replace(f"--{flag}", f"{flag.replace('-', '_')}=True")
-    return message
-
-
-def _output_args(out: PathLike, force: bool, out_dtype: Optional[str],
-                 shard_size: Optional[str]) -> List[str]:
-    args = ["-o", _path(out, "out")]
-    if force:
-        args.append("--force")
-    if out_dtype is not None:
-        args += ["--out-dtype", out_dtype]
-    if shard_size is not None:
-        args += ["--shard-size", str(shard_size)]
-    return args
-
-
-def _summary(out: PathLike) -> Dict[str, Any]:
-    """What a merge wrote: its record (``rlmerge_record.json``) as a dict, plus ``out`` (the
-    folder, absolute) and ``shards`` (the weight files written). The keys a caller reads most:
+def _summary(record_json: str, out: str) -> Dict[str, Any]:
+    """What a merge wrote: its record (as saved in ``rlmerge_record.json``) as a dict, plus ``out``
+    (the folder, absolute) and ``shards`` (the weight files written). The keys a caller reads most:
 
     - ``method``: the method and its parameters; ``epsilon``; ``out_dtype`` / ``main_dtype``;
     - ``agents``: one dict per agent, in order — ``path``; ``lambda`` (RAM+ global scope and
@@ -150,9 +89,7 @@ def _summary(out: PathLike) -> Dict[str, Any]:
     - ``inputs`` / ``outputs``: every file read and written, with its CRC-32;
     - ``warnings``: what the merge told you.
     """
-    out = _path(out, "out")
-    with open(os.path.join(out, RECORD_FILE), encoding="utf-8") as f:
-        record = json.load(f)
+    record = json.loads(record_json)
     record["out"] = os.path.abspath(out)
     record["shards"] = [o["file"] for o in record.get("outputs", [])
                         if o["file"].endswith(".safetensors")]
@@ -245,45 +182,17 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
         recipe["tokenizer_source"] = _where(tokenizer_source) if tokenizer_source not in ("base", "union") else tokenizer_source
     if tokenizer is not None:
         recipe["tokenizer"] = dict(tokenizer)
-    # The recipe goes through the same reader and checks as `rlmerge run`.
-    fd, path = tempfile.mkstemp(prefix="rlmerge-recipe-", suffix=".yml")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(_yaml(recipe))
-        try:
-            _cli(["run", path, *_compute_args(device, quiet, threads, allow_missing_tensors,
-                                               allow_nonfinite),
-                  *_output_args(out, force, out_dtype, shard_size)])
-        except MergeError as e:
-            # The recipe is this call's keywords: its file name and line numbers would only
-            # confuse.
-            message = str(e).replace(f"recipe {path}: ", "")
-            message = re.sub(r" \(line \d+\)| at line \d+( column \d+)?|,? line \d+", "", message)
-            raise type(e)(message) from None
-    finally:
-        os.unlink(path)
-    return _summary(out)
+    # The recipe goes to the library as data, read and checked as a recipe file is.
+    record = _native.merge(recipe, out, device=device, quiet=quiet, force=force,
+                           out_dtype=out_dtype, shard_size=_size(shard_size), threads=threads,
+                           allow_missing_tensors=allow_missing_tensors,
+                           allow_nonfinite=allow_nonfinite)
+    return _summary(record, out)
 
 
-def _yaml(value: Any, indent: int = 0) -> str:
-    """A recipe as mergekit-style block YAML (keys as written, values as JSON flow scalars and
-    lists, which YAML reads as they are), so errors can name its lines."""
-    pad = " " * indent
-    lines = []
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            # A key other than a plain word (a token such as "<tool_call>") goes quoted.
-            key = k if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k)) else json.dumps(str(k))
-            if isinstance(v, Mapping) or (isinstance(v, list) and v and isinstance(v[0], Mapping)):
-                lines.append(f"{pad}{key}:")
-                lines.append(_yaml(v, indent + 2))
-            else:
-                lines.append(f"{pad}{key}: {json.dumps(v)}")
-    else:
-        for item in value:
-            body = _yaml(item, indent + 2).lstrip()
-            lines.append(f"{pad}- {body}")
-    return "\n".join(lines)
+def _size(shard_size: Any) -> Optional[str]:
+    """A shard size as the library reads one: ``"5GB"``, ``"2GiB"`` or a number of bytes."""
+    return None if shard_size is None else str(shard_size)
 
 
 def run(recipe: PathLike, out: PathLike, *, device: str = "auto", quiet: bool = True,
@@ -293,10 +202,12 @@ def run(recipe: PathLike, out: PathLike, *, device: str = "auto", quiet: bool = 
     """Runs a mergekit YAML recipe into ``out``, as ``rlmerge run``; returns what :func:`merge`
     returns."""
     _check_common(device, threads)
-    _cli(["run", _path(recipe, "recipe"),
-          *_compute_args(device, quiet, threads, allow_missing_tensors, allow_nonfinite),
-          *_output_args(out, force, out_dtype, shard_size)])
-    return _summary(out)
+    out = _path(out, "out")
+    record = _native.run(_path(recipe, "recipe"), out, device=device, quiet=quiet, force=force,
+                         out_dtype=out_dtype, shard_size=_size(shard_size), threads=threads,
+                         allow_missing_tensors=allow_missing_tensors,
+                         allow_nonfinite=allow_nonfinite)
+    return _summary(record, out)
 
 
 def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False, *,
@@ -327,8 +238,14 @@ def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False
     if tokenizer_source is not None:
         args += ["--tokenizer-source", tokenizer_source if tokenizer_source in ("base", "union")
                  else _where(tokenizer_source)]
-    return json.loads(_cli(args + _compute_args(device, quiet, threads, allow_missing_tensors,
-                                                 allow_nonfinite)))
+    args += ["--device", device, "--threads", str(threads)]
+    if quiet:
+        args.append("--quiet")
+    if allow_missing_tensors:
+        args.append("--allow-missing-tensors")
+    if allow_nonfinite:
+        args.append("--allow-nonfinite")
+    return json.loads(_native.command(args))
 
 
 def verify(dir: PathLike, against: bool = False, *, device: str = "auto") -> Dict[str, Any]:
@@ -339,18 +256,11 @@ def verify(dir: PathLike, against: bool = False, *, device: str = "auto") -> Dic
     be checked at all (no readable record)."""
     dir = _path(dir, "dir")
     _check_common(device, 0)
-    args = ["verify", dir, "--json", "--device", device]
-    if against:
-        args.append("--against")
-    code, output, error = _call(args, True)
-    if output.strip():
-        found = json.loads(output)
-        found["path"] = os.path.abspath(dir)
-        return found
-    _cli(args)  # raises the error the command gave
-    raise MergeError(error or "verify failed")
+    checks, skipped, problems = _native.verify(dir, against, device)
+    return {"path": os.path.abspath(dir), "ok": not problems, "checks": checks,
+            "skipped": skipped, "problems": problems}
 
 
 def methods() -> List[Dict[str, Any]]:
     """Every merge method: name, description, reference and parameters (scope, default, range)."""
-    return json.loads(_cli(["methods", "--json"]))
+    return json.loads(_native.command(["methods", "--json"]))

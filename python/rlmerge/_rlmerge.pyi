@@ -1,11 +1,33 @@
-from typing import List, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
 __version__: str
 
-def call(args: List[str], capture: bool = True) -> Tuple[int, str, Optional[str]]:
-    """Runs the rlmerge command line with ``args`` (no program name) in this process.
+class MergeError(Exception):
+    """A merge, analysis or check failed (bad input, I/O); the message says what and where."""
 
-    Returns (exit code, captured output — empty unless ``capture`` —, error line or None). Exit
-    codes: 0 success, 1 failure, 2 usage error, 130 interrupted. The GIL is released while it
-    runs; Ctrl-C stops it at its next tile and raises KeyboardInterrupt here.
+class UsageError(MergeError, ValueError):
+    """The request itself is wrong (unknown method or parameter, bad path, value out of range)."""
+
+def merge(recipe: Mapping[str, Any], out: str, *, device: str = "auto", quiet: bool = True,
+          force: bool = False, out_dtype: Optional[str] = None, shard_size: Optional[str] = None,
+          threads: int = 0, allow_missing_tensors: bool = False,
+          allow_nonfinite: bool = False) -> str:
+    """Merges a recipe given as data (a mergekit recipe's keys) into ``out``; the record as JSON."""
+
+def run(recipe: str, out: str, *, device: str = "auto", quiet: bool = True, force: bool = False,
+        out_dtype: Optional[str] = None, shard_size: Optional[str] = None, threads: int = 0,
+        allow_missing_tensors: bool = False, allow_nonfinite: bool = False) -> str:
+    """Runs a mergekit YAML recipe file into ``out``; the record as JSON."""
+
+def verify(dir: str, against: bool = False, device: str = "auto") -> Tuple[List[str], List[str], List[str]]:
+    """Checks a merged folder: (checks passed, checks skipped, problems found)."""
+
+def command(args: List[str]) -> str:
+    """Runs one rlmerge command (no program name) and returns its output; failures raise."""
+
+def call(args: List[str], capture: bool = True) -> Tuple[int, str, Optional[str]]:
+    """The ``rlmerge`` command pip installs: (exit code, captured output, error line or None).
+
+    Exit codes: 0 success, 1 failure, 2 usage error. The GIL is released while it runs; Ctrl-C
+    stops it at its next tile and raises KeyboardInterrupt here.
     """

@@ -1,45 +1,74 @@
-//! `rlmerge._rlmerge`, the native half of the Python package: the rlmerge command line — the
-//! same `src/cli` module the binary compiles, over the same library — run in-process, with the
-//! GIL released while it works and Ctrl-C turned into a clean cancellation. The Python API
-//! (`python/rlmerge/__init__.py`) is built on [`call`].
+//! `rlmerge._rlmerge`, the native half of the Python package, over the same library as the
+//! binary: typed calls for merges (`merge`, `run`) and checks (`verify`) that build the library's
+//! own requests — a recipe as a YAML value, never text —, `command` for the commands whose
+//! output is their result (`analyze --json`, `methods --json`), and `call`, the `rlmerge`
+//! command the package installs. Errors become exceptions here: [`MergeError`], `UsageError` (also a
+//! `ValueError`) for a bad request, `KeyboardInterrupt` when Ctrl-C stopped the call. Every call
+//! releases the GIL while it works and has its own cancellation: Ctrl-C stops the call it
+//! interrupts, not those other threads run.
 
 #[path = "../../src/cli/mod.rs"]
+#[allow(dead_code)] // the front-end pieces the binary uses and this module does not
 mod cli;
 
-use pyo3::exceptions::PyRuntimeError;
+use cli::{ComputeArgs, DeviceChoice, OutputArgs};
+use pyo3::exceptions::{PyException, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
+use rlmerge::error::usage;
+use rlmerge::job::Job;
+use std::path::PathBuf;
 use std::time::Duration;
 
-/// How often a running command lets Python look for signals (Ctrl-C).
+pyo3::create_exception!(
+    rlmerge,
+    MergeError,
+    PyException,
+    "A merge, analysis or check failed (bad input, I/O); the message says what and where."
+);
+
+/// `UsageError(MergeError, ValueError)`, made at import: the request itself is wrong.
+static USAGE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// How often a running call lets Python look for signals (Ctrl-C).
 const SIGNAL_POLL: Duration = Duration::from_millis(100);
 
-/// Runs the rlmerge command line with `args` (without the program name) in this process: its
-/// output is returned when `capture`, else written to stdout. Returns (exit code, output, error
-/// line): 0 success, 1 failure, 2 usage error, 130 interrupted. The GIL is released while the
-/// command runs; a signal whose Python handler raises (Ctrl-C: KeyboardInterrupt) stops the
-/// command at its next tile — its scratch folder removed, nothing at the output path — and the
-/// exception is raised here.
-#[pyfunction]
-#[pyo3(signature = (args, capture = true))]
-fn call(
+/// Options the library's messages name by their command-line flag, and their keyword here.
+const KEYWORDS: [(&str, &str); 2] = [
+    ("--allow-missing-tensors", "allow_missing_tensors=True"),
+    ("--allow-nonfinite", "allow_nonfinite=True"),
+];
+
+/// A library error as the exception of its kind, its message in this API's keywords.
+fn exception(py: Python<'_>, err: &anyhow::Error) -> PyErr {
+    let mut message = format!("{err:#}");
+    for (flag, keyword) in KEYWORDS {
+        message = message.replace(flag, keyword);
+    }
+    if rlmerge::error::is_usage(err) {
+        match USAGE_ERROR.get(py) {
+            Some(t) => PyErr::from_type(t.bind(py).clone(), message),
+            None => PyValueError::new_err(message),
+        }
+    } else {
+        MergeError::new_err(message)
+    }
+}
+
+/// Runs `work` on its own thread with its own cancellation token, the GIL released; a signal
+/// whose Python handler raises (Ctrl-C: KeyboardInterrupt) requests the stop and is raised once
+/// the work has stopped — unless the work had passed the point of stopping (its output being
+/// committed): then what it did is returned as if the signal had not come.
+fn cancellable<T: Send + 'static>(
     py: Python<'_>,
-    args: Vec<String>,
-    capture: bool,
-) -> PyResult<(u8, String, Option<String>)> {
-    // This call's own stop request: Ctrl-C here stops this call's job, not those other threads
-    // run at the same time.
+    work: impl FnOnce() -> anyhow::Result<T> + Send + 'static,
+) -> PyResult<T> {
     let token = rlmerge::cancel::Token::new();
     let job_token = token.clone();
     let worker = std::thread::spawn(move || {
         rlmerge::cancel::set_current(job_token);
-        let argv = std::iter::once("rlmerge".to_string()).chain(args);
-        let mut captured = Vec::new();
-        let result = if capture {
-            cli::run_args(argv, &mut captured)
-        } else {
-            cli::run_args(argv, &mut std::io::stdout().lock())
-        };
-        (result, captured)
+        work()
     });
     let mut interrupted = None;
     loop {
@@ -59,25 +88,282 @@ fn call(
             break;
         }
     }
-    let ((code, error), captured) = py
+    let result = py
         .detach(|| worker.join())
         .map_err(|_| PyRuntimeError::new_err("rlmerge panicked; please report this as a bug"))?;
-    // A signal that came once the job no longer looked at its token (its output being committed,
-    // or done) is too late to stop it: what it did is reported as if the signal had not come.
-    if let Some(signal) = interrupted {
-        if code == 130 {
-            return Err(signal);
-        }
+    match result {
+        Ok(value) => Ok(value),
+        Err(err) if rlmerge::cancel::is_interrupted(&err) => Err(interrupted
+            .unwrap_or_else(|| pyo3::exceptions::PyKeyboardInterrupt::new_err(format!("{err:#}")))),
+        Err(err) => Err(exception(py, &err)),
     }
-    Ok((code, String::from_utf8_lossy(&captured).into_owned(), error))
+}
+
+/// A Python value of a recipe (dict, list, str, number, bool, None) as YAML.
+fn yaml_of(v: &Bound<'_, PyAny>) -> anyhow::Result<serde_yaml::Value> {
+    use serde_yaml::Value;
+    Ok(if v.is_none() {
+        Value::Null
+    } else if let Ok(b) = v.cast::<PyBool>() {
+        Value::Bool(b.is_true())
+    } else if v.is_instance_of::<PyInt>() {
+        let i: i64 = v
+            .extract()
+            .map_err(|_| usage(format!("{v} is too large for a recipe value")))?;
+        Value::Number(i.into())
+    } else if v.is_instance_of::<PyFloat>() {
+        Value::Number(v.extract::<f64>()?.into())
+    } else if v.is_instance_of::<PyString>() {
+        Value::String(v.extract()?)
+    } else if let Ok(d) = v.cast::<PyDict>() {
+        let mut map = serde_yaml::Mapping::new();
+        for (k, item) in d.iter() {
+            let key: String = k
+                .extract()
+                .map_err(|_| usage(format!("recipe key {k} is not text")))?;
+            map.insert(Value::String(key), yaml_of(&item)?);
+        }
+        Value::Mapping(map)
+    } else if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
+        Value::Sequence(
+            v.try_iter()?
+                .map(|item| yaml_of(&item?))
+                .collect::<anyhow::Result<_>>()?,
+        )
+    } else {
+        let kind = v.get_type().name()?;
+        return Err(usage(format!("{kind} {v} is not a recipe value")));
+    })
+}
+
+/// The compute options every merge takes.
+fn compute(
+    device: &str,
+    quiet: bool,
+    threads: usize,
+    allow_missing_tensors: bool,
+    allow_nonfinite: bool,
+) -> anyhow::Result<ComputeArgs> {
+    let device = match device {
+        "auto" => DeviceChoice::Auto,
+        "cpu" => DeviceChoice::Cpu,
+        "gpu" => DeviceChoice::Gpu,
+        other => {
+            return Err(usage(format!(
+                "device must be 'auto', 'cpu' or 'gpu', got '{other}'"
+            )))
+        }
+    };
+    Ok(ComputeArgs {
+        epsilon: rlmerge::method::DEFAULT_EPSILON,
+        threads,
+        quiet,
+        device,
+        tile_elems: None,
+        allow_nonfinite,
+        allow_missing_tensors,
+        gpu_chunk_elems: None,
+    })
+}
+
+/// Where and how the merged folder is written.
+fn output(
+    out: PathBuf,
+    force: bool,
+    out_dtype: Option<String>,
+    shard_size: Option<String>,
+) -> anyhow::Result<OutputArgs> {
+    let out_dtype = out_dtype
+        .map(|d| rlmerge::job::parse_dtype(&d).map_err(|e| usage(format!("out_dtype: {e}"))))
+        .transpose()?;
+    let shard_size =
+        rlmerge::checkpoint::writer::parse_size(shard_size.as_deref().unwrap_or("5GB"))
+            .map_err(|e| usage(format!("shard_size: {e:#}")))?;
+    Ok(OutputArgs {
+        out_dtype,
+        shard_size,
+        force,
+        seed: 0,
+        out,
+    })
+}
+
+/// Merges a job into `output.out`; the merge's record as JSON.
+fn merge_into(
+    job: impl FnOnce() -> anyhow::Result<Job>,
+    compute: ComputeArgs,
+    output: OutputArgs,
+) -> anyhow::Result<String> {
+    let summary = cli::merge_job(job()?, &compute, &output, &mut std::io::sink())?;
+    Ok(serde_json::to_string(&summary.record)?)
+}
+
+/// Merges the recipe `recipe` (a dict with a mergekit recipe's keys) into `out`: the same reading
+/// and checks as a recipe file's, with messages that name keys, not lines. Returns the merge's
+/// record as JSON.
+#[pyfunction]
+#[pyo3(signature = (recipe, out, *, device = "auto", quiet = true, force = false, out_dtype = None,
+    shard_size = None, threads = 0, allow_missing_tensors = false, allow_nonfinite = false))]
+#[allow(clippy::too_many_arguments)] // the keywords of the Python API
+fn merge(
+    py: Python<'_>,
+    recipe: &Bound<'_, PyAny>,
+    out: PathBuf,
+    device: &str,
+    quiet: bool,
+    force: bool,
+    out_dtype: Option<String>,
+    shard_size: Option<String>,
+    threads: usize,
+    allow_missing_tensors: bool,
+    allow_nonfinite: bool,
+) -> PyResult<String> {
+    let request = (|| {
+        Ok((
+            yaml_of(recipe)?,
+            compute(
+                device,
+                quiet,
+                threads,
+                allow_missing_tensors,
+                allow_nonfinite,
+            )?,
+            output(out, force, out_dtype, shard_size)?,
+        ))
+    })();
+    let (value, compute, output) = request.map_err(|e| exception(py, &e))?;
+    cancellable(py, move || {
+        merge_into(|| Job::from_recipe_value(value, 0), compute, output)
+    })
+}
+
+/// Runs the mergekit YAML recipe file `recipe` into `out`, as `rlmerge run`; the record as JSON.
+#[pyfunction]
+#[pyo3(signature = (recipe, out, *, device = "auto", quiet = true, force = false, out_dtype = None,
+    shard_size = None, threads = 0, allow_missing_tensors = false, allow_nonfinite = false))]
+#[allow(clippy::too_many_arguments)] // the keywords of the Python API
+fn run(
+    py: Python<'_>,
+    recipe: PathBuf,
+    out: PathBuf,
+    device: &str,
+    quiet: bool,
+    force: bool,
+    out_dtype: Option<String>,
+    shard_size: Option<String>,
+    threads: usize,
+    allow_missing_tensors: bool,
+    allow_nonfinite: bool,
+) -> PyResult<String> {
+    let request = (|| {
+        Ok((
+            compute(
+                device,
+                quiet,
+                threads,
+                allow_missing_tensors,
+                allow_nonfinite,
+            )?,
+            output(out, force, out_dtype, shard_size)?,
+        ))
+    })();
+    let (compute, output) = request.map_err(|e| exception(py, &e))?;
+    cancellable(py, move || {
+        merge_into(|| Job::from_recipe(&recipe, 0), compute, output)
+    })
+}
+
+/// Checks the merged folder `dir` against its record; with `against`, recomputes the merge on
+/// `device` and compares the bytes. Returns (checks passed, checks skipped, problems found).
+#[pyfunction]
+#[pyo3(signature = (dir, against = false, device = "auto"))]
+fn verify(
+    py: Python<'_>,
+    dir: PathBuf,
+    against: bool,
+    device: &str,
+) -> PyResult<(Vec<String>, Vec<String>, Vec<String>)> {
+    let compute = compute(device, true, 0, false, false).map_err(|e| exception(py, &e))?;
+    cancellable(py, move || {
+        let backend = match against {
+            true => Some(compute.backend()?),
+            false => None,
+        };
+        let v = rlmerge::verify::verify(&dir, backend.as_deref())?;
+        Ok((v.ok, v.skipped, v.problems))
+    })
+}
+
+/// Runs one command of the rlmerge command line (`args` without the program name) and returns
+/// its output; a failure raises as the typed calls do (the API's `analyze` and `methods`, whose
+/// JSON output is their result).
+#[pyfunction]
+fn command(py: Python<'_>, args: Vec<String>) -> PyResult<String> {
+    cancellable(py, move || {
+        use clap::Parser;
+        let argv = std::iter::once("rlmerge".to_string()).chain(args);
+        let parsed = cli::Cli::try_parse_from(argv).map_err(|e| usage(e.to_string()))?;
+        let mut captured = Vec::new();
+        cli::run(parsed, &mut captured)?;
+        Ok(String::from_utf8_lossy(&captured).into_owned())
+    })
+}
+
+/// The `rlmerge` command pip installs (`rlmerge.cli`): the command line with `args` (without the
+/// program name) in this process: its output is returned when `capture`, else written to stdout. Returns (exit code, output, error
+/// line) as the command gives them: 0 success, 1 failure, 2 usage error; a Ctrl-C raises
+/// KeyboardInterrupt once the command has stopped (its scratch folder removed).
+#[pyfunction]
+#[pyo3(signature = (args, capture = true))]
+fn call(
+    py: Python<'_>,
+    args: Vec<String>,
+    capture: bool,
+) -> PyResult<(u8, String, Option<String>)> {
+    cancellable(py, move || {
+        let argv = std::iter::once("rlmerge".to_string()).chain(args);
+        let mut captured = Vec::new();
+        let (code, error) = if capture {
+            cli::run_args(argv, &mut captured)
+        } else {
+            cli::run_args(argv, &mut std::io::stdout().lock())
+        };
+        if code == 130 {
+            return Err(anyhow::Error::new(rlmerge::cancel::Interrupted));
+        }
+        Ok((code, String::from_utf8_lossy(&captured).into_owned(), error))
+    })
 }
 
 #[pymodule]
 fn _rlmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
     // As the binary does: Mesa's Vulkan drivers print an error without XDG_RUNTIME_DIR.
     if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
         std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir());
     }
+    let merge_error = py.get_type::<MergeError>();
+    let bases = PyTuple::new(
+        py,
+        [merge_error.as_any(), py.get_type::<PyValueError>().as_any()],
+    )?;
+    let body = PyDict::new(py);
+    body.set_item(
+        "__doc__",
+        "The request itself is wrong (unknown method or parameter, bad path, value out of range).",
+    )?;
+    body.set_item("__module__", "rlmerge")?;
+    let usage_error = py
+        .get_type::<PyType>()
+        .call1(("UsageError", bases, body))?
+        .cast_into::<PyType>()?;
+    m.add("MergeError", merge_error)?;
+    m.add("UsageError", &usage_error)?;
+    let _ = USAGE_ERROR.set(py, usage_error.unbind());
+    m.add_function(wrap_pyfunction!(merge, m)?)?;
+    m.add_function(wrap_pyfunction!(run, m)?)?;
+    m.add_function(wrap_pyfunction!(verify, m)?)?;
+    m.add_function(wrap_pyfunction!(command, m)?)?;
     m.add_function(wrap_pyfunction!(call, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

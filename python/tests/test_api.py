@@ -1,5 +1,5 @@
 """The Python package: the API merges, analyzes, verifies and lists methods through the same
-library as the command; errors are MergeError/UsageError with the command's message and leave
+library as the command; errors are the binding's MergeError/UsageError with the library's message and leave
 nothing behind; the pip-installed command equals the cargo-built binary byte for byte."""
 
 import json
@@ -443,3 +443,36 @@ def test_verify_returns_what_it_found(demo, tmp_path):
     found = rlmerge.verify(out)
     assert not found["ok"], found
     assert any("model.safetensors" in p for p in found["problems"]), found
+
+
+def test_the_recipe_a_call_saves_remakes_the_merge(demo, tmp_path):
+    """merge()'s keywords reach the library as a recipe value; the recipe it saves
+    (mergekit_config.yml, serde_yaml's text of that value) run as a file gives the same bytes,
+    and the record returned is the one on disk."""
+    root, base, agents = demo
+    first = tmp_path / "api"
+    summary = rlmerge.merge(base, agents[:2], method="ties", out=first, device="cpu",
+                            density=0.5, weight={agents[0].name: 0.7, agents[1].name: 0.3})
+    saved = (first / "mergekit_config.yml").read_text()
+    assert "merge_method: ties" in saved and "density: 0.5" in saved, saved
+    again = rlmerge.run(first / "mergekit_config.yml", out=tmp_path / "run", device="cpu")
+    assert folder_bytes(first) == folder_bytes(tmp_path / "run")
+    on_disk = json.loads((first / "rlmerge_record.json").read_text())
+    assert {k: v for k, v in summary.items() if k in on_disk} == on_disk
+    assert again["method"] == summary["method"]
+
+
+def test_exceptions_are_the_bindings_own(demo, tmp_path):
+    """The exception classes come from the native module; messages carry no command-line
+    prefix, and a request error raised there is also a ValueError."""
+    from rlmerge import _rlmerge
+
+    assert rlmerge.MergeError is _rlmerge.MergeError
+    assert rlmerge.UsageError is _rlmerge.UsageError
+    assert issubclass(rlmerge.UsageError, (rlmerge.MergeError)) and issubclass(rlmerge.UsageError, ValueError)
+    root, base, agents = demo
+    with pytest.raises(rlmerge.UsageError) as info:
+        rlmerge.merge(base, agents, method="tie", out=tmp_path / "x")
+    assert str(info.value).startswith("unknown merge_method 'tie'"), str(info.value)
+    assert "did you mean 'ties'" in str(info.value)
+    assert not (tmp_path / "x").exists()

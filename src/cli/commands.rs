@@ -94,7 +94,7 @@ impl ComputeArgs {
         Ok(())
     }
 
-    fn backend(&self) -> Result<Box<dyn Backend>> {
+    pub(crate) fn backend(&self) -> Result<Box<dyn Backend>> {
         make_backend(self.device, self.threads, self.gpu_chunk_elems)
     }
 
@@ -270,21 +270,22 @@ fn run_merge(args: &MergeArgs, out: &mut impl Write) -> Result<()> {
             job
         }
     };
-    merge_job(job, &args.inputs.compute, &args.output, out)
+    merge_job(job, &args.inputs.compute, &args.output, out).map(drop)
 }
 
 fn run_recipe(args: &RunArgs, out: &mut impl Write) -> Result<()> {
     let job = Job::from_recipe(&args.recipe, args.output.seed)?;
-    merge_job(job, &args.compute, &args.output, out)
+    merge_job(job, &args.compute, &args.output, out).map(drop)
 }
 
-/// Runs a merge job with the compute and output options; the one path of `merge` and `run`.
-fn merge_job(
+/// Runs a merge job with the compute and output options; the one path of `merge`, `run` and the
+/// Python API's merges. Returns what was written (the record, the shards).
+pub fn merge_job(
     job: Job,
     compute: &ComputeArgs,
     output: &OutputArgs,
     out: &mut impl Write,
-) -> Result<()> {
+) -> Result<rlmerge::engine::MergeSummary> {
     compute.check()?;
     let inputs = Inputs::open_with(
         &job.base,
@@ -344,10 +345,10 @@ fn merge_job(
         job.method,
         summary.shards.len()
     )?;
-    if matches!(job.method, Method::Combine(_)) {
-        return Ok(());
+    if !matches!(job.method, Method::Combine(_)) {
+        print_lambdas(out, &summary.record)?;
     }
-    print_lambdas(out, &summary.record)
+    Ok(summary)
 }
 
 fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {

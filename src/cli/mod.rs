@@ -8,7 +8,8 @@
 
 mod commands;
 
-pub use commands::run;
+#[allow(unused_imports)] // merge_job: the Python extension's merges (python/src/lib.rs)
+pub use commands::{merge_job, run};
 
 /// What a command's result means for the user: the exit code, and the one-line error to print
 /// (`error: …`, names read from files escaped) unless it succeeded.

@@ -83,6 +83,14 @@ impl Job {
     pub fn from_recipe(path: &Path, seed: u64) -> Result<Job> {
         recipe_yaml::read(path, seed)
     }
+
+    /// A job from a recipe made in memory, as a YAML value with a file's keys (the Python API's
+    /// keywords): the same checks as [`Job::from_recipe`], messages naming keys but no lines, and
+    /// serde_yaml's text of it saved with the merge. Model paths resolve against the working
+    /// directory.
+    pub fn from_recipe_value(value: serde_yaml::Value, seed: u64) -> Result<Job> {
+        recipe_yaml::from_value(value, seed)
+    }
 }
 
 impl MethodFlags {

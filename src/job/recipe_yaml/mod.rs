@@ -149,17 +149,61 @@ pub(super) fn read(path: &Path, seed: u64) -> Result<Job> {
     Ok(job)
 }
 
+/// A recipe's text as error messages point into it: a file's by line; one made in memory (the
+/// Python API's keywords, [`from_value`]) by key alone — its caller never saw its lines.
+#[derive(Clone, Copy)]
+pub(super) struct RecipeText<'a> {
+    text: &'a str,
+    numbered: bool,
+}
+
+impl RecipeText<'_> {
+    /// " (line N)" where `key:` first appears in a file's recipe; nothing for one made in memory.
+    pub(super) fn at(&self, key: &str) -> String {
+        match self.numbered {
+            true => format!(" (line {})", line_of(self.text, key)),
+            false => String::new(),
+        }
+    }
+}
+
 /// Parses recipe `text`; model paths resolve against the working directory, then `dir`.
 pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
     // Editors on Windows start files with a byte order mark; YAML allows it, serde_yaml does not.
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let raw = read_yaml(text)?;
+    parse_raw(
+        raw,
+        RecipeText {
+            text,
+            numbered: true,
+        },
+        dir,
+        seed,
+    )
+}
+
+/// A recipe made in memory as a YAML value (the Python API's keywords): the same reading and
+/// checks as a file's, with messages naming keys, not lines; serde_yaml's text of it is what
+/// the merge saves as its recipe. Model paths resolve against the working directory.
+pub(super) fn from_value(value: serde_yaml::Value, seed: u64) -> Result<Job> {
+    let text = serde_yaml::to_string(&value)?;
+    let raw = serde_yaml::from_value(value).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let text = RecipeText {
+        text: &text,
+        numbered: false,
+    };
+    parse_raw(raw, text, Path::new("."), seed)
+}
+
+/// The recipe after YAML: its keys checked, its models found, its method built.
+fn parse_raw(raw: RawConfig, text: RecipeText, dir: &Path, seed: u64) -> Result<Job> {
     refuse_unsupported(&raw, text)?;
     let kind = Kind::from_name(&raw.merge_method).ok_or_else(|| {
         usage(format!(
-            "unknown merge_method '{}' (line {}){}; `rlmerge methods` lists them",
+            "unknown merge_method '{}'{}{}; `rlmerge methods` lists them",
             raw.merge_method,
-            line_of(text, "merge_method"),
+            text.at("merge_method"),
             crate::error::did_you_mean(&raw.merge_method, Kind::ALL.iter().map(|k| k.name()))
         ))
     })?;
@@ -220,7 +264,7 @@ pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
         method,
         epsilon,
         out_dtype,
-        recipe_text: text.to_string(),
+        recipe_text: text.text.to_string(),
         recipe_path: None,
         slices,
         tokenizer,
@@ -329,16 +373,13 @@ fn read_yaml(text: &str) -> Result<RawConfig> {
 }
 
 /// mergekit keys rlmerge does not support yet: an error naming the key and its line.
-fn refuse_unsupported(raw: &RawConfig, text: &str) -> Result<()> {
+fn refuse_unsupported(raw: &RawConfig, text: RecipeText) -> Result<()> {
     for (key, set) in [
         ("modules", raw.modules.is_some()),
         ("chat_template", raw.chat_template.is_some()),
     ] {
         if set {
-            bail!(
-                "'{key}' is not supported yet by rlmerge (line {})",
-                line_of(text, key)
-            );
+            bail!("'{key}' is not supported yet by rlmerge{}", text.at(key));
         }
     }
     Ok(())
@@ -365,7 +406,7 @@ struct RawSlice {
 
 /// The models of `models`, or of the slices: one slice over every layer of each model reads as
 /// `models` (mergekit's slerp examples write it so); any other slicing selects layers.
-fn listed_models(raw: &RawConfig, text: &str, dir: &Path) -> Result<Listed> {
+fn listed_models(raw: &RawConfig, text: RecipeText, dir: &Path) -> Result<Listed> {
     let mut listed = Listed {
         entries: Vec::new(),
         base_ref: raw.base_model.clone(),
@@ -384,16 +425,16 @@ fn listed_models(raw: &RawConfig, text: &str, dir: &Path) -> Result<Listed> {
         }
         (None, Some(slices)) => slices,
     };
-    let line = line_of(text, "slices");
+    let line = text.at("slices");
     if slices.is_empty() {
-        return Err(usage(format!("'slices' is empty (line {line})")));
+        return Err(usage(format!("'slices' is empty{line}")));
     }
     let mut read = Vec::new();
     for (n, slice) in slices.iter().enumerate() {
         if slice.residual_weight.is_some() {
             bail!(
-                "'residual_weight' in a slice is not supported yet (line {})",
-                line_of(text, "residual_weight")
+                "'residual_weight' in a slice is not supported yet{}",
+                text.at("residual_weight")
             );
         }
         if let Some(b) = &slice.base_model {
@@ -409,10 +450,7 @@ fn listed_models(raw: &RawConfig, text: &str, dir: &Path) -> Result<Listed> {
             }
         }
         if slice.sources.is_empty() {
-            return Err(usage(format!(
-                "slice {} has no sources (line {line})",
-                n + 1
-            )));
+            return Err(usage(format!("slice {} has no sources{line}", n + 1)));
         }
         read.push(read_slice(n, slice, dir, &line)?);
     }
@@ -446,15 +484,14 @@ fn read_slice(n: usize, slice: &SliceEntry, dir: &Path, line: &str) -> Result<Ra
         if start >= end || end > layers {
             return Err(usage(format!(
                 "slice {} takes layer_range [{start}, {end}] of '{}', which has {layers} \
-                 layers; a range is [first, last + 1] with first < last + 1 ≤ {layers} \
-                 (line {line})",
+                 layers; a range is [first, last + 1] with first < last + 1 ≤ {layers}{line}",
                 n + 1,
                 s.model
             )));
         }
         if *len.get_or_insert(end - start) != end - start {
             return Err(usage(format!(
-                "slice {}: every source must take as many layers (got {} and {}; line {line})",
+                "slice {}: every source must take as many layers (got {} and {}){line}",
                 n + 1,
                 len.unwrap_or(0),
                 end - start
@@ -462,7 +499,7 @@ fn read_slice(n: usize, slice: &SliceEntry, dir: &Path, line: &str) -> Result<Ra
         }
         if sources.iter().any(|(m, _, _)| *m == s.model) {
             return Err(usage(format!(
-                "slice {} lists model '{}' twice (line {line})",
+                "slice {} lists model '{}' twice{line}",
                 n + 1,
                 s.model
             )));
@@ -541,11 +578,11 @@ fn model_settings(entries: Vec<(String, Settings)>, dir: &Path) -> Result<Vec<Se
 }
 
 /// An error that names a parameter, pointed at the parameter's line.
-fn at_line_of_parameter(e: anyhow::Error, text: &str) -> anyhow::Error {
+fn at_line_of_parameter(e: anyhow::Error, text: RecipeText) -> anyhow::Error {
     let msg = e.to_string();
     match msg.split('\'').nth(1) {
-        Some(key) if msg.contains("parameter") => {
-            usage(format!("{msg} (line {})", line_of(text, key)))
+        Some(key) if msg.contains("parameter") && text.numbered => {
+            usage(format!("{msg}{}", text.at(key)))
         }
         _ => e,
     }

@@ -1,7 +1,7 @@
 //! A recipe's tokenizer settings: mergekit's `tokenizer_source`, or its `tokenizer:` section
 //! (`source`, `tokens`, `pad_to_multiple_of`), checked with the line of each mistake (SPEC §5b).
 
-use super::{line_of, local_folder, RawConfig};
+use super::{local_folder, RawConfig, RecipeText};
 use crate::error::usage;
 use crate::vocabulary::{
     parse_source, EmbeddingSource, TokenSetting, TokenizerSettings, TokenizerSource,
@@ -13,18 +13,18 @@ use std::path::{Path, PathBuf};
 /// union as in mergekit, `tokens`, `pad_to_multiple_of`); `None` when the recipe sets neither.
 pub(super) fn tokenizer_settings(
     raw: &RawConfig,
-    text: &str,
+    text: RecipeText,
     dir: &Path,
 ) -> Result<Option<TokenizerSettings>> {
     let folder = |name: &str| local_folder(name, dir);
     let source_of = |v: &serde_yaml::Value, key: &str| -> Result<TokenizerSource> {
-        let line = line_of(text, key);
+        let line = text.at(key);
         let Some(s) = v.as_str() else {
             return Err(usage(format!(
-                "tokenizer source must be base, union or model:NAME (line {line})"
+                "tokenizer source must be base, union or model:NAME{line}"
             )));
         };
-        parse_source(s, &folder).with_context(|| format!("tokenizer source (line {line})"))
+        parse_source(s, &folder).with_context(|| format!("tokenizer source{line}"))
     };
     match (&raw.tokenizer_source, &raw.tokenizer) {
         (Some(_), Some(_)) => Err(usage(
@@ -37,10 +37,10 @@ pub(super) fn tokenizer_settings(
             pad_to_multiple_of: None,
         })),
         (None, Some(section)) => {
-            let line = line_of(text, "tokenizer");
+            let line = text.at("tokenizer");
             let Some(map) = section.as_mapping() else {
                 return Err(usage(format!(
-                    "tokenizer (line {line}) must be a mapping of source, tokens and \
+                    "tokenizer{line} must be a mapping of source, tokens and \
                      pad_to_multiple_of"
                 )));
             };
@@ -58,9 +58,9 @@ pub(super) fn tokenizer_settings(
                             _ if v.is_null() => None,
                             _ => {
                                 return Err(usage(format!(
-                                    "tokenizer.pad_to_multiple_of (line {}) must be a whole \
+                                    "tokenizer.pad_to_multiple_of{} must be a whole \
                                      number above 0, at most {MAX_PAD_MULTIPLE}",
-                                    line_of(text, "pad_to_multiple_of")
+                                    text.at("pad_to_multiple_of")
                                 )))
                             }
                         }
@@ -68,9 +68,9 @@ pub(super) fn tokenizer_settings(
                     "tokens" => settings.tokens = token_settings(v, text, &folder)?,
                     other => {
                         return Err(usage(format!(
-                            "tokenizer.{other} (line {}) is not a tokenizer setting; mergekit's \
+                            "tokenizer.{other}{} is not a tokenizer setting; mergekit's \
                              are source, tokens and pad_to_multiple_of",
-                            line_of(text, other)
+                            text.at(other)
                         )))
                     }
                 }
@@ -88,11 +88,11 @@ const MAX_PAD_MULTIPLE: u64 = 65536;
 /// model, token | token_id}`) and `force`.
 fn token_settings(
     v: &serde_yaml::Value,
-    text: &str,
+    text: RecipeText,
     folder: &dyn Fn(&str) -> Result<PathBuf>,
 ) -> Result<Vec<TokenSetting>> {
-    let line = line_of(text, "tokens");
-    let bad = |what: String| usage(format!("tokenizer.tokens (line {line}): {what}"));
+    let line = text.at("tokens");
+    let bad = |what: String| usage(format!("tokenizer.tokens{line}: {what}"));
     let Some(map) = v.as_mapping() else {
         return Err(bad("must map each token to its settings".into()));
     };
