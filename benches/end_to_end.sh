@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # End-to-end benchmark: rlmerge on a synthetic base + 3 agents next to the time to read every
-# input (cat) and copy the base (cp). Prints, per method: median wall time of RUNS runs, input
+# input (cat) and copy the base (cp). Prints, per case (every method, DELLA, the consensus shared
+# rule, small tiles — issue #27 holds each to 2x the read limit): median wall time of RUNS runs, input
 # GB/s, ratio to the read-and-copy time, and peak RSS.
 #
 #   benches/end_to_end.sh [MODEL_SIZE=1GiB] [RUNS=5] [DIR=target/bench-models] [DEVICE=cpu]
 #
-# BENCH_VERBOSE=1 prints every run; BENCH_METHODS="ram ties" runs only those.
+# BENCH_VERBOSE=1 prints every run; BENCH_METHODS="ram ties" runs only the cases of those labels.
 set -euo pipefail
 size=${1:-1GiB}
 runs=${2:-5}
@@ -40,10 +41,23 @@ read_s=$(for _ in $(seq "$runs"); do seconds cat "${files[@]}" | cut -d' ' -f1; 
 cp_s=$(for _ in $(seq "$runs"); do seconds cp -r "$dir/base" "$out/cp" | cut -d' ' -f1; done | median)
 limit=$(echo "$read_s + $cp_s" | bc -l)
 printf 'inputs: %s bytes; cat %.2f s + cp %.2f s = read limit %.2f s (median of %s)\n\n' "$bytes" "$read_s" "$cp_s" "$limit" "$runs"
-printf '%-18s %9s %8s %9s %10s\n' method "median s" "GB/s" "x limit" "peak RSS"
-for method in "ram" "ram+" "task_arithmetic --param weight=0.5" \
-    "ties --param weight=1 --param density=0.5" "dare_ties --param weight=1 --param density=0.5"; do
-    if [ -n "${BENCH_METHODS:-}" ] && [[ " $BENCH_METHODS " != *" ${method%% *} "* ]]; then
+# label|method and flags: every method issue #27 holds to the read limit, side by side.
+cases=(
+    "ram|ram"
+    "ram+|ram+"
+    "task_arithmetic|task_arithmetic --param weight=0.5"
+    "ties|ties --param weight=1 --param density=0.5"
+    "dare_ties|dare_ties --param weight=1 --param density=0.5"
+    "breadcrumbs|breadcrumbs --param weight=1 --param density=0.9 --param gamma=0.01"
+    "della|della --param weight=1 --param density=0.5 --param epsilon=0.1"
+    "ram/consensus|ram --shared consensus"
+    "ram/tile-4096|ram --tile-elems 4096"
+)
+printf '%-18s %9s %8s %9s %10s\n' case "median s" "GB/s" "x limit" "peak RSS"
+for case in "${cases[@]}"; do
+    label=${case%%|*}
+    method=${case#*|}
+    if [ -n "${BENCH_METHODS:-}" ] && [[ " $BENCH_METHODS " != *" $label "* ]]; then
         continue
     fi
     samples=()
@@ -53,10 +67,10 @@ for method in "ram" "ram+" "task_arithmetic --param weight=0.5" \
         r=$(seconds "$bin" merge -q --device "$device" --base "$dir/base" --model "$dir/coding-agent" \
             --model "$dir/tool-agent" --model "$dir/memory-agent" --method $method -o "$out/m")
         samples+=("${r% *}")
-        if [ -n "${BENCH_VERBOSE:-}" ]; then echo "  ${method%% *}: $r s KiB" >&2; fi
+        if [ -n "${BENCH_VERBOSE:-}" ]; then echo "  $label: $r s KiB" >&2; fi
         rss=$(( ${r#* } > rss ? ${r#* } : rss ))
     done
     t=$(printf '%s\n' "${samples[@]}" | median)
-    printf '%-18s %9.2f %8.2f %9.2f %7d MiB\n' "${method%% *}" "$t" \
+    printf '%-18s %9.2f %8.2f %9.2f %7d MiB\n' "$label" "$t" \
         "$(echo "$bytes / $t / 1000000000" | bc -l)" "$(echo "$t / $limit" | bc -l)" $((rss / 1024))
 done

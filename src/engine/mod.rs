@@ -9,6 +9,7 @@ use crate::checkpoint::{CheckpointWriter, DType, ModelFolder, OutputFolder, Outp
 use crate::inputs::{Inputs, TensorPlan};
 use crate::method::combine::{row_ranks, CombineSpec};
 use crate::method::settings::{layer_t, TensorPlace};
+use crate::method::statistics::KeptFlags;
 use crate::method::{BoostScope, Kind, Method};
 use crate::names::layer_index;
 use crate::record::MergeRecord;
@@ -42,9 +43,9 @@ use output::{check_finite_output, finish, pass_base};
 pub use probe::probe_all;
 use probe::{probe_tensors, to_global};
 pub use retention::{retention, RegionSums, Retention, REGIONS};
-use scans::combine_spec;
+use scans::{combine_spec, ScanBuffers};
 pub use tile_size::{tile_elems, TILE_QUANTUM};
-use tiles::{batches, par_tiles, progress_bar, whole_rows, TensorTiles, TileBuffers, TileLoop};
+use tiles::{batches, par_tiles, progress_bar, whole_rows, TensorTiles, TileLoop};
 
 impl PassOptions {
     /// The defaults: ε = 1e-5 (SPEC §1), the backend's tile size, NaN/±Inf inputs refused.
@@ -112,41 +113,61 @@ struct TensorJob<'a> {
 enum TileRule {
     /// RAM / RAM+ with these λ of the present agents.
     Ram(Vec<f32>),
-    /// A mergekit-family method.
-    Combine(CombineSpec),
+    /// A mergekit-family method, with DELLA's keep decisions when its statistics kept them.
+    Combine(CombineSpec, Option<KeptFlags>),
     /// No merged model has the tensor: the base's values.
     Base,
 }
 
-/// Each present agent's words for the tile's elements, in the ranks channel: DELLA's row ranks
-/// (tiles of whole rows), or arcee_fusion's keep flags; empty when the rule needs neither.
-fn tile_ranks(tile: &Tile, start: u64, spec: &CombineSpec) -> Vec<Vec<u32>> {
+/// A tile worker's buffers for [`tile_ranks`], kept from tile to tile: the base and each agent
+/// decoded, and each agent's words.
+#[derive(Default)]
+struct RankBuffers {
+    base: Vec<f32>,
+    values: Vec<Vec<f32>>,
+    words: Vec<Vec<u32>>,
+}
+
+/// Each present agent's words for the tile's elements, in the ranks channel: DELLA's keep
+/// decisions when its statistics kept them (`kept`), else its row ranks (tiles of whole rows), or
+/// arcee_fusion's keep flags; empty when the rule needs none.
+fn tile_ranks<'b>(
+    tile: &Tile,
+    start: u64,
+    (spec, kept): (&CombineSpec, Option<&KeptFlags>),
+    b: &'b mut RankBuffers,
+) -> &'b [Vec<u32>] {
     if spec.rank_rows == 0 && spec.fusion.is_none() {
-        return Vec::new();
+        return &[];
     }
-    let mut base = vec![0.0f32; tile.len];
-    decode(tile.dtype, tile.base, &mut base);
+    let n = tile.agents.len();
+    b.values.resize_with(n, Vec::new);
+    b.words.resize_with(n, Vec::new);
+    if let Some(kept) = kept {
+        for (t, words) in b.words[..n].iter_mut().enumerate() {
+            kept.words(t, start, tile.len, words);
+        }
+        return &b.words[..n];
+    }
+    tiles::resize_exact(&mut b.base, tile.len, 0.0);
+    decode(tile.dtype, tile.base, &mut b.base);
+    let base = &b.base;
     tile.agents
         .par_iter()
-        .map(|bytes| {
-            let mut v = vec![0.0f32; tile.len];
-            decode(tile.dtype, bytes, &mut v);
+        .zip(b.values.par_iter_mut())
+        .zip(b.words.par_iter_mut())
+        .for_each(|((bytes, v), words)| {
+            tiles::resize_exact(v, tile.len, 0.0);
+            decode(tile.dtype, bytes, v);
             if spec.delta {
-                v.iter_mut().zip(&base).for_each(|(x, b)| *x -= b);
+                v.iter_mut().zip(base).for_each(|(x, b)| *x -= b);
             }
-            let mut words = Vec::new();
             match &spec.fusion {
-                Some(f) => f.flags(start, &v, &mut words),
-                None => row_ranks(
-                    &v,
-                    spec.rank_rows as usize,
-                    spec.rank_stride as usize,
-                    &mut words,
-                ),
+                Some(f) => f.flags(start, v, words),
+                None => row_ranks(v, spec.rank_rows as usize, spec.rank_stride as usize, words),
             }
-            words
-        })
-        .collect()
+        });
+    &b.words[..n]
 }
 
 /// Runs the merge into `out_dir`, which appears only when everything is written: the inputs
@@ -255,7 +276,7 @@ struct MergePass<'a> {
     /// NaN/Inf again.
     pass: PassOptions,
     bar: ProgressBar,
-    buffers: TileBuffers,
+    buffers: ScanBuffers,
     /// Layers of the model, for gradients over layers.
     layers: usize,
     /// λ of each agent in global scope (1 for RAM and the combine methods).
@@ -341,7 +362,7 @@ impl<'a> MergePass<'a> {
                 ..options.pass.clone()
             },
             bar: progress_bar(scan_bytes, options.show_progress, "merge"),
-            buffers: TileBuffers::new(inputs.agents.len()),
+            buffers: ScanBuffers::new(inputs.agents.len()),
             layers: inputs
                 .tensors
                 .iter()
@@ -373,7 +394,7 @@ impl<'a> MergePass<'a> {
         );
         // DELLA ranks whole rows: its tiles hold whole rows.
         let tile_elems = match &rule {
-            TileRule::Combine(spec) if spec.rank_rows > 0 => whole_rows(elems, spec.rank_rows),
+            TileRule::Combine(spec, _) if spec.rank_rows > 0 => whole_rows(elems, spec.rank_rows),
             _ => elems,
         };
         Ok(TensorJob {
@@ -410,7 +431,8 @@ impl<'a> MergePass<'a> {
                         inputs, plan, config, at, present, pass, buffers,
                     ));
                 });
-                TileRule::Combine(spec.expect("the scans ran")?)
+                let (spec, kept) = spec.expect("the scans ran")?;
+                TileRule::Combine(spec, kept)
             }
             _ => {
                 let lambdas = if self.per_tensor.is_some() {
@@ -479,13 +501,13 @@ impl<'a> MergePass<'a> {
         let workers = par_tiles(
             &how,
             &tensors,
-            || (Vec::new(), zeros()),
-            |(out, counts), j, i, start, tile| {
+            || (Vec::new(), zeros(), RankBuffers::default()),
+            |(out, counts, ranks), j, i, start, tile| {
                 let job = &jobs[j];
                 let out_dtype = writer.dtype(job.index);
                 tiles::resize_exact(out, tile.len * out_dtype.size(), 0);
                 let out = &mut out[..tile.len * out_dtype.size()];
-                self.merge_tile(job, tile, start, out_dtype, out, &mut counts[j])
+                self.merge_tile(job, tile, start, (out_dtype, out), &mut counts[j], ranks)
                     .with_context(|| {
                         format!("merge of tensor '{}' failed at tile {i}", job.plan.name())
                     })?;
@@ -504,7 +526,7 @@ impl<'a> MergePass<'a> {
             return Ok(Vec::new());
         }
         let mut local = zeros();
-        for (_, counts) in &workers {
+        for (_, counts, _) in &workers {
             for (l, c) in local.iter_mut().zip(counts) {
                 l.add(c);
             }
@@ -517,16 +539,16 @@ impl<'a> MergePass<'a> {
             .collect())
     }
 
-    /// One tile of `job` (first element `start`) merged into `out`; plain RAM adds the tile's
-    /// counts to `counts`.
+    /// One tile of `job` (first element `start`) merged into `out` (of `out_dtype`); plain RAM
+    /// adds the tile's counts to `counts`; `ranks` are the worker's buffers for rank words.
     fn merge_tile(
         &self,
         job: &TensorJob,
         tile: &Tile,
         start: u64,
-        out_dtype: DType,
-        out: &mut [u8],
+        (out_dtype, out): (DType, &mut [u8]),
         counts: &mut TileCounts,
+        ranks: &mut RankBuffers,
     ) -> Result<()> {
         match &job.rule {
             TileRule::Base => {
@@ -547,8 +569,8 @@ impl<'a> MergePass<'a> {
                     self.backend.merge(tile, &params, out)
                 }
             }
-            TileRule::Combine(spec) => {
-                let ranks = tile_ranks(tile, start, spec);
+            TileRule::Combine(spec, kept) => {
+                let ranks = tile_ranks(tile, start, (spec, kept.as_ref()), ranks);
                 let mut coefs = Vec::new();
                 if let Some(f) = self.fisher {
                     f.tile_coefs(job.plan, &job.present, spec, (start, tile.len), &mut coefs)?;
@@ -557,7 +579,7 @@ impl<'a> MergePass<'a> {
                     spec,
                     start,
                     out_dtype,
-                    ranks: &ranks,
+                    ranks,
                     coefs: &coefs,
                 };
                 self.backend.combine(tile, &params, out)

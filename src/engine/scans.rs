@@ -10,7 +10,7 @@ use crate::checkpoint::dtype::{decode, decode_minus};
 use crate::inputs::{Inputs, TensorPlan};
 use crate::method::combine::CombineSpec;
 use crate::method::settings::TensorPlace;
-use crate::method::statistics;
+use crate::method::statistics::{self, KeptFlags};
 use crate::method::MethodConfig;
 use crate::scans::{AgentChunk, AgentVisit, AnyOrderVisit, Scans, Values, Visit, SCAN_CHUNK};
 use anyhow::{ensure, Context, Result};
@@ -31,8 +31,8 @@ pub(super) fn combine_spec(
     at: TensorPlace,
     present: &[usize],
     pass: &PassOptions,
-    buffers: &mut TileBuffers,
-) -> Result<CombineSpec> {
+    buffers: &mut ScanBuffers,
+) -> Result<(CombineSpec, Option<KeptFlags>)> {
     let numel = plan.numel() as u64;
     let params = config
         .tensor_params(at, numel, present)
@@ -81,7 +81,7 @@ pub(super) struct TensorScans<'a> {
     pub(super) plan: &'a TensorPlan,
     pub(super) present: &'a [usize],
     pub(super) pass: PassOptions,
-    pub(super) buffers: &'a mut TileBuffers,
+    pub(super) buffers: &'a mut ScanBuffers,
 }
 
 impl TensorScans<'_> {
@@ -114,12 +114,37 @@ impl TensorScans<'_> {
         for (i, (start, len)) in tiles.skip_while(|(_, (s, l))| (s + l) as u64 <= from) {
             let flow = self
                 .buffers
+                .tiles
                 .visit(&read, (start, len), |tile| visit(i, start as u64, tile))?;
             if flow.is_break() {
                 break;
             }
         }
         Ok(())
+    }
+}
+
+/// What the statistics scans read into, kept from tensor to tensor (fresh buffers per tensor
+/// would fault in every page of them again, for each of a model's hundreds of tensors): the
+/// tiles' bytes, and for whole-tile scans the base, each agent's values and task vectors in f32.
+pub(super) struct ScanBuffers {
+    tiles: TileBuffers,
+    values: TileValues,
+}
+
+#[derive(Default)]
+struct TileValues {
+    base: Vec<f32>,
+    x: Vec<Vec<f32>>,
+    tau: Vec<Vec<f32>>,
+}
+
+impl ScanBuffers {
+    pub(super) fn new(agents: usize) -> ScanBuffers {
+        ScanBuffers {
+            tiles: TileBuffers::new(agents),
+            values: TileValues::default(),
+        }
     }
 }
 
@@ -244,11 +269,15 @@ impl Scans for TensorScans<'_> {
 
     fn tiles(&mut self, visit: &mut Visit) -> Result<()> {
         let n = self.present.len();
-        let (mut base, mut x, mut tau) = (Vec::new(), vec![Vec::new(); n], vec![Vec::new(); n]);
-        self.each_tile(0, |_, start, tile| {
-            resize_exact(&mut base, tile.len, 0.0);
-            decode(tile.dtype, tile.base, &mut base);
-            let base_values = &base;
+        let mut values = std::mem::take(&mut self.buffers.values);
+        values.x.resize_with(n, Vec::new);
+        values.tau.resize_with(n, Vec::new);
+        let TileValues { base, x, tau } = &mut values;
+        let (x, tau) = (&mut x[..n], &mut tau[..n]);
+        let result = self.each_tile(0, |_, start, tile| {
+            resize_exact(base, tile.len, 0.0);
+            decode(tile.dtype, tile.base, base);
+            let base_values = &*base;
             x.par_iter_mut()
                 .zip(tau.par_iter_mut())
                 .zip(tile.agents.par_iter())
@@ -260,11 +289,13 @@ impl Scans for TensorScans<'_> {
                 });
             visit(&Values {
                 start,
-                base: &base,
-                x: &x,
-                tau: &tau,
+                base,
+                x,
+                tau,
             })
-        })
+        });
+        self.buffers.values = values;
+        result
     }
 
     fn per_agent(&mut self, from: u64, visit: &AgentVisit) -> Result<()> {

@@ -30,7 +30,8 @@ pub enum Keep {
         key: [u32; 2],
     },
     /// Kept where the host's word for the element (in the ranks channel) is not 0: arcee_fusion's
-    /// importance test ([`Fusion::flags`]).
+    /// importance test ([`Fusion::flags`]), or DELLA's keep decisions as its statistics scan made
+    /// them (`statistics::KeptFlags`).
     Flagged,
 }
 

@@ -5,6 +5,7 @@
 
 use super::cut::magnitude_key;
 use rayon::prelude::*;
+use std::cell::RefCell;
 
 /// Elements of a run from which its slabs are ranked in parallel.
 const PARALLEL_ELEMS: usize = 1 << 16;
@@ -15,32 +16,37 @@ const PARALLEL_ELEMS: usize = 1 << 16;
 /// along dimension 1, as mergekit's DELLA ranks: a matrix's rows, or for a tensor [a, b, c, …]
 /// the b elements that share every other index (slab b·c·…, stride c·…).
 pub fn row_ranks(v: &[f32], slab: usize, stride: usize, out: &mut Vec<u32>) {
-    out.clear();
+    // Every rank is written below: no need to clear what a reused buffer held.
     out.resize(v.len(), 0);
     let slab = slab.max(1);
     let stride = stride.max(1);
-    let rank_slab = |scratch: &mut Scratch, (values, ranks): (&[f32], &mut [u32])| {
-        for k in 0..stride.min(values.len()) {
-            rank_group(values, ranks, (k, stride), scratch);
-        }
+    let rank_slab = |(values, ranks): (&[f32], &mut [u32])| {
+        SCRATCH.with_borrow_mut(|scratch| {
+            for k in 0..stride.min(values.len()) {
+                rank_group(values, ranks, (k, stride), scratch);
+            }
+        })
     };
     if v.len() >= PARALLEL_ELEMS && v.len() > slab {
         v.par_chunks(slab)
             .zip(out.par_chunks_mut(slab))
-            .for_each_init(Scratch::default, rank_slab);
+            .for_each(rank_slab);
     } else {
-        let mut scratch = Scratch::default();
-        for pair in v.chunks(slab).zip(out.chunks_mut(slab)) {
-            rank_slab(&mut scratch, pair);
-        }
+        v.chunks(slab).zip(out.chunks_mut(slab)).for_each(rank_slab);
     }
 }
 
-/// A worker's buffers: (key, index) pairs and the radix sort's second buffer.
+/// A thread's buffers: (key, index) pairs and the radix sort's second buffer, kept from row to
+/// row and tile to tile (fresh ones per slab cost a page fault per page, and as much time again
+/// in the kernel as the sort).
 #[derive(Default)]
 struct Scratch {
     keys: Vec<(u32, u32)>,
     spare: Vec<(u32, u32)>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::default();
 }
 
 /// Ranks group `k` of a slab (elements k, k + stride, …): zeros first, in index order, then the
@@ -49,7 +55,7 @@ fn rank_group(values: &[f32], ranks: &mut [u32], (k, stride): (usize, usize), s:
     // Branch-free (zeros fall at random in a task vector): every element is written as a
     // candidate zero rank and as the next nonzero pair, and only the count that applies moves on.
     let group = (values.len() - k).div_ceil(stride);
-    s.keys.clear();
+    // Entries up to the last nonzero one are written below, the rest truncated.
     s.keys.resize(group + 1, (0, 0));
     let (mut zeros, mut nonzero) = (0u32, 0usize);
     for i in (k..values.len()).step_by(stride) {
@@ -69,19 +75,24 @@ fn rank_group(values: &[f32], ranks: &mut [u32], (k, stride): (usize, usize), s:
 
 /// Sorts (key, index) pairs by key, stably — they arrive in index order, so equal keys stay in
 /// it — a byte at a time from the lowest (a byte every key shares is skipped); short runs by a
-/// stable comparison sort.
+/// stable comparison sort. The four bytes' counts come from one read of the keys (a count does
+/// not depend on the order the earlier passes left).
 fn radix_sort(a: &mut Vec<(u32, u32)>, b: &mut Vec<(u32, u32)>) {
     if a.len() <= 64 {
         a.sort_by_key(|p| p.0);
         return;
     }
-    b.clear();
+    // Every entry is written by the first pass that runs: no need to clear it.
     b.resize(a.len(), (0, 0));
-    for shift in [0, 8, 16, 24] {
-        let mut count = [0usize; 256];
-        for &(key, _) in a.iter() {
-            count[(key >> shift) as usize & 255] += 1;
-        }
+    let mut counts = [[0usize; 256]; 4];
+    for &(key, _) in a.iter() {
+        let [b0, b1, b2, b3] = key.to_le_bytes();
+        counts[0][b0 as usize] += 1;
+        counts[1][b1 as usize] += 1;
+        counts[2][b2 as usize] += 1;
+        counts[3][b3 as usize] += 1;
+    }
+    for (count, shift) in counts.iter_mut().zip([0, 8, 16, 24]) {
         if count.contains(&a.len()) {
             continue;
         }

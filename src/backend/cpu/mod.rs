@@ -352,6 +352,9 @@ struct ChunkScratch {
     result: Vec<f32>,
     /// Agents agreeing with the sign of Σ, per element (`--shared consensus`).
     agree: Vec<u32>,
+    /// `--shared consensus`: each agent's τ over the chunk (agent t at `t * CHUNK`), kept from
+    /// the merge's pass for the consensus pass, which would otherwise decode every agent again.
+    taus: Vec<f32>,
     /// A counted merge ([`Backend::merge_counted`]): each element's agent mask (u32, as the
     /// counts that build it: more agents than 32 count with a probe), and the table
     /// [`count_masks`] counts them in.
@@ -369,6 +372,7 @@ impl ChunkScratch {
             lambda: vec![0.0; CHUNK],
             result: vec![0.0; CHUNK],
             agree: vec![0; CHUNK],
+            taus: Vec::new(),
             masks: vec![0; CHUNK],
             patterns: vec![0; PATTERN_SLOTS],
         }
@@ -387,10 +391,11 @@ multiversion! {
         out: &mut [u8],
         masks: bool,
     ) {
-        if masks {
-            merge_chunk_body::<true>(tile, p, start, len, s, out)
-        } else {
-            merge_chunk_body::<false>(tile, p, start, len, s, out)
+        match (masks, p.shared == SharedRule::Consensus) {
+            (true, true) => merge_chunk_body::<true, true>(tile, p, start, len, s, out),
+            (true, false) => merge_chunk_body::<true, false>(tile, p, start, len, s, out),
+            (false, true) => merge_chunk_body::<false, true>(tile, p, start, len, s, out),
+            (false, false) => merge_chunk_body::<false, false>(tile, p, start, len, s, out),
         }
     }
 }
@@ -398,9 +403,10 @@ multiversion! {
 /// SPEC §2 over elements `start..start + len` of the tile, in the spec's arithmetic order:
 /// τ = a − b; Σ of active τ in agent order; c = 1 → b + λ·τ; c ≥ 2 → b + Σ/c (IEEE division:
 /// the correctly rounded quotient); c = 0 → base bits. With `MASKS`, each element's agent mask
-/// is left in `s.masks` too (bit t: agent t changed it), from the same comparisons.
+/// is left in `s.masks` too (bit t: agent t changed it), from the same comparisons. With
+/// `CONSENSUS` (`--shared consensus`), each agent's τ is kept in `s.taus` for the consensus pass.
 #[inline(always)]
-fn merge_chunk_body<const MASKS: bool>(
+fn merge_chunk_body<const MASKS: bool, const CONSENSUS: bool>(
     tile: &Tile,
     p: &MergeParams,
     start: usize,
@@ -409,8 +415,10 @@ fn merge_chunk_body<const MASKS: bool>(
     out: &mut [u8],
 ) {
     let in_size = tile.dtype.size();
+    if CONSENSUS && s.taus.len() < tile.agents.len() * CHUNK {
+        s.taus.resize(tile.agents.len() * CHUNK, 0.0);
+    }
     let base = &mut s.base[..len];
-    let agent = &mut s.agent[..len];
     let sum = &mut s.sum[..len];
     let count = &mut s.count[..len];
     let lambda = &mut s.lambda[..len];
@@ -423,17 +431,25 @@ fn merge_chunk_body<const MASKS: bool>(
     // Each active agent adds `bit` to the element's count: 1, or with MASKS its own bit 1 << t,
     // so the count holds the agent mask until the popcount below makes it a count.
     for (t, bytes) in tile.agents.iter().enumerate() {
+        // Under consensus, the agent's own row of `taus`, where its τ replaces its values.
+        let agent = match CONSENSUS {
+            true => &mut s.taus[t * CHUNK..t * CHUNK + len],
+            false => &mut s.agent[..len],
+        };
         decode(tile.dtype, chunk_bytes(bytes, start, len, in_size), agent);
         let lam_bits = p.lambdas[t].to_bits();
         let bit = if MASKS { 1u32 << t } else { 1 };
-        for ((((&a, &b), s), c), l) in agent
-            .iter()
+        for ((((a, &b), s), c), l) in agent
+            .iter_mut()
             .zip(base.iter())
             .zip(sum.iter_mut())
             .zip(count.iter_mut())
             .zip(lambda.iter_mut())
         {
-            let tau = a - b;
+            let tau = *a - b;
+            if CONSENSUS {
+                *a = tau;
+            }
             // All-ones where agent t is active: selects as bit masks so the loop vectorizes.
             let m = ((tau.abs() > p.epsilon) as u32).wrapping_neg();
             // Adding +0.0 leaves any sum of non-zero τ unchanged, so the masked add is exact.
@@ -451,9 +467,25 @@ fn merge_chunk_body<const MASKS: bool>(
             *c = c.count_ones();
         }
     }
-    if p.shared == SharedRule::Consensus {
-        consensus_in_shared_region(tile, p, start, len, s);
+    if CONSENSUS {
+        consensus_in_shared_region(tile.agents.len(), p, len, s);
     }
+    merged_chunk(tile, p, base_bytes, len, s, out);
+}
+
+/// The merged chunk from its Σ, c and λ (SPEC §2), encoded into `out`: step = λ·Σ for the single
+/// agent (c = 1), else the correctly rounded quotient Σ / c (IEEE division, as the paper's script;
+/// the GPU computes the same quotient with integers, `method::div_by_count`); c = 0 keeps the
+/// base's bits.
+#[inline(always)]
+fn merged_chunk(
+    tile: &Tile,
+    p: &MergeParams,
+    base_bytes: &[u8],
+    len: usize,
+    s: &mut ChunkScratch,
+    out: &mut [u8],
+) {
     let (base, sum, count, lambda, result) = (
         &s.base[..len],
         &s.sum[..len],
@@ -461,9 +493,6 @@ fn merge_chunk_body<const MASKS: bool>(
         &s.lambda[..len],
         &mut s.result[..len],
     );
-    // step = λ·Σ for the single agent (c = 1), else the correctly rounded quotient Σ / c
-    // (SPEC §2: IEEE division, as the paper's script; the GPU computes the same quotient with
-    // integers, `method::div_by_count`); c = 0 keeps the base.
     for (((r, &b), &s), (&c, &l)) in result
         .iter_mut()
         .zip(base.iter())
@@ -481,7 +510,7 @@ fn merge_chunk_body<const MASKS: bool>(
     // c = 0: the base's bits pass through untouched. decode→encode already returns them for every
     // value but a signalling NaN of a 16-bit type (the encoder quiets it), so only NaN chunks need this.
     let has_nan = base.iter().fold(false, |acc, b| acc | b.is_nan());
-    if p.out_dtype == tile.dtype && in_size == 2 && has_nan {
+    if p.out_dtype == tile.dtype && tile.dtype.size() == 2 && has_nan {
         for ((o, bb), &c) in out
             .chunks_exact_mut(2)
             .zip(base_bytes.chunks_exact(2))
@@ -499,30 +528,20 @@ multiversion! {
     /// of the active agents whose τ has the sign γ of Σ (γ = + where Σ ≥ 0, else −, a NaN Σ
     /// counting as −, as TIES does), added in agent order from +0.0; λ becomes 1, so a lone
     /// agreeing agent is the mean of one, never boosted. c ≤ 1 is untouched. A second pass over
-    /// the agents (decoded again), so the default mean merge pays nothing for it; selects on bit
-    /// masks, as in `merge_chunk`, so the loops vectorize.
-    fn consensus_in_shared_region(
-        tile: &Tile,
-        p: &MergeParams,
-        start: usize,
-        len: usize,
-        s: &mut ChunkScratch,
-    ) {
-        let in_size = tile.dtype.size();
-        let (base, agent) = (&s.base[..len], &mut s.agent[..len]);
+    /// the `agents` agents' τ the merge pass kept in `s.taus`, so the default mean merge pays
+    /// nothing for it; selects on bit masks, as in `merge_chunk`, so the loops vectorize.
+    fn consensus_in_shared_region(agents: usize, p: &MergeParams, len: usize, s: &mut ChunkScratch) {
         let (sum, agreed, agree) = (&mut s.sum[..len], &mut s.result[..len], &mut s.agree[..len]);
         agreed.fill(0.0);
         agree.fill(0);
-        for bytes in tile.agents {
-            decode(tile.dtype, chunk_bytes(bytes, start, len, in_size), agent);
-            for ((((&a, &b), &total), acc), k) in agent
+        for t in 0..agents {
+            let taus = &s.taus[t * CHUNK..t * CHUNK + len];
+            for (((&tau, &total), acc), k) in taus
                 .iter()
-                .zip(base.iter())
                 .zip(sum.iter())
                 .zip(agreed.iter_mut())
                 .zip(agree.iter_mut())
             {
-                let tau = a - b;
                 let positive = total >= 0.0;
                 let same_sign = (positive & (tau > 0.0)) | (!positive & (tau < 0.0));
                 let m = (((tau.abs() > p.epsilon) & same_sign) as u32).wrapping_neg();

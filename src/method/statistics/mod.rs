@@ -5,10 +5,12 @@
 //! f64 in element order, so every backend merges with the same coefficients.
 
 mod fusion;
+mod kept;
 mod sce;
 
 use fusion::fusion_statistics;
 pub use fusion::row_kl;
+pub use kept::KeptFlags;
 use sce::sce_statistics;
 
 use super::closed_form::{
@@ -26,7 +28,9 @@ use std::ops::ControlFlow;
 use std::sync::Mutex;
 
 /// Gathers the statistics `params` needs from scans of the tensor and builds its combine rule.
-/// `numel` ≤ u32::MAX; `seed` and `name` key the random masks.
+/// `numel` ≤ u32::MAX; `seed` and `name` key the random masks. With the rule, DELLA's keep
+/// decisions when its scan made them all ([`KeptFlags`]: its agents' keep is then
+/// [`Keep::Flagged`], read from them).
 pub fn build_spec(
     params: &TensorParams,
     numel: u64,
@@ -35,7 +39,7 @@ pub fn build_spec(
     name: &str,
     present: &[usize],
     scan: &mut dyn Scans,
-) -> Result<CombineSpec> {
+) -> Result<(CombineSpec, Option<KeptFlags>)> {
     let ranked = rank_rows(params, numel, shape)?;
     let rank_rows = ranked.slab;
     let masks = MaskKeys {
@@ -44,9 +48,13 @@ pub fn build_spec(
         present,
     };
     // Rank cuts first: the masks must be known before any kept-element statistic.
-    let keep = keep_rules(params, numel, ranked.group(), &masks, scan)?;
+    let mut keep = keep_rules(params, numel, ranked.group(), &masks, scan)?;
     let rows = coef_rows(params, numel, shape);
-    let sums = Sums::gather(params, &keep, rows, ranked, scan)?;
+    let mut sums = Sums::gather(params, &keep, rows, ranked, numel, scan)?;
+    let kept = sums.kept.take();
+    if let Some(k) = &kept {
+        k.flag(&mut keep);
+    }
     // SCE: the variance cut, then each agent's weight from its mean square on the kept elements.
     let (element_keep, sce_weights) = match params.base {
         BaseTerm::Sce { density } => sce_statistics(scan, params.weights.len(), numel, density)?,
@@ -58,7 +66,7 @@ pub fn build_spec(
     };
     let coefs = coefficients(params, &sums, &sce_weights)?;
     let normalize = normalization(params, &sce_weights, element_keep.is_some());
-    Ok(CombineSpec {
+    let spec = CombineSpec {
         delta: params.delta,
         keep,
         consensus: params.consensus,
@@ -77,7 +85,8 @@ pub fn build_spec(
             BaseTerm::Nearswap { t } => Some(t as f32),
             _ => None,
         },
-    })
+    };
+    Ok((spec, kept))
 }
 
 /// What keys a tensor's random masks: the seed, the tensor's name and each agent's index among
@@ -191,6 +200,8 @@ struct Sums {
     gram: Vec<f64>,
     /// Per coefficient row: Σθ₀², Σθ₁², Σθ₀θ₁ (slerp).
     rows: Vec<[f64; 3]>,
+    /// DELLA: the keep decisions its L1 scan made, when it made every ranked agent's.
+    kept: Option<KeptFlags>,
 }
 
 impl Sums {
@@ -200,6 +211,7 @@ impl Sums {
         keep: &[Keep],
         rows: CoefRows,
         rank_groups: RankRows,
+        numel: u64,
         scan: &mut dyn Scans,
     ) -> Result<Sums> {
         let n = params.weights.len();
@@ -222,6 +234,7 @@ impl Sums {
             gram: vec![0.0; grams * n * n],
             rows: vec![[0.0; 3]; if want_rows { rows.count } else { 0 }],
             rescale,
+            kept: None,
         };
         // Agents whose L1 norms a chunk scan gives (DELLA's need whole rows: tiles).
         let l1_agents: Vec<bool> = (0..n).map(|t| sums.rescale[t] && !ranked[t]).collect();
@@ -233,6 +246,10 @@ impl Sums {
         }
         let ranked_l1: Vec<bool> = (0..n).map(|t| sums.rescale[t] && ranked[t]).collect();
         if ranked_l1.iter().any(|&a| a) {
+            // The scan ranks every ranked agent: its decisions can serve the merge.
+            if ranked_l1 == ranked {
+                sums.kept = KeptFlags::new(numel, &ranked);
+            }
             sums.l1_of_ranked_rows(keep, &ranked_l1, delta, rank_groups, scan)?;
         }
         match (params.base.gram_of(delta), params.base.vectors()) {
@@ -334,16 +351,19 @@ impl Sums {
     ) -> Result<()> {
         let mut ranks = Vec::new();
         let mut mask = Vec::new();
-        let l1 = &mut self.l1;
+        let (l1, kept) = (&mut self.l1, &mut self.kept);
         scan.tiles(&mut |tile| {
             for t in (0..agents.len()).filter(|&t| agents[t]) {
                 let v = if delta { &tile.tau[t] } else { &tile.x[t] };
                 row_ranks(v, ranked.slab as usize, ranked.stride as usize, &mut ranks);
                 mask.resize(v.len(), 0);
                 keep[t].mask_into(v, tile.start as u32, &ranks, &mut mask);
-                let (all, kept) = abs_sums(v, &mask);
+                if let Some(k) = kept.as_mut() {
+                    k.record(t, tile.start, &mask);
+                }
+                let (all, kept_sum) = abs_sums(v, &mask);
                 l1[t].0 += all;
-                l1[t].1 += kept;
+                l1[t].1 += kept_sum;
             }
             Ok(ControlFlow::Continue(()))
         })?;
