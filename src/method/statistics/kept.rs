@@ -69,9 +69,17 @@ impl KeptFlags {
         match &self.agents[t] {
             Some(bits) => {
                 out.resize(len, 0);
-                for (i, o) in out.iter_mut().enumerate() {
+                // Up to a word boundary bit by bit, then 64 words per bit word.
+                let lead = (((64 - start % 64) % 64) as usize).min(len);
+                for (i, o) in out[..lead].iter_mut().enumerate() {
                     let at = start + i as u64;
                     *o = ((bits[(at / 64) as usize] >> (at % 64)) & 1) as u32;
+                }
+                let word0 = ((start + lead as u64) / 64) as usize;
+                for (lanes, &w) in out[lead..].chunks_mut(64).zip(&bits[word0..]) {
+                    for (j, o) in lanes.iter_mut().enumerate() {
+                        *o = ((w >> j) & 1) as u32;
+                    }
                 }
             }
             None => out.resize(len, 0),
