@@ -20,6 +20,7 @@ pub struct Interrupted;
 pub struct Token(Arc<AtomicBool>);
 
 impl Token {
+    /// A token nobody has requested a stop on.
     pub fn new() -> Token {
         Token::default()
     }

@@ -18,10 +18,12 @@ pub fn splitmix64(z: u64) -> u64 {
 pub struct SplitMix64(u64);
 
 impl SplitMix64 {
+    /// A generator seeded with `seed`.
     pub fn new(seed: u64) -> SplitMix64 {
         SplitMix64(seed)
     }
 
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         let z = splitmix64(self.0);
         self.0 = self.0.wrapping_add(GOLDEN);

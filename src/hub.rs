@@ -15,8 +15,11 @@ pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 /// A model id with the revision asked for (`main` when none).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelId {
+    /// The user or organization (`Qwen` in `Qwen/Qwen2.5-7B`).
     pub org: String,
+    /// The repository name.
     pub name: String,
+    /// A branch, tag or commit (`main` when none was given).
     pub revision: String,
 }
 

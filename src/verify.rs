@@ -19,8 +19,11 @@ const VERIFY_SCRATCH: &str = ".rlmerge-verify";
 /// What verification found: lines that passed, and problems (any problem fails the command).
 #[derive(Default, Debug)]
 pub struct Verification {
+    /// Checks that passed, one line each.
     pub ok: Vec<String>,
+    /// Checks that could not run (an input no longer there), one line each.
     pub skipped: Vec<String>,
+    /// Checks that failed, one line each.
     pub problems: Vec<String>,
 }
 

@@ -24,18 +24,23 @@ pub struct Tile<'a> {
     pub dtype: DType,
     /// Elements in the tile.
     pub len: usize,
+    /// The base's bytes of the tile, in `dtype`.
     pub base: &'a [u8],
+    /// Each agent's bytes of the tile, in `dtype`.
     pub agents: &'a [&'a [u8]],
 }
 
 /// Probe counts of a tile: `hist[t * n + k]` = elements agent t changed and k other agents changed too.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TileCounts {
+    /// Agents in the tile (n).
     pub agents: usize,
+    /// n × n counts, row t: elements agent t changed, by how many others changed them too.
     pub hist: Vec<u64>,
 }
 
 impl TileCounts {
+    /// No counts, for `agents` agents.
     pub fn zeros(agents: usize) -> TileCounts {
         TileCounts {
             agents,
@@ -59,9 +64,11 @@ impl TileCounts {
 
 /// Parameters of the selective merge of one tile (SPEC §2).
 pub struct MergeParams<'a> {
+    /// RAM's ε (SPEC §1).
     pub epsilon: f32,
     /// λ_t for each agent of the tile, as f32.
     pub lambdas: &'a [f32],
+    /// The dtype the merged tile is written in.
     pub out_dtype: DType,
     /// The rule for elements two or more agents changed (SPEC §2b).
     pub shared: SharedRule,
@@ -69,9 +76,11 @@ pub struct MergeParams<'a> {
 
 /// Parameters of the generalized task-arithmetic merge of one tile (SPEC §4).
 pub struct CombineParams<'a> {
+    /// The tensor's combine rule.
     pub spec: &'a CombineSpec,
     /// Index in the tensor of the tile's first element (random masks and coefficient rows).
     pub start: u64,
+    /// The dtype the merged tile is written in.
     pub out_dtype: DType,
     /// DELLA: each agent's row ranks over the tile (whole rows); empty otherwise.
     pub ranks: &'a [Vec<u32>],

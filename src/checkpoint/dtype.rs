@@ -10,10 +10,13 @@ use std::fmt;
 /// A floating-point element type rlmerge can merge.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum DType {
+    /// bfloat16.
     #[serde(rename = "BF16")]
     BF16,
+    /// IEEE half precision.
     #[serde(rename = "F16")]
     F16,
+    /// IEEE single precision.
     #[serde(rename = "F32")]
     F32,
 }

@@ -14,13 +14,17 @@ use super::files::{check_regular_file, INDEX_FILE, SINGLE_FILE};
 /// A tensor of a model: which shard holds it and where.
 #[derive(Clone, Debug)]
 pub struct ModelTensor {
+    /// Index of the shard that holds it in [`ModelFolder::shards`].
     pub shard: usize,
+    /// Its header entry: dtype, shape, offset.
     pub entry: TensorEntry,
 }
 
 /// An opened model folder: every shard's header is parsed; no tensor data is read.
 pub struct ModelFolder {
+    /// The folder.
     pub dir: PathBuf,
+    /// Its weight files in shard order, headers parsed and validated.
     pub shards: Vec<SafetensorsFile>,
     /// Tensors in storage order (shard, then offset).
     pub tensors: Vec<ModelTensor>,
@@ -34,6 +38,7 @@ pub struct ModelFolder {
 }
 
 impl ModelFolder {
+    /// Opens the model folder `dir`: its config, index and every shard's header (no tensor data).
     pub fn open(dir: &Path) -> Result<ModelFolder> {
         Self::open_interned(dir, &mut Interner::default())
     }
@@ -177,6 +182,7 @@ impl ModelFolder {
         self.lora.as_ref().filter(|l| l.update(name).is_some())
     }
 
+    /// The tensor called `name`, if the model has it.
     pub fn get(&self, name: &str) -> Option<&ModelTensor> {
         self.index_of(name).map(|i| &self.tensors[i])
     }

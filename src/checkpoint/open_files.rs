@@ -41,11 +41,13 @@ pub fn max_open() -> usize {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Identity {
     node: (u64, u64),
+    /// The file's length in bytes.
     pub len: u64,
     modified: Option<std::time::SystemTime>,
 }
 
 impl Identity {
+    /// The identity of the file `meta` describes.
     pub fn of(meta: &std::fs::Metadata) -> Identity {
         #[cfg(unix)]
         let node = {

@@ -20,14 +20,18 @@ const MAX_HEADER_BYTES: u64 = 100_000_000;
 pub struct TensorEntry {
     /// Shared, not copied, by every structure that names the tensor (a model may have 10^5).
     pub name: Arc<str>,
+    /// Element type.
     pub dtype: DType,
+    /// Its shape.
     pub shape: Arc<[usize]>,
     /// Absolute byte offset of the first element in the file.
     pub offset: u64,
+    /// Elements in the tensor.
     pub numel: usize,
 }
 
 impl TensorEntry {
+    /// The tensor's size in bytes.
     pub fn byte_len(&self) -> u64 {
         (self.numel * self.dtype.size()) as u64
     }
@@ -35,6 +39,7 @@ impl TensorEntry {
 
 /// An open safetensors file.
 pub struct SafetensorsFile {
+    /// The file's path.
     pub path: PathBuf,
     /// (offset, byte length) of each tensor, in offset order; the entries themselves belong to
     /// the model folder ([`super::ModelFolder`]), which holds one list for all its shards.
@@ -64,8 +69,11 @@ pub fn shape_text(shape: &[usize]) -> String {
 /// A file's size and CRC-32, as the merge record holds it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FileChecksum {
+    /// The file's name in its folder.
     pub file: String,
+    /// Its size in bytes.
     pub size: u64,
+    /// Its CRC-32, as 8 hex digits.
     pub crc32: String,
 }
 

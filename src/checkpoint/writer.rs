@@ -15,12 +15,16 @@ use std::sync::Mutex;
 /// One tensor to be written.
 #[derive(Clone, Debug)]
 pub struct OutputTensor {
+    /// The tensor's name in the output.
     pub name: std::sync::Arc<str>,
+    /// Its output dtype.
     pub dtype: DType,
+    /// Its shape.
     pub shape: std::sync::Arc<[usize]>,
 }
 
 impl OutputTensor {
+    /// The tensor's size in bytes.
     pub fn byte_len(&self) -> u64 {
         self.shape.iter().product::<usize>() as u64 * self.dtype.size() as u64
     }

@@ -14,9 +14,13 @@ mod tokenizer;
 /// Shape of a synthetic decoder-only transformer.
 #[derive(Clone, Debug)]
 pub struct ModelShape {
+    /// Vocabulary rows of the embeddings and the LM head.
     pub vocab: usize,
+    /// Hidden size.
     pub hidden: usize,
+    /// MLP intermediate size.
     pub intermediate: usize,
+    /// Decoder layers.
     pub layers: usize,
 }
 

@@ -23,7 +23,9 @@ use std::path::{Path, PathBuf};
 /// How a pass walks the tensors (both passes share it).
 #[derive(Clone, Debug)]
 pub struct PassOptions {
+    /// RAM's ε: an element is changed when |θ_t − θ₀| > ε (SPEC §1).
     pub epsilon: f32,
+    /// Elements per tile (the backend's preference unless set; results do not depend on it).
     pub tile_elems: usize,
     /// Fail on NaN/±Inf in any input tile. Off when the user allows them (`--allow-nonfinite`:
     /// merged by IEEE rules), and in a merge pass after a probe pass already scanned every byte.
@@ -78,12 +80,17 @@ impl MergeOptions {
 /// Everything a merge needs besides the inputs and the backend.
 #[derive(Clone, Debug)]
 pub struct MergeOptions {
+    /// The method, validated, with its parameters.
     pub method: Method,
+    /// How the passes read the inputs.
     pub pass: PassOptions,
     /// `None`: each tensor keeps the base's dtype.
     pub out_dtype: Option<DType>,
+    /// Largest output shard in bytes.
     pub shard_size: u64,
+    /// Replace an existing output folder (only one rlmerge wrote, or an empty one).
     pub force: bool,
+    /// Progress bars on stderr.
     pub show_progress: bool,
     /// Files written beside the weights as given, e.g. the mergekit recipe: (name, text).
     pub extra_files: Vec<(String, String)>,
@@ -94,8 +101,11 @@ pub struct MergeOptions {
 
 /// What a finished merge reports.
 pub struct MergeSummary {
+    /// The record written into the output folder (`rlmerge_record.json`).
     pub record: MergeRecord,
+    /// The weight files written, in order.
     pub shards: Vec<String>,
+    /// RAM's probe counts per agent and module, when a probe ran.
     pub report: Option<ProbeReport>,
 }
 

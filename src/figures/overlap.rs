@@ -9,6 +9,7 @@ use crate::report::ProbeReport;
 /// Characters of an agent's name shown (the full name is its tooltip).
 const NAME_CHARS: usize = 30;
 
+/// `overlap.svg`: each agent's changed parameters, unique and shared, on one absolute scale.
 pub fn overlap(report: &ProbeReport) -> String {
     let n = report.agents.len();
     let total = report.total();

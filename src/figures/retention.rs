@@ -21,6 +21,7 @@ fn region_colour(i: usize) -> &'static str {
     }
 }
 
+/// `retention.svg`: how much of each agent's change the merged model keeps, λ marked.
 pub fn retention(r: &Retention) -> String {
     let n = r.agents.len();
     let names: Vec<String> = r.agents.iter().map(|a| short_name(a, 28)).collect();

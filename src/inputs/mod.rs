@@ -35,7 +35,9 @@ use std::sync::Arc;
 
 /// The base and the agents, opened and checked against each other.
 pub struct Inputs {
+    /// The base model.
     pub base: ModelFolder,
+    /// The agents, in order.
     pub agents: Vec<ModelFolder>,
     /// Tensors to merge, in the base's storage order.
     pub tensors: Vec<TensorPlan>,
@@ -58,7 +60,9 @@ pub struct Inputs {
 /// What shapes the output beyond the base's tensors: mergekit's slices and tokenizer source.
 #[derive(Clone, Copy, Default)]
 pub struct Layout<'a> {
+    /// mergekit's `slices`, when the merge selects layers.
     pub slices: Option<&'a Slices>,
+    /// The output's vocabulary, when agents added tokens.
     pub tokenizer: Option<&'a TokenizerSettings>,
     /// Whether θ₀ enters the merge: a token some model lacks then takes the base's row first.
     pub with_base: bool,
@@ -240,6 +244,7 @@ impl Inputs {
             .collect()
     }
 
+    /// Each agent's folder as text, for tables and figures.
     pub fn agent_labels(&self) -> Vec<String> {
         self.agents
             .iter()

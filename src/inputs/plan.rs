@@ -7,7 +7,9 @@ use super::*;
 /// each agent keeps its counterpart: its index in that agent's [`ModelFolder::tensors`] (`None`:
 /// that agent lacks it). Indices, not copies: a model may have 10^5 tensors.
 pub struct TensorPlan {
+    /// The base's copy of the tensor.
     pub base: ModelTensor,
+    /// Per agent: its index of the tensor in that agent's model, or `None` where it lacks it.
     pub agents: Box<[Option<u32>]>,
     /// Slices: the output name (layers renumbered; `None`: the base tensor's name), the agent
     /// whose folder holds `base` when a slice takes it from a model other than the base (methods
@@ -19,14 +21,19 @@ pub struct TensorPlan {
 
 /// A re-indexed tensor's rows ([`VocabTensor`]) and its output shape.
 pub struct VocabPlan {
+    /// Where each output row comes from.
     pub rows: VocabTensor,
+    /// The output tensor's shape.
     pub shape: Arc<[usize]>,
 }
 
 /// What a sliced merge adds to a [`TensorPlan`].
 pub struct SlicedTensor {
+    /// The output tensor's name.
     pub name: Arc<str>,
+    /// The agent whose layer stands in for the base's in this slice (`None`: the base's own).
     pub base_from: Option<usize>,
+    /// The slice and the layer's place in it (for gradients over layers).
     pub placement: Placement,
 }
 
@@ -76,6 +83,7 @@ impl TensorPlan {
         Ok(t)
     }
 
+    /// Elements in the output tensor.
     pub fn numel(&self) -> usize {
         match &self.vocab {
             Some(v) => v.shape.iter().product(),

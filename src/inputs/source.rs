@@ -19,8 +19,11 @@ use anyhow::{bail, Result};
 /// whether NaN/±Inf are refused.
 #[derive(Clone, Copy)]
 pub struct SourceRead<'a> {
+    /// The opened inputs.
     pub inputs: &'a Inputs,
+    /// The tensor being read.
     pub plan: &'a TensorPlan,
+    /// Refuse NaN and ±Inf in what is read.
     pub finite_only: bool,
 }
 
@@ -28,19 +31,26 @@ pub struct SourceRead<'a> {
 pub enum TensorSource<'a> {
     /// Stored bytes as they are (the tile is in the stored dtype).
     Stored {
+        /// The model holding the tensor.
         model: &'a ModelFolder,
+        /// Its copy of the tensor.
         tensor: &'a ModelTensor,
     },
     /// Stored bytes decoded to f32 — the tile of inputs of mixed dtypes is f32, to which bf16 and
     /// f16 convert exactly — with a LoRA agent's update s·B·A added in f32.
     Widened {
+        /// The model holding the tensor.
         model: &'a ModelFolder,
+        /// Its copy of the tensor.
         tensor: &'a ModelTensor,
+        /// A LoRA agent's adapter, whose update is added.
         lora: Option<&'a LoraAdapter>,
     },
     /// A token-indexed tensor's rows re-indexed for the output's vocabulary, as f32.
     Reindexed {
+        /// Where each output row comes from.
         rows: &'a VocabTensor,
+        /// The model whose rows these are.
         source: Source,
     },
 }

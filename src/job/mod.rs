@@ -18,11 +18,15 @@ pub const MERGEKIT_CONFIG_FILE: &str = "mergekit_config.yml";
 /// A merge to run: the folders, resolved, and the method, validated.
 #[derive(Debug)]
 pub struct Job {
+    /// The base model's folder (a Hub id resolved to its cache snapshot).
     pub base: PathBuf,
+    /// The agents' folders, in order (a LoRA agent as `BASE+ADAPTER` or its adapter folder).
     pub agents: Vec<PathBuf>,
+    /// The method, validated for this many agents.
     pub method: Method,
     /// RAM's ε when the recipe sets it.
     pub epsilon: Option<f32>,
+    /// The recipe's `out_dtype` (or mergekit's older `dtype`).
     pub out_dtype: Option<DType>,
     /// The recipe's text, saved beside the merged weights as [`MERGEKIT_CONFIG_FILE`] (empty:
     /// the job came from flags).
@@ -42,11 +46,17 @@ pub struct Job {
 pub struct MethodFlags {
     /// `None`: RAM+, the default method.
     pub method: Option<Kind>,
+    /// `--param KEY=VALUE`, for every model.
     pub params: Vec<(String, Setting)>,
+    /// RAM+'s boost rule (`--rule`: paper or official).
     pub rule: Option<String>,
+    /// RAM+'s scope of ρ (`--scope`).
     pub scope: Option<BoostScope>,
+    /// RAM+ paper rule's r (`--r`).
     pub r: Option<f64>,
+    /// RAM+ paper rule's cap α on ρ (`--alpha`).
     pub alpha: Option<f64>,
+    /// RAM+ official rule's R (`--rescale-factor`).
     pub rescale_factor: Option<f64>,
     /// The RAM family's shared-region rule (`--shared`).
     pub shared: Option<SharedRule>,
@@ -136,6 +146,7 @@ impl MethodFlags {
         )
     }
 
+    /// The method these flags ask for `agents` merged models, validated as a recipe's is.
     pub fn method_for(&self, agents: usize) -> Result<Method> {
         let kind = self.method.unwrap_or(Kind::RamPlus);
         let boost_flags = [

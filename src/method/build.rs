@@ -15,8 +15,11 @@ use anyhow::Result;
 /// A method and its parameters as given: `method_wide` for the method, `models` per merged model (in
 /// agent order; missing entries are empty).
 pub struct MethodRequest {
+    /// The method asked for.
     pub kind: Kind,
+    /// Parameters set once for the whole method (a recipe's top-level `parameters:`).
     pub method_wide: Settings,
+    /// Each merged model's own parameters, in order.
     pub models: Vec<Settings>,
     /// Seed of random masks (DARE, DELLA).
     pub seed: u64,

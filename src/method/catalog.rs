@@ -4,38 +4,63 @@
 use super::defaults;
 use serde::{Deserialize, Serialize};
 
+/// Every merge method rlmerge knows, by its recipe name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Kind {
+    /// RAM: keep unique updates, average shared ones (SPEC §2).
     Ram,
+    /// RAM+: RAM with unique updates boosted by λ_t (SPEC §3).
     #[serde(rename = "ram+")]
     RamPlus,
+    /// RAM+ in tensor scope (the authors' `ramplus_tl`).
     RamplusTl,
+    /// Weighted average of the models.
     Linear,
+    /// θ₀ + Σ weighted task vectors.
     TaskArithmetic,
+    /// TIES: trim, elect sign, disjoint mean.
     Ties,
+    /// DARE: random drop and rescale, then task arithmetic.
     DareLinear,
+    /// DARE with TIES sign consensus.
     DareTies,
+    /// Breadcrumbs: drop the largest and smallest magnitudes, then task arithmetic.
     Breadcrumbs,
+    /// Breadcrumbs with TIES sign consensus.
     BreadcrumbsTies,
+    /// DELLA: drop by magnitude rank, with TIES sign consensus.
     Della,
+    /// DELLA without sign consensus.
     DellaLinear,
+    /// Model Stock: interpolation toward the base by the task vectors' angle.
     ModelStock,
+    /// Spherical interpolation of two models.
     Slerp,
+    /// Slerp of task vectors (mergekit's nuslerp).
     Nuslerp,
+    /// Spherical weighted mean of several models.
     Multislerp,
+    /// Karcher mean of the models on the sphere.
     Karcher,
+    /// SCE: select by variance, calculate weights, erase minority signs.
     Sce,
+    /// NearSwap: take the model where it is close to the base.
     Nearswap,
+    /// One model's tensors as they are (with slices: layer stacking).
     Passthrough,
+    /// Arcee Fusion: keep the elements whose change matters by row KL.
     ArceeFusion,
+    /// Fisher-weighted averaging.
     Fisher,
 }
 
 /// Whether a parameter is set once for the whole method or per model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ParamScope {
+    /// Set once for the whole method (a recipe's top-level `parameters:`).
     MethodWide,
+    /// Set for each model (a model's `parameters:`), or once for all.
     PerModel,
 }
 
@@ -45,14 +70,19 @@ pub enum ParamScope {
 pub enum Range {
     /// A finite number in [lo, hi] (an infinite bound: unbounded on that side).
     Number {
+        /// Lowest value allowed.
         lo: f64,
+        /// Highest value allowed.
         hi: f64,
     },
     /// A whole number in [lo, hi].
     Integer {
+        /// Lowest value allowed.
         lo: f64,
+        /// Highest value allowed.
         hi: f64,
     },
+    /// `true` or `false`.
     Bool,
     /// One of these words.
     Choice(&'static [&'static str]),
@@ -117,12 +147,17 @@ impl Range {
 pub enum ParamDefault {
     /// No default: the parameter must be given.
     Required,
+    /// This number.
     Number(f64),
+    /// This truth value.
     Bool(bool),
+    /// This word.
     Word(&'static str),
     /// RAM+'s α: one default in global scope, another in tensor scope.
     ByScope {
+        /// The default in global scope.
         global: f64,
+        /// The default in tensor scope.
         tensor: f64,
     },
 }
@@ -142,12 +177,18 @@ impl ParamDefault {
     }
 }
 
+/// One parameter of a method: its name, scope, default, range and meaning.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Param {
+    /// The name a recipe or `--param` gives it.
     pub name: &'static str,
+    /// Whether it is set once or per model.
     pub scope: ParamScope,
+    /// Its value when not given.
     pub default: ParamDefault,
+    /// The values it takes.
     pub range: Range,
+    /// What it does, in a line.
     pub about: &'static str,
 }
 
@@ -428,6 +469,7 @@ const FISHER: [Param; 2] = [
 ];
 
 impl Kind {
+    /// Every method, in the order `rlmerge methods` lists them.
     pub const ALL: [Kind; 22] = [
         Kind::Ram,
         Kind::RamPlus,
@@ -453,6 +495,7 @@ impl Kind {
         Kind::Fisher,
     ];
 
+    /// The method's recipe name.
     pub fn name(self) -> &'static str {
         match self {
             Kind::Ram => "ram",
@@ -480,6 +523,7 @@ impl Kind {
         }
     }
 
+    /// The method of recipe name `name`, if any.
     pub fn from_name(name: &str) -> Option<Kind> {
         match name {
             "ramplus" | "ram_plus" => Some(Kind::RamPlus),
@@ -506,6 +550,7 @@ impl Kind {
         matches!(self, Kind::Nuslerp | Kind::Multislerp)
     }
 
+    /// What the method does, in a line.
     pub fn about(self) -> &'static str {
         match self {
             Kind::Ram => "Reinforced Agent Merging: shared changes averaged over the agents that made them, unique ones kept",
@@ -533,6 +578,7 @@ impl Kind {
         }
     }
 
+    /// Where the method was published.
     pub fn reference(self) -> &'static str {
         match self {
             Kind::Ram | Kind::RamPlus | Kind::RamplusTl => "arXiv:2601.13572",

@@ -11,22 +11,30 @@ use serde::{Deserialize, Serialize};
 /// Which elements of one agent's vector survive sparsification.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Keep {
+    /// Every element.
     All,
     /// Ranks (by |v| descending, ties by index) in `[lo, hi)`: inside `hi`, outside `lo`.
     Band {
+        /// Ranks inside this cut are dropped.
         lo: RankCut,
+        /// Ranks outside this cut are dropped.
         hi: RankCut,
     },
     /// Bernoulli: kept when the element's hash is below `threshold` (= density · 2³²).
     Random {
+        /// ⌊density · 2³²⌋.
         threshold: u32,
+        /// The mask's hash key (seed, tensor and agent).
         key: [u32; 2],
     },
     /// DELLA: Bernoulli with p = `p0` + (rank − 1)·`step`, rank = the element's 1-based rank by
     /// |v| ascending within its row (ties by index; see [`row_ranks`]).
     RowRank {
+        /// Keep probability of the lowest rank.
         p0: f32,
+        /// Added to the probability per rank.
         step: f32,
+        /// The mask's hash key (seed, tensor and agent).
         key: [u32; 2],
     },
     /// Kept where the host's word for the element (in the ranks channel) is not 0: arcee_fusion's
@@ -200,6 +208,7 @@ pub type VarianceCut = (RankCut, f32);
 /// How Δ is normalized.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Normalize {
+    /// No normalization.
     None,
     /// Multiply by this f32(1/Σ w) (no consensus: one divisor per tensor).
     Fixed(f32),
@@ -213,9 +222,11 @@ pub enum Normalize {
 pub struct CombineSpec {
     /// v_t = θ_t − θ₀ (task vectors) when true, θ_t itself when false.
     pub delta: bool,
+    /// Each agent's keep rule.
     pub keep: Vec<Keep>,
     /// TIES sign consensus ("sum"): only d_t with the sign of Σ d_t count (zeros never do).
     pub consensus: bool,
+    /// How Δ is divided (by the weights' sum, or not).
     pub normalize: Normalize,
     /// Multiplies Δ when ≠ 1.
     pub lambda: f32,
@@ -265,7 +276,9 @@ pub struct CombineSpec {
 pub struct Fusion {
     /// Elements per row (the last dimension; a vector is one row).
     pub row_len: u64,
+    /// Each row's KL divergence of softmax(θ₁'s row) from softmax(θ₀'s row).
     pub kl: Vec<f32>,
+    /// The importance fence: elements at or above it are kept.
     pub threshold: f32,
 }
 
@@ -321,6 +334,7 @@ pub fn fisher_coefs(lambdas: &[f64], fisher: &[Vec<f32>], len: usize, out: &mut 
 }
 
 impl CombineSpec {
+    /// Agents the rule merges.
     pub fn agents(&self) -> usize {
         self.keep.len()
     }

@@ -22,9 +22,17 @@ pub const DEFAULT_EPSILON: f32 = defaults::EPSILON as f32;
 #[serde(tag = "rule", rename_all = "lowercase")]
 pub enum BoostRule {
     /// λ = 1 + r · min(ρ, α): the paper's formula.
-    Paper { r: f64, alpha: f64 },
+    Paper {
+        /// The boost per unit of ρ.
+        r: f64,
+        /// The cap on ρ.
+        alpha: f64,
+    },
     /// λ = 1 + (R − 1) · min(ρ, 1), R clamped ≥ 1: the authors' released script.
-    Official { rescale_factor: f64 },
+    Official {
+        /// R, the largest λ.
+        rescale_factor: f64,
+    },
 }
 
 /// Over what ρ is counted (SPEC §3): the whole model (one λ per agent), each tensor, each layer
@@ -32,9 +40,13 @@ pub enum BoostRule {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BoostScope {
+    /// One λ per agent for the whole model (the paper).
     Global,
+    /// One λ per agent and tensor.
     Tensor,
+    /// One λ per agent and decoder layer.
     Layer,
+    /// One λ per agent and module kind (q_proj, mlp …).
     Module,
 }
 
@@ -49,6 +61,7 @@ impl BoostScope {
         }
     }
 
+    /// Every scope.
     pub const ALL: [BoostScope; 4] = [
         BoostScope::Global,
         BoostScope::Tensor,
@@ -56,6 +69,7 @@ impl BoostScope {
         BoostScope::Module,
     ];
 
+    /// The scope called `name`, if any.
     pub fn from_name(name: &str) -> Option<BoostScope> {
         BoostScope::ALL.into_iter().find(|s| s.name() == name)
     }
@@ -87,6 +101,7 @@ impl SharedRule {
         }
     }
 
+    /// The rule called `name`, if any.
     pub fn from_name(name: &str) -> Option<SharedRule> {
         [SharedRule::Mean, SharedRule::Consensus]
             .into_iter()
@@ -109,8 +124,11 @@ pub enum Method {
     /// RAM+: unique updates boosted by λ_t from the overlap-unique ratio.
     #[serde(rename = "ram+")]
     RamPlus {
+        /// The λ formula.
         rule: BoostRule,
+        /// What one λ covers: the model, a tensor, a layer or a module kind.
         scope: BoostScope,
+        /// How the shared region merges (SPEC §2b).
         #[serde(default)]
         shared: SharedRule,
     },
@@ -120,6 +138,7 @@ pub enum Method {
 }
 
 impl Method {
+    /// The method's recipe name.
     pub fn name(&self) -> &'static str {
         match self {
             Method::Ram { .. } => "ram",
@@ -217,10 +236,15 @@ impl fmt::Display for Method {
 /// The defaults of SPEC §3.
 /// RAM and RAM+ defaults (the catalog prints them; `build` applies them).
 pub mod defaults {
+    /// RAM's ε: an element is changed when |τ| > ε.
     pub const EPSILON: f64 = 1e-5;
+    /// The paper rule's r.
     pub const R: f64 = 0.1;
+    /// The paper rule's cap α on ρ in global scope.
     pub const ALPHA_GLOBAL: f64 = 2.0;
+    /// The paper rule's cap α on ρ in tensor scope.
     pub const ALPHA_TENSOR: f64 = 0.2;
+    /// The official rule's R.
     pub const RESCALE_FACTOR: f64 = 1.2;
 }
 

@@ -9,8 +9,11 @@ use std::collections::BTreeMap;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum Scalar {
+    /// A truth value.
     Bool(bool),
+    /// A number.
     Number(f64),
+    /// A word.
     Text(String),
 }
 
@@ -18,6 +21,7 @@ pub enum Scalar {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum Setting {
+    /// One value for every tensor.
     Scalar(Scalar),
     /// Values spread evenly over the layers: layer position t ∈ [0, 1] interpolates numbers
     /// linearly and picks booleans and strings by index.
@@ -26,11 +30,14 @@ pub enum Setting {
     Conditional(Vec<Conditional>),
 }
 
+/// A value for the tensors whose name contains `filter` (mergekit's `filter:`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Conditional {
+    /// The part of a tensor name the value applies to (`None`: every tensor).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub filter: Option<String>,
+    /// The value there.
     pub value: ConditionalValue,
 }
 
@@ -38,7 +45,9 @@ pub struct Conditional {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum ConditionalValue {
+    /// One value.
     Scalar(Scalar),
+    /// Values spread over the layers (mergekit's gradient).
     Gradient(Vec<Scalar>),
 }
 
@@ -50,8 +59,11 @@ pub type Settings = BTreeMap<String, Setting>;
 /// L within its slice) and its slice, whose parameters come first.
 #[derive(Clone, Copy, Debug)]
 pub struct TensorPlace<'a> {
+    /// The tensor's name.
     pub name: &'a str,
+    /// Its place among the layers, from 0 (first) to 1 (last), for gradients.
     pub t: f64,
+    /// The slice it is in, for a sliced merge.
     pub slice: Option<usize>,
 }
 
@@ -99,6 +111,7 @@ impl Setting {
 }
 
 impl Scalar {
+    /// The value as a number; an error naming parameter `name` otherwise.
     pub fn as_f64(&self, name: &str) -> Result<f64> {
         match self {
             Scalar::Number(x) => Ok(*x),
@@ -110,6 +123,7 @@ impl Scalar {
         }
     }
 
+    /// The value as a truth value; an error naming parameter `name` otherwise.
     pub fn as_bool(&self, name: &str) -> Result<bool> {
         match self {
             Scalar::Bool(b) => Ok(*b),

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 /// A mergekit-family method with its settings as the recipe gave them.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MethodConfig {
+    /// The method.
     pub kind: Kind,
     /// Method-wide `parameters:`.
     #[serde(default)]
@@ -31,6 +32,7 @@ pub struct MethodConfig {
 /// method-wide ones).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SliceSettings {
+    /// Each model's `parameters:`, in order.
     #[serde(default)]
     pub parameters: Settings,
     /// Per agent, as its source in the slice sets them (empty: none, or not a source).
@@ -45,21 +47,29 @@ fn yes() -> bool {
 /// What one agent's sparsifier keeps, in ranks by |τ| descending (ties by lower index).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Sparsify {
+    /// Keep every element.
     All,
     /// Ranks in `[lo, hi)`; ties at a cut go to the lower index first, or to the higher with
     /// `high_first`.
     Ranks {
+        /// Dropped below this rank (0: none).
         lo: u64,
+        /// Kept below this rank.
         hi: u64,
+        /// Ties at a cut: the higher index first.
         high_first: bool,
     },
+    /// Keep each element with probability `density` (DARE).
     Random {
+        /// The probability of keeping an element.
         density: f64,
     },
     /// DELLA's magnitude-ranked drop: keep probability from density − ε (smallest |τ| of its
     /// row) to density + ε (largest).
     RowRank {
+        /// The mean probability of keeping an element.
         density: f64,
+        /// Spread of the probabilities over the ranks.
         epsilon: f64,
     },
     /// arcee_fusion: keep where |τ|·KL(row) reaches the Tukey fence of those importances.
@@ -88,21 +98,46 @@ pub enum BaseTerm {
     None,
     /// Model Stock: t from the task vectors' mean pairwise cosine, over the whole tensor or per
     /// row (`filter_wise`).
-    ModelStock { vectors: Vectors },
+    ModelStock {
+        /// Whole tensor or per row.
+        vectors: Vectors,
+    },
     /// Slerp of the whole tensor from θ₀ toward the one agent by `t`.
-    Slerp { t: f64 },
+    Slerp {
+        /// The interpolation factor, 0 (θ₀) to 1 (the agent).
+        t: f64,
+    },
     /// Slerp between the two models' vectors (task vectors with a base): whole tensors
     /// (`nuslerp_flatten`, the default), rows, or columns (`nuslerp_row_wise`).
-    Nuslerp { t: f64, vectors: Vectors },
+    Nuslerp {
+        /// The interpolation factor between the two.
+        t: f64,
+        /// Whole tensors, rows or columns.
+        vectors: Vectors,
+    },
     /// Spherical weighted mean of the vectors, scaled by their weighted mean norm.
-    Multislerp { weights: Vec<f64> },
+    Multislerp {
+        /// Each vector's weight.
+        weights: Vec<f64>,
+    },
     /// Karcher mean of the unit vectors on the sphere, scaled by the mean norm.
-    Karcher { max_iter: usize, tol: f64 },
+    Karcher {
+        /// Most iterations.
+        max_iter: usize,
+        /// Stop once a step moves less than this.
+        tol: f64,
+    },
     /// NearSwap toward the one model where it is within about `t` of the base.
-    Nearswap { t: f64 },
+    Nearswap {
+        /// The closeness scale.
+        t: f64,
+    },
     /// SCE: θ₀ + the consensus mean of the task vectors on the `density` highest-variance
     /// elements, weighted by each vector's mean square there.
-    Sce { density: f64 },
+    Sce {
+        /// Fraction of elements kept by variance.
+        density: f64,
+    },
     /// Fisher merging: Σ λ_t F_t θ_t / Σ λ_t F_t, coefficients per element from the Fisher files.
     Fisher,
 }
@@ -134,13 +169,19 @@ impl BaseTerm {
 pub struct TensorParams {
     /// v_t = θ_t − θ₀ (and out = θ₀ + …) when true; v_t = θ_t when false.
     pub delta: bool,
+    /// Each agent's weight.
     pub weights: Vec<f64>,
+    /// Each agent's sparsifier.
     pub sparsify: Vec<Sparsify>,
     /// L1-rescale each sparsified vector.
     pub rescale: bool,
+    /// TIES sign consensus.
     pub consensus: bool,
+    /// Divide by the (agreeing) weights' sum.
     pub normalize: bool,
+    /// Multiplies Δ.
     pub lambda: f64,
+    /// What Δ is added to, and how.
     pub base: BaseTerm,
 }
 

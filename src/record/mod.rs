@@ -16,8 +16,10 @@ pub use card::model_card;
 /// The overlap figure a RAM+ merge writes beside its weights (see `crate::figures::overlap`).
 pub const OVERLAP_FIGURE: &str = "overlap.svg";
 
+/// One agent as the record names it, with its λ and probe counts.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AgentSummary {
+    /// The folder (or `BASE+ADAPTER`) as given.
     pub path: String,
     /// λ_t (global scope and `ram`); `None` for tensor scope, see `tensor_lambdas`.
     pub lambda: Option<f64>,
@@ -34,21 +36,30 @@ pub struct InputChecksums {
     /// id): a rerun or `verify --against` elsewhere names the same snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hub_id: Option<String>,
+    /// Each weight file read, with its size and CRC-32.
     pub files: Vec<FileChecksum>,
 }
 
+/// How a merged folder was made (`rlmerge_record.json`): the method and its parameters, λ per
+/// agent, and the checksums of every file read and written (`rlmerge verify` checks them).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct MergeRecord {
+    /// `rlmerge`.
     pub tool: String,
+    /// The rlmerge version that wrote it.
     pub version: String,
+    /// The method with its parameters.
     pub method: Method,
+    /// RAM's ε.
     pub epsilon: f32,
     /// NaN/±Inf inputs were merged by IEEE rules instead of refused.
     pub allow_nonfinite: bool,
     /// Tensors missing in some models were let through (`--allow-missing-tensors`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_missing_tensors: bool,
+    /// The base model as given.
     pub base: String,
+    /// The agents in order.
     pub agents: Vec<AgentSummary>,
     /// Tensor scope: λ per agent for each tensor.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -73,7 +84,9 @@ pub struct MergeRecord {
         deserialize_with = "tokenizer_settings"
     )]
     pub tokenizer: Option<crate::vocabulary::TokenizerSettings>,
+    /// Largest output shard in bytes.
     pub shard_size: u64,
+    /// What the merge warned about.
     pub warnings: Vec<String>,
     /// Base first, then the agents in order.
     pub inputs: Vec<InputChecksums>,

@@ -52,7 +52,9 @@ pub const REGIONS: [&str; 3] = ["unique", "shared", "all"];
 /// Retention of every agent in a merged folder.
 #[derive(Clone, Debug)]
 pub struct Retention {
+    /// The merged folder.
     pub merged: String,
+    /// The agents' labels, in order.
     pub agents: Vec<String>,
     /// Per agent: unique, shared, all ([`REGIONS`]).
     pub regions: Vec<[RegionSums; 3]>,
@@ -67,6 +69,7 @@ impl Retention {
         self.lambdas.get(t).copied().flatten()
     }
 
+    /// The retention as `analyze --json` prints it.
     pub fn to_json(&self) -> Value {
         let agents: Vec<Value> = self
             .agents
@@ -87,6 +90,7 @@ impl Retention {
         json!({ "merged": self.merged, "agents": agents })
     }
 
+    /// The retention as `analyze` prints it.
     pub fn render_text(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(

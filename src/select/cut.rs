@@ -16,8 +16,11 @@ pub fn magnitude_key(v: f32) -> u32 {
 /// ranks).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankCut {
+    /// The magnitude key at the cut.
     pub value: u32,
+    /// The index at the cut among elements of that key.
     pub index: u32,
+    /// Ties at the cut: the higher index first.
     pub high_first: bool,
 }
 
@@ -36,6 +39,7 @@ impl RankCut {
         high_first: false,
     };
 
+    /// Whether the element of magnitude key `key` and index `idx` is inside the cut.
     #[inline(always)]
     pub fn inside(&self, key: u32, idx: u32) -> bool {
         // Bitwise, not short-circuit: no branches, so mask loops vectorize.

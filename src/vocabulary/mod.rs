@@ -32,6 +32,7 @@ use write::TokenizerFiles;
 /// The output's vocabulary and each model's place in it.
 #[derive(Debug)]
 pub struct Vocabulary {
+    /// The settings it was built from.
     pub settings: TokenizerSettings,
     /// Tokens of the output vocabulary (ids 0..len).
     len: usize,
@@ -189,6 +190,7 @@ impl Vocabulary {
         self.len
     }
 
+    /// Whether the vocabulary has no tokens.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

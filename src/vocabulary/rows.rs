@@ -7,6 +7,7 @@ use super::*;
 #[derive(Debug)]
 pub struct VocabTensor {
     pub(super) vocabulary: Arc<Vocabulary>,
+    /// Elements per row.
     pub row_len: usize,
     /// Default rows by output row, for the tokens some model lacks (or forced).
     pub(super) defaults: HashMap<u32, RowDefault>,
@@ -23,6 +24,7 @@ pub struct VocabTensor {
 pub enum RowFrom<'a> {
     /// Row `row` of model `source`'s tensor.
     Row(Source, u32),
+    /// A row of zeros.
     Zero,
     /// The mean of these rows (an f32 sum in order, then one division, as mergekit does).
     Mean(&'a [(Source, u32)]),

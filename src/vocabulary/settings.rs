@@ -6,6 +6,7 @@ use super::*;
 /// What a recipe asks of the output's tokenizer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TokenizerSettings {
+    /// Which tokenizer the output takes: the base's, the union of all, or a model's.
     pub source: TokenizerSource,
     /// `tokenizer.tokens`: tokens the output must have, and where their rows come from.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -19,6 +20,7 @@ pub struct TokenizerSettings {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TokenizerSource {
+    /// The base's tokenizer.
     Base,
     /// Every model's tokens: the base's, then each model's others in order.
     Union,
@@ -29,7 +31,9 @@ pub enum TokenizerSource {
 /// One entry of `tokenizer.tokens`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TokenSetting {
+    /// The token's text.
     pub token: String,
+    /// Where its embedding row comes from (`None`: mergekit's default for the token).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<EmbeddingSource>,
     /// The source's row even for models that have the token.
@@ -45,12 +49,16 @@ pub enum EmbeddingSource {
     Model(PathBuf),
     /// The row of another token of a model: by its text or by its id in that model.
     ModelToken {
+        /// The model whose row is taken.
         model: PathBuf,
+        /// The token whose row is taken, by text.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         token: Option<String>,
+        /// The token whose row is taken, by id in that model.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         token_id: Option<usize>,
     },
+    /// A row of zeros.
     Zero,
 }
 

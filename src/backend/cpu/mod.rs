@@ -23,6 +23,7 @@ const PREFERRED_TILE_ELEMS: usize = 1 << 16;
 /// 1.5 s at 4 Ki.
 const CHUNK: usize = 1024;
 
+/// The native CPU backend: the reference kernels, on a pool of worker threads.
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
 }

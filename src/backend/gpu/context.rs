@@ -15,7 +15,9 @@ pub enum AdapterChoice {
 
 /// One adapter as `rlmerge devices` lists it.
 pub struct AdapterSummary {
+    /// The adapter's name, type, backend and driver.
     pub info: wgpu::AdapterInfo,
+    /// What the adapter allows (binding and buffer sizes, workgroups).
     pub limits: wgpu::Limits,
     /// Whether a merge on it maps its storage buffers (see `mapped_buffers`).
     pub mapped: bool,
@@ -68,9 +70,13 @@ pub(super) fn rank(info: &wgpu::AdapterInfo, low_power: bool) -> u32 {
 
 /// The device, queue and compiled pipelines, built once.
 pub struct GpuContext {
+    /// The opened device.
     pub device: wgpu::Device,
+    /// Its queue, which every upload and dispatch goes through.
     pub queue: wgpu::Queue,
+    /// The adapter's name, type, backend and driver.
     pub info: wgpu::AdapterInfo,
+    /// The limits the device was opened with (the adapter's own).
     pub limits: wgpu::Limits,
     pub(super) probe_pipeline: wgpu::ComputePipeline,
     pub(super) merge_pipeline: wgpu::ComputePipeline,
@@ -200,6 +206,7 @@ impl GpuContext {
         }
     }
 
+    /// The adapter as stderr names it: name, API, type, and whether buffers are mapped.
     pub fn describe(&self) -> String {
         format!(
             "gpu: {} ({:?}, {:?}{})",

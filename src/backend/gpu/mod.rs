@@ -49,6 +49,7 @@ pub(super) const GPU_MAX_TABLE_AGENTS: usize = 16;
 /// Where a backend's time went, summed over chunks.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PhaseTimes {
+    /// Chunks dispatched.
     pub chunks: u64,
     /// Copying inputs into the queue's staging memory.
     pub upload: Duration,
@@ -62,6 +63,7 @@ pub struct PhaseTimes {
     pub cpu_tiles: u64,
 }
 
+/// The GPU backend: a [`GpuContext`] with two reusable sets of chunk buffers.
 pub struct GpuBackend {
     ctx: GpuContext,
     chunk_elems_cap: usize,

@@ -67,7 +67,9 @@ impl Pair {
 
 /// An opened adapter.
 pub struct LoraAdapter {
+    /// The adapter's folder.
     pub dir: PathBuf,
+    /// Its weights file (`adapter_model.safetensors`), header parsed.
     pub file: SafetensorsFile,
     /// By base tensor name (`{module}.weight`).
     updates: HashMap<String, LoraUpdate>,
@@ -260,6 +262,7 @@ impl LoraAdapter {
         self.updates.len()
     }
 
+    /// Whether the adapter holds no update pairs.
     pub fn is_empty(&self) -> bool {
         self.updates.is_empty()
     }

@@ -125,6 +125,7 @@ impl Scratch {
         )
     }
 
+    /// The scratch folder's path.
     pub fn path(&self) -> &Path {
         &self.dir
     }

@@ -557,7 +557,9 @@ fn abs_sums(values: &[f32], mask: &[u32]) -> (f64, f64) {
 /// ranks), in which elements `stride` apart form one group.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RankRows {
+    /// Elements of one slab (whole rows).
     pub slab: u64,
+    /// Stride of a rank group within a slab (1: the slab is one row).
     pub stride: u64,
 }
 
