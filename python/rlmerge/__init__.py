@@ -183,16 +183,19 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     if tokenizer is not None:
         recipe["tokenizer"] = dict(tokenizer)
     # The recipe goes to the library as data, read and checked as a recipe file is.
-    record = _native.merge(recipe, out, device=device, quiet=quiet, force=force,
-                           out_dtype=out_dtype, shard_size=_size(shard_size), threads=threads,
-                           allow_missing_tensors=allow_missing_tensors,
-                           allow_nonfinite=allow_nonfinite)
+    record = _native.merge(recipe, out, _keywords(device, quiet, force, out_dtype, shard_size,
+                                                  threads, allow_missing_tensors, allow_nonfinite))
     return _summary(record, out)
 
 
-def _size(shard_size: Any) -> Optional[str]:
-    """A shard size as the library reads one: ``"5GB"``, ``"2GiB"`` or a number of bytes."""
-    return None if shard_size is None else str(shard_size)
+def _keywords(device: str, quiet: bool, force: bool, out_dtype: Optional[str],
+              shard_size: Any, threads: int, allow_missing_tensors: bool,
+              allow_nonfinite: bool) -> Dict[str, Any]:
+    """A merge's keywords as the native ``merge`` and ``run`` take them; a shard size as the
+    library reads one (``"5GB"``, ``"2GiB"`` or a number of bytes)."""
+    return {"device": device, "quiet": quiet, "force": force, "out_dtype": out_dtype,
+            "shard_size": None if shard_size is None else str(shard_size), "threads": threads,
+            "allow_missing_tensors": allow_missing_tensors, "allow_nonfinite": allow_nonfinite}
 
 
 def run(recipe: PathLike, out: PathLike, *, device: str = "auto", quiet: bool = True,
@@ -203,10 +206,9 @@ def run(recipe: PathLike, out: PathLike, *, device: str = "auto", quiet: bool = 
     returns."""
     _check_common(device, threads)
     out = _path(out, "out")
-    record = _native.run(_path(recipe, "recipe"), out, device=device, quiet=quiet, force=force,
-                         out_dtype=out_dtype, shard_size=_size(shard_size), threads=threads,
-                         allow_missing_tensors=allow_missing_tensors,
-                         allow_nonfinite=allow_nonfinite)
+    record = _native.run(_path(recipe, "recipe"), out,
+                         _keywords(device, quiet, force, out_dtype, shard_size, threads,
+                                   allow_missing_tensors, allow_nonfinite))
     return _summary(record, out)
 
 

@@ -8,16 +8,14 @@ class MergeError(Exception):
 class UsageError(MergeError, ValueError):
     """The request itself is wrong (unknown method or parameter, bad path, value out of range)."""
 
-def merge(recipe: Mapping[str, Any], out: str, *, device: str = "auto", quiet: bool = True,
-          force: bool = False, out_dtype: Optional[str] = None, shard_size: Optional[str] = None,
-          threads: int = 0, allow_missing_tensors: bool = False,
-          allow_nonfinite: bool = False) -> str:
-    """Merges a recipe given as data (a mergekit recipe's keys) into ``out``; the record as JSON."""
+def merge(recipe: Mapping[str, Any], out: str, keywords: Mapping[str, Any]) -> str:
+    """Merges a recipe given as data (a mergekit recipe's keys) into ``out``; the record as JSON.
+    ``keywords`` holds every key of a merge: device, quiet, force, out_dtype, shard_size, threads,
+    allow_missing_tensors, allow_nonfinite."""
 
-def run(recipe: str, out: str, *, device: str = "auto", quiet: bool = True, force: bool = False,
-        out_dtype: Optional[str] = None, shard_size: Optional[str] = None, threads: int = 0,
-        allow_missing_tensors: bool = False, allow_nonfinite: bool = False) -> str:
-    """Runs a mergekit YAML recipe file into ``out``; the record as JSON."""
+def run(recipe: str, out: str, keywords: Mapping[str, Any]) -> str:
+    """Runs a mergekit YAML recipe file into ``out`` (``keywords`` as for merge); the record as
+    JSON."""
 
 def verify(dir: str, against: bool = False, device: str = "auto") -> Tuple[List[str], List[str], List[str]]:
     """Checks a merged folder: (checks passed, checks skipped, problems found)."""

@@ -136,14 +136,22 @@ fn yaml_of(v: &Bound<'_, PyAny>) -> anyhow::Result<serde_yaml::Value> {
     })
 }
 
-/// The compute options every merge takes.
-fn compute(
-    device: &str,
+/// The keywords of a merge (`merge` and `run`), as the API passes them: a dict with every key.
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+struct MergeKeywords {
+    device: String,
     quiet: bool,
+    force: bool,
+    out_dtype: Option<String>,
+    shard_size: Option<String>,
     threads: usize,
     allow_missing_tensors: bool,
     allow_nonfinite: bool,
-) -> anyhow::Result<ComputeArgs> {
+}
+
+/// The compute options on `device` ("auto", "cpu" or "gpu").
+fn compute(device: &str, quiet: bool, threads: usize) -> anyhow::Result<ComputeArgs> {
     let device = match device {
         "auto" => DeviceChoice::Auto,
         "cpu" => DeviceChoice::Cpu,
@@ -160,117 +168,71 @@ fn compute(
         quiet,
         device,
         tile_elems: None,
-        allow_nonfinite,
-        allow_missing_tensors,
+        allow_nonfinite: false,
+        allow_missing_tensors: false,
         gpu_chunk_elems: None,
     })
 }
 
-/// Where and how the merged folder is written.
-fn output(
-    out: PathBuf,
-    force: bool,
-    out_dtype: Option<String>,
-    shard_size: Option<String>,
-) -> anyhow::Result<OutputArgs> {
-    let out_dtype = out_dtype
-        .map(|d| rlmerge::job::parse_dtype(&d).map_err(|e| usage(format!("out_dtype: {e}"))))
-        .transpose()?;
-    let shard_size =
-        rlmerge::checkpoint::writer::parse_size(shard_size.as_deref().unwrap_or("5GB"))
+impl MergeKeywords {
+    /// The library's compute and output options for a merge into `out`.
+    fn options(self, out: PathBuf) -> anyhow::Result<(ComputeArgs, OutputArgs)> {
+        let compute = ComputeArgs {
+            allow_missing_tensors: self.allow_missing_tensors,
+            allow_nonfinite: self.allow_nonfinite,
+            ..compute(&self.device, self.quiet, self.threads)?
+        };
+        let out_dtype = self
+            .out_dtype
+            .map(|d| rlmerge::job::parse_dtype(&d).map_err(|e| usage(format!("out_dtype: {e}"))))
+            .transpose()?;
+        let shard_size = self.shard_size.as_deref().unwrap_or("5GB");
+        let shard_size = rlmerge::checkpoint::writer::parse_size(shard_size)
             .map_err(|e| usage(format!("shard_size: {e:#}")))?;
-    Ok(OutputArgs {
-        out_dtype,
-        shard_size,
-        force,
-        seed: 0,
-        out,
-    })
+        let output = OutputArgs {
+            out_dtype,
+            shard_size,
+            force: self.force,
+            seed: 0,
+            out,
+        };
+        Ok((compute, output))
+    }
 }
 
-/// Merges a job into `output.out`; the merge's record as JSON.
+/// Merges the job `job` makes into `output.out`, on its own cancellable thread; the merge's
+/// record as JSON.
 fn merge_into(
-    job: impl FnOnce() -> anyhow::Result<Job>,
-    compute: ComputeArgs,
-    output: OutputArgs,
-) -> anyhow::Result<String> {
-    let summary = cli::merge_job(job()?, &compute, &output, &mut std::io::sink())?;
-    Ok(serde_json::to_string(&summary.record)?)
+    py: Python<'_>,
+    job: impl FnOnce() -> anyhow::Result<Job> + Send + 'static,
+    (compute, output): (ComputeArgs, OutputArgs),
+) -> PyResult<String> {
+    cancellable(py, move || {
+        let summary = cli::merge_job(job()?, &compute, &output, &mut std::io::sink())?;
+        Ok(serde_json::to_string(&summary.record)?)
+    })
 }
 
 /// Merges the recipe `recipe` (a dict with a mergekit recipe's keys) into `out`: the same reading
 /// and checks as a recipe file's, with messages that name keys, not lines. Returns the merge's
 /// record as JSON.
 #[pyfunction]
-#[pyo3(signature = (recipe, out, *, device = "auto", quiet = true, force = false, out_dtype = None,
-    shard_size = None, threads = 0, allow_missing_tensors = false, allow_nonfinite = false))]
-#[allow(clippy::too_many_arguments)] // the keywords of the Python API
 fn merge(
     py: Python<'_>,
     recipe: &Bound<'_, PyAny>,
     out: PathBuf,
-    device: &str,
-    quiet: bool,
-    force: bool,
-    out_dtype: Option<String>,
-    shard_size: Option<String>,
-    threads: usize,
-    allow_missing_tensors: bool,
-    allow_nonfinite: bool,
+    keywords: MergeKeywords,
 ) -> PyResult<String> {
-    let request = (|| {
-        Ok((
-            yaml_of(recipe)?,
-            compute(
-                device,
-                quiet,
-                threads,
-                allow_missing_tensors,
-                allow_nonfinite,
-            )?,
-            output(out, force, out_dtype, shard_size)?,
-        ))
-    })();
-    let (value, compute, output) = request.map_err(|e| exception(py, &e))?;
-    cancellable(py, move || {
-        merge_into(|| Job::from_recipe_value(value, 0), compute, output)
-    })
+    let value = yaml_of(recipe).map_err(|e| exception(py, &e))?;
+    let options = keywords.options(out).map_err(|e| exception(py, &e))?;
+    merge_into(py, move || Job::from_recipe_value(value, 0), options)
 }
 
 /// Runs the mergekit YAML recipe file `recipe` into `out`, as `rlmerge run`; the record as JSON.
 #[pyfunction]
-#[pyo3(signature = (recipe, out, *, device = "auto", quiet = true, force = false, out_dtype = None,
-    shard_size = None, threads = 0, allow_missing_tensors = false, allow_nonfinite = false))]
-#[allow(clippy::too_many_arguments)] // the keywords of the Python API
-fn run(
-    py: Python<'_>,
-    recipe: PathBuf,
-    out: PathBuf,
-    device: &str,
-    quiet: bool,
-    force: bool,
-    out_dtype: Option<String>,
-    shard_size: Option<String>,
-    threads: usize,
-    allow_missing_tensors: bool,
-    allow_nonfinite: bool,
-) -> PyResult<String> {
-    let request = (|| {
-        Ok((
-            compute(
-                device,
-                quiet,
-                threads,
-                allow_missing_tensors,
-                allow_nonfinite,
-            )?,
-            output(out, force, out_dtype, shard_size)?,
-        ))
-    })();
-    let (compute, output) = request.map_err(|e| exception(py, &e))?;
-    cancellable(py, move || {
-        merge_into(|| Job::from_recipe(&recipe, 0), compute, output)
-    })
+fn run(py: Python<'_>, recipe: PathBuf, out: PathBuf, keywords: MergeKeywords) -> PyResult<String> {
+    let options = keywords.options(out).map_err(|e| exception(py, &e))?;
+    merge_into(py, move || Job::from_recipe(&recipe, 0), options)
 }
 
 /// Checks the merged folder `dir` against its record; with `against`, recomputes the merge on
@@ -283,7 +245,7 @@ fn verify(
     against: bool,
     device: &str,
 ) -> PyResult<(Vec<String>, Vec<String>, Vec<String>)> {
-    let compute = compute(device, true, 0, false, false).map_err(|e| exception(py, &e))?;
+    let compute = compute(device, true, 0).map_err(|e| exception(py, &e))?;
     cancellable(py, move || {
         let backend = match against {
             true => Some(compute.backend()?),
