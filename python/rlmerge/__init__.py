@@ -226,28 +226,18 @@ def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False
     if isinstance(models, (str, bytes, os.PathLike)):
         raise UsageError("models must be a list of folders, not one path")
     _check_common(device, threads)
-    args = ["analyze", "--json", "--base", _where(base, "base")]
-    for m in models:
-        args += ["--model", _where(m)]
-    if per_tensor:
-        args.append("--per-tensor")
-    if merged is not None:
-        args += ["--merged", _path(merged, "merged")]
-    if plot is not None:
-        args += ["--plot", _path(plot, "plot")]
-    if epsilon is not None:
-        args += ["--epsilon", repr(float(epsilon))]
-    if tokenizer_source is not None:
-        args += ["--tokenizer-source", tokenizer_source if tokenizer_source in ("base", "union")
-                 else _where(tokenizer_source)]
-    args += ["--device", device, "--threads", str(threads)]
-    if quiet:
-        args.append("--quiet")
-    if allow_missing_tensors:
-        args.append("--allow-missing-tensors")
-    if allow_nonfinite:
-        args.append("--allow-nonfinite")
-    return json.loads(_native.command(args))
+    if tokenizer_source is not None and tokenizer_source not in ("base", "union"):
+        tokenizer_source = _where(tokenizer_source)
+    keywords = {
+        "base": _where(base, "base"), "models": [_where(m) for m in models],
+        "per_tensor": bool(per_tensor),
+        "merged": None if merged is None else _path(merged, "merged"),
+        "plot": None if plot is None else _path(plot, "plot"),
+        "epsilon": None if epsilon is None else float(epsilon), "device": device, "quiet": quiet,
+        "threads": threads, "tokenizer_source": tokenizer_source,
+        "allow_missing_tensors": allow_missing_tensors, "allow_nonfinite": allow_nonfinite,
+    }
+    return json.loads(_native.analyze(keywords))
 
 
 def verify(dir: PathLike, against: bool = False, *, device: str = "auto") -> Dict[str, Any]:
@@ -265,4 +255,4 @@ def verify(dir: PathLike, against: bool = False, *, device: str = "auto") -> Dic
 
 def methods() -> List[Dict[str, Any]]:
     """Every merge method: name, description, reference and parameters (scope, default, range)."""
-    return json.loads(_native.command(["methods", "--json"]))
+    return json.loads(_native.methods())

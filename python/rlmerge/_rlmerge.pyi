@@ -20,8 +20,13 @@ def run(recipe: str, out: str, keywords: Mapping[str, Any]) -> str:
 def verify(dir: str, against: bool = False, device: str = "auto") -> Tuple[List[str], List[str], List[str]]:
     """Checks a merged folder: (checks passed, checks skipped, problems found)."""
 
-def command(args: List[str]) -> str:
-    """Runs one rlmerge command (no program name) and returns its output; failures raise."""
+def analyze(keywords: Mapping[str, Any]) -> str:
+    """What each agent changed, as ``rlmerge analyze --json`` prints it. ``keywords`` holds every
+    key: base, models, per_tensor, merged, plot, epsilon, device, quiet, threads,
+    tokenizer_source, allow_missing_tensors, allow_nonfinite."""
+
+def methods() -> str:
+    """Every merge method with its parameters, as ``rlmerge methods --json`` prints them."""
 
 def call(args: List[str], capture: bool = True) -> Tuple[int, str, Optional[str]]:
     """The ``rlmerge`` command pip installs: (exit code, captured output, error line or None).

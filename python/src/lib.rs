@@ -1,8 +1,7 @@
 //! `rlmerge._rlmerge`, the native half of the Python package, over the same library as the
-//! binary: typed calls for merges (`merge`, `run`) and checks (`verify`) that build the library's
-//! own requests — a recipe as a YAML value, never text —, `command` for the commands whose
-//! output is their result (`analyze --json`, `methods --json`), and `call`, the `rlmerge`
-//! command the package installs. Errors become exceptions here: [`MergeError`], `UsageError` (also a
+//! binary: typed calls — `merge` and `run`, `analyze`, `verify`, `methods` — that build the
+//! library's own requests (a recipe as a YAML value, never text; the command line's argument
+//! structs, never argv), and `call`, the `rlmerge` command the package installs. Errors become exceptions here: [`MergeError`], `UsageError` (also a
 //! `ValueError`) for a bad request, `KeyboardInterrupt` when Ctrl-C stopped the call. Every call
 //! releases the GIL while it works and has its own cancellation: Ctrl-C stops the call it
 //! interrupts, not those other threads run.
@@ -11,7 +10,7 @@
 #[allow(dead_code)] // the front-end pieces the binary uses and this module does not
 mod cli;
 
-use cli::{ComputeArgs, DeviceChoice, OutputArgs};
+use cli::{AnalyzeArgs, ComputeArgs, DeviceChoice, InputArgs, MethodsArgs, OutputArgs};
 use pyo3::exceptions::{PyException, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -35,9 +34,10 @@ static USAGE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 const SIGNAL_POLL: Duration = Duration::from_millis(100);
 
 /// Options the library's messages name by their command-line flag, and their keyword here.
-const KEYWORDS: [(&str, &str); 2] = [
+const KEYWORDS: [(&str, &str); 3] = [
     ("--allow-missing-tensors", "allow_missing_tensors=True"),
     ("--allow-nonfinite", "allow_nonfinite=True"),
+    ("--epsilon", "epsilon"),
 ];
 
 /// A library error as the exception of its kind, its message in this API's keywords.
@@ -256,19 +256,59 @@ fn verify(
     })
 }
 
-/// Runs one command of the rlmerge command line (`args` without the program name) and returns
-/// its output; a failure raises as the typed calls do (the API's `analyze` and `methods`, whose
-/// JSON output is their result).
+/// The keywords of `analyze`, as the API passes them: a dict with every key (paths resolved).
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+struct AnalyzeKeywords {
+    base: PathBuf,
+    models: Vec<PathBuf>,
+    per_tensor: bool,
+    merged: Option<PathBuf>,
+    plot: Option<PathBuf>,
+    epsilon: Option<f32>,
+    device: String,
+    quiet: bool,
+    threads: usize,
+    tokenizer_source: Option<String>,
+    allow_missing_tensors: bool,
+    allow_nonfinite: bool,
+}
+
+/// What each agent changed, as `rlmerge analyze --json` prints it (figures written with `plot`).
 #[pyfunction]
-fn command(py: Python<'_>, args: Vec<String>) -> PyResult<String> {
+fn analyze(py: Python<'_>, keywords: AnalyzeKeywords) -> PyResult<String> {
+    let k = keywords;
+    let compute = compute(&k.device, k.quiet, k.threads).map_err(|e| exception(py, &e))?;
+    let args = AnalyzeArgs {
+        inputs: InputArgs {
+            base: Some(k.base),
+            models: k.models,
+            tokenizer_source: k.tokenizer_source,
+            compute: ComputeArgs {
+                epsilon: k.epsilon.unwrap_or(rlmerge::method::DEFAULT_EPSILON),
+                allow_missing_tensors: k.allow_missing_tensors,
+                allow_nonfinite: k.allow_nonfinite,
+                ..compute
+            },
+        },
+        per_tensor: k.per_tensor,
+        json: true,
+        merged: k.merged,
+        plot: k.plot,
+    };
     cancellable(py, move || {
-        use clap::Parser;
-        let argv = std::iter::once("rlmerge".to_string()).chain(args);
-        let parsed = cli::Cli::try_parse_from(argv).map_err(|e| usage(e.to_string()))?;
-        let mut captured = Vec::new();
-        cli::run(parsed, &mut captured)?;
-        Ok(String::from_utf8_lossy(&captured).into_owned())
+        let mut json = Vec::new();
+        cli::run_analyze(&args, &mut json)?;
+        Ok(String::from_utf8_lossy(&json).into_owned())
     })
+}
+
+/// Every merge method with its parameters, as `rlmerge methods --json` prints them.
+#[pyfunction]
+fn methods(py: Python<'_>) -> PyResult<String> {
+    let mut json = Vec::new();
+    cli::run_methods(&MethodsArgs { json: true }, &mut json).map_err(|e| exception(py, &e))?;
+    Ok(String::from_utf8_lossy(&json).into_owned())
 }
 
 /// The `rlmerge` command pip installs (`rlmerge.cli`): the command line with `args` (without the
@@ -325,7 +365,8 @@ fn _rlmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(merge, m)?)?;
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(verify, m)?)?;
-    m.add_function(wrap_pyfunction!(command, m)?)?;
+    m.add_function(wrap_pyfunction!(analyze, m)?)?;
+    m.add_function(wrap_pyfunction!(methods, m)?)?;
     m.add_function(wrap_pyfunction!(call, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -476,3 +476,18 @@ def test_exceptions_are_the_bindings_own(demo, tmp_path):
     assert str(info.value).startswith("unknown merge_method 'tie'"), str(info.value)
     assert "did you mean 'ties'" in str(info.value)
     assert not (tmp_path / "x").exists()
+
+
+def test_analyze_and_methods_are_typed_calls(demo, tmp_path):
+    """analyze and methods call the library with typed requests (no command line): a bad
+    epsilon is a UsageError in the API's words, and the results are the command's JSON."""
+    from rlmerge import _rlmerge
+
+    root, base, agents = demo
+    with pytest.raises(rlmerge.UsageError) as info:
+        rlmerge.analyze(base, agents, epsilon=-1.0)
+    assert str(info.value) == "epsilon must be finite and ≥ 0", str(info.value)
+    assert not hasattr(_rlmerge, "command")
+    report = rlmerge.analyze(base, agents[:2], epsilon=1e-4, device="cpu")
+    assert report["epsilon"] == pytest.approx(1e-4)
+    assert [m["name"] for m in rlmerge.methods()][:2] == ["ram", "ram+"]

@@ -351,7 +351,7 @@ pub fn merge_job(
     Ok(summary)
 }
 
-fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
+pub fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
     let scope_name = |p: &rlmerge::method::catalog::Param| match p.scope {
         rlmerge::method::catalog::ParamScope::MethodWide => "method-wide",
         rlmerge::method::catalog::ParamScope::PerModel => "per model",
@@ -416,7 +416,7 @@ fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
     Ok(())
 }
 
-fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
+pub fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
     let compute = &args.inputs.compute;
     compute.check()?;
     let (base, agents) = args.inputs.folders()?;

@@ -8,8 +8,8 @@
 
 mod commands;
 
-#[allow(unused_imports)] // merge_job: the Python extension's merges (python/src/lib.rs)
-pub use commands::{merge_job, run};
+#[allow(unused_imports)] // all but run: the Python extension's typed calls (python/src/lib.rs)
+pub use commands::{merge_job, run, run_analyze, run_methods};
 
 /// What a command's result means for the user: the exit code, and the one-line error to print
 /// (`error: …`, names read from files escaped) unless it succeeded.
