@@ -491,3 +491,17 @@ def test_analyze_and_methods_are_typed_calls(demo, tmp_path):
     report = rlmerge.analyze(base, agents[:2], epsilon=1e-4, device="cpu")
     assert report["epsilon"] == pytest.approx(1e-4)
     assert [m["name"] for m in rlmerge.methods()][:2] == ["ram", "ram+"]
+
+
+def test_iso_c_from_python_equals_the_command(demo, tmp_path):
+    """Iso-C (SPEC §4c) from the API's keywords writes the command's bytes."""
+    root, base, agents = demo
+    api = tmp_path / "api"
+    rlmerge.merge(base, agents, method="iso_c", out=api, device="cpu", scaling_factor=1.5)
+    cmd = [cargo_binary(), "merge", "-q", "--device", "cpu", "--method", "iso_c",
+           "--param", "scaling_factor=1.5", "--base", str(base), "-o", str(tmp_path / "cli")]
+    for a in agents:
+        cmd += ["--model", str(a)]
+    subprocess.run(cmd, check=True)
+    assert folder_bytes(api) == folder_bytes(tmp_path / "cli")
+    assert "merge_method: iso_c" in (api / "mergekit_config.yml").read_text()

@@ -3,7 +3,7 @@
 //! [`Backend`], and stream the merged bytes into the output checkpoint.
 
 use crate::backend::{Backend, CombineParams, MergeParams, Tile, TileCounts};
-use crate::checkpoint::dtype::decode;
+use crate::checkpoint::dtype::{decode, encode};
 use crate::checkpoint::folder_files::check_base_config;
 use crate::checkpoint::{CheckpointWriter, DType, ModelFolder, OutputFolder, OutputTensor};
 use crate::inputs::{Inputs, TensorPlan};
@@ -37,6 +37,7 @@ mod output;
 mod probe;
 mod retention;
 mod scans;
+mod spectral;
 mod tile_size;
 mod tiles;
 
@@ -45,7 +46,7 @@ use output::{check_finite_output, finish, pass_base};
 pub use probe::probe_all;
 use probe::{probe_tensors, to_global};
 pub use retention::{retention, RegionSums, Retention, REGIONS};
-use scans::{combine_spec, ScanBuffers};
+use scans::{combine_spec, iso_c_update, ScanBuffers};
 pub use tile_size::{tile_elems, TILE_QUANTUM};
 use tiles::{batches, par_tiles, progress_bar, whole_rows, TensorTiles, TileLoop};
 
@@ -125,6 +126,8 @@ enum TileRule {
     Ram(Vec<f32>),
     /// A mergekit-family method, with DELLA's keep decisions when its statistics kept them.
     Combine(CombineSpec, Option<KeptFlags>),
+    /// The base plus this update of the whole tensor, computed on the host (Iso-C's matrices).
+    Update(Vec<f32>),
     /// No merged model has the tensor: the base's values.
     Base,
 }
@@ -435,6 +438,22 @@ impl<'a> MergePass<'a> {
                     },
                 };
                 let (inputs, pass, buffers) = (self.inputs, &self.options.pass, &mut self.buffers);
+                if config.kind == Kind::IsoC {
+                    let mut update = None;
+                    self.backend.run_cpu_work(&mut || {
+                        update = Some(iso_c_update(
+                            inputs,
+                            plan,
+                            config,
+                            (at, present),
+                            pass,
+                            buffers,
+                        ));
+                    });
+                    if let Some(update) = update.expect("the scan ran")? {
+                        return Ok(TileRule::Update(update));
+                    }
+                }
                 let mut spec = None;
                 self.backend.run_cpu_work(&mut || {
                     spec = Some(combine_spec(
@@ -563,6 +582,17 @@ impl<'a> MergePass<'a> {
         match &job.rule {
             TileRule::Base => {
                 pass_base(tile, out_dtype, out);
+                Ok(())
+            }
+            TileRule::Update(update) => {
+                // θ₀ + Δ in f32, as the combine kernels add (SPEC §4c), encoded once.
+                let mut values = vec![0.0f32; tile.len];
+                decode(tile.dtype, tile.base, &mut values);
+                let start = start as usize;
+                for (v, &d) in values.iter_mut().zip(&update[start..start + tile.len]) {
+                    *v += d;
+                }
+                encode(out_dtype, &values, out);
                 Ok(())
             }
             TileRule::Ram(lambdas) => {

@@ -142,6 +142,7 @@ pub(super) fn finish(
             .iter()
             .cloned()
             .chain(identical_inputs(&input_sums, options.method.uses_base()))
+            .chain(super::spectral::warnings(inputs, &options.method))
             .collect(),
         inputs: input_sums,
         outputs,

@@ -45,21 +45,7 @@ pub(super) fn combine_spec(
     );
     let whole = statistics::scan_rows(&params, numel, plan.shape())
         .with_context(|| format!("tensor '{}'", plan.name()))?;
-    let mut scans = TensorScans {
-        inputs,
-        plan,
-        present,
-        // Larger tiles than the merge's: fewer parallel steps (the merge pass scans for NaN/Inf).
-        pass: PassOptions {
-            scan_nonfinite: false,
-            tile_elems: whole_rows(
-                tile_elems(plan, inputs, pass.tile_elems.max(SCAN_TILE_ELEMS), 1),
-                whole,
-            ),
-            ..pass.clone()
-        },
-        buffers,
-    };
+    let mut scans = TensorScans::new((inputs, plan, present), pass, whole, buffers);
     let spec = statistics::build_spec(
         &params,
         numel,
@@ -75,6 +61,32 @@ pub(super) fn combine_spec(
     spec
 }
 
+/// Iso-C's update of one tensor when it is a matrix Iso-C decomposes (`spectral::matrix`): its
+/// task vectors summed by a scan of its tiles, then the SVD; `None` for any other tensor, which
+/// takes Iso-C's elementwise rule.
+pub(super) fn iso_c_update(
+    inputs: &Inputs,
+    plan: &TensorPlan,
+    config: &MethodConfig,
+    (at, present): (TensorPlace, &[usize]),
+    pass: &PassOptions,
+    buffers: &mut ScanBuffers,
+) -> Result<Option<Vec<f32>>> {
+    let Some(matrix) = super::spectral::matrix(plan.shape()) else {
+        return Ok(None);
+    };
+    let numel = plan.numel() as u64;
+    let alpha = config
+        .tensor_params(at, numel, present)
+        .with_context(|| format!("tensor '{}'", plan.name()))?
+        .lambda;
+    let mut scans = TensorScans::new((inputs, plan, present), pass, 0, buffers);
+    let update = super::spectral::iso_c_update(&mut scans, matrix, alpha)
+        .with_context(|| format!("iso_c of tensor '{}'", plan.name()))?;
+    inputs.forget_lora_tensor(plan);
+    Ok(Some(update))
+}
+
 /// The statistics scans of one tensor, over the same tile reads as the merge pass.
 pub(super) struct TensorScans<'a> {
     pub(super) inputs: &'a Inputs,
@@ -84,7 +96,30 @@ pub(super) struct TensorScans<'a> {
     pub(super) buffers: &'a mut ScanBuffers,
 }
 
-impl TensorScans<'_> {
+impl<'a> TensorScans<'a> {
+    /// The scans of `plan`'s tensor held by the `present` agents: tiles of whole rows of `whole`
+    /// elements (0: any length), larger than the merge's — fewer parallel steps — and not scanned
+    /// for NaN/Inf (the merge pass does that).
+    pub(super) fn new(
+        (inputs, plan, present): (&'a Inputs, &'a TensorPlan, &'a [usize]),
+        pass: &PassOptions,
+        whole: u64,
+        buffers: &'a mut ScanBuffers,
+    ) -> TensorScans<'a> {
+        let elems = tile_elems(plan, inputs, pass.tile_elems.max(SCAN_TILE_ELEMS), 1);
+        TensorScans {
+            inputs,
+            plan,
+            present,
+            pass: PassOptions {
+                scan_nonfinite: false,
+                tile_elems: whole_rows(elems, whole),
+                ..pass.clone()
+            },
+            buffers,
+        }
+    }
+
     /// The tensor's tiles in order, from the tile holding element `from`, read as the merge pass
     /// reads them (no progress shown), each handed to `visit` with its index and first element:
     /// the statistics scans that need element order.

@@ -53,6 +53,8 @@ pub enum Kind {
     ArceeFusion,
     /// Fisher-weighted averaging.
     Fisher,
+    /// Iso-C: each matrix's summed task vectors with their singular values made equal.
+    IsoC,
 }
 
 /// Whether a parameter is set once for the whole method or per model.
@@ -451,6 +453,13 @@ const PASSTHROUGH: [Param; 1] = [p(
     FINITE,
     "multiplies the tensor",
 )];
+const ISO_C: [Param; 1] = [p(
+    "scaling_factor",
+    MethodWide,
+    Number(1.0),
+    num(0.0, INF),
+    "α, multiplies the merged update",
+)];
 const FISHER: [Param; 2] = [
     p(
         "weight",
@@ -470,7 +479,7 @@ const FISHER: [Param; 2] = [
 
 impl Kind {
     /// Every method, in the order `rlmerge methods` lists them.
-    pub const ALL: [Kind; 22] = [
+    pub const ALL: [Kind; 23] = [
         Kind::Ram,
         Kind::RamPlus,
         Kind::RamplusTl,
@@ -493,6 +502,7 @@ impl Kind {
         Kind::Passthrough,
         Kind::ArceeFusion,
         Kind::Fisher,
+        Kind::IsoC,
     ];
 
     /// The method's recipe name.
@@ -520,6 +530,7 @@ impl Kind {
             Kind::Passthrough => "passthrough",
             Kind::ArceeFusion => "arcee_fusion",
             Kind::Fisher => "fisher",
+            Kind::IsoC => "iso_c",
         }
     }
 
@@ -575,6 +586,7 @@ impl Kind {
             Kind::Passthrough => "copies one model's tensors, optionally scaled",
             Kind::ArceeFusion => "keeps the model's changes whose importance |τ|·KL(softmax rows) clears the Tukey fence Q2 + 1.5·IQR",
             Kind::Fisher => "Σ λ_i F_i θ_i / Σ λ_i F_i with diagonal Fisher files",
+            Kind::IsoC => "per matrix, Σ τ_t = U S Vᵀ becomes α·mean(S)·U Vᵀ (an isotropic spectrum); other tensors α·mean τ",
         }
     }
 
@@ -596,6 +608,7 @@ impl Kind {
             Kind::Passthrough => "mergekit",
             Kind::ArceeFusion => "mergekit (Arcee AI)",
             Kind::Fisher => "arXiv:2111.09832",
+            Kind::IsoC => "arXiv:2502.04959",
         }
     }
 
@@ -622,6 +635,7 @@ impl Kind {
             Kind::Passthrough => &PASSTHROUGH,
             Kind::ArceeFusion => &[],
             Kind::Fisher => &FISHER,
+            Kind::IsoC => &ISO_C,
         }
     }
 

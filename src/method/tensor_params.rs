@@ -478,6 +478,13 @@ impl MethodConfig {
                 weights: l.per_model("weight", present)?,
                 ..TensorParams::interpolation(n, false, BaseTerm::Fisher)
             },
+            // Iso-C's rule for a tensor that is no matrix (SPEC §4c): θ₀ + α·(1/T)·Σ τ_t. Its
+            // matrices are merged by `engine::spectral` from the same parameters.
+            Kind::IsoC => TensorParams {
+                weights: vec![1.0 / n as f64; n],
+                lambda: l.number("scaling_factor", None)?,
+                ..TensorParams::interpolation(n, true, BaseTerm::Add)
+            },
             // θ₀ + τ·mask (mergekit's tensors[0] + (tensors[1] − tensors[0])·fusion_mask).
             Kind::ArceeFusion => TensorParams {
                 sparsify: vec![Sparsify::Fusion; n],
