@@ -596,11 +596,7 @@ fn gpu_mapped_and_staged_buffers_equal_cpu() {
         for mapped in ["1", "0"] {
             let gpu = f.dir.path().join(format!("{m}-gpu-{mapped}"));
             // Not --quiet: the backend line says whether buffers were mapped.
-            let mut cmd = rlmerge();
-            cmd.arg("merge").arg("--base").arg(&f.base);
-            for a in &f.agents {
-                cmd.arg("--model").arg(a);
-            }
+            let mut cmd = merge_of(&f.base, &f.agents);
             let output = cmd
                 .arg("-o")
                 .arg(&gpu)

@@ -48,11 +48,7 @@ fn merged_by_hand(adapter: &Path, out: &Path) {
 }
 
 fn merge_cmd(out: &Path, agents: &[PathBuf], args: &[&str]) -> assert_cmd::Command {
-    let mut cmd = rlmerge();
-    cmd.arg("merge").arg("--base").arg(models().join("base"));
-    for a in agents {
-        cmd.arg("--model").arg(a);
-    }
+    let mut cmd = merge_of(models().join("base"), agents);
     cmd.args(["-q", "-o"]).arg(out).args(args);
     cmd
 }

@@ -54,11 +54,7 @@ fn no_edit(_: &str, _: &mut Vec<f32>) {}
 fn no_config(_: &mut serde_json::Value) {}
 
 fn merge_with(agents: &[&Path], out: &Path, args: &[&str]) -> std::process::Output {
-    let mut cmd = rlmerge();
-    cmd.arg("merge").arg("--base").arg(models().join("base"));
-    for a in agents {
-        cmd.arg("--model").arg(a);
-    }
+    let mut cmd = merge_of(models().join("base"), agents);
     cmd.args(["-q", "-o"]).arg(out).args(args).output().unwrap()
 }
 
@@ -605,11 +601,7 @@ fn figures_go_through_the_output_rules() {
     assert!(!fifo_dir.join("overlap.svg").exists());
     // A merged folder: its files are verify's.
     let merged = d.path().join("merged");
-    let mut cmd = rlmerge();
-    cmd.arg("merge").arg("--base").arg(&base);
-    for a in &agents {
-        cmd.arg("--model").arg(a);
-    }
+    let mut cmd = merge_of(&base, &agents);
     cmd.args(["-q", "--method", "ram", "-o"])
         .arg(&merged)
         .assert()
@@ -663,11 +655,7 @@ fn hostile_names_are_escaped_in_cards_terminals_and_figures() {
         write_folder(a, &tensors, 1);
     }
     let out = d.path().join("out");
-    let mut cmd = rlmerge();
-    cmd.arg("merge").arg("--base").arg(&base);
-    for a in &agents {
-        cmd.arg("--model").arg(a);
-    }
+    let mut cmd = merge_of(&base, &agents);
     let o = cmd
         .args(["--method", "ram+", "--allow-missing-tensors", "-o"])
         .arg(&out)
@@ -706,11 +694,7 @@ fn hostile_names_are_escaped_in_cards_terminals_and_figures() {
     // A mergekit method's card shows its recipe (the names in it) in a fenced block that no
     // line of it can close: outside that block, the same rules hold.
     let out = d.path().join("out-ties");
-    let mut cmd = rlmerge();
-    cmd.arg("merge").arg("--base").arg(&base);
-    for a in &agents {
-        cmd.arg("--model").arg(a);
-    }
+    let mut cmd = merge_of(&base, &agents);
     let o = cmd
         .args([
             "--method",
@@ -819,11 +803,7 @@ fn verify_refuses_records_that_name_files_outside_the_folder() {
     let d = tempfile::tempdir().unwrap();
     let (base, agents) = small(d.path(), &["a", "b"]);
     let out = d.path().join("out");
-    let mut cmd = rlmerge();
-    cmd.arg("merge").arg("--base").arg(&base);
-    for a in &agents {
-        cmd.arg("--model").arg(a);
-    }
+    let mut cmd = merge_of(&base, &agents);
     cmd.args(["-q", "--method", "ram", "-o"])
         .arg(&out)
         .assert()
@@ -1342,11 +1322,7 @@ fn a_signal_at_the_commit_never_misreports_the_output() {
         let start = Instant::now();
         let out = d.path().join("timing");
         let _ = std::fs::remove_dir_all(&out);
-        let mut cmd = rlmerge();
-        cmd.arg("merge").arg("--base").arg(&base);
-        for a in &agents {
-            cmd.arg("--model").arg(a);
-        }
+        let mut cmd = merge_of(&base, &agents);
         cmd.args(["-q", "--device", "cpu", "--method", "ram", "-o"])
             .arg(&out)
             .assert()
@@ -1408,11 +1384,7 @@ fn retention_reads_lambda_only_from_a_regular_record_of_these_agents() {
     let d = tempfile::tempdir().unwrap();
     let (base, agents) = small(d.path(), &["a", "b"]);
     let merged = d.path().join("merged");
-    let mut cmd = rlmerge();
-    cmd.arg("merge").arg("--base").arg(&base);
-    for a in &agents {
-        cmd.arg("--model").arg(a);
-    }
+    let mut cmd = merge_of(&base, &agents);
     let o = cmd
         .args(["-q", "--method", "ram+", "-o"])
         .arg(&merged)

@@ -441,14 +441,23 @@ pub fn rlmerge() -> assert_cmd::Command {
     assert_cmd::Command::cargo_bin("rlmerge").unwrap()
 }
 
-/// Runs `rlmerge merge` with the fixture's inputs plus `extra` args into `out`.
-pub fn merge_cmd(f: &Fixture, out: &Path, extra: &[&str]) -> assert_cmd::Command {
+/// `rlmerge merge --base BASE --model A …`, for the caller to add the rest.
+pub fn merge_of<P: AsRef<std::ffi::OsStr>>(
+    base: impl AsRef<std::ffi::OsStr>,
+    agents: impl IntoIterator<Item = P>,
+) -> assert_cmd::Command {
     let mut cmd = rlmerge();
-    cmd.arg("merge").arg("--quiet").arg("--base").arg(&f.base);
-    for a in &f.agents {
+    cmd.arg("merge").arg("--base").arg(base);
+    for a in agents {
         cmd.arg("--model").arg(a);
     }
-    cmd.arg("-o").arg(out).args(extra);
+    cmd
+}
+
+/// Runs `rlmerge merge` with the fixture's inputs plus `extra` args into `out`.
+pub fn merge_cmd(f: &Fixture, out: &Path, extra: &[&str]) -> assert_cmd::Command {
+    let mut cmd = merge_of(&f.base, &f.agents);
+    cmd.arg("--quiet").arg("-o").arg(out).args(extra);
     cmd
 }
 
