@@ -178,3 +178,58 @@ fn iso_c_is_listed_read_from_recipes_and_the_same_on_both_backends() {
         .success();
     assert_eq!(read_folder(&flags), read_folder(&gpu));
 }
+
+/// Iso-C's whole-matrix scan goes through the same finiteness gate as every read: a NaN or an
+/// infinity in an agent's matrix is refused, naming the tensor, before any SVD and with nothing
+/// written; with `--allow-nonfinite` a matrix that cannot be decomposed is an error naming it.
+#[test]
+fn iso_c_refuses_non_finite_matrices_before_decomposing_them() {
+    for (bad, allow) in [(f32::NAN, false), (f32::INFINITY, false), (f32::NAN, true)] {
+        let f = iso_c_fixture();
+        let mut tensors = f.agent_tensors[0].clone();
+        tensors[0].values[7] = bad;
+        write_folder(&f.agents[0], &tensors, 1);
+        let out = f.dir.path().join("out");
+        let extra: &[&str] = if allow { &["--allow-nonfinite"] } else { &[] };
+        let o = merge_cmd(
+            &f,
+            &out,
+            &[&["--device", "cpu", "--method", "iso_c"], extra].concat(),
+        )
+        .output()
+        .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{bad} allow={allow}: {err}");
+        assert!(err.contains("layers.0.w"), "{bad} allow={allow}: {err}");
+        if !allow {
+            assert!(err.contains("NaN") || err.contains("inf"), "{err}");
+            assert!(!err.contains("SVD"), "refused before the SVD: {err}");
+        }
+        assert!(!out.exists());
+    }
+}
+
+/// scaling_factor is a finite number ≥ 0: anything else is a usage error naming it (exit 2).
+#[test]
+fn iso_c_refuses_absurd_scaling_factors() {
+    let f = iso_c_fixture();
+    for value in ["-1", "nan", "inf", "1e400", "much", ""] {
+        let out = f.dir.path().join("out");
+        let o = merge_cmd(
+            &f,
+            &out,
+            &[
+                "--method",
+                "iso_c",
+                "--param",
+                &format!("scaling_factor={value}"),
+            ],
+        )
+        .output()
+        .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "scaling_factor={value}: {err}");
+        assert!(err.contains("scaling_factor"), "{value}: {err}");
+        assert!(!out.exists());
+    }
+}

@@ -132,10 +132,11 @@ enum TileRule {
     Base,
 }
 
-/// A tile worker's buffers for [`tile_ranks`], kept from tile to tile: the base and each agent
-/// decoded, and each agent's words.
+/// A tile worker's f32 buffers, kept from tile to tile (fresh ones per tile fault in their pages
+/// again): for [`tile_ranks`] the base and each agent decoded and each agent's words; for an
+/// Iso-C update, the base plus the update in `base`.
 #[derive(Default)]
-struct RankBuffers {
+struct TileScratch {
     base: Vec<f32>,
     values: Vec<Vec<f32>>,
     words: Vec<Vec<u32>>,
@@ -148,13 +149,12 @@ fn tile_ranks<'b>(
     tile: &Tile,
     start: u64,
     (spec, kept): (&CombineSpec, Option<&KeptFlags>),
-    b: &'b mut RankBuffers,
+    b: &'b mut TileScratch,
 ) -> &'b [Vec<u32>] {
     if spec.rank_rows == 0 && spec.fusion.is_none() {
         return &[];
     }
     let n = tile.agents.len();
-    b.values.resize_with(n, Vec::new);
     b.words.resize_with(n, Vec::new);
     if let Some(kept) = kept {
         for (t, words) in b.words[..n].iter_mut().enumerate() {
@@ -162,6 +162,7 @@ fn tile_ranks<'b>(
         }
         return &b.words[..n];
     }
+    b.values.resize_with(n, Vec::new);
     tiles::resize_exact(&mut b.base, tile.len, 0.0);
     decode(tile.dtype, tile.base, &mut b.base);
     let base = &b.base;
@@ -530,13 +531,13 @@ impl<'a> MergePass<'a> {
         let workers = par_tiles(
             &how,
             &tensors,
-            || (Vec::new(), zeros(), RankBuffers::default()),
-            |(out, counts, ranks), j, i, start, tile| {
+            || (Vec::new(), zeros(), TileScratch::default()),
+            |(out, counts, scratch), j, i, start, tile| {
                 let job = &jobs[j];
                 let out_dtype = writer.dtype(job.index);
                 tiles::resize_exact(out, tile.len * out_dtype.size(), 0);
                 let out = &mut out[..tile.len * out_dtype.size()];
-                self.merge_tile(job, tile, start, (out_dtype, out), &mut counts[j], ranks)
+                self.merge_tile(job, tile, start, (out_dtype, out), &mut counts[j], scratch)
                     .with_context(|| {
                         format!("merge of tensor '{}' failed at tile {i}", job.plan.name())
                     })?;
@@ -569,7 +570,7 @@ impl<'a> MergePass<'a> {
     }
 
     /// One tile of `job` (first element `start`) merged into `out` (of `out_dtype`); plain RAM
-    /// adds the tile's counts to `counts`; `ranks` are the worker's buffers for rank words.
+    /// adds the tile's counts to `counts`; `scratch` is the worker's buffers.
     fn merge_tile(
         &self,
         job: &TensorJob,
@@ -577,7 +578,7 @@ impl<'a> MergePass<'a> {
         start: u64,
         (out_dtype, out): (DType, &mut [u8]),
         counts: &mut TileCounts,
-        ranks: &mut RankBuffers,
+        scratch: &mut TileScratch,
     ) -> Result<()> {
         match &job.rule {
             TileRule::Base => {
@@ -586,13 +587,14 @@ impl<'a> MergePass<'a> {
             }
             TileRule::Update(update) => {
                 // θ₀ + Δ in f32, as the combine kernels add (SPEC §4c), encoded once.
-                let mut values = vec![0.0f32; tile.len];
-                decode(tile.dtype, tile.base, &mut values);
+                let values = &mut scratch.base;
+                tiles::resize_exact(values, tile.len, 0.0);
+                decode(tile.dtype, tile.base, values);
                 let start = start as usize;
                 for (v, &d) in values.iter_mut().zip(&update[start..start + tile.len]) {
                     *v += d;
                 }
-                encode(out_dtype, &values, out);
+                encode(out_dtype, values, out);
                 Ok(())
             }
             TileRule::Ram(lambdas) => {
@@ -610,7 +612,7 @@ impl<'a> MergePass<'a> {
                 }
             }
             TileRule::Combine(spec, kept) => {
-                let ranks = tile_ranks(tile, start, (spec, kept.as_ref()), ranks);
+                let ranks = tile_ranks(tile, start, (spec, kept.as_ref()), scratch);
                 let mut coefs = Vec::new();
                 if let Some(f) = self.fisher {
                     f.tile_coefs(job.plan, &job.present, spec, (start, tile.len), &mut coefs)?;

@@ -81,6 +81,9 @@ pub(super) fn iso_c_update(
         .with_context(|| format!("tensor '{}'", plan.name()))?
         .lambda;
     let mut scans = TensorScans::new((inputs, plan, present), pass, 0, buffers);
+    // The SVD consumes this scan's values before the merge pass reads the tensor, so the scan
+    // applies the finiteness gate itself: a NaN or ±Inf is refused by name, not fed to the SVD.
+    scans.pass.scan_nonfinite = pass.scan_nonfinite;
     let update = super::spectral::iso_c_update(&mut scans, matrix, alpha)
         .with_context(|| format!("iso_c of tensor '{}'", plan.name()))?;
     inputs.forget_lora_tensor(plan);
