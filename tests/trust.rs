@@ -676,15 +676,7 @@ fn hostile_names_are_escaped_in_cards_terminals_and_figures() {
     // text), nothing of a name may be Markdown or HTML.
     let body = card.splitn(3, "---\n").nth(2).unwrap();
     for line in body.lines().map(without_code_spans) {
-        assert!(
-            !line.starts_with('#') || line == "# Merged model" || line.starts_with("## "),
-            "a forged heading: {line:?}"
-        );
-        assert!(
-            !line.contains("<img") && !line.contains("<script"),
-            "raw HTML: {line:?}"
-        );
-        assert!(!line.contains("](http://e"), "a live link: {line:?}");
+        assert_inert(&line);
     }
     // Each agent's code span holds its whole name: its fence is longer than any backtick run.
     assert!(
@@ -734,16 +726,7 @@ fn hostile_names_are_escaped_in_cards_terminals_and_figures() {
             }
             None => {}
         }
-        let line = without_code_spans(line);
-        assert!(
-            !line.starts_with('#') || line == "# Merged model" || line.starts_with("## "),
-            "a forged heading: {line:?}"
-        );
-        assert!(
-            !line.contains("<img") && !line.contains("<script"),
-            "raw HTML: {line:?}"
-        );
-        assert!(!line.contains("](http://e"), "a live link: {line:?}");
+        assert_inert(&without_code_spans(line));
     }
     assert!(fence.is_none(), "an unclosed fence");
     assert!(fenced > 5 && card.contains("merge_method: ties"), "{card}");
@@ -795,6 +778,20 @@ fn without_code_spans(line: &str) -> String {
         }
     }
     out
+}
+
+/// A model card's line outside code spans and blocks: nothing of a name in it may be Markdown or
+/// HTML — no forged heading, raw HTML or live link.
+fn assert_inert(line: &str) {
+    assert!(
+        !line.starts_with('#') || line == "# Merged model" || line.starts_with("## "),
+        "a forged heading: {line:?}"
+    );
+    assert!(
+        !line.contains("<img") && !line.contains("<script"),
+        "raw HTML: {line:?}"
+    );
+    assert!(!line.contains("](http://e"), "a live link: {line:?}");
 }
 
 /// A tampered record cannot send verify outside the folder: file names must be plain names.
