@@ -8,7 +8,8 @@
 #
 # THREADS=N passes --threads N (default: every core). BASE=DIR AGENT=DIR measure on checkpoints of
 # your own (any Hugging Face folders of one base, e.g. a 7B one) instead of the demo's synthetic
-# ones: the adapter and the full checkpoints are written under DIR.
+# ones: the adapter and the full checkpoints are written under DIR. DORA=1 makes the adapter a
+# DoRA one (a magnitude vector per module).
 set -euo pipefail
 size=${1:-512MiB}
 runs=${2:-7}
@@ -20,16 +21,17 @@ bin=target/release/rlmerge
 threads=(--threads "${THREADS:-0}")
 base=${BASE:-$dir/base}
 agent=${AGENT:-$dir/tool-agent}
-made="$dir/.made-$rank-${BASE:+$(echo "$BASE" | tr / _)}$size"
+dora=${DORA:+dora}
+made="$dir/.made-$rank-${BASE:+$(echo "$BASE" | tr / _)}$size$dora"
 if [ ! -f "$made" ]; then
     if [ -z "${BASE:-}" ]; then
         rm -rf "$dir"
         "$bin" demo "$dir" --model-size "$size" --write-only --quiet >/dev/null
     fi
     # Only what this script writes is replaced.
-    rm -rf "$dir/lora" "$dir/full-bf16" "$dir/full-f32"
+    rm -rf "$dir/lora" "$dir/full-bf16" "$dir/full-f32" "$dir"/.made-*
     mkdir -p "$dir"
-    python3 benches/write_lora.py "$base" "$dir/lora" "$rank" >/dev/null
+    python3 benches/write_lora.py "$base" "$dir/lora" "$rank" 0 $dora >/dev/null
     for dtype in bf16 f32; do
         "$bin" merge -q --device cpu --base "$base" --model "$dir/lora" \
             --method task_arithmetic --param weight=1 --out-dtype "$dtype" -o "$dir/full-$dtype" >/dev/null

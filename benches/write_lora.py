@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Writes a PEFT LoRA adapter for a base model folder, for benchmarks (standard library only).
 
-    benches/write_lora.py BASE_DIR OUT_DIR [RANK=16] [SEED=0]
+    benches/write_lora.py BASE_DIR OUT_DIR [RANK=16] [SEED=0] [dora]
 
 Every 2-D `*_proj.weight` of the base (attention and MLP projections) gets an A [r, in] and a
-B [out, r] in bf16 with small random values (a trained adapter's B is not zero), lora_alpha = 2·r.
+B [out, r] in bf16 with small random values (a trained adapter's B is not zero), lora_alpha = 2·r;
+with `dora`, a DoRA adapter (`use_dora`): also a magnitude vector [out] in bf16 for each.
 """
 import json
 import os
@@ -43,6 +44,7 @@ def main():
     base, out = sys.argv[1], sys.argv[2]
     rank = int(sys.argv[3]) if len(sys.argv) > 3 else 16
     rng = random.Random(int(sys.argv[4]) if len(sys.argv) > 4 else 0)
+    dora = len(sys.argv) > 5 and sys.argv[5] == "dora"
     targets = {
         name[: -len(".weight")]: shape
         for name, shape in base_tensors(base).items()
@@ -59,6 +61,14 @@ def main():
             entries[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + len(data)]}
             blobs.append(data)
             offset += len(data)
+        if dora:
+            # Positive magnitudes about 1: the high half of 1 + N(0, 0.05²) in f32.
+            values = struct.pack(f"<{rows}f", *(1.0 + abs(rng.gauss(0.0, 0.05)) for _ in range(rows)))
+            data = b"".join(values[i + 2 : i + 4] for i in range(0, len(values), 4))
+            name = f"base_model.model.{module}.lora_magnitude_vector"
+            entries[name] = {"dtype": "BF16", "shape": [rows], "data_offsets": [offset, offset + len(data)]}
+            blobs.append(data)
+            offset += len(data)
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     os.makedirs(out, exist_ok=True)
@@ -73,6 +83,7 @@ def main():
         "r": rank,
         "lora_alpha": 2 * rank,
         "target_modules": modules,
+        "use_dora": dora,
         "base_model_name_or_path": os.path.abspath(base),
     }
     with open(os.path.join(out, "adapter_config.json"), "w") as f:

@@ -154,7 +154,7 @@ fn lora_agents_merge_to_the_same_bytes_on_the_gpu() {
 }
 
 /// What a user can get wrong: an adapter on another base, an adapter for modules the base lacks,
-/// a rank that disagrees with the matrices or is 0, DoRA. Each an error naming the file; nothing written.
+/// a rank that disagrees with the matrices or is 0, DoRA without its magnitudes. Each an error naming the file; nothing written.
 #[test]
 fn bad_lora_agents_are_refused() {
     let d = tempfile::tempdir().unwrap();
@@ -206,7 +206,11 @@ fn bad_lora_agents_are_refused() {
             "has rank 0; a LoRA rank is at least 1",
             1,
         ),
-        (copy("dora", &|c| c["use_dora"] = true.into()), "DoRA", 1),
+        (
+            copy("dora", &|c| c["use_dora"] = true.into()),
+            "has no lora_magnitude_vector",
+            1,
+        ),
         (
             copy("peft", &|c| c["peft_type"] = "IA3".into()),
             "only LORA adapters",

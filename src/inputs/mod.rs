@@ -4,6 +4,8 @@
 //! re-indexed for a tokenizer source (`reindex.rs`).
 
 mod checks;
+mod dora;
+mod gate;
 mod plan;
 mod reindex;
 mod sliced;

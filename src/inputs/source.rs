@@ -7,8 +7,9 @@
 //! for a LoRA update [`refuse_nonfinite_update`]). The tile loop (`engine::tiles`) only asks each
 //! input's source to read; a new input kind (a DoRA adapter, a GGUF agent) is a new variant here.
 
+use super::gate::{refuse_nonfinite, refuse_nonfinite_update};
 use super::{Inputs, TensorPlan};
-use crate::checkpoint::dtype::{decode, decode_one, first_nonfinite};
+use crate::checkpoint::dtype::decode;
 use crate::checkpoint::lora::LoraAdapter;
 use crate::checkpoint::{DType, ModelFolder, ModelTensor};
 use crate::slices::Source;
@@ -148,6 +149,7 @@ impl TensorSource<'_> {
                 if ctx.finite_only {
                     refuse_nonfinite_update(tensor, l, values, start)?;
                 }
+                dora_rows(ctx, model, tensor, l, start, values)?;
             }
         }
         Ok(())
@@ -195,47 +197,31 @@ fn widen(
     Ok(())
 }
 
-/// Fails on the first NaN or ±Inf of `raw` (elements of `tensor` from `start`), naming tensor,
-/// file and element.
-fn refuse_nonfinite(
-    plan: &TensorPlan,
+/// A DoRA agent's rows of `values` (elements of `tensor` from `start`, θ₀ + s·B·A) rescaled to
+/// its magnitudes ([`super::dora`]), then checked again; nothing for a plain LoRA update.
+fn dora_rows<V: super::dora::Values + ?Sized>(
+    ctx: &SourceRead,
     model: &ModelFolder,
     tensor: &ModelTensor,
-    raw: &[u8],
+    lora: &LoraAdapter,
     start: usize,
+    values: &mut V,
 ) -> Result<()> {
-    let dtype = tensor.entry.dtype;
-    if let Some(i) = first_nonfinite(dtype, raw) {
-        bail!(
-            "tensor '{}' in {} has a non-finite value ({}) at element {}; rlmerge refuses NaN \
-             and infinity unless --allow-nonfinite",
-            plan.name(),
-            model.file_of(tensor).display(),
-            decode_one(dtype, raw, i),
-            start + i
-        );
+    if !lora.is_dora(&tensor.entry.name) {
+        return Ok(());
+    }
+    let read = super::dora::DoraRead {
+        plan: ctx.plan,
+        model,
+        tensor,
+        lora,
+        finite_only: ctx.finite_only,
+    };
+    super::dora::rescale(&read, start, values)?;
+    if ctx.finite_only {
+        refuse_nonfinite_update(tensor, lora, values.bytes(), start)?;
     }
     Ok(())
-}
-
-/// The finiteness gate's second half for a LoRA agent: its stored base values passed
-/// [`refuse_nonfinite`]; its values with the update added (`values`, f32 bytes of elements from
-/// `start`) must be finite too — a NaN or ±Inf in A or B, or an update that overflows, is named.
-fn refuse_nonfinite_update(
-    tensor: &ModelTensor,
-    lora: &crate::checkpoint::lora::LoraAdapter,
-    values: &[u8],
-    start: usize,
-) -> Result<()> {
-    let f32 = crate::checkpoint::DType::F32;
-    match first_nonfinite(f32, values) {
-        Some(i) => Err(lora.nonfinite_error(
-            &tensor.entry.name,
-            (start + i) as u64,
-            decode_one(f32, values, i),
-        )),
-        None => Ok(()),
-    }
 }
 
 /// Reads `out.len()` elements of input `source`'s copy of a re-indexed tensor from its element
@@ -270,10 +256,11 @@ fn read_f32(read: &SourceRead, source: Source, at: usize, out: &mut [f32]) -> Re
             refuse_nonfinite(plan, model, tensor, raw, from)?;
         }
         widen(model, tensor, raw, from as u64, values)?;
-        if read.finite_only {
-            if let Some(l) = model.lora_for(&tensor.entry.name) {
+        if let Some(l) = model.lora_for(&tensor.entry.name) {
+            if read.finite_only {
                 refuse_nonfinite_update(tensor, l, bytemuck::cast_slice(values), from)?;
             }
+            dora_rows(read, model, tensor, l, from, values)?;
         }
     }
     Ok(())

@@ -614,8 +614,10 @@ pub fn tokenizer_vocab(file: &Path) -> HashMap<String, usize> {
 
 /// Base folder `base` with the PEFT adapter in `adapter` merged into it by hand, as PEFT defines
 /// it and in the f32 order rlmerge promises (SPEC §5): element (i, j) += s·Σ_k B[i,k]·A[k,j]
-/// (embedding adapters: (B·A)ᵀ), k ascending, no fused multiply-add, with s = `scale(module, r)`.
-/// Written to `out` in f32, one shard — the independent reference of the LoRA tests.
+/// (embedding adapters: (B·A)ᵀ), k ascending, no fused multiply-add, with s = `scale(module, r)`;
+/// for a DoRA module (a `lora_magnitude_vector` m), then each row i times m_i / ‖row i‖, the norm
+/// the square root of the row's squares summed in f64, rounded to f32, the factor and product in
+/// f32. Written to `out` in f32, one shard — the independent reference of the LoRA tests.
 pub fn lora_merged_by_hand(
     base: &Path,
     adapter: &Path,
@@ -651,6 +653,14 @@ pub fn lora_merged_by_hand(
                         };
                     }
                     w[i * n + j] += acc * s;
+                }
+            }
+            if let Some(mag) = lora.get(&key("lora_magnitude_vector")) {
+                let mag = from_bytes(mag.0, &mag.2);
+                for (row, &m) in w.chunks_mut(n).zip(&mag) {
+                    let sq: f64 = row.iter().map(|&x| x as f64 * x as f64).sum();
+                    let factor = m / (sq.sqrt() as f32);
+                    row.iter_mut().for_each(|x| *x *= factor);
                 }
             }
         }

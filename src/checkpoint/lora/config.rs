@@ -153,6 +153,8 @@ pub(super) struct Settings {
     lora_alpha: f64,
     use_rslora: bool,
     pub fan_in_fan_out: bool,
+    /// `use_dora`: every module's update comes with a magnitude vector.
+    use_dora: bool,
     /// The config lists `modules_to_save`: tensors that are not A or B are whole modules.
     pub saves_modules: bool,
     rank_pattern: Vec<(regex::Regex, usize)>,
@@ -174,9 +176,10 @@ impl Settings {
                 "peft_type {t}: only LORA adapters are supported"
             )));
         }
-        if config.use_dora {
+        if config.use_dora && config.fan_in_fan_out {
             return Err(fail(
-                "DoRA adapters (use_dora) are not supported yet".into(),
+                "DoRA adapters with fan_in_fan_out (GPT-2's Conv1D layers) are not supported yet"
+                    .into(),
             ));
         }
         for (key, set) in [
@@ -213,11 +216,42 @@ impl Settings {
             lora_alpha: config.lora_alpha,
             use_rslora: config.use_rslora,
             fan_in_fan_out: config.fan_in_fan_out,
+            use_dora: config.use_dora,
             saves_modules: config.modules_to_save.is_some(),
             rank_pattern,
             alpha_pattern,
             config_path,
         })
+    }
+
+    /// DoRA's magnitude vector of `module` in adapter file `file`, checked against the config: a
+    /// DoRA adapter has one for each module, on linear layers only (PEFT's DoRA on an embedding
+    /// normalizes another axis, not supported yet); a plain LoRA adapter has none.
+    pub fn check_dora(
+        &self,
+        module: &str,
+        tensors: &super::ModuleTensors,
+        file: &Path,
+    ) -> Result<Option<super::TensorEntry>> {
+        let file = file.display();
+        match (&tensors.magnitude, self.use_dora) {
+            (None, false) => Ok(None),
+            (Some(m), false) => anyhow::bail!(
+                "{file}: tensor '{}' is a DoRA magnitude vector, but {} does not set use_dora",
+                crate::escape::terminal(&m.name),
+                self.config_path.display()
+            ),
+            (None, true) => anyhow::bail!(
+                "{file}: module '{}' has no lora_magnitude_vector, which a DoRA adapter \
+                 (use_dora) has for every module",
+                crate::escape::terminal(module)
+            ),
+            (Some(_), true) if tensors.embedding => anyhow::bail!(
+                "{file}: module '{}': DoRA on embedding layers is not supported yet",
+                crate::escape::terminal(module)
+            ),
+            (Some(m), true) => Ok(Some(m.clone())),
+        }
     }
 
     /// Module `module`'s rank and scale s = alpha / r (rsLoRA: alpha / √r), each from the first

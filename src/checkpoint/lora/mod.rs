@@ -3,7 +3,10 @@
 //! as the merge reads it — never written out. s = lora_alpha / r (rsLoRA: / √r), per module from
 //! `rank_pattern` / `alpha_pattern`; with `fan_in_fan_out` (and for embedding adapters) the update
 //! is (B·A)ᵀ. Each element's update is Σ_k B[i,k]·A[k,j] in f32, k in order, times s, added to
-//! θ₀ in f32: the agent's tiles are f32 (SPEC §5), so both backends see the same values.
+//! θ₀ in f32: the agent's tiles are f32 (SPEC §5), so both backends see the same values. A DoRA
+//! adapter (`use_dora`) also stores a magnitude m per output row: its agent is each row of
+//! θ₀ + s·B·A times m_i / ‖row i‖ ([`LoraAdapter::magnitude`]; the rows are rescaled where the
+//! tiles are read, `crate::inputs::source`).
 
 use super::dtype::{decode_one, first_nonfinite};
 use super::safetensors_file::{shape_text, Interner, SafetensorsFile, TensorEntry};
@@ -32,6 +35,8 @@ pub struct LoraUpdate {
     b: TensorEntry,
     rank: usize,
     scale: f32,
+    /// DoRA's magnitude vector m (one value per row of the base tensor), if the adapter is DoRA.
+    magnitude: Option<TensorEntry>,
     /// The update is (B·A)ᵀ (`fan_in_fan_out`, embedding adapters).
     transposed: bool,
     /// Its place in the adapter's [`Cache`].
@@ -41,16 +46,18 @@ pub struct LoraUpdate {
 impl LoraUpdate {
     /// Bytes its A and B hold as stored (what a tile of its tensor holds besides the tile).
     pub fn stored_bytes(&self) -> usize {
-        (self.a.byte_len() + self.b.byte_len()) as usize
+        let m = self.magnitude.as_ref().map_or(0, TensorEntry::byte_len);
+        (self.a.byte_len() + self.b.byte_len() + m) as usize
     }
 }
 
-/// A and B of one update, their bytes as stored in the adapter (each in its own dtype), decoded a
-/// run at a time as the tiles need them: the pair costs its file size, not twice it in f32. One
-/// buffer, A then B, reused from pair to pair ([`Cache::spare`]).
+/// A and B of one update (and DoRA's m), their bytes as stored in the adapter (each in its own
+/// dtype), decoded a run at a time as the tiles need them: the pair costs its file size, not
+/// twice it in f32. One buffer, A then B then m, reused from pair to pair ([`Cache::spare`]).
 struct Pair {
     bytes: Vec<u8>,
     a_len: usize,
+    b_len: usize,
 }
 
 impl Pair {
@@ -61,7 +68,12 @@ impl Pair {
 
     /// B [rows, r] (plain), B [cols, r] (transposed).
     fn b(&self) -> &[u8] {
-        &self.bytes[self.a_len..]
+        &self.bytes[self.a_len..self.a_len + self.b_len]
+    }
+
+    /// DoRA's m [rows] (empty for a plain LoRA update).
+    fn m(&self) -> &[u8] {
+        &self.bytes[self.a_len + self.b_len..]
     }
 }
 
@@ -117,10 +129,27 @@ impl Cache {
     }
 }
 
-/// An adapter's A and B matrices (either may be missing) and whether they adapt an embedding, by
-/// module name, in order: the same adapter always reports the same first error.
-type ModulePairs =
-    std::collections::BTreeMap<String, (Option<TensorEntry>, Option<TensorEntry>, bool)>;
+/// What an adapter file holds for one module: its A and B matrices and DoRA's magnitude vector
+/// (each may be missing), and whether they adapt an embedding.
+#[derive(Default)]
+struct ModuleTensors {
+    a: Option<TensorEntry>,
+    b: Option<TensorEntry>,
+    magnitude: Option<TensorEntry>,
+    embedding: bool,
+}
+
+/// [`ModuleTensors`] by module name, in order: the same adapter always reports the same first
+/// error.
+type ModulePairs = std::collections::BTreeMap<String, ModuleTensors>;
+
+/// The parts of a module's tensor names in an adapter file.
+#[derive(Clone, Copy)]
+enum Part {
+    A,
+    B,
+    Magnitude,
+}
 
 /// Sorts the adapter file's tensors into [`ModulePairs`]; anything else it holds is refused.
 fn module_pairs(
@@ -138,18 +167,22 @@ fn module_pairs(
         if name.ends_with(".base_layer.weight") {
             continue;
         }
+        // DoRA's m: `{module}.lora_magnitude_vector` as PEFT saves it (`.weight` in its models).
         let found = [
-            (".lora_A.weight", false, false),
-            (".lora_B.weight", true, false),
-            (".lora_embedding_A", false, true),
-            (".lora_embedding_B", true, true),
+            (".lora_A.weight", Part::A, false),
+            (".lora_B.weight", Part::B, false),
+            (".lora_embedding_A", Part::A, true),
+            (".lora_embedding_B", Part::B, true),
+            (".lora_magnitude_vector", Part::Magnitude, false),
+            (".lora_magnitude_vector.default", Part::Magnitude, false),
+            (".lora_magnitude_vector.weight", Part::Magnitude, false),
         ]
         .into_iter()
-        .find_map(|(suffix, is_b, emb)| {
+        .find_map(|(suffix, part, emb)| {
             name.strip_suffix(suffix)
-                .map(|m| (m.to_string(), is_b, emb))
+                .map(|m| (m.to_string(), part, emb))
         });
-        let Some((module, is_b, embedding)) = found else {
+        let Some((module, part, embedding)) = found else {
             if settings.saves_modules || !name.contains("lora_") {
                 bail!(
                     "{}: tensor '{}' is a full copy of a module (modules_to_save); adapters \
@@ -164,11 +197,12 @@ fn module_pairs(
                 e.name
             );
         };
-        let slot = pairs.entry(module).or_insert((None, None, embedding));
-        if is_b {
-            slot.1 = Some(e);
-        } else {
-            slot.0 = Some(e);
+        let slot = pairs.entry(module).or_default();
+        slot.embedding |= embedding;
+        match part {
+            Part::A => slot.a = Some(e),
+            Part::B => slot.b = Some(e),
+            Part::Magnitude => slot.magnitude = Some(e),
         }
     }
     Ok(pairs)
@@ -190,7 +224,11 @@ impl LoraAdapter {
         }
         let (file, entries) = SafetensorsFile::open_interned(&dir.join(ADAPTER_WEIGHTS), interner)?;
         let mut updates = HashMap::new();
-        for (module, (a, b, embedding)) in module_pairs(&file, entries, &settings)? {
+        for (module, tensors) in module_pairs(&file, entries, &settings)? {
+            let magnitude = settings.check_dora(&module, &tensors, &file.path)?;
+            let ModuleTensors {
+                a, b, embedding, ..
+            } = tensors;
             let (Some(a), Some(b)) = (a, b) else {
                 bail!(
                     "{}: module '{module}' has only one of its lora_A and lora_B matrices",
@@ -218,6 +256,7 @@ impl LoraAdapter {
                 b,
                 rank,
                 scale,
+                magnitude,
                 transposed: settings.fan_in_fan_out || embedding,
                 slot: updates.len(),
             };
@@ -305,6 +344,15 @@ impl LoraAdapter {
             if u.transposed { ", transposed" } else { "" },
             shape_text(shape)
         );
+        if let Some(mag) = &u.magnitude {
+            ensure!(
+                mag.shape[..] == [m] || mag.shape[..] == [m, 1] || mag.shape[..] == [1, m],
+                "{}: DoRA's magnitude vector '{}' is {}, but the base tensor '{name}' has {m} rows",
+                self.file.path.display(),
+                crate::escape::terminal(&mag.name),
+                shape_text(&mag.shape),
+            );
+        }
         Ok(())
     }
 
@@ -315,7 +363,8 @@ impl LoraAdapter {
         if let Some(p) = &cache.pairs[u.slot] {
             return Ok(p.clone());
         }
-        let (a_len, size) = (u.a.byte_len() as usize, u.stored_bytes());
+        let (a_len, b_len) = (u.a.byte_len() as usize, u.b.byte_len() as usize);
+        let size = u.stored_bytes();
         let mut bytes = std::mem::take(&mut cache.spare);
         if bytes.capacity() < size {
             // Grown exactly, the old buffer freed first.
@@ -324,14 +373,21 @@ impl LoraAdapter {
         }
         bytes.clear();
         bytes.resize(size, 0);
-        let (a, b) = bytes.split_at_mut(a_len);
-        for (e, part) in [(&u.a, a), (&u.b, b)] {
-            self.file.read(e, 0, part)?;
-            self.file.record_read(e, 0, part);
+        let (a, rest) = bytes.split_at_mut(a_len);
+        let (b, m) = rest.split_at_mut(b_len);
+        for (e, part) in [(Some(&u.a), a), (Some(&u.b), b), (u.magnitude.as_ref(), m)] {
+            if let Some(e) = e {
+                self.file.read(e, 0, part)?;
+                self.file.record_read(e, 0, part);
+            }
         }
         self.pairs_read
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let p = Arc::new(Pair { bytes, a_len });
+        let p = Arc::new(Pair {
+            bytes,
+            a_len,
+            b_len,
+        });
         while cache.bytes + size > CACHE_BYTES {
             let Some(old) = cache.order.pop_front() else {
                 break;
@@ -354,7 +410,10 @@ impl LoraAdapter {
         let u = &self.updates[name];
         let file = self.file.path.display();
         if let Ok(p) = self.pair(u) {
-            for (e, bytes) in [(&u.a, p.a()), (&u.b, p.b())] {
+            let parts = [(Some(&u.a), p.a()), (Some(&u.b), p.b())];
+            let m = [(u.magnitude.as_ref(), p.m())];
+            for (e, bytes) in parts.into_iter().chain(m) {
+                let Some(e) = e else { continue };
                 if let Some(k) = first_nonfinite(e.dtype, bytes) {
                     return anyhow::anyhow!(
                         "tensor '{}' in {file} has a non-finite value ({}) at element {k}; \

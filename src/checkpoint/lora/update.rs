@@ -155,3 +155,32 @@ multiversion! {
         }
     }
 }
+
+impl LoraAdapter {
+    /// Whether update `name` is DoRA's: its rows are rescaled to the magnitudes m.
+    pub fn is_dora(&self, name: &str) -> bool {
+        self.updates
+            .get(name)
+            .is_some_and(|u| u.magnitude.is_some())
+    }
+
+    /// DoRA's magnitudes m_i of update `name` for rows `rows`, as f32, into `out`.
+    pub fn magnitudes(
+        &self,
+        name: &str,
+        rows: std::ops::Range<usize>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let u = &self.updates[name];
+        let e = u
+            .magnitude
+            .as_ref()
+            .expect("a DoRA update has a magnitude vector");
+        let p = self.pair(u)?;
+        let size = e.dtype.size();
+        out.clear();
+        out.resize(rows.len(), 0.0);
+        decode(e.dtype, &p.m()[rows.start * size..rows.end * size], out);
+        Ok(())
+    }
+}
