@@ -173,6 +173,7 @@ fn recompute_and_compare(
             .transpose()?,
         shard_size: record.shard_size,
         force: true,
+        svc: record.svc,
         ..MergeOptions::new(record.method.clone(), backend)
     };
     // Recomputed beside the output (the same disk, which held the output once), or where that

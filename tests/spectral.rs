@@ -1,52 +1,13 @@
-//! Iso-C (SPEC §4c) against an independent reference written from the SPEC, not from the code:
-//! no SVD — the polar factor U Vᵀ of Σ τ_t by Newton–Schulz iteration, and mean(S) as
-//! trace(Qᵀ M) / r — on matrices; α·mean τ on tensors that are not matrices. Also: the method is
-//! listed with its parameter, a recipe names it, and the GPU backend writes the CPU's bytes.
+//! Iso-C (SPEC §4c) and TSV-M (§4d) against independent references written from the SPEC, not
+//! from the code, with no SVD library: polar factors by Newton–Schulz iteration; Iso-C's mean(S)
+//! as trace(Qᵀ M) / r; TSV-M's singular triplets from a cyclic Jacobi eigendecomposition of
+//! τ τᵀ — on matrices; α·mean τ on tensors that are not matrices. Also: the methods are listed
+//! with their parameter, a recipe names them, and the GPU backend writes the CPU's bytes.
 
 mod common;
+use common::linalg::{jacobi_eigen, matmul, polar, transpose};
 use common::*;
 use safetensors::tensor::Dtype;
-
-/// a (m × k) · b (k × n), row-major, f64.
-fn matmul(a: &[f64], b: &[f64], (m, k, n): (usize, usize, usize)) -> Vec<f64> {
-    let mut c = vec![0.0; m * n];
-    for i in 0..m {
-        for p in 0..k {
-            let x = a[i * k + p];
-            for j in 0..n {
-                c[i * n + j] += x * b[p * n + j];
-            }
-        }
-    }
-    c
-}
-
-fn transpose(a: &[f64], (m, n): (usize, usize)) -> Vec<f64> {
-    let mut t = vec![0.0; m * n];
-    for i in 0..m {
-        for j in 0..n {
-            t[j * m + i] = a[i * n + j];
-        }
-    }
-    t
-}
-
-/// The orthogonal polar factor Q = U Vᵀ of a full-rank m × n matrix: Newton–Schulz,
-/// X ← 1.5·X − 0.5·X Xᵀ X from X = M / ‖M‖_F (every singular value then lies in (0, 1]).
-fn polar(mat: &[f64], (m, n): (usize, usize)) -> Vec<f64> {
-    let norm = mat.iter().map(|x| x * x).sum::<f64>().sqrt();
-    let mut x: Vec<f64> = mat.iter().map(|v| v / norm).collect();
-    for _ in 0..200 {
-        let xxt = matmul(&x, &transpose(&x, (m, n)), (m, n, m));
-        let xxtx = matmul(&xxt, &x, (m, m, n));
-        x = x
-            .iter()
-            .zip(&xxtx)
-            .map(|(a, b)| 1.5 * a - 0.5 * b)
-            .collect();
-    }
-    x
-}
 
 /// What SPEC §4c says the merged tensor is, from the fixture's values.
 fn iso_c_by_hand(base: &T, agents: &[&T], alpha: f64) -> Vec<f32> {
@@ -84,6 +45,56 @@ fn iso_c_by_hand(base: &T, agents: &[&T], alpha: f64) -> Vec<f32> {
                 })
                 .collect()
         }
+    }
+}
+
+/// What SPEC §4d says TSV-M's update of an m × n matrix (m ≤ n here) is: each τ_t's k largest
+/// singular triplets above the threshold — u the eigenvectors of τ τᵀ, s the roots of its
+/// eigenvalues, v = τᵀ u / s — their polar factors by Newton–Schulz, α · P(X_U) diag(s) P(X_V)ᵀ.
+fn tsv_by_hand(taus: &[Vec<f64>], (m, n): (usize, usize), alpha: f64) -> Vec<f64> {
+    assert!(m <= n, "the reference decomposes τ τᵀ, the smaller side");
+    let k = m / taus.len();
+    let (mut xu, mut xv, mut values) = (Vec::new(), Vec::new(), Vec::new());
+    for tau in taus {
+        let gram = matmul(tau, &transpose(tau, (m, n)), (m, n, m));
+        let (eig, vecs) = jacobi_eigen(&gram, m);
+        let mut order: Vec<usize> = (0..m).collect();
+        order.sort_by(|&a, &b| eig[b].total_cmp(&eig[a]));
+        let s_max = eig[order[0]].max(0.0).sqrt();
+        for &j in order.iter().take(k) {
+            let s = eig[j].max(0.0).sqrt();
+            if s <= s_max * n as f64 * f64::EPSILON {
+                continue;
+            }
+            let u: Vec<f64> = (0..m).map(|i| vecs[i * m + j]).collect();
+            let v: Vec<f64> = (0..n)
+                .map(|c| (0..m).map(|i| tau[i * n + c] * u[i]).sum::<f64>() / s)
+                .collect();
+            xu.push(u);
+            xv.push(v);
+            values.push(s);
+        }
+    }
+    let c = values.len();
+    // Column lists → row-major m × c and n × c.
+    let cols = |x: &[Vec<f64>], rows: usize| -> Vec<f64> {
+        (0..rows * c).map(|e| x[e % c][e / c]).collect()
+    };
+    let qu = polar(&cols(&xu, m), (m, c));
+    let qv = polar(&cols(&xv, n), (n, c));
+    let scaled: Vec<f64> = (0..m * c).map(|e| qu[e] * values[e % c] * alpha).collect();
+    matmul(&scaled, &transpose(&qv, (n, c)), (m, c, n))
+}
+
+/// SPEC §4d's toy example, through the reference: the two rank-1 task vectors' directions turned
+/// apart to a right angle, Δ = [[2.8536, −0.3536], [−0.3536, 2.1464]].
+#[test]
+fn the_tsv_reference_gives_the_spec_example() {
+    let taus = [vec![3.0, 0.0, 0.0, 0.0], vec![1.0, 1.0, 1.0, 1.0]];
+    let got = tsv_by_hand(&taus, (2, 2), 1.0);
+    let want = [2.853553, -0.353553, -0.353553, 2.146447];
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() < 1e-5, "{got:?}");
     }
 }
 
@@ -128,21 +139,86 @@ fn iso_c_matches_a_reference_without_svd() {
     }
 }
 
+/// TSV-M against [`tsv_by_hand`] on the fixture's matrices — one of which agent 2 left unchanged
+/// (its τ is zero: it keeps no direction, rather than an SVD's arbitrary ones) — and α·mean τ on
+/// its vector.
 #[test]
-fn iso_c_is_listed_read_from_recipes_and_the_same_on_both_backends() {
+fn tsv_matches_a_reference_without_an_svd_library() {
+    let mut f = iso_c_fixture();
+    // Agent 2 did not change layers.0.w.
+    f.agent_tensors[2][0].values = f.base_tensors[0].values.clone();
+    write_folder(&f.agents[2], &f.agent_tensors[2], 1);
+    let out = f.dir.path().join("out");
+    let method = ["--method", "tsv", "--param", "scaling_factor=0.8"];
+    merge_cmd(&f, &out, &[&method[..], &["--device", "cpu"]].concat())
+        .assert()
+        .success();
+    let merged = read_folder(&out);
+    for (i, base) in f.base_tensors.iter().enumerate() {
+        let agents: Vec<&T> = f.agent_tensors.iter().map(|a| &a[i]).collect();
+        let taus: Vec<Vec<f64>> = agents
+            .iter()
+            .map(|a| {
+                a.values
+                    .iter()
+                    .zip(&base.values)
+                    .map(|(x, b)| f64::from(x - b))
+                    .collect()
+            })
+            .collect();
+        let want: Vec<f32> = match base.shape[..] {
+            // The reference decomposes the wide side: a tall matrix is merged transposed.
+            [m, n] if m <= n => tsv_by_hand(&taus, (m, n), 0.8)
+                .iter()
+                .zip(&base.values)
+                .map(|(d, b)| b + *d as f32)
+                .collect(),
+            [m, n] => {
+                let t: Vec<Vec<f64>> = taus.iter().map(|t| transpose(t, (m, n))).collect();
+                let d = transpose(&tsv_by_hand(&t, (n, m), 0.8), (n, m));
+                d.iter()
+                    .zip(&base.values)
+                    .map(|(d, b)| b + *d as f32)
+                    .collect()
+            }
+            _ => iso_c_by_hand(base, &agents, 0.8),
+        };
+        let got = from_bytes(Dtype::F32, &merged[&base.name].2);
+        let moved = got.iter().zip(&base.values).any(|(g, b)| g != b);
+        assert!(moved, "{}: the merge changed nothing", base.name);
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            // faer's f64 SVD against Jacobi + Newton–Schulz in f64, both rounded to f32 once.
+            let tol = 1e-5 * w.abs().max(1e-2);
+            assert!(
+                (g - w).abs() <= tol,
+                "{} element {k}: got {g}, the reference {w}",
+                base.name
+            );
+        }
+    }
+}
+
+#[test]
+fn iso_c_and_tsv_are_listed_read_from_recipes_and_the_same_on_both_backends() {
+    for method in ["iso_c", "tsv"] {
+        listed_read_from_recipes_and_the_same_on_both_backends(method);
+    }
+}
+
+fn listed_read_from_recipes_and_the_same_on_both_backends(method: &str) {
     let listed = rlmerge().args(["methods", "--json"]).output().unwrap();
     let methods: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
     let iso = methods
         .as_array()
         .unwrap()
         .iter()
-        .find(|m| m["name"] == "iso_c")
-        .expect("iso_c is listed");
+        .find(|m| m["name"] == method)
+        .expect("the method is listed");
     assert_eq!(iso["parameters"][0]["name"], "scaling_factor", "{iso}");
 
     let f = iso_c_fixture();
     let flags = f.dir.path().join("flags");
-    merge_cmd(&f, &flags, &["--device", "cpu", "--method", "iso_c"])
+    merge_cmd(&f, &flags, &["--device", "cpu", "--method", method])
         .assert()
         .success();
     let recipe = f.dir.path().join("iso.yml");
@@ -154,7 +230,7 @@ fn iso_c_is_listed_read_from_recipes_and_the_same_on_both_backends() {
     std::fs::write(
         &recipe,
         format!(
-            "merge_method: iso_c\nbase_model: {}\nparameters:\n  scaling_factor: 1.0\nmodels:\n{models}",
+            "merge_method: {method}\nbase_model: {}\nparameters:\n  scaling_factor: 1.0\nmodels:\n{models}",
             f.base.display()
         ),
     )
@@ -173,18 +249,20 @@ fn iso_c_is_listed_read_from_recipes_and_the_same_on_both_backends() {
         return;
     }
     let gpu = f.dir.path().join("gpu");
-    merge_cmd(&f, &gpu, &["--device", "gpu", "--method", "iso_c"])
+    merge_cmd(&f, &gpu, &["--device", "gpu", "--method", method])
         .assert()
         .success();
     assert_eq!(read_folder(&flags), read_folder(&gpu));
 }
 
-/// Iso-C's whole-matrix scan goes through the same finiteness gate as every read: a NaN or an
-/// infinity in an agent's matrix is refused, naming the tensor, before any SVD and with nothing
-/// written; with `--allow-nonfinite` a matrix that cannot be decomposed is an error naming it.
+/// The whole-matrix scan of Iso-C and TSV-M goes through the same finiteness gate as every
+/// read: a NaN or an infinity in an agent's matrix is refused, naming the tensor, before any SVD
+/// and with nothing written; with `--allow-nonfinite` a matrix that cannot be decomposed is an
+/// error naming it.
 #[test]
-fn iso_c_refuses_non_finite_matrices_before_decomposing_them() {
-    for (bad, allow) in [(f32::NAN, false), (f32::INFINITY, false), (f32::NAN, true)] {
+fn spectral_methods_refuse_non_finite_matrices_before_decomposing_them() {
+    let cases = [(f32::NAN, false), (f32::INFINITY, false), (f32::NAN, true)];
+    for ((bad, allow), method) in cases.iter().flat_map(|c| [(*c, "iso_c"), (*c, "tsv")]) {
         let f = iso_c_fixture();
         let mut tensors = f.agent_tensors[0].clone();
         tensors[0].values[7] = bad;
@@ -194,13 +272,20 @@ fn iso_c_refuses_non_finite_matrices_before_decomposing_them() {
         let o = merge_cmd(
             &f,
             &out,
-            &[&["--device", "cpu", "--method", "iso_c"], extra].concat(),
+            &[&["--device", "cpu", "--method", method], extra].concat(),
         )
         .output()
         .unwrap();
         let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(1), "{bad} allow={allow}: {err}");
-        assert!(err.contains("layers.0.w"), "{bad} allow={allow}: {err}");
+        assert_eq!(
+            o.status.code(),
+            Some(1),
+            "{method} {bad} allow={allow}: {err}"
+        );
+        assert!(
+            err.contains("layers.0.w"),
+            "{method} {bad} allow={allow}: {err}"
+        );
         if !allow {
             assert!(err.contains("NaN") || err.contains("inf"), "{err}");
             assert!(!err.contains("SVD"), "refused before the SVD: {err}");
@@ -211,16 +296,17 @@ fn iso_c_refuses_non_finite_matrices_before_decomposing_them() {
 
 /// scaling_factor is a finite number ≥ 0: anything else is a usage error naming it (exit 2).
 #[test]
-fn iso_c_refuses_absurd_scaling_factors() {
+fn spectral_methods_refuse_absurd_scaling_factors() {
     let f = iso_c_fixture();
-    for value in ["-1", "nan", "inf", "1e400", "much", ""] {
+    let values = ["-1", "nan", "inf", "1e400", "much", ""];
+    for (value, method) in values.iter().flat_map(|v| [(v, "iso_c"), (v, "tsv")]) {
         let out = f.dir.path().join("out");
         let o = merge_cmd(
             &f,
             &out,
             &[
                 "--method",
-                "iso_c",
+                method,
                 "--param",
                 &format!("scaling_factor={value}"),
             ],

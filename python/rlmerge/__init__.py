@@ -135,7 +135,7 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
           out_dtype: Optional[str] = None, shard_size: Optional[str] = None, threads: int = 0,
           tokenizer_source: Optional[str] = None, tokenizer: Optional[Mapping[str, Any]] = None,
           allow_missing_tensors: bool = False, allow_nonfinite: bool = False,
-          **params: Any) -> Dict[str, Any]:
+          svc: Union[None, bool, float] = None, **params: Any) -> Dict[str, Any]:
     """Merges ``models`` (agents fine-tuned from ``base``) with ``method`` into the folder ``out``.
 
     ``base`` and each model are folders or Hugging Face Hub ids (``org/name``,
@@ -150,7 +150,8 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     agents that added tokens then merge their embeddings token by token.
     ``allow_missing_tensors=True`` merges a tensor some agents lack from those that have it (and
     ignores tensors the base lacks) instead of refusing them; ``allow_nonfinite=True`` merges NaN
-    and ±Inf inputs by IEEE rules instead of refusing them.
+    and ±Inf inputs by IEEE rules instead of refusing them. ``svc=ALPHA`` (``True``: α = 0.1)
+    calibrates each merged matrix's spectrum after the method (SVC, SPEC §4e), as ``--svc`` does.
     Returns the merge's record as a dict (method, λ per agent, input and output checksums) with
     ``out`` and the ``shards`` written. Raises :class:`MergeError` (:class:`UsageError` for a bad
     request); nothing is left at ``out`` when it fails.
@@ -182,6 +183,8 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
         recipe["tokenizer_source"] = _where(tokenizer_source) if tokenizer_source not in ("base", "union") else tokenizer_source
     if tokenizer is not None:
         recipe["tokenizer"] = dict(tokenizer)
+    if svc is not None and svc is not False:
+        recipe["svc"] = True if svc is True else {"alpha": svc}
     # The recipe goes to the library as data, read and checked as a recipe file is.
     record = _native.merge(recipe, out, _keywords(device, quiet, force, out_dtype, shard_size,
                                                   threads, allow_missing_tensors, allow_nonfinite))

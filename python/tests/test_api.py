@@ -493,15 +493,38 @@ def test_analyze_and_methods_are_typed_calls(demo, tmp_path):
     assert [m["name"] for m in rlmerge.methods()][:2] == ["ram", "ram+"]
 
 
-def test_iso_c_from_python_equals_the_command(demo, tmp_path):
-    """Iso-C (SPEC §4c) from the API's keywords writes the command's bytes."""
+@pytest.mark.parametrize("method", ["iso_c", "tsv"])
+def test_spectral_methods_from_python_equal_the_command(demo, tmp_path, method):
+    """Iso-C and TSV-M (SPEC §4c, §4d) from the API's keywords write the command's bytes."""
     root, base, agents = demo
     api = tmp_path / "api"
-    rlmerge.merge(base, agents, method="iso_c", out=api, device="cpu", scaling_factor=1.5)
-    cmd = [cargo_binary(), "merge", "-q", "--device", "cpu", "--method", "iso_c",
+    rlmerge.merge(base, agents, method=method, out=api, device="cpu", scaling_factor=1.5)
+    cmd = [cargo_binary(), "merge", "-q", "--device", "cpu", "--method", method,
            "--param", "scaling_factor=1.5", "--base", str(base), "-o", str(tmp_path / "cli")]
     for a in agents:
         cmd += ["--model", str(a)]
     subprocess.run(cmd, check=True)
     assert folder_bytes(api) == folder_bytes(tmp_path / "cli")
-    assert "merge_method: iso_c" in (api / "mergekit_config.yml").read_text()
+    assert f"merge_method: {method}" in (api / "mergekit_config.yml").read_text()
+
+
+def test_svc_from_python_equals_the_command(demo, tmp_path):
+    """SVC (SPEC §4e) after any method: svc=α from the API writes --svc α's bytes, and the
+    record keeps α; a bad α is a UsageError naming svc, nothing written."""
+    root, base, agents = demo
+    api = tmp_path / "api"
+    record = rlmerge.merge(base, agents, method="task_arithmetic", out=api, device="cpu",
+                           weight=1.0, svc=0.2)
+    assert record["svc"] == pytest.approx(0.2)
+    cmd = [cargo_binary(), "merge", "-q", "--device", "cpu", "--method", "task_arithmetic",
+           "--param", "weight=1", "--svc", "0.2", "--base", str(base),
+           "-o", str(tmp_path / "cli")]
+    for a in agents:
+        cmd += ["--model", str(a)]
+    subprocess.run(cmd, check=True)
+    assert folder_bytes(api) == folder_bytes(tmp_path / "cli")
+    for bad in (-1.0, 0.0, float("nan"), "much"):
+        with pytest.raises(rlmerge.UsageError) as info:
+            rlmerge.merge(base, agents, method="ram", out=tmp_path / "bad", device="cpu", svc=bad)
+        assert "svc" in str(info.value)
+        assert not (tmp_path / "bad").exists()

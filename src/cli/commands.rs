@@ -324,6 +324,7 @@ pub fn merge_job(
             .cloned()
             .chain(job.tokenizer.iter().flat_map(|t| t.folders()))
             .collect(),
+        svc: job.svc,
     };
     let summary = engine::merge(&inputs, &options, backend.as_ref(), &output.out).map_err(|e| {
         if rlmerge::error::is_usage(&e) {
@@ -351,36 +352,46 @@ pub fn merge_job(
     Ok(summary)
 }
 
+/// What `rlmerge methods` says of SVC, the modifier.
+const SVC_ABOUT: &str = "SVC, spectral calibration after any method: --svc ALPHA, or svc: in a \
+                         recipe (SPEC §4e)";
+const SVC_REFERENCE: &str = "arXiv:2602.05536";
+
 pub fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
     let scope_name = |p: &rlmerge::method::catalog::Param| match p.scope {
         rlmerge::method::catalog::ParamScope::MethodWide => "method-wide",
         rlmerge::method::catalog::ParamScope::PerModel => "per model",
     };
+    let svc = &rlmerge::method::catalog::SVC;
     if args.json {
-        let methods: Vec<serde_json::Value> = Kind::ALL
+        let param = |p: &rlmerge::method::catalog::Param| {
+            serde_json::json!({
+                "name": p.name,
+                "scope": scope_name(p),
+                "default": p.default.text(p.range),
+                "range": p.range.text(),
+                "about": p.about,
+            })
+        };
+        let mut methods: Vec<serde_json::Value> = Kind::ALL
             .iter()
             .map(|kind| {
-                let params: Vec<serde_json::Value> = kind
-                    .params()
-                    .iter()
-                    .map(|p| {
-                        serde_json::json!({
-                            "name": p.name,
-                            "scope": scope_name(p),
-                            "default": p.default.text(p.range),
-                            "range": p.range.text(),
-                            "about": p.about,
-                        })
-                    })
-                    .collect();
                 serde_json::json!({
                     "name": kind.name(),
                     "about": kind.about(),
                     "reference": kind.reference(),
-                    "parameters": params,
+                    "parameters": kind.params().iter().map(param).collect::<Vec<_>>(),
                 })
             })
             .collect();
+        // The modifier every method takes, after the methods.
+        methods.push(serde_json::json!({
+            "name": svc.name,
+            "modifier": true,
+            "about": SVC_ABOUT,
+            "reference": SVC_REFERENCE,
+            "parameters": [param(svc)],
+        }));
         writeln!(out, "{}", serde_json::to_string_pretty(&methods)?)?;
         return Ok(());
     }
@@ -405,6 +416,17 @@ pub fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
             )?;
         }
     }
+    writeln!(
+        out,
+        "\nModifier of every method:\n{:<17} {SVC_ABOUT} ({SVC_REFERENCE})\n    {:<16} {:<10} \
+         default {:<16} {:<26} {}",
+        svc.name,
+        svc.name,
+        scope_name(svc),
+        svc.default.text(svc.range),
+        svc.range.text(),
+        svc.about
+    )?;
     writeln!(
         out,
         "\nSet parameters in a mergekit recipe (rlmerge run RECIPE.yml -o OUT) or with --param KEY=VALUE.\n\

@@ -224,6 +224,10 @@ pub struct MergeArgs {
     /// RAM+ official rule: R [default 1.2].
     #[arg(long)]
     pub rescale_factor: Option<f64>,
+    /// SVC, with any method: each merged matrix's singular values calibrated with this α (> 0,
+    /// e.g. 0.1; SPEC §4e).
+    #[arg(long, value_name = "ALPHA", allow_hyphen_values = true)]
+    pub svc: Option<String>,
     #[command(flatten)]
     pub output: OutputArgs,
 }
@@ -321,6 +325,13 @@ impl MergeArgs {
             rescale_factor: self.rescale_factor,
             shared: self.shared,
             seed: self.output.seed,
+            svc: self
+                .svc
+                .as_ref()
+                .map(|v| match rlmerge::job::parse_param(&format!("svc={v}")) {
+                    Ok((_, rlmerge::method::settings::Setting::Scalar(s))) => s,
+                    _ => rlmerge::method::settings::Scalar::Text(v.clone()),
+                }),
         }
     }
 }

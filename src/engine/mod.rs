@@ -32,6 +32,7 @@ pub struct PassOptions {
     pub scan_nonfinite: bool,
 }
 
+mod calibrate;
 mod fisher;
 mod output;
 mod probe;
@@ -46,7 +47,7 @@ use output::{check_finite_output, finish, pass_base};
 pub use probe::probe_all;
 use probe::{probe_tensors, to_global};
 pub use retention::{retention, RegionSums, Retention, REGIONS};
-use scans::{combine_spec, iso_c_update, ScanBuffers};
+use scans::{combine_spec, spectral_update, ScanBuffers};
 pub use tile_size::{tile_elems, TILE_QUANTUM};
 use tiles::{batches, par_tiles, progress_bar, whole_rows, TensorTiles, TileLoop};
 
@@ -74,6 +75,7 @@ impl MergeOptions {
             show_progress: false,
             extra_files: Vec::new(),
             protect: Vec::new(),
+            svc: None,
         }
     }
 }
@@ -98,6 +100,8 @@ pub struct MergeOptions {
     /// Paths besides the input models that the output must stay clear of (the recipe file, a
     /// tokenizer source).
     pub protect: Vec<PathBuf>,
+    /// SVC's α: each matrix the method merged is spectrally calibrated (SPEC §4e).
+    pub svc: Option<f64>,
 }
 
 /// What a finished merge reports.
@@ -118,6 +122,9 @@ struct TensorJob<'a> {
     present: Vec<usize>,
     tile_elems: usize,
     rule: TileRule,
+    /// Plain RAM with SVC: the counts its kernels gave while the tensor was captured
+    /// (`calibrate`), reported instead of the calibrated rule's none.
+    captured_counts: Option<TileCounts>,
 }
 
 /// How one tensor's tiles are merged.
@@ -262,13 +269,14 @@ pub fn merge(
     pass.group_lambdas = group_lambdas;
     let writer = CheckpointWriter::new(folder.path(), out_tensors, options.shard_size)?;
     for run in batches(&inputs.tensors, pass.tile_elems()) {
-        let jobs = run
+        let mut jobs = run
             .map(|index| pass.job(index))
             .collect::<Result<Vec<_>>>()?;
         let counts = pass.merge_tiles(&jobs, &writer)?;
         inputs.forget_lora_matrices();
         if let Some(scope) = &mut pass.counted {
-            for (job, counts) in jobs.iter().zip(counts) {
+            for (job, counts) in jobs.iter_mut().zip(counts) {
+                let counts = job.captured_counts.take().unwrap_or(counts);
                 scope.add(probe::tensor_stats(job.plan, counts));
             }
         }
@@ -411,13 +419,18 @@ impl<'a> MergePass<'a> {
             TileRule::Combine(spec, _) if spec.rank_rows > 0 => whole_rows(elems, spec.rank_rows),
             _ => elems,
         };
-        Ok(TensorJob {
+        let mut job = TensorJob {
             index,
             plan,
             present,
             tile_elems,
             rule,
-        })
+            captured_counts: None,
+        };
+        if let Some(alpha) = self.options.svc {
+            self.calibrate(&mut job, alpha)?;
+        }
+        Ok(job)
     }
 
     /// What each tile of a tensor goes through, with the scans its statistics take.
@@ -439,10 +452,10 @@ impl<'a> MergePass<'a> {
                     },
                 };
                 let (inputs, pass, buffers) = (self.inputs, &self.options.pass, &mut self.buffers);
-                if config.kind == Kind::IsoC {
+                if spectral::decomposes(config.kind) {
                     let mut update = None;
                     self.backend.run_cpu_work(&mut || {
-                        update = Some(iso_c_update(
+                        update = Some(spectral_update(
                             inputs,
                             plan,
                             config,

@@ -127,6 +127,7 @@ pub(super) fn finish(
         epsilon: options.pass.epsilon,
         allow_nonfinite: !options.pass.scan_nonfinite,
         allow_missing_tensors: inputs.allow_missing_tensors,
+        svc: options.svc,
         base: inputs.base.dir.display().to_string(),
         agents,
         tensor_lambdas: boost.tensor_lambdas.unwrap_or_default(),

@@ -61,10 +61,10 @@ pub(super) fn combine_spec(
     spec
 }
 
-/// Iso-C's update of one tensor when it is a matrix Iso-C decomposes (`spectral::matrix`): its
-/// task vectors summed by a scan of its tiles, then the SVD; `None` for any other tensor, which
-/// takes Iso-C's elementwise rule.
-pub(super) fn iso_c_update(
+/// A decomposing method's update of one tensor (Iso-C, TSV-M) when it is a matrix it decomposes
+/// (`spectral::matrix`): its task vectors read by a scan of its tiles, then the SVDs; `None` for
+/// any other tensor, which takes the method's elementwise rule.
+pub(super) fn spectral_update(
     inputs: &Inputs,
     plan: &TensorPlan,
     config: &MethodConfig,
@@ -84,8 +84,8 @@ pub(super) fn iso_c_update(
     // The SVD consumes this scan's values before the merge pass reads the tensor, so the scan
     // applies the finiteness gate itself: a NaN or ±Inf is refused by name, not fed to the SVD.
     scans.pass.scan_nonfinite = pass.scan_nonfinite;
-    let update = super::spectral::iso_c_update(&mut scans, matrix, alpha)
-        .with_context(|| format!("iso_c of tensor '{}'", plan.name()))?;
+    let update = super::spectral::update(config.kind, &mut scans, matrix, alpha, present.len())
+        .with_context(|| format!("{} of tensor '{}'", config.kind.name(), plan.name()))?;
     inputs.forget_lora_tensor(plan);
     Ok(Some(update))
 }

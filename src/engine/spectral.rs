@@ -1,9 +1,10 @@
-//! Iso-C's matrices (SPEC §4c): a matrix's task vectors summed whole by a statistics scan, a thin
-//! SVD Σ τ_t = U S Vᵀ (faer, f64), and the update α·mean(S)·U Vᵀ — every direction of the sum
-//! kept, each with the same weight. The update is computed once per matrix on the host and added
-//! to the base tile by tile, so every backend writes the same bytes. Tensors that are not
-//! matrices, or larger than [`MAX_ELEMS`], take Iso-C's elementwise rule through the combine
-//! kernels instead (`method::tensor_params`).
+//! The methods that decompose whole matrices: Iso-C (SPEC §4c: Σ τ_t = U S Vᵀ by a thin SVD, the
+//! update α·mean(S)·U Vᵀ) and TSV-M (SPEC §4d: each agent's top 1/T singular directions, their
+//! U and V made orthogonal, summed with their singular values). A matrix's task vectors are read
+//! whole by a statistics scan; the SVDs are faer's, in f64. The update is computed once per
+//! matrix on the host and added to the base tile by tile, so every backend writes the same
+//! bytes. Tensors that are not matrices, or larger than [`MAX_ELEMS`], take the elementwise rule
+//! α·mean τ through the combine kernels instead (`method::tensor_params`).
 
 use crate::inputs::Inputs;
 use crate::method::{Kind, Method};
@@ -11,12 +12,18 @@ use crate::scans::Scans;
 use anyhow::{anyhow, Result};
 use std::ops::ControlFlow;
 
-/// The largest matrix Iso-C decomposes: 2^25 elements (a 4096 × 8192 projection). Its SVD holds
-/// the sum and U Vᵀ in f64 plus faer's factors, about 1 GiB at this size; larger matrices (a big
-/// vocabulary's embeddings) take the elementwise rule, and the merge says so.
+/// The largest matrix decomposed: 2^25 elements (a 4096 × 8192 projection). Iso-C's SVD holds
+/// the sum and U Vᵀ in f64 plus faer's factors, about 1 GiB at this size; TSV-M holds the T task
+/// vectors in f32 and one agent's SVD at a time (T · 128 MiB + about 1 GiB). Larger matrices (a
+/// big vocabulary's embeddings) take the elementwise rule, and the merge says so.
 pub(super) const MAX_ELEMS: usize = 1 << 25;
 
-/// The matrix Iso-C decomposes for a tensor of `shape` — (rows, columns) of a 2-D tensor of at
+/// Whether `kind`'s matrices are merged here.
+pub(super) fn decomposes(kind: Kind) -> bool {
+    matches!(kind, Kind::IsoC | Kind::Tsv)
+}
+
+/// The matrix decomposed for a tensor of `shape` — (rows, columns) of a 2-D tensor of at
 /// least 2 × 2 and at most [`MAX_ELEMS`] elements — or `None`.
 pub(super) fn matrix(shape: &[usize]) -> Option<(usize, usize)> {
     match *shape {
@@ -25,19 +32,21 @@ pub(super) fn matrix(shape: &[usize]) -> Option<(usize, usize)> {
     }
 }
 
-/// The merge's warnings about Iso-C: each matrix too large to decompose, merged by the
-/// elementwise rule instead.
+/// The merge's warnings about a decomposing method: each matrix too large to decompose, merged
+/// by the elementwise rule instead.
 pub(super) fn warnings(inputs: &Inputs, method: &Method) -> Vec<String> {
-    if !matches!(method, Method::Combine(c) if c.kind == Kind::IsoC) {
-        return Vec::new();
-    }
+    let kind = match method {
+        Method::Combine(c) if decomposes(c.kind) => c.kind,
+        _ => return Vec::new(),
+    };
     inputs
         .tensors
         .iter()
         .filter_map(|plan| match plan.shape()[..] {
             [m, n] if m >= 2 && n >= 2 && matrix(&[m, n]).is_none() => Some(format!(
-                "iso_c: tensor '{}' ({m} × {n}) is larger than the {MAX_ELEMS} elements Iso-C \
+                "{}: tensor '{}' ({m} × {n}) is larger than the {MAX_ELEMS} elements rlmerge \
                  decomposes; it was merged by the elementwise rule (α · mean τ, SPEC §4c)",
+                kind.name(),
                 plan.name()
             )),
             _ => None,
@@ -45,13 +54,24 @@ pub(super) fn warnings(inputs: &Inputs, method: &Method) -> Vec<String> {
         .collect()
 }
 
+/// `kind`'s update of an m × n matrix, row-major, from the scan of its tiles (of `agents`
+/// agents' copies).
+pub(super) fn update(
+    kind: Kind,
+    scan: &mut dyn Scans,
+    matrix: (usize, usize),
+    alpha: f64,
+    agents: usize,
+) -> Result<Vec<f32>> {
+    match kind {
+        Kind::Tsv => tsv_update(scan, matrix, alpha, agents),
+        _ => iso_c_update(scan, matrix, alpha),
+    }
+}
+
 /// Iso-C's update of an m × n matrix, row-major: α·mean(S)·U Vᵀ for Σ_t τ_t = U S Vᵀ, the sum
 /// taken in f64 in agent order over the scan's tiles (whose task vectors are f32).
-pub(super) fn iso_c_update(
-    scan: &mut dyn Scans,
-    (m, n): (usize, usize),
-    alpha: f64,
-) -> Result<Vec<f32>> {
+fn iso_c_update(scan: &mut dyn Scans, (m, n): (usize, usize), alpha: f64) -> Result<Vec<f32>> {
     let mut sum = vec![0.0f64; m * n];
     scan.tiles(&mut |tile| {
         let start = tile.start as usize;
@@ -71,12 +91,138 @@ pub(super) fn iso_c_update(
     let mean = (0..r).map(|i| s[i]).sum::<f64>() / r as f64;
     drop(sum);
     let uvt = svd.U() * svd.V().transpose();
-    let scale = alpha * mean;
+    Ok(rounded(uvt.as_ref(), alpha * mean))
+}
+
+/// `scale · mat`, row-major, each element rounded once to f32.
+fn rounded(mat: faer::MatRef<f64>, scale: f64) -> Vec<f32> {
+    let (m, n) = (mat.nrows(), mat.ncols());
     let mut update = vec![0.0f32; m * n];
     for (i, row) in update.chunks_exact_mut(n).enumerate() {
         for (j, u) in row.iter_mut().enumerate() {
-            *u = (scale * uvt[(i, j)]) as f32;
+            *u = (scale * mat[(i, j)]) as f32;
         }
     }
-    Ok(update)
+    update
+}
+
+/// TSV-M's update of an m × n matrix, row-major (SPEC §4d): for each of the T agents in order,
+/// the top k = ⌊min(m, n) / T⌋ singular triplets of τ_t (those above the numerical rank's
+/// threshold); their left vectors side by side X_U (m × c), right vectors X_V (n × c), values s;
+/// the update α · P(X_U) · diag(s) · P(X_V)ᵀ, P the orthogonal polar factor (U Vᵀ of a thin
+/// SVD).
+fn tsv_update(
+    scan: &mut dyn Scans,
+    (m, n): (usize, usize),
+    alpha: f64,
+    agents: usize,
+) -> Result<Vec<f32>> {
+    if m.min(n) < agents {
+        // k = 0: no agent keeps a direction (the authors' code gives zero too).
+        return Ok(vec![0.0; m * n]);
+    }
+    let mut taus: Vec<Vec<f32>> = Vec::new();
+    scan.tiles(&mut |tile| {
+        if taus.is_empty() {
+            taus = vec![vec![0.0f32; m * n]; tile.tau.len()];
+        }
+        let start = tile.start as usize;
+        for (all, tau) in taus.iter_mut().zip(tile.tau) {
+            all[start..start + tau.len()].copy_from_slice(tau);
+        }
+        Ok(ControlFlow::Continue(()))
+    })?;
+    let k = m.min(n) / agents;
+    let mut xu = faer::Mat::<f64>::zeros(m, agents * k);
+    let mut xv = faer::Mat::<f64>::zeros(n, agents * k);
+    let mut values = Vec::with_capacity(agents * k);
+    for (t, tau) in taus.into_iter().enumerate() {
+        let a = faer::Mat::<f64>::from_fn(m, n, |i, j| f64::from(tau[i * n + j]));
+        drop(tau);
+        let svd = a.thin_svd().map_err(|e| {
+            anyhow!(
+                "the SVD of model {}'s task vector did not converge ({e:?})",
+                t + 1
+            )
+        })?;
+        let s = svd.S().column_vector();
+        // Directions at or below the numerical rank's threshold carry nothing, and an SVD's
+        // basis of a null space is arbitrary: kept, they would turn the others.
+        let floor = s[0] * m.max(n) as f64 * f64::EPSILON;
+        for j in (0..k).filter(|&j| s[j] > floor) {
+            let c = values.len();
+            xu.col_mut(c).copy_from(svd.U().col(j));
+            xv.col_mut(c).copy_from(svd.V().col(j));
+            values.push(s[j]);
+        }
+    }
+    let c = values.len();
+    if c == 0 {
+        return Ok(vec![0.0; m * n]);
+    }
+    let polar = |x: faer::MatRef<f64>| -> Result<faer::Mat<f64>> {
+        let svd = x.thin_svd().map_err(|e| {
+            anyhow!("the SVD of the agents' singular vectors did not converge ({e:?})")
+        })?;
+        Ok(svd.U() * svd.V().transpose())
+    };
+    let mut qu = polar(xu.as_ref().subcols(0, c))?;
+    let qv = polar(xv.as_ref().subcols(0, c))?;
+    drop((xu, xv));
+    for (j, &s) in values.iter().enumerate() {
+        qu.col_mut(j).iter_mut().for_each(|x| *x *= s);
+    }
+    let merged = &qu * qv.transpose();
+    Ok(rounded(merged.as_ref(), alpha))
+}
+
+/// SVC's update of an m × n matrix, row-major (SPEC §4e): Δ_m = U Σ Vᵀ (thin SVD in f64); for
+/// each direction r whose σ_r is above the numerical rank's threshold, each agent's response
+/// a_r^i = u_rᵀ τ_i, its coefficient s_r^i = ⟨σ_r v_r, a_r^i⟩ / ‖a_r^i‖² (an agent with no response
+/// along u_r counts α), γ_r = K / Σ_i max(α, s_r^i); the update U diag(γ ⊙ σ) Vᵀ, each element
+/// rounded once to f32. Directions at or below the threshold keep γ = 1.
+pub(super) fn svc_update(
+    merged: &[f32],
+    taus: &[Vec<f32>],
+    (m, n): (usize, usize),
+    alpha: f64,
+) -> Result<Vec<f32>> {
+    let dm = faer::Mat::<f64>::from_fn(m, n, |i, j| f64::from(merged[i * n + j]));
+    let svd = dm
+        .thin_svd()
+        .map_err(|e| anyhow!("the SVD of the merged update did not converge ({e:?})"))?;
+    let (u, s, v) = (svd.U(), svd.S().column_vector(), svd.V());
+    let r = m.min(n);
+    let floor = s[0] * m.max(n) as f64 * f64::EPSILON;
+    let mut sums = vec![0.0f64; r];
+    for tau in taus {
+        let t = faer::Mat::<f64>::from_fn(m, n, |i, j| f64::from(tau[i * n + j]));
+        let a = u.transpose() * &t;
+        for k in (0..r).filter(|&k| s[k] > floor) {
+            let (mut norm2, mut dot) = (0.0f64, 0.0f64);
+            for j in 0..n {
+                let x = a[(k, j)];
+                norm2 += x * x;
+                dot += v[(j, k)] * x;
+            }
+            sums[k] += if norm2 > 0.0 {
+                (s[k] * dot / norm2).max(alpha)
+            } else {
+                alpha
+            };
+        }
+    }
+    let agents = taus.len() as f64;
+    let mut scaled = u.to_owned();
+    for k in 0..r {
+        // γ_r σ_r, or σ_r where the direction is below the threshold.
+        let factor = if s[k] > floor {
+            agents / sums[k] * s[k]
+        } else {
+            s[k]
+        };
+        scaled.col_mut(k).iter_mut().for_each(|x| *x *= factor);
+    }
+    let update = &scaled * v.transpose();
+    Ok(rounded(update.as_ref(), 1.0))
 }

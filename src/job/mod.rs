@@ -38,6 +38,8 @@ pub struct Job {
     /// mergekit's `tokenizer_source` / `tokenizer:` section (`None`: the base's tokenizer, every
     /// model's embeddings of the base's shape).
     pub tokenizer: Option<crate::vocabulary::TokenizerSettings>,
+    /// SVC's α, when the merge is spectrally calibrated (`--svc`, a recipe's `svc:`; SPEC §4e).
+    pub svc: Option<f64>,
 }
 
 /// The method as command-line flags give it: `--method`, `--param KEY=VALUE` (see
@@ -62,6 +64,8 @@ pub struct MethodFlags {
     pub shared: Option<SharedRule>,
     /// Seed of random masks (DARE, DELLA).
     pub seed: u64,
+    /// `--svc ALPHA`: SVC's α, as given (checked by [`MethodFlags::svc_alpha`]).
+    pub svc: Option<Scalar>,
 }
 
 impl Job {
@@ -85,6 +89,7 @@ impl Job {
             recipe_path: None,
             slices: None,
             tokenizer: None,
+            svc: flags.svc_alpha()?,
         })
     }
 
@@ -129,6 +134,10 @@ impl MethodFlags {
             .map(|a| Value::Mapping(Mapping::from_iter([("model".into(), path(a))])))
             .collect();
         recipe.insert("models".into(), Value::Sequence(models));
+        if let Some(alpha) = self.svc_alpha().ok().flatten() {
+            let svc = Mapping::from_iter([("alpha".into(), alpha.into())]);
+            recipe.insert("svc".into(), Value::Mapping(svc));
+        }
         let yaml = serde_yaml::to_string(&recipe).unwrap_or_default();
         // Random masks (DARE, DELLA) depend on the seed.
         let seeded = matches!(
@@ -144,6 +153,14 @@ impl MethodFlags {
             "# Written by rlmerge from its command line: `rlmerge run` of this file{seed} makes \
              the same merge.\n{yaml}"
         )
+    }
+
+    /// SVC's α from `--svc`, checked (`None`: no calibration).
+    pub fn svc_alpha(&self) -> Result<Option<f64>> {
+        self.svc
+            .as_ref()
+            .map(crate::method::build::svc_alpha)
+            .transpose()
     }
 
     /// The method these flags ask for `agents` merged models, validated as a recipe's is.

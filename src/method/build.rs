@@ -191,6 +191,14 @@ pub fn number(x: f64) -> String {
     }
 }
 
+/// SVC's α, checked against [`crate::method::catalog::SVC`]'s range (a usage error naming `svc`
+/// otherwise).
+pub fn svc_alpha(value: &Scalar) -> Result<f64> {
+    let param = &crate::method::catalog::SVC;
+    check_scalar(param, value, None)?;
+    value.as_f64(param.name)
+}
+
 fn bad(param: &Param, model: Option<usize>, got: &str) -> anyhow::Error {
     let place = model.map_or(String::new(), |m| format!(" of model {}", m + 1));
     usage(format!(

@@ -55,6 +55,8 @@ pub enum Kind {
     Fisher,
     /// Iso-C: each matrix's summed task vectors with their singular values made equal.
     IsoC,
+    /// TSV-M: each agent's top singular directions of each matrix, decorrelated and summed.
+    Tsv,
 }
 
 /// Whether a parameter is set once for the whole method or per model.
@@ -453,6 +455,18 @@ const PASSTHROUGH: [Param; 1] = [p(
     FINITE,
     "multiplies the tensor",
 )];
+/// SVC's α when `--svc` or `svc:` gives none (the FusionBench default).
+pub const SVC_DEFAULT: f64 = 0.1;
+
+/// SVC (arXiv:2602.05536), the modifier every method takes (`--svc`, a recipe's `svc:`): its α.
+/// A lower bound above 0 keeps every γ_r = T / Σ max(α, s) finite.
+pub const SVC: Param = p(
+    "svc",
+    MethodWide,
+    Number(SVC_DEFAULT),
+    num(1e-6, INF),
+    "SVC's α: each merged matrix's singular values times γ_r = T / Σ_t max(α, s_r^t) (SPEC §4e)",
+);
 const ISO_C: [Param; 1] = [p(
     "scaling_factor",
     MethodWide,
@@ -479,7 +493,7 @@ const FISHER: [Param; 2] = [
 
 impl Kind {
     /// Every method, in the order `rlmerge methods` lists them.
-    pub const ALL: [Kind; 23] = [
+    pub const ALL: [Kind; 24] = [
         Kind::Ram,
         Kind::RamPlus,
         Kind::RamplusTl,
@@ -503,6 +517,7 @@ impl Kind {
         Kind::ArceeFusion,
         Kind::Fisher,
         Kind::IsoC,
+        Kind::Tsv,
     ];
 
     /// The method's recipe name.
@@ -531,6 +546,7 @@ impl Kind {
             Kind::ArceeFusion => "arcee_fusion",
             Kind::Fisher => "fisher",
             Kind::IsoC => "iso_c",
+            Kind::Tsv => "tsv",
         }
     }
 
@@ -587,6 +603,7 @@ impl Kind {
             Kind::ArceeFusion => "keeps the model's changes whose importance |τ|·KL(softmax rows) clears the Tukey fence Q2 + 1.5·IQR",
             Kind::Fisher => "Σ λ_i F_i θ_i / Σ λ_i F_i with diagonal Fisher files",
             Kind::IsoC => "per matrix, Σ τ_t = U S Vᵀ becomes α·mean(S)·U Vᵀ (an isotropic spectrum); other tensors α·mean τ",
+            Kind::Tsv => "per matrix, each agent's top 1/T singular directions, their U and V made orthogonal (polar factors), summed with their singular values; other tensors α·mean τ",
         }
     }
 
@@ -609,6 +626,7 @@ impl Kind {
             Kind::ArceeFusion => "mergekit (Arcee AI)",
             Kind::Fisher => "arXiv:2111.09832",
             Kind::IsoC => "arXiv:2502.04959",
+            Kind::Tsv => "arXiv:2412.00081",
         }
     }
 
@@ -635,7 +653,7 @@ impl Kind {
             Kind::Passthrough => &PASSTHROUGH,
             Kind::ArceeFusion => &[],
             Kind::Fisher => &FISHER,
-            Kind::IsoC => &ISO_C,
+            Kind::IsoC | Kind::Tsv => &ISO_C,
         }
     }
 

@@ -478,9 +478,10 @@ impl MethodConfig {
                 weights: l.per_model("weight", present)?,
                 ..TensorParams::interpolation(n, false, BaseTerm::Fisher)
             },
-            // Iso-C's rule for a tensor that is no matrix (SPEC §4c): θ₀ + α·(1/T)·Σ τ_t. Its
-            // matrices are merged by `engine::spectral` from the same parameters.
-            Kind::IsoC => TensorParams {
+            // Iso-C's and TSV-M's rule for a tensor that is no matrix (SPEC §4c, §4d):
+            // θ₀ + α·(1/T)·Σ τ_t. Their matrices are merged by `engine::spectral` from the same
+            // parameters.
+            Kind::IsoC | Kind::Tsv => TensorParams {
                 weights: vec![1.0 / n as f64; n],
                 lambda: l.number("scaling_factor", None)?,
                 ..TensorParams::interpolation(n, true, BaseTerm::Add)

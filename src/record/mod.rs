@@ -57,6 +57,9 @@ pub struct MergeRecord {
     /// Tensors missing in some models were let through (`--allow-missing-tensors`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_missing_tensors: bool,
+    /// SVC's α, when the merge was spectrally calibrated (SPEC §4e).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub svc: Option<f64>,
     /// The base model as given.
     pub base: String,
     /// The agents in order.

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod bad_case;
+pub mod linalg;
 
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};

@@ -40,6 +40,9 @@ struct RawConfig {
     tokenizer: Option<serde_yaml::Value>,
     #[serde(default)]
     chat_template: Option<String>,
+    /// SVC, the spectral calibration modifier: `svc: true`, `svc: ALPHA` or `svc: {alpha: ALPHA}`.
+    #[serde(default)]
+    svc: Option<serde_yaml::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -214,6 +217,7 @@ fn parse_raw(raw: RawConfig, text: RecipeText, dir: &Path, seed: u64) -> Result<
         slices,
     } = listed_models(&raw, text, dir)?;
     let tokenizer = tokenizer_settings(&raw, text, dir)?;
+    let svc = svc_of(&raw)?;
     let out_dtype = out_dtype(&raw)?;
     let implicit_base = base_ref.is_none();
     let (base, base_ref, with_base) = choose_base(kind, &mut entries, base_ref, dir)?;
@@ -268,7 +272,43 @@ fn parse_raw(raw: RawConfig, text: RecipeText, dir: &Path, seed: u64) -> Result<
         recipe_path: None,
         slices,
         tokenizer,
+        svc,
     })
+}
+
+/// The recipe's `svc:`: `true` (α's default), a number, or `{alpha: ALPHA}`; `false` or absent,
+/// none. α is checked as `--svc`'s is.
+fn svc_of(raw: &RawConfig) -> Result<Option<f64>> {
+    use crate::method::settings::Scalar;
+    use serde_yaml::Value;
+    let alpha = match &raw.svc {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => return Ok(None),
+        Some(Value::Bool(true)) => return Ok(Some(crate::method::catalog::SVC_DEFAULT)),
+        Some(Value::Mapping(m)) => {
+            if let Some(k) = m.keys().find(|k| k.as_str() != Some("alpha")) {
+                return Err(crate::error::usage(format!(
+                    "svc: unknown key {}; svc takes alpha",
+                    serde_yaml::to_string(k).unwrap_or_default().trim()
+                )));
+            }
+            match m.get("alpha") {
+                Some(v) => v.clone(),
+                None => return Ok(Some(crate::method::catalog::SVC_DEFAULT)),
+            }
+        }
+        Some(v) => v.clone(),
+    };
+    let scalar = match alpha {
+        Value::Number(n) => Scalar::Number(n.as_f64().unwrap_or(f64::NAN)),
+        Value::String(s) => Scalar::Text(s),
+        other => Scalar::Text(
+            serde_yaml::to_string(&other)
+                .unwrap_or_default()
+                .trim()
+                .into(),
+        ),
+    };
+    crate::method::build::svc_alpha(&scalar).map(Some)
 }
 
 /// The output dtype the recipe asks (`out_dtype`, or mergekit's older `dtype`).
