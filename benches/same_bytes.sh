@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Output-byte fingerprint of every merge method: runs each mergekit fixture recipe
-# (tests/fixtures/recipes/*.yml) and the CLI-only variants (ram+ rules and scopes, fisher, iso_c, tsv) on the
+# (tests/fixtures/recipes/*.yml) and the CLI-only variants (ram+ rules and scopes, fisher, iso_c, tsv, resmerge, svc) on the
 # demo models and prints one line per output file: "<case> <file> <sha256>". Run it with two
 # binaries and diff the lists to show a change kept the output bytes (the refactoring check).
 #
@@ -56,6 +56,8 @@ cli-ram-consensus --method ram --shared consensus
 cli-ram+tensor-consensus --method ram+ --scope tensor --shared consensus
 cli-iso_c --method iso_c --param scaling_factor=1.5
 cli-tsv --method tsv --param scaling_factor=0.7
+cli-resmerge --method resmerge --param rank_topk=2
+cli-svc --method ties --param weight=1 --param density=0.5 --svc 0.1
 EOF
 printf 'merge_method: fisher\nmodels:\n  - model: coding-agent\n    parameters: {fisher: base}\n  - model: tool-agent\n    parameters: {fisher: memory-agent, weight: 2}\n' >fisher.yml
 "$bin" run fisher.yml -q --device "$device" -o out-fisher >/dev/null

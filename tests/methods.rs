@@ -709,6 +709,7 @@ fn methods_lists_every_method_with_parameters() {
         "ramplus_tl",
         "iso_c",
         "tsv",
+        "resmerge",
         "svc",
     ] {
         assert!(

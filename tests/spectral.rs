@@ -127,15 +127,7 @@ fn iso_c_matches_a_reference_without_svd() {
         let got = from_bytes(Dtype::F32, &merged[&base.name].2);
         let moved = got.iter().zip(&base.values).any(|(g, b)| g != b);
         assert!(moved, "{}: the merge changed nothing", base.name);
-        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
-            // f64 SVD against f64 Newton–Schulz, both rounded to f32 once: a few ulp apart.
-            let tol = 1e-5 * w.abs().max(1e-2);
-            assert!(
-                (g - w).abs() <= tol,
-                "{} element {k}: got {g}, the reference {w}",
-                base.name
-            );
-        }
+        assert_close(&base.name, &got, &want, 1e-5);
     }
 }
 
@@ -156,16 +148,7 @@ fn tsv_matches_a_reference_without_an_svd_library() {
     let merged = read_folder(&out);
     for (i, base) in f.base_tensors.iter().enumerate() {
         let agents: Vec<&T> = f.agent_tensors.iter().map(|a| &a[i]).collect();
-        let taus: Vec<Vec<f64>> = agents
-            .iter()
-            .map(|a| {
-                a.values
-                    .iter()
-                    .zip(&base.values)
-                    .map(|(x, b)| f64::from(x - b))
-                    .collect()
-            })
-            .collect();
+        let taus = taus_of(&f, i);
         let want: Vec<f32> = match base.shape[..] {
             // The reference decomposes the wide side: a tall matrix is merged transposed.
             [m, n] if m <= n => tsv_by_hand(&taus, (m, n), 0.8)
@@ -186,15 +169,7 @@ fn tsv_matches_a_reference_without_an_svd_library() {
         let got = from_bytes(Dtype::F32, &merged[&base.name].2);
         let moved = got.iter().zip(&base.values).any(|(g, b)| g != b);
         assert!(moved, "{}: the merge changed nothing", base.name);
-        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
-            // faer's f64 SVD against Jacobi + Newton–Schulz in f64, both rounded to f32 once.
-            let tol = 1e-5 * w.abs().max(1e-2);
-            assert!(
-                (g - w).abs() <= tol,
-                "{} element {k}: got {g}, the reference {w}",
-                base.name
-            );
-        }
+        assert_close(&base.name, &got, &want, 1e-5);
     }
 }
 
@@ -221,28 +196,9 @@ fn listed_read_from_recipes_and_the_same_on_both_backends(method: &str) {
     merge_cmd(&f, &flags, &["--device", "cpu", "--method", method])
         .assert()
         .success();
-    let recipe = f.dir.path().join("iso.yml");
-    let models: String = f
-        .agents
-        .iter()
-        .map(|a| format!("  - model: {}\n", a.display()))
-        .collect();
-    std::fs::write(
-        &recipe,
-        format!(
-            "merge_method: {method}\nbase_model: {}\nparameters:\n  scaling_factor: 1.0\nmodels:\n{models}",
-            f.base.display()
-        ),
-    )
-    .unwrap();
     let from_recipe = f.dir.path().join("recipe");
-    rlmerge()
-        .args(["run", "-q", "--device", "cpu"])
-        .arg(&recipe)
-        .arg("-o")
-        .arg(&from_recipe)
-        .assert()
-        .success();
+    let head = format!("merge_method: {method}\nparameters:\n  scaling_factor: 1.0\n");
+    run_recipe(&f, &head, &from_recipe);
     assert_eq!(read_folder(&flags), read_folder(&from_recipe));
     if rlmerge::backend::gpu::list_adapters().is_empty() {
         eprintln!("no GPU adapter: the GPU half of this test is skipped");
@@ -255,14 +211,15 @@ fn listed_read_from_recipes_and_the_same_on_both_backends(method: &str) {
     assert_eq!(read_folder(&flags), read_folder(&gpu));
 }
 
-/// The whole-matrix scan of Iso-C and TSV-M goes through the same finiteness gate as every
+/// The whole-matrix scan of Iso-C, TSV-M and ResMerge goes through the same finiteness gate as every
 /// read: a NaN or an infinity in an agent's matrix is refused, naming the tensor, before any SVD
 /// and with nothing written; with `--allow-nonfinite` a matrix that cannot be decomposed is an
 /// error naming it.
 #[test]
 fn spectral_methods_refuse_non_finite_matrices_before_decomposing_them() {
     let cases = [(f32::NAN, false), (f32::INFINITY, false), (f32::NAN, true)];
-    for ((bad, allow), method) in cases.iter().flat_map(|c| [(*c, "iso_c"), (*c, "tsv")]) {
+    let methods = |c: &(f32, bool)| [(*c, "iso_c"), (*c, "tsv"), (*c, "resmerge")];
+    for ((bad, allow), method) in cases.iter().flat_map(methods) {
         let f = iso_c_fixture();
         let mut tensors = f.agent_tensors[0].clone();
         tensors[0].values[7] = bad;

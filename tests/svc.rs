@@ -138,33 +138,17 @@ fn svc_calibrates_what_any_method_merged() {
                 .zip(&base.values)
                 .map(|(x, b)| f64::from(x - b))
                 .collect();
-            let taus: Vec<Vec<f64>> = f
-                .agent_tensors
+            let want: Vec<f32> = svc_by_hand(&dm, &taus_of(&f, k), (m, n), 0.3)
                 .iter()
-                .map(|a| {
-                    a[k].values
-                        .iter()
-                        .zip(&base.values)
-                        .map(|(x, b)| f64::from(x - b))
-                        .collect()
-                })
+                .zip(&base.values)
+                .map(|(d, b)| b + *d as f32)
                 .collect();
-            let want = svc_by_hand(&dm, &taus, (m, n), 0.3);
             assert!(
                 got != merged,
                 "{method:?} {}: SVC changed nothing",
                 base.name
             );
-            for (e, ((g, w), b)) in got.iter().zip(&want).zip(&base.values).enumerate() {
-                let w = b + *w as f32;
-                // faer's SVD against Jacobi in f64, both rounded to f32 once.
-                let tol = 1e-5 * w.abs().max(1e-2);
-                assert!(
-                    (g - w).abs() <= tol,
-                    "{method:?} {} element {e}: got {g}, the reference {w}",
-                    base.name
-                );
-            }
+            assert_close(&format!("{method:?} {}", base.name), &got, &want, 1e-5);
         }
     }
 }
@@ -197,35 +181,20 @@ fn svc_from_flags_recipes_and_the_record_alike_and_on_both_backends() {
         .arg(&flags)
         .assert()
         .success();
-    let models: String = f
-        .agents
-        .iter()
-        .map(|a| format!("  - model: {}\n", a.display()))
-        .collect();
-    let recipe = f.dir.path().join("svc.yml");
-    std::fs::write(
-        &recipe,
-        format!(
-            "merge_method: ties\nbase_model: {}\nparameters:\n  weight: 1\n  density: 0.5\n\
-             svc:\n  alpha: 0.2\nmodels:\n{models}",
-            f.base.display()
-        ),
-    )
-    .unwrap();
-    for (i, file) in [recipe, flags.join("mergekit_config.yml")]
-        .iter()
-        .enumerate()
-    {
-        let out = f.dir.path().join(format!("recipe{i}"));
-        rlmerge()
-            .args(["run", "-q", "--device", "cpu"])
-            .arg(file)
-            .arg("-o")
-            .arg(&out)
-            .assert()
-            .success();
-        assert_eq!(read_folder(&flags), read_folder(&out), "{file:?}");
-    }
+    let from_recipe = f.dir.path().join("recipe");
+    let head = "merge_method: ties\nparameters:\n  weight: 1\n  density: 0.5\nsvc:\n  alpha: 0.2\n";
+    run_recipe(&f, head, &from_recipe);
+    assert_eq!(read_folder(&flags), read_folder(&from_recipe));
+    // The recipe the merge saved reruns it.
+    let rerun = f.dir.path().join("rerun");
+    rlmerge()
+        .args(["run", "-q", "--device", "cpu"])
+        .arg(flags.join("mergekit_config.yml"))
+        .arg("-o")
+        .arg(&rerun)
+        .assert()
+        .success();
+    assert_eq!(read_folder(&flags), read_folder(&rerun));
     if rlmerge::backend::gpu::list_adapters().is_empty() {
         eprintln!("no GPU adapter: the GPU half of this test is skipped");
         return;

@@ -493,14 +493,17 @@ def test_analyze_and_methods_are_typed_calls(demo, tmp_path):
     assert [m["name"] for m in rlmerge.methods()][:2] == ["ram", "ram+"]
 
 
-@pytest.mark.parametrize("method", ["iso_c", "tsv"])
-def test_spectral_methods_from_python_equal_the_command(demo, tmp_path, method):
-    """Iso-C and TSV-M (SPEC §4c, §4d) from the API's keywords write the command's bytes."""
+@pytest.mark.parametrize("method, key, value", [("iso_c", "scaling_factor", 1.5),
+                                               ("tsv", "scaling_factor", 1.5),
+                                               ("resmerge", "head_ratio_budget", 0.3)])
+def test_spectral_methods_from_python_equal_the_command(demo, tmp_path, method, key, value):
+    """Iso-C, TSV-M and ResMerge (SPEC §4c, §4d, §4f) from the API's keywords write the
+    command's bytes."""
     root, base, agents = demo
     api = tmp_path / "api"
-    rlmerge.merge(base, agents, method=method, out=api, device="cpu", scaling_factor=1.5)
+    rlmerge.merge(base, agents, method=method, out=api, device="cpu", **{key: value})
     cmd = [cargo_binary(), "merge", "-q", "--device", "cpu", "--method", method,
-           "--param", "scaling_factor=1.5", "--base", str(base), "-o", str(tmp_path / "cli")]
+           "--param", f"{key}={value}", "--base", str(base), "-o", str(tmp_path / "cli")]
     for a in agents:
         cmd += ["--model", str(a)]
     subprocess.run(cmd, check=True)

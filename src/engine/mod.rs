@@ -36,6 +36,7 @@ mod calibrate;
 mod fisher;
 mod output;
 mod probe;
+mod resmerge;
 mod retention;
 mod scans;
 mod spectral;

@@ -11,7 +11,8 @@ use crate::inputs::{Inputs, TensorPlan};
 use crate::method::combine::CombineSpec;
 use crate::method::settings::TensorPlace;
 use crate::method::statistics::{self, KeptFlags};
-use crate::method::MethodConfig;
+use crate::method::{Kind, MethodConfig};
+use crate::names::Module;
 use crate::scans::{AgentChunk, AgentVisit, AnyOrderVisit, Scans, Values, Visit, SCAN_CHUNK};
 use anyhow::{ensure, Context, Result};
 use indicatif::ProgressBar;
@@ -72,20 +73,39 @@ pub(super) fn spectral_update(
     pass: &PassOptions,
     buffers: &mut ScanBuffers,
 ) -> Result<Option<Vec<f32>>> {
-    let Some(matrix) = super::spectral::matrix(plan.shape()) else {
+    let Some(matrix) = super::spectral::decomposed(config.kind, plan.name(), plan.shape()) else {
         return Ok(None);
     };
     let numel = plan.numel() as u64;
-    let alpha = config
-        .tensor_params(at, numel, present)
-        .with_context(|| format!("tensor '{}'", plan.name()))?
-        .lambda;
+    let named = |e: anyhow::Error| e.context(format!("tensor '{}'", plan.name()));
+    let resmerge = match config.kind {
+        Kind::ResMerge => {
+            let number = |key| config.method_number(at, key).map_err(named);
+            Some(super::resmerge::ResMergeParams {
+                rank: number("rank_topk")? as usize,
+                beta_min: number("beta_min")?,
+                beta_max: number("beta_max")?,
+                head_ratio: number("head_ratio_budget")?,
+                family: matches!(Module::of(plan.name()), Module::Attn | Module::Mlp),
+            })
+        }
+        _ => None,
+    };
     let mut scans = TensorScans::new((inputs, plan, present), pass, 0, buffers);
     // The SVD consumes this scan's values before the merge pass reads the tensor, so the scan
     // applies the finiteness gate itself: a NaN or ±Inf is refused by name, not fed to the SVD.
     scans.pass.scan_nonfinite = pass.scan_nonfinite;
-    let update = super::spectral::update(config.kind, &mut scans, matrix, alpha, present.len())
-        .with_context(|| format!("{} of tensor '{}'", config.kind.name(), plan.name()))?;
+    let update = match resmerge {
+        Some(params) => super::resmerge::update(&mut scans, matrix, &params),
+        None => {
+            let alpha = config
+                .tensor_params(at, numel, present)
+                .map_err(named)?
+                .lambda;
+            super::spectral::update(config.kind, &mut scans, matrix, alpha, present.len())
+        }
+    }
+    .with_context(|| format!("{} of tensor '{}'", config.kind.name(), plan.name()))?;
     inputs.forget_lora_tensor(plan);
     Ok(Some(update))
 }

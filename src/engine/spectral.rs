@@ -18,9 +18,23 @@ use std::ops::ControlFlow;
 /// big vocabulary's embeddings) take the elementwise rule, and the merge says so.
 pub(super) const MAX_ELEMS: usize = 1 << 25;
 
-/// Whether `kind`'s matrices are merged here.
+/// Whether `kind`'s matrices are merged here (or by `resmerge`, on the same footing).
 pub(super) fn decomposes(kind: Kind) -> bool {
-    matches!(kind, Kind::IsoC | Kind::Tsv)
+    matches!(kind, Kind::IsoC | Kind::Tsv | Kind::ResMerge)
+}
+
+/// The matrix `kind` decomposes for tensor `name` of `shape`: [`matrix`], except that ResMerge
+/// leaves embeddings, the LM head and norms to its elementwise rule (SPEC §4f).
+pub(super) fn decomposed(kind: Kind, name: &str, shape: &[usize]) -> Option<(usize, usize)> {
+    use crate::names::Module;
+    let skipped = matches!(
+        Module::of(name),
+        Module::Embed | Module::LmHead | Module::Norm
+    );
+    if kind == Kind::ResMerge && skipped {
+        return None;
+    }
+    matrix(shape)
 }
 
 /// The matrix decomposed for a tensor of `shape` — (rows, columns) of a 2-D tensor of at
@@ -42,6 +56,7 @@ pub(super) fn warnings(inputs: &Inputs, method: &Method) -> Vec<String> {
     inputs
         .tensors
         .iter()
+        .filter(|plan| kind != Kind::ResMerge || decomposed(kind, plan.name(), &[2, 2]).is_some())
         .filter_map(|plan| match plan.shape()[..] {
             [m, n] if m >= 2 && n >= 2 && matrix(&[m, n]).is_none() => Some(format!(
                 "{}: tensor '{}' ({m} × {n}) is larger than the {MAX_ELEMS} elements rlmerge \
@@ -121,17 +136,7 @@ fn tsv_update(
         // k = 0: no agent keeps a direction (the authors' code gives zero too).
         return Ok(vec![0.0; m * n]);
     }
-    let mut taus: Vec<Vec<f32>> = Vec::new();
-    scan.tiles(&mut |tile| {
-        if taus.is_empty() {
-            taus = vec![vec![0.0f32; m * n]; tile.tau.len()];
-        }
-        let start = tile.start as usize;
-        for (all, tau) in taus.iter_mut().zip(tile.tau) {
-            all[start..start + tau.len()].copy_from_slice(tau);
-        }
-        Ok(ControlFlow::Continue(()))
-    })?;
+    let taus = gather_taus(scan, m * n)?;
     let k = m.min(n) / agents;
     let mut xu = faer::Mat::<f64>::zeros(m, agents * k);
     let mut xv = faer::Mat::<f64>::zeros(n, agents * k);
@@ -225,4 +230,20 @@ pub(super) fn svc_update(
     }
     let update = &scaled * v.transpose();
     Ok(rounded(update.as_ref(), 1.0))
+}
+
+/// Every agent's τ of an m × n matrix (`elems` elements), whole, from the scan of its tiles.
+pub(super) fn gather_taus(scan: &mut dyn Scans, elems: usize) -> Result<Vec<Vec<f32>>> {
+    let mut taus: Vec<Vec<f32>> = Vec::new();
+    scan.tiles(&mut |tile| {
+        if taus.is_empty() {
+            taus = vec![vec![0.0f32; elems]; tile.tau.len()];
+        }
+        let start = tile.start as usize;
+        for (all, tau) in taus.iter_mut().zip(tile.tau) {
+            all[start..start + tau.len()].copy_from_slice(tau);
+        }
+        Ok(ControlFlow::Continue(()))
+    })?;
+    Ok(taus)
 }

@@ -335,6 +335,20 @@ fn model_number(config: &MethodConfig, key: &str, m: usize) -> Option<f64> {
 /// filters are checked per tensor, with the tensor named).
 fn cross_checks(config: &MethodConfig, agents: usize) -> Result<()> {
     match config.kind {
+        Kind::ResMerge => {
+            let number = |key: &str| match config.parameters.get(key) {
+                Some(Setting::Scalar(v)) => v.as_f64(key).ok(),
+                _ => Kind::ResMerge.param(key).and_then(|p| p.default.number()),
+            };
+            let (Some(lo), Some(hi)) = (number("beta_min"), number("beta_max")) else {
+                return Ok(());
+            };
+            if lo > hi {
+                return Err(usage(format!(
+                    "resmerge: beta_min ({lo}) must not exceed beta_max ({hi})"
+                )));
+            }
+        }
         Kind::Della | Kind::DellaLinear => {
             for m in 0..agents {
                 let (Some(d), Some(e)) = (

@@ -2,6 +2,7 @@
 //! reference — the one list `rlmerge methods`, the recipe reader and the planner share.
 
 use super::defaults;
+pub use super::param::{Param, ParamDefault, ParamScope, Range};
 use serde::{Deserialize, Serialize};
 
 /// Every merge method rlmerge knows, by its recipe name.
@@ -57,143 +58,8 @@ pub enum Kind {
     IsoC,
     /// TSV-M: each agent's top singular directions of each matrix, decorrelated and summed.
     Tsv,
-}
-
-/// Whether a parameter is set once for the whole method or per model.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ParamScope {
-    /// Set once for the whole method (a recipe's top-level `parameters:`).
-    MethodWide,
-    /// Set for each model (a model's `parameters:`), or once for all.
-    PerModel,
-}
-
-/// The values a parameter accepts; every value of a setting (a scalar, each point of a gradient,
-/// each conditional value) must lie in it.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Range {
-    /// A finite number in [lo, hi] (an infinite bound: unbounded on that side).
-    Number {
-        /// Lowest value allowed.
-        lo: f64,
-        /// Highest value allowed.
-        hi: f64,
-    },
-    /// A whole number in [lo, hi].
-    Integer {
-        /// Lowest value allowed.
-        lo: f64,
-        /// Highest value allowed.
-        hi: f64,
-    },
-    /// `true` or `false`.
-    Bool,
-    /// One of these words.
-    Choice(&'static [&'static str]),
-    /// A local folder.
-    Folder,
-}
-
-impl Range {
-    /// What a value must be, as errors say it: "in [0, 1]", "≥ 0", "a finite number", "true or
-    /// false", …
-    pub fn requirement(self) -> String {
-        match self {
-            Range::Number { lo, hi } if !lo.is_finite() && !hi.is_finite() => {
-                "a finite number".into()
-            }
-            Range::Number { lo, hi } if lo.is_finite() && hi.is_finite() => {
-                format!("in {}", self.text())
-            }
-            Range::Number { .. } => self.text(),
-            Range::Integer { .. } => {
-                format!("a whole number in {}", &self.text()["whole ".len()..])
-            }
-            Range::Bool => "true or false".into(),
-            Range::Choice(words) => format!("one of {}", words.join(", ")),
-            Range::Folder => "a folder".into(),
-        }
-    }
-
-    /// The range as `rlmerge methods` and errors write it.
-    pub fn text(self) -> String {
-        let num = |x: f64| -> String {
-            if x.abs() >= 1e4 {
-                format!("{x:e}")
-            } else {
-                format!("{x}")
-            }
-        };
-        match self {
-            Range::Number { lo, hi } | Range::Integer { lo, hi } => {
-                let whole = if matches!(self, Range::Integer { .. }) {
-                    "whole "
-                } else {
-                    ""
-                };
-                match (lo.is_finite(), hi.is_finite()) {
-                    (true, true) => format!("{whole}[{}, {}]", num(lo), num(hi)),
-                    (true, false) => format!("{whole}≥ {}", num(lo)),
-                    (false, true) => format!("{whole}≤ {}", num(hi)),
-                    (false, false) => "finite".to_string(),
-                }
-            }
-            Range::Bool => "true/false".to_string(),
-            Range::Choice(words) => words.join("/"),
-            Range::Folder => "folder".to_string(),
-        }
-    }
-}
-
-/// A parameter's default, typed: the one source of every default the planner applies and
-/// `rlmerge methods` prints.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum ParamDefault {
-    /// No default: the parameter must be given.
-    Required,
-    /// This number.
-    Number(f64),
-    /// This truth value.
-    Bool(bool),
-    /// This word.
-    Word(&'static str),
-    /// RAM+'s α: one default in global scope, another in tensor scope.
-    ByScope {
-        /// The default in global scope.
-        global: f64,
-        /// The default in tensor scope.
-        tensor: f64,
-    },
-}
-
-impl ParamDefault {
-    /// The default as `rlmerge methods` prints it (whole numbers of an integer parameter
-    /// without a fraction).
-    pub fn text(self, range: Range) -> String {
-        match self {
-            ParamDefault::Required => "required".into(),
-            ParamDefault::Number(x) if matches!(range, Range::Integer { .. }) => format!("{x}"),
-            ParamDefault::Number(x) => format!("{x:?}"),
-            ParamDefault::Bool(b) => b.to_string(),
-            ParamDefault::Word(w) => w.into(),
-            ParamDefault::ByScope { global, tensor } => format!("{global:?} ({tensor:?} tensor)"),
-        }
-    }
-}
-
-/// One parameter of a method: its name, scope, default, range and meaning.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Param {
-    /// The name a recipe or `--param` gives it.
-    pub name: &'static str,
-    /// Whether it is set once or per model.
-    pub scope: ParamScope,
-    /// Its value when not given.
-    pub default: ParamDefault,
-    /// The values it takes.
-    pub range: Range,
-    /// What it does, in a line.
-    pub about: &'static str,
+    /// ResMerge: a spherical consensus of the agents' SVD residuals plus a gated head correction.
+    ResMerge,
 }
 
 const fn p(
@@ -467,6 +333,39 @@ pub const SVC: Param = p(
     num(1e-6, INF),
     "SVC's α: each merged matrix's singular values times γ_r = T / Σ_t max(α, s_r^t) (SPEC §4e)",
 );
+const RESMERGE: [Param; 4] = [
+    p(
+        "rank_topk",
+        MethodWide,
+        Number(1.0),
+        Range::Integer {
+            lo: 1.0,
+            hi: 65536.0,
+        },
+        "K, the singular directions of each agent's head",
+    ),
+    p(
+        "beta_min",
+        MethodWide,
+        Number(0.7),
+        num(0.0, INF),
+        "β where the residuals agree fully (c^β scales their norm)",
+    ),
+    p(
+        "beta_max",
+        MethodWide,
+        Number(1.0),
+        num(0.0, INF),
+        "β where they do not (≥ beta_min)",
+    ),
+    p(
+        "head_ratio_budget",
+        MethodWide,
+        Number(0.2),
+        num(0.0, INF),
+        "ρ: the head correction's norm, a share of the residual backbone's",
+    ),
+];
 const ISO_C: [Param; 1] = [p(
     "scaling_factor",
     MethodWide,
@@ -493,7 +392,7 @@ const FISHER: [Param; 2] = [
 
 impl Kind {
     /// Every method, in the order `rlmerge methods` lists them.
-    pub const ALL: [Kind; 24] = [
+    pub const ALL: [Kind; 25] = [
         Kind::Ram,
         Kind::RamPlus,
         Kind::RamplusTl,
@@ -518,6 +417,7 @@ impl Kind {
         Kind::Fisher,
         Kind::IsoC,
         Kind::Tsv,
+        Kind::ResMerge,
     ];
 
     /// The method's recipe name.
@@ -547,6 +447,7 @@ impl Kind {
             Kind::Fisher => "fisher",
             Kind::IsoC => "iso_c",
             Kind::Tsv => "tsv",
+            Kind::ResMerge => "resmerge",
         }
     }
 
@@ -603,6 +504,7 @@ impl Kind {
             Kind::ArceeFusion => "keeps the model's changes whose importance |τ|·KL(softmax rows) clears the Tukey fence Q2 + 1.5·IQR",
             Kind::Fisher => "Σ λ_i F_i θ_i / Σ λ_i F_i with diagonal Fisher files",
             Kind::IsoC => "per matrix, Σ τ_t = U S Vᵀ becomes α·mean(S)·U Vᵀ (an isotropic spectrum); other tensors α·mean τ",
+            Kind::ResMerge => "per attention/MLP matrix, τ = rank-K head + residual: the residuals' reliability-weighted direction on the sphere, plus the mean head scaled by the heads' agreement; other tensors the mean τ",
             Kind::Tsv => "per matrix, each agent's top 1/T singular directions, their U and V made orthogonal (polar factors), summed with their singular values; other tensors α·mean τ",
         }
     }
@@ -627,6 +529,7 @@ impl Kind {
             Kind::Fisher => "arXiv:2111.09832",
             Kind::IsoC => "arXiv:2502.04959",
             Kind::Tsv => "arXiv:2412.00081",
+            Kind::ResMerge => "arXiv:2606.02252",
         }
     }
 
@@ -654,6 +557,7 @@ impl Kind {
             Kind::ArceeFusion => &[],
             Kind::Fisher => &FISHER,
             Kind::IsoC | Kind::Tsv => &ISO_C,
+            Kind::ResMerge => &RESMERGE,
         }
     }
 

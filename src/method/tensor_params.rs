@@ -406,7 +406,22 @@ fn spherical(l: &Lookup, present: &[usize], with_base: bool) -> Result<TensorPar
     ))
 }
 
+/// θ₀ + λ·(1/T)·Σ τ_t over the `n` present agents.
+fn mean_tau(n: usize, lambda: f64) -> TensorParams {
+    TensorParams {
+        weights: vec![1.0 / n as f64; n],
+        lambda,
+        ..TensorParams::interpolation(n, true, BaseTerm::Add)
+    }
+}
+
 impl MethodConfig {
+    /// Method-wide parameter `name` as a number where tensor `at` is (its default when not set;
+    /// a gradient resolved at the tensor's layer).
+    pub fn method_number(&self, at: TensorPlace, name: &str) -> Result<f64> {
+        Lookup { config: self, at }.number(name, None)
+    }
+
     /// The parameters of tensor `at` with `numel` elements merged from the `present` agents.
     pub fn tensor_params(
         &self,
@@ -478,14 +493,11 @@ impl MethodConfig {
                 weights: l.per_model("weight", present)?,
                 ..TensorParams::interpolation(n, false, BaseTerm::Fisher)
             },
-            // Iso-C's and TSV-M's rule for a tensor that is no matrix (SPEC §4c, §4d):
-            // θ₀ + α·(1/T)·Σ τ_t. Their matrices are merged by `engine::spectral` from the same
-            // parameters.
-            Kind::IsoC | Kind::Tsv => TensorParams {
-                weights: vec![1.0 / n as f64; n],
-                lambda: l.number("scaling_factor", None)?,
-                ..TensorParams::interpolation(n, true, BaseTerm::Add)
-            },
+            // The SVD methods' rule for the tensors they do not decompose (SPEC §4c, §4d, §4f):
+            // θ₀ + α·(1/T)·Σ τ_t (ResMerge: α = 1). Their matrices are merged by
+            // `engine::spectral` and `engine::resmerge`.
+            Kind::ResMerge => mean_tau(n, 1.0),
+            Kind::IsoC | Kind::Tsv => mean_tau(n, l.number("scaling_factor", None)?),
             // θ₀ + τ·mask (mergekit's tensors[0] + (tensors[1] − tensors[0])·fusion_mask).
             Kind::ArceeFusion => TensorParams {
                 sparsify: vec![Sparsify::Fusion; n],

@@ -674,3 +674,51 @@ pub fn lora_merged_by_hand(
     }
     write_folder(out, &tensors, 1);
 }
+
+/// `rlmerge run` on the CPU, into `out`, of a recipe over the fixture's base and agents: `head`
+/// (YAML: `merge_method` and the method's own keys) followed by `base_model` and `models`.
+pub fn run_recipe(f: &Fixture, head: &str, out: &Path) {
+    let models: String = f
+        .agents
+        .iter()
+        .map(|a| format!("  - model: {}\n", a.display()))
+        .collect();
+    let recipe = out.with_extension("yml");
+    let text = format!("{head}base_model: {}\nmodels:\n{models}", f.base.display());
+    std::fs::write(&recipe, text).unwrap();
+    rlmerge()
+        .args(["run", "-q", "--device", "cpu"])
+        .arg(&recipe)
+        .arg("-o")
+        .arg(out)
+        .assert()
+        .success();
+}
+
+/// Each agent's τ = θ_t − θ₀ of the fixture's tensor `i`, in f64.
+pub fn taus_of(f: &Fixture, i: usize) -> Vec<Vec<f64>> {
+    let base = &f.base_tensors[i].values;
+    f.agent_tensors
+        .iter()
+        .map(|a| {
+            a[i].values
+                .iter()
+                .zip(base)
+                .map(|(x, b)| f64::from(x - b))
+                .collect()
+        })
+        .collect()
+}
+
+/// Every value of `got` within `rel` of the reference's, relative to max(|want|, 10⁻²) (an SVD
+/// method against a reference without an SVD library: both f64, rounded to f32 once).
+pub fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (e, (g, w)) in got.iter().zip(want).enumerate() {
+        let tol = rel * w.abs().max(1e-2);
+        assert!(
+            (g - w).abs() <= tol,
+            "{what} element {e}: got {g}, the reference {w}"
+        );
+    }
+}
