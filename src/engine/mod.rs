@@ -524,7 +524,12 @@ impl<'a> MergePass<'a> {
             .iter()
             .map(|job| TensorTiles {
                 plan: job.plan,
-                present: &job.present,
+                // A host-computed update needs only the base: the agents were read (and gated)
+                // by the scan that computed it.
+                present: match job.rule {
+                    TileRule::Update(_) => &[],
+                    _ => &job.present,
+                },
                 tile_elems: job.tile_elems,
             })
             .collect();
