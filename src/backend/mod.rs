@@ -131,4 +131,15 @@ pub trait Backend: Send + Sync {
 
     /// SPEC §4's generalized task-arithmetic rule over the tile into `out`.
     fn combine(&self, tile: &Tile, params: &CombineParams, out: &mut [u8]) -> Result<()>;
+
+    /// A host-computed update (Iso-C, TSV-M, ResMerge, SVC: SPEC §4c–§4f) added to the tile's
+    /// base into `out` in `out_dtype`: each element θ₀ + Δ in f32, encoded once. The tile's
+    /// agents are not read (it has none).
+    fn add_update(
+        &self,
+        tile: &Tile,
+        update: &[f32],
+        out_dtype: DType,
+        out: &mut [u8],
+    ) -> Result<()>;
 }

@@ -3,7 +3,7 @@
 //! [`Backend`], and stream the merged bytes into the output checkpoint.
 
 use crate::backend::{Backend, CombineParams, MergeParams, Tile, TileCounts};
-use crate::checkpoint::dtype::{decode, encode};
+use crate::checkpoint::dtype::decode;
 use crate::checkpoint::folder_files::check_base_config;
 use crate::checkpoint::{CheckpointWriter, DType, ModelFolder, OutputFolder, OutputTensor};
 use crate::inputs::{Inputs, TensorPlan};
@@ -134,15 +134,15 @@ enum TileRule {
     Ram(Vec<f32>),
     /// A mergekit-family method, with DELLA's keep decisions when its statistics kept them.
     Combine(CombineSpec, Option<KeptFlags>),
-    /// The base plus this update of the whole tensor, computed on the host (Iso-C's matrices).
+    /// The base plus this update of the whole tensor, computed on the host (the matrices of Iso-C,
+    /// TSV-M, ResMerge and SVC), added by the backend's update kernel.
     Update(Vec<f32>),
     /// No merged model has the tensor: the base's values.
     Base,
 }
 
 /// A tile worker's f32 buffers, kept from tile to tile (fresh ones per tile fault in their pages
-/// again): for [`tile_ranks`] the base and each agent decoded and each agent's words; for an
-/// Iso-C update, the base plus the update in `base`.
+/// again): for [`tile_ranks`] the base and each agent decoded and each agent's words.
 #[derive(Default)]
 struct TileScratch {
     base: Vec<f32>,
@@ -606,15 +606,9 @@ impl<'a> MergePass<'a> {
             }
             TileRule::Update(update) => {
                 // θ₀ + Δ in f32, as the combine kernels add (SPEC §4c), encoded once.
-                let values = &mut scratch.base;
-                tiles::resize_exact(values, tile.len, 0.0);
-                decode(tile.dtype, tile.base, values);
                 let start = start as usize;
-                for (v, &d) in values.iter_mut().zip(&update[start..start + tile.len]) {
-                    *v += d;
-                }
-                encode(out_dtype, values, out);
-                Ok(())
+                let update = &update[start..start + tile.len];
+                self.backend.add_update(tile, update, out_dtype, out)
             }
             TileRule::Ram(lambdas) => {
                 let params = MergeParams {

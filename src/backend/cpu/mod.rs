@@ -110,6 +110,30 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    /// The update kernel's CPU twin (shaders/update.wgsl): θ₀ + Δ in f32, a run at a time.
+    fn add_update(
+        &self,
+        tile: &Tile,
+        update: &[f32],
+        out_dtype: crate::checkpoint::DType,
+        out: &mut [u8],
+    ) -> Result<()> {
+        const RUN: usize = 1024;
+        let (size, out_size) = (tile.dtype.size(), out_dtype.size());
+        let mut values = [0.0f32; RUN];
+        for (k, delta) in update[..tile.len].chunks(RUN).enumerate() {
+            let (at, v) = (k * RUN, &mut values[..delta.len()]);
+            decode(tile.dtype, &tile.base[at * size..(at + v.len()) * size], v);
+            v.iter_mut().zip(delta).for_each(|(x, d)| *x += d);
+            encode(
+                out_dtype,
+                v,
+                &mut out[at * out_size..(at + v.len()) * out_size],
+            );
+        }
+        Ok(())
+    }
+
     fn merge_counted(
         &self,
         tile: &Tile,

@@ -3,7 +3,8 @@
 
 use super::kernels::{Kernel, KernelResult};
 use super::layout::{
-    chunk_params, Comb, Params, COMBINE_BINDINGS, MERGE_BINDINGS, PROBE_BINDINGS, WORKGROUP,
+    chunk_params, Comb, Params, COMBINE_BINDINGS, MERGE_BINDINGS, PROBE_BINDINGS, UPDATE_BINDINGS,
+    WORKGROUP,
 };
 use super::{GpuBackend, GPU_MAX_AGENTS, GPU_MAX_TABLE_AGENTS};
 use crate::backend::{ranges, Tile};
@@ -25,9 +26,12 @@ pub(super) struct Slot {
     pub(super) ranks: wgpu::Buffer,
     pub(super) coefs: wgpu::Buffer,
     pub(super) table: wgpu::Buffer,
+    /// A host-computed update's chunk, f32 (the update kernel's `delta`).
+    pub(super) delta: wgpu::Buffer,
     pub(super) merge_group: wgpu::BindGroup,
     pub(super) probe_group: wgpu::BindGroup,
     pub(super) combine_group: wgpu::BindGroup,
+    pub(super) update_group: wgpu::BindGroup,
 }
 
 /// Buffers sized for `chunk_elems` elements of up to `agents` agents.
@@ -124,42 +128,30 @@ impl GpuBackend {
         let ranks = storage("ranks", words * 4 * n as u64, dst);
         let coefs = storage("coefs", coef_floats(chunk, n) as u64 * 4, dst);
         let table = storage("reciprocal table", 4 << GPU_MAX_TABLE_AGENTS, dst);
+        let delta = storage("delta", words * 4, dst);
         // Each kernel's bind group from its table of bindings (`layout.rs`), by WGSL name.
-        let buffer = |name: &str| -> &wgpu::Buffer {
-            match name {
-                "p" => &params,
-                "base" => &base,
-                "agents" => &agents,
-                "lambdas" => &lambdas,
-                "out" => &out,
-                "hist" => &hist,
-                "c" => &comb,
-                "rules" => &rules,
-                "coefs" => &coefs,
-                "recips" => &table,
-                "ranks" => &ranks,
-                other => unreachable!("no GPU buffer is bound as {other}"),
-            }
-        };
+        let named = [
+            ("p", &params),
+            ("base", &base),
+            ("agents", &agents),
+            ("lambdas", &lambdas),
+            ("out", &out),
+            ("hist", &hist),
+            ("c", &comb),
+            ("rules", &rules),
+            ("coefs", &coefs),
+            ("recips", &table),
+            ("ranks", &ranks),
+            ("delta", &delta),
+        ];
         let group = |label: &str, pipeline: &wgpu::ComputePipeline, names: &[&str]| {
-            let entries: Vec<wgpu::BindGroupEntry> = names
-                .iter()
-                .enumerate()
-                .map(|(i, name)| wgpu::BindGroupEntry {
-                    binding: i as u32,
-                    resource: buffer(name).as_entire_binding(),
-                })
-                .collect();
-            d.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: Some(label),
-                layout: &pipeline.get_bind_group_layout(0),
-                entries: &entries,
-            })
+            bind_group(d, (label, pipeline), names, &named)
         };
         let ctx = &self.ctx;
         let merge_group = group("merge", &ctx.merge_pipeline, &MERGE_BINDINGS);
         let probe_group = group("probe", &ctx.probe_pipeline, &PROBE_BINDINGS);
         let combine_group = group("combine", &ctx.combine_pipeline, &COMBINE_BINDINGS);
+        let update_group = group("update", &ctx.update_pipeline, &UPDATE_BINDINGS);
         Slot {
             params,
             base,
@@ -173,9 +165,11 @@ impl GpuBackend {
             ranks,
             coefs,
             table,
+            delta,
             merge_group,
             probe_group,
             combine_group,
+            update_group,
         }
     }
 
@@ -199,8 +193,17 @@ impl GpuBackend {
         let padded = (stride_words * 4) as u64;
         if self.ctx.mapped {
             let n = tile.agents.len() as u64;
-            let (base, agents) = (slot.base.slice(..padded), slot.agents.slice(..padded * n));
-            self.map_wait(&[base, agents], wgpu::MapMode::Write, last, "upload")?;
+            let (base, agents) = (
+                slot.base.slice(..padded),
+                slot.agents.slice(..padded * n.max(1)),
+            );
+            // An update's tile has no agents: only the base is mapped.
+            let slices = if n == 0 {
+                &[base][..]
+            } else {
+                &[base, agents][..]
+            };
+            self.map_wait(slices, wgpu::MapMode::Write, last, "upload")?;
             let p = padded as usize;
             let write = |view: &mut wgpu::BufferViewMut, at: usize, src: &[u8]| {
                 view.slice(at..at + src.len()).copy_from_slice(src);
@@ -217,13 +220,15 @@ impl GpuBackend {
             let mut view = mapped(base)?;
             write(&mut view, 0, &tile.base[range.clone()]);
             drop(view);
-            let mut view = mapped(agents)?;
-            for (t, agent) in tile.agents.iter().enumerate() {
-                write(&mut view, t * p, &agent[range.clone()]);
-            }
-            drop(view);
             slot.base.unmap();
-            slot.agents.unmap();
+            if n > 0 {
+                let mut view = mapped(agents)?;
+                for (t, agent) in tile.agents.iter().enumerate() {
+                    write(&mut view, t * p, &agent[range.clone()]);
+                }
+                drop(view);
+                slot.agents.unmap();
+            }
             return Ok(());
         }
         let put = |buffer: &wgpu::Buffer, offset: u64, src: &[u8]| -> Result<()> {
@@ -379,13 +384,18 @@ impl GpuBackend {
         mut finish: impl FnMut(usize, usize, &[&[u8]]),
     ) -> Result<()> {
         let n = tile.agents.len();
-        ensure!(n >= 1, "no agents in the tile");
+        ensure!(
+            n >= 1 || matches!(kernel, Kernel::Update),
+            "no agents in the tile"
+        );
         ensure!(
             n <= GPU_MAX_AGENTS,
             "the GPU backend merges at most {GPU_MAX_AGENTS} agents at once, got {n} (use --device cpu)"
         );
+        // Buffers for at least one agent: an update's tiles (none) reuse any merge's buffers.
+        let sized = n.max(1);
         let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
-        self.ensure_buffers(&mut guard, n)?;
+        self.ensure_buffers(&mut guard, sized)?;
         let buffers = guard.as_mut().expect("buffers were just ensured");
         let mut last = std::mem::take(&mut buffers.last);
         let buffers = &*buffers;
@@ -401,7 +411,7 @@ impl GpuBackend {
             };
         // (slot, start, len, submission) submitted but not yet read back
         let mut pending = None;
-        for (i, (start, len)) in ranges(tile.len, self.chunk_elems(n)).enumerate() {
+        for (i, (start, len)) in ranges(tile.len, self.chunk_elems(sized)).enumerate() {
             let slot = &buffers.slots[i % 2];
             prepare(slot, start, len)?;
             let params = chunk_params(tile, len, out_dt, (eps, shared));
@@ -422,6 +432,7 @@ impl GpuBackend {
                     (&self.ctx.probe_pipeline, &slot.probe_group),
                 ],
                 Kernel::Combine => vec![(&self.ctx.combine_pipeline, &slot.combine_group)],
+                Kernel::Update => vec![(&self.ctx.update_pipeline, &slot.update_group)],
             } {
                 self.dispatch(&mut encoder, pipeline, group, &params);
             }
@@ -450,6 +461,33 @@ impl GpuBackend {
         guard.as_mut().expect("buffers were just ensured").last = last;
         Ok(())
     }
+}
+
+/// A kernel's bind group: the buffers `buffer` names for its table of bindings (`layout.rs`), in
+/// `@binding` order.
+fn bind_group(
+    d: &wgpu::Device,
+    (label, pipeline): (&str, &wgpu::ComputePipeline),
+    names: &[&str],
+    buffers: &[(&str, &wgpu::Buffer)],
+) -> wgpu::BindGroup {
+    let buffer = |name: &str| match buffers.iter().find(|(n, _)| *n == name) {
+        Some((_, b)) => *b,
+        None => unreachable!("no GPU buffer is bound as {name}"),
+    };
+    let entries: Vec<wgpu::BindGroupEntry> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| wgpu::BindGroupEntry {
+            binding: i as u32,
+            resource: buffer(name).as_entire_binding(),
+        })
+        .collect();
+    d.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: Some(label),
+        layout: &pipeline.get_bind_group_layout(0),
+        entries: &entries,
+    })
 }
 
 /// Where each of `kernel`'s results is in `slot`, and its bytes (`out_bytes` of merged output,

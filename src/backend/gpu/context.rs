@@ -1,6 +1,6 @@
 //! The adapter, device, queue and compiled pipelines, built once per process.
 
-use super::{COMBINE_WGSL, MERGE_WGSL, PROBE_WGSL};
+use super::{COMBINE_WGSL, MERGE_WGSL, PROBE_WGSL, UPDATE_WGSL};
 use anyhow::{anyhow, bail, Context, Result};
 use std::sync::{Arc, Mutex};
 
@@ -81,6 +81,7 @@ pub struct GpuContext {
     pub(super) probe_pipeline: wgpu::ComputePipeline,
     pub(super) merge_pipeline: wgpu::ComputePipeline,
     pub(super) combine_pipeline: wgpu::ComputePipeline,
+    pub(super) update_pipeline: wgpu::ComputePipeline,
     /// The first asynchronous device error (validation, out of memory, device lost), if any.
     pub(super) error: Arc<Mutex<Option<String>>>,
     /// Chunk inputs and results live in mapped storage buffers (see `mapped_buffers`).
@@ -178,6 +179,7 @@ impl GpuContext {
         let probe_pipeline = compute_pipeline(&device, "probe", PROBE_WGSL);
         let merge_pipeline = compute_pipeline(&device, "merge", MERGE_WGSL);
         let combine_pipeline = compute_pipeline(&device, "combine", COMBINE_WGSL);
+        let update_pipeline = compute_pipeline(&device, "update", UPDATE_WGSL);
         let ctx = GpuContext {
             device,
             queue,
@@ -186,6 +188,7 @@ impl GpuContext {
             probe_pipeline,
             merge_pipeline,
             combine_pipeline,
+            update_pipeline,
             error,
             mapped,
         };

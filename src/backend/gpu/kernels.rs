@@ -4,6 +4,7 @@
 use super::layout::{rule_words, wgsl, Comb};
 use super::{GpuBackend, GPU_MAX_TABLE_AGENTS};
 use crate::backend::{CombineParams, Tile};
+use crate::checkpoint::DType;
 use crate::method::combine::{CombineSpec, Normalize};
 use anyhow::{ensure, Result};
 
@@ -14,6 +15,8 @@ pub(super) enum Kernel {
     /// The merge, then the probe over the same uploaded chunk.
     MergeCounted,
     Combine,
+    /// A host-computed update added to the base.
+    Update,
 }
 
 /// What a kernel leaves for the host to read back.
@@ -31,6 +34,7 @@ impl Kernel {
             Kernel::Probe => "probe",
             Kernel::Merge | Kernel::MergeCounted => "merge",
             Kernel::Combine => "combine",
+            Kernel::Update => "update",
         }
     }
 
@@ -38,13 +42,42 @@ impl Kernel {
     pub(super) fn results(self) -> &'static [KernelResult] {
         match self {
             Kernel::Probe => &[KernelResult::Hist],
-            Kernel::Merge | Kernel::Combine => &[KernelResult::Out],
+            Kernel::Merge | Kernel::Combine | Kernel::Update => &[KernelResult::Out],
             Kernel::MergeCounted => &[KernelResult::Out, KernelResult::Hist],
         }
     }
 }
 
 impl GpuBackend {
+    /// θ₀ + Δ on the device (shaders/update.wgsl): each chunk's Δ written beside its base.
+    pub(super) fn update_tile(
+        &self,
+        tile: &Tile,
+        update: &[f32],
+        out_dtype: DType,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let q = &self.ctx.queue;
+        let size = out_dtype.size();
+        self.run_chunks(
+            tile,
+            out_dtype,
+            (0.0, wgsl::SHARED_MEAN),
+            |slot, start, len| {
+                q.write_buffer(
+                    &slot.delta,
+                    0,
+                    bytemuck::cast_slice(&update[start..start + len]),
+                );
+                Ok(())
+            },
+            Kernel::Update,
+            |start, len, results| {
+                out[start * size..(start + len) * size].copy_from_slice(&results[0][..len * size])
+            },
+        )
+    }
+
     pub(super) fn combine_tile(
         &self,
         tile: &Tile,

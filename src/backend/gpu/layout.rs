@@ -173,11 +173,13 @@ pub(super) const MERGE_BINDINGS: [&str; 5] = ["p", "base", "agents", "lambdas", 
 pub(super) const COMBINE_BINDINGS: [&str; 9] = [
     "p", "base", "agents", "c", "rules", "coefs", "recips", "out", "ranks",
 ];
+/// See [`PROBE_BINDINGS`].
+pub(super) const UPDATE_BINDINGS: [&str; 5] = ["p", "base", "agents", "delta", "out"];
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::gpu::{shader_source, COMBINE_WGSL, MERGE_WGSL, PROBE_WGSL};
+    use crate::backend::gpu::{shader_source, COMBINE_WGSL, MERGE_WGSL, PROBE_WGSL, UPDATE_WGSL};
     use std::mem::{offset_of, size_of};
 
     /// A kernel's module as the host builds it (dtype.wgsl + chunk.wgsl + the kernel).
@@ -223,6 +225,7 @@ mod tests {
             (PROBE_WGSL, &PROBE_BINDINGS[..]),
             (MERGE_WGSL, &MERGE_BINDINGS[..]),
             (COMBINE_WGSL, &COMBINE_BINDINGS[..]),
+            (UPDATE_WGSL, &UPDATE_BINDINGS[..]),
         ] {
             let m = module(kernel);
             let mut bound: Vec<(u32, String)> = m
@@ -267,7 +270,12 @@ mod tests {
                 "{name}: Rust size vs WGSL span {span}"
             );
         }
-        let modules = [module(PROBE_WGSL), module(MERGE_WGSL), combine];
+        let modules = [
+            module(PROBE_WGSL),
+            module(MERGE_WGSL),
+            combine,
+            module(UPDATE_WGSL),
+        ];
         for (name, value) in wgsl::ALL {
             let found: Vec<u32> = modules.iter().filter_map(|m| wgsl_const(m, name)).collect();
             assert!(!found.is_empty(), "WGSL declares no constant {name}");

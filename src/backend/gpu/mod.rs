@@ -14,6 +14,7 @@ mod subnormals;
 
 use super::cpu::CpuBackend;
 use super::{Backend, CombineParams, MergeParams, Tile, TileCounts};
+use crate::checkpoint::DType;
 use crate::method::SharedRule;
 use anyhow::Result;
 use buffers::Buffers;
@@ -36,6 +37,7 @@ pub(super) const CHUNK_WGSL: &str = include_str!("../../../shaders/chunk.wgsl");
 pub(super) const PROBE_WGSL: &str = include_str!("../../../shaders/probe.wgsl");
 pub(super) const MERGE_WGSL: &str = include_str!("../../../shaders/merge.wgsl");
 pub(super) const COMBINE_WGSL: &str = include_str!("../../../shaders/combine.wgsl");
+pub(super) const UPDATE_WGSL: &str = include_str!("../../../shaders/update.wgsl");
 
 /// A kernel's whole WGSL source as every user of it builds it — the pipelines, the naga
 /// validation and the layout tests: the codecs (`dtype.wgsl`), the chunk's uniforms and bindings
@@ -105,11 +107,16 @@ impl GpuBackend {
             return Ok(None);
         }
         self.add_time(|t| t.cpu_tiles += 1);
+        self.cpu_kernels().map(Some)
+    }
+
+    /// The CPU kernels the tiles with tiny values run on, made the first time one does.
+    fn cpu_kernels(&self) -> Result<&CpuBackend> {
         if let Some(cpu) = self.cpu.get() {
-            return Ok(Some(cpu));
+            return Ok(cpu);
         }
         let cpu = CpuBackend::new(0)?;
-        Ok(Some(self.cpu.get_or_init(|| cpu)))
+        Ok(self.cpu.get_or_init(|| cpu))
     }
 
     /// Time spent per phase since the backend was made (benchmarks report it).
@@ -190,6 +197,22 @@ impl Backend for GpuBackend {
         let mut counts = TileCounts::zeros(tile.agents.len());
         self.merge_tile(tile, params, out, Kernel::MergeCounted, &mut counts)?;
         Ok(counts)
+    }
+
+    fn add_update(
+        &self,
+        tile: &Tile,
+        update: &[f32],
+        out_dtype: DType,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let update = &update[..tile.len];
+        let tiny = subnormals::holds_tiny_values(tile) || subnormals::holds_tiny_f32(update);
+        if self.flushes_subnormals && tiny {
+            self.add_time(|t| t.cpu_tiles += 1);
+            return self.cpu_kernels()?.add_update(tile, update, out_dtype, out);
+        }
+        self.update_tile(tile, update, out_dtype, out)
     }
 }
 

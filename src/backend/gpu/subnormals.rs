@@ -42,6 +42,14 @@ pub(super) fn holds_tiny_values(tile: &Tile) -> bool {
     }
 }
 
+/// Whether any of `values` (a host-computed update) is nonzero with magnitude below 2^-60.
+pub(super) fn holds_tiny_f32(values: &[f32]) -> bool {
+    values.iter().any(|v| {
+        let m = v.to_bits() & 0x7fff_ffff;
+        m != 0 && m < TINY_F32
+    })
+}
+
 /// Asks the adapter whether it flushes subnormals: a probe (ε = 0) of one agent that changes two
 /// elements by a subnormal amount — from 0 to the smallest subnormal, and from the smallest normal
 /// to the next float up. IEEE arithmetic counts both; a flushing adapter misses at least one. A
