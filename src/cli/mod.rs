@@ -325,13 +325,7 @@ impl MergeArgs {
             rescale_factor: self.rescale_factor,
             shared: self.shared,
             seed: self.output.seed,
-            svc: self
-                .svc
-                .as_ref()
-                .map(|v| match rlmerge::job::parse_param(&format!("svc={v}")) {
-                    Ok((_, rlmerge::method::settings::Setting::Scalar(s))) => s,
-                    _ => rlmerge::method::settings::Scalar::Text(v.clone()),
-                }),
+            svc: self.svc.as_deref().map(rlmerge::job::parse_scalar),
         }
     }
 }

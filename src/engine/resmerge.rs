@@ -5,9 +5,9 @@
 //! (`spectral::gather_taus`); the update is added to the base tile by tile, so every backend
 //! writes the same bytes.
 
-use super::spectral::gather_taus;
+use super::spectral::{gather_taus, matrix_f64, thin_svd};
 use crate::scans::Scans;
-use anyhow::{anyhow, Result};
+use anyhow::Result;
 
 /// ResMerge's parameters for one matrix (SPEC §4f).
 pub(super) struct ResMergeParams {
@@ -60,13 +60,10 @@ pub(super) fn update(
             });
             continue;
         }
-        let a = faer::Mat::<f64>::from_fn(m, n, |i, j| f64::from(tau[i * n + j]));
-        let svd = a.thin_svd().map_err(|e| {
-            anyhow!(
-                "the SVD of model {}'s task vector did not converge ({e:?})",
-                t + 1
-            )
-        })?;
+        let svd = thin_svd(
+            matrix_f64(tau, (m, n)).as_ref(),
+            &format!("model {}'s task vector", t + 1),
+        )?;
         let (u, s, v) = (svd.U(), svd.S().column_vector(), svd.V());
         let k = params.rank.min(m.min(n));
         let us = (0..k)

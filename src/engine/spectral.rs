@@ -23,18 +23,24 @@ pub(super) fn decomposes(kind: Kind) -> bool {
     matches!(kind, Kind::IsoC | Kind::Tsv | Kind::ResMerge)
 }
 
-/// The matrix `kind` decomposes for tensor `name` of `shape`: [`matrix`], except that ResMerge
-/// leaves embeddings, the LM head and norms to its elementwise rule (SPEC §4f).
+/// The matrix `kind` decomposes for tensor `name` of `shape`: [`matrix`], unless the method
+/// leaves that kind of tensor to its elementwise rule ([`left_by_name`]).
 pub(super) fn decomposed(kind: Kind, name: &str, shape: &[usize]) -> Option<(usize, usize)> {
-    use crate::names::Module;
-    let skipped = matches!(
-        Module::of(name),
-        Module::Embed | Module::LmHead | Module::Norm
-    );
-    if kind == Kind::ResMerge && skipped {
+    if left_by_name(kind, name) {
         return None;
     }
     matrix(shape)
+}
+
+/// Whether `kind` leaves tensor `name` to its elementwise rule whatever its shape: ResMerge's
+/// embeddings, LM head and norms (SPEC §4f).
+fn left_by_name(kind: Kind, name: &str) -> bool {
+    use crate::names::Module;
+    kind == Kind::ResMerge
+        && matches!(
+            Module::of(name),
+            Module::Embed | Module::LmHead | Module::Norm
+        )
 }
 
 /// The matrix decomposed for a tensor of `shape` — (rows, columns) of a 2-D tensor of at
@@ -56,7 +62,7 @@ pub(super) fn warnings(inputs: &Inputs, method: &Method) -> Vec<String> {
     inputs
         .tensors
         .iter()
-        .filter(|plan| kind != Kind::ResMerge || decomposed(kind, plan.name(), &[2, 2]).is_some())
+        .filter(|plan| !left_by_name(kind, plan.name()))
         .filter_map(|plan| match plan.shape()[..] {
             [m, n] if m >= 2 && n >= 2 && matrix(&[m, n]).is_none() => Some(format!(
                 "{}: tensor '{}' ({m} × {n}) is larger than the {MAX_ELEMS} elements rlmerge \
@@ -98,15 +104,33 @@ fn iso_c_update(scan: &mut dyn Scans, (m, n): (usize, usize), alpha: f64) -> Res
         Ok(ControlFlow::Continue(()))
     })?;
     let a = faer::MatRef::from_row_major_slice(&sum, m, n);
-    let svd = a
-        .thin_svd()
-        .map_err(|e| anyhow!("the SVD of the summed task vectors did not converge ({e:?})"))?;
+    let svd = thin_svd(a, "the summed task vectors")?;
     let s = svd.S().column_vector();
     let r = m.min(n);
     let mean = (0..r).map(|i| s[i]).sum::<f64>() / r as f64;
     drop(sum);
     let uvt = svd.U() * svd.V().transpose();
     Ok(rounded(uvt.as_ref(), alpha * mean))
+}
+
+/// `values` (an m × n matrix, row-major f32) in f64.
+pub(super) fn matrix_f64(values: &[f32], (m, n): (usize, usize)) -> faer::Mat<f64> {
+    faer::Mat::from_fn(m, n, |i, j| f64::from(values[i * n + j]))
+}
+
+/// The numerical rank's threshold of an m × n matrix whose largest singular value is `s_max`:
+/// s_max · max(m, n) · 2⁻⁵² — singular values at or below it are rounding noise (SPEC §4d, §4e).
+fn rank_floor(s_max: f64, (m, n): (usize, usize)) -> f64 {
+    s_max * m.max(n) as f64 * f64::EPSILON
+}
+
+/// The thin SVD of `a`; `what` names the matrix when it does not converge.
+pub(super) fn thin_svd(
+    a: faer::MatRef<f64>,
+    what: &str,
+) -> Result<faer::linalg::solvers::Svd<f64>> {
+    a.thin_svd()
+        .map_err(|e| anyhow!("the SVD of {what} did not converge ({e:?})"))
 }
 
 /// `scale · mat`, row-major, each element rounded once to f32.
@@ -142,18 +166,13 @@ fn tsv_update(
     let mut xv = faer::Mat::<f64>::zeros(n, agents * k);
     let mut values = Vec::with_capacity(agents * k);
     for (t, tau) in taus.into_iter().enumerate() {
-        let a = faer::Mat::<f64>::from_fn(m, n, |i, j| f64::from(tau[i * n + j]));
+        let a = matrix_f64(&tau, (m, n));
         drop(tau);
-        let svd = a.thin_svd().map_err(|e| {
-            anyhow!(
-                "the SVD of model {}'s task vector did not converge ({e:?})",
-                t + 1
-            )
-        })?;
+        let svd = thin_svd(a.as_ref(), &format!("model {}'s task vector", t + 1))?;
         let s = svd.S().column_vector();
         // Directions at or below the numerical rank's threshold carry nothing, and an SVD's
         // basis of a null space is arbitrary: kept, they would turn the others.
-        let floor = s[0] * m.max(n) as f64 * f64::EPSILON;
+        let floor = rank_floor(s[0], (m, n));
         for j in (0..k).filter(|&j| s[j] > floor) {
             let c = values.len();
             xu.col_mut(c).copy_from(svd.U().col(j));
@@ -166,9 +185,7 @@ fn tsv_update(
         return Ok(vec![0.0; m * n]);
     }
     let polar = |x: faer::MatRef<f64>| -> Result<faer::Mat<f64>> {
-        let svd = x.thin_svd().map_err(|e| {
-            anyhow!("the SVD of the agents' singular vectors did not converge ({e:?})")
-        })?;
+        let svd = thin_svd(x, "the agents' singular vectors")?;
         Ok(svd.U() * svd.V().transpose())
     };
     let mut qu = polar(xu.as_ref().subcols(0, c))?;
@@ -192,16 +209,13 @@ pub(super) fn svc_update(
     (m, n): (usize, usize),
     alpha: f64,
 ) -> Result<Vec<f32>> {
-    let dm = faer::Mat::<f64>::from_fn(m, n, |i, j| f64::from(merged[i * n + j]));
-    let svd = dm
-        .thin_svd()
-        .map_err(|e| anyhow!("the SVD of the merged update did not converge ({e:?})"))?;
+    let svd = thin_svd(matrix_f64(merged, (m, n)).as_ref(), "the merged update")?;
     let (u, s, v) = (svd.U(), svd.S().column_vector(), svd.V());
     let r = m.min(n);
-    let floor = s[0] * m.max(n) as f64 * f64::EPSILON;
+    let floor = rank_floor(s[0], (m, n));
     let mut sums = vec![0.0f64; r];
     for tau in taus {
-        let t = faer::Mat::<f64>::from_fn(m, n, |i, j| f64::from(tau[i * n + j]));
+        let t = matrix_f64(tau, (m, n));
         let a = u.transpose() * &t;
         for k in (0..r).filter(|&k| s[k] > floor) {
             let (mut norm2, mut dot) = (0.0f64, 0.0f64);

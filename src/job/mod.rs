@@ -234,21 +234,26 @@ impl MethodFlags {
     }
 }
 
-/// A `KEY=VALUE` CLI parameter as a setting (numbers, true/false, else text).
+/// A `KEY=VALUE` CLI parameter as a setting ([`parse_scalar`]'s value).
 pub fn parse_param(kv: &str) -> Result<(String, Setting), String> {
     let (k, v) = kv
         .split_once('=')
         .ok_or_else(|| format!("'{kv}': expected KEY=VALUE"))?;
+    Ok((k.trim().to_string(), Setting::Scalar(parse_scalar(v))))
+}
+
+/// A value given on the command line: a number, true/false, else text (checked later against
+/// the parameter's range).
+pub fn parse_scalar(v: &str) -> Scalar {
     let v = v.trim();
-    let scalar = match v {
+    match v {
         "true" => Scalar::Bool(true),
         "false" => Scalar::Bool(false),
         _ => match v.parse::<f64>() {
             Ok(x) => Scalar::Number(x),
             Err(_) => Scalar::Text(v.to_string()),
         },
-    };
-    Ok((k.trim().to_string(), Setting::Scalar(scalar)))
+    }
 }
 
 /// An output dtype as a user writes it (bf16, bfloat16, f16, float16, half, f32, float32, float).

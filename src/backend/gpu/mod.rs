@@ -103,20 +103,21 @@ impl GpuBackend {
     /// The CPU kernels when this tile must not run on this adapter (tiny values where subnormals
     /// flush); `None` for the GPU.
     fn cpu_for(&self, tile: &Tile) -> Result<Option<&CpuBackend>> {
-        if !self.flushes_subnormals || !subnormals::holds_tiny_values(tile) {
+        self.cpu_when(|| subnormals::holds_tiny_values(tile))
+    }
+
+    /// The CPU kernels when the adapter flushes subnormals and `tiny()` says the work holds tiny
+    /// values (made the first time they are needed); `None` for the GPU.
+    fn cpu_when(&self, tiny: impl FnOnce() -> bool) -> Result<Option<&CpuBackend>> {
+        if !self.flushes_subnormals || !tiny() {
             return Ok(None);
         }
         self.add_time(|t| t.cpu_tiles += 1);
-        self.cpu_kernels().map(Some)
-    }
-
-    /// The CPU kernels the tiles with tiny values run on, made the first time one does.
-    fn cpu_kernels(&self) -> Result<&CpuBackend> {
         if let Some(cpu) = self.cpu.get() {
-            return Ok(cpu);
+            return Ok(Some(cpu));
         }
         let cpu = CpuBackend::new(0)?;
-        Ok(self.cpu.get_or_init(|| cpu))
+        Ok(Some(self.cpu.get_or_init(|| cpu)))
     }
 
     /// Time spent per phase since the backend was made (benchmarks report it).
@@ -207,12 +208,11 @@ impl Backend for GpuBackend {
         out: &mut [u8],
     ) -> Result<()> {
         let update = &update[..tile.len];
-        let tiny = subnormals::holds_tiny_values(tile) || subnormals::holds_tiny_f32(update);
-        if self.flushes_subnormals && tiny {
-            self.add_time(|t| t.cpu_tiles += 1);
-            return self.cpu_kernels()?.add_update(tile, update, out_dtype, out);
+        let tiny = || subnormals::holds_tiny_values(tile) || subnormals::holds_tiny_f32(update);
+        match self.cpu_when(tiny)? {
+            Some(cpu) => cpu.add_update(tile, update, out_dtype, out),
+            None => self.update_tile(tile, update, out_dtype, out),
         }
-        self.update_tile(tile, update, out_dtype, out)
     }
 }
 

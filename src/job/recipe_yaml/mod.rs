@@ -298,16 +298,16 @@ fn svc_of(raw: &RawConfig) -> Result<Option<f64>> {
         }
         Some(v) => v.clone(),
     };
-    let scalar = match alpha {
-        Value::Number(n) => Scalar::Number(n.as_f64().unwrap_or(f64::NAN)),
-        Value::String(s) => Scalar::Text(s),
-        other => Scalar::Text(
-            serde_yaml::to_string(&other)
+    // A number, a word or a bool as a recipe's parameters are read; anything else (a list, a
+    // mapping) as its text, which the range check refuses by name.
+    let scalar = serde_yaml::from_value::<Scalar>(alpha.clone()).unwrap_or_else(|_| {
+        Scalar::Text(
+            serde_yaml::to_string(&alpha)
                 .unwrap_or_default()
                 .trim()
                 .into(),
-        ),
-    };
+        )
+    });
     crate::method::build::svc_alpha(&scalar).map(Some)
 }
 
