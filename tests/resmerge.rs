@@ -8,7 +8,6 @@ mod common;
 use common::linalg::{jacobi_eigen, matmul, transpose};
 use common::*;
 use safetensors::tensor::Dtype;
-use std::path::PathBuf;
 
 const EPS: f64 = 1e-8;
 
@@ -193,7 +192,6 @@ fn agents_fixture(shared: f32, seed: u64) -> Fixture {
         ("model.norm.weight", vec![6]),
     ];
     let mut rng = Rng(seed);
-    let dir = tempfile::tempdir().unwrap();
     let mut base_tensors = Vec::new();
     let mut agent_tensors = vec![Vec::new(); 3];
     for (name, shape) in shapes {
@@ -218,22 +216,7 @@ fn agents_fixture(shared: f32, seed: u64) -> Fixture {
             values: base,
         });
     }
-    let base = dir.path().join("base");
-    write_folder(&base, &base_tensors, 1);
-    let agents: Vec<PathBuf> = (0..3)
-        .map(|t| {
-            let p = dir.path().join(format!("agent{t}"));
-            write_folder(&p, &agent_tensors[t], 1);
-            p
-        })
-        .collect();
-    Fixture {
-        dir,
-        base,
-        agents,
-        base_tensors,
-        agent_tensors,
-    }
+    fixture_of(base_tensors, agent_tensors, 1, |_| 1)
 }
 
 #[test]
@@ -276,11 +259,7 @@ fn resmerge_matches_a_dense_reference() {
             let want: Vec<f32> = match base.shape[..] {
                 [m, n] if decomposed => {
                     let family = !name.contains("other");
-                    resmerge_by_hand(&taus, (m, n), &p, family)
-                        .iter()
-                        .zip(&base.values)
-                        .map(|(d, b)| b + *d as f32)
-                        .collect()
+                    base_plus(&base.values, &resmerge_by_hand(&taus, (m, n), &p, family))
                 }
                 // θ₀ + Σ τ·f32(1/T) in f32, in model order.
                 _ => (0..base.values.len())

@@ -151,18 +151,11 @@ fn tsv_matches_a_reference_without_an_svd_library() {
         let taus = taus_of(&f, i);
         let want: Vec<f32> = match base.shape[..] {
             // The reference decomposes the wide side: a tall matrix is merged transposed.
-            [m, n] if m <= n => tsv_by_hand(&taus, (m, n), 0.8)
-                .iter()
-                .zip(&base.values)
-                .map(|(d, b)| b + *d as f32)
-                .collect(),
+            [m, n] if m <= n => base_plus(&base.values, &tsv_by_hand(&taus, (m, n), 0.8)),
             [m, n] => {
                 let t: Vec<Vec<f64>> = taus.iter().map(|t| transpose(t, (m, n))).collect();
                 let d = transpose(&tsv_by_hand(&t, (n, m), 0.8), (n, m));
-                d.iter()
-                    .zip(&base.values)
-                    .map(|(d, b)| b + *d as f32)
-                    .collect()
+                base_plus(&base.values, &d)
             }
             _ => iso_c_by_hand(base, &agents, 0.8),
         };

@@ -138,11 +138,10 @@ fn svc_calibrates_what_any_method_merged() {
                 .zip(&base.values)
                 .map(|(x, b)| f64::from(x - b))
                 .collect();
-            let want: Vec<f32> = svc_by_hand(&dm, &taus_of(&f, k), (m, n), 0.3)
-                .iter()
-                .zip(&base.values)
-                .map(|(d, b)| b + *d as f32)
-                .collect();
+            let want = base_plus(
+                &base.values,
+                &svc_by_hand(&dm, &taus_of(&f, k), (m, n), 0.3),
+            );
             assert!(
                 got != merged,
                 "{method:?} {}: SVC changed nothing",
@@ -245,6 +244,18 @@ fn bad_svc_requests_are_refused() {
         assert!(err.contains("svc"), "svc: {svc}: {err}");
         assert!(!out.exists());
     }
+    // A method that merges without θ₀ has no update to calibrate.
+    let o = merge_cmd(
+        &f,
+        &out,
+        &["--method", "linear", "--param", "weight=1", "--svc", "0.1"],
+    )
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("svc") && err.contains("linear"), "{err}");
+    assert!(!out.exists());
     let mut tensors = f.agent_tensors[0].clone();
     tensors[0].values[3] = f32::NAN;
     write_folder(&f.agents[0], &tensors, 1);

@@ -271,7 +271,6 @@ pub fn fixture(
     base_shards: usize,
 ) -> Fixture {
     let mut rng = Rng(seed);
-    let dir = tempfile::tempdir().unwrap();
     let mut base_tensors = vec![];
     let mut agent_tensors = vec![vec![]; densities.len()];
     for (name, shape) in shapes {
@@ -281,13 +280,31 @@ pub fn fixture(
             agent_tensors[t].push(at);
         }
     }
+    // Alternate single-file and sharded agents.
+    fixture_of(base_tensors, agent_tensors, base_shards, |t| {
+        if t % 2 == 1 {
+            2
+        } else {
+            1
+        }
+    })
+}
+
+/// A fixture of these tensors, written to a fresh folder: the base in `base_shards` shards,
+/// agent t in `agent_shards(t)`.
+pub fn fixture_of(
+    base_tensors: Vec<T>,
+    agent_tensors: Vec<Vec<T>>,
+    base_shards: usize,
+    agent_shards: impl Fn(usize) -> usize,
+) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
     let base = dir.path().join("base");
     write_folder(&base, &base_tensors, base_shards);
-    let agents: Vec<PathBuf> = (0..densities.len())
+    let agents: Vec<PathBuf> = (0..agent_tensors.len())
         .map(|t| {
             let p = dir.path().join(format!("agent{t}"));
-            // Alternate single-file and sharded agents.
-            write_folder(&p, &agent_tensors[t], if t % 2 == 1 { 2 } else { 1 });
+            write_folder(&p, &agent_tensors[t], agent_shards(t));
             p
         })
         .collect();
@@ -693,6 +710,12 @@ pub fn run_recipe(f: &Fixture, head: &str, out: &Path) {
         .arg(out)
         .assert()
         .success();
+}
+
+/// θ₀ + Δ for an update computed in f64 by a reference: Δ rounded once to f32, then added in
+/// f32 (as the merge adds a host-computed update).
+pub fn base_plus(base: &[f32], delta: &[f64]) -> Vec<f32> {
+    base.iter().zip(delta).map(|(b, d)| b + *d as f32).collect()
 }
 
 /// Each agent's τ = θ_t − θ₀ of the fixture's tensor `i`, in f64.
