@@ -204,19 +204,7 @@ pub fn merge(
     if options.method.uses_base() {
         inputs.refuse_base_as_agent()?;
     }
-    // SVC calibrates the merge's update against θ₀ (SPEC §4e): a method whose formula has no θ₀
-    // (linear, passthrough…, even with a --base for the layout) has none to calibrate.
-    let from_base = match &options.method {
-        Method::Combine(c) => c.with_base && (c.kind.uses_base() || c.kind.base_optional()),
-        _ => true,
-    };
-    if options.svc.is_some() && !from_base {
-        return Err(crate::error::usage(format!(
-            "svc calibrates a merge's update against its base model, and method {} merges \
-             without one (use a method with a base, e.g. task_arithmetic)",
-            options.method.name()
-        )));
-    }
+    calibrate::refuse_without_base(options)?;
     check_base_config(&inputs.base.dir)?;
     let fisher = match &options.method {
         Method::Combine(c) if c.kind == Kind::Fisher => Some(FisherInputs::open(c, inputs)?),
