@@ -92,7 +92,7 @@ fn keeps(t: u32, v: f32, idx: u32) -> bool {
         return ranks[t * rank_stride() + (idx - c.start)] != 0u;
     }
     if (kind == KEEP_ROW_RANK) {
-        // src/method/combine.rs `rank_threshold`.
+        // src/select/ranks.rs `rank_threshold`.
         let rank = ranks[t * rank_stride() + (idx - c.start)];
         let p = bitcast<f32>(rules[r + 1u]) + opaque(f32(rank - 1u) * bitcast<f32>(rules[r + 2u]));
         let threshold = u32(opaque(p * 4294967296.0));

@@ -62,6 +62,11 @@ pub trait Scans {
     /// With `every` > 1, a sample: about one chunk in `every`, spread over the tensor. The values
     /// are task vectors τ with `delta`, else the agents' θ.
     fn any_order(&mut self, every: usize, delta: bool, visit: &AnyOrderVisit) -> Result<()>;
+    /// Every agent's values in runs of whole slabs of `slab` elements that start at multiples of
+    /// `slab` — as many slabs as fit in [`SCAN_CHUNK`] elements, at least one — in any order, on
+    /// [`Self::workers`] threads at once: for statistics made slab by slab (DELLA's ranks), each
+    /// run used while it is in the core's cache. τ with `delta`, else θ.
+    fn slabs_any_order(&mut self, slab: u64, delta: bool, visit: &AnyOrderVisit) -> Result<()>;
 }
 
 /// Per-(worker, agent) states of an any-order scan, at `worker * agents + agent`: each is only

@@ -143,6 +143,61 @@ impl<'a> TensorScans<'a> {
         }
     }
 
+    /// The any-order scans: about one tile in `every`, each read by one of the workers and
+    /// visited agent by agent in runs of [`SCAN_CHUNK`] elements — or with `slab` > 0 of as many
+    /// whole slabs as fit in it (at least one), the tiles then cut at whole slabs too.
+    fn runs_any_order(
+        &mut self,
+        every: usize,
+        slab: u64,
+        delta: bool,
+        visit: &AnyOrderVisit,
+    ) -> Result<()> {
+        let workers = self.workers();
+        let ids = AtomicUsize::new(0);
+        let tensor = TensorTiles {
+            plan: self.plan,
+            present: self.present,
+            tile_elems: whole_rows(
+                tile_elems(self.plan, self.inputs, ANY_ORDER_TILE_ELEMS, workers),
+                slab,
+            ),
+        };
+        let run = whole_rows(SCAN_CHUNK, slab);
+        let how = TileLoop {
+            inputs: self.inputs,
+            scan_nonfinite: self.pass.scan_nonfinite,
+            run_workers: &|w| {
+                rayon::broadcast(|_| w());
+            },
+            progress: &ProgressBar::hidden(),
+            stride: every.max(1),
+            last_read: false,
+        };
+        par_tiles(
+            &how,
+            &[tensor],
+            || {
+                let id = ids.fetch_add(1, Ordering::Relaxed);
+                debug_assert!(id < workers);
+                (id, ScanRows::new(run))
+            },
+            |(id, rows), _, _, start, tile| {
+                for chunk in ranges(tile.len, run) {
+                    if delta {
+                        rows.load_base(tile, chunk);
+                    }
+                    for t in 0..tile.agents.len() {
+                        let v = rows.values(tile, t, chunk, delta);
+                        visit(*id, t, start + chunk.0 as u64, v);
+                    }
+                }
+                Ok(())
+            },
+        )?;
+        Ok(())
+    }
+
     /// The tensor's tiles in order, from the tile holding element `from`, read as the merge pass
     /// reads them (no progress shown), each handed to `visit` with its index and first element:
     /// the statistics scans that need element order.
@@ -208,18 +263,19 @@ impl ScanBuffers {
 
 /// The f32 rows of one scan chunk: the base's, then one agent's values and task vector.
 pub(super) struct ScanRows {
-    pub(super) base: [f32; SCAN_CHUNK],
-    pub(super) x: [f32; SCAN_CHUNK],
-    pub(super) tau: [f32; SCAN_CHUNK],
+    pub(super) base: Vec<f32>,
+    pub(super) x: Vec<f32>,
+    pub(super) tau: Vec<f32>,
 }
 
 impl ScanRows {
-    pub(super) fn new() -> Box<ScanRows> {
-        Box::new(ScanRows {
-            base: [0.0; SCAN_CHUNK],
-            x: [0.0; SCAN_CHUNK],
-            tau: [0.0; SCAN_CHUNK],
-        })
+    /// Rows of chunks up to `len` elements.
+    pub(super) fn new(len: usize) -> ScanRows {
+        ScanRows {
+            base: vec![0.0; len],
+            x: vec![0.0; len],
+            tau: vec![0.0; len],
+        }
     }
 
     /// Decodes the base's elements `cs..cs + cl` of the tile.
@@ -284,45 +340,11 @@ impl Scans for TensorScans<'_> {
     }
 
     fn any_order(&mut self, every: usize, delta: bool, visit: &AnyOrderVisit) -> Result<()> {
-        let workers = self.workers();
-        let ids = AtomicUsize::new(0);
-        let tensor = TensorTiles {
-            plan: self.plan,
-            present: self.present,
-            tile_elems: tile_elems(self.plan, self.inputs, ANY_ORDER_TILE_ELEMS, workers),
-        };
-        let how = TileLoop {
-            inputs: self.inputs,
-            scan_nonfinite: self.pass.scan_nonfinite,
-            run_workers: &|w| {
-                rayon::broadcast(|_| w());
-            },
-            progress: &ProgressBar::hidden(),
-            stride: every.max(1),
-            last_read: false,
-        };
-        par_tiles(
-            &how,
-            &[tensor],
-            || {
-                let id = ids.fetch_add(1, Ordering::Relaxed);
-                debug_assert!(id < workers);
-                (id, ScanRows::new())
-            },
-            |(id, rows), _, _, start, tile| {
-                for chunk in ranges(tile.len, SCAN_CHUNK) {
-                    if delta {
-                        rows.load_base(tile, chunk);
-                    }
-                    for t in 0..tile.agents.len() {
-                        let v = rows.values(tile, t, chunk, delta);
-                        visit(*id, t, start + chunk.0 as u64, v);
-                    }
-                }
-                Ok(())
-            },
-        )?;
-        Ok(())
+        self.runs_any_order(every, 0, delta, visit)
+    }
+
+    fn slabs_any_order(&mut self, slab: u64, delta: bool, visit: &AnyOrderVisit) -> Result<()> {
+        self.runs_any_order(1, slab.max(1), delta, visit)
     }
 
     fn tiles(&mut self, visit: &mut Visit) -> Result<()> {
@@ -365,7 +387,7 @@ impl Scans for TensorScans<'_> {
                     if done[t] {
                         return true;
                     }
-                    let mut rows = ScanRows::new();
+                    let mut rows = ScanRows::new(SCAN_CHUNK);
                     let chunks = ranges(tile.len, SCAN_CHUNK);
                     for chunk in chunks.skip_while(|(cs, cl)| start + ((cs + cl) as u64) <= from) {
                         rows.load_base(tile, chunk);

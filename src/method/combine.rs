@@ -43,15 +43,7 @@ pub enum Keep {
     Flagged,
 }
 
-/// DELLA's keep threshold for an element of 1-based `rank`: ⌊p · 2³²⌋ with
-/// p = p0 + (rank − 1)·step in f32 (the shaders compute the same).
-#[inline]
-pub fn rank_threshold(p0: f32, step: f32, rank: u32) -> u32 {
-    let p = p0 + (rank - 1) as f32 * step;
-    (p * 4_294_967_296.0f32) as u32
-}
-
-pub use crate::select::row_ranks;
+pub use crate::select::{rank_threshold, row_keep_mask, row_ranks, RankKeep};
 
 /// The keep threshold of a Bernoulli(density) mask.
 pub fn random_threshold(density: f64) -> u32 {

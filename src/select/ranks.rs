@@ -4,6 +4,8 @@
 //! sort — and slab by slab in parallel. Same ranks as sorting by (|v| key, index).
 
 use super::cut::magnitude_key;
+use crate::hash::element_hash;
+use crate::simd::multiversion;
 use rayon::prelude::*;
 use std::cell::RefCell;
 
@@ -36,6 +38,112 @@ pub fn row_ranks(v: &[f32], slab: usize, stride: usize, out: &mut Vec<u32>) {
     }
 }
 
+/// DELLA's keep rule on ranks: an element of 1-based rank r is kept when its hash under `key`
+/// is below [`rank_threshold`]`(p0, step, r)`.
+#[derive(Clone, Copy, Debug)]
+pub struct RankKeep {
+    /// Keep probability of the lowest rank.
+    pub p0: f32,
+    /// Added to the probability per rank.
+    pub step: f32,
+    /// The mask's hash key (seed, tensor and agent).
+    pub key: [u32; 2],
+}
+
+/// DELLA's keep threshold for an element of 1-based `rank`: ⌊p · 2³²⌋ with
+/// p = p0 + (rank − 1)·step in f32 (the shaders compute the same).
+#[inline]
+pub fn rank_threshold(p0: f32, step: f32, rank: u32) -> u32 {
+    let p = p0 + (rank - 1) as f32 * step;
+    (p * 4_294_967_296.0f32) as u32
+}
+
+/// DELLA's keep mask, made where the ranks are found: `out[i]` = all ones where the element of
+/// tensor index `first + i` is kept under `rule` with its [`row_ranks`] rank, else 0. A zero is
+/// never kept: whether it is changes no output (a kept zero adds ±0 to sums that are never −0,
+/// agrees with no consensus sign and adds nothing to an L1 norm; SPEC §4), so zeros are counted,
+/// not ranked. The nonzero ranks are the same as [`row_ranks`] gives (zeros rank first), and
+/// each decision is made in sorted order from the element's index, so no ranks are stored.
+pub fn row_keep_mask(
+    v: &[f32],
+    (slab, stride): (usize, usize),
+    first: u32,
+    rule: RankKeep,
+    out: &mut Vec<u32>,
+) {
+    out.clear();
+    out.resize(v.len(), 0);
+    let slab = slab.max(1);
+    let stride = stride.max(1);
+    let keep_slab = |(j, (values, mask)): (usize, (&[f32], &mut [u32]))| {
+        let at = first.wrapping_add((j * slab) as u32);
+        SCRATCH.with_borrow_mut(|scratch| {
+            for k in 0..stride.min(values.len()) {
+                keep_group(values, mask, (k, stride), (at, rule), scratch);
+            }
+        })
+    };
+    if v.len() >= PARALLEL_ELEMS && v.len() > slab {
+        v.par_chunks(slab)
+            .zip(out.par_chunks_mut(slab))
+            .enumerate()
+            .for_each(keep_slab);
+    } else {
+        v.chunks(slab)
+            .zip(out.chunks_mut(slab))
+            .enumerate()
+            .for_each(keep_slab);
+    }
+}
+
+/// Group `k` of a slab (elements k, k + stride, …) into `mask` (all 0 on entry): the nonzero
+/// keys sorted as [`rank_group`] sorts them, each kept or not from its rank in that order.
+fn keep_group(
+    values: &[f32],
+    mask: &mut [u32],
+    (k, stride): (usize, usize),
+    (first, rule): (u32, RankKeep),
+    s: &mut Scratch,
+) {
+    let group = (values.len() - k).div_ceil(stride);
+    s.reserve(group);
+    let keys = &mut s.keys[..=group];
+    let mut nonzero = 0usize;
+    // Branch-free, as in rank_group; a row (stride 1) without the stepping.
+    let mut push = |key: u32, i: usize| {
+        keys[nonzero] = (key, i as u32);
+        nonzero += usize::from(key != 0);
+    };
+    if stride == 1 {
+        for (i, &x) in values.iter().enumerate() {
+            push(magnitude_key(x), i);
+        }
+    } else {
+        for i in (k..values.len()).step_by(stride) {
+            push(magnitude_key(values[i]), i);
+        }
+    }
+    let sorted = radix_sort(&mut s.keys[..nonzero], &mut s.spare[..nonzero]);
+    let decisions = &mut s.decisions[..nonzero];
+    decide(sorted, (group - nonzero) as u32, first, rule, decisions);
+    for (&(_, i), &d) in sorted.iter().zip(&*decisions) {
+        mask[i as usize] = d;
+    }
+}
+
+multiversion! {
+    /// `dec[pos]` = all ones when the element of the `pos`-th sorted nonzero key (slab index
+    /// `keys[pos].1`, tensor index `first` + it) is kept at rank `zeros + pos + 1`, else 0: the
+    /// hashes and thresholds of a row in one vectorized loop.
+    fn decide(keys: &[(u32, u32)], zeros: u32, first: u32, rule: RankKeep, dec: &mut [u32]) {
+        for (pos, (&(_, i), d)) in keys.iter().zip(dec.iter_mut()).enumerate() {
+            let rank = zeros + pos as u32 + 1;
+            let hash = element_hash(rule.key, first.wrapping_add(i));
+            *d = u32::from(hash < rank_threshold(rule.p0, rule.step, rank)).wrapping_neg();
+        }
+    }
+}
+
 /// A thread's buffers: (key, index) pairs and the radix sort's second buffer, kept from row to
 /// row and tile to tile (fresh ones per slab cost a page fault per page, and as much time again
 /// in the kernel as the sort).
@@ -43,6 +151,20 @@ pub fn row_ranks(v: &[f32], slab: usize, stride: usize, out: &mut Vec<u32>) {
 struct Scratch {
     keys: Vec<(u32, u32)>,
     spare: Vec<(u32, u32)>,
+    /// DELLA's keep decisions, in sorted order.
+    decisions: Vec<u32>,
+}
+
+impl Scratch {
+    /// Room for a group of `len` elements and its sentinel: buffers only grow, and what they
+    /// held is overwritten before it is read (no clearing per row).
+    fn reserve(&mut self, len: usize) {
+        if self.keys.len() <= len {
+            self.keys.resize(len + 1, (0, 0));
+            self.spare.resize(len + 1, (0, 0));
+            self.decisions.resize(len + 1, 0);
+        }
+    }
 }
 
 thread_local! {
@@ -55,8 +177,7 @@ fn rank_group(values: &[f32], ranks: &mut [u32], (k, stride): (usize, usize), s:
     // Branch-free (zeros fall at random in a task vector): every element is written as a
     // candidate zero rank and as the next nonzero pair, and only the count that applies moves on.
     let group = (values.len() - k).div_ceil(stride);
-    // Entries up to the last nonzero one are written below, the rest truncated.
-    s.keys.resize(group + 1, (0, 0));
+    s.reserve(group);
     let (mut zeros, mut nonzero) = (0u32, 0usize);
     for i in (k..values.len()).step_by(stride) {
         let key = magnitude_key(values[i]);
@@ -66,47 +187,83 @@ fn rank_group(values: &[f32], ranks: &mut [u32], (k, stride): (usize, usize), s:
         s.keys[nonzero] = (key, i as u32);
         nonzero += 1 - is_zero as usize;
     }
-    s.keys.truncate(nonzero);
-    radix_sort(&mut s.keys, &mut s.spare);
-    for (pos, &(_, i)) in s.keys.iter().enumerate() {
+    let sorted = radix_sort(&mut s.keys[..nonzero], &mut s.spare[..nonzero]);
+    for (pos, &(_, i)) in sorted.iter().enumerate() {
         ranks[i as usize] = zeros + pos as u32 + 1;
     }
 }
 
 /// Sorts (key, index) pairs by key, stably — they arrive in index order, so equal keys stay in
-/// it — a byte at a time from the lowest (a byte every key shares is skipped); short runs by a
-/// stable comparison sort. The four bytes' counts come from one read of the keys (a count does
-/// not depend on the order the earlier passes left).
-fn radix_sort(a: &mut Vec<(u32, u32)>, b: &mut Vec<(u32, u32)>) {
+/// it — 8 bits at a time from the lowest bit that differs between keys to the highest (the keys
+/// of a task vector of 16-bit weights differ in few bits: its low mantissa bits are all 0, its
+/// exponents span a few binades — often one pass, not four); short runs by a stable comparison
+/// sort.
+///
+/// Each pass counts and places the four quarters of the run in one interleaved loop, each
+/// quarter with its own counters (quarter j's entries of a digit go after quarter j − 1's, so
+/// the sort stays stable): the keys of a task vector repeat, and one counter per digit would make
+/// every entry wait for the previous store to the same counter.
+/// Returns whichever of `a` and `b` (as long as `a`) holds the sorted pairs.
+fn radix_sort<'s>(mut a: &'s mut [(u32, u32)], mut b: &'s mut [(u32, u32)]) -> &'s [(u32, u32)] {
     if a.len() <= 64 {
         a.sort_by_key(|p| p.0);
-        return;
+        return a;
     }
-    // Every entry is written by the first pass that runs: no need to clear it.
-    b.resize(a.len(), (0, 0));
-    let mut counts = [[0usize; 256]; 4];
-    for &(key, _) in a.iter() {
-        let [b0, b1, b2, b3] = key.to_le_bytes();
-        counts[0][b0 as usize] += 1;
-        counts[1][b1 as usize] += 1;
-        counts[2][b2 as usize] += 1;
-        counts[3][b3 as usize] += 1;
+    let (any, all) = a
+        .iter()
+        .fold((0u32, u32::MAX), |(o, n), p| (o | p.0, n & p.0));
+    let varying = any ^ all;
+    if varying == 0 {
+        return a;
     }
-    for (count, shift) in counts.iter_mut().zip([0, 8, 16, 24]) {
-        if count.contains(&a.len()) {
-            continue;
+    // Digits of 8 bits over the bits that vary, from the lowest.
+    let (low, high) = (varying.trailing_zeros(), 32 - varying.leading_zeros());
+    let n = a.len();
+    let q = n / 4;
+    // Quarter j is a[j·q .. (j + 1)·q], the last one also holding the n % 4 entries after 4q.
+    let tail = 4 * q..n;
+    for shift in (low..high).step_by(8) {
+        let digit = |p: (u32, u32)| (p.0 >> shift) as usize & 255;
+        let mut count = [[0u32; 256]; 4];
+        for i in 0..q {
+            for (j, c) in count.iter_mut().enumerate() {
+                c[digit(a[j * q + i])] += 1;
+            }
+        }
+        for &p in &a[tail.clone()] {
+            count[3][digit(p)] += 1;
+        }
+        // Where each digit's entries start (one chain of 256 adds), then each quarter's start
+        // within them (digit-wise, vectorized).
+        let mut starts = [0u32; 256];
+        for (d, s) in starts.iter_mut().enumerate() {
+            *s = count[0][d] + count[1][d] + count[2][d] + count[3][d];
         }
         let mut at = 0;
-        for c in count.iter_mut() {
-            (*c, at) = (at, at + *c);
+        for s in starts.iter_mut() {
+            (*s, at) = (at, at + *s);
         }
-        for &p in a.iter() {
-            let digit = (p.0 >> shift) as usize & 255;
-            b[count[digit]] = p;
-            count[digit] += 1;
+        for (d, &s) in starts.iter().enumerate() {
+            let [c0, c1, c2, _] = [count[0][d], count[1][d], count[2][d], count[3][d]];
+            [count[0][d], count[1][d], count[2][d], count[3][d]] =
+                [s, s + c0, s + c0 + c1, s + c0 + c1 + c2];
         }
-        std::mem::swap(a, b);
+        for i in 0..q {
+            for (j, c) in count.iter_mut().enumerate() {
+                let p = a[j * q + i];
+                let d = digit(p);
+                b[c[d] as usize] = p;
+                c[d] += 1;
+            }
+        }
+        for &p in &a[tail.clone()] {
+            let d = digit(p);
+            b[count[3][d] as usize] = p;
+            count[3][d] += 1;
+        }
+        std::mem::swap(&mut a, &mut b);
     }
+    a
 }
 
 #[cfg(test)]
@@ -127,52 +284,105 @@ mod tests {
         assert_eq!(r, [3, 4, 5, 1, 2]);
     }
 
+    /// Rows of every kind the ranks meet: sparse and dense, ties, zeros of both signs, NaN and
+    /// infinities (`Mixed`), or the few magnitudes of a task vector of 16-bit weights (k·2^e for
+    /// small k: few bits differ, so one radix pass), at `zeros` density.
+    fn random_rows(rng: &mut SplitMix64, len: usize, zeros: f64, bf16_like: bool) -> Vec<f32> {
+        (0..len)
+            .map(|_| {
+                let u = rng.next_u64();
+                let sign = if u.is_multiple_of(2) { 1.0 } else { -1.0 };
+                match u % 100 {
+                    _ if (u >> 32) as f64 / 4294967296.0 < zeros => 0.0 * sign,
+                    _ if bf16_like => {
+                        let k = 1 + (u >> 8) % 4;
+                        k as f32 * f32::powi(2.0, -12 - ((u >> 12) % 9) as i32) * sign
+                    }
+                    0 => f32::NAN,
+                    1 => f32::INFINITY,
+                    2..=30 => ((u >> 40) % 8) as f32 * 0.25 - 1.0,
+                    _ => f32::from_bits((u >> 16) as u32 & 0x3fff_ffff) * sign,
+                }
+            })
+            .collect()
+    }
+
+    /// (len, slab, stride, zero density, 16-bit-like magnitudes) of the rows the tests rank.
+    const CASES: [(usize, usize, usize, f64, bool); 8] = [
+        (1000, 100, 1, 0.0, false),
+        (4096, 4096, 1, 0.9, false),
+        (3 << 16, 3000, 1, 0.6, false),
+        (6000, 600, 3, 0.5, false),
+        (1 << 17, 1 << 12, 4, 0.97, false),
+        (3 << 16, 2816, 1, 0.5, true),
+        (20_000, 1000, 1, 0.0, true),
+        (7000, 700, 7, 0.3, true),
+    ];
+
+    /// The ranks of a stable sort by (magnitude key, index): each group's ranks by a comparison
+    /// sort.
+    fn sorted_ranks(v: &[f32], slab: usize, stride: usize) -> Vec<u32> {
+        let mut want = vec![0u32; v.len()];
+        for (s0, chunk) in (0..v.len()).step_by(slab).zip(v.chunks(slab)) {
+            for k in 0..stride.min(chunk.len()) {
+                let mut order: Vec<usize> = (k..chunk.len()).step_by(stride).collect();
+                order.sort_by_key(|&i| (magnitude_key(chunk[i]), i));
+                for (pos, i) in order.into_iter().enumerate() {
+                    want[s0 + i] = pos as u32 + 1;
+                }
+            }
+        }
+        want
+    }
+
     /// The ranks of a stable sort by (magnitude key, index), on sparse and dense runs with ties,
     /// zeros of both signs, NaN and infinities, every stride, runs long enough to go parallel.
     #[test]
     fn ranks_are_a_stable_sorts() {
         let mut rng = SplitMix64::new(7);
-        for (len, slab, stride, zeros) in [
-            (1000, 100, 1, 0.0),
-            (4096, 4096, 1, 0.9),
-            (3 << 16, 3000, 1, 0.6),
-            (6000, 600, 3, 0.5),
-            (1 << 17, 1 << 12, 4, 0.97),
-        ] {
-            let v: Vec<f32> = (0..len)
-                .map(|_| {
-                    let u = rng.next_u64();
-                    match u % 100 {
-                        _ if (u >> 32) as f64 / 4294967296.0 < zeros => {
-                            if u.is_multiple_of(2) {
-                                0.0
-                            } else {
-                                -0.0
-                            }
-                        }
-                        0 => f32::NAN,
-                        1 => f32::INFINITY,
-                        2..=30 => ((u >> 40) % 8) as f32 * 0.25 - 1.0,
-                        _ => {
-                            f32::from_bits((u >> 16) as u32 & 0x3fff_ffff)
-                                * if u.is_multiple_of(2) { 1.0 } else { -1.0 }
-                        }
-                    }
-                })
-                .collect();
+        for (len, slab, stride, zeros, bf16_like) in CASES {
+            let v = random_rows(&mut rng, len, zeros, bf16_like);
             let mut got = Vec::new();
             row_ranks(&v, slab, stride, &mut got);
-            let mut want = vec![0u32; len];
-            for (s0, chunk) in (0..len).step_by(slab).zip(v.chunks(slab)) {
-                for k in 0..stride.min(chunk.len()) {
-                    let mut order: Vec<usize> = (k..chunk.len()).step_by(stride).collect();
-                    order.sort_by_key(|&i| (magnitude_key(chunk[i]), i));
-                    for (pos, i) in order.into_iter().enumerate() {
-                        want[s0 + i] = pos as u32 + 1;
-                    }
-                }
-            }
+            let want = sorted_ranks(&v, slab, stride);
             assert_eq!(got, want, "len {len}, slab {slab}, stride {stride}");
+        }
+    }
+
+    /// DELLA's keep mask is the rule applied to the sorted ranks: every nonzero element kept
+    /// exactly when its hash is below its rank's threshold, every zero dropped — for rules with
+    /// rising, falling and flat probabilities, tensors that start anywhere (`first`).
+    #[test]
+    fn keep_masks_apply_the_rule_to_the_ranks() {
+        let mut rng = SplitMix64::new(11);
+        // Probabilities rise (or fall) by 0.2 (0.4) over a slab.
+        let rules = [(0.4, 0.2), (0.7, -0.4), (0.5, 0.0)];
+        for (c, (len, slab, stride, zeros, bf16_like)) in CASES.into_iter().enumerate() {
+            let v = random_rows(&mut rng, len, zeros, bf16_like);
+            let ranks = sorted_ranks(&v, slab, stride);
+            let (p0, rise) = rules[c % rules.len()];
+            let step = rise / slab as f32;
+            let rule = RankKeep {
+                p0,
+                step,
+                key: [rng.next_u64() as u32, rng.next_u64() as u32],
+            };
+            let first = (rng.next_u64() as u32) / slab as u32 * slab as u32;
+            let mut got = Vec::new();
+            row_keep_mask(&v, (slab, stride), first, rule, &mut got);
+            let mut kept = 0;
+            for (i, (&x, &r)) in v.iter().zip(&ranks).enumerate() {
+                let idx = first.wrapping_add(i as u32);
+                let keep = magnitude_key(x) != 0
+                    && element_hash(rule.key, idx) < rank_threshold(p0, step, r);
+                kept += usize::from(keep);
+                assert_eq!(
+                    got[i],
+                    u32::from(keep).wrapping_neg(),
+                    "case {c}, element {i}"
+                );
+            }
+            assert!(kept > 0, "case {c}: nothing kept, the test would not tell");
         }
     }
 }

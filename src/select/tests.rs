@@ -70,6 +70,32 @@ impl Scans for Memory {
         }
         Ok(())
     }
+
+    fn slabs_any_order(&mut self, slab: u64, delta: bool, visit: &AnyOrderVisit) -> Result<()> {
+        self.runs_last_first(slab, delta, visit);
+        Ok(())
+    }
+}
+
+impl Memory {
+    /// Last run first, the two workers taking turns (see [`Scans::slabs_any_order`]).
+    fn runs_last_first(&self, slab: u64, delta: bool, visit: &AnyOrderVisit) {
+        let len = self.v[0].len();
+        let slab = slab.max(1) as usize;
+        let run = (SCAN_CHUNK / slab).max(1) * slab;
+        let starts: Vec<usize> = (0..len).step_by(run).collect();
+        for (i, &start) in starts.iter().rev().enumerate() {
+            let end = (start + run).min(len);
+            for t in 0..self.v.len() {
+                visit(
+                    i % 2,
+                    t,
+                    start as u64,
+                    self.chunk(t, start, end).values(delta),
+                );
+            }
+        }
+    }
 }
 
 fn scan_of(v: Vec<Vec<f32>>, tile: usize) -> Memory {

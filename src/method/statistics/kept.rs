@@ -5,15 +5,18 @@
 //! ranking. Bounded: a tensor whose bits would pass [`MAX_BITS`] is ranked twice, as before.
 
 use crate::method::combine::Keep;
+use crate::simd::multiversion;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The most bits kept for one tensor (all its agents): 64 MiB.
 pub const MAX_BITS: u64 = 1 << 29;
 
 /// Keep bits of a tensor's ranked agents: bit i of agent t is element i's keep decision.
+/// Recorded by the scan's workers at once (runs of rows share words where they meet: atomic).
 #[derive(Debug)]
 pub struct KeptFlags {
     /// Per present agent: its bits, or `None` for an agent whose keep rule is not ranked.
-    agents: Vec<Option<Vec<u64>>>,
+    agents: Vec<Option<Vec<AtomicU64>>>,
 }
 
 impl KeptFlags {
@@ -27,29 +30,25 @@ impl KeptFlags {
         Some(KeptFlags {
             agents: ranked
                 .iter()
-                .map(|&r| r.then(|| vec![0u64; words]))
+                .map(|&r| r.then(|| (0..words).map(|_| AtomicU64::new(0)).collect()))
                 .collect(),
         })
     }
 
     /// Records agent `t`'s keep mask (all ones: kept) for elements `first..first + mask.len()`.
-    pub(super) fn record(&mut self, t: usize, first: u64, mask: &[u32]) {
-        let Some(bits) = self.agents[t].as_mut() else {
+    pub(super) fn record(&self, t: usize, first: u64, mask: &[u32]) {
+        let Some(bits) = self.agents[t].as_ref() else {
             return;
         };
-        // Up to a word boundary bit by bit, then a word per 64 lanes.
+        // Up to a word boundary, then a word per 64 lanes.
         let lead = (((64 - first % 64) % 64) as usize).min(mask.len());
-        for (i, &m) in mask[..lead].iter().enumerate() {
-            let at = first + i as u64;
-            bits[(at / 64) as usize] |= u64::from(m & 1) << (at % 64);
+        if lead > 0 {
+            let word = pack(&mask[..lead]) << (first % 64);
+            bits[(first / 64) as usize].fetch_or(word, Ordering::Relaxed);
         }
         let word0 = ((first + lead as u64) / 64) as usize;
-        let lanes = mask[lead..].chunks(64);
-        for (word, lanes) in bits[word0..].iter_mut().zip(lanes) {
-            *word |= lanes
-                .iter()
-                .enumerate()
-                .fold(0u64, |w, (j, &m)| w | (u64::from(m & 1) << j));
+        for (w, lanes) in bits[word0..].iter().zip(mask[lead..].chunks(64)) {
+            w.fetch_or(pack(lanes), Ordering::Relaxed);
         }
     }
 
@@ -73,16 +72,60 @@ impl KeptFlags {
                 let lead = (((64 - start % 64) % 64) as usize).min(len);
                 for (i, o) in out[..lead].iter_mut().enumerate() {
                     let at = start + i as u64;
-                    *o = ((bits[(at / 64) as usize] >> (at % 64)) & 1) as u32;
+                    *o = ((bits[(at / 64) as usize].load(Ordering::Relaxed) >> (at % 64)) & 1)
+                        as u32;
                 }
                 let word0 = ((start + lead as u64) / 64) as usize;
-                for (lanes, &w) in out[lead..].chunks_mut(64).zip(&bits[word0..]) {
-                    for (j, o) in lanes.iter_mut().enumerate() {
-                        *o = ((w >> j) & 1) as u32;
-                    }
+                for (lanes, w) in out[lead..].chunks_mut(64).zip(&bits[word0..]) {
+                    unpack(w.load(Ordering::Relaxed), lanes);
                 }
             }
             None => out.resize(len, 0),
+        }
+    }
+}
+
+/// Bit j of the word: lane j's keep mask (up to 64 lanes).
+#[inline]
+fn pack(lanes: &[u32]) -> u64 {
+    match <&[u32; 64]>::try_from(lanes) {
+        Ok(whole) => pack64(whole),
+        Err(_) => lanes
+            .iter()
+            .enumerate()
+            .fold(0u64, |w, (j, &m)| w | (u64::from(m & 1) << j)),
+    }
+}
+
+multiversion! {
+    /// [`pack`] of a whole word: one vectorized loop.
+    fn pack64(lanes: &[u32; 64]) -> u64 {
+        let mut w = 0u64;
+        for (j, &m) in lanes.iter().enumerate() {
+            w |= u64::from(m & 1) << j;
+        }
+        w
+    }
+}
+
+/// Lane j = bit j of `word` (1 or 0), for up to 64 lanes.
+#[inline]
+fn unpack(word: u64, lanes: &mut [u32]) {
+    match <&mut [u32; 64]>::try_from(&mut *lanes) {
+        Ok(whole) => unpack64(word, whole),
+        Err(_) => {
+            for (j, o) in lanes.iter_mut().enumerate() {
+                *o = ((word >> j) & 1) as u32;
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// [`unpack`] of a whole word: one vectorized loop.
+    fn unpack64(word: u64, lanes: &mut [u32; 64]) {
+        for (j, o) in lanes.iter_mut().enumerate() {
+            *o = ((word >> j) & 1) as u32;
         }
     }
 }
@@ -93,17 +136,21 @@ mod tests {
 
     #[test]
     fn bits_round_trip_across_word_boundaries() {
-        let mut k = KeptFlags::new(200, &[true, false]).unwrap();
+        let k = KeptFlags::new(300, &[true, false]).unwrap();
         let mask: Vec<u32> = (0..130)
             .map(|i| if i % 3 == 0 { u32::MAX } else { 0 })
             .collect();
+        // Two runs that meet inside a word (180 = 2·64 + 52), as two workers' runs do; the
+        // first has a partial lead, a whole word and a partial tail.
         k.record(0, 50, &mask);
+        k.record(0, 180, &mask[..100]);
         k.record(1, 50, &mask); // not ranked: ignored
         let mut w = Vec::new();
-        k.words(0, 40, 150, &mut w);
+        k.words(0, 40, 260, &mut w);
         for (i, &x) in w.iter().enumerate() {
             let at = 40 + i;
-            let want = (50..180).contains(&at) && (at - 50) % 3 == 0;
+            let want = ((50..180).contains(&at) && (at - 50) % 3 == 0)
+                || ((180..280).contains(&at) && (at - 180) % 3 == 0);
             assert_eq!(x, want as u32, "element {at}");
         }
         k.words(1, 0, 10, &mut w);

@@ -16,7 +16,9 @@ use sce::sce_statistics;
 use super::closed_form::{
     karcher_coefs, model_stock_t, multislerp_coefs, nuslerp_coefs, slerp_coefs,
 };
-use super::combine::{coef_row, random_threshold, row_ranks, CombineSpec, Keep, Normalize};
+use super::combine::{
+    coef_row, random_threshold, row_keep_mask, row_ranks, CombineSpec, Keep, Normalize, RankKeep,
+};
 use super::tensor_params::{BaseTerm, Sparsify, TensorParams, Vectors};
 use crate::hash::hash_key;
 use crate::scans::{lock, states, unlock, worker_states, Scans, SCAN_CHUNK};
@@ -284,17 +286,7 @@ impl Sums {
             let (all, kept) = abs_sums(v, mask);
             lock(&parts[w * n + t]).push((start, all, kept));
         })?;
-        let mut parts: Vec<Vec<(u64, f64, f64)>> = parts.into_iter().map(unlock).collect();
-        for (t, l) in self.l1.iter_mut().enumerate() {
-            let mut chunks: Vec<(u64, f64, f64)> = (0..workers)
-                .flat_map(|w| std::mem::take(&mut parts[w * n + t]))
-                .collect();
-            chunks.sort_unstable_by_key(|c| c.0);
-            for (_, all, kept) in chunks {
-                l.0 += all;
-                l.1 += kept;
-            }
-        }
+        add_in_order(&mut self.l1, parts);
         Ok(())
     }
 
@@ -340,7 +332,9 @@ impl Sums {
         Ok(())
     }
 
-    /// DELLA's L1 norms: its masks need each row's ranks, so whole-row tiles.
+    /// DELLA's L1 norms: its masks need each row's ranks, so runs of whole slabs, on every
+    /// worker at once; each slab's sums are kept and added in slab order, so no tiling or thread
+    /// count changes them.
     fn l1_of_ranked_rows(
         &mut self,
         keep: &[Keep],
@@ -349,24 +343,41 @@ impl Sums {
         ranked: RankRows,
         scan: &mut dyn Scans,
     ) -> Result<()> {
-        let mut ranks = Vec::new();
-        let mut mask = Vec::new();
-        let (l1, kept) = (&mut self.l1, &mut self.kept);
-        scan.tiles(&mut |tile| {
-            for t in (0..agents.len()).filter(|&t| agents[t]) {
-                let v = if delta { &tile.tau[t] } else { &tile.x[t] };
-                row_ranks(v, ranked.slab as usize, ranked.stride as usize, &mut ranks);
-                mask.resize(v.len(), 0);
-                keep[t].mask_into(v, tile.start as u32, &ranks, &mut mask);
-                if let Some(k) = kept.as_mut() {
-                    k.record(t, tile.start, &mask);
-                }
-                let (all, kept_sum) = abs_sums(v, &mask);
-                l1[t].0 += all;
-                l1[t].1 += kept_sum;
+        let n = agents.len();
+        let workers = scan.workers();
+        let (slab, stride) = (ranked.slab.max(1), ranked.stride as usize);
+        // Per (worker, agent): (slab, Σ|v|, Σ|kept v|) of each slab it ranked.
+        let parts = worker_states(workers, n, |_| Vec::<(u64, f64, f64)>::new());
+        let buffers = worker_states(workers, 1, |_| (Vec::<u32>::new(), Vec::<u32>::new()));
+        let kept = self.kept.as_ref();
+        scan.slabs_any_order(slab, delta, &|w, t, start, v| {
+            if !agents[t] {
+                return;
             }
-            Ok(ControlFlow::Continue(()))
+            let mut buffers = lock(&buffers[w]);
+            let (mask, ranks) = &mut *buffers;
+            match keep[t] {
+                Keep::RowRank { p0, step, key } => {
+                    let rule = RankKeep { p0, step, key };
+                    row_keep_mask(v, (slab as usize, stride), start as u32, rule, mask);
+                }
+                other => {
+                    row_ranks(v, slab as usize, stride, ranks);
+                    mask.resize(v.len(), 0);
+                    other.mask_into(v, start as u32, ranks, mask);
+                }
+            }
+            if let Some(k) = kept {
+                k.record(t, start, mask);
+            }
+            let mut part = lock(&parts[w * n + t]);
+            let slabs = v.chunks(slab as usize).zip(mask.chunks(slab as usize));
+            for (j, (v, mask)) in slabs.enumerate() {
+                let (all, kept_sum) = abs_sums(v, mask);
+                part.push((start / slab + j as u64, all, kept_sum));
+            }
         })?;
+        add_in_order(&mut self.l1, parts);
         Ok(())
     }
 
@@ -544,6 +555,27 @@ multiversion! {
             total += lanes.iter().map(|&l| l as f64).sum::<f64>();
         }
         total
+    }
+}
+
+/// Adds the workers' parts of each agent's L1 norms (`parts[w · n + t]`: (run, Σ|v|, Σ|kept v|)
+/// of each run worker w scanned of agent t) to `l1` in run order: the same sums whatever worker
+/// scanned which run.
+fn add_in_order(l1: &mut [(f64, f64)], parts: Vec<Mutex<Vec<(u64, f64, f64)>>>) {
+    let n = l1.len();
+    let mut parts: Vec<Vec<(u64, f64, f64)>> = parts.into_iter().map(unlock).collect();
+    for (t, l) in l1.iter_mut().enumerate() {
+        let mut runs: Vec<(u64, f64, f64)> = parts
+            .iter_mut()
+            .skip(t)
+            .step_by(n)
+            .flat_map(std::mem::take)
+            .collect();
+        runs.sort_unstable_by_key(|c| c.0);
+        for (_, all, kept) in runs {
+            l.0 += all;
+            l.1 += kept;
+        }
     }
 }
 
