@@ -173,6 +173,13 @@ def test_failures_raise_merge_error_naming_the_problem(demo, tmp_path):
         rlmerge.verify(tmp_path / "nothing-here")
 
 
+# A merge of the 64 MiB example that runs for seconds on any machine, so it can be seen running
+# and signalled: Iso-C takes an SVD per matrix. (These tests used DELLA until its statistics scan
+# got fast enough to end before the signal came.)
+SLOW = {"method": "iso_c"}
+SLOW_ARGS = ["--method", "iso_c"]
+
+
 @pytest.fixture(scope="module")
 def big_demo(tmp_path_factory):
     """A 64 MiB example, so a merge runs long enough to be seen running."""
@@ -188,8 +195,7 @@ def test_the_gil_is_released_while_merging(big_demo, tmp_path):
 
     def work():
         span["start"] = time.monotonic()
-        rlmerge.merge(base, agents, method="della", out=tmp_path / "m", device="cpu",
-                      threads=1, weight=1, density=0.5)
+        rlmerge.merge(base, agents, out=tmp_path / "m", device="cpu", threads=1, **SLOW)
         span["end"] = time.monotonic()
 
     t = threading.Thread(target=work)
@@ -211,8 +217,8 @@ def test_ctrl_c_stops_a_merge_and_leaves_nothing(big_demo, tmp_path):
     parent.mkdir()
     script = (
         "import sys, rlmerge\n"
-        f"rlmerge.merge({str(base)!r}, {[str(a) for a in agents]!r}, method='della', "
-        f"out={str(parent / 'merged')!r}, device='cpu', threads=1, weight=1, density=0.5)\n"
+        f"rlmerge.merge({str(base)!r}, {[str(a) for a in agents]!r}, "
+        f"out={str(parent / 'merged')!r}, device='cpu', threads=1, **{SLOW!r})\n"
         "print('finished')\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
@@ -343,8 +349,8 @@ def test_ctrl_c_stops_only_the_call_it_reaches(big_demo, tmp_path):
 
     def background():
         try:
-            done["summary"] = rlmerge.merge(base, agents, method="della", out=tmp_path / "bg",
-                                            device="cpu", threads=1, weight=1, density=0.5)
+            done["summary"] = rlmerge.merge(base, agents, out=tmp_path / "bg", device="cpu",
+                                            threads=1, **SLOW)
         except BaseException as e:  # noqa: BLE001 - the test reports it
             done["error"] = e
 
@@ -354,8 +360,7 @@ def test_ctrl_c_stops_only_the_call_it_reaches(big_demo, tmp_path):
     timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     with pytest.raises(KeyboardInterrupt):
-        rlmerge.merge(base, agents, method="della", out=tmp_path / "fg", device="cpu",
-                      threads=1, weight=1, density=0.5)
+        rlmerge.merge(base, agents, out=tmp_path / "fg", device="cpu", threads=1, **SLOW)
     t.join()
     assert "error" not in done, done.get("error")
     assert not (tmp_path / "fg").exists()
@@ -369,8 +374,8 @@ def test_the_pip_command_cleans_up_on_sigterm_and_sighup(big_demo, tmp_path, sig
     root, base, agents = big_demo
     parent = tmp_path / "outs"
     parent.mkdir()
-    cmd = [pip_command(), "merge", "-q", "--device", "cpu", "--threads", "1", "--method", "della",
-           "--param", "weight=1", "--param", "density=0.5", "--base", str(base)]
+    cmd = [pip_command(), "merge", "-q", "--device", "cpu", "--threads", "1", *SLOW_ARGS,
+           "--base", str(base)]
     for a in agents:
         cmd += ["--model", str(a)]
     proc = subprocess.Popen(cmd + ["-o", str(parent / "merged")], stderr=subprocess.PIPE, text=True)
