@@ -31,10 +31,12 @@ cat "$dir"/*/*.safetensors >/dev/null
 printf '%-12s %8s %8s %7s\n' method "A s" "B s" "B/A"
 for method in "ram" "ram+" "ram+ --scope tensor" "ties --param weight=1 --param density=0.5" \
     "dare_ties --param weight=1 --param density=0.5" "della --param weight=1 --param density=0.5" \
-    "breadcrumbs --param weight=1 --param density=0.9"; do
+    "breadcrumbs --param weight=1 --param density=0.9" "ram --tile-elems 4096"; do
     name=${method%% *}
     [[ "$method" == *"--scope tensor"* ]] && name="ram+tensor"
-    if [ -n "${BENCH_METHODS:-}" ] && [[ " $BENCH_METHODS " != *" ${method%% *} "* ]]; then
+    [[ "$method" == *"--tile-elems 4096"* ]] && name="ram/t4096"
+    if [ -n "${BENCH_METHODS:-}" ] && [[ " $BENCH_METHODS " != *" ${method%% *} "* ]] &&
+        [[ " $BENCH_METHODS " != *" $name "* ]]; then
         continue
     fi
     ta=()

@@ -106,6 +106,47 @@ fn nonfinite_inputs_are_refused_with_the_tensor_and_element() {
     }
 }
 
+/// Small tiles are read in runs of consecutive tiles (`engine::tiles::READ_RUN_BYTES`), taken by
+/// workers at once: wherever two bad elements fall — the same run or two, read by one worker or
+/// two, in whatever order — the earlier one is named, every time.
+#[test]
+fn the_earliest_nonfinite_element_is_named_whatever_the_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    // f32 tiles of 1000 elements: runs of 64 tiles, 64 000 elements.
+    let clean: Vec<f32> = (0..200_000).map(|i| (i % 7) as f32 * 0.25).collect();
+    let b = folder(dir.path(), "b", Dtype::F32, clean.clone());
+    for (n, bad) in [[70_000, 150_000], [64_500, 64_010], [199_999, 130_000]]
+        .into_iter()
+        .enumerate()
+    {
+        let mut dirty = clean.clone();
+        for at in bad {
+            dirty[at] = f32::NAN;
+        }
+        let a = folder(dir.path(), &format!("a{n}"), Dtype::F32, dirty);
+        let want = format!("element {}", bad.iter().min().unwrap());
+        for (threads, round) in [("1", 0), ("2", 0), ("3", 0), ("2", 1), ("3", 1)] {
+            let out = dir.path().join(format!("out{n}-{threads}-{round}"));
+            let args = [
+                "--device",
+                "cpu",
+                "--tile-elems",
+                "1000",
+                "--threads",
+                threads,
+            ];
+            let o = merge(&b, &[&a], &out, &args);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(1), "{err}");
+            assert!(
+                err.contains(&want),
+                "{threads} threads: {want} not in {err}"
+            );
+            assert!(!out.exists());
+        }
+    }
+}
+
 #[test]
 fn allowed_nonfinite_values_follow_ieee_on_both_backends() {
     let dir = tempfile::tempdir().unwrap();

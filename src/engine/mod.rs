@@ -50,7 +50,9 @@ use probe::{probe_tensors, to_global};
 pub use retention::{retention, RegionSums, Retention, REGIONS};
 use scans::{combine_spec, spectral_update, ScanBuffers};
 pub use tile_size::{tile_elems, TILE_QUANTUM};
-use tiles::{batches, par_tiles, progress_bar, whole_rows, TensorTiles, TileLoop};
+use tiles::{
+    batches, par_tiles, progress_bar, run_bytes, whole_rows, TensorTiles, TileLoop, WriteRun,
+};
 
 impl PassOptions {
     /// The defaults: ε = 1e-5 (SPEC §1), the backend's tile size, NaN/±Inf inputs refused.
@@ -542,21 +544,23 @@ impl<'a> MergePass<'a> {
             stride: 1,
             last_read: true,
         };
+        let limit = run_bytes(self.inputs, &tensors, how.stride);
         let counting = self.counted.is_some();
         let zeros = || -> Vec<TileCounts> {
             jobs.iter()
                 .map(|job| TileCounts::zeros(if counting { job.present.len() } else { 0 }))
                 .collect()
         };
-        let workers = par_tiles(
+        let mut workers = par_tiles(
             &how,
             &tensors,
-            || (Vec::new(), zeros(), TileScratch::default()),
-            |(out, counts, scratch), j, i, start, tile| {
+            || (WriteRun::new(limit), zeros(), TileScratch::default()),
+            |(run, counts, scratch), j, i, start, tile| {
                 let job = &jobs[j];
                 let out_dtype = writer.dtype(job.index);
-                tiles::resize_exact(out, tile.len * out_dtype.size(), 0);
-                let out = &mut out[..tile.len * out_dtype.size()];
+                let len = tile.len * out_dtype.size();
+                let at = (job.index, start * out_dtype.size() as u64);
+                let out = run.room(writer, at, len)?;
                 self.merge_tile(job, tile, start, (out_dtype, out), &mut counts[j], scratch)
                     .with_context(|| {
                         format!("merge of tensor '{}' failed at tile {i}", job.plan.name())
@@ -569,9 +573,12 @@ impl<'a> MergePass<'a> {
                     start,
                     !self.options.pass.scan_nonfinite,
                 )?;
-                writer.write_at(job.index, start * out_dtype.size() as u64, out)
+                run.tile_done(writer, len)
             },
         )?;
+        for (run, _, _) in &mut workers {
+            run.flush(writer)?;
+        }
         if !counting {
             return Ok(Vec::new());
         }

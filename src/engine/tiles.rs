@@ -2,6 +2,7 @@
 //! in order for statistics scans or on every worker at once for the probe and merge passes.
 
 use crate::backend::Tile;
+use crate::checkpoint::CheckpointWriter;
 pub(super) use crate::inputs::resize_exact;
 use crate::inputs::{Inputs, SourceRead, TensorPlan, TensorSource};
 use anyhow::Result;
@@ -14,7 +15,16 @@ use std::sync::{Condvar, Mutex};
 pub(super) struct TileBuffers {
     pub(super) base: Vec<u8>,
     pub(super) agents: Vec<Vec<u8>>,
+    /// What the buffers hold when a tile loop read a run of tiles at once ([`READ_RUN_BYTES`]):
+    /// (the loop's tensor, first element, elements).
+    window: Option<(usize, usize, usize)>,
 }
+
+/// Bytes of each input a tile loop's worker reads at once when its tiles are under half of it:
+/// a run of consecutive tiles, each then handed out from the buffers (one `pread` per input per
+/// run, not per tile; the tiles, and so the bytes, stay the same). Tiles of half or more read
+/// alone: the CPU backend's 128 KiB tiles stay in L2 from the read to the write.
+pub(super) const READ_RUN_BYTES: usize = 1 << 18;
 
 /// What a tile read takes from: the inputs, the tensor and the agents read with the base, and how
 /// (refusing NaN/±Inf or not; spread over the cores or on the calling thread).
@@ -32,6 +42,7 @@ impl TileBuffers {
         TileBuffers {
             base: Vec::new(),
             agents: vec![Vec::new(); agents],
+            window: None,
         }
     }
 
@@ -40,6 +51,7 @@ impl TileBuffers {
     /// while its bytes are in cache: feeds the input's running checksum and, when
     /// `read.finite_only`, fails on the first NaN or ±Inf, naming tensor, file and element.
     pub(super) fn load(&mut self, read: &TileRead, (start, len): (usize, usize)) -> Result<()> {
+        self.window = None;
         let TileRead {
             inputs,
             plan,
@@ -89,6 +101,114 @@ impl TileBuffers {
             base: &self.base,
             agents: &agents,
         })
+    }
+}
+
+impl TileBuffers {
+    /// Hands tile `(start, len)` of the loop's tensor `j` to `visit`, from the buffers when the
+    /// run read last holds it, else after reading elements `start..run_end` (the tile and the
+    /// rest of its run) — inspected and checksummed as [`Self::load`] does, once.
+    fn visit_in_run<R>(
+        &mut self,
+        read: &TileRead,
+        (j, start, len, run_end): (usize, usize, usize, usize),
+        visit: impl FnOnce(&Tile) -> Result<R>,
+    ) -> Result<R> {
+        let held = |&(wj, ws, wl): &(usize, usize, usize)| {
+            wj == j && ws <= start && start + len <= ws + wl
+        };
+        if !self.window.as_ref().is_some_and(held) {
+            self.load(read, (start, run_end - start))?;
+            self.window = Some((j, start, run_end - start));
+        }
+        let ws = self.window.map_or(start, |w| w.1);
+        let size = read.plan.tile_dtype(read.inputs).size();
+        let bytes = (start - ws) * size..(start - ws + len) * size;
+        let agents: Vec<&[u8]> = self.agents[..read.present.len()]
+            .iter()
+            .map(|v| &v[bytes.clone()])
+            .collect();
+        visit(&Tile {
+            dtype: read.plan.tile_dtype(read.inputs),
+            len,
+            base: &self.base[bytes],
+            agents: &agents,
+        })
+    }
+}
+
+/// Bytes of each input a tile loop over `tensors` reads at once ([`READ_RUN_BYTES`]), or 0 (tile
+/// by tile): in a sample (`stride` > 1), or beside LoRA pairs — tiles cut small to leave room
+/// for the pairs (`engine::tile_elems`) would take that room back in a run.
+pub(super) fn run_bytes(inputs: &Inputs, tensors: &[TensorTiles], stride: usize) -> usize {
+    let lora = tensors.iter().any(|t| t.plan.lora_bytes(inputs) > 0);
+    if stride > 1 || lora {
+        0
+    } else {
+        READ_RUN_BYTES
+    }
+}
+
+/// A worker's output bytes of consecutive small tiles of one tensor, written at once: one
+/// `pwrite` per run of tiles, as they were read ([`run_bytes`]). Tiles of half a run or more
+/// are written alone, while in cache.
+pub(super) struct WriteRun {
+    /// (tensor in the writer's plan, byte of the tensor the bytes start at).
+    at: (usize, u64),
+    bytes: Vec<u8>,
+    /// The loop's [`run_bytes`].
+    limit: usize,
+}
+
+impl WriteRun {
+    /// Output runs of at most `limit` bytes (0: tile by tile).
+    pub(super) fn new(limit: usize) -> WriteRun {
+        WriteRun {
+            at: (0, 0),
+            bytes: Vec::new(),
+            limit,
+        }
+    }
+
+    /// Room for `len` output bytes of tensor `index` from byte `start`: after the bytes held when
+    /// they follow them and the run has room, else after writing those.
+    pub(super) fn room(
+        &mut self,
+        writer: &CheckpointWriter,
+        (index, start): (usize, u64),
+        len: usize,
+    ) -> Result<&mut [u8]> {
+        let follows = self.at.0 == index && self.at.1 + self.bytes.len() as u64 == start;
+        if !(follows && self.bytes.len() + len <= self.limit) {
+            self.flush(writer)?;
+            self.at = (index, start);
+        }
+        let held = self.bytes.len();
+        if held == 0 {
+            // A tile alone (or a run's first) gets exactly its bytes, as every tile buffer.
+            resize_exact(&mut self.bytes, len, 0);
+        } else {
+            self.bytes.resize(held + len, 0);
+        }
+        Ok(&mut self.bytes[held..])
+    }
+
+    /// After a tile's `len` bytes are in [`Self::room`]: a tile of half a run or more is written
+    /// now, while in cache; smaller ones wait for the run to fill.
+    pub(super) fn tile_done(&mut self, writer: &CheckpointWriter, len: usize) -> Result<()> {
+        if 2 * len >= self.limit {
+            self.flush(writer)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the bytes held (at the end of the loop).
+    pub(super) fn flush(&mut self, writer: &CheckpointWriter) -> Result<()> {
+        if !self.bytes.is_empty() {
+            writer.write_at(self.at.0, self.at.1, &self.bytes)?;
+            self.bytes.clear();
+        }
+        Ok(())
     }
 }
 
@@ -155,6 +275,15 @@ pub(super) fn par_tiles<S: Send>(
     } = *how;
     let schedule = Schedule::new(inputs, tensors, stride);
     let count = schedule.count();
+    // Tiles a worker takes at once: a run of about run_bytes per input, read at once.
+    let bytes = |t: &TensorTiles| t.tile_elems.max(1) * t.plan.tile_dtype(inputs).size();
+    let run = match (
+        run_bytes(inputs, tensors, stride),
+        tensors.iter().map(bytes).max(),
+    ) {
+        (r, Some(b)) if 2 * b < r => r / b,
+        _ => 1,
+    };
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let first_error: Mutex<Option<(usize, anyhow::Error)>> = Mutex::new(None);
@@ -162,50 +291,58 @@ pub(super) fn par_tiles<S: Send>(
     let worker = || {
         let mut buffers = TileBuffers::new(inputs.agents.len());
         let mut state = init();
+        // Every tile of a run taken runs (until one fails), so the tiles before a failing one
+        // all ran and the earliest failure is reported, whatever the timing.
         loop {
-            let g = next.fetch_add(1, Ordering::Relaxed) * stride;
-            if g >= count || failed.load(Ordering::Relaxed) {
+            let first = next.fetch_add(1, Ordering::Relaxed) * run;
+            if first * stride >= count || failed.load(Ordering::Relaxed) {
                 break;
             }
-            let j = schedule.tensor_of(g);
-            let TensorTiles {
-                plan,
-                present,
-                tile_elems,
-            } = tensors[j];
-            schedule.wait_turn(j);
-            let (i, step, numel) = (g - schedule.firsts[j], tile_elems.max(1), plan.numel());
-            let (start, len) = (i * step, step.min(numel - i * step));
-            let read = TileRead {
-                inputs,
-                plan,
-                present,
-                finite_only: scan_nonfinite,
-                spread: false,
-            };
-            let done = inputs
-                .cancel
-                .check()
-                .map_err(anyhow::Error::from)
-                .and_then(|()| {
-                    buffers.visit(&read, (start, len), |tile| {
-                        visit(&mut state, j, i, start as u64, tile)
-                    })
+            let run_tiles = (first..first + run).map(|r| r * stride);
+            let mut run_failed = false;
+            for g in run_tiles.take_while(|&g| g < count) {
+                let j = schedule.tensor_of(g);
+                let TensorTiles { plan, present, .. } = tensors[j];
+                let at = schedule.tile_at(tensors, g, (first + run) * stride, stride);
+                // After a failure the run's later tiles are only counted done (a LoRA tensor
+                // after them may be waiting for them).
+                let done = if run_failed {
+                    Ok(())
+                } else {
+                    schedule.wait_turn(j);
+                    let read = TileRead {
+                        inputs,
+                        plan,
+                        present,
+                        finite_only: scan_nonfinite,
+                        spread: false,
+                    };
+                    inputs
+                        .cancel
+                        .check()
+                        .map_err(anyhow::Error::from)
+                        .and_then(|()| {
+                            buffers.visit_in_run(&read, (j, at.start, at.len, at.run_end), |tile| {
+                                visit(&mut state, j, at.index, at.start as u64, tile)
+                            })
+                        })
+                };
+                schedule.tile_done(j, || {
+                    if last_read {
+                        inputs.forget_lora_tensor(plan);
+                    }
                 });
-            schedule.tile_done(j, || {
-                if last_read {
-                    inputs.forget_lora_tensor(plan);
-                }
-            });
-            match done {
-                Ok(()) => {
-                    progress.inc((len * plan.base.entry.dtype.size() * (1 + present.len())) as u64)
-                }
-                Err(e) => {
-                    failed.store(true, Ordering::Relaxed);
-                    let mut first = first_error.lock().unwrap_or_else(|p| p.into_inner());
-                    if first.as_ref().is_none_or(|(h, _)| g < *h) {
-                        *first = Some((g, e));
+                match done {
+                    Ok(()) if run_failed => {}
+                    Ok(()) => progress
+                        .inc((at.len * plan.base.entry.dtype.size() * (1 + present.len())) as u64),
+                    Err(e) => {
+                        run_failed = true;
+                        failed.store(true, Ordering::Relaxed);
+                        let mut first = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                        if first.as_ref().is_none_or(|(h, _)| g < *h) {
+                            *first = Some((g, e));
+                        }
                     }
                 }
             }
@@ -217,6 +354,15 @@ pub(super) fn par_tiles<S: Send>(
         return Err(e);
     }
     Ok(states.into_inner().unwrap_or_else(|p| p.into_inner()))
+}
+
+/// A tile of a tile loop: its index in its tensor, its elements, and the end of the elements its
+/// worker's run reads with it.
+struct TileAt {
+    index: usize,
+    start: usize,
+    len: usize,
+    run_end: usize,
 }
 
 /// A tile loop's numbering — each tensor's first tile, then the end — and its order of LoRA
@@ -267,6 +413,23 @@ impl Schedule {
             wait_for,
             finished,
             gate: (Mutex::new(()), Condvar::new()),
+        }
+    }
+
+    /// Where tile `g` of the loop lies in its tensor, in a run taken by a worker that ends
+    /// before loop tile `run_end` (visiting every `stride`-th tile).
+    fn tile_at(&self, tensors: &[TensorTiles], g: usize, run_end: usize, stride: usize) -> TileAt {
+        let j = self.tensor_of(g);
+        let (numel, step) = (tensors[j].plan.numel(), tensors[j].tile_elems.max(1));
+        let index = g - self.firsts[j];
+        let start = index * step;
+        // The run's tiles of this tensor: from g to the run's end or the tensor's, at least g.
+        let tiles = (run_end.min(self.firsts[j + 1]) - g).div_ceil(stride);
+        TileAt {
+            index,
+            start,
+            len: step.min(numel - start),
+            run_end: (start + tiles * step).min(numel),
         }
     }
 
