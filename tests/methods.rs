@@ -441,6 +441,14 @@ fn della_keeps_by_rank_within_rows() {
         (l1_out / l1_in - 1.0).abs() < 1e-5,
         "L1 {l1_out} vs {l1_in}"
     );
+    // Without the L1 rescale there is no statistics scan to keep the decisions: the merge makes
+    // them tile by tile, and they must be the same — the same elements, each τ unscaled.
+    let plain = format!("{y}parameters: {{rescale: false}}\n");
+    let unscaled = run(d.path(), &plain, &["--seed", "5", "--tile-elems", "1000"]);
+    for (i, (&u, &o)) in unscaled.iter().zip(&out).enumerate() {
+        assert_eq!(u != 0.0, o != 0.0, "element {i}: kept differently");
+        assert!(u == 0.0 || u == tau[i], "element {i}: {u} for τ {}", tau[i]);
+    }
 }
 
 /// DELLA on a tensor of three dimensions [a, b, c] ranks along dimension 1, as mergekit does: the

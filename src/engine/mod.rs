@@ -9,7 +9,7 @@ use crate::checkpoint::{CheckpointWriter, DType, ModelFolder, OutputFolder, Outp
 use crate::inputs::{Inputs, TensorPlan};
 use crate::method::combine::{row_ranks, CombineSpec};
 use crate::method::settings::{layer_t, TensorPlace};
-use crate::method::statistics::KeptFlags;
+use crate::method::statistics::Decisions;
 use crate::method::{BoostScope, Kind, Method};
 use crate::names::layer_index;
 use crate::record::MergeRecord;
@@ -135,7 +135,7 @@ enum TileRule {
     /// RAM / RAM+ with these λ of the present agents.
     Ram(Vec<f32>),
     /// A mergekit-family method, with DELLA's keep decisions when its statistics kept them.
-    Combine(CombineSpec, Option<KeptFlags>),
+    Combine(CombineSpec, Option<Decisions>),
     /// The base plus this update of the whole tensor, computed on the host (the matrices of Iso-C,
     /// TSV-M, ResMerge and SVC), added by the backend's update kernel.
     Update(Vec<f32>),
@@ -153,12 +153,12 @@ struct TileScratch {
 }
 
 /// Each present agent's words for the tile's elements, in the ranks channel: DELLA's keep
-/// decisions when its statistics kept them (`kept`), else its row ranks (tiles of whole rows), or
-/// arcee_fusion's keep flags; empty when the rule needs none.
+/// decisions (kept by its statistics, else made here from the tile's rows), or arcee_fusion's
+/// keep flags, or row ranks (a ranked rule without decisions); empty when the rule needs none.
 fn tile_ranks<'b>(
     tile: &Tile,
     start: u64,
-    (spec, kept): (&CombineSpec, Option<&KeptFlags>),
+    (spec, decisions): (&CombineSpec, Option<&Decisions>),
     b: &'b mut TileScratch,
 ) -> &'b [Vec<u32>] {
     if spec.rank_rows == 0 && spec.fusion.is_none() {
@@ -166,7 +166,7 @@ fn tile_ranks<'b>(
     }
     let n = tile.agents.len();
     b.words.resize_with(n, Vec::new);
-    if let Some(kept) = kept {
+    if let Some(Decisions::Kept(kept)) = decisions {
         for (t, words) in b.words[..n].iter_mut().enumerate() {
             kept.words(t, start, tile.len, words);
         }
@@ -180,15 +180,19 @@ fn tile_ranks<'b>(
         .par_iter()
         .zip(b.values.par_iter_mut())
         .zip(b.words.par_iter_mut())
-        .for_each(|((bytes, v), words)| {
+        .enumerate()
+        .for_each(|(t, ((bytes, v), words))| {
             tiles::resize_exact(v, tile.len, 0.0);
             decode(tile.dtype, bytes, v);
             if spec.delta {
                 v.iter_mut().zip(base).for_each(|(x, b)| *x -= b);
             }
-            match &spec.fusion {
-                Some(f) => f.flags(start, v, words),
-                None => row_ranks(v, spec.rank_rows as usize, spec.rank_stride as usize, words),
+            match (&spec.fusion, decisions) {
+                (Some(f), _) => f.flags(start, v, words),
+                (None, Some(d)) => d.words(t, start, v, words),
+                (None, None) => {
+                    row_ranks(v, spec.rank_rows as usize, spec.rank_stride as usize, words)
+                }
             }
         });
     &b.words[..n]

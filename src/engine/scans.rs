@@ -10,7 +10,7 @@ use crate::checkpoint::dtype::{decode, decode_minus};
 use crate::inputs::{Inputs, TensorPlan};
 use crate::method::combine::CombineSpec;
 use crate::method::settings::TensorPlace;
-use crate::method::statistics::{self, KeptFlags};
+use crate::method::statistics::{self, Decisions};
 use crate::method::{Kind, MethodConfig};
 use crate::names::Module;
 use crate::scans::{AgentChunk, AgentVisit, AnyOrderVisit, Scans, Values, Visit, SCAN_CHUNK};
@@ -33,7 +33,7 @@ pub(super) fn combine_spec(
     present: &[usize],
     pass: &PassOptions,
     buffers: &mut ScanBuffers,
-) -> Result<(CombineSpec, Option<KeptFlags>)> {
+) -> Result<(CombineSpec, Option<Decisions>)> {
     let numel = plan.numel() as u64;
     let params = config
         .tensor_params(at, numel, present)

@@ -4,7 +4,7 @@
 //! reads them as [`Keep::Flagged`] words — the same decisions, so the same bytes, with half the
 //! ranking. Bounded: a tensor whose bits would pass [`MAX_BITS`] is ranked twice, as before.
 
-use crate::method::combine::Keep;
+use crate::method::combine::{row_keep_mask, Keep, RankKeep};
 use crate::simd::multiversion;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -52,15 +52,6 @@ impl KeptFlags {
         }
     }
 
-    /// The rule each agent's keep becomes once its decisions are kept: [`Keep::Flagged`].
-    pub(super) fn flag(&self, keep: &mut [Keep]) {
-        for (k, bits) in keep.iter_mut().zip(&self.agents) {
-            if bits.is_some() {
-                *k = Keep::Flagged;
-            }
-        }
-    }
-
     /// Agent `t`'s words for elements `start..start + len`, as [`Keep::Flagged`] reads them (1:
     /// kept, 0: dropped; all 0 for an agent without bits, whose rule reads none).
     pub fn words(&self, t: usize, start: u64, len: usize, out: &mut Vec<u32>) {
@@ -81,6 +72,83 @@ impl KeptFlags {
                 }
             }
             None => out.resize(len, 0),
+        }
+    }
+}
+
+/// DELLA's keep decisions, as the merge reads them ([`Keep::Flagged`] words): kept by its
+/// statistics scan, or — past [`MAX_BITS`], or without an L1 scan (`rescale=false`) — made tile by
+/// tile from each row's ranks under the agent's rule, by the same [`row_keep_mask`], so the same
+/// decisions either way.
+#[derive(Debug)]
+pub enum Decisions {
+    /// One bit per element and ranked agent, from the statistics scan.
+    Kept(KeptFlags),
+    /// Made tile by tile from the rows' ranks.
+    PerTile {
+        /// Per present agent, its rule if it is ranked.
+        rules: Vec<Option<RankKeep>>,
+        /// Elements of a slab of rows ([`row_keep_mask`]).
+        slab: u64,
+        /// Stride of a row within a slab (1: the slab is one row).
+        stride: u64,
+    },
+}
+
+impl Decisions {
+    /// The decisions for `keep`'s ranked agents ([`Keep::RowRank`]), rows of (`slab`, `stride`):
+    /// `kept` when the scan kept them, else tile by tile. Those agents' keep becomes
+    /// [`Keep::Flagged`]; `None` (and `keep` unchanged) when no agent is ranked.
+    pub(super) fn of(
+        keep: &mut [Keep],
+        kept: Option<KeptFlags>,
+        (slab, stride): (u64, u64),
+    ) -> Option<Decisions> {
+        let rules: Vec<Option<RankKeep>> = keep
+            .iter()
+            .map(|k| match *k {
+                Keep::RowRank { p0, step, key } => Some(RankKeep { p0, step, key }),
+                _ => None,
+            })
+            .collect();
+        if rules.iter().all(Option::is_none) {
+            return None;
+        }
+        for (k, r) in keep.iter_mut().zip(&rules) {
+            if r.is_some() {
+                *k = Keep::Flagged;
+            }
+        }
+        Some(match kept {
+            Some(k) => Decisions::Kept(k),
+            None => Decisions::PerTile {
+                rules,
+                slab,
+                stride,
+            },
+        })
+    }
+
+    /// Agent `t`'s words for elements `start..start + v.len()` (1 or all ones: kept, 0:
+    /// dropped), its τ (θ without a base) being `v` — read only when the decisions are made
+    /// here. All 0 for an agent that is not ranked.
+    pub fn words(&self, t: usize, start: u64, v: &[f32], out: &mut Vec<u32>) {
+        match self {
+            Decisions::Kept(k) => k.words(t, start, v.len(), out),
+            Decisions::PerTile {
+                rules,
+                slab,
+                stride,
+            } => match rules[t] {
+                Some(rule) => {
+                    let rows = (*slab as usize, *stride as usize);
+                    row_keep_mask(v, rows, start as u32, rule, out)
+                }
+                None => {
+                    out.clear();
+                    out.resize(v.len(), 0);
+                }
+            },
         }
     }
 }

@@ -10,7 +10,7 @@ mod sce;
 
 use fusion::fusion_statistics;
 pub use fusion::row_kl;
-pub use kept::KeptFlags;
+pub use kept::{Decisions, KeptFlags};
 use sce::sce_statistics;
 
 use super::closed_form::{
@@ -31,8 +31,7 @@ use std::sync::Mutex;
 
 /// Gathers the statistics `params` needs from scans of the tensor and builds its combine rule.
 /// `numel` ≤ u32::MAX; `seed` and `name` key the random masks. With the rule, DELLA's keep
-/// decisions when its scan made them all ([`KeptFlags`]: its agents' keep is then
-/// [`Keep::Flagged`], read from them).
+/// decisions ([`Decisions`]: its agents' keep is then [`Keep::Flagged`], read from them).
 pub fn build_spec(
     params: &TensorParams,
     numel: u64,
@@ -41,7 +40,7 @@ pub fn build_spec(
     name: &str,
     present: &[usize],
     scan: &mut dyn Scans,
-) -> Result<(CombineSpec, Option<KeptFlags>)> {
+) -> Result<(CombineSpec, Option<Decisions>)> {
     let ranked = rank_rows(params, numel, shape)?;
     let rank_rows = ranked.slab;
     let masks = MaskKeys {
@@ -53,10 +52,7 @@ pub fn build_spec(
     let mut keep = keep_rules(params, numel, ranked.group(), &masks, scan)?;
     let rows = coef_rows(params, numel, shape);
     let mut sums = Sums::gather(params, &keep, rows, ranked, numel, scan)?;
-    let kept = sums.kept.take();
-    if let Some(k) = &kept {
-        k.flag(&mut keep);
-    }
+    let decisions = Decisions::of(&mut keep, sums.kept.take(), (ranked.slab, ranked.stride));
     // SCE: the variance cut, then each agent's weight from its mean square on the kept elements.
     let (element_keep, sce_weights) = match params.base {
         BaseTerm::Sce { density } => sce_statistics(scan, params.weights.len(), numel, density)?,
@@ -88,7 +84,7 @@ pub fn build_spec(
             _ => None,
         },
     };
-    Ok((spec, kept))
+    Ok((spec, decisions))
 }
 
 /// What keys a tensor's random masks: the seed, the tensor's name and each agent's index among
