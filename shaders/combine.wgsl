@@ -277,12 +277,5 @@ fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     if (has_second) {
         v1 = combine_one(e0 + 1u, bb.y);
     }
-    if (p.out_dt == DT_F32) {
-        out[e0] = v0;
-        if (has_second) {
-            out[e0 + 1u] = v1;
-        }
-    } else {
-        out[g] = v0 | (v1 << 16u);
-    }
+    store_pair(g, has_second, v0, v1);
 }

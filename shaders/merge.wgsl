@@ -111,12 +111,5 @@ fn merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index)
     if (has_second) {
         v1 = finish(bb.y, b.y, sum.y, c.y, lam.y, kept.y, k.y);
     }
-    if (p.out_dt == DT_F32) {
-        out[e0] = v0;
-        if (has_second) {
-            out[e0 + 1u] = v1;
-        }
-    } else {
-        out[g] = v0 | (v1 << 16u);
-    }
+    store_pair(g, has_second, v0, v1);
 }

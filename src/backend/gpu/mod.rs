@@ -35,9 +35,19 @@ const PREFERRED_TILE_ELEMS: usize = 4 * DEFAULT_CHUNK_ELEMS;
 pub(super) const DTYPE_WGSL: &str = include_str!("../../../shaders/dtype.wgsl");
 pub(super) const CHUNK_WGSL: &str = include_str!("../../../shaders/chunk.wgsl");
 pub(super) const PROBE_WGSL: &str = include_str!("../../../shaders/probe.wgsl");
-pub(super) const MERGE_WGSL: &str = include_str!("../../../shaders/merge.wgsl");
-pub(super) const COMBINE_WGSL: &str = include_str!("../../../shaders/combine.wgsl");
-pub(super) const UPDATE_WGSL: &str = include_str!("../../../shaders/update.wgsl");
+// The kernels with an output end with `store.wgsl`'s `store_pair`, put before them.
+pub(super) const MERGE_WGSL: &str = concat!(
+    include_str!("../../../shaders/store.wgsl"),
+    include_str!("../../../shaders/merge.wgsl")
+);
+pub(super) const COMBINE_WGSL: &str = concat!(
+    include_str!("../../../shaders/store.wgsl"),
+    include_str!("../../../shaders/combine.wgsl")
+);
+pub(super) const UPDATE_WGSL: &str = concat!(
+    include_str!("../../../shaders/store.wgsl"),
+    include_str!("../../../shaders/update.wgsl")
+);
 
 /// A kernel's whole WGSL source as every user of it builds it — the pipelines, the naga
 /// validation and the layout tests: the codecs (`dtype.wgsl`), the chunk's uniforms and bindings
@@ -294,6 +304,7 @@ mod tests {
             ("probe", PROBE_WGSL),
             ("merge", MERGE_WGSL),
             ("combine", COMBINE_WGSL),
+            ("update", UPDATE_WGSL),
         ] {
             let source = shader_source(kernel);
             let module = naga::front::wgsl::parse_str(&source)
