@@ -91,14 +91,27 @@ impl TileBuffers {
         visit: impl FnOnce(&Tile) -> Result<R>,
     ) -> Result<R> {
         self.load(read, (start, len))?;
+        self.hand_out(read, (0, len), visit)
+    }
+
+    /// Hands `len` elements of the buffers, from element `at` of what they hold, to `visit` as
+    /// one [`Tile`].
+    fn hand_out<R>(
+        &self,
+        read: &TileRead,
+        (at, len): (usize, usize),
+        visit: impl FnOnce(&Tile) -> Result<R>,
+    ) -> Result<R> {
+        let dtype = read.plan.tile_dtype(read.inputs);
+        let bytes = at * dtype.size()..(at + len) * dtype.size();
         let agents: Vec<&[u8]> = self.agents[..read.present.len()]
             .iter()
-            .map(|v| v.as_slice())
+            .map(|v| &v[bytes.clone()])
             .collect();
         visit(&Tile {
-            dtype: read.plan.tile_dtype(read.inputs),
+            dtype,
             len,
-            base: &self.base,
+            base: &self.base[bytes],
             agents: &agents,
         })
     }
@@ -117,23 +130,15 @@ impl TileBuffers {
         let held = |&(wj, ws, wl): &(usize, usize, usize)| {
             wj == j && ws <= start && start + len <= ws + wl
         };
-        if !self.window.as_ref().is_some_and(held) {
-            self.load(read, (start, run_end - start))?;
-            self.window = Some((j, start, run_end - start));
-        }
-        let ws = self.window.map_or(start, |w| w.1);
-        let size = read.plan.tile_dtype(read.inputs).size();
-        let bytes = (start - ws) * size..(start - ws + len) * size;
-        let agents: Vec<&[u8]> = self.agents[..read.present.len()]
-            .iter()
-            .map(|v| &v[bytes.clone()])
-            .collect();
-        visit(&Tile {
-            dtype: read.plan.tile_dtype(read.inputs),
-            len,
-            base: &self.base[bytes],
-            agents: &agents,
-        })
+        let first = match self.window {
+            Some(w) if held(&w) => w.1,
+            _ => {
+                self.load(read, (start, run_end - start))?;
+                self.window = Some((j, start, run_end - start));
+                start
+            }
+        };
+        self.hand_out(read, (start - first, len), visit)
     }
 }
 
