@@ -2,7 +2,7 @@
 // Σ of active τ in agent order; c = 1 → b + λ·τ; c ≥ 2 → b + Σ/c, the correctly rounded quotient
 // from integer arithmetic (`div_by_count`: WGSL's `/` may be 2.5 ULP off); c = 0 → the base's bits.
 // With p.shared_rule = SHARED_CONSENSUS (SPEC §2b), c ≥ 2 takes Σ and c of the active agents whose τ has
-// the sign of Σ (+ where Σ ≥ 0, else −), src/backend/cpu/mod.rs `consensus_in_shared_region`.
+// the sign of Σ (+ where Σ ≥ 0, else −), src/backend/cpu/merge.rs `consensus_in_shared_region`.
 // One invocation per pair of elements, so a packed 16-bit output word is written by one
 // invocation. Needs dtype.wgsl and chunk.wgsl prepended.
 

@@ -4,14 +4,16 @@
 
 use super::{Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode, encode};
-use crate::method::SharedRule;
-use crate::simd::multiversion;
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 
 mod combine;
+mod counts;
+mod merge;
 
 use combine::{combine_chunk, CombineScratch};
+use counts::{probe_chunk, ProbeScratch};
+use merge::{merge_chunk, ChunkScratch};
 
 /// Tiles of 64 Ki elements (128 KiB of bf16 per input): a worker's tile stays in its core's L2
 /// from the read through the checks, the merge and the write. `ram` on base + 3 × 1.08 GB bf16,
@@ -221,13 +223,7 @@ impl CpuBackend {
             |s, start, out| {
                 let len = out.len() / out_size;
                 merge_chunk(tile, params, start, len, s, out, count);
-                if count {
-                    let mut counts = TileCounts::zeros(n);
-                    count_masks(&s.masks[..len], &mut s.patterns, &mut counts);
-                    Some(counts)
-                } else {
-                    None
-                }
+                count.then(|| s.counts(n, len))
             },
             |a: Option<TileCounts>, b| match (a, b) {
                 (Some(mut a), Some(b)) => {
@@ -269,337 +265,18 @@ fn with_scratch<S: 'static, R>(
     })
 }
 
-/// Per-worker buffers for one chunk of the probe.
-struct ProbeScratch {
-    base: Vec<f32>,
-    agent: Vec<f32>,
-    masks: Vec<u64>,
-    patterns: Vec<u32>,
-}
-
-impl ProbeScratch {
-    fn new() -> ProbeScratch {
-        ProbeScratch {
-            base: vec![0.0; CHUNK],
-            agent: vec![0.0; CHUNK],
-            masks: vec![0; CHUNK],
-            patterns: vec![0; PATTERN_SLOTS],
-        }
-    }
-}
-
-/// Up to this many agents the probe counts mask patterns in a table of 2^n entries.
-const PATTERN_TABLE_AGENTS: usize = 8;
-
-/// Adds `hits` elements changed by exactly the agents in `mask` to the histogram.
-fn add_mask(counts: &mut TileCounts, mask: u64, hits: u64) {
-    let n = counts.agents;
-    let others = mask.count_ones() as usize - 1;
-    let mut bits = mask;
-    while bits != 0 {
-        counts.hist[bits.trailing_zeros() as usize * n + others] += hits;
-        bits &= bits - 1;
-    }
-}
-
-multiversion! {
-    /// SPEC §1 over elements `start..start + len`: one agent bit per element, then the histogram.
-    fn probe_chunk(
-        tile: &Tile,
-        epsilon: f32,
-        start: usize,
-        len: usize,
-        s: &mut ProbeScratch,
-    ) -> TileCounts {
-        let n = tile.agents.len();
-        let size = tile.dtype.size();
-        let (base, agent, masks) = (&mut s.base[..len], &mut s.agent[..len], &mut s.masks[..len]);
-        decode(tile.dtype, chunk_bytes(tile.base, start, len, size), base);
-        masks.fill(0);
-        for (t, bytes) in tile.agents.iter().enumerate() {
-            decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);
-            for ((m, &a), &b) in masks.iter_mut().zip(agent.iter()).zip(base.iter()) {
-                *m |= (((a - b).abs() > epsilon) as u64) << t;
-            }
-        }
-        let mut counts = TileCounts::zeros(n);
-        count_masks(masks, &mut s.patterns, &mut counts);
-        counts
-    }
-}
-
-/// Adds each element's agent mask (bit t: agent t changed it) to the histogram: few agents count
-/// each mask pattern once (in four interleaved tables of 2^n entries — `patterns` holds
-/// [`PATTERN_SLOTS`] — so the increments of a run of equal masks, mostly 0, do not wait for each
-/// other), then spread the patterns; many agents add mask by mask.
-fn count_masks<M: Copy + Into<u64>>(masks: &[M], patterns: &mut [u32], counts: &mut TileCounts) {
-    let n = counts.agents;
-    if n <= PATTERN_TABLE_AGENTS {
-        let size = 1 << n;
-        let patterns = &mut patterns[..4 * size];
-        patterns.fill(0);
-        let (t0, rest) = patterns.split_at_mut(size);
-        let (t1, rest) = rest.split_at_mut(size);
-        let (t2, t3) = rest.split_at_mut(size);
-        let mut quads = masks.chunks_exact(4);
-        for q in &mut quads {
-            t0[q[0].into() as usize] += 1;
-            t1[q[1].into() as usize] += 1;
-            t2[q[2].into() as usize] += 1;
-            t3[q[3].into() as usize] += 1;
-        }
-        for &m in quads.remainder() {
-            t0[m.into() as usize] += 1;
-        }
-        for m in 1..size {
-            let hits = t0[m] + t1[m] + t2[m] + t3[m];
-            if hits != 0 {
-                add_mask(counts, m as u64, hits as u64);
-            }
-        }
-    } else {
-        for m in masks.iter().map(|&m| m.into()).filter(|&m| m != 0) {
-            add_mask(counts, m, 1);
-        }
-    }
-}
-
-/// Entries of a scratch's pattern tables: four of 2^[`PATTERN_TABLE_AGENTS`].
-const PATTERN_SLOTS: usize = 4 << PATTERN_TABLE_AGENTS;
-
-/// Per-worker buffers for one chunk of the merge.
-struct ChunkScratch {
-    base: Vec<f32>,
-    agent: Vec<f32>,
-    sum: Vec<f32>,
-    count: Vec<u32>,
-    lambda: Vec<f32>,
-    result: Vec<f32>,
-    /// Agents agreeing with the sign of Σ, per element (`--shared consensus`).
-    agree: Vec<u32>,
-    /// `--shared consensus`: each agent's τ over the chunk (agent t at `t * CHUNK`), kept from
-    /// the merge's pass for the consensus pass, which would otherwise decode every agent again.
-    taus: Vec<f32>,
-    /// A counted merge ([`Backend::merge_counted`]): each element's agent mask (u32, as the
-    /// counts that build it: more agents than 32 count with a probe), and the table
-    /// [`count_masks`] counts them in.
-    masks: Vec<u32>,
-    patterns: Vec<u32>,
-}
-
-impl ChunkScratch {
-    fn new() -> ChunkScratch {
-        ChunkScratch {
-            base: vec![0.0; CHUNK],
-            agent: vec![0.0; CHUNK],
-            sum: vec![0.0; CHUNK],
-            count: vec![0; CHUNK],
-            lambda: vec![0.0; CHUNK],
-            result: vec![0.0; CHUNK],
-            agree: vec![0; CHUNK],
-            taus: Vec::new(),
-            masks: vec![0; CHUNK],
-            patterns: vec![0; PATTERN_SLOTS],
-        }
-    }
-}
-
-multiversion! {
-    /// SPEC §2 over elements `start..start + len` of the tile (see [`merge_chunk_body`]); with
-    /// `masks`, each element's agent mask (SPEC §1) is left in `s.masks`.
-    fn merge_chunk(
-        tile: &Tile,
-        p: &MergeParams,
-        start: usize,
-        len: usize,
-        s: &mut ChunkScratch,
-        out: &mut [u8],
-        masks: bool,
-    ) {
-        match (masks, p.shared == SharedRule::Consensus) {
-            (true, true) => merge_chunk_body::<true, true>(tile, p, start, len, s, out),
-            (true, false) => merge_chunk_body::<true, false>(tile, p, start, len, s, out),
-            (false, true) => merge_chunk_body::<false, true>(tile, p, start, len, s, out),
-            (false, false) => merge_chunk_body::<false, false>(tile, p, start, len, s, out),
-        }
-    }
-}
-
-/// SPEC §2 over elements `start..start + len` of the tile, in the spec's arithmetic order:
-/// τ = a − b; Σ of active τ in agent order; c = 1 → b + λ·τ; c ≥ 2 → b + Σ/c (IEEE division:
-/// the correctly rounded quotient); c = 0 → base bits. With `MASKS`, each element's agent mask
-/// is left in `s.masks` too (bit t: agent t changed it), from the same comparisons. With
-/// `CONSENSUS` (`--shared consensus`), each agent's τ is kept in `s.taus` for the consensus pass.
-#[inline(always)]
-fn merge_chunk_body<const MASKS: bool, const CONSENSUS: bool>(
-    tile: &Tile,
-    p: &MergeParams,
-    start: usize,
-    len: usize,
-    s: &mut ChunkScratch,
-    out: &mut [u8],
-) {
-    let in_size = tile.dtype.size();
-    if CONSENSUS && s.taus.len() < tile.agents.len() * CHUNK {
-        s.taus.resize(tile.agents.len() * CHUNK, 0.0);
-    }
-    let base = &mut s.base[..len];
-    let sum = &mut s.sum[..len];
-    let count = &mut s.count[..len];
-    let lambda = &mut s.lambda[..len];
-    let masks = &mut s.masks[..len];
-    let base_bytes = chunk_bytes(tile.base, start, len, in_size);
-    decode(tile.dtype, base_bytes, base);
-    sum.fill(0.0);
-    count.fill(0);
-    lambda.fill(-0.0);
-    // Each active agent adds `bit` to the element's count: 1, or with MASKS its own bit 1 << t,
-    // so the count holds the agent mask until the popcount below makes it a count.
-    for (t, bytes) in tile.agents.iter().enumerate() {
-        // Under consensus, the agent's own row of `taus`, where its τ replaces its values.
-        let agent = match CONSENSUS {
-            true => &mut s.taus[t * CHUNK..t * CHUNK + len],
-            false => &mut s.agent[..len],
-        };
-        decode(tile.dtype, chunk_bytes(bytes, start, len, in_size), agent);
-        let lam_bits = p.lambdas[t].to_bits();
-        let bit = if MASKS { 1u32 << t } else { 1 };
-        for ((((a, &b), s), c), l) in agent
-            .iter_mut()
-            .zip(base.iter())
-            .zip(sum.iter_mut())
-            .zip(count.iter_mut())
-            .zip(lambda.iter_mut())
-        {
-            let tau = *a - b;
-            if CONSENSUS {
-                *a = tau;
-            }
-            // All-ones where agent t is active: selects as bit masks so the loop vectorizes.
-            let m = ((tau.abs() > p.epsilon) as u32).wrapping_neg();
-            // Adding +0.0 leaves any sum of non-zero τ unchanged, so the masked add is exact.
-            *s += f32::from_bits(tau.to_bits() & m);
-            *c += m & bit;
-            // Σ of the active agents' λ, inactive ones adding −0.0 (x + −0.0 = x for every x):
-            // exactly λ_t where agent t alone is active, the only place it is used. An add, not
-            // a select into memory, which AVX2 would turn into a slow masked store.
-            *l += f32::from_bits((lam_bits & m) | (0x8000_0000 & !m));
-        }
-    }
-    if MASKS {
-        for (mask, c) in masks.iter_mut().zip(count.iter_mut()) {
-            *mask = *c;
-            *c = c.count_ones();
-        }
-    }
-    if CONSENSUS {
-        consensus_in_shared_region(tile.agents.len(), p, len, s);
-    }
-    merged_chunk(tile, p, base_bytes, len, s, out);
-}
-
-/// The merged chunk from its Σ, c and λ (SPEC §2), encoded into `out`: step = λ·Σ for the single
-/// agent (c = 1), else the correctly rounded quotient Σ / c (IEEE division, as the paper's script;
-/// the GPU computes the same quotient with integers, `method::div_by_count`); c = 0 keeps the
-/// base's bits.
-#[inline(always)]
-fn merged_chunk(
-    tile: &Tile,
-    p: &MergeParams,
-    base_bytes: &[u8],
-    len: usize,
-    s: &mut ChunkScratch,
-    out: &mut [u8],
-) {
-    let (base, sum, count, lambda, result) = (
-        &s.base[..len],
-        &s.sum[..len],
-        &s.count[..len],
-        &s.lambda[..len],
-        &mut s.result[..len],
-    );
-    for (((r, &b), &s), (&c, &l)) in result
-        .iter_mut()
-        .zip(base.iter())
-        .zip(sum.iter())
-        .zip(count.iter().zip(lambda.iter()))
-    {
-        let single = ((c == 1) as u32).wrapping_neg();
-        let step =
-            f32::from_bits(((s * l).to_bits() & single) | ((s / c as f32).to_bits() & !single));
-        let merged = (b + step).to_bits();
-        let keep_base = ((c == 0) as u32).wrapping_neg();
-        *r = f32::from_bits((b.to_bits() & keep_base) | (merged & !keep_base));
-    }
-    encode(p.out_dtype, result, out);
-    // c = 0: the base's bits pass through untouched. decode→encode already returns them for every
-    // value but a signalling NaN of a 16-bit type (the encoder quiets it), so only NaN chunks need this.
-    let has_nan = base.iter().fold(false, |acc, b| acc | b.is_nan());
-    if p.out_dtype == tile.dtype && tile.dtype.size() == 2 && has_nan {
-        for ((o, bb), &c) in out
-            .chunks_exact_mut(2)
-            .zip(base_bytes.chunks_exact(2))
-            .zip(count.iter())
-        {
-            if c == 0 {
-                o.copy_from_slice(bb);
-            }
-        }
-    }
-}
-
-multiversion! {
-    /// SPEC §2b, the shared region under `--shared consensus`: where c ≥ 2, Σ and c become those
-    /// of the active agents whose τ has the sign γ of Σ (γ = + where Σ ≥ 0, else −, a NaN Σ
-    /// counting as −, as TIES does), added in agent order from +0.0; λ becomes 1, so a lone
-    /// agreeing agent is the mean of one, never boosted. c ≤ 1 is untouched. A second pass over
-    /// the `agents` agents' τ the merge pass kept in `s.taus`, so the default mean merge pays
-    /// nothing for it; selects on bit masks, as in `merge_chunk`, so the loops vectorize.
-    fn consensus_in_shared_region(agents: usize, p: &MergeParams, len: usize, s: &mut ChunkScratch) {
-        let (sum, agreed, agree) = (&mut s.sum[..len], &mut s.result[..len], &mut s.agree[..len]);
-        agreed.fill(0.0);
-        agree.fill(0);
-        for t in 0..agents {
-            let taus = &s.taus[t * CHUNK..t * CHUNK + len];
-            for (((&tau, &total), acc), k) in taus
-                .iter()
-                .zip(sum.iter())
-                .zip(agreed.iter_mut())
-                .zip(agree.iter_mut())
-            {
-                let positive = total >= 0.0;
-                let same_sign = (positive & (tau > 0.0)) | (!positive & (tau < 0.0));
-                let m = (((tau.abs() > p.epsilon) & same_sign) as u32).wrapping_neg();
-                *acc += f32::from_bits(tau.to_bits() & m);
-                *k += m & 1;
-            }
-        }
-        let one = 1.0f32.to_bits();
-        for ((((total, c), l), &kept), &k) in sum
-            .iter_mut()
-            .zip(s.count[..len].iter_mut())
-            .zip(s.lambda[..len].iter_mut())
-            .zip(agreed.iter())
-            .zip(agree.iter())
-        {
-            let shared = ((*c >= 2) as u32).wrapping_neg();
-            *total = f32::from_bits((kept.to_bits() & shared) | (total.to_bits() & !shared));
-            *c = (k & shared) | (*c & !shared);
-            *l = f32::from_bits((one & shared) | (l.to_bits() & !shared));
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::checkpoint::DType;
     use crate::hash::SplitMix64;
+    use crate::method::SharedRule;
 
-    /// Both probe paths (pattern table for few agents, per-bit loop for many) against a naive count.
+    /// Every probe path (vector compares for up to 4 agents, pattern table up to 8, per-bit loop
+    /// for more) against a naive count.
     #[test]
     fn probe_counts_match_a_naive_count_for_few_and_many_agents() {
-        for n in [1usize, 3, 8, 9, 13] {
+        for n in [1usize, 2, 3, 4, 5, 8, 9, 13] {
             let len = CHUNK * 2 + 77;
             let mut rng = SplitMix64::new(n as u64);
             let base: Vec<f32> = (0..len).map(|i| i as f32 * 0.001).collect();

@@ -1,0 +1,177 @@
+//! SPEC §1 on the CPU: each element's agent mask (bit t: agent t changed it, |τ| > ε) and the
+//! histogram of who changed what with how many others, from the probe or from the merge's own
+//! masks (a counted merge).
+
+use super::{chunk_bytes, CHUNK};
+use crate::backend::{Tile, TileCounts};
+use crate::checkpoint::dtype::decode;
+use crate::simd::multiversion;
+
+/// Per-worker buffers for one chunk of the probe.
+pub(super) struct ProbeScratch {
+    base: Vec<f32>,
+    agent: Vec<f32>,
+    masks: Vec<u64>,
+    patterns: Vec<u32>,
+}
+
+impl ProbeScratch {
+    pub(super) fn new() -> ProbeScratch {
+        ProbeScratch {
+            base: vec![0.0; CHUNK],
+            agent: vec![0.0; CHUNK],
+            masks: vec![0; CHUNK],
+            patterns: vec![0; PATTERN_SLOTS],
+        }
+    }
+}
+
+/// Up to this many agents the probe counts mask patterns in a table of 2^n entries.
+const PATTERN_TABLE_AGENTS: usize = 8;
+
+/// Adds `hits` elements changed by exactly the agents in `mask` to the histogram.
+fn add_mask(counts: &mut TileCounts, mask: u64, hits: u64) {
+    let n = counts.agents;
+    let others = mask.count_ones() as usize - 1;
+    let mut bits = mask;
+    while bits != 0 {
+        counts.hist[bits.trailing_zeros() as usize * n + others] += hits;
+        bits &= bits - 1;
+    }
+}
+
+multiversion! {
+    /// SPEC §1 over elements `start..start + len`: one agent bit per element, then the histogram.
+    pub(super) fn probe_chunk(
+        tile: &Tile,
+        epsilon: f32,
+        start: usize,
+        len: usize,
+        s: &mut ProbeScratch,
+    ) -> TileCounts {
+        let n = tile.agents.len();
+        let size = tile.dtype.size();
+        let (base, agent, masks) = (&mut s.base[..len], &mut s.agent[..len], &mut s.masks[..len]);
+        decode(tile.dtype, chunk_bytes(tile.base, start, len, size), base);
+        masks.fill(0);
+        for (t, bytes) in tile.agents.iter().enumerate() {
+            decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);
+            for ((m, &a), &b) in masks.iter_mut().zip(agent.iter()).zip(base.iter()) {
+                *m |= (((a - b).abs() > epsilon) as u64) << t;
+            }
+        }
+        let mut counts = TileCounts::zeros(n);
+        count_masks(masks, &mut s.patterns, &mut counts);
+        counts
+    }
+}
+
+/// Adds each element's agent mask (bit t: agent t changed it) to the histogram: few agents count
+/// each mask pattern once — up to [`LANE_COUNT_AGENTS`] by vector compares
+/// ([`count_patterns`]), else in four interleaved tables of 2^n entries (`patterns` holds
+/// [`PATTERN_SLOTS`]) so the increments of a run of equal masks, mostly 0, do not wait for each
+/// other — then spread the patterns; many agents add mask by mask.
+pub(super) fn count_masks<M: Masks>(masks: &[M], patterns: &mut [u32], counts: &mut TileCounts) {
+    let n = counts.agents;
+    if n <= LANE_COUNT_AGENTS {
+        let mut hits = [0u32; 1 << LANE_COUNT_AGENTS];
+        M::count_patterns(masks, n, &mut hits);
+        for (m, &h) in hits.iter().enumerate().skip(1) {
+            if h != 0 {
+                add_mask(counts, m as u64, h as u64);
+            }
+        }
+    } else if n <= PATTERN_TABLE_AGENTS {
+        let size = 1 << n;
+        let patterns = &mut patterns[..4 * size];
+        patterns.fill(0);
+        let (t0, rest) = patterns.split_at_mut(size);
+        let (t1, rest) = rest.split_at_mut(size);
+        let (t2, t3) = rest.split_at_mut(size);
+        let mut quads = masks.chunks_exact(4);
+        for q in &mut quads {
+            t0[q[0].into() as usize] += 1;
+            t1[q[1].into() as usize] += 1;
+            t2[q[2].into() as usize] += 1;
+            t3[q[3].into() as usize] += 1;
+        }
+        for &m in quads.remainder() {
+            t0[m.into() as usize] += 1;
+        }
+        for m in 1..size {
+            let hits = t0[m] + t1[m] + t2[m] + t3[m];
+            if hits != 0 {
+                add_mask(counts, m as u64, hits as u64);
+            }
+        }
+    } else {
+        for m in masks.iter().map(|&m| m.into()).filter(|&m| m != 0) {
+            add_mask(counts, m, 1);
+        }
+    }
+}
+
+/// Up to this many agents, [`count_masks`] counts each pattern by vector compares.
+const LANE_COUNT_AGENTS: usize = 4;
+
+/// The agent masks [`count_masks`] counts: the merge's (u32) and the probe's (u64).
+pub(super) trait Masks: Copy + Into<u64> {
+    /// The mask's low 32 bits (all of it, with ≤ [`LANE_COUNT_AGENTS`] agents).
+    fn low(self) -> u32;
+    /// `hits[m]` = how many of `masks` equal m, for m < 2^`n` (n ≤ [`LANE_COUNT_AGENTS`]).
+    fn count_patterns(masks: &[Self], n: usize, hits: &mut [u32; 1 << LANE_COUNT_AGENTS]);
+}
+
+impl Masks for u32 {
+    fn low(self) -> u32 {
+        self
+    }
+    fn count_patterns(masks: &[u32], n: usize, hits: &mut [u32; 1 << LANE_COUNT_AGENTS]) {
+        count_patterns_u32(masks, n, hits)
+    }
+}
+
+impl Masks for u64 {
+    fn low(self) -> u32 {
+        self as u32
+    }
+    fn count_patterns(masks: &[u64], n: usize, hits: &mut [u32; 1 << LANE_COUNT_AGENTS]) {
+        count_patterns_u64(masks, n, hits)
+    }
+}
+
+multiversion! {
+    /// [`Masks::count_patterns`] of the merge's masks.
+    fn count_patterns_u32(masks: &[u32], n: usize, hits: &mut [u32; 1 << LANE_COUNT_AGENTS]) {
+        match n {
+            0 | 1 => count_patterns::<u32, 2>(masks, hits),
+            2 => count_patterns::<u32, 4>(masks, hits),
+            3 => count_patterns::<u32, 8>(masks, hits),
+            _ => count_patterns::<u32, 16>(masks, hits),
+        }
+    }
+}
+
+multiversion! {
+    /// [`Masks::count_patterns`] of the probe's masks.
+    fn count_patterns_u64(masks: &[u64], n: usize, hits: &mut [u32; 1 << LANE_COUNT_AGENTS]) {
+        match n {
+            0 | 1 => count_patterns::<u64, 2>(masks, hits),
+            2 => count_patterns::<u64, 4>(masks, hits),
+            3 => count_patterns::<u64, 8>(masks, hits),
+            _ => count_patterns::<u64, 16>(masks, hits),
+        }
+    }
+}
+
+/// `hits[m]` = how many of `masks` equal m, for m in 1..`P`: a pass of vector compares per
+/// pattern over the masks (in L1), no stores.
+#[inline(always)]
+fn count_patterns<M: Masks, const P: usize>(masks: &[M], hits: &mut [u32; 16]) {
+    for (m, h) in hits.iter_mut().enumerate().take(P).skip(1) {
+        *h = masks.iter().map(|&x| u32::from(x.low() == m as u32)).sum();
+    }
+}
+
+/// Entries of a scratch's pattern tables: four of 2^[`PATTERN_TABLE_AGENTS`].
+pub(super) const PATTERN_SLOTS: usize = 4 << PATTERN_TABLE_AGENTS;
