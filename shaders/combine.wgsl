@@ -9,8 +9,7 @@
 const KEEP_ALL: u32 = 0u;
 const KEEP_BAND: u32 = 1u;
 const KEEP_RANDOM: u32 = 2u;
-const KEEP_ROW_RANK: u32 = 3u;
-const KEEP_FLAGGED: u32 = 4u;
+const KEEP_FLAGGED: u32 = 3u;
 const NORM_NONE: u32 = 0u;
 const NORM_FIXED: u32 = 1u;
 const NORM_TABLE: u32 = 2u;
@@ -35,17 +34,16 @@ struct Comb {
 }
 
 @group(0) @binding(3) var<uniform> c: Comb;
-// Per agent, 8 words: kind (KEEP_ALL, KEEP_BAND, KEEP_RANDOM, KEEP_ROW_RANK, KEEP_FLAGGED), then for a band: lo value,
-// lo index, hi value, hi index, tie flags (bit 0: lo high-first, bit 1: hi high-first); for
-// random: words 5–7 = threshold, hash key 0, hash key 1; for row rank: words 1–2 = p0, step (f32
-// bits), 6–7 = hash key.
+// Per agent, 8 words: kind (KEEP_ALL, KEEP_BAND, KEEP_RANDOM, KEEP_FLAGGED), then for a band: lo
+// value, lo index, hi value, hi index, tie flags (bit 0: lo high-first, bit 1: hi high-first); for
+// random: words 5–7 = threshold, hash key 0, hash key 1.
 @group(0) @binding(4) var<storage, read> rules: array<u32>;
 @group(0) @binding(5) var<storage, read> coefs: array<f32>;
 @group(0) @binding(6) var<storage, read> recips: array<f32>;
 @group(0) @binding(7) var<storage, read_write> out: array<u32>;
-// DELLA: agent t's row rank of chunk element i at ranks[t * rank_stride + i] (arcee_fusion: its
-// keep flag).
-@group(0) @binding(8) var<storage, read> ranks: array<u32>;
+// KEEP_FLAGGED: agent t's keep flag of chunk element i (0: dropped) at flags[t * flag_stride() + i]
+// — DELLA's keep decisions by rank, arcee_fusion's importance test, both made on the host.
+@group(0) @binding(8) var<storage, read> flags: array<u32>;
 
 fn opaque(x: f32) -> f32 {
     return bitcast<f32>(bitcast<u32>(x) ^ p.zero);
@@ -88,22 +86,13 @@ fn keeps(t: u32, v: f32, idx: u32) -> bool {
         return h < rules[r + 5u];
     }
     if (kind == KEEP_FLAGGED) {
-        // arcee_fusion: the host's keep flag in the ranks channel.
-        return ranks[t * rank_stride() + (idx - c.start)] != 0u;
-    }
-    if (kind == KEEP_ROW_RANK) {
-        // src/select/ranks.rs `rank_threshold`.
-        let rank = ranks[t * rank_stride() + (idx - c.start)];
-        let p = bitcast<f32>(rules[r + 1u]) + opaque(f32(rank - 1u) * bitcast<f32>(rules[r + 2u]));
-        let threshold = u32(opaque(p * 4294967296.0));
-        let h = mix32(idx ^ rules[r + 6u]) ^ rules[r + 7u];
-        return h < threshold;
+        return flags[t * flag_stride() + (idx - c.start)] != 0u;
     }
     return true;
 }
 
-// Words per agent in `ranks`: the chunk length rounded up to even.
-fn rank_stride() -> u32 {
+// Words per agent in `flags`: the chunk length rounded up to even.
+fn flag_stride() -> u32 {
     return (p.len + 1u) / 2u * 2u;
 }
 

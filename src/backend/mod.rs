@@ -82,8 +82,9 @@ pub struct CombineParams<'a> {
     pub start: u64,
     /// The dtype the merged tile is written in.
     pub out_dtype: DType,
-    /// DELLA: each agent's row ranks over the tile (whole rows); empty otherwise.
-    pub ranks: &'a [Vec<u32>],
+    /// [`crate::method::combine::Keep::Flagged`] agents (DELLA's keep decisions, arcee_fusion's
+    /// test): each agent's flags over the tile; empty otherwise.
+    pub flags: &'a [Vec<u32>],
     /// Fisher: one coefficient row per tile element (`CombineSpec::tile_coefs`); empty otherwise.
     pub coefs: &'a [f32],
 }

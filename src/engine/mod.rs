@@ -7,7 +7,7 @@ use crate::checkpoint::dtype::decode;
 use crate::checkpoint::folder_files::check_base_config;
 use crate::checkpoint::{CheckpointWriter, DType, ModelFolder, OutputFolder, OutputTensor};
 use crate::inputs::{Inputs, TensorPlan};
-use crate::method::combine::{row_ranks, CombineSpec};
+use crate::method::combine::CombineSpec;
 use crate::method::settings::{layer_t, TensorPlace};
 use crate::method::statistics::Decisions;
 use crate::method::{BoostScope, Kind, Method};
@@ -144,7 +144,7 @@ enum TileRule {
 }
 
 /// A tile worker's f32 buffers, kept from tile to tile (fresh ones per tile fault in their pages
-/// again): for [`tile_ranks`] the base and each agent decoded and each agent's words.
+/// again): for [`tile_flags`] the base and each agent decoded and each agent's words.
 #[derive(Default)]
 struct TileScratch {
     base: Vec<f32>,
@@ -152,16 +152,17 @@ struct TileScratch {
     words: Vec<Vec<u32>>,
 }
 
-/// Each present agent's words for the tile's elements, in the ranks channel: DELLA's keep
-/// decisions (kept by its statistics, else made here from the tile's rows), or arcee_fusion's
-/// keep flags, or row ranks (a ranked rule without decisions); empty when the rule needs none.
-fn tile_ranks<'b>(
+/// Each present agent's words for the tile's elements, in the flags channel
+/// ([`crate::method::combine::Keep::Flagged`]): DELLA's keep decisions (kept by its statistics,
+/// else made here from the tile's rows), or arcee_fusion's keep flags; empty when the rule
+/// needs none.
+fn tile_flags<'b>(
     tile: &Tile,
     start: u64,
     (spec, decisions): (&CombineSpec, Option<&Decisions>),
     b: &'b mut TileScratch,
 ) -> &'b [Vec<u32>] {
-    if spec.rank_rows == 0 && spec.fusion.is_none() {
+    if decisions.is_none() && spec.fusion.is_none() {
         return &[];
     }
     let n = tile.agents.len();
@@ -190,9 +191,7 @@ fn tile_ranks<'b>(
             match (&spec.fusion, decisions) {
                 (Some(f), _) => f.flags(start, v, words),
                 (None, Some(d)) => d.words(t, start, v, words),
-                (None, None) => {
-                    row_ranks(v, spec.rank_rows as usize, spec.rank_stride as usize, words)
-                }
+                (None, None) => unreachable!("returned above: no flags to make"),
             }
         });
     &b.words[..n]
@@ -637,7 +636,7 @@ impl<'a> MergePass<'a> {
                 }
             }
             TileRule::Combine(spec, kept) => {
-                let ranks = tile_ranks(tile, start, (spec, kept.as_ref()), scratch);
+                let flags = tile_flags(tile, start, (spec, kept.as_ref()), scratch);
                 let mut coefs = Vec::new();
                 if let Some(f) = self.fisher {
                     f.tile_coefs(job.plan, &job.present, spec, (start, tile.len), &mut coefs)?;
@@ -646,7 +645,7 @@ impl<'a> MergePass<'a> {
                     spec,
                     start,
                     out_dtype,
-                    ranks,
+                    flags,
                     coefs: &coefs,
                 };
                 self.backend.combine(tile, &params, out)

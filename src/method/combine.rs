@@ -27,23 +27,13 @@ pub enum Keep {
         /// The mask's hash key (seed, tensor and agent).
         key: [u32; 2],
     },
-    /// DELLA: Bernoulli with p = `p0` + (rank − 1)·`step`, rank = the element's 1-based rank by
-    /// |v| ascending within its row (ties by index; see [`row_ranks`]).
-    RowRank {
-        /// Keep probability of the lowest rank.
-        p0: f32,
-        /// Added to the probability per rank.
-        step: f32,
-        /// The mask's hash key (seed, tensor and agent).
-        key: [u32; 2],
-    },
-    /// Kept where the host's word for the element (in the ranks channel) is not 0: arcee_fusion's
-    /// importance test ([`Fusion::flags`]), or DELLA's keep decisions as its statistics scan made
-    /// them (`statistics::KeptFlags`).
+    /// Kept where the host's word for the element (in the flags channel) is not 0: arcee_fusion's
+    /// importance test ([`Fusion::flags`]), or DELLA's keep decisions by rank
+    /// (`statistics::Decisions`, made with [`row_keep_mask`]).
     Flagged,
 }
 
-pub use crate::select::{rank_threshold, row_keep_mask, row_ranks, RankKeep};
+pub use crate::select::{rank_threshold, row_keep_mask, RankKeep};
 
 /// The keep threshold of a Bernoulli(density) mask.
 pub fn random_threshold(density: f64) -> u32 {
@@ -51,22 +41,20 @@ pub fn random_threshold(density: f64) -> u32 {
 }
 
 impl Keep {
-    /// `out[i]` = all ones where element `first + i` with value `v[i]` (and, for DELLA, row rank
-    /// `ranks[i]`) is kept, else 0: the vectorizable bulk form of [`Keep::keeps`].
-    pub fn mask_into(&self, v: &[f32], first: u32, ranks: &[u32], out: &mut [u32]) {
-        keep_mask(*self, v, first, ranks, out)
+    /// `out[i]` = all ones where element `first + i` with value `v[i]` (and, for
+    /// [`Keep::Flagged`], flag `flags[i]`) is kept, else 0: the vectorizable bulk form of
+    /// [`Keep::keeps`].
+    pub fn mask_into(&self, v: &[f32], first: u32, flags: &[u32], out: &mut [u32]) {
+        keep_mask(*self, v, first, flags, out)
     }
 
-    /// Whether the element with value `v`, tensor index `idx` and row rank `rank` (DELLA only) is
-    /// kept.
+    /// Whether the element with value `v`, tensor index `idx` and flag `flag` ([`Keep::Flagged`]
+    /// only) is kept.
     #[inline]
-    pub fn keeps(&self, v: f32, idx: u32, rank: u32) -> bool {
+    pub fn keeps(&self, v: f32, idx: u32, flag: u32) -> bool {
         match *self {
-            Keep::RowRank { p0, step, key } => {
-                element_hash(key, idx) < rank_threshold(p0, step, rank)
-            }
             Keep::All => true,
-            Keep::Flagged => rank != 0,
+            Keep::Flagged => flag != 0,
             Keep::Band { lo, hi } => {
                 let key = magnitude_key(v);
                 hi.inside(key, idx) && !lo.inside(key, idx)
@@ -77,7 +65,7 @@ impl Keep {
 }
 
 /// Calls `f(i, mask)` for i in `0..len`, the keep mask of element `first + i` (all ones or 0),
-/// whose value is `v(i)` and row rank `ranks[i]` (DELLA only), in one branch-free loop per kind
+/// whose value is `v(i)` and flag `flags[i]` ([`Keep::Flagged`] only), in one branch-free loop per kind
 /// of [`Keep`]: the bulk form of [`Keep::keeps`], inlined into loops that the compiler
 /// vectorizes.
 #[inline(always)]
@@ -86,7 +74,7 @@ fn keep_lanes(
     len: usize,
     v: impl Fn(usize) -> f32,
     first: u32,
-    ranks: &[u32],
+    flags: &[u32],
     mut f: impl FnMut(usize, u32),
 ) {
     let idx = |i: usize| first.wrapping_add(i as u32);
@@ -96,18 +84,10 @@ fn keep_lanes(
         lane(key > c.value) | (lane(key == c.value) & (lane(idx < c.index) ^ lane(c.high_first)))
     };
     match keep {
-        Keep::RowRank { p0, step, key } => {
-            for (i, &r) in ranks[..len].iter().enumerate() {
-                f(
-                    i,
-                    lane(element_hash(key, idx(i)) < rank_threshold(p0, step, r)),
-                );
-            }
-        }
         Keep::All => (0..len).for_each(|i| f(i, u32::MAX)),
         Keep::Flagged => {
-            for (i, &r) in ranks[..len].iter().enumerate() {
-                f(i, lane(r != 0));
+            for (i, &flag) in flags[..len].iter().enumerate() {
+                f(i, lane(flag != 0));
             }
         }
         // The top k (TIES): one cut.
@@ -132,15 +112,15 @@ fn keep_lanes(
 
 multiversion! {
     /// [`Keep::mask_into`], compiled for the baseline, AVX2 and AVX-512 (`multiversion!`).
-    fn keep_mask(keep: Keep, v: &[f32], first: u32, ranks: &[u32], out: &mut [u32]) {
-        keep_lanes(keep, out.len(), |i| v[i], first, ranks, |i, m| out[i] = m);
+    fn keep_mask(keep: Keep, v: &[f32], first: u32, flags: &[u32], out: &mut [u32]) {
+        keep_lanes(keep, out.len(), |i| v[i], first, flags, |i, m| out[i] = m);
     }
 }
 
 multiversion! {
     /// One agent's term of the sum, in one pass: d = v·c where kept, else +0.0, with
     /// v = `x[i] − base[i]` (`x[i]` without a base) for `values` = (x, base), element i being
-    /// `first + i` of row rank `ranks[i]` for `at` = (first, ranks); `sum[i]` += d (from +0.0
+    /// `first + i` of flag `flags[i]` for `at` = (first, flags); `sum[i]` += d (from +0.0
     /// when `first_term`, so no row needs clearing before), and `terms[i]` = d when a consensus
     /// needs the terms again. The same IEEE operations as [`Keep::mask_into`] then scaling and
     /// adding row by row.
@@ -157,7 +137,7 @@ multiversion! {
         fn term(
             keep: Keep,
             v: impl Fn(usize) -> f32,
-            (first, ranks): (u32, &[u32]),
+            (first, flags): (u32, &[u32]),
             c: f32,
             sum: &mut [f32],
             terms: Option<&mut [f32]>,
@@ -167,18 +147,18 @@ multiversion! {
             let scaled = |i: usize, m: u32| f32::from_bits((v(i) * c).to_bits() & m);
             // One loop per case, so none tests the case per element.
             match (terms, first_term) {
-                (Some(d), true) => keep_lanes(keep, n, &v, first, ranks, |i, m| {
+                (Some(d), true) => keep_lanes(keep, n, &v, first, flags, |i, m| {
                     d[i] = scaled(i, m);
                     sum[i] = 0.0 + d[i];
                 }),
-                (Some(d), false) => keep_lanes(keep, n, &v, first, ranks, |i, m| {
+                (Some(d), false) => keep_lanes(keep, n, &v, first, flags, |i, m| {
                     d[i] = scaled(i, m);
                     sum[i] += d[i];
                 }),
-                (None, true) => keep_lanes(keep, n, &v, first, ranks, |i, m| {
+                (None, true) => keep_lanes(keep, n, &v, first, flags, |i, m| {
                     sum[i] = 0.0 + scaled(i, m);
                 }),
-                (None, false) => keep_lanes(keep, n, &v, first, ranks, |i, m| {
+                (None, false) => keep_lanes(keep, n, &v, first, flags, |i, m| {
                     sum[i] += scaled(i, m);
                 }),
             }
@@ -243,13 +223,10 @@ pub struct CombineSpec {
     /// The consensus sign is that of Σ kept v_t (SCE) rather than of Σ d_t (TIES).
     #[serde(default)]
     pub sign_of_values: bool,
-    /// Slab length of DELLA's rank groups (0: no keep rule needs ranks). Tiles then hold whole
-    /// slabs and come with each agent's [`row_ranks`].
+    /// Slab length of DELLA's rank groups (0: no keep rule ranks). Tiles then hold whole slabs,
+    /// so a tile's keep decisions can be made from its own rows ([`row_keep_mask`]).
     #[serde(default)]
     pub rank_rows: u64,
-    /// Stride of the rank groups within a slab (0 or 1: the slab is one row); see [`row_ranks`].
-    #[serde(default)]
-    pub rank_stride: u64,
     /// arcee_fusion: each row's KL divergence and the importance fence; the host flags each
     /// tile's kept elements from them ([`Keep::Flagged`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -450,8 +427,8 @@ pub fn variance_key(v: &[f32], inv_n: f32) -> u32 {
 }
 
 /// SPEC §4 for one element: base value `b`, agent values `x`, index `idx` in the tensor, and each
-/// agent's row rank (DELLA; empty otherwise).
-pub fn combine_element(spec: &CombineSpec, b: f32, x: &[f32], idx: u64, ranks: &[u32]) -> f32 {
+/// agent's flag ([`Keep::Flagged`]: DELLA's decisions, arcee_fusion's test; empty otherwise).
+pub fn combine_element(spec: &CombineSpec, b: f32, x: &[f32], idx: u64, flags: &[u32]) -> f32 {
     if let Some(t) = spec.nearswap {
         return nearswap(t, b, x[0]);
     }
@@ -466,8 +443,8 @@ pub fn combine_element(spec: &CombineSpec, b: f32, x: &[f32], idx: u64, ranks: &
     let mut d = vec![0.0f32; x.len()];
     let (mut sum, mut sum_v) = (0.0f32, 0.0f32);
     for (t, &vt) in v.iter().enumerate() {
-        let rank = ranks.get(t).copied().unwrap_or(1);
-        if element_kept && spec.keep[t].keeps(vt, idx as u32, rank) {
+        let flag = flags.get(t).copied().unwrap_or(0);
+        if element_kept && spec.keep[t].keeps(vt, idx as u32, flag) {
             d[t] = vt * row[1 + t];
             sum_v += vt;
         }
@@ -526,7 +503,6 @@ mod tests {
             element_keep: None,
             sign_of_values: false,
             rank_rows: 0,
-            rank_stride: 0,
             fusion: None,
             tile_coefs: false,
         }

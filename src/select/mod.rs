@@ -20,7 +20,7 @@ pub use cut::{magnitude_key, RankCut};
 use histogram::{histogram_pass, Histogram};
 pub use key_cut::key_rank_cut;
 use key_window::KeyWindow;
-pub use ranks::{rank_threshold, row_keep_mask, row_ranks, RankKeep};
+pub use ranks::{rank_threshold, row_keep_mask, RankKeep};
 use std::ops::ControlFlow;
 
 /// The third pass's search for where cut `cut` splits the elements tied at key `key`: the index

@@ -1,7 +1,9 @@
-//! DELLA's ranks: each element's 1-based rank by |v| ascending within its rank group, ties by
-//! index (a stable sort), computed without a comparison sort — zeros (most of an RL task vector)
-//! rank first in index order as they are met, the other magnitude keys go through a stable radix
-//! sort — and slab by slab in parallel. Same ranks as sorting by (|v| key, index).
+//! DELLA's keep decisions by rank: each element's 1-based rank by |v| ascending within its rank
+//! group, ties by index (a stable sort) — a matrix's rows, or for a tensor [a, b, c, …] the b
+//! elements that share every other index, as mergekit's DELLA ranks along dimension 1 — found
+//! without a comparison sort: zeros (most of an RL task vector) rank first and are never kept,
+//! the other magnitude keys go through a stable radix sort, and each is decided in sorted order;
+//! slab by slab in parallel. Same ranks as sorting by (|v| key, index).
 
 use super::cut::magnitude_key;
 use crate::hash::element_hash;
@@ -11,32 +13,6 @@ use std::cell::RefCell;
 
 /// Elements of a run from which its slabs are ranked in parallel.
 const PARALLEL_ELEMS: usize = 1 << 16;
-
-/// 1-based ranks of |v| ascending within each rank group (ties: lower index first, as a stable
-/// sort), for a run of whole slabs of `slab` elements: in each slab, elements k, k + `stride`,
-/// k + 2·`stride`, … form group k (stride 1: the slab is one group, a row). That is a ranking
-/// along dimension 1, as mergekit's DELLA ranks: a matrix's rows, or for a tensor [a, b, c, …]
-/// the b elements that share every other index (slab b·c·…, stride c·…).
-pub fn row_ranks(v: &[f32], slab: usize, stride: usize, out: &mut Vec<u32>) {
-    // Every rank is written below: no need to clear what a reused buffer held.
-    out.resize(v.len(), 0);
-    let slab = slab.max(1);
-    let stride = stride.max(1);
-    let rank_slab = |(values, ranks): (&[f32], &mut [u32])| {
-        SCRATCH.with_borrow_mut(|scratch| {
-            for k in 0..stride.min(values.len()) {
-                rank_group(values, ranks, (k, stride), scratch);
-            }
-        })
-    };
-    if v.len() >= PARALLEL_ELEMS && v.len() > slab {
-        v.par_chunks(slab)
-            .zip(out.par_chunks_mut(slab))
-            .for_each(rank_slab);
-    } else {
-        v.chunks(slab).zip(out.chunks_mut(slab)).for_each(rank_slab);
-    }
-}
 
 /// DELLA's keep rule on ranks: an element of 1-based rank r is kept when its hash under `key`
 /// is below [`rank_threshold`]`(p0, step, r)`.
@@ -59,11 +35,12 @@ pub fn rank_threshold(p0: f32, step: f32, rank: u32) -> u32 {
 }
 
 /// DELLA's keep mask, made where the ranks are found: `out[i]` = all ones where the element of
-/// tensor index `first + i` is kept under `rule` with its [`row_ranks`] rank, else 0. A zero is
+/// tensor index `first + i` is kept under `rule` with its rank, else 0. A zero is
 /// never kept: whether it is changes no output (a kept zero adds ±0 to sums that are never −0,
 /// agrees with no consensus sign and adds nothing to an L1 norm; SPEC §4), so zeros are counted,
-/// not ranked. The nonzero ranks are the same as [`row_ranks`] gives (zeros rank first), and
-/// each decision is made in sorted order from the element's index, so no ranks are stored.
+/// not ranked. Rank groups: in each slab of `slab` elements, elements k, k + `stride`, k +
+/// 2·`stride`, … form group k (stride 1: the slab is one row). Each decision is made in sorted
+/// order from the element's index, so no ranks are stored.
 pub fn row_keep_mask(
     v: &[f32],
     (slab, stride): (usize, usize),
@@ -97,7 +74,7 @@ pub fn row_keep_mask(
 }
 
 /// Group `k` of a slab (elements k, k + stride, …) into `mask` (all 0 on entry): the nonzero
-/// keys sorted as [`rank_group`] sorts them, each kept or not from its rank in that order.
+/// keys sorted by key, stably, each kept or not from its rank in that order (the zeros before).
 fn keep_group(
     values: &[f32],
     mask: &mut [u32],
@@ -109,7 +86,8 @@ fn keep_group(
     s.reserve(group);
     let keys = &mut s.keys[..=group];
     let mut nonzero = 0usize;
-    // Branch-free, as in rank_group; a row (stride 1) without the stepping.
+    // Branch-free (zeros fall at random in a task vector): every key is written as the next
+    // pair, and only a nonzero one moves the count on; a row (stride 1) without the stepping.
     let mut push = |key: u32, i: usize| {
         keys[nonzero] = (key, i as u32);
         nonzero += usize::from(key != 0);
@@ -169,28 +147,6 @@ impl Scratch {
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::default();
-}
-
-/// Ranks group `k` of a slab (elements k, k + stride, …): zeros first, in index order, then the
-/// nonzero keys in (key, index) order.
-fn rank_group(values: &[f32], ranks: &mut [u32], (k, stride): (usize, usize), s: &mut Scratch) {
-    // Branch-free (zeros fall at random in a task vector): every element is written as a
-    // candidate zero rank and as the next nonzero pair, and only the count that applies moves on.
-    let group = (values.len() - k).div_ceil(stride);
-    s.reserve(group);
-    let (mut zeros, mut nonzero) = (0u32, 0usize);
-    for i in (k..values.len()).step_by(stride) {
-        let key = magnitude_key(values[i]);
-        let is_zero = u32::from(key == 0);
-        zeros += is_zero;
-        ranks[i] = zeros;
-        s.keys[nonzero] = (key, i as u32);
-        nonzero += 1 - is_zero as usize;
-    }
-    let sorted = radix_sort(&mut s.keys[..nonzero], &mut s.spare[..nonzero]);
-    for (pos, &(_, i)) in sorted.iter().enumerate() {
-        ranks[i as usize] = zeros + pos as u32 + 1;
-    }
 }
 
 /// Sorts (key, index) pairs by key, stably — they arrive in index order, so equal keys stay in
@@ -271,17 +227,17 @@ mod tests {
     use super::*;
     use crate::hash::SplitMix64;
 
+    /// The reference ranks the tests check against, by hand: rows, strided groups (a [3, 2]
+    /// slab's columns), ties by index, −0 a zero.
     #[test]
-    fn row_ranks_by_hand() {
-        let mut r = Vec::new();
-        row_ranks(&[3.0, -1.0, 2.0, 5.0, 4.0, 0.5], 3, 1, &mut r);
-        assert_eq!(r, [3, 1, 2, 3, 2, 1]);
-        // Slab [[3, −1], [2, 5], [4, 0.5]] of shape [3, 2], stride 2: columns ranked.
-        row_ranks(&[3.0, -1.0, 2.0, 5.0, 4.0, 0.5], 6, 2, &mut r);
-        assert_eq!(r, [2, 2, 1, 3, 3, 1]);
-        // Ties by index; −0 is a zero.
-        row_ranks(&[1.0, 1.0, -1.0, -0.0, 0.0], 5, 1, &mut r);
-        assert_eq!(r, [3, 4, 5, 1, 2]);
+    fn reference_ranks_by_hand() {
+        let v = [3.0, -1.0, 2.0, 5.0, 4.0, 0.5];
+        assert_eq!(sorted_ranks(&v, 3, 1), [3, 1, 2, 3, 2, 1]);
+        assert_eq!(sorted_ranks(&v, 6, 2), [2, 2, 1, 3, 3, 1]);
+        assert_eq!(
+            sorted_ranks(&[1.0, 1.0, -1.0, -0.0, 0.0], 5, 1),
+            [3, 4, 5, 1, 2]
+        );
     }
 
     /// Rows of every kind the ranks meet: sparse and dense, ties, zeros of both signs, NaN and
@@ -335,17 +291,26 @@ mod tests {
         want
     }
 
-    /// The ranks of a stable sort by (magnitude key, index), on sparse and dense runs with ties,
-    /// zeros of both signs, NaN and infinities, every stride, runs long enough to go parallel.
+    /// The radix sort is a stable sort by key: on the (key, index) pairs of sparse and dense rows
+    /// with ties, NaN and infinities, 16-bit-like keys (one pass) and keys of every bit (four),
+    /// and short runs (the comparison sort).
     #[test]
-    fn ranks_are_a_stable_sorts() {
+    fn radix_sort_is_a_stable_sort() {
         let mut rng = SplitMix64::new(7);
-        for (len, slab, stride, zeros, bf16_like) in CASES {
+        for (len, _, _, zeros, bf16_like) in CASES {
             let v = random_rows(&mut rng, len, zeros, bf16_like);
-            let mut got = Vec::new();
-            row_ranks(&v, slab, stride, &mut got);
-            let want = sorted_ranks(&v, slab, stride);
-            assert_eq!(got, want, "len {len}, slab {slab}, stride {stride}");
+            for run in [&v[..], &v[..40], &v[..len.min(3000)]] {
+                let mut pairs: Vec<(u32, u32)> = run
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &x)| (magnitude_key(x), i as u32))
+                    .collect();
+                let mut want = pairs.clone();
+                want.sort_by_key(|p| p.0);
+                let mut spare = pairs.clone();
+                let got = radix_sort(&mut pairs, &mut spare);
+                assert_eq!(got, &want[..], "len {}, zeros {zeros}", run.len());
+            }
         }
     }
 

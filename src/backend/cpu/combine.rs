@@ -70,10 +70,10 @@ impl Chunk<'_> {
         );
     }
 
-    /// Agent `t`'s DELLA row ranks over the chunk (empty when the rule needs none).
-    fn ranks(&self, t: usize) -> &[u32] {
+    /// Agent `t`'s flags over the chunk (empty when the rule needs none).
+    fn flags(&self, t: usize) -> &[u32] {
         self.p
-            .ranks
+            .flags
             .get(t)
             .map_or(&[][..], |r| &r[self.start..self.start + self.len])
     }
@@ -150,7 +150,7 @@ fn terms_in_one_pass(c: &Chunk, row: &[f32], s: &mut CombineScratch) {
         keep_scale_add(
             spec.keep[t],
             (agent, spec.delta.then_some(base)),
-            (c.first as u32, c.ranks(t)),
+            (c.first as u32, c.flags(t)),
             row[1 + t],
             sum,
             spec.consensus.then(|| &mut s.d[t * CHUNK..t * CHUNK + len]),
@@ -198,7 +198,7 @@ fn terms(c: &Chunk, s: &mut CombineScratch) {
         let d = &mut s.d[t * CHUNK..t * CHUNK + len];
         // The keep mask, then d_t = v·c where kept (a select on bits, not a branch).
         let keep = &mut s.keep[..len];
-        spec.keep[t].mask_into(d, c.first as u32, c.ranks(t), keep);
+        spec.keep[t].mask_into(d, c.first as u32, c.flags(t), keep);
         if spec.element_keep.is_some() {
             for (k, &e) in keep.iter_mut().zip(element.iter()) {
                 *k &= e;

@@ -23,7 +23,7 @@ pub(super) struct Slot {
     pub(super) readback: wgpu::Buffer,
     pub(super) comb: wgpu::Buffer,
     pub(super) rules: wgpu::Buffer,
-    pub(super) ranks: wgpu::Buffer,
+    pub(super) flags: wgpu::Buffer,
     pub(super) coefs: wgpu::Buffer,
     pub(super) table: wgpu::Buffer,
     /// A host-computed update's chunk, f32 (the update kernel's `delta`).
@@ -124,8 +124,9 @@ impl GpuBackend {
         });
         let comb = uniform("comb", std::mem::size_of::<Comb>());
         let rules = storage("rules", 32 * GPU_MAX_AGENTS as u64, dst);
-        // DELLA's row ranks: one u32 per element and agent, laid out like `agents` in f32.
-        let ranks = storage("ranks", words * 4 * n as u64, dst);
+        // Keep flags (DELLA's decisions, arcee_fusion's test): one u32 per element and agent,
+        // laid out like `agents` in f32.
+        let flags = storage("flags", words * 4 * n as u64, dst);
         let coefs = storage("coefs", coef_floats(chunk, n) as u64 * 4, dst);
         let table = storage("reciprocal table", 4 << GPU_MAX_TABLE_AGENTS, dst);
         let delta = storage("delta", words * 4, dst);
@@ -141,7 +142,7 @@ impl GpuBackend {
             ("rules", &rules),
             ("coefs", &coefs),
             ("recips", &table),
-            ("ranks", &ranks),
+            ("flags", &flags),
             ("delta", &delta),
         ];
         let group = |label: &str, pipeline: &wgpu::ComputePipeline, names: &[&str]| {
@@ -162,7 +163,7 @@ impl GpuBackend {
             readback,
             comb,
             rules,
-            ranks,
+            flags,
             coefs,
             table,
             delta,

@@ -149,12 +149,12 @@ impl GpuBackend {
                 if !table.is_empty() {
                     q.write_buffer(&slot.table, 0, bytemuck::cast_slice(&table));
                 }
-                // Each agent's ranks at its f32-sized segment (words per agent: the chunk's
+                // Each agent's flags at its f32-sized segment (words per agent: the chunk's
                 // f32 stride, even).
                 let stride = len.div_ceil(2) * 2;
-                for (t, r) in params.ranks.iter().enumerate() {
+                for (t, r) in params.flags.iter().enumerate() {
                     q.write_buffer(
-                        &slot.ranks,
+                        &slot.flags,
                         (t * stride * 4) as u64,
                         bytemuck::cast_slice(&r[start..start + len]),
                     );

@@ -21,8 +21,7 @@ pub(super) mod wgsl {
     pub const KEEP_ALL: u32 = 0;
     pub const KEEP_BAND: u32 = 1;
     pub const KEEP_RANDOM: u32 = 2;
-    pub const KEEP_ROW_RANK: u32 = 3;
-    pub const KEEP_FLAGGED: u32 = 4;
+    pub const KEEP_FLAGGED: u32 = 3;
     /// `Comb::norm_mode` (combine.wgsl).
     pub const NORM_NONE: u32 = 0;
     pub const NORM_FIXED: u32 = 1;
@@ -33,7 +32,7 @@ pub(super) mod wgsl {
 
     /// Every constant above with its WGSL name.
     #[cfg(test)]
-    pub const ALL: [(&str, u32); 15] = [
+    pub const ALL: [(&str, u32); 14] = [
         ("WG", WG),
         ("MAX_AGENTS", MAX_AGENTS),
         ("DT_BF16", DT_BF16),
@@ -42,7 +41,6 @@ pub(super) mod wgsl {
         ("KEEP_ALL", KEEP_ALL),
         ("KEEP_BAND", KEEP_BAND),
         ("KEEP_RANDOM", KEEP_RANDOM),
-        ("KEEP_ROW_RANK", KEEP_ROW_RANK),
         ("KEEP_FLAGGED", KEEP_FLAGGED),
         ("NORM_NONE", NORM_NONE),
         ("NORM_FIXED", NORM_FIXED),
@@ -143,16 +141,6 @@ pub(super) fn rule_words(k: &Keep) -> [u32; 8] {
         Keep::Random { threshold, key } => {
             [wgsl::KEEP_RANDOM, 0, 0, 0, 0, threshold, key[0], key[1]]
         }
-        Keep::RowRank { p0, step, key } => [
-            wgsl::KEEP_ROW_RANK,
-            p0.to_bits(),
-            step.to_bits(),
-            0,
-            0,
-            0,
-            key[0],
-            key[1],
-        ],
     }
 }
 
@@ -171,7 +159,7 @@ pub(super) const PROBE_BINDINGS: [&str; 4] = ["p", "base", "agents", "hist"];
 pub(super) const MERGE_BINDINGS: [&str; 5] = ["p", "base", "agents", "lambdas", "out"];
 /// See [`PROBE_BINDINGS`].
 pub(super) const COMBINE_BINDINGS: [&str; 9] = [
-    "p", "base", "agents", "c", "rules", "coefs", "recips", "out", "ranks",
+    "p", "base", "agents", "c", "rules", "coefs", "recips", "out", "flags",
 ];
 /// See [`PROBE_BINDINGS`].
 pub(super) const UPDATE_BINDINGS: [&str; 5] = ["p", "base", "agents", "delta", "out"];

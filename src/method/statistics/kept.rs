@@ -1,10 +1,10 @@
 //! DELLA's keep decisions, made once. Its L1 rescale needs each agent's kept elements before the
 //! merge, so its statistics scan ranks every row; the merge would rank every row again to make
 //! the same decisions. Instead the scan keeps them, one bit per element and agent, and the merge
-//! reads them as [`Keep::Flagged`] words — the same decisions, so the same bytes, with half the
+//! reads them as [`Keep::Flagged`](crate::method::combine::Keep::Flagged) words — the same decisions, so the same bytes, with half the
 //! ranking. Bounded: a tensor whose bits would pass [`MAX_BITS`] is ranked twice, as before.
 
-use crate::method::combine::{row_keep_mask, Keep, RankKeep};
+use crate::method::combine::{row_keep_mask, RankKeep};
 use crate::simd::multiversion;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -52,7 +52,7 @@ impl KeptFlags {
         }
     }
 
-    /// Agent `t`'s words for elements `start..start + len`, as [`Keep::Flagged`] reads them (1:
+    /// Agent `t`'s words for elements `start..start + len`, as [`Keep::Flagged`](crate::method::combine::Keep::Flagged) reads them (1:
     /// kept, 0: dropped; all 0 for an agent without bits, whose rule reads none).
     pub fn words(&self, t: usize, start: u64, len: usize, out: &mut Vec<u32>) {
         out.clear();
@@ -76,7 +76,7 @@ impl KeptFlags {
     }
 }
 
-/// DELLA's keep decisions, as the merge reads them ([`Keep::Flagged`] words): kept by its
+/// DELLA's keep decisions, as the merge reads them ([`Keep::Flagged`](crate::method::combine::Keep::Flagged) words): kept by its
 /// statistics scan, or — past [`MAX_BITS`], or without an L1 scan (`rescale=false`) — made tile by
 /// tile from each row's ranks under the agent's rule, by the same [`row_keep_mask`], so the same
 /// decisions either way.
@@ -96,28 +96,16 @@ pub enum Decisions {
 }
 
 impl Decisions {
-    /// The decisions for `keep`'s ranked agents ([`Keep::RowRank`]), rows of (`slab`, `stride`):
-    /// `kept` when the scan kept them, else tile by tile. Those agents' keep becomes
-    /// [`Keep::Flagged`]; `None` (and `keep` unchanged) when no agent is ranked.
+    /// The decisions of the agents ranked under `rules` (per present agent, its rule if it is
+    /// ranked), rows of (`slab`, `stride`): `kept` when the scan kept them, else tile by tile;
+    /// `None` when no agent is ranked.
     pub(super) fn of(
-        keep: &mut [Keep],
+        rules: Vec<Option<RankKeep>>,
         kept: Option<KeptFlags>,
         (slab, stride): (u64, u64),
     ) -> Option<Decisions> {
-        let rules: Vec<Option<RankKeep>> = keep
-            .iter()
-            .map(|k| match *k {
-                Keep::RowRank { p0, step, key } => Some(RankKeep { p0, step, key }),
-                _ => None,
-            })
-            .collect();
         if rules.iter().all(Option::is_none) {
             return None;
-        }
-        for (k, r) in keep.iter_mut().zip(&rules) {
-            if r.is_some() {
-                *k = Keep::Flagged;
-            }
         }
         Some(match kept {
             Some(k) => Decisions::Kept(k),

@@ -17,7 +17,7 @@ use super::closed_form::{
     karcher_coefs, model_stock_t, multislerp_coefs, nuslerp_coefs, slerp_coefs,
 };
 use super::combine::{
-    coef_row, random_threshold, row_keep_mask, row_ranks, CombineSpec, Keep, Normalize, RankKeep,
+    coef_row, random_threshold, row_keep_mask, CombineSpec, Keep, Normalize, RankKeep,
 };
 use super::tensor_params::{BaseTerm, Sparsify, TensorParams, Vectors};
 use crate::hash::hash_key;
@@ -49,10 +49,10 @@ pub fn build_spec(
         present,
     };
     // Rank cuts first: the masks must be known before any kept-element statistic.
-    let mut keep = keep_rules(params, numel, ranked.group(), &masks, scan)?;
+    let (keep, by_rank) = keep_rules(params, numel, ranked.group(), &masks, scan)?;
     let rows = coef_rows(params, numel, shape);
-    let mut sums = Sums::gather(params, &keep, rows, ranked, numel, scan)?;
-    let decisions = Decisions::of(&mut keep, sums.kept.take(), (ranked.slab, ranked.stride));
+    let mut sums = Sums::gather(params, (&keep, &by_rank), rows, ranked, numel, scan)?;
+    let decisions = Decisions::of(by_rank, sums.kept.take(), (ranked.slab, ranked.stride));
     // SCE: the variance cut, then each agent's weight from its mean square on the kept elements.
     let (element_keep, sce_weights) = match params.base {
         BaseTerm::Sce { density } => sce_statistics(scan, params.weights.len(), numel, density)?,
@@ -75,7 +75,6 @@ pub fn build_spec(
         coefs,
         sign_of_values: matches!(params.base, BaseTerm::Sce { .. }),
         rank_rows,
-        rank_stride: ranked.stride,
         fusion,
         tile_coefs: params.base == BaseTerm::Fisher,
         element_keep,
@@ -101,15 +100,17 @@ impl MaskKeys<'_> {
     }
 }
 
-/// Each agent's keep rule: rank cuts resolved to thresholds by [`rank_cuts`], random and
-/// row-ranked masks keyed by [`MaskKeys`] (`rank_group`: elements ranked together).
+/// Each agent's keep rule: rank cuts resolved to thresholds by [`rank_cuts`], random masks keyed
+/// by [`MaskKeys`]; and beside them, each agent's rule by row rank (DELLA, `rank_group`
+/// elements ranked together), whose keep is [`Keep::Flagged`]: its decisions ([`Decisions`])
+/// are made on the host and read as flags.
 fn keep_rules(
     params: &TensorParams,
     numel: u64,
     rank_group: u64,
     masks: &MaskKeys,
     scan: &mut dyn Scans,
-) -> Result<Vec<Keep>> {
+) -> Result<(Vec<Keep>, Vec<Option<RankKeep>>)> {
     let mut wanted = Vec::new();
     for (t, s) in params.sparsify.iter().enumerate() {
         if let Sparsify::Ranks { lo, hi, high_first } = *s {
@@ -122,7 +123,24 @@ fn keep_rules(
     }
     let n = params.weights.len();
     let mut found = rank_cuts(scan, params.delta, (n, numel), &wanted)?.into_iter();
-    Ok(params
+    let by_rank = params
+        .sparsify
+        .iter()
+        .enumerate()
+        .map(|(t, s)| match *s {
+            Sparsify::RowRank { density, epsilon } => Some(RankKeep {
+                p0: (density - epsilon) as f32,
+                step: if rank_group > 1 {
+                    (2.0 * epsilon / (rank_group - 1) as f64) as f32
+                } else {
+                    0.0
+                },
+                key: masks.of(t),
+            }),
+            _ => None,
+        })
+        .collect();
+    let keep = params
         .sparsify
         .iter()
         .enumerate()
@@ -138,17 +156,10 @@ fn keep_rules(
                 threshold: random_threshold(density),
                 key: masks.of(t),
             },
-            Sparsify::RowRank { density, epsilon } => Keep::RowRank {
-                p0: (density - epsilon) as f32,
-                step: if rank_group > 1 {
-                    (2.0 * epsilon / (rank_group - 1) as f64) as f32
-                } else {
-                    0.0
-                },
-                key: masks.of(t),
-            },
+            Sparsify::RowRank { .. } => Keep::Flagged,
         })
-        .collect())
+        .collect();
+    Ok((keep, by_rank))
 }
 
 /// How a tensor's elements map to coefficient rows ([`coef_row`]).
@@ -206,7 +217,7 @@ impl Sums {
     /// The sums `params` needs, in as few scans as they allow.
     fn gather(
         params: &TensorParams,
-        keep: &[Keep],
+        (keep, by_rank): (&[Keep], &[Option<RankKeep>]),
         rows: CoefRows,
         rank_groups: RankRows,
         numel: u64,
@@ -218,10 +229,7 @@ impl Sums {
             .iter()
             .map(|s| params.rescale && *s != Sparsify::All)
             .collect();
-        let ranked: Vec<bool> = keep
-            .iter()
-            .map(|k| matches!(k, Keep::RowRank { .. }))
-            .collect();
+        let ranked: Vec<bool> = by_rank.iter().map(Option::is_some).collect();
         let want_rows = matches!(params.base, BaseTerm::Slerp { .. });
         let grams = match params.base.vectors() {
             Vectors::Whole => 1,
@@ -248,7 +256,7 @@ impl Sums {
             if ranked_l1 == ranked {
                 sums.kept = KeptFlags::new(numel, &ranked);
             }
-            sums.l1_of_ranked_rows(keep, &ranked_l1, delta, rank_groups, scan)?;
+            sums.l1_of_ranked_rows(by_rank, &ranked_l1, delta, rank_groups, scan)?;
         }
         match (params.base.gram_of(delta), params.base.vectors()) {
             (None, _) => {}
@@ -333,7 +341,7 @@ impl Sums {
     /// count changes them.
     fn l1_of_ranked_rows(
         &mut self,
-        keep: &[Keep],
+        by_rank: &[Option<RankKeep>],
         agents: &[bool],
         delta: bool,
         ranked: RankRows,
@@ -344,25 +352,15 @@ impl Sums {
         let (slab, stride) = (ranked.slab.max(1), ranked.stride as usize);
         // Per (worker, agent): (slab, Σ|v|, Σ|kept v|) of each slab it ranked.
         let parts = worker_states(workers, n, |_| Vec::<(u64, f64, f64)>::new());
-        let buffers = worker_states(workers, 1, |_| (Vec::<u32>::new(), Vec::<u32>::new()));
+        let masks = worker_states(workers, 1, |_| Vec::<u32>::new());
         let kept = self.kept.as_ref();
         scan.slabs_any_order(slab, delta, &|w, t, start, v| {
-            if !agents[t] {
+            let (true, Some(rule)) = (agents[t], by_rank[t]) else {
                 return;
-            }
-            let mut buffers = lock(&buffers[w]);
-            let (mask, ranks) = &mut *buffers;
-            match keep[t] {
-                Keep::RowRank { p0, step, key } => {
-                    let rule = RankKeep { p0, step, key };
-                    row_keep_mask(v, (slab as usize, stride), start as u32, rule, mask);
-                }
-                other => {
-                    row_ranks(v, slab as usize, stride, ranks);
-                    mask.resize(v.len(), 0);
-                    other.mask_into(v, start as u32, ranks, mask);
-                }
-            }
+            };
+            let mut mask = lock(&masks[w]);
+            row_keep_mask(v, (slab as usize, stride), start as u32, rule, &mut mask);
+            let mask = &*mask;
             if let Some(k) = kept {
                 k.record(t, start, mask);
             }
@@ -581,7 +579,7 @@ fn abs_sums(values: &[f32], mask: &[u32]) -> (f64, f64) {
     (abs_sum(values, None), abs_sum(values, Some(mask)))
 }
 
-/// How DELLA's ranks group a tensor's elements ([`row_ranks`]): slabs of `slab` elements (0: no
+/// How DELLA's ranks group a tensor's elements ([`row_keep_mask`]): slabs of `slab` elements (0: no
 /// ranks), in which elements `stride` apart form one group.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RankRows {
