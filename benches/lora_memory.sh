@@ -41,11 +41,14 @@ fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
-# "median (min-max)" of peak RSS in MB, then the median seconds, over $runs runs.
+# "median (min-max)" of peak RSS in MB, then the median seconds, over $runs runs. The previous
+# output is deleted and dirty pages flushed first (as benches/end_to_end.sh does), so no run pays
+# for the writeback of the one before.
 measure() {
     local samples
     samples=$(for _ in $(seq "$runs"); do
         rm -rf "$out/m"
+        sync
         /usr/bin/time -f "%M %e" "$bin" merge -q --device cpu "${threads[@]}" "$@" -o "$out/m" 2>&1 >/dev/null | tail -1
     done)
     local rss secs
