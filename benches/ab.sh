@@ -6,7 +6,7 @@
 #
 #   benches/ab.sh OLD_BIN NEW_BIN [MODEL_SIZE=1GiB] [RUNS=3] [DIR=target/bench-models]
 #
-# BENCH_METHODS="ram ties" runs only those.
+# BENCH_METHODS="ram ties" runs only those (labels as printed: ram+tensor, ram/t4096, ram/consensus).
 set -euo pipefail
 a=$(realpath "$1")
 b=$(realpath "$2")
@@ -31,10 +31,12 @@ cat "$dir"/*/*.safetensors >/dev/null
 printf '%-12s %8s %8s %7s\n' method "A s" "B s" "B/A"
 for method in "ram" "ram+" "ram+ --scope tensor" "ties --param weight=1 --param density=0.5" \
     "dare_ties --param weight=1 --param density=0.5" "della --param weight=1 --param density=0.5" \
-    "breadcrumbs --param weight=1 --param density=0.9" "ram --tile-elems 4096"; do
+    "breadcrumbs --param weight=1 --param density=0.9" "ram --tile-elems 4096" \
+    "ram --shared consensus"; do
     name=${method%% *}
     [[ "$method" == *"--scope tensor"* ]] && name="ram+tensor"
     [[ "$method" == *"--tile-elems 4096"* ]] && name="ram/t4096"
+    [[ "$method" == *"--shared consensus"* ]] && name="ram/consensus"
     if [ -n "${BENCH_METHODS:-}" ] && [[ " $BENCH_METHODS " != *" ${method%% *} "* ]] &&
         [[ " $BENCH_METHODS " != *" $name "* ]]; then
         continue

@@ -102,24 +102,38 @@ fn merge_chunk_body<const MASKS: bool, const CONSENSUS: bool>(
             &mut row[..len],
         );
     }
+    // Under consensus each row becomes its τ, kept for the consensus pass; the sums then take
+    // τ − 0 = τ (x − +0.0 is x for every x).
+    if CONSENSUS {
+        for row in s.values[..n * CHUNK].chunks_mut(CHUNK) {
+            for (a, &b) in row[..len].iter_mut().zip(&s.base[..len]) {
+                *a -= b;
+            }
+        }
+    }
+    let base = if CONSENSUS {
+        &ZEROS[..len]
+    } else {
+        &s.base[..len]
+    };
     s.sum[..len].fill(0.0);
     s.count[..len].fill(0);
     s.lambda[..len].fill(-0.0);
     let mut acc = Sums {
-        base: &s.base[..len],
+        base,
         sum: &mut s.sum[..len],
         count: &mut s.count[..len],
         lambda: &mut s.lambda[..len],
     };
-    let rows = s.values[..n * CHUNK].chunks_mut(GROUP * CHUNK);
+    let rows = s.values[..n * CHUNK].chunks(GROUP * CHUNK);
     for (g, group) in rows.enumerate() {
         let first = g * GROUP;
         let lambdas = &p.lambdas[first..];
         match group.len() / CHUNK {
-            1 => add_group::<1, MASKS, CONSENSUS>(group, first, lambdas, p.epsilon, &mut acc),
-            2 => add_group::<2, MASKS, CONSENSUS>(group, first, lambdas, p.epsilon, &mut acc),
-            3 => add_group::<3, MASKS, CONSENSUS>(group, first, lambdas, p.epsilon, &mut acc),
-            _ => add_group::<GROUP, MASKS, CONSENSUS>(group, first, lambdas, p.epsilon, &mut acc),
+            1 => add_group::<1, MASKS>(group, first, lambdas, p.epsilon, &mut acc),
+            2 => add_group::<2, MASKS>(group, first, lambdas, p.epsilon, &mut acc),
+            3 => add_group::<3, MASKS>(group, first, lambdas, p.epsilon, &mut acc),
+            _ => add_group::<GROUP, MASKS>(group, first, lambdas, p.epsilon, &mut acc),
         }
     }
     if MASKS {
@@ -137,6 +151,9 @@ fn merge_chunk_body<const MASKS: bool, const CONSENSUS: bool>(
 /// Agents a merge chunk sums at once, each element's Σ, c and λ held in registers across them.
 const GROUP: usize = 4;
 
+/// The base a consensus merge's sums see: its rows already hold τ.
+static ZEROS: [f32; CHUNK] = [0.0; CHUNK];
+
 /// A merge chunk's base and its running Σ, c (or agent masks) and λ sums, element by element.
 struct Sums<'a> {
     base: &'a [f32],
@@ -149,35 +166,35 @@ struct Sums<'a> {
 /// `rows`) to the sums, in agent order: an active agent (|τ| > ε) adds τ to Σ, its bit to c (1,
 /// or with `MASKS` 1 << t, so c holds the agent mask until a popcount makes it a count) and λ_t
 /// to λ; an inactive one adds +0.0, 0 and −0.0, which change nothing. Selects on bit masks so the
-/// loop vectorizes. With `CONSENSUS`, each agent's row keeps its τ.
+/// loop vectorizes.
 #[inline(always)]
-fn add_group<const G: usize, const MASKS: bool, const CONSENSUS: bool>(
-    rows: &mut [f32],
+fn add_group<const G: usize, const MASKS: bool>(
+    rows: &[f32],
     first: usize,
     lambdas: &[f32],
     epsilon: f32,
     acc: &mut Sums,
 ) {
     let len = acc.base.len();
-    let mut rows = rows.chunks_mut(CHUNK).map(|r| &mut r[..len]);
-    let mut row: [&mut [f32]; G] = std::array::from_fn(|_| rows.next().expect("G rows"));
+    let mut rows = rows.chunks(CHUNK).map(|r| &r[..len]);
+    let row: [&[f32]; G] = std::array::from_fn(|_| rows.next().expect("G rows"));
     let bits: [u32; G] = std::array::from_fn(|j| if MASKS { 1 << (first + j) } else { 1 });
     let lam: [u32; G] = std::array::from_fn(|j| lambdas[j].to_bits());
     // Blocks of 16 lanes (one AVX-512 register, two AVX2 ones), then the rest lane by lane.
     let whole = len / 16 * 16;
     for i in (0..whole).step_by(16) {
-        add_lanes::<16, G, MASKS, CONSENSUS>(i, (&mut row, bits, lam), epsilon, acc);
+        add_lanes::<16, G, MASKS>(i, (&row, bits, lam), epsilon, acc);
     }
     for i in whole..len {
-        add_lanes::<1, G, MASKS, CONSENSUS>(i, (&mut row, bits, lam), epsilon, acc);
+        add_lanes::<1, G, MASKS>(i, (&row, bits, lam), epsilon, acc);
     }
 }
 
 /// [`add_group`] over elements `i..i + W`, as arrays of `W` lanes that the compiler vectorizes.
 #[inline(always)]
-fn add_lanes<const W: usize, const G: usize, const MASKS: bool, const CONSENSUS: bool>(
+fn add_lanes<const W: usize, const G: usize, const MASKS: bool>(
     i: usize,
-    (row, bits, lam): (&mut [&mut [f32]; G], [u32; G], [u32; G]),
+    (row, bits, lam): (&[&[f32]; G], [u32; G], [u32; G]),
     epsilon: f32,
     acc: &mut Sums,
 ) {
@@ -190,12 +207,9 @@ fn add_lanes<const W: usize, const G: usize, const MASKS: bool, const CONSENSUS:
         .expect("W lanes");
     let (mut s, mut c, mut l) = (*sum, *count, *lambda);
     for j in 0..G {
-        let a: &mut [f32; W] = (&mut row[j][lanes.clone()]).try_into().expect("W lanes");
+        let a: &[f32; W] = row[j][lanes.clone()].try_into().expect("W lanes");
         for k in 0..W {
             let tau = a[k] - b[k];
-            if CONSENSUS {
-                a[k] = tau;
-            }
             // All ones where agent t is active. Adding +0.0 leaves any sum of nonzero τ
             // unchanged, so the masked add is exact; x + −0.0 = x for every x, so λ ends as
             // exactly λ_t where agent t alone is active, the only place it is used.
