@@ -116,9 +116,6 @@ fn merge_chunk_body<const MASKS: bool, const CONSENSUS: bool>(
     } else {
         &s.base[..len]
     };
-    s.sum[..len].fill(0.0);
-    s.count[..len].fill(0);
-    s.lambda[..len].fill(-0.0);
     let mut acc = Sums {
         base,
         sum: &mut s.sum[..len],
@@ -135,6 +132,12 @@ fn merge_chunk_body<const MASKS: bool, const CONSENSUS: bool>(
             3 => add_group::<3, MASKS>(group, first, lambdas, p.epsilon, &mut acc),
             _ => add_group::<GROUP, MASKS>(group, first, lambdas, p.epsilon, &mut acc),
         }
+    }
+    // No agent (a tensor none of the merged agents has): no sums, the base's bits.
+    if n == 0 {
+        s.sum[..len].fill(0.0);
+        s.count[..len].fill(0);
+        s.lambda[..len].fill(-0.0);
     }
     if MASKS {
         for (mask, c) in s.masks[..len].iter_mut().zip(s.count[..len].iter_mut()) {
@@ -165,8 +168,9 @@ struct Sums<'a> {
 /// Adds `G` agents (agents `first..first + G`, their decoded values in the CHUNK-long rows of
 /// `rows`) to the sums, in agent order: an active agent (|τ| > ε) adds τ to Σ, its bit to c (1,
 /// or with `MASKS` 1 << t, so c holds the agent mask until a popcount makes it a count) and λ_t
-/// to λ; an inactive one adds +0.0, 0 and −0.0, which change nothing. Selects on bit masks so the
-/// loop vectorizes.
+/// to λ; an inactive one adds +0.0, 0 and −0.0, which change nothing. The first group
+/// (`first` = 0) starts the sums at +0.0, 0 and −0.0 instead of reading them. Selects on bit masks
+/// so the loop vectorizes.
 #[inline(always)]
 fn add_group<const G: usize, const MASKS: bool>(
     rows: &[f32],
@@ -183,10 +187,10 @@ fn add_group<const G: usize, const MASKS: bool>(
     // Blocks of 16 lanes (one AVX-512 register, two AVX2 ones), then the rest lane by lane.
     let whole = len / 16 * 16;
     for i in (0..whole).step_by(16) {
-        add_lanes::<16, G, MASKS>(i, (&row, bits, lam), epsilon, acc);
+        add_lanes::<16, G, MASKS>(i, (&row, bits, lam), (first, epsilon), acc);
     }
     for i in whole..len {
-        add_lanes::<1, G, MASKS>(i, (&row, bits, lam), epsilon, acc);
+        add_lanes::<1, G, MASKS>(i, (&row, bits, lam), (first, epsilon), acc);
     }
 }
 
@@ -195,7 +199,7 @@ fn add_group<const G: usize, const MASKS: bool>(
 fn add_lanes<const W: usize, const G: usize, const MASKS: bool>(
     i: usize,
     (row, bits, lam): (&[&[f32]; G], [u32; G], [u32; G]),
-    epsilon: f32,
+    (first, epsilon): (usize, f32),
     acc: &mut Sums,
 ) {
     let lanes = i..i + W;
@@ -205,7 +209,10 @@ fn add_lanes<const W: usize, const G: usize, const MASKS: bool>(
     let lambda: &mut [f32; W] = (&mut acc.lambda[lanes.clone()])
         .try_into()
         .expect("W lanes");
-    let (mut s, mut c, mut l) = (*sum, *count, *lambda);
+    let (mut s, mut c, mut l) = match first {
+        0 => ([0.0; W], [0; W], [-0.0; W]),
+        _ => (*sum, *count, *lambda),
+    };
     for j in 0..G {
         let a: &[f32; W] = row[j][lanes.clone()].try_into().expect("W lanes");
         for k in 0..W {
