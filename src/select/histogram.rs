@@ -97,96 +97,123 @@ impl Histogram {
     }
 }
 
-/// One any-order pass over a sample of one chunk in `every` (1: all): for each agent with a window
-/// `windows[t]`, the histogram of the high 16 bits of its magnitude keys in the window (keys above
-/// only counted, with vector compares, and zeros not even that; RL task vectors are mostly
-/// zero), which bins of
-/// the window hold keys with low bits set, and for each bin in `follow[t]` its count per chunk
-/// (from the histogram's growth, so free per element). Each worker counts in its own state, and
-/// only the bins its keys reached are summed after.
+/// One histogram a pass counts: agent `agent`'s keys in `window`, the bins in `follow` also
+/// counted per chunk. An agent with several cuts far apart (breadcrumbs' two) has a lane around
+/// each, so the keys between them are only counted, not put in bins one by one.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Lane {
+    pub(super) agent: usize,
+    pub(super) window: KeyWindow,
+    pub(super) follow: Vec<u32>,
+}
+
+/// One any-order pass over a sample of one chunk in `every` (1: all): for each lane, the
+/// histogram of the high 16 bits of its agent's magnitude keys in its window (keys above only
+/// counted, with vector compares, and zeros not even that; RL task vectors are mostly zero),
+/// which bins of the window hold keys with low bits set, and for each bin it follows its count
+/// per chunk (from the histogram's growth, so free per element). Each worker counts in its own
+/// state, and only the bins its keys reached are summed after. One histogram per lane.
 pub(super) fn histogram_pass(
     scan: &mut dyn Scans,
     delta: bool,
     (agents, numel): (usize, u64),
     every: usize,
-    windows: &[Option<KeyWindow>],
-    follow: &[Vec<u32>],
+    lanes: &[Lane],
 ) -> Result<Vec<Histogram>> {
     let workers = scan.workers();
-    let fresh = |t: usize| AgentPass {
+    let count = lanes.len();
+    let of_agent: Vec<Vec<usize>> = (0..agents)
+        .map(|t| (0..count).filter(|&l| lanes[l].agent == t).collect())
+        .collect();
+    let fresh = |l: usize| AgentPass {
         // The magnitude key's top bit is clear: 2^15 high bins.
         high: Bins16::new(BINS / 2, numel / every as u64),
         tally: WindowTally::NONE,
         reached: (u32::MAX, 0),
         seen: 0,
         mixed: vec![0; BINS / 2 / 64],
-        follow: follow[t].iter().map(|&b| (b, 0, Vec::new())).collect(),
+        follow: lanes[l]
+            .follow
+            .iter()
+            .map(|&b| (b, 0, Vec::new()))
+            .collect(),
     };
-    let states = worker_states(workers, agents, |_| None::<AgentPass>);
+    let states = worker_states(workers, count, |_| None::<AgentPass>);
     scan.any_order(every, delta, &|w, t, start, v| {
-        let Some(window) = windows[t] else {
-            return;
-        };
-        let mut guard = lock(&states[w * agents + t]);
-        let AgentPass {
-            high,
-            tally,
-            reached,
-            seen,
-            mixed,
-            follow,
-        } = guard.get_or_insert_with(|| fresh(t));
-        *seen += v.len() as u64;
-        let (mut inside, mut low) = ([0u64; SCAN_CHUNK / 64], [0u64; SCAN_CHUNK / 64]);
-        let words = v.len().div_ceil(64);
-        tally.add(window_bits(
-            v,
-            window,
-            &mut inside[..words],
-            &mut low[..words],
-        ));
-        let mut adder = high.adder();
-        let (mut lowest, mut highest) = *reached;
-        for (w, (&n, &l)) in inside[..words].iter().zip(&low[..words]).enumerate() {
-            let mut n = n;
-            while n != 0 {
-                let i = w * 64 + n.trailing_zeros() as usize;
-                let bin = magnitude_key(v[i]) >> 16;
-                adder.add(bin, i);
-                (lowest, highest) = (lowest.min(bin), highest.max(bin));
-                n &= n - 1;
-            }
-            // Low bits set: rare where task vectors come from 16-bit weights.
-            let mut l = l;
-            while l != 0 {
-                let bin = magnitude_key(v[w * 64 + l.trailing_zeros() as usize]) >> 16;
-                mixed[bin as usize / 64] |= 1 << (bin % 64);
-                l &= l - 1;
-            }
-        }
-        *reached = (lowest, highest);
-        for (bin, before, chunks) in follow.iter_mut() {
-            let now = high.count(*bin);
-            if now > *before {
-                chunks.push((start, (now - *before) as u32));
-                *before = now;
-            }
+        for &l in &of_agent[t] {
+            let mut guard = lock(&states[w * count + l]);
+            count_lane(
+                guard.get_or_insert_with(|| fresh(l)),
+                lanes[l].window,
+                start,
+                v,
+            );
         }
     })?;
     let mut parts: Vec<Option<AgentPass>> = states.into_iter().map(unlock).collect();
-    Ok((0..agents)
-        .map(|t| {
+    Ok(lanes
+        .iter()
+        .enumerate()
+        .map(|(l, lane)| {
             let mine: Vec<AgentPass> = (0..workers)
-                .filter_map(|w| parts[w * agents + t].take())
+                .filter_map(|w| parts[w * count + l].take())
                 .collect();
-            merged_histogram(mine, windows[t], &follow[t])
+            merged_histogram(mine, lane.window, &lane.follow)
         })
         .collect())
 }
 
-/// One agent's [`Histogram`] from its workers' parts of [`histogram_pass`] (`window`: the agent's
+/// Adds the chunk of values `v` (from element `start`) to one lane's pass.
+fn count_lane(pass: &mut AgentPass, window: KeyWindow, start: u64, v: &[f32]) {
+    let AgentPass {
+        high,
+        tally,
+        reached,
+        seen,
+        mixed,
+        follow,
+    } = pass;
+    *seen += v.len() as u64;
+    let (mut inside, mut low) = ([0u64; SCAN_CHUNK / 64], [0u64; SCAN_CHUNK / 64]);
+    let words = v.len().div_ceil(64);
+    tally.add(window_bits(
+        v,
+        window,
+        &mut inside[..words],
+        &mut low[..words],
+    ));
+    let mut adder = high.adder();
+    let (mut lowest, mut highest) = *reached;
+    for (w, (&n, &l)) in inside[..words].iter().zip(&low[..words]).enumerate() {
+        let mut n = n;
+        while n != 0 {
+            let i = w * 64 + n.trailing_zeros() as usize;
+            let bin = magnitude_key(v[i]) >> 16;
+            adder.add(bin, i);
+            (lowest, highest) = (lowest.min(bin), highest.max(bin));
+            n &= n - 1;
+        }
+        // Low bits set: rare where task vectors come from 16-bit weights.
+        let mut l = l;
+        while l != 0 {
+            let bin = magnitude_key(v[w * 64 + l.trailing_zeros() as usize]) >> 16;
+            mixed[bin as usize / 64] |= 1 << (bin % 64);
+            l &= l - 1;
+        }
+    }
+    *reached = (lowest, highest);
+    for (bin, before, chunks) in follow.iter_mut() {
+        let now = high.count(*bin);
+        if now > *before {
+            chunks.push((start, (now - *before) as u32));
+            *before = now;
+        }
+    }
+}
+
+/// One lane's [`Histogram`] from its workers' parts of [`histogram_pass`] (`window`: the lane's
 /// key window; `follow`: the bins whose chunks are counted).
-fn merged_histogram(mine: Vec<AgentPass>, window: Option<KeyWindow>, follow: &[u32]) -> Histogram {
+fn merged_histogram(mine: Vec<AgentPass>, window: KeyWindow, follow: &[u32]) -> Histogram {
     let mut tally = WindowTally::NONE;
     mine.iter().for_each(|p| tally.add(p.tally));
     let lowest = mine.iter().map(|p| p.reached.0).min().unwrap_or(u32::MAX);
@@ -199,7 +226,7 @@ fn merged_histogram(mine: Vec<AgentPass>, window: Option<KeyWindow>, follow: &[u
     let mut h = Histogram {
         above: tally.above,
         rest: 0,
-        rest_are_zeros: window.is_some_and(|b| b.lo == 0),
+        rest_are_zeros: window.lo == 0,
         lo,
         counts: vec![0; bins as usize],
         seen: 0,

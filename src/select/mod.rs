@@ -17,7 +17,7 @@ use anyhow::{Context, Result};
 use bin_scan::{bin_scans, BinScan, Split};
 use bins::BIN_MEMORY;
 pub use cut::{magnitude_key, RankCut};
-use histogram::{histogram_pass, Histogram};
+use histogram::{histogram_pass, Histogram, Lane};
 pub use key_cut::key_rank_cut;
 use key_window::KeyWindow;
 pub use ranks::{rank_threshold, row_keep_mask, RankKeep};
@@ -63,9 +63,6 @@ pub fn rank_cuts(
     rank_cuts_remembering(scan, delta, sizes, wanted, BIN_MEMORY)
 }
 
-/// Per agent, the window of bins pass 1 counts one by one (`None`: the agent has no cut).
-type Windows = Vec<Option<KeyWindow>>;
-
 /// One wanted cut: (agent, k, high_first).
 type Wanted = (usize, u64, bool);
 
@@ -82,26 +79,34 @@ fn rank_cuts_remembering(
         return Ok(Vec::new());
     }
     let size = (agents, numel);
-    let (windows, guesses) = if numel >= sample_min {
-        guess_windows(scan, delta, size, wanted)?
+    let guessed = if numel >= sample_min {
+        guess_lanes(scan, delta, size, wanted)?
     } else {
-        (
-            every_bin_of_cut_agents(agents, wanted),
-            vec![Vec::new(); agents],
-        )
+        wanted
+            .iter()
+            .map(|&(agent, _, _)| Lane {
+                agent,
+                window: KeyWindow::ALL,
+                follow: Vec::new(),
+            })
+            .collect()
     };
-    let pass1 = first_pass(scan, delta, size, wanted, &windows, &guesses)?;
+    let (lanes, lane_of) = distinct_lanes(guessed);
+    let pass1 = first_pass(scan, delta, size, wanted, lanes, &lane_of)?;
+    // Cut c's histogram.
+    let hist = |c: usize| &pass1[lane_of[c]];
     let coarse: Vec<(u32, u64)> = wanted
         .iter()
-        .map(|&(t, k, _)| {
-            pass1[t].locate(k).with_context(|| {
+        .enumerate()
+        .map(|(c, &(t, k, _))| {
+            hist(c).locate(k).with_context(|| {
                 format!("internal: rank {k} of agent {t} lies in no bin of the first pass")
             })
         })
         .collect::<Result<_>>()?;
     // A cut in a bin of one key (no low bits set anywhere in it; in bin 0: zeros only) is
     // resolved now; pass 2 records the bins of the others.
-    let single = |c: usize| !pass1[wanted[c].0].mixed(coarse[c].0);
+    let single = |c: usize| !hist(c).mixed(coarse[c].0);
     let mut missing: Vec<Vec<u32>> = vec![Vec::new(); agents];
     for (c, &(t, _, _)) in wanted.iter().enumerate() {
         let bin = coarse[c].0;
@@ -118,12 +123,12 @@ fn rank_cuts_remembering(
     let resolve = |c: usize, k: u64, high_first: bool| {
         let (t, (bin, above)) = (wanted[c].0, coarse[c]);
         if single(c) {
-            let chunks = pass1[t]
+            let chunks = hist(c)
                 .chunks
                 .iter()
                 .find(|(b, _)| *b == bin)
                 .map(|(_, chunks)| chunks.clone());
-            Ok(BinScan::of_one_key(bin, pass1[t].count(bin), chunks, numel)
+            Ok(BinScan::of_one_key(bin, hist(c).count(bin), chunks, numel)
                 .resolve(k, above, high_first))
         } else {
             let i = missing[t]
@@ -146,75 +151,102 @@ fn rank_cuts_remembering(
     Ok(cuts)
 }
 
-/// A full window for each agent that has a cut, none for the others.
-fn every_bin_of_cut_agents(agents: usize, wanted: &[Wanted]) -> Vec<Option<KeyWindow>> {
-    (0..agents)
-        .map(|t| wanted.iter().any(|w| w.0 == t).then_some(KeyWindow::ALL))
-        .collect()
+/// The lanes of `lanes` without repeats, and for each of the cuts they were made for (one each,
+/// in order) the index of its lane: two cuts guessed in the same window share one histogram.
+fn distinct_lanes(lanes: Vec<Lane>) -> (Vec<Lane>, Vec<usize>) {
+    let mut distinct: Vec<Lane> = Vec::new();
+    let lane_of = lanes
+        .into_iter()
+        .map(|lane| match distinct.iter().position(|d| *d == lane) {
+            Some(i) => i,
+            None => {
+                distinct.push(lane);
+                distinct.len() - 1
+            }
+        })
+        .collect();
+    (distinct, lane_of)
 }
 
 /// Guesses of each cut's bin, from a sample of one chunk in [`SAMPLE_EVERY`]: pass 1 then counts
-/// only the window around them bin by bin, and those bins per chunk, so that a cut in one of
-/// them, splitting a tie, finds the split by reading one chunk again. Returns (windows, guesses).
-fn guess_windows(
+/// only a window around them bin by bin — one lane per cut, so an agent's cuts far apart (the
+/// top 1 % and the top 90 %) leave the keys between them only counted — and those bins per
+/// chunk, so that a cut in one of them, splitting a tie, finds the split by reading one chunk
+/// again. One lane per wanted cut, in order.
+fn guess_lanes(
     scan: &mut dyn Scans,
     delta: bool,
     (agents, numel): (usize, u64),
     wanted: &[Wanted],
-) -> Result<(Windows, Vec<Vec<u32>>)> {
-    let cut_agents = every_bin_of_cut_agents(agents, wanted);
-    let mut guesses: Vec<Vec<u32>> = vec![Vec::new(); agents];
-    let mut windows = cut_agents.clone();
-    let sample = histogram_pass(
-        scan,
-        delta,
-        (agents, numel),
-        SAMPLE_EVERY,
-        &cut_agents,
-        &guesses,
-    )?;
-    for &(t, k, _) in wanted {
-        let seen = sample[t].seen;
-        if seen > 0 {
+) -> Result<Vec<Lane>> {
+    let mut cut_agents: Vec<usize> = wanted.iter().map(|w| w.0).collect();
+    cut_agents.sort_unstable();
+    cut_agents.dedup();
+    let whole: Vec<Lane> = cut_agents
+        .iter()
+        .map(|&agent| Lane {
+            agent,
+            window: KeyWindow::ALL,
+            follow: Vec::new(),
+        })
+        .collect();
+    let sample = histogram_pass(scan, delta, (agents, numel), SAMPLE_EVERY, &whole)?;
+    Ok(wanted
+        .iter()
+        .map(|&(t, k, _)| {
+            let sample = &sample[cut_agents.binary_search(&t).expect("a cut agent")];
+            let seen = sample.seen;
+            if seen == 0 {
+                return Lane {
+                    agent: t,
+                    window: KeyWindow::ALL,
+                    follow: Vec::new(),
+                };
+            }
             let k = ((k as f64 * seen as f64 / numel as f64).ceil() as u64).clamp(1, seen);
-            guesses[t].extend(sample[t].likely_bins(k));
-        }
-    }
-    for (g, window) in guesses.iter_mut().zip(&mut windows) {
-        g.sort_unstable();
-        g.dedup();
-        if !g.is_empty() {
-            *window = Some(KeyWindow::around(g));
-        }
-    }
-    Ok((windows, guesses))
+            let mut bins = sample.likely_bins(k);
+            bins.sort_unstable();
+            bins.dedup();
+            Lane {
+                agent: t,
+                window: KeyWindow::around(&bins),
+                follow: bins,
+            }
+        })
+        .collect())
 }
 
-/// PassOptions 1: each cut agent's histogram of the high 16 bits of its magnitude keys, in the guessed
-/// window; again over every bin for an agent whose cut the window missed.
+/// Pass 1: each lane's histogram of the high 16 bits of its agent's magnitude keys in its
+/// window; again over every bin for a lane whose cut (`lane_of`: each cut's lane) the window
+/// missed.
 fn first_pass(
     scan: &mut dyn Scans,
     delta: bool,
     size: (usize, u64),
     wanted: &[Wanted],
-    windows: &[Option<KeyWindow>],
-    guesses: &[Vec<u32>],
+    lanes: Vec<Lane>,
+    lane_of: &[usize],
 ) -> Result<Vec<Histogram>> {
-    let mut pass1 = histogram_pass(scan, delta, size, 1, windows, guesses)?;
-    let missed: Vec<Option<KeyWindow>> = (0..size.0)
-        .map(|t| {
-            let miss = wanted
+    let mut pass1 = histogram_pass(scan, delta, size, 1, &lanes)?;
+    let missed: Vec<usize> = (0..lanes.len())
+        .filter(|&l| {
+            wanted
                 .iter()
-                .any(|&(a, k, _)| a == t && pass1[t].locate(k).is_none());
-            miss.then_some(KeyWindow::ALL)
+                .zip(lane_of)
+                .any(|(&(_, k, _), &of)| of == l && pass1[l].locate(k).is_none())
         })
         .collect();
-    if missed.iter().any(Option::is_some) {
-        let again = histogram_pass(scan, delta, size, 1, &missed, guesses)?;
-        for (t, h) in again.into_iter().enumerate() {
-            if missed[t].is_some() {
-                pass1[t] = h;
-            }
+    if !missed.is_empty() {
+        let again: Vec<Lane> = missed
+            .iter()
+            .map(|&l| Lane {
+                window: KeyWindow::ALL,
+                ..lanes[l].clone()
+            })
+            .collect();
+        let histograms = histogram_pass(scan, delta, size, 1, &again)?;
+        for (&l, h) in missed.iter().zip(histograms) {
+            pass1[l] = h;
         }
     }
     Ok(pass1)

@@ -191,6 +191,25 @@ fn rank_cuts_match_a_sort_over_many_chunks() {
                 "agent {t}, k {k}, high first {high_first}, memory {memory}, sample {sample_min}"
             );
         }
+        // Every cut at once, as breadcrumbs asks two per agent: one lane per cut, far apart.
+        let all = rank_cuts_remembering(
+            &mut scan_of(v.clone(), 1000),
+            true,
+            (3, len as u64, sample_min),
+            &cases,
+            memory,
+        )
+        .unwrap();
+        for (&(t, k, high_first), cut) in cases.iter().zip(all) {
+            let got: Vec<usize> = (0..len)
+                .filter(|&i| cut.inside(magnitude_key(v[t][i]), i as u32) && v[t][i] != 0.0)
+                .collect();
+            assert_eq!(
+                got,
+                sorted_top(&v[t], k as usize, high_first),
+                "together: agent {t}, k {k}, memory {memory}, sample {sample_min}"
+            );
+        }
     }
 }
 
