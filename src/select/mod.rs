@@ -205,6 +205,13 @@ fn guess_lanes(
             }
             let k = ((k as f64 * seen as f64 / numel as f64).ceil() as u64).clamp(1, seen);
             let mut bins = sample.likely_bins(k);
+            // A cut deep among the zeros (bin 0; most of an RL task vector is zeros): bin 0
+            // alone, so every nonzero key is only counted. A sample that misleads here costs a
+            // retry over every bin, not a wrong cut.
+            let nonzero = seen - sample.count(0);
+            if bins[0] == 0 && k > nonzero + nonzero / 16 + 64 {
+                bins = vec![0];
+            }
             bins.sort_unstable();
             bins.dedup();
             Lane {
