@@ -171,6 +171,8 @@ fn rank_cuts_match_a_sort_over_many_chunks() {
         (2, 50_000, true),
         (2, 20_000, false),
         (0, 90_000, true),
+        // Deep among agent 2's zeros (70 % of it): pass 1 counts bin 0 alone.
+        (2, 150_000, false),
     ];
     for (memory, sample_min) in [(0, 0), (1 << 20, 0), (0, u64::MAX), (1 << 20, u64::MAX)] {
         for (t, k, high_first) in cases {
