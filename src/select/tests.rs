@@ -174,6 +174,13 @@ fn rank_cuts_match_a_sort_over_many_chunks() {
         // Deep among agent 2's zeros (70 % of it): pass 1 counts bin 0 alone.
         (2, 150_000, false),
     ];
+    // The cut keeps exactly the sort's top k (zeros aside).
+    let check = |cut: RankCut, (t, k, high_first): (usize, u64, bool), what: &str| {
+        let got: Vec<usize> = (0..len)
+            .filter(|&i| cut.inside(magnitude_key(v[t][i]), i as u32) && v[t][i] != 0.0)
+            .collect();
+        assert_eq!(got, sorted_top(&v[t], k as usize, high_first), "{what}");
+    };
     for (memory, sample_min) in [(0, 0), (1 << 20, 0), (0, u64::MAX), (1 << 20, u64::MAX)] {
         for (t, k, high_first) in cases {
             let cut = rank_cuts_remembering(
@@ -184,13 +191,11 @@ fn rank_cuts_match_a_sort_over_many_chunks() {
                 memory,
             )
             .unwrap()[0];
-            let got: Vec<usize> = (0..len)
-                .filter(|&i| cut.inside(magnitude_key(v[t][i]), i as u32) && v[t][i] != 0.0)
-                .collect();
-            assert_eq!(
-                got,
-                sorted_top(&v[t], k as usize, high_first),
-                "agent {t}, k {k}, high first {high_first}, memory {memory}, sample {sample_min}"
+            let what = format!("agent {t}, k {k}, high first {high_first}, memory {memory}");
+            check(
+                cut,
+                (t, k, high_first),
+                &format!("{what}, sample {sample_min}"),
             );
         }
         // Every cut at once, as breadcrumbs asks two per agent: one lane per cut, far apart.
@@ -203,14 +208,8 @@ fn rank_cuts_match_a_sort_over_many_chunks() {
         )
         .unwrap();
         for (&(t, k, high_first), cut) in cases.iter().zip(all) {
-            let got: Vec<usize> = (0..len)
-                .filter(|&i| cut.inside(magnitude_key(v[t][i]), i as u32) && v[t][i] != 0.0)
-                .collect();
-            assert_eq!(
-                got,
-                sorted_top(&v[t], k as usize, high_first),
-                "together: agent {t}, k {k}, memory {memory}, sample {sample_min}"
-            );
+            let what = format!("together: agent {t}, k {k}, memory {memory}, sample {sample_min}");
+            check(cut, (t, k, high_first), &what);
         }
     }
 }

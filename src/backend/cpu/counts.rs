@@ -143,24 +143,25 @@ impl Masks for u64 {
 multiversion! {
     /// [`Masks::count_patterns`] of the merge's masks.
     fn count_patterns_u32(masks: &[u32], n: usize, hits: &mut [u32; 1 << LANE_COUNT_AGENTS]) {
-        match n {
-            0 | 1 => count_patterns::<u32, 2>(masks, hits),
-            2 => count_patterns::<u32, 4>(masks, hits),
-            3 => count_patterns::<u32, 8>(masks, hits),
-            _ => count_patterns::<u32, 16>(masks, hits),
-        }
+        patterns_of_agents(masks, n, hits)
     }
 }
 
 multiversion! {
     /// [`Masks::count_patterns`] of the probe's masks.
     fn count_patterns_u64(masks: &[u64], n: usize, hits: &mut [u32; 1 << LANE_COUNT_AGENTS]) {
-        match n {
-            0 | 1 => count_patterns::<u64, 2>(masks, hits),
-            2 => count_patterns::<u64, 4>(masks, hits),
-            3 => count_patterns::<u64, 8>(masks, hits),
-            _ => count_patterns::<u64, 16>(masks, hits),
-        }
+        patterns_of_agents(masks, n, hits)
+    }
+}
+
+/// [`count_patterns`] over the 2^`n` patterns of `n` agents.
+#[inline(always)]
+fn patterns_of_agents<M: Masks>(masks: &[M], n: usize, hits: &mut [u32; 16]) {
+    match n {
+        0 | 1 => count_patterns::<M, 2>(masks, hits),
+        2 => count_patterns::<M, 4>(masks, hits),
+        3 => count_patterns::<M, 8>(masks, hits),
+        _ => count_patterns::<M, 16>(masks, hits),
     }
 }
 
