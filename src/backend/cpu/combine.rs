@@ -262,33 +262,96 @@ fn consensus(c: &Chunk, s: &mut CombineScratch) {
     if n == 0 {
         delta.fill(0.0);
     }
-    for t in 0..n {
-        let d = &s.d[t * CHUNK..t * CHUNK + len];
-        let from = |acc: &f32| if t == 0 { 0.0 } else { *acc };
-        // Adding +0.0 for a disagreeing d is exact: Δ is never −0.0 (it starts at +0.0
-        // and only non-zero d are added).
-        // γ = + where Σ ≥ 0, else − — a NaN Σ (+Inf + −Inf) counts as −, as in
-        // `combine_element`, the shader and mergekit's `(Σ >= 0) * 2 - 1`.
-        let agree = |d: f32, s: f32| {
-            let positive = s >= 0.0;
-            (((positive && d > 0.0) | (!positive && d < 0.0)) as u32).wrapping_neg()
+    // The agents a group at a time, each element's Δ and Σ w in registers across the group.
+    let rows = |t: usize| &s.d[t * CHUNK..t * CHUNK + len];
+    let w = |t: usize| weights.map_or(0, |w| w[t].to_bits());
+    for first in (0..n).step_by(AGREE_GROUP) {
+        let group = Agreeing {
+            first,
+            sum,
+            weighted: weights.is_some(),
         };
-        match weights {
-            Some(w) => {
-                let w = w[t].to_bits();
-                for (((acc, ws), &d), &s) in
-                    delta.iter_mut().zip(wsum.iter_mut()).zip(d).zip(sum.iter())
-                {
-                    let bits = agree(d, s);
-                    *acc = from(acc) + f32::from_bits(d.to_bits() & bits);
-                    *ws = from(ws) + f32::from_bits(w & bits);
-                }
+        match (n - first).min(AGREE_GROUP) {
+            1 => group.add::<1>(&rows, &w, delta, wsum),
+            2 => group.add::<2>(&rows, &w, delta, wsum),
+            3 => group.add::<3>(&rows, &w, delta, wsum),
+            _ => group.add::<AGREE_GROUP>(&rows, &w, delta, wsum),
+        }
+    }
+}
+
+/// Agents whose agreeing terms [`consensus`] adds at once.
+const AGREE_GROUP: usize = 4;
+
+/// One group of agents (from agent `first`) of [`consensus`]: Σ the signs are taken from, and
+/// whether the agreeing agents' weights are summed too.
+struct Agreeing<'a> {
+    first: usize,
+    sum: &'a [f32],
+    weighted: bool,
+}
+
+impl Agreeing<'_> {
+    /// Adds `G` agents' agreeing d_t (rows `rows(t)`) to `delta` and, weighted, their weights
+    /// (`w(t)`, f32 bits) to `wsum`, in agent order; the first group starts both at +0.0.
+    /// Adding +0.0 for a disagreeing d is exact: Δ is never −0.0 (it starts at +0.0 and only
+    /// non-zero d are added). γ = + where Σ ≥ 0, else − — a NaN Σ (+Inf + −Inf) counts as −, as
+    /// in `combine_element`, the shader and mergekit's `(Σ >= 0) * 2 - 1`.
+    #[inline(always)]
+    fn add<'r, const G: usize>(
+        &self,
+        rows: &impl Fn(usize) -> &'r [f32],
+        w: &impl Fn(usize) -> u32,
+        delta: &mut [f32],
+        wsum: &mut [f32],
+    ) {
+        let d: [&[f32]; G] = std::array::from_fn(|j| rows(self.first + j));
+        let w: [u32; G] = std::array::from_fn(|j| w(self.first + j));
+        let len = self.sum.len();
+        let whole = len / 16 * 16;
+        for i in (0..whole).step_by(16) {
+            self.lanes::<16, G>(i, (&d, w), delta, wsum);
+        }
+        for i in whole..len {
+            self.lanes::<1, G>(i, (&d, w), delta, wsum);
+        }
+    }
+
+    /// [`Self::add`] over elements `i..i + W`, as arrays the compiler vectorizes.
+    #[inline(always)]
+    fn lanes<const W: usize, const G: usize>(
+        &self,
+        i: usize,
+        (d, w): (&[&[f32]; G], [u32; G]),
+        delta: &mut [f32],
+        wsum: &mut [f32],
+    ) {
+        let lanes = i..i + W;
+        let sum: &[f32; W] = self.sum[lanes.clone()].try_into().expect("W lanes");
+        let delta: &mut [f32; W] = (&mut delta[lanes.clone()]).try_into().expect("W lanes");
+        let (mut acc, mut ws) = match self.first {
+            0 => ([0.0f32; W], [0.0f32; W]),
+            _ => {
+                let ws = match self.weighted {
+                    true => *<&[f32; W]>::try_from(&wsum[lanes.clone()]).expect("W lanes"),
+                    false => [0.0; W],
+                };
+                (*delta, ws)
             }
-            None => {
-                for ((acc, &d), &s) in delta.iter_mut().zip(d).zip(sum.iter()) {
-                    *acc = from(acc) + f32::from_bits(d.to_bits() & agree(d, s));
-                }
+        };
+        for j in 0..G {
+            let dj: &[f32; W] = d[j][lanes.clone()].try_into().expect("W lanes");
+            for k in 0..W {
+                let positive = sum[k] >= 0.0;
+                let agree = ((positive && dj[k] > 0.0) | (!positive && dj[k] < 0.0)) as u32;
+                let bits = agree.wrapping_neg();
+                acc[k] += f32::from_bits(dj[k].to_bits() & bits);
+                ws[k] += f32::from_bits(w[j] & bits);
             }
+        }
+        *delta = acc;
+        if self.weighted {
+            wsum[lanes].copy_from_slice(&ws);
         }
     }
 }
