@@ -184,8 +184,10 @@ fn the_resmerge_reference_gives_the_spec_examples() {
 /// Base and three agents of f32 tensors: each agent's τ of a matrix is `shared` times a common
 /// matrix plus its own noise (shared 0: unrelated agents).
 fn agents_fixture(shared: f32, seed: u64) -> Fixture {
-    let shapes: [(&str, Vec<usize>); 5] = [
+    let shapes: [(&str, Vec<usize>); 6] = [
         ("model.layers.0.mlp.up_proj.weight", vec![12, 20]),
+        // Large enough that the heads' Lanczos process stops on convergence, not on room.
+        ("model.layers.0.mlp.down_proj.weight", vec![96, 64]),
         ("model.layers.0.self_attn.o_proj.weight", vec![20, 10]),
         ("model.layers.0.other.weight", vec![8, 8]),
         ("model.embed_tokens.weight", vec![16, 6]),

@@ -42,6 +42,7 @@ mod scans;
 mod spectral;
 mod tile_size;
 mod tiles;
+mod truncated_svd;
 
 use fisher::FisherInputs;
 use output::{check_finite_output, finish, pass_base};

@@ -1,13 +1,18 @@
 //! ResMerge's matrices (SPEC §4f, arXiv:2606.02252): each agent's task vector split into a
 //! rank-K SVD head and a residual; the residuals merged into a backbone along their consensus
 //! direction on the Frobenius sphere, the heads' mean added back, scaled by how well the heads
-//! agree. Read whole by the same scan as Iso-C's and TSV-M's matrices
-//! (`spectral::gather_taus`); the update is added to the base tile by tile, so every backend
-//! writes the same bytes.
+//! agree. Each agent's τ is gathered whole in turn for its head — the top K singular triplets by
+//! the Lanczos process of `truncated_svd`, not a full SVD — then the residuals' Gram matrix and
+//! the update are made element by element over scans of the tiles, the residuals formed from τ
+//! and the heads' factors on the fly: a matrix costs one agent's τ in f32, the update in f32 and
+//! the heads' vectors, whatever the number of agents. The update is added to the base tile by
+//! tile, so every backend writes the same bytes.
 
-use super::spectral::{gather_taus, matrix_f64, thin_svd};
-use crate::scans::Scans;
+use super::spectral::{matrix_f64, thin_svd, MAX_ELEMS};
+use super::truncated_svd::top_triplets;
+use crate::scans::{Scans, Values};
 use anyhow::Result;
+use std::ops::ControlFlow;
 
 /// ResMerge's parameters for one matrix (SPEC §4f).
 pub(super) struct ResMergeParams {
@@ -37,55 +42,37 @@ fn clamp01(x: f64) -> f64 {
     x.clamp(0.0, 1.0)
 }
 
-/// ResMerge's update of an m × n matrix, row-major (SPEC §4f): each agent's τ = H + R, H the
-/// top-K singular triplets; the residual backbone A = Σ_t w_t R_t (the residuals' consensus
-/// direction on the sphere with norm c^β · mean ‖R‖, or their mean); the head correction
-/// C = ρ · S_H · ‖A‖ · H̄ / ‖H̄‖. Every inner product is taken from the Gram matrices of the
-/// residuals and of the heads' factors, so no agent's H or R is held whole; the update A + C is
-/// formed row by row at the end.
+/// ResMerge's update of an m × n matrix of `agents` agents, row-major (SPEC §4f): each agent's
+/// τ = H + R, H the top-K singular triplets; the residual backbone A = Σ_t w_t R_t (the
+/// residuals' consensus direction on the sphere with norm c^β · mean ‖R‖, or their mean); the
+/// head correction C = ρ · S_H · ‖A‖ · H̄ / ‖H̄‖. Every inner product is taken from the Gram
+/// matrices of the residuals and of the heads' factors, so no agent's H or R is held whole.
 pub(super) fn update(
     scan: &mut dyn Scans,
     (m, n): (usize, usize),
+    agents: usize,
     params: &ResMergeParams,
 ) -> Result<Vec<f32>> {
-    let taus = gather_taus(scan, m * n)?;
-    let agents = taus.len();
     let mut heads: Vec<Head> = Vec::with_capacity(agents);
-    for (t, tau) in taus.iter().enumerate() {
-        let norm = tau.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>();
-        if norm <= 0.0 {
-            heads.push(Head {
-                us: Vec::new(),
-                vs: Vec::new(),
-            });
-            continue;
-        }
-        let svd = thin_svd(
-            matrix_f64(tau, (m, n)).as_ref(),
-            &format!("model {}'s task vector", t + 1),
-        )?;
-        let (u, s, v) = (svd.U(), svd.S().column_vector(), svd.V());
-        let k = params.rank.min(m.min(n));
-        let us = (0..k)
-            .map(|c| (0..m).map(|i| u[(i, c)] * s[c]).collect())
-            .collect();
-        let vs = (0..k)
-            .map(|c| (0..n).map(|j| v[(j, c)]).collect())
-            .collect();
-        heads.push(Head { us, vs });
+    let mut tau = vec![0.0f32; m * n];
+    for t in 0..agents {
+        gather_agent(scan, t, &mut tau)?;
+        heads.push(head(&tau, (m, n), params.rank, t)?);
     }
-    // The residuals' Gram matrix, rows of R_t formed one at a time.
+    drop(tau);
+    // The residuals' Gram matrix, tile by tile.
     let mut gram = vec![0.0f64; agents * agents];
-    let mut rows = vec![vec![0.0f64; n]; agents];
-    for i in 0..m {
-        residual_rows(&taus, &heads, i, n, &mut rows);
+    let mut rows = vec![Vec::new(); agents];
+    scan.tiles(&mut |tile| {
+        residuals(tile, &heads, n, &mut rows);
         for a in 0..agents {
             for b in a..agents {
                 let d: f64 = rows[a].iter().zip(&rows[b]).map(|(x, y)| x * y).sum();
                 gram[a * agents + b] += d;
             }
         }
-    }
+        Ok(ControlFlow::Continue(()))
+    })?;
     for a in 0..agents {
         for b in 0..a {
             gram[a * agents + b] = gram[b * agents + a];
@@ -99,37 +86,111 @@ pub(super) fn update(
         .max(0.0)
         .sqrt();
     let head_coef = head_correction(&heads, agents, params.head_ratio, backbone_norm);
-    // A + C, row by row: Σ_t w_t R_t + (c_h / T) Σ_t H_t.
+    // A + C, tile by tile: Σ_t w_t R_t + (c_h / T) Σ_t H_t.
     let mut update = vec![0.0f32; m * n];
-    let mut sum = vec![0.0f64; n];
-    for i in 0..m {
-        residual_rows(&taus, &heads, i, n, &mut rows);
-        sum.iter_mut().for_each(|x| *x = 0.0);
+    let mut sum = Vec::new();
+    scan.tiles(&mut |tile| {
+        residuals(tile, &heads, n, &mut rows);
+        let start = tile.start as usize;
+        sum.clear();
+        sum.resize(rows[0].len(), 0.0f64);
         for (t, row) in rows.iter().enumerate() {
             sum.iter_mut()
                 .zip(row)
                 .for_each(|(s, r)| *s += weights[t] * r);
+            let coef = head_coef / agents as f64;
             for (u, v) in heads[t].us.iter().zip(&heads[t].vs) {
-                let c = head_coef / agents as f64 * u[i];
-                sum.iter_mut().zip(v).for_each(|(s, v)| *s += c * v);
+                for_rows(start, sum.len(), n, |at, i, cols| {
+                    let c = coef * u[i];
+                    sum[at..at + cols.len()]
+                        .iter_mut()
+                        .zip(&v[cols])
+                        .for_each(|(s, v)| *s += c * v);
+                });
             }
         }
-        for (out, s) in update[i * n..(i + 1) * n].iter_mut().zip(&sum) {
+        for (out, s) in update[start..start + sum.len()].iter_mut().zip(&sum) {
             *out = *s as f32;
         }
-    }
+        Ok(ControlFlow::Continue(()))
+    })?;
     Ok(update)
 }
 
-/// Row `i` of each agent's residual R_t = τ_t − H_t into `rows`.
-fn residual_rows(taus: &[Vec<f32>], heads: &[Head], i: usize, n: usize, rows: &mut [Vec<f64>]) {
-    for ((tau, head), row) in taus.iter().zip(heads).zip(rows.iter_mut()) {
-        for (r, &x) in row.iter_mut().zip(&tau[i * n..(i + 1) * n]) {
-            *r = f64::from(x);
-        }
+/// Agent `t`'s τ of the matrix, whole, into `tau`, from a scan of its tiles.
+fn gather_agent(scan: &mut dyn Scans, t: usize, tau: &mut [f32]) -> Result<()> {
+    scan.tiles(&mut |tile| {
+        let start = tile.start as usize;
+        let values = &tile.tau[t];
+        tau[start..start + values.len()].copy_from_slice(values);
+        Ok(ControlFlow::Continue(()))
+    })
+}
+
+/// Agent `t`'s head (SPEC §4f): the top K singular triplets of τ, none where τ = 0. The Lanczos
+/// process finds them to a residual of 10⁻¹¹ σ₁ (`truncated_svd`); where it has not within its
+/// step bound (top values too close together to separate), a matrix within [`MAX_ELEMS`] takes
+/// faer's full SVD instead, a larger one the triplets reached.
+fn head(tau: &[f32], (m, n): (usize, usize), k: usize, t: usize) -> Result<Head> {
+    let what = format!("model {}'s task vector", t + 1);
+    if tau.iter().all(|&x| x == 0.0) {
+        return Ok(Head {
+            us: Vec::new(),
+            vs: Vec::new(),
+        });
+    }
+    let top = top_triplets(tau, (m, n), k, &what)?;
+    if top.converged || m * n > MAX_ELEMS {
+        let (us, vs) = top
+            .triplets
+            .into_iter()
+            .map(|x| (x.u.iter().map(|u| u * x.s).collect(), x.v))
+            .unzip();
+        return Ok(Head { us, vs });
+    }
+    let svd = thin_svd(matrix_f64(tau, (m, n)).as_ref(), &what)?;
+    let (u, s, v) = (svd.U(), svd.S().column_vector(), svd.V());
+    let k = k.min(m.min(n));
+    let us = (0..k)
+        .map(|c| (0..m).map(|i| u[(i, c)] * s[c]).collect())
+        .collect();
+    let vs = (0..k)
+        .map(|c| (0..n).map(|j| v[(j, c)]).collect())
+        .collect();
+    Ok(Head { us, vs })
+}
+
+/// `visit(offset in the tile, row, that row's columns)` for each row segment of the `len`
+/// elements from tensor index `start` of a matrix of `n` columns.
+fn for_rows(
+    start: usize,
+    len: usize,
+    n: usize,
+    mut visit: impl FnMut(usize, usize, std::ops::Range<usize>),
+) {
+    let mut at = 0;
+    while at < len {
+        let (i, j) = ((start + at) / n, (start + at) % n);
+        let run = (n - j).min(len - at);
+        visit(at, i, j..j + run);
+        at += run;
+    }
+}
+
+/// Each agent's residual R_t = τ_t − H_t over the tile's elements, in f64, into `rows`.
+fn residuals(tile: &Values, heads: &[Head], n: usize, rows: &mut [Vec<f64>]) {
+    let start = tile.start as usize;
+    for ((tau, head), row) in tile.tau.iter().zip(heads).zip(rows.iter_mut()) {
+        row.clear();
+        row.extend(tau.iter().map(|&x| f64::from(x)));
         for (u, v) in head.us.iter().zip(&head.vs) {
-            let c = u[i];
-            row.iter_mut().zip(v).for_each(|(r, v)| *r -= c * v);
+            for_rows(start, row.len(), n, |at, i, cols| {
+                let c = u[i];
+                row[at..at + cols.len()]
+                    .iter_mut()
+                    .zip(&v[cols])
+                    .for_each(|(r, v)| *r -= c * v);
+            });
         }
     }
 }

@@ -96,7 +96,7 @@ pub(super) fn spectral_update(
     // applies the finiteness gate itself: a NaN or ±Inf is refused by name, not fed to the SVD.
     scans.pass.scan_nonfinite = pass.scan_nonfinite;
     let update = match resmerge {
-        Some(params) => super::resmerge::update(&mut scans, matrix, &params),
+        Some(params) => super::resmerge::update(&mut scans, matrix, present.len(), &params),
         None => {
             let alpha = config
                 .tensor_params(at, numel, present)

@@ -3,8 +3,9 @@
 //! U and V made orthogonal, summed with their singular values). A matrix's task vectors are read
 //! whole by a statistics scan; the SVDs are faer's, in f64. The update is computed once per
 //! matrix on the host and added to the base tile by tile, so every backend writes the same
-//! bytes. Tensors that are not matrices, or larger than [`MAX_ELEMS`], take the elementwise rule
-//! α·mean τ through the combine kernels instead (`method::tensor_params`).
+//! bytes. Tensors that are not matrices, or larger than [`MAX_ELEMS`] (ResMerge, which needs no
+//! full SVD: its own bound), take the elementwise rule α·mean τ through the combine kernels
+//! instead (`method::tensor_params`).
 
 use crate::inputs::Inputs;
 use crate::method::{Kind, Method};
@@ -18,18 +19,36 @@ use std::ops::ControlFlow;
 /// big vocabulary's embeddings) take the elementwise rule, and the merge says so.
 pub(super) const MAX_ELEMS: usize = 1 << 25;
 
+/// The largest matrix ResMerge decomposes: 2^30 elements (Llama-3-405B's 53248 × 16384 MLP
+/// projections are 0.81 · 2^30). It holds one agent's τ and the update in f32, 8 bytes an element
+/// (1.9 GB for a 70B model's 28672 × 8192 projections), and (m + n) f64 per Lanczos step.
+const RESMERGE_MAX_ELEMS: usize = 1 << 30;
+
 /// Whether `kind`'s matrices are merged here (or by `resmerge`, on the same footing).
 pub(super) fn decomposes(kind: Kind) -> bool {
     matches!(kind, Kind::IsoC | Kind::Tsv | Kind::ResMerge)
 }
 
-/// The matrix `kind` decomposes for tensor `name` of `shape`: [`matrix`], unless the method
-/// leaves that kind of tensor to its elementwise rule ([`left_by_name`]).
+/// The matrix `kind` decomposes for tensor `name` of `shape` — a 2-D tensor of at least 2 × 2
+/// and at most [`max_elems`] elements — unless the method leaves that kind of tensor to its
+/// elementwise rule ([`left_by_name`]).
 pub(super) fn decomposed(kind: Kind, name: &str, shape: &[usize]) -> Option<(usize, usize)> {
     if left_by_name(kind, name) {
         return None;
     }
-    matrix(shape)
+    match *shape {
+        [m, n] if m >= 2 && n >= 2 && m * n <= max_elems(kind) => Some((m, n)),
+        _ => None,
+    }
+}
+
+/// The largest matrix `kind` decomposes: [`MAX_ELEMS`] for the full SVDs, [`RESMERGE_MAX_ELEMS`] for
+/// ResMerge's rank-K heads, which need no full SVD.
+fn max_elems(kind: Kind) -> usize {
+    match kind {
+        Kind::ResMerge => RESMERGE_MAX_ELEMS,
+        _ => MAX_ELEMS,
+    }
 }
 
 /// Whether `kind` leaves tensor `name` to its elementwise rule whatever its shape: ResMerge's
@@ -64,11 +83,12 @@ pub(super) fn warnings(inputs: &Inputs, method: &Method) -> Vec<String> {
         .iter()
         .filter(|plan| !left_by_name(kind, plan.name()))
         .filter_map(|plan| match plan.shape()[..] {
-            [m, n] if m >= 2 && n >= 2 && matrix(&[m, n]).is_none() => Some(format!(
-                "{}: tensor '{}' ({m} × {n}) is larger than the {MAX_ELEMS} elements rlmerge \
+            [m, n] if m >= 2 && n >= 2 && m * n > max_elems(kind) => Some(format!(
+                "{}: tensor '{}' ({m} × {n}) is larger than the {} elements rlmerge \
                  decomposes; it was merged by the elementwise rule (α · mean τ, SPEC §4c)",
                 kind.name(),
-                plan.name()
+                plan.name(),
+                max_elems(kind)
             )),
             _ => None,
         })
@@ -247,7 +267,7 @@ pub(super) fn svc_update(
 }
 
 /// Every agent's τ of an m × n matrix (`elems` elements), whole, from the scan of its tiles.
-pub(super) fn gather_taus(scan: &mut dyn Scans, elems: usize) -> Result<Vec<Vec<f32>>> {
+fn gather_taus(scan: &mut dyn Scans, elems: usize) -> Result<Vec<Vec<f32>>> {
     let mut taus: Vec<Vec<f32>> = Vec::new();
     scan.tiles(&mut |tile| {
         if taus.is_empty() {
@@ -260,4 +280,32 @@ pub(super) fn gather_taus(scan: &mut dyn Scans, elems: usize) -> Result<Vec<Vec<
         Ok(ControlFlow::Continue(()))
     })?;
     Ok(taus)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resmerge_decomposes_matrices_the_full_svds_leave() {
+        // A 7B model's MLP projection: 45 M elements, above the full SVDs' 2^25.
+        let (mlp, shape) = ("model.layers.0.mlp.up_proj.weight", [11008, 4096]);
+        assert_eq!(decomposed(Kind::IsoC, mlp, &shape), None);
+        assert_eq!(decomposed(Kind::Tsv, mlp, &shape), None);
+        assert_eq!(decomposed(Kind::ResMerge, mlp, &shape), Some((11008, 4096)));
+        // Within the full SVDs' bound every decomposing method takes it; above ResMerge's own,
+        // none; embeddings are ResMerge's elementwise rule whatever their size.
+        let small = [4096, 8192];
+        for kind in [Kind::IsoC, Kind::Tsv, Kind::ResMerge] {
+            assert_eq!(decomposed(kind, mlp, &small), Some((4096, 8192)));
+            assert_eq!(decomposed(kind, mlp, &[1 << 16, 1 << 15]), None);
+            assert_eq!(decomposed(kind, mlp, &[4096]), None);
+        }
+        let embed = "model.embed_tokens.weight";
+        assert_eq!(decomposed(Kind::ResMerge, embed, &[32000, 1024]), None);
+        assert_eq!(
+            decomposed(Kind::IsoC, embed, &[32000, 1024]),
+            Some((32000, 1024))
+        );
+    }
 }
