@@ -35,15 +35,46 @@ pub(super) const MAX_STEPS: usize = 512;
 /// Rows of A per parallel work item in Aᵀu: a function of the shape alone, so the partial sums
 /// and the order they are added in do not depend on the thread count.
 fn row_block(m: usize) -> usize {
-    m.div_ceil(256).max(16)
+    m.div_ceil(256).max(16).next_multiple_of(ROWS)
 }
 
 /// Lanes of the fixed-order sums: 16 f64 partial sums, combined in lane order, whatever the
 /// instruction set (`multiversion!`), so every build gives the same bits.
 const LANES: usize = 16;
 
+/// Rows of A a matvec kernel takes at once: the loads of x (or the stores of Aᵀy) shared by four.
+const ROWS: usize = 4;
+
 multiversion! {
-    /// Σ_j row[j] · x[j] in f64, over [`LANES`] partial sums.
+    /// Σ_j rows[r][j] · x[j] in f64 for each of [`ROWS`] rows of equal length, each over
+    /// [`LANES`] partial sums (the same sums as one row alone).
+    fn dot_rows(rows: [&[f32]; ROWS], x: &[f64]) -> [f64; ROWS] {
+        let mut lanes = [[0.0f64; LANES]; ROWS];
+        let whole = x.len() / LANES * LANES;
+        for at in (0..whole).step_by(LANES) {
+            let v = &x[at..at + LANES];
+            for (row, acc) in rows.iter().zip(lanes.iter_mut()) {
+                let r = &row[at..at + LANES];
+                for l in 0..LANES {
+                    acc[l] += f64::from(r[l]) * v[l];
+                }
+            }
+        }
+        let mut out = [0.0f64; ROWS];
+        for ((row, acc), o) in rows.iter().zip(&lanes).zip(out.iter_mut()) {
+            let mut tail = 0.0;
+            for (&r, v) in row[whole..].iter().zip(&x[whole..]) {
+                tail += f64::from(r) * v;
+            }
+            *o = acc.iter().sum::<f64>() + tail;
+        }
+        out
+    }
+}
+
+multiversion! {
+    /// Σ_j row[j] · x[j] in f64, over [`LANES`] partial sums (a row of a group shorter than
+    /// [`ROWS`]).
     fn dot_row(row: &[f32], x: &[f64]) -> f64 {
         let mut lanes = [0.0f64; LANES];
         let mut rows = row.chunks_exact(LANES);
@@ -58,6 +89,19 @@ multiversion! {
             tail += f64::from(r) * v;
         }
         lanes.iter().sum::<f64>() + tail
+    }
+}
+
+multiversion! {
+    /// out[j] += Σ_r c[r] · rows[r][j] in f64, the [`ROWS`] products added left to right first.
+    fn add_rows(c: [f64; ROWS], rows: [&[f32]; ROWS], out: &mut [f64]) {
+        let [r0, r1, r2, r3] = rows;
+        for (j, o) in out.iter_mut().enumerate() {
+            *o += c[0] * f64::from(r0[j])
+                + c[1] * f64::from(r1[j])
+                + c[2] * f64::from(r2[j])
+                + c[3] * f64::from(r3[j]);
+        }
     }
 }
 
@@ -100,14 +144,26 @@ multiversion! {
 
 /// `out = A x` (A: m × n row-major f32), each row's dot product in a fixed order.
 fn times(a: &[f32], n: usize, x: &[f64], out: &mut [f64]) {
-    out.par_iter_mut()
-        .zip(a.par_chunks_exact(n))
-        .with_min_len(16)
-        .for_each(|(o, row)| *o = dot_row(row, x));
+    out.par_chunks_mut(ROWS)
+        .zip(a.par_chunks(ROWS * n))
+        .with_min_len(4)
+        .for_each(|(o, rows)| match four_rows(rows, n) {
+            Some(four) => o.copy_from_slice(&dot_rows(four, x)),
+            None => {
+                for (o, row) in o.iter_mut().zip(rows.chunks_exact(n)) {
+                    *o = dot_row(row, x);
+                }
+            }
+        });
 }
 
-/// `out = Aᵀ y`: each block of [`row_block`] rows summed into its own partial, the partials
-/// added in block order.
+/// `rows` (of `n` columns) as [`ROWS`] rows, or `None` where it holds fewer.
+fn four_rows(rows: &[f32], n: usize) -> Option<[&[f32]; ROWS]> {
+    (rows.len() == ROWS * n).then(|| std::array::from_fn(|r| &rows[r * n..(r + 1) * n]))
+}
+
+/// `out = Aᵀ y`: each block of [`row_block`] rows summed into its own partial ([`ROWS`] rows
+/// at a time), the partials added in block order.
 fn times_transposed(a: &[f32], n: usize, y: &[f64], out: &mut [f64]) {
     let block = row_block(y.len());
     let partials: Vec<Vec<f64>> = a
@@ -115,10 +171,18 @@ fn times_transposed(a: &[f32], n: usize, y: &[f64], out: &mut [f64]) {
         .zip(y.par_chunks(block))
         .map(|(rows, ys)| {
             let mut part = vec![0.0f64; n];
-            for (row, &c) in rows.chunks_exact(n).zip(ys) {
-                if c != 0.0 {
-                    add_row(c, row, &mut part);
-                }
+            let mut groups = rows.chunks_exact(ROWS * n).zip(ys.chunks_exact(ROWS));
+            for (four, c) in &mut groups {
+                let r: Vec<&[f32]> = four.chunks_exact(n).collect();
+                add_rows(
+                    [c[0], c[1], c[2], c[3]],
+                    [r[0], r[1], r[2], r[3]],
+                    &mut part,
+                );
+            }
+            let done = ys.len() / ROWS * ROWS;
+            for (row, &c) in rows[done * n..].chunks_exact(n).zip(&ys[done..]) {
+                add_row(c, row, &mut part);
             }
             part
         })
