@@ -77,7 +77,15 @@ fn lora_agents_merge_as_their_full_checkpoints_for_every_method() {
             models().join("tools-lora").display()
         )),
     ];
-    let ram: [(&str, &[&str]); 2] = [("ram", &[]), ("ram+", &[])];
+    // RAM, and the methods that decompose whole matrices (their scans read the LoRA agent's
+    // θ₀ + s·B·A too; ResMerge's several times).
+    let ram: [(&str, &[&str]); 5] = [
+        ("ram", &[]),
+        ("ram+", &[]),
+        ("iso_c", &[]),
+        ("tsv", &[]),
+        ("resmerge", &["rank_topk=2"]),
+    ];
     for (i, (method, params)) in METHODS.iter().chain(&ram).enumerate() {
         let owned = method_args(method, params);
         let args: Vec<&str> = owned.iter().map(String::as_str).collect();

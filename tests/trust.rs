@@ -122,7 +122,7 @@ fn lora_values_pass_the_finiteness_gate_for_every_method_and_backend() {
         (&alpha, &["lora_alpha / r", "not a finite"]),
         (&overflow, &["s·B·A", "self_attn.q_proj.weight", "overflow"]),
     ];
-    let methods: [&[&str]; 7] = [
+    let methods: [&[&str]; 8] = [
         &["--method", "ram"],
         &["--method", "task_arithmetic", "--param", "weight=1"],
         &[
@@ -158,6 +158,8 @@ fn lora_values_pass_the_finiteness_gate_for_every_method_and_backend() {
             "density=0.5",
         ],
         &["--method", "model_stock"],
+        // Its scans read whole matrices before the merge pass.
+        &["--method", "resmerge"],
     ];
     let mut devices = vec!["cpu"];
     if gpu_available() {
