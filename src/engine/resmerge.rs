@@ -1,17 +1,19 @@
 //! ResMerge's matrices (SPEC §4f, arXiv:2606.02252): each agent's task vector split into a
 //! rank-K SVD head and a residual; the residuals merged into a backbone along their consensus
 //! direction on the Frobenius sphere, the heads' mean added back, scaled by how well the heads
-//! agree. Each agent's τ is gathered whole in turn for its head — the top K singular triplets by
-//! the Lanczos process of `truncated_svd`, not a full SVD — then the residuals' Gram matrix and
-//! the update are made element by element over scans of the tiles, the residuals formed from τ
-//! and the heads' factors on the fly: a matrix costs one agent's τ in f32, the update in f32 and
-//! the heads' vectors, whatever the number of agents. The update is added to the base tile by
-//! tile, so every backend writes the same bytes.
+//! agree. A head is the top K singular triplets of τ, found by the Lanczos process of
+//! `truncated_svd`, not a full SVD. The residuals' Gram matrix and the update are made block by
+//! block, the residuals formed from τ and the heads' factors on the fly, so no agent's head or
+//! residual is held whole: the T task vectors are gathered by one scan where they fit in
+//! [`GATHER_BYTES`] (the heads then found in parallel), else one at a time, the residuals read
+//! again by scans. The update is added to the base tile by tile, so every backend writes the
+//! same bytes.
 
-use super::spectral::{matrix_f64, thin_svd, MAX_ELEMS};
+use super::spectral::{gather_taus, matrix_f64, thin_svd, MAX_ELEMS};
 use super::truncated_svd::top_triplets;
-use crate::scans::{Scans, Values};
+use crate::scans::Scans;
 use anyhow::Result;
+use rayon::prelude::*;
 use std::ops::ControlFlow;
 
 /// ResMerge's parameters for one matrix (SPEC §4f).
@@ -47,61 +49,199 @@ fn clamp01(x: f64) -> f64 {
 /// residuals' consensus direction on the sphere with norm c^β · mean ‖R‖, or their mean); the
 /// head correction C = ρ · S_H · ‖A‖ · H̄ / ‖H̄‖. Every inner product is taken from the Gram
 /// matrices of the residuals and of the heads' factors, so no agent's H or R is held whole.
+///
+/// Where the T task vectors fit in [`GATHER_BYTES`] they are gathered by one scan and the heads
+/// found in parallel; otherwise one agent's τ is gathered at a time and the residuals are read
+/// again by two more scans. Both go through the same [`BLOCK`]s, so they give the same bits.
 pub(super) fn update(
+    scan: &mut dyn Scans,
+    matrix: (usize, usize),
+    agents: usize,
+    params: &ResMergeParams,
+) -> Result<Vec<f32>> {
+    update_gathering(scan, matrix, agents, params, GATHER_BYTES)
+}
+
+/// [`update`], gathering the T task vectors at once where they take at most `gather_bytes`.
+fn update_gathering(
     scan: &mut dyn Scans,
     (m, n): (usize, usize),
     agents: usize,
     params: &ResMergeParams,
+    gather_bytes: usize,
 ) -> Result<Vec<f32>> {
-    let mut heads: Vec<Head> = Vec::with_capacity(agents);
-    let mut tau = vec![0.0f32; m * n];
-    for t in 0..agents {
-        gather_agent(scan, t, &mut tau)?;
-        heads.push(head(&tau, (m, n), params.rank, t)?);
+    let matrix = (m, n);
+    let mut update = vec![0.0f32; m * n];
+    if agents * m * n * 4 <= gather_bytes {
+        let taus = gather_taus(scan, m * n)?;
+        let heads = taus
+            .par_iter()
+            .enumerate()
+            .map(|(t, tau)| head(tau, matrix, params.rank, t))
+            .collect::<Result<Vec<Head>>>()?;
+        let block = |b: usize| -> Vec<&[f32]> {
+            let range = b * BLOCK..((b + 1) * BLOCK).min(m * n);
+            taus.iter().map(|tau| &tau[range.clone()]).collect()
+        };
+        let parts: Vec<Vec<f64>> = (0..(m * n).div_ceil(BLOCK))
+            .into_par_iter()
+            .map(|b| block_gram(b * BLOCK, &block(b), &heads, n))
+            .collect();
+        let mix = Mix::of(&heads, &gram_of(parts, agents), params);
+        update
+            .par_chunks_mut(BLOCK)
+            .enumerate()
+            .for_each(|(b, out)| mix.block_update(b * BLOCK, &block(b), &heads, n, out));
+    } else {
+        let mut heads: Vec<Head> = Vec::with_capacity(agents);
+        let mut tau = vec![0.0f32; m * n];
+        for t in 0..agents {
+            gather_agent(scan, t, &mut tau)?;
+            heads.push(head(&tau, matrix, params.rank, t)?);
+        }
+        drop(tau);
+        let mut parts = Vec::new();
+        scan_blocks(scan, agents, &mut |start, taus| {
+            parts.push(block_gram(start, taus, &heads, n));
+        })?;
+        let mix = Mix::of(&heads, &gram_of(parts, agents), params);
+        scan_blocks(scan, agents, &mut |start, taus| {
+            let out = &mut update[start..start + taus[0].len()];
+            mix.block_update(start, taus, &heads, n, out);
+        })?;
     }
-    drop(tau);
-    // The residuals' Gram matrix, tile by tile.
-    let mut gram = vec![0.0f64; agents * agents];
-    let mut rows = vec![Vec::new(); agents];
+    Ok(update)
+}
+
+/// The most bytes of task vectors a matrix's update gathers at once (T · m · n · 4): above it,
+/// one agent's τ at a time.
+const GATHER_BYTES: usize = 1 << 30;
+
+/// Elements of a block: the unit the residuals' Gram sums and the update are made in, whatever
+/// the tiles a scan reads (each block's sums in a fixed order, the blocks' added in order).
+const BLOCK: usize = 1 << 14;
+
+/// Hands `visit` each [`BLOCK`] of the matrix in order — its first element and every agent's τ
+/// over it — assembled from a scan's tiles.
+fn scan_blocks(
+    scan: &mut dyn Scans,
+    agents: usize,
+    visit: &mut dyn FnMut(usize, &[&[f32]]),
+) -> Result<()> {
+    let mut blocks: Vec<Vec<f32>> = vec![Vec::with_capacity(BLOCK); agents];
+    let mut start = 0;
+    let mut flush = |blocks: &mut Vec<Vec<f32>>, start: &mut usize| {
+        let refs: Vec<&[f32]> = blocks.iter().map(Vec::as_slice).collect();
+        visit(*start, &refs);
+        *start += blocks[0].len();
+        blocks.iter_mut().for_each(Vec::clear);
+    };
     scan.tiles(&mut |tile| {
-        residuals(tile, &heads, n, &mut rows);
-        for a in 0..agents {
-            for b in a..agents {
-                let d: f64 = rows[a].iter().zip(&rows[b]).map(|(x, y)| x * y).sum();
-                gram[a * agents + b] += d;
+        let len = tile.tau[0].len();
+        let mut at = 0;
+        while at < len {
+            let take = (BLOCK - blocks[0].len()).min(len - at);
+            for (block, tau) in blocks.iter_mut().zip(tile.tau) {
+                block.extend_from_slice(&tau[at..at + take]);
+            }
+            at += take;
+            if blocks[0].len() == BLOCK {
+                flush(&mut blocks, &mut start);
             }
         }
         Ok(ControlFlow::Continue(()))
     })?;
+    if !blocks[0].is_empty() {
+        flush(&mut blocks, &mut start);
+    }
+    Ok(())
+}
+
+/// Lanes of a block's dot products: [`LANES`] partial sums, added in lane order.
+const LANES: usize = 8;
+
+/// One block's Σ R_a·R_b for the pairs a ≤ b, at `a · T + b`.
+fn block_gram(start: usize, taus: &[&[f32]], heads: &[Head], n: usize) -> Vec<f64> {
+    let agents = taus.len();
+    let rows = residuals(start, taus, heads, n);
+    let mut gram = vec![0.0f64; agents * agents];
+    for a in 0..agents {
+        for b in a..agents {
+            let mut lanes = [0.0f64; LANES];
+            let (x, y) = (rows[a].chunks_exact(LANES), rows[b].chunks_exact(LANES));
+            let tail: f64 = x
+                .remainder()
+                .iter()
+                .zip(y.remainder())
+                .map(|(p, q)| p * q)
+                .sum();
+            for (p, q) in x.zip(y) {
+                for l in 0..LANES {
+                    lanes[l] += p[l] * q[l];
+                }
+            }
+            gram[a * agents + b] = lanes.iter().sum::<f64>() + tail;
+        }
+    }
+    gram
+}
+
+/// The residuals' Gram matrix: the blocks' sums added in block order, made symmetric.
+fn gram_of(parts: Vec<Vec<f64>>, agents: usize) -> Vec<f64> {
+    let mut gram = vec![0.0f64; agents * agents];
+    for part in parts {
+        gram.iter_mut().zip(&part).for_each(|(g, p)| *g += p);
+    }
     for a in 0..agents {
         for b in 0..a {
             gram[a * agents + b] = gram[b * agents + a];
         }
     }
-    let weights = backbone_weights(&gram, agents, params);
-    let backbone_norm = (0..agents)
-        .flat_map(|a| (0..agents).map(move |b| (a, b)))
-        .map(|(a, b)| weights[a] * weights[b] * gram[a * agents + b])
-        .sum::<f64>()
-        .max(0.0)
-        .sqrt();
-    let head_coef = head_correction(&heads, agents, params.head_ratio, backbone_norm);
-    // A + C, tile by tile: Σ_t w_t R_t + (c_h / T) Σ_t H_t.
-    let mut update = vec![0.0f32; m * n];
-    let mut sum = Vec::new();
-    scan.tiles(&mut |tile| {
-        residuals(tile, &heads, n, &mut rows);
-        let start = tile.start as usize;
-        sum.clear();
-        sum.resize(rows[0].len(), 0.0f64);
+    gram
+}
+
+/// How the update mixes the residuals and the heads: A + C = Σ_t w_t R_t + (c_h / T) Σ_t H_t.
+struct Mix {
+    weights: Vec<f64>,
+    /// c_h / T.
+    head_coef: f64,
+}
+
+impl Mix {
+    /// The backbone's weights and the head correction from the residuals' Gram matrix.
+    fn of(heads: &[Head], gram: &[f64], params: &ResMergeParams) -> Mix {
+        let agents = heads.len();
+        let weights = backbone_weights(gram, agents, params);
+        let backbone_norm = (0..agents)
+            .flat_map(|a| (0..agents).map(move |b| (a, b)))
+            .map(|(a, b)| weights[a] * weights[b] * gram[a * agents + b])
+            .sum::<f64>()
+            .max(0.0)
+            .sqrt();
+        let c_h = head_correction(heads, agents, params.head_ratio, backbone_norm);
+        Mix {
+            weights,
+            head_coef: c_h / agents as f64,
+        }
+    }
+
+    /// The update over one block into `out`, each element rounded to f32 once.
+    fn block_update(
+        &self,
+        start: usize,
+        taus: &[&[f32]],
+        heads: &[Head],
+        n: usize,
+        out: &mut [f32],
+    ) {
+        let rows = residuals(start, taus, heads, n);
+        let mut sum = vec![0.0f64; out.len()];
         for (t, row) in rows.iter().enumerate() {
-            sum.iter_mut()
-                .zip(row)
-                .for_each(|(s, r)| *s += weights[t] * r);
-            let coef = head_coef / agents as f64;
+            let w = self.weights[t];
+            sum.iter_mut().zip(row).for_each(|(s, r)| *s += w * r);
             for (u, v) in heads[t].us.iter().zip(&heads[t].vs) {
                 for_rows(start, sum.len(), n, |at, i, cols| {
-                    let c = coef * u[i];
+                    let c = self.head_coef * u[i];
                     sum[at..at + cols.len()]
                         .iter_mut()
                         .zip(&v[cols])
@@ -109,12 +249,10 @@ pub(super) fn update(
                 });
             }
         }
-        for (out, s) in update[start..start + sum.len()].iter_mut().zip(&sum) {
-            *out = *s as f32;
+        for (o, s) in out.iter_mut().zip(&sum) {
+            *o = *s as f32;
         }
-        Ok(ControlFlow::Continue(()))
-    })?;
-    Ok(update)
+    }
 }
 
 /// Agent `t`'s τ of the matrix, whole, into `tau`, from a scan of its tiles.
@@ -177,22 +315,25 @@ fn for_rows(
     }
 }
 
-/// Each agent's residual R_t = τ_t − H_t over the tile's elements, in f64, into `rows`.
-fn residuals(tile: &Values, heads: &[Head], n: usize, rows: &mut [Vec<f64>]) {
-    let start = tile.start as usize;
-    for ((tau, head), row) in tile.tau.iter().zip(heads).zip(rows.iter_mut()) {
-        row.clear();
-        row.extend(tau.iter().map(|&x| f64::from(x)));
-        for (u, v) in head.us.iter().zip(&head.vs) {
-            for_rows(start, row.len(), n, |at, i, cols| {
-                let c = u[i];
-                row[at..at + cols.len()]
-                    .iter_mut()
-                    .zip(&v[cols])
-                    .for_each(|(r, v)| *r -= c * v);
-            });
-        }
-    }
+/// Each agent's residual R_t = τ_t − H_t over the elements from tensor index `start` (`taus`),
+/// in f64.
+fn residuals(start: usize, taus: &[&[f32]], heads: &[Head], n: usize) -> Vec<Vec<f64>> {
+    taus.iter()
+        .zip(heads)
+        .map(|(tau, head)| {
+            let mut row: Vec<f64> = tau.iter().map(|&x| f64::from(x)).collect();
+            for (u, v) in head.us.iter().zip(&head.vs) {
+                for_rows(start, row.len(), n, |at, i, cols| {
+                    let c = u[i];
+                    row[at..at + cols.len()]
+                        .iter_mut()
+                        .zip(&v[cols])
+                        .for_each(|(r, v)| *r -= c * v);
+                });
+            }
+            row
+        })
+        .collect()
 }
 
 /// The weights w_t of the residual backbone A = Σ_t w_t R_t (SPEC §4f), from the residuals'
@@ -303,5 +444,98 @@ fn head_correction(heads: &[Head], agents: usize, ratio: f64, backbone_norm: f64
         budget * backbone_norm / mean_norm
     } else {
         0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::SplitMix64;
+    use crate::scans::{AgentVisit, AnyOrderVisit, Values, Visit};
+
+    /// A scan over task vectors in memory, in tiles of `tile` elements.
+    struct InMemory {
+        base: Vec<f32>,
+        taus: Vec<Vec<f32>>,
+        tile: usize,
+    }
+
+    impl Scans for InMemory {
+        fn tiles(&mut self, visit: &mut Visit) -> Result<()> {
+            for start in (0..self.base.len()).step_by(self.tile) {
+                let end = (start + self.tile).min(self.base.len());
+                let tau: Vec<Vec<f32>> = self.taus.iter().map(|t| t[start..end].to_vec()).collect();
+                let x: Vec<Vec<f32>> = tau
+                    .iter()
+                    .map(|t| {
+                        t.iter()
+                            .zip(&self.base[start..end])
+                            .map(|(t, b)| t + b)
+                            .collect()
+                    })
+                    .collect();
+                let values = Values {
+                    start: start as u64,
+                    base: &self.base[start..end],
+                    x: &x,
+                    tau: &tau,
+                };
+                if visit(&values)?.is_break() {
+                    break;
+                }
+            }
+            Ok(())
+        }
+        fn per_agent(&mut self, _: u64, _: &AgentVisit) -> Result<()> {
+            unreachable!("ResMerge scans whole tiles")
+        }
+        fn workers(&self) -> usize {
+            1
+        }
+        fn any_order(&mut self, _: usize, _: bool, _: &AnyOrderVisit) -> Result<()> {
+            unreachable!("ResMerge scans whole tiles")
+        }
+        fn slabs_any_order(&mut self, _: u64, _: bool, _: &AnyOrderVisit) -> Result<()> {
+            unreachable!("ResMerge scans whole tiles")
+        }
+    }
+
+    /// Gathering every τ at once and one at a time (the residuals read again by scans, in tiles
+    /// that cut across the blocks) give the same bits.
+    #[test]
+    fn gathered_and_streamed_updates_are_the_same_bits() {
+        let (m, n, agents) = (150, 260, 3);
+        let mut rng = SplitMix64::new(5);
+        let mut uniform = || (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+        let base: Vec<f32> = (0..m * n).map(|_| uniform()).collect();
+        let common: Vec<f32> = (0..m * n).map(|_| uniform()).collect();
+        let taus: Vec<Vec<f32>> = (0..agents)
+            .map(|_| common.iter().map(|c| 0.1 * (c + uniform())).collect())
+            .collect();
+        let params = ResMergeParams {
+            rank: 2,
+            beta_min: 0.7,
+            beta_max: 1.0,
+            head_ratio: 0.2,
+            family: true,
+        };
+        let run = |tile: usize, gather_bytes: usize| {
+            let mut scan = InMemory {
+                base: base.clone(),
+                taus: taus.clone(),
+                tile,
+            };
+            update_gathering(&mut scan, (m, n), agents, &params, gather_bytes).unwrap()
+        };
+        let gathered = run(4096, usize::MAX);
+        assert!(gathered.iter().any(|&x| x != 0.0));
+        for tile in [1000, BLOCK, 3 * BLOCK + 7] {
+            let streamed = run(tile, 0);
+            let same = gathered
+                .iter()
+                .zip(&streamed)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "tiles of {tile}");
+        }
     }
 }

@@ -20,8 +20,9 @@ use std::ops::ControlFlow;
 pub(super) const MAX_ELEMS: usize = 1 << 25;
 
 /// The largest matrix ResMerge decomposes: 2^30 elements (Llama-3-405B's 53248 × 16384 MLP
-/// projections are 0.81 · 2^30). It holds one agent's τ and the update in f32, 8 bytes an element
-/// (1.9 GB for a 70B model's 28672 × 8192 projections), and (m + n) f64 per Lanczos step.
+/// projections are 0.81 · 2^30). Past 1 GiB of task vectors it holds one agent's τ and the update
+/// in f32, 8 bytes an element (1.9 GB for a 70B model's 28672 × 8192 projections), and (m + n)
+/// f64 per Lanczos step.
 const RESMERGE_MAX_ELEMS: usize = 1 << 30;
 
 /// Whether `kind`'s matrices are merged here (or by `resmerge`, on the same footing).
@@ -267,7 +268,7 @@ pub(super) fn svc_update(
 }
 
 /// Every agent's τ of an m × n matrix (`elems` elements), whole, from the scan of its tiles.
-fn gather_taus(scan: &mut dyn Scans, elems: usize) -> Result<Vec<Vec<f32>>> {
+pub(super) fn gather_taus(scan: &mut dyn Scans, elems: usize) -> Result<Vec<Vec<f32>>> {
     let mut taus: Vec<Vec<f32>> = Vec::new();
     scan.tiles(&mut |tile| {
         if taus.is_empty() {
