@@ -10,7 +10,7 @@
 //! same bytes.
 
 use super::spectral::{gather_taus, matrix_f64, thin_svd, MAX_ELEMS};
-use super::truncated_svd::top_triplets;
+use super::truncated_svd::{top_triplets, MAX_STEPS};
 use crate::scans::Scans;
 use anyhow::Result;
 use rayon::prelude::*;
@@ -77,7 +77,7 @@ fn update_gathering(
         let heads = taus
             .par_iter()
             .enumerate()
-            .map(|(t, tau)| head(tau, matrix, params.rank, t))
+            .map(|(t, tau)| head(tau, matrix, params.rank, t, MAX_STEPS))
             .collect::<Result<Vec<Head>>>()?;
         let block = |b: usize| -> Vec<&[f32]> {
             let range = b * BLOCK..((b + 1) * BLOCK).min(m * n);
@@ -97,7 +97,7 @@ fn update_gathering(
         let mut tau = vec![0.0f32; m * n];
         for t in 0..agents {
             gather_agent(scan, t, &mut tau)?;
-            heads.push(head(&tau, matrix, params.rank, t)?);
+            heads.push(head(&tau, matrix, params.rank, t, MAX_STEPS)?);
         }
         drop(tau);
         let mut parts = Vec::new();
@@ -266,10 +266,10 @@ fn gather_agent(scan: &mut dyn Scans, t: usize, tau: &mut [f32]) -> Result<()> {
 }
 
 /// Agent `t`'s head (SPEC §4f): the top K singular triplets of τ, none where τ = 0. The Lanczos
-/// process finds them to a residual of 10⁻¹¹ σ₁ (`truncated_svd`); where it has not within its
-/// step bound (top values too close together to separate), a matrix within [`MAX_ELEMS`] takes
-/// faer's full SVD instead, a larger one the triplets reached.
-fn head(tau: &[f32], (m, n): (usize, usize), k: usize, t: usize) -> Result<Head> {
+/// process finds them to a residual of 10⁻¹¹ σ₁ (`truncated_svd`); where it has not within
+/// `max_steps` steps ([`MAX_STEPS`]: top values too close together to separate), a matrix within
+/// [`MAX_ELEMS`] takes faer's full SVD instead, a larger one the triplets reached.
+fn head(tau: &[f32], (m, n): (usize, usize), k: usize, t: usize, max_steps: usize) -> Result<Head> {
     let what = format!("model {}'s task vector", t + 1);
     if tau.iter().all(|&x| x == 0.0) {
         return Ok(Head {
@@ -277,7 +277,7 @@ fn head(tau: &[f32], (m, n): (usize, usize), k: usize, t: usize) -> Result<Head>
             vs: Vec::new(),
         });
     }
-    let top = top_triplets(tau, (m, n), k, &what)?;
+    let top = top_triplets(tau, (m, n), k, max_steps, &what)?;
     if top.converged || m * n > MAX_ELEMS {
         let (us, vs) = top
             .triplets
@@ -497,6 +497,42 @@ mod tests {
         }
         fn slabs_any_order(&mut self, _: u64, _: bool, _: &AnyOrderVisit) -> Result<()> {
             unreachable!("ResMerge scans whole tiles")
+        }
+    }
+
+    /// A head the Lanczos process has not converged on within its steps is the full SVD's (a
+    /// matrix within MAX_ELEMS), and the same as the converged process's.
+    #[test]
+    fn an_unconverged_head_takes_the_full_svd() {
+        let (m, n) = (60, 80);
+        let mut rng = SplitMix64::new(9);
+        let tau: Vec<f32> = (0..m * n)
+            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+            .collect();
+        let full = |h: &Head| -> Vec<f64> {
+            let mut out = vec![0.0; m * n];
+            for (u, v) in h.us.iter().zip(&h.vs) {
+                for i in 0..m {
+                    for j in 0..n {
+                        out[i * n + j] += u[i] * v[j];
+                    }
+                }
+            }
+            out
+        };
+        let (few, all) = (3, MAX_STEPS);
+        assert!(!top_triplets(&tau, (m, n), 2, few, "τ").unwrap().converged);
+        let fallback = full(&head(&tau, (m, n), 2, 0, few).unwrap());
+        let converged = full(&head(&tau, (m, n), 2, 0, all).unwrap());
+        let svd = thin_svd(matrix_f64(&tau, (m, n)).as_ref(), "τ").unwrap();
+        for i in 0..m {
+            for j in 0..n {
+                let want: f64 = (0..2)
+                    .map(|c| svd.S().column_vector()[c] * svd.U()[(i, c)] * svd.V()[(j, c)])
+                    .sum();
+                assert_eq!(fallback[i * n + j].to_bits(), want.to_bits());
+                assert!((converged[i * n + j] - want).abs() < 1e-9);
+            }
         }
     }
 

@@ -270,14 +270,20 @@ fn unit(mut x: Vec<f64>) -> Option<Vec<f64>> {
 }
 
 /// The top `k` singular triplets of the m × n row-major matrix `a` (fewer where its rank is
-/// below `k`: directions with σ = 0 are left out), largest first. `what` names the matrix in an
-/// error.
-pub(super) fn top_triplets(a: &[f32], (m, n): (usize, usize), k: usize, what: &str) -> Result<Top> {
+/// below `k`: directions with σ = 0 are left out), largest first, in at most `max_steps` steps
+/// ([`MAX_STEPS`]). `what` names the matrix in an error.
+pub(super) fn top_triplets(
+    a: &[f32],
+    (m, n): (usize, usize),
+    k: usize,
+    max_steps: usize,
+    what: &str,
+) -> Result<Top> {
     let rank_bound = m.min(n);
     let k = k.min(rank_bound);
     // A wide matrix's right basis takes a step more than its left one before both are spent
     // (B_j is then j × (j + 1): the last α is 0).
-    let steps = (rank_bound + 1).min(MAX_STEPS);
+    let steps = (rank_bound + 1).min(max_steps.max(1));
     let mut seed = 0x5EED_u64;
     let mut basis = Basis::default();
     let mut scale = 0.0f64;
@@ -468,7 +474,7 @@ mod tests {
     }
 
     fn check(a: &[f32], (m, n): (usize, usize), k: usize, tol: f64) -> Top {
-        let top = top_triplets(a, (m, n), k, "a test matrix").unwrap();
+        let top = top_triplets(a, (m, n), k, MAX_STEPS, "a test matrix").unwrap();
         let want = by_full_svd(a, (m, n), k);
         let s1 = want[0].s;
         for (g, w) in top.triplets.iter().zip(&want) {
@@ -532,7 +538,7 @@ mod tests {
         let a = exact_low_rank(80, 50, &[4.0, 2.0, 1.0]);
         let top = check(&a, (80, 50), 3, 1e-9);
         assert_eq!(top.triplets.len(), 3);
-        let five = top_triplets(&a, (80, 50), 5, "a test matrix").unwrap();
+        let five = top_triplets(&a, (80, 50), 5, MAX_STEPS, "a test matrix").unwrap();
         assert_eq!(five.triplets.len(), 3, "σ = 0 directions are left out");
         assert!(five.converged);
         // Singular values repeated exactly (a scattered diagonal): one Krylov space holds one
@@ -546,7 +552,7 @@ mod tests {
         }
         check(&b, (m, n), 3, 1e-9);
         // (The fourth is one of two σ = 1 directions: any is right, so only its value is.)
-        let top = top_triplets(&b, (m, n), 4, "a test matrix").unwrap();
+        let top = top_triplets(&b, (m, n), 4, MAX_STEPS, "a test matrix").unwrap();
         let s: Vec<f64> = top.triplets.iter().map(|t| t.s).collect();
         assert_eq!(s.len(), 4);
         for (g, w) in s.iter().zip([3.0, 3.0, 3.0, 1.0]) {
@@ -554,7 +560,7 @@ mod tests {
         }
         // The zero matrix: no triplet.
         let zero = vec![0.0f32; 12 * 9];
-        assert!(top_triplets(&zero, (12, 9), 1, "zero")
+        assert!(top_triplets(&zero, (12, 9), 1, MAX_STEPS, "zero")
             .unwrap()
             .triplets
             .is_empty());
@@ -568,7 +574,7 @@ mod tests {
                 .num_threads(threads)
                 .build()
                 .unwrap()
-                .install(|| top_triplets(&a, (333, 129), 2, "a").unwrap())
+                .install(|| top_triplets(&a, (333, 129), 2, MAX_STEPS, "a").unwrap())
         };
         let (one, four) = (run(1), run(4));
         for (x, y) in one.triplets.iter().zip(&four.triplets) {
