@@ -488,7 +488,16 @@ const SIMD_CAPS: [&str; 2] = ["baseline", "avx2"];
 #[test]
 fn results_do_not_depend_on_tiles_threads_or_simd() {
     let f = fixture(900, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 2);
-    let ram: [(&str, &[&str]); 3] = [("ram", &[]), ("ram+", &[]), ("ram", &["shared=consensus"])];
+    // RAM, and the methods that decompose whole matrices (faer's SVDs and ResMerge's Lanczos
+    // process run on the pool --threads sets).
+    let ram: [(&str, &[&str]); 6] = [
+        ("ram", &[]),
+        ("ram+", &[]),
+        ("ram", &["shared=consensus"]),
+        ("iso_c", &[]),
+        ("tsv", &[]),
+        ("resmerge", &["rank_topk=2"]),
+    ];
     // Methods of one model besides the base.
     let one = fixture(902, Dtype::BF16, &odd_shapes(), &DENSITIES[1..2], 2);
     let single: [(&str, &[&str]); 3] = [
