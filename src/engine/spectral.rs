@@ -7,10 +7,12 @@
 //! full SVD: its own bound), take the elementwise rule α·mean τ through the combine kernels
 //! instead (`method::tensor_params`).
 
+use super::truncated_svd::Triplet;
 use crate::inputs::Inputs;
 use crate::method::{Kind, Method};
 use crate::scans::Scans;
 use anyhow::{anyhow, Result};
+use rayon::prelude::*;
 use std::ops::ControlFlow;
 
 /// The largest matrix decomposed: 2^25 elements (a 4096 × 8192 projection). Iso-C's SVD holds
@@ -24,6 +26,10 @@ pub(super) const MAX_ELEMS: usize = 1 << 25;
 /// in f32, 8 bytes an element (1.9 GB for a 70B model's 28672 × 8192 projections), and (m + n)
 /// f64 per Lanczos step.
 const RESMERGE_MAX_ELEMS: usize = 1 << 30;
+
+/// The most bytes TSV-M's SVDs take when they run at once (the agents', then the two polar
+/// factors'); above it they run one at a time.
+const PARALLEL_SVD_BYTES: usize = 1 << 30;
 
 /// Whether `kind`'s matrices are merged here (or by `resmerge`, on the same footing).
 pub(super) fn decomposes(kind: Kind) -> bool {
@@ -183,23 +189,51 @@ fn tsv_update(
     }
     let taus = gather_taus(scan, m * n)?;
     let k = m.min(n) / agents;
+    // Each agent's top k directions above the numerical rank's threshold: directions at or
+    // below it carry nothing, and an SVD's basis of a null space is arbitrary — kept, they
+    // would turn the others.
+    let top = |(t, tau): (usize, &Vec<f32>)| -> Result<Vec<Triplet>> {
+        let svd = thin_svd(
+            matrix_f64(tau, (m, n)).as_ref(),
+            &format!("model {}'s task vector", t + 1),
+        )?;
+        let s = svd.S().column_vector();
+        let floor = rank_floor(s[0], (m, n));
+        Ok((0..k)
+            .filter(|&j| s[j] > floor)
+            .map(|j| Triplet {
+                s: s[j],
+                u: svd.U().col(j).iter().copied().collect(),
+                v: svd.V().col(j).iter().copied().collect(),
+            })
+            .collect())
+    };
+    // The agents' SVDs at once where they fit in PARALLEL_SVD_BYTES (each holds τ, U and V in
+    // f64), else one at a time; faer's own threads do not keep two cores busy.
+    let one_svd = (m * n + (m + n) * m.min(n)) * 8;
+    let tops: Vec<_> = if agents * one_svd <= PARALLEL_SVD_BYTES {
+        taus.par_iter()
+            .enumerate()
+            .map(top)
+            .collect::<Result<_>>()?
+    } else {
+        taus.iter().enumerate().map(top).collect::<Result<_>>()?
+    };
+    drop(taus);
     let mut xu = faer::Mat::<f64>::zeros(m, agents * k);
     let mut xv = faer::Mat::<f64>::zeros(n, agents * k);
     let mut values = Vec::with_capacity(agents * k);
-    for (t, tau) in taus.into_iter().enumerate() {
-        let a = matrix_f64(&tau, (m, n));
-        drop(tau);
-        let svd = thin_svd(a.as_ref(), &format!("model {}'s task vector", t + 1))?;
-        let s = svd.S().column_vector();
-        // Directions at or below the numerical rank's threshold carry nothing, and an SVD's
-        // basis of a null space is arbitrary: kept, they would turn the others.
-        let floor = rank_floor(s[0], (m, n));
-        for j in (0..k).filter(|&j| s[j] > floor) {
-            let c = values.len();
-            xu.col_mut(c).copy_from(svd.U().col(j));
-            xv.col_mut(c).copy_from(svd.V().col(j));
-            values.push(s[j]);
-        }
+    for top in tops.into_iter().flatten() {
+        let c = values.len();
+        xu.col_mut(c)
+            .iter_mut()
+            .zip(&top.u)
+            .for_each(|(x, &y)| *x = y);
+        xv.col_mut(c)
+            .iter_mut()
+            .zip(&top.v)
+            .for_each(|(x, &y)| *x = y);
+        values.push(top.s);
     }
     let c = values.len();
     if c == 0 {
@@ -209,8 +243,14 @@ fn tsv_update(
         let svd = thin_svd(x, "the agents' singular vectors")?;
         Ok(svd.U() * svd.V().transpose())
     };
-    let mut qu = polar(xu.as_ref().subcols(0, c))?;
-    let qv = polar(xv.as_ref().subcols(0, c))?;
+    let (xu_c, xv_c) = (xu.as_ref().subcols(0, c), xv.as_ref().subcols(0, c));
+    // The two polar factors at once, within the same bound (each SVD holds X, U and V).
+    let (qu, qv) = if (m + n) * c * 3 * 8 <= PARALLEL_SVD_BYTES {
+        rayon::join(|| polar(xu_c), || polar(xv_c))
+    } else {
+        (polar(xu_c), polar(xv_c))
+    };
+    let (mut qu, qv) = (qu?, qv?);
     drop((xu, xv));
     for (j, &s) in values.iter().enumerate() {
         qu.col_mut(j).iter_mut().for_each(|x| *x *= s);
