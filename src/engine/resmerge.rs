@@ -239,15 +239,7 @@ impl Mix {
         for (t, row) in rows.iter().enumerate() {
             let w = self.weights[t];
             sum.iter_mut().zip(row).for_each(|(s, r)| *s += w * r);
-            for (u, v) in heads[t].us.iter().zip(&heads[t].vs) {
-                for_rows(start, sum.len(), n, |at, i, cols| {
-                    let c = self.head_coef * u[i];
-                    sum[at..at + cols.len()]
-                        .iter_mut()
-                        .zip(&v[cols])
-                        .for_each(|(s, v)| *s += c * v);
-                });
-            }
+            add_head(&heads[t], self.head_coef, (start, n), &mut sum);
         }
         for (o, s) in out.iter_mut().zip(&sum) {
             *o = *s as f32;
@@ -298,20 +290,21 @@ fn head(tau: &[f32], (m, n): (usize, usize), k: usize, t: usize, max_steps: usiz
     Ok(Head { us, vs })
 }
 
-/// `visit(offset in the tile, row, that row's columns)` for each row segment of the `len`
-/// elements from tensor index `start` of a matrix of `n` columns.
-fn for_rows(
-    start: usize,
-    len: usize,
-    n: usize,
-    mut visit: impl FnMut(usize, usize, std::ops::Range<usize>),
-) {
-    let mut at = 0;
-    while at < len {
-        let (i, j) = ((start + at) / n, (start + at) % n);
-        let run = (n - j).min(len - at);
-        visit(at, i, j..j + run);
-        at += run;
+/// `values[e]` += coef · H[e] for the elements from tensor index `start` of a matrix of `n`
+/// columns, H = Σ_k (s_k·u_k) v_kᵀ from `head`'s factors: each row's run as (coef · s·u[i]) · v.
+fn add_head(head: &Head, coef: f64, (start, n): (usize, usize), values: &mut [f64]) {
+    for (u, v) in head.us.iter().zip(&head.vs) {
+        let mut at = 0;
+        while at < values.len() {
+            let (i, j) = ((start + at) / n, (start + at) % n);
+            let run = (n - j).min(values.len() - at);
+            let c = coef * u[i];
+            values[at..at + run]
+                .iter_mut()
+                .zip(&v[j..j + run])
+                .for_each(|(x, v)| *x += c * v);
+            at += run;
+        }
     }
 }
 
@@ -322,15 +315,8 @@ fn residuals(start: usize, taus: &[&[f32]], heads: &[Head], n: usize) -> Vec<Vec
         .zip(heads)
         .map(|(tau, head)| {
             let mut row: Vec<f64> = tau.iter().map(|&x| f64::from(x)).collect();
-            for (u, v) in head.us.iter().zip(&head.vs) {
-                for_rows(start, row.len(), n, |at, i, cols| {
-                    let c = u[i];
-                    row[at..at + cols.len()]
-                        .iter_mut()
-                        .zip(&v[cols])
-                        .for_each(|(r, v)| *r -= c * v);
-                });
-            }
+            // τ − H: −1 · u is −u exactly, and r + (−u)·v is r − u·v.
+            add_head(head, -1.0, (start, n), &mut row);
             row
         })
         .collect()

@@ -43,10 +43,7 @@ pub(super) fn decomposed(kind: Kind, name: &str, shape: &[usize]) -> Option<(usi
     if left_by_name(kind, name) {
         return None;
     }
-    match *shape {
-        [m, n] if m >= 2 && n >= 2 && m * n <= max_elems(kind) => Some((m, n)),
-        _ => None,
-    }
+    matrix_within(shape, max_elems(kind))
 }
 
 /// The largest matrix `kind` decomposes: [`MAX_ELEMS`] for the full SVDs, [`RESMERGE_MAX_ELEMS`] for
@@ -72,8 +69,13 @@ fn left_by_name(kind: Kind, name: &str) -> bool {
 /// The matrix decomposed for a tensor of `shape` — (rows, columns) of a 2-D tensor of at
 /// least 2 × 2 and at most [`MAX_ELEMS`] elements — or `None`.
 pub(super) fn matrix(shape: &[usize]) -> Option<(usize, usize)> {
+    matrix_within(shape, MAX_ELEMS)
+}
+
+/// (rows, columns) of a 2-D tensor of `shape` of at least 2 × 2 and at most `max` elements.
+fn matrix_within(shape: &[usize], max: usize) -> Option<(usize, usize)> {
     match *shape {
-        [m, n] if m >= 2 && n >= 2 && m * n <= MAX_ELEMS => Some((m, n)),
+        [m, n] if m >= 2 && n >= 2 && m * n <= max => Some((m, n)),
         _ => None,
     }
 }
@@ -89,15 +91,18 @@ pub(super) fn warnings(inputs: &Inputs, method: &Method) -> Vec<String> {
         .tensors
         .iter()
         .filter(|plan| !left_by_name(kind, plan.name()))
-        .filter_map(|plan| match plan.shape()[..] {
-            [m, n] if m >= 2 && n >= 2 && m * n > max_elems(kind) => Some(format!(
-                "{}: tensor '{}' ({m} × {n}) is larger than the {} elements rlmerge \
-                 decomposes; it was merged by the elementwise rule (α · mean τ, SPEC §4c)",
-                kind.name(),
-                plan.name(),
-                max_elems(kind)
-            )),
-            _ => None,
+        .filter_map(|plan| {
+            // A matrix of any size, too large for `kind`.
+            let (m, n) = matrix_within(plan.shape(), usize::MAX)?;
+            (m * n > max_elems(kind)).then(|| {
+                format!(
+                    "{}: tensor '{}' ({m} × {n}) is larger than the {} elements rlmerge \
+                     decomposes; it was merged by the elementwise rule (α · mean τ, SPEC §4c)",
+                    kind.name(),
+                    plan.name(),
+                    max_elems(kind)
+                )
+            })
         })
         .collect()
 }

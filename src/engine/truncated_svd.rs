@@ -361,8 +361,13 @@ pub(super) fn top_triplets(
     })
 }
 
-/// B_j as a dense j × j matrix: α on the diagonal, `betas[i]` at (i, i + 1).
-fn bidiagonal(alphas: &[f64], betas: &[f64]) -> faer::Mat<f64> {
+/// The thin SVD of B (α on the diagonal, `betas[i]` at (i, i + 1)), as a dense matrix;
+/// `what` names A in an error.
+fn bidiagonal_svd(
+    alphas: &[f64],
+    betas: &[f64],
+    what: &str,
+) -> Result<faer::linalg::solvers::Svd<f64>> {
     let j = alphas.len();
     faer::Mat::from_fn(j, j, |r, c| {
         if r == c {
@@ -373,6 +378,8 @@ fn bidiagonal(alphas: &[f64], betas: &[f64]) -> faer::Mat<f64> {
             0.0
         }
     })
+    .thin_svd()
+    .map_err(|e| anyhow!("the SVD of {what}'s bidiagonal did not converge ({e:?})"))
 }
 
 /// The top `k` Ritz triplets of B_j (σ > 0) lifted to A — u = U p, v = V q — and each one's
@@ -386,9 +393,7 @@ fn ritz(basis: &Basis, beta: f64, k: usize, what: &str) -> Result<(Vec<Triplet>,
         ..
     } = basis;
     let j = alphas.len();
-    let svd = bidiagonal(alphas, &betas[..j - 1])
-        .thin_svd()
-        .map_err(|e| anyhow!("the SVD of {what}'s bidiagonal did not converge ({e:?})"))?;
+    let svd = bidiagonal_svd(alphas, &betas[..j - 1], what)?;
     let (p, s, q) = (svd.U(), svd.S().column_vector(), svd.V());
     let lift = |basis: &[Vec<f64>], coef: &dyn Fn(usize) -> f64| {
         let mut x = vec![0.0f64; basis[0].len()];
@@ -411,9 +416,7 @@ fn ritz(basis: &Basis, beta: f64, k: usize, what: &str) -> Result<(Vec<Triplet>,
 /// The residual of the top Ritz triplet of the current block (steps `block_start`..j).
 fn ritz_top_residual(basis: &Basis, beta: f64, what: &str) -> Result<f64> {
     let (from, j) = (basis.block_start, basis.alphas.len());
-    let svd = bidiagonal(&basis.alphas[from..], &basis.betas[from..j - 1])
-        .thin_svd()
-        .map_err(|e| anyhow!("the SVD of {what}'s bidiagonal did not converge ({e:?})"))?;
+    let svd = bidiagonal_svd(&basis.alphas[from..], &basis.betas[from..j - 1], what)?;
     Ok(beta * svd.U()[(j - from - 1, 0)].abs())
 }
 
