@@ -221,6 +221,36 @@ fn agents_fixture(shared: f32, seed: u64) -> Fixture {
     fixture_of(base_tensors, agent_tensors, 1, |_| 1)
 }
 
+/// The merged folder `out` of fixture `f` is what SPEC §4f says with parameters `p`: each
+/// decomposed matrix θ₀ + the reference's A + C, every other tensor the mean τ.
+fn assert_matches_reference(f: &Fixture, out: &std::path::Path, p: &Params, what: &str) {
+    let merged = read_folder(out);
+    for (i, base) in f.base_tensors.iter().enumerate() {
+        let taus = taus_of(f, i);
+        let name = base.name.as_str();
+        let decomposed = !name.contains("embed") && !name.contains("norm");
+        let want: Vec<f32> = match base.shape[..] {
+            [m, n] if decomposed => {
+                let family = !name.contains("other");
+                base_plus(&base.values, &resmerge_by_hand(&taus, (m, n), p, family))
+            }
+            // θ₀ + Σ τ·f32(1/T) in f32, in model order.
+            _ => (0..base.values.len())
+                .map(|e| {
+                    let w = 1.0f32 / 3.0;
+                    let d = f
+                        .agent_tensors
+                        .iter()
+                        .fold(0.0f32, |s, a| s + (a[i].values[e] - base.values[e]) * w);
+                    base.values[e] + d
+                })
+                .collect(),
+        };
+        let got = from_bytes(Dtype::F32, &merged[name].2);
+        assert_close(&format!("{what}, {name}"), &got, &want, 1e-5);
+    }
+}
+
 #[test]
 fn resmerge_matches_a_dense_reference() {
     let p = Params {
@@ -253,32 +283,30 @@ fn resmerge_matches_a_dense_reference() {
         )
         .assert()
         .success();
-        let merged = read_folder(&out);
-        for (i, base) in f.base_tensors.iter().enumerate() {
-            let taus = taus_of(&f, i);
-            let name = base.name.as_str();
-            let decomposed = !name.contains("embed") && !name.contains("norm");
-            let want: Vec<f32> = match base.shape[..] {
-                [m, n] if decomposed => {
-                    let family = !name.contains("other");
-                    base_plus(&base.values, &resmerge_by_hand(&taus, (m, n), &p, family))
-                }
-                // θ₀ + Σ τ·f32(1/T) in f32, in model order.
-                _ => (0..base.values.len())
-                    .map(|e| {
-                        let w = 1.0f32 / 3.0;
-                        let d = f
-                            .agent_tensors
-                            .iter()
-                            .fold(0.0f32, |s, a| s + (a[i].values[e] - base.values[e]) * w);
-                        base.values[e] + d
-                    })
-                    .collect(),
-            };
-            let got = from_bytes(Dtype::F32, &merged[name].2);
-            assert_close(&format!("shared {shared}, {name}"), &got, &want, 1e-5);
-        }
+        assert_matches_reference(&f, &out, &p, &format!("shared {shared}"));
     }
+}
+
+/// The largest K the range allows, far above every matrix's rank: each head is the whole τ (the
+/// residuals rounding noise), and the merge still matches the reference.
+#[test]
+fn resmerge_with_the_largest_rank_topk() {
+    let f = agents_fixture(3.0, 7);
+    let out = f.dir.path().join("out");
+    merge_cmd(
+        &f,
+        &out,
+        &["--method", "resmerge", "--param", "rank_topk=65536"],
+    )
+    .assert()
+    .success();
+    let p = Params {
+        k: 65536,
+        beta_min: 0.7,
+        beta_max: 1.0,
+        rho: 0.2,
+    };
+    assert_matches_reference(&f, &out, &p, "rank_topk 65536");
 }
 
 #[test]
@@ -296,6 +324,7 @@ fn resmerge_from_recipes_on_both_backends_and_its_bad_parameters() {
     for (param, want) in [
         ("rank_topk=0", "rank_topk"),
         ("rank_topk=1.5", "rank_topk"),
+        ("rank_topk=65537", "rank_topk"),
         ("beta_min=-1", "beta_min"),
         ("beta_min=2", "must not exceed beta_max"),
         ("head_ratio_budget=nan", "head_ratio_budget"),

@@ -258,9 +258,10 @@ fn gather_agent(scan: &mut dyn Scans, t: usize, tau: &mut [f32]) -> Result<()> {
 }
 
 /// Agent `t`'s head (SPEC §4f): the top K singular triplets of τ, none where τ = 0. The Lanczos
-/// process finds them to a residual of 10⁻¹¹ σ₁ (`truncated_svd`); where it has not within
-/// `max_steps` steps ([`MAX_STEPS`]: top values too close together to separate), a matrix within
-/// [`MAX_ELEMS`] takes faer's full SVD instead, a larger one the triplets reached.
+/// process finds them to a residual of 10⁻¹¹ σ₁ (`truncated_svd`); a matrix within
+/// [`MAX_ELEMS`] whose triplets have not converged in `max_steps` steps ([`MAX_STEPS`]) takes
+/// faer's full SVD instead, and a larger one has no step bound: the process goes on until they
+/// converge or its basis spans τ.
 fn head(tau: &[f32], (m, n): (usize, usize), k: usize, t: usize, max_steps: usize) -> Result<Head> {
     let what = format!("model {}'s task vector", t + 1);
     if tau.iter().all(|&x| x == 0.0) {
@@ -269,8 +270,13 @@ fn head(tau: &[f32], (m, n): (usize, usize), k: usize, t: usize, max_steps: usiz
             vs: Vec::new(),
         });
     }
-    let top = top_triplets(tau, (m, n), k, max_steps, &what)?;
-    if top.converged || m * n > MAX_ELEMS {
+    let bound = if m * n <= MAX_ELEMS {
+        max_steps
+    } else {
+        usize::MAX
+    };
+    let top = top_triplets(tau, (m, n), k, bound, &what)?;
+    if top.converged {
         let (us, vs) = top
             .triplets
             .into_iter()

@@ -24,7 +24,7 @@ pub(super) const MAX_ELEMS: usize = 1 << 25;
 /// The largest matrix ResMerge decomposes: 2^30 elements (Llama-3-405B's 53248 × 16384 MLP
 /// projections are 0.81 · 2^30). Past 1 GiB of task vectors it holds one agent's τ and the update
 /// in f32, 8 bytes an element (1.9 GB for a 70B model's 28672 × 8192 projections), and (m + n)
-/// f64 per Lanczos step.
+/// f64 per Lanczos step — a few hundred steps where K is small, at most min(m, n) + 1.
 const RESMERGE_MAX_ELEMS: usize = 1 << 30;
 
 /// The most bytes TSV-M's SVDs take when they run at once (the agents', then the two polar

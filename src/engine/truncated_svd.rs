@@ -27,9 +27,9 @@ const TOLERANCE: f64 = 1e-11;
 /// β_j at or below this share of ‖A‖'s estimate ends the Krylov space (an invariant subspace).
 const BREAKDOWN: f64 = 1e-12;
 
-/// The most Lanczos steps (basis vectors) taken; where the top triplets have not converged by
-/// then (singular values so close together that hundreds of steps do not separate them), the
-/// caller takes a full SVD where the matrix is small enough, else the Ritz triplets reached.
+/// The Lanczos steps (basis vectors) after which a caller with a full SVD to fall back on stops
+/// waiting for the top triplets (singular values so close together that hundreds of steps do not
+/// separate them, or a K in the hundreds); past it the Ritz triplets are checked every 64 steps.
 pub(super) const MAX_STEPS: usize = 512;
 
 /// Rows of A per parallel work item in Aᵀu: a function of the shape alone, so the partial sums
@@ -271,7 +271,8 @@ fn unit(mut x: Vec<f64>) -> Option<Vec<f64>> {
 
 /// The top `k` singular triplets of the m × n row-major matrix `a` (fewer where its rank is
 /// below `k`: directions with σ = 0 are left out), largest first, in at most `max_steps` steps
-/// ([`MAX_STEPS`]). `what` names the matrix in an error.
+/// (`usize::MAX`: until they converge or the basis spans A, where they are exact). `what` names
+/// the matrix in an error.
 pub(super) fn top_triplets(
     a: &[f32],
     (m, n): (usize, usize),
@@ -323,7 +324,9 @@ pub(super) fn top_triplets(
         scale = scale.max(beta);
         let breakdown = beta <= BREAKDOWN * scale;
         let last = basis.vs.len() == steps;
-        if breakdown || last || j < 16 || j % 8 == 7 {
+        // Every step at first, then every 8, past MAX_STEPS every 64 (B's SVD costs j³).
+        let period = if j < MAX_STEPS { 8 } else { 64 };
+        if breakdown || last || j < 16 || j % period == period - 1 {
             let (triplets, done) = basis.check(beta, k, what)?;
             if (done && !breakdown) || last {
                 let converged = done || basis.vs.len() > rank_bound;
@@ -533,6 +536,31 @@ mod tests {
             }
         }
         a
+    }
+
+    /// Without a step bound, a K of a third of the rank on a flat spectrum converges or spans
+    /// the matrix: the head is the full SVD's.
+    #[test]
+    fn an_unbounded_run_reaches_any_k() {
+        let mut state = 17u64;
+        let (m, n) = (70, 90);
+        let a: Vec<f32> = start_vector(&mut state, m * n)
+            .iter()
+            .map(|&x| x as f32)
+            .collect();
+        let top = top_triplets(&a, (m, n), 25, usize::MAX, "a test matrix").unwrap();
+        assert!(top.converged);
+        assert_eq!(top.triplets.len(), 25);
+        let (got, want) = (
+            head(&top.triplets, m, n),
+            head(&by_full_svd(&a, (m, n), 25), m, n),
+        );
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
+        assert!(err < 1e-9, "head differs by {err}");
     }
 
     #[test]
