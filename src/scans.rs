@@ -97,3 +97,111 @@ pub(crate) fn lock<S>(m: &Mutex<S>) -> std::sync::MutexGuard<'_, S> {
 
 /// Elements per chunk of a per-agent scan: a few arrays of it stay in L1.
 pub const SCAN_CHUNK: usize = 4096;
+
+/// A [`Scans`] over task vectors in memory, for unit tests.
+#[cfg(test)]
+pub(crate) mod memory {
+    use super::*;
+
+    /// In-memory task vectors (base 0) cut into tiles of `tile` elements, for the tests of what
+    /// scans: the any-order scans give their chunks last first, two workers taking turns.
+    pub(crate) struct Memory {
+        v: Vec<Vec<f32>>,
+        tile: usize,
+        zeros: Vec<f32>,
+    }
+
+    impl Memory {
+        fn chunk(&self, t: usize, start: usize, end: usize) -> AgentChunk<'_> {
+            AgentChunk {
+                start: start as u64,
+                base: &self.zeros[start..end],
+                x: &self.v[t][start..end],
+                tau: &self.v[t][start..end],
+            }
+        }
+    }
+
+    impl Scans for Memory {
+        fn tiles(&mut self, visit: &mut Visit) -> Result<()> {
+            let len = self.v[0].len();
+            for start in (0..len).step_by(self.tile) {
+                let end = (start + self.tile).min(len);
+                let part: Vec<Vec<f32>> = self.v.iter().map(|a| a[start..end].to_vec()).collect();
+                let values = Values {
+                    start: start as u64,
+                    base: &self.zeros[start..end],
+                    x: &part,
+                    tau: &part,
+                };
+                if visit(&values)?.is_break() {
+                    break;
+                }
+            }
+            Ok(())
+        }
+
+        fn per_agent(&mut self, from: u64, visit: &AgentVisit) -> Result<()> {
+            let len = self.v[0].len();
+            for t in 0..self.v.len() {
+                let first = from as usize / self.tile * self.tile;
+                for start in (first..len).step_by(self.tile) {
+                    let end = (start + self.tile).min(len);
+                    if visit(t, &self.chunk(t, start, end)).is_break() {
+                        break;
+                    }
+                }
+            }
+            Ok(())
+        }
+
+        fn workers(&self) -> usize {
+            2
+        }
+
+        /// Last chunk first, the two workers taking turns.
+        fn any_order(&mut self, every: usize, delta: bool, visit: &AnyOrderVisit) -> Result<()> {
+            let len = self.v[0].len();
+            let starts: Vec<usize> = (0..len).step_by(SCAN_CHUNK * every).collect();
+            for (i, &start) in starts.iter().rev().enumerate() {
+                let end = (start + SCAN_CHUNK).min(len);
+                for t in 0..self.v.len() {
+                    let c = self.chunk(t, start, end);
+                    visit(i % 2, t, start as u64, c.values(delta));
+                }
+            }
+            Ok(())
+        }
+
+        fn slabs_any_order(&mut self, slab: u64, delta: bool, visit: &AnyOrderVisit) -> Result<()> {
+            self.runs_last_first(slab, delta, visit);
+            Ok(())
+        }
+    }
+
+    impl Memory {
+        /// Last run first, the two workers taking turns (see [`Scans::slabs_any_order`]).
+        fn runs_last_first(&self, slab: u64, delta: bool, visit: &AnyOrderVisit) {
+            let len = self.v[0].len();
+            let slab = slab.max(1) as usize;
+            let run = (SCAN_CHUNK / slab).max(1) * slab;
+            let starts: Vec<usize> = (0..len).step_by(run).collect();
+            for (i, &start) in starts.iter().rev().enumerate() {
+                let end = (start + run).min(len);
+                for t in 0..self.v.len() {
+                    visit(
+                        i % 2,
+                        t,
+                        start as u64,
+                        self.chunk(t, start, end).values(delta),
+                    );
+                }
+            }
+        }
+    }
+
+    pub(crate) fn scan_of(v: Vec<Vec<f32>>, tile: usize) -> Memory {
+        let zeros = vec![0.0; v[0].len()];
+        Memory { v, tile, zeros }
+    }
+}

@@ -443,54 +443,7 @@ fn head_correction(heads: &[Head], agents: usize, ratio: f64, backbone_norm: f64
 mod tests {
     use super::*;
     use crate::hash::SplitMix64;
-    use crate::scans::{AgentVisit, AnyOrderVisit, Values, Visit};
-
-    /// A scan over task vectors in memory, in tiles of `tile` elements.
-    struct InMemory {
-        base: Vec<f32>,
-        taus: Vec<Vec<f32>>,
-        tile: usize,
-    }
-
-    impl Scans for InMemory {
-        fn tiles(&mut self, visit: &mut Visit) -> Result<()> {
-            for start in (0..self.base.len()).step_by(self.tile) {
-                let end = (start + self.tile).min(self.base.len());
-                let tau: Vec<Vec<f32>> = self.taus.iter().map(|t| t[start..end].to_vec()).collect();
-                let x: Vec<Vec<f32>> = tau
-                    .iter()
-                    .map(|t| {
-                        t.iter()
-                            .zip(&self.base[start..end])
-                            .map(|(t, b)| t + b)
-                            .collect()
-                    })
-                    .collect();
-                let values = Values {
-                    start: start as u64,
-                    base: &self.base[start..end],
-                    x: &x,
-                    tau: &tau,
-                };
-                if visit(&values)?.is_break() {
-                    break;
-                }
-            }
-            Ok(())
-        }
-        fn per_agent(&mut self, _: u64, _: &AgentVisit) -> Result<()> {
-            unreachable!("ResMerge scans whole tiles")
-        }
-        fn workers(&self) -> usize {
-            1
-        }
-        fn any_order(&mut self, _: usize, _: bool, _: &AnyOrderVisit) -> Result<()> {
-            unreachable!("ResMerge scans whole tiles")
-        }
-        fn slabs_any_order(&mut self, _: u64, _: bool, _: &AnyOrderVisit) -> Result<()> {
-            unreachable!("ResMerge scans whole tiles")
-        }
-    }
+    use crate::scans::memory::scan_of;
 
     /// A head the Lanczos process has not converged on within its steps is the full SVD's (a
     /// matrix within MAX_ELEMS), and the same as the converged process's.
@@ -535,7 +488,6 @@ mod tests {
         let (m, n, agents) = (150, 260, 3);
         let mut rng = SplitMix64::new(5);
         let mut uniform = || (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-        let base: Vec<f32> = (0..m * n).map(|_| uniform()).collect();
         let common: Vec<f32> = (0..m * n).map(|_| uniform()).collect();
         let taus: Vec<Vec<f32>> = (0..agents)
             .map(|_| common.iter().map(|c| 0.1 * (c + uniform())).collect())
@@ -548,11 +500,7 @@ mod tests {
             family: true,
         };
         let run = |tile: usize, gather_bytes: usize| {
-            let mut scan = InMemory {
-                base: base.clone(),
-                taus: taus.clone(),
-                tile,
-            };
+            let mut scan = scan_of(taus.clone(), tile);
             update_gathering(&mut scan, (m, n), agents, &params, gather_bytes).unwrap()
         };
         let gathered = run(4096, usize::MAX);
