@@ -85,36 +85,120 @@ fn keep_group(
     let group = (values.len() - k).div_ceil(stride);
     s.reserve(group);
     let keys = &mut s.keys[..=group];
-    let mut nonzero = 0usize;
-    // Branch-free (zeros fall at random in a task vector): every key is written as the next
-    // pair, and only a nonzero one moves the count on; a row (stride 1) without the stepping.
-    let mut push = |key: u32, i: usize| {
-        keys[nonzero] = (key, i as u32);
-        nonzero += usize::from(key != 0);
-    };
-    if stride == 1 {
-        for (i, &x) in values.iter().enumerate() {
-            push(magnitude_key(x), i);
-        }
+    let nonzero = if stride == 1 {
+        row_pairs(values, keys)
     } else {
+        let mut nonzero = 0usize;
+        // Branch-free (zeros fall at random in a task vector): every key is written as the next
+        // pair, and only a nonzero one moves the count on.
         for i in (k..values.len()).step_by(stride) {
-            push(magnitude_key(values[i]), i);
+            let key = magnitude_key(values[i]);
+            keys[nonzero] = Pair(key, i as u32);
+            nonzero += usize::from(key != 0);
         }
-    }
+        nonzero
+    };
     let sorted = radix_sort(&mut s.keys[..nonzero], &mut s.spare[..nonzero]);
     let decisions = &mut s.decisions[..nonzero];
     decide(sorted, (group - nonzero) as u32, first, rule, decisions);
-    for (&(_, i), &d) in sorted.iter().zip(&*decisions) {
+    for (&Pair(_, i), &d) in sorted.iter().zip(&*decisions) {
         mask[i as usize] = d;
     }
+}
+
+/// A (magnitude key, slab index) pair as the ranks sort them: laid out key first, so the vector
+/// path of [`row_pairs`] writes one as the 64-bit word key | index << 32.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Pair(u32, u32);
+
+/// The nonzero magnitude keys of a row (`values`, slab indices 0, 1, …) as pairs packed to the
+/// front of `pairs` (at least one longer than the row), in index order; returns how many. With
+/// AVX-512 sixteen at a time by compressing stores; else one at a time, branch-free.
+fn row_pairs(values: &[f32], pairs: &mut [Pair]) -> usize {
+    assert!(
+        pairs.len() > values.len(),
+        "room for the row and a spare pair"
+    );
+    let whole = values.len() / 16 * 16;
+    // (elements done, pairs packed) by the vector path.
+    #[cfg(target_arch = "x86_64")]
+    let (done, nonzero) = match crate::simd::level() {
+        // SAFETY: the CPU supports AVX-512 F/BW/VL, detected by `level`; the row's first
+        // `whole` elements are whole groups of sixteen and `pairs` is longer than the row.
+        crate::simd::Level::Avx512 => (whole, unsafe { row_pairs_avx512(&values[..whole], pairs) }),
+        _ => (0, 0),
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (done, nonzero) = (0, 0);
+    row_pairs_scalar(values, done, nonzero, pairs)
+}
+
+/// [`row_pairs`] from element `from` on, `nonzero` pairs being there already: every key is
+/// written as the next pair, and only a nonzero one moves the count on.
+fn row_pairs_scalar(values: &[f32], from: usize, mut nonzero: usize, pairs: &mut [Pair]) -> usize {
+    for (i, &x) in values.iter().enumerate().skip(from) {
+        let key = magnitude_key(x);
+        pairs[nonzero] = Pair(key, i as u32);
+        nonzero += usize::from(key != 0);
+    }
+    nonzero
+}
+
+/// [`row_pairs`] of whole groups of sixteen elements: per group, the keys and indices widened to
+/// 64-bit pairs, eight at a time, compressed to the nonzero ones and stored unaligned at the end
+/// of those packed so far (each store stays within the row's length: at most as many pairs
+/// are packed as elements were read).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+fn row_pairs_avx512(values: &[f32], pairs: &mut [Pair]) -> usize {
+    use std::arch::x86_64::*;
+    assert!(values.len().is_multiple_of(16) && pairs.len() >= values.len());
+    let magnitude = _mm512_set1_epi32(0x7fff_ffff);
+    let sixteen = _mm512_set1_epi32(16);
+    let mut index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let out = pairs.as_mut_ptr().cast::<u64>();
+    let mut n = 0usize;
+    for group in values.chunks_exact(16) {
+        // SAFETY: `group` holds sixteen f32 (64 bytes); unaligned loads are allowed.
+        let key = _mm512_and_si512(
+            unsafe { _mm512_loadu_si512(group.as_ptr().cast()) },
+            magnitude,
+        );
+        let nonzero = _mm512_test_epi32_mask(key, key);
+        for half in 0..2 {
+            let (k, i) = if half == 0 {
+                (_mm512_castsi512_si256(key), _mm512_castsi512_si256(index))
+            } else {
+                (
+                    _mm512_extracti64x4_epi64::<1>(key),
+                    _mm512_extracti64x4_epi64::<1>(index),
+                )
+            };
+            let pair = _mm512_or_si512(
+                _mm512_cvtepu32_epi64(k),
+                _mm512_slli_epi64::<32>(_mm512_cvtepu32_epi64(i)),
+            );
+            let lanes = (nonzero >> (8 * half)) as u8;
+            // SAFETY: n ≤ the elements read before this half, so the eight pairs stored end
+            // within the first `values.len()` pairs; `Pair` is repr(C), key then index, so the
+            // little-endian word key | index << 32 is one pair.
+            unsafe {
+                _mm512_storeu_si512(out.add(n).cast(), _mm512_maskz_compress_epi64(lanes, pair))
+            };
+            n += lanes.count_ones() as usize;
+        }
+        index = _mm512_add_epi32(index, sixteen);
+    }
+    n
 }
 
 multiversion! {
     /// `dec[pos]` = all ones when the element of the `pos`-th sorted nonzero key (slab index
     /// `keys[pos].1`, tensor index `first` + it) is kept at rank `zeros + pos + 1`, else 0: the
     /// hashes and thresholds of a row in one vectorized loop.
-    fn decide(keys: &[(u32, u32)], zeros: u32, first: u32, rule: RankKeep, dec: &mut [u32]) {
-        for (pos, (&(_, i), d)) in keys.iter().zip(dec.iter_mut()).enumerate() {
+    fn decide(keys: &[Pair], zeros: u32, first: u32, rule: RankKeep, dec: &mut [u32]) {
+        for (pos, (&Pair(_, i), d)) in keys.iter().zip(dec.iter_mut()).enumerate() {
             let rank = zeros + pos as u32 + 1;
             let hash = element_hash(rule.key, first.wrapping_add(i));
             *d = u32::from(hash < rank_threshold(rule.p0, rule.step, rank)).wrapping_neg();
@@ -127,8 +211,8 @@ multiversion! {
 /// in the kernel as the sort).
 #[derive(Default)]
 struct Scratch {
-    keys: Vec<(u32, u32)>,
-    spare: Vec<(u32, u32)>,
+    keys: Vec<Pair>,
+    spare: Vec<Pair>,
     /// DELLA's keep decisions, in sorted order.
     decisions: Vec<u32>,
 }
@@ -138,8 +222,8 @@ impl Scratch {
     /// held is overwritten before it is read (no clearing per row).
     fn reserve(&mut self, len: usize) {
         if self.keys.len() <= len {
-            self.keys.resize(len + 1, (0, 0));
-            self.spare.resize(len + 1, (0, 0));
+            self.keys.resize(len + 1, Pair(0, 0));
+            self.spare.resize(len + 1, Pair(0, 0));
             self.decisions.resize(len + 1, 0);
         }
     }
@@ -160,7 +244,7 @@ thread_local! {
 /// the sort stays stable): the keys of a task vector repeat, and one counter per digit would make
 /// every entry wait for the previous store to the same counter.
 /// Returns whichever of `a` and `b` (as long as `a`) holds the sorted pairs.
-fn radix_sort<'s>(mut a: &'s mut [(u32, u32)], mut b: &'s mut [(u32, u32)]) -> &'s [(u32, u32)] {
+fn radix_sort<'s>(mut a: &'s mut [Pair], mut b: &'s mut [Pair]) -> &'s [Pair] {
     if a.len() <= 64 {
         a.sort_by_key(|p| p.0);
         return a;
@@ -179,7 +263,7 @@ fn radix_sort<'s>(mut a: &'s mut [(u32, u32)], mut b: &'s mut [(u32, u32)]) -> &
     // Quarter j is a[j·q .. (j + 1)·q], the last one also holding the n % 4 entries after 4q.
     let tail = 4 * q..n;
     for shift in (low..high).step_by(8) {
-        let digit = |p: (u32, u32)| (p.0 >> shift) as usize & 255;
+        let digit = |p: Pair| (p.0 >> shift) as usize & 255;
         let mut count = [[0u32; 256]; 4];
         for i in 0..q {
             for (j, c) in count.iter_mut().enumerate() {
@@ -300,16 +384,34 @@ mod tests {
         for (len, _, _, zeros, bf16_like) in CASES {
             let v = random_rows(&mut rng, len, zeros, bf16_like);
             for run in [&v[..], &v[..40], &v[..len.min(3000)]] {
-                let mut pairs: Vec<(u32, u32)> = run
+                let mut pairs: Vec<Pair> = run
                     .iter()
                     .enumerate()
-                    .map(|(i, &x)| (magnitude_key(x), i as u32))
+                    .map(|(i, &x)| Pair(magnitude_key(x), i as u32))
                     .collect();
                 let mut want = pairs.clone();
                 want.sort_by_key(|p| p.0);
                 let mut spare = pairs.clone();
                 let got = radix_sort(&mut pairs, &mut spare);
                 assert_eq!(got, &want[..], "len {}, zeros {zeros}", run.len());
+            }
+        }
+    }
+
+    /// A row's pairs are the same whichever path packs them (sixteen at a time with AVX-512,
+    /// else one at a time): rows of every length around the groups of sixteen, dense, sparse
+    /// and all zero, −0 a zero.
+    #[test]
+    fn row_pairs_match_the_scalar_packing() {
+        let mut rng = SplitMix64::new(5);
+        for len in (0..70).chain([255, 256, 257, 1000, 4096]) {
+            for zeros in [0.0, 0.5, 0.97, 1.0] {
+                let v = random_rows(&mut rng, len, zeros, false);
+                let mut want = vec![Pair(0, 0); len + 1];
+                let n = row_pairs_scalar(&v, 0, 0, &mut want);
+                let mut got = vec![Pair(7, 7); len + 1];
+                assert_eq!(row_pairs(&v, &mut got), n, "len {len}, zeros {zeros}");
+                assert_eq!(got[..n], want[..n], "len {len}, zeros {zeros}");
             }
         }
     }
