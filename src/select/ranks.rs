@@ -31,7 +31,26 @@ pub struct RankKeep {
 #[inline]
 pub fn rank_threshold(p0: f32, step: f32, rank: u32) -> u32 {
     let p = p0 + (rank - 1) as f32 * step;
-    (p * 4_294_967_296.0f32) as u32
+    saturating_u32(p * 4_294_967_296.0f32)
+}
+
+/// `x as u32` (truncation; saturating, NaN → 0), written so a loop of them vectorizes to one
+/// unsigned conversion per vector (Rust's saturating `as` compiles to a scalar one per lane).
+#[inline(always)]
+fn saturating_u32(x: f32) -> u32 {
+    // The largest f32 below 2^32 is 2^32 − 256: every x < 2^32 is at most it.
+    let inside = if x >= 0.0 {
+        x.min(4_294_967_040.0)
+    } else {
+        0.0
+    };
+    // SAFETY: `inside` is finite and in [0, 2^32 − 256], where the conversion is exact truncation.
+    let t = unsafe { inside.to_int_unchecked::<u32>() };
+    if x >= 4_294_967_296.0 {
+        u32::MAX
+    } else {
+        t
+    }
 }
 
 /// DELLA's keep mask, made where the ranks are found: `out[i]` = all ones where the element of
@@ -395,6 +414,35 @@ mod tests {
                 let got = radix_sort(&mut pairs, &mut spare);
                 assert_eq!(got, &want[..], "len {}, zeros {zeros}", run.len());
             }
+        }
+    }
+
+    /// The vectorizable conversion is Rust's saturating `as u32`: around 0, 1, 2^24, 2^32 and
+    /// every binade's ends, negative, infinite and NaN values.
+    #[test]
+    fn saturating_conversion_is_as_u32() {
+        let mut xs = vec![
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            -0.0,
+            0.0,
+        ];
+        for e in -30..=40 {
+            let b = f32::powi(2.0, e);
+            for x in [b, -b, b * 0.75, b * 1.5] {
+                xs.extend([
+                    x,
+                    f32::from_bits(x.to_bits() + 1),
+                    f32::from_bits(x.to_bits() - 1),
+                ]);
+            }
+        }
+        let mut rng = SplitMix64::new(3);
+        xs.extend((0..100_000).map(|_| f32::from_bits(rng.next_u64() as u32)));
+        for x in xs {
+            assert_eq!(saturating_u32(x), x as u32, "{x:e} ({:#x})", x.to_bits());
         }
     }
 
