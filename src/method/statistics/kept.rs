@@ -55,9 +55,10 @@ impl KeptFlags {
     /// Agent `t`'s words for elements `start..start + len`, as [`Keep::Flagged`](crate::method::combine::Keep::Flagged) reads them (1:
     /// kept, 0: dropped; all 0 for an agent without bits, whose rule reads none).
     pub fn words(&self, t: usize, start: u64, len: usize, out: &mut Vec<u32>) {
-        out.clear();
         match &self.agents[t] {
             Some(bits) => {
+                // Every lane is written below: no clearing of what `out` held.
+                out.truncate(len);
                 out.resize(len, 0);
                 // Up to a word boundary bit by bit, then 64 words per bit word.
                 let lead = (((64 - start % 64) % 64) as usize).min(len);
@@ -71,7 +72,10 @@ impl KeptFlags {
                     unpack(w.load(Ordering::Relaxed), lanes);
                 }
             }
-            None => out.resize(len, 0),
+            None => {
+                out.clear();
+                out.resize(len, 0);
+            }
         }
     }
 }
@@ -201,8 +205,10 @@ mod tests {
         k.record(0, 50, &mask);
         k.record(0, 180, &mask[..100]);
         k.record(1, 50, &mask); // not ranked: ignored
-        let mut w = Vec::new();
+                                // The buffer comes from an earlier tile, longer and holding other words.
+        let mut w = vec![7; 300];
         k.words(0, 40, 260, &mut w);
+        assert_eq!(w.len(), 260);
         for (i, &x) in w.iter().enumerate() {
             let at = 40 + i;
             let want = ((50..180).contains(&at) && (at - 50) % 3 == 0)
@@ -211,6 +217,10 @@ mod tests {
         }
         k.words(1, 0, 10, &mut w);
         assert_eq!(w, [0; 10]);
+        // A shorter tile after a longer one: every lane rewritten.
+        w.fill(7);
+        k.words(0, 50, 3, &mut w);
+        assert_eq!(w, [1, 0, 0]);
         assert!(KeptFlags::new(MAX_BITS, &[true, true]).is_none());
         assert!(KeptFlags::new(10, &[false]).is_none());
     }
