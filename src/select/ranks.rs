@@ -107,15 +107,8 @@ fn keep_group(
     let nonzero = if stride == 1 {
         row_pairs(values, keys)
     } else {
-        let mut nonzero = 0usize;
-        // Branch-free (zeros fall at random in a task vector): every key is written as the next
-        // pair, and only a nonzero one moves the count on.
-        for i in (k..values.len()).step_by(stride) {
-            let key = magnitude_key(values[i]);
-            keys[nonzero] = Pair(key, i as u32);
-            nonzero += usize::from(key != 0);
-        }
-        nonzero
+        let group = (k..values.len()).step_by(stride).map(|i| (i, values[i]));
+        push_pairs(group, 0, keys)
     };
     let sorted = radix_sort(&mut s.keys[..nonzero], &mut s.spare[..nonzero]);
     let decisions = &mut s.decisions[..nonzero];
@@ -150,13 +143,24 @@ fn row_pairs(values: &[f32], pairs: &mut [Pair]) -> usize {
     };
     #[cfg(not(target_arch = "x86_64"))]
     let (done, nonzero) = (0, 0);
-    row_pairs_scalar(values, done, nonzero, pairs)
+    push_pairs(
+        values.iter().copied().enumerate().skip(done),
+        nonzero,
+        pairs,
+    )
 }
 
-/// [`row_pairs`] from element `from` on, `nonzero` pairs being there already: every key is
-/// written as the next pair, and only a nonzero one moves the count on.
-fn row_pairs_scalar(values: &[f32], from: usize, mut nonzero: usize, pairs: &mut [Pair]) -> usize {
-    for (i, &x) in values.iter().enumerate().skip(from) {
+/// The nonzero magnitude keys of `elements` ((slab index, value), in index order) as pairs
+/// packed into `pairs` after the `nonzero` there; returns how many there are then. Branch-free
+/// (zeros fall at random in a task vector): every key is written as the next pair, and only a
+/// nonzero one moves the count on.
+#[inline(always)]
+fn push_pairs(
+    elements: impl Iterator<Item = (usize, f32)>,
+    mut nonzero: usize,
+    pairs: &mut [Pair],
+) -> usize {
+    for (i, x) in elements {
         let key = magnitude_key(x);
         pairs[nonzero] = Pair(key, i as u32);
         nonzero += usize::from(key != 0);
@@ -456,7 +460,7 @@ mod tests {
             for zeros in [0.0, 0.5, 0.97, 1.0] {
                 let v = random_rows(&mut rng, len, zeros, false);
                 let mut want = vec![Pair(0, 0); len + 1];
-                let n = row_pairs_scalar(&v, 0, 0, &mut want);
+                let n = push_pairs(v.iter().copied().enumerate(), 0, &mut want);
                 let mut got = vec![Pair(7, 7); len + 1];
                 assert_eq!(row_pairs(&v, &mut got), n, "len {len}, zeros {zeros}");
                 assert_eq!(got[..n], want[..n], "len {len}, zeros {zeros}");
