@@ -132,13 +132,15 @@ fn row_pairs(values: &[f32], pairs: &mut [Pair]) -> usize {
         pairs.len() > values.len(),
         "room for the row and a spare pair"
     );
-    let whole = values.len() / 16 * 16;
     // (elements done, pairs packed) by the vector path.
     #[cfg(target_arch = "x86_64")]
     let (done, nonzero) = match crate::simd::level() {
-        // SAFETY: the CPU supports AVX-512 F/BW/VL, detected by `level`; the row's first
-        // `whole` elements are whole groups of sixteen and `pairs` is longer than the row.
-        crate::simd::Level::Avx512 => (whole, unsafe { row_pairs_avx512(&values[..whole], pairs) }),
+        crate::simd::Level::Avx512 => {
+            let whole = values.len() / 16 * 16;
+            // SAFETY: the CPU supports AVX-512 F/BW/VL, detected by `level`; the row's first
+            // `whole` elements are whole groups of sixteen and `pairs` is longer than the row.
+            (whole, unsafe { row_pairs_avx512(&values[..whole], pairs) })
+        }
         _ => (0, 0),
     };
     #[cfg(not(target_arch = "x86_64"))]
@@ -177,6 +179,7 @@ fn push_pairs(
 fn row_pairs_avx512(values: &[f32], pairs: &mut [Pair]) -> usize {
     use std::arch::x86_64::*;
     assert!(values.len().is_multiple_of(16) && pairs.len() >= values.len());
+    // magnitude_key's mask, sixteen lanes at a time.
     let magnitude = _mm512_set1_epi32(0x7fff_ffff);
     let sixteen = _mm512_set1_epi32(16);
     let mut index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);

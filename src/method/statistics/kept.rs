@@ -205,7 +205,8 @@ mod tests {
         k.record(0, 50, &mask);
         k.record(0, 180, &mask[..100]);
         k.record(1, 50, &mask); // not ranked: ignored
-                                // The buffer comes from an earlier tile, longer and holding other words.
+
+        // The buffer comes from an earlier tile, longer and holding other words.
         let mut w = vec![7; 300];
         k.words(0, 40, 260, &mut w);
         assert_eq!(w.len(), 260);
