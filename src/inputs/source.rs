@@ -129,17 +129,7 @@ impl TensorSource<'_> {
             refuse_nonfinite(ctx.plan, model, tensor, &buf[tail..], start)?;
         }
         if let Some(lora) = lora {
-            let mut raw = [0u8; RUN * 4];
-            let mut run = [0.0f32; RUN];
-            for i0 in (0..len).step_by(RUN) {
-                let n = RUN.min(len - i0);
-                // Run i0's f32 bytes end at 4·(i0 + n), before the next run's raw bytes.
-                let from = tail + i0 * dtype.size();
-                let raw = &mut raw[..n * dtype.size()];
-                raw.copy_from_slice(&buf[from..from + raw.len()]);
-                decode(dtype, raw, &mut run[..n]);
-                put_f32(buf, i0, &run[..n]);
-            }
+            widen_in_place(dtype, buf, len);
             // A LoRA agent's update over the whole tile at once: its terms are decoded once for
             // all the tile's rows.
             if let Some(l) = lora {
@@ -170,6 +160,37 @@ pub fn resize_exact<T: Clone>(buf: &mut Vec<T>, len: usize, fill: T) {
 
 /// Elements widened to f32 at a time.
 const RUN: usize = 1024;
+
+/// Widens the `len` elements of `dtype` stored at the end of `buf` (from byte `len · (4 − size)`)
+/// to the f32 bytes `buf[..4 · len]`, front to back. A run whose f32 bytes end before its own raw
+/// bytes start (all but the last runs) is decoded straight into place; the rest go through a run
+/// on the stack. f32 bytes are already in place.
+fn widen_in_place(dtype: DType, buf: &mut [u8], len: usize) {
+    let size = dtype.size();
+    if size == 4 {
+        return;
+    }
+    let tail = len * (4 - size);
+    let mut run = [0.0f32; RUN];
+    for i0 in (0..len).step_by(RUN) {
+        let n = RUN.min(len - i0);
+        let from = tail + i0 * size;
+        let (head, rest) = buf.split_at_mut(from);
+        let raw = &rest[..n * size];
+        // Run i0's f32 bytes end at 4·(i0 + n); before `from` they are clear of its raw bytes.
+        let place = head
+            .get_mut(i0 * 4..(i0 + n) * 4)
+            .and_then(|b| bytemuck::try_cast_slice_mut::<u8, f32>(b).ok())
+            .filter(|_| cfg!(target_endian = "little"));
+        match place {
+            Some(place) => decode(dtype, raw, place),
+            None => {
+                decode(dtype, raw, &mut run[..n]);
+                put_f32(buf, i0, &run[..n]);
+            }
+        }
+    }
+}
 
 /// Writes `values` into an f32 tile's bytes from element `at`.
 fn put_f32(buf: &mut [u8], at: usize, values: &[f32]) {
@@ -362,4 +383,55 @@ fn pad_mean(read: &SourceRead, rows: &VocabTensor, source: Source) -> Result<Vec
         .iter()
         .map(|&s| (s / tokens.max(1) as f64) as f32)
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::dtype::encode;
+
+    /// Widening in place gives the values a plain decode gives, for tiles shorter than a run,
+    /// of several runs (decoded in place, then on the stack where the last ones overlap their raw
+    /// bytes), and in buffers not aligned to four bytes (every run on the stack).
+    #[test]
+    fn widening_in_place_matches_a_plain_decode() {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            for len in [
+                0,
+                1,
+                7,
+                RUN - 1,
+                RUN,
+                RUN + 1,
+                2 * RUN + 3,
+                5 * RUN,
+                7 * RUN + 511,
+            ] {
+                let values: Vec<f32> = (0..len)
+                    .map(|i| ((i * 2_654_435_761) % 100_003) as f32 * 0.013 - 650.0)
+                    .collect();
+                let mut raw = vec![0u8; len * dtype.size()];
+                encode(dtype, &values, &mut raw);
+                let mut want = vec![0.0f32; len];
+                decode(dtype, &raw, &mut want);
+                for skew in 0..4 {
+                    // Stale bytes before the raw ones, as a reused tile buffer holds.
+                    let mut buf = vec![0xA5u8; skew + len * 4];
+                    let tail = skew + len * (4 - dtype.size());
+                    buf[tail..].copy_from_slice(&raw);
+                    widen_in_place(dtype, &mut buf[skew..], len);
+                    let got: Vec<f32> = buf[skew..]
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                        .collect();
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(g, w)| g.to_bits() == w.to_bits()),
+                        "{dtype:?}, {len} elements, skew {skew}"
+                    );
+                }
+            }
+        }
+    }
 }
