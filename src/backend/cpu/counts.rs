@@ -4,13 +4,16 @@
 
 use super::{chunk_bytes, CHUNK};
 use crate::backend::{Tile, TileCounts};
-use crate::checkpoint::dtype::decode;
+use crate::checkpoint::dtype::{bf16_bits_to_f32, decode};
+use crate::checkpoint::DType;
 use crate::simd::multiversion;
 
 /// Per-worker buffers for one chunk of the probe.
 pub(super) struct ProbeScratch {
     base: Vec<f32>,
     agent: Vec<f32>,
+    /// Agent masks of up to 32 agents (half the bytes to clear and count of `masks`).
+    narrow: Vec<u32>,
     masks: Vec<u64>,
     patterns: Vec<u32>,
 }
@@ -20,6 +23,7 @@ impl ProbeScratch {
         ProbeScratch {
             base: vec![0.0; CHUNK],
             agent: vec![0.0; CHUNK],
+            narrow: vec![0; CHUNK],
             masks: vec![0; CHUNK],
             patterns: vec![0; PATTERN_SLOTS],
         }
@@ -50,19 +54,48 @@ multiversion! {
         s: &mut ProbeScratch,
     ) -> TileCounts {
         let n = tile.agents.len();
-        let size = tile.dtype.size();
-        let (base, agent, masks) = (&mut s.base[..len], &mut s.agent[..len], &mut s.masks[..len]);
-        decode(tile.dtype, chunk_bytes(tile.base, start, len, size), base);
-        masks.fill(0);
-        for (t, bytes) in tile.agents.iter().enumerate() {
-            decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);
+        let (base, agent) = (&mut s.base[..len], &mut s.agent[..len]);
+        let mut counts = TileCounts::zeros(n);
+        if n <= 32 {
+            let masks = &mut s.narrow[..len];
+            agent_masks(tile, epsilon, start, (base, agent), masks);
+            count_masks(masks, &mut s.patterns, &mut counts);
+        } else {
+            let masks = &mut s.masks[..len];
+            agent_masks(tile, epsilon, start, (base, agent), masks);
+            count_masks(masks, &mut s.patterns, &mut counts);
+        }
+        counts
+    }
+}
+
+/// Each element's agent mask over elements `start..start + masks.len()` (bit t: |τ_t| > ε),
+/// decoding through the `base` and `agent` rows.
+#[inline(always)]
+fn agent_masks<M: Masks + From<bool> + std::ops::Shl<usize, Output = M> + std::ops::BitOrAssign>(
+    tile: &Tile,
+    epsilon: f32,
+    start: usize,
+    (base, agent): (&mut [f32], &mut [f32]),
+    masks: &mut [M],
+) {
+    let (len, size) = (masks.len(), tile.dtype.size());
+    decode(tile.dtype, chunk_bytes(tile.base, start, len, size), base);
+    masks.fill(M::from(false));
+    for (t, bytes) in tile.agents.iter().enumerate() {
+        let bytes = chunk_bytes(bytes, start, len, size);
+        let changed = |a: f32, b: f32| M::from((a - b).abs() > epsilon) << t;
+        if tile.dtype == DType::BF16 {
+            // Widened as compared (a shift), not decoded into a row first.
+            for ((m, a), &b) in masks.iter_mut().zip(bytes.chunks_exact(2)).zip(base.iter()) {
+                *m |= changed(bf16_bits_to_f32(u16::from_le_bytes([a[0], a[1]])), b);
+            }
+        } else {
+            decode(tile.dtype, bytes, agent);
             for ((m, &a), &b) in masks.iter_mut().zip(agent.iter()).zip(base.iter()) {
-                *m |= (((a - b).abs() > epsilon) as u64) << t;
+                *m |= changed(a, b);
             }
         }
-        let mut counts = TileCounts::zeros(n);
-        count_masks(masks, &mut s.patterns, &mut counts);
-        counts
     }
 }
 
@@ -114,7 +147,8 @@ pub(super) fn count_masks<M: Masks>(masks: &[M], patterns: &mut [u32], counts: &
 /// Up to this many agents, [`count_masks`] counts each pattern by vector compares.
 const LANE_COUNT_AGENTS: usize = 4;
 
-/// The agent masks [`count_masks`] counts: the merge's (u32) and the probe's (u64).
+/// The agent masks [`count_masks`] counts: u32 (the merge's, and the probe's of up to 32 agents) and
+/// u64 (the probe's of more).
 pub(super) trait Masks: Copy + Into<u64> {
     /// The mask's low 32 bits (all of it, with ≤ [`LANE_COUNT_AGENTS`] agents).
     fn low(self) -> u32;
@@ -141,14 +175,14 @@ impl Masks for u64 {
 }
 
 multiversion! {
-    /// [`Masks::count_patterns`] of the merge's masks.
+    /// [`Masks::count_patterns`] of the merge's masks and the probe's of up to 32 agents.
     fn count_patterns_u32(masks: &[u32], n: usize, hits: &mut [u32; 1 << LANE_COUNT_AGENTS]) {
         patterns_of_agents(masks, n, hits)
     }
 }
 
 multiversion! {
-    /// [`Masks::count_patterns`] of the probe's masks.
+    /// [`Masks::count_patterns`] of the probe's masks of more than 32 agents.
     fn count_patterns_u64(masks: &[u64], n: usize, hits: &mut [u32; 1 << LANE_COUNT_AGENTS]) {
         patterns_of_agents(masks, n, hits)
     }

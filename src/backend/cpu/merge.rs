@@ -4,7 +4,8 @@
 use super::counts::{count_masks, PATTERN_SLOTS};
 use super::{chunk_bytes, CHUNK};
 use crate::backend::{MergeParams, Tile, TileCounts};
-use crate::checkpoint::dtype::{decode, encode};
+use crate::checkpoint::dtype::{bf16_bits_to_f32, decode, encode};
+use crate::checkpoint::DType;
 use crate::method::SharedRule;
 use crate::simd::multiversion;
 
@@ -93,6 +94,26 @@ fn merge_chunk_body<const MASKS: bool, const CONSENSUS: bool>(
     }
     let base_bytes = chunk_bytes(tile.base, start, len, in_size);
     decode(tile.dtype, base_bytes, &mut s.base[..len]);
+    // bf16 agents are widened in the sums' registers as they are added (a shift), not first
+    // decoded into rows (not under consensus, which keeps each agent's τ in its row).
+    if tile.dtype == DType::BF16 && !CONSENSUS {
+        let mut acc = Sums {
+            base: &s.base[..len],
+            sum: &mut s.sum[..len],
+            count: &mut s.count[..len],
+            lambda: &mut s.lambda[..len],
+        };
+        let groups = tile.agents.chunks(GROUP).map(|group| Bf16Rows {
+            rows: std::array::from_fn(|j| {
+                group
+                    .get(j)
+                    .map_or(&[][..], |b| chunk_bytes(b, start, len, in_size))
+            }),
+            agents: group.len(),
+        });
+        add_agents::<MASKS, _>(groups, p, &mut acc);
+        return finish_chunk::<MASKS, CONSENSUS>(tile, p, base_bytes, (n, len), s, out);
+    }
     // Every agent decoded first, into its own row: the sums then take the agents a group at a
     // time, each element's Σ, c and λ in registers across the group.
     for (bytes, row) in tile.agents.iter().zip(s.values.chunks_mut(CHUNK)) {
@@ -122,17 +143,22 @@ fn merge_chunk_body<const MASKS: bool, const CONSENSUS: bool>(
         count: &mut s.count[..len],
         lambda: &mut s.lambda[..len],
     };
-    let rows = s.values[..n * CHUNK].chunks(GROUP * CHUNK);
-    for (g, group) in rows.enumerate() {
-        let first = g * GROUP;
-        let lambdas = &p.lambdas[first..];
-        match group.len() / CHUNK {
-            1 => add_group::<1, MASKS>(group, first, lambdas, p.epsilon, &mut acc),
-            2 => add_group::<2, MASKS>(group, first, lambdas, p.epsilon, &mut acc),
-            3 => add_group::<3, MASKS>(group, first, lambdas, p.epsilon, &mut acc),
-            _ => add_group::<GROUP, MASKS>(group, first, lambdas, p.epsilon, &mut acc),
-        }
-    }
+    let groups = (s.values[..n * CHUNK].chunks(GROUP * CHUNK)).map(|rows| F32Rows { rows, len });
+    add_agents::<MASKS, _>(groups, p, &mut acc);
+    finish_chunk::<MASKS, CONSENSUS>(tile, p, base_bytes, (n, len), s, out);
+}
+
+/// The end of a merge chunk, after its sums: the base's bits where no agent has the tensor, the
+/// agent masks turned into counts, the consensus rule, then the merged values encoded.
+#[inline(always)]
+fn finish_chunk<const MASKS: bool, const CONSENSUS: bool>(
+    tile: &Tile,
+    p: &MergeParams,
+    base_bytes: &[u8],
+    (n, len): (usize, usize),
+    s: &mut ChunkScratch,
+    out: &mut [u8],
+) {
     // No agent (a tensor none of the merged agents has): no sums, the base's bits.
     if n == 0 {
         s.sum[..len].fill(0.0);
@@ -172,33 +198,98 @@ struct Sums<'a> {
 /// (`first` = 0) starts the sums at +0.0, 0 and −0.0 instead of reading them. Selects on bit masks
 /// so the loop vectorizes.
 #[inline(always)]
-fn add_group<const G: usize, const MASKS: bool>(
-    rows: &[f32],
+fn add_group<const G: usize, const MASKS: bool, R: AgentRows>(
+    row: R,
     first: usize,
     lambdas: &[f32],
     epsilon: f32,
     acc: &mut Sums,
 ) {
     let len = acc.base.len();
-    let mut rows = rows.chunks(CHUNK).map(|r| &r[..len]);
-    let row: [&[f32]; G] = std::array::from_fn(|_| rows.next().expect("G rows"));
     let bits: [u32; G] = std::array::from_fn(|j| if MASKS { 1 << (first + j) } else { 1 });
     let lam: [u32; G] = std::array::from_fn(|j| lambdas[j].to_bits());
     // Blocks of 16 lanes (one AVX-512 register, two AVX2 ones), then the rest lane by lane.
     let whole = len / 16 * 16;
     for i in (0..whole).step_by(16) {
-        add_lanes::<16, G, MASKS>(i, (&row, bits, lam), (first, epsilon), acc);
+        add_lanes::<16, G, MASKS, R>(i, (&row, bits, lam), (first, epsilon), acc);
     }
     for i in whole..len {
-        add_lanes::<1, G, MASKS>(i, (&row, bits, lam), (first, epsilon), acc);
+        add_lanes::<1, G, MASKS, R>(i, (&row, bits, lam), (first, epsilon), acc);
+    }
+}
+
+/// A group of at most [`GROUP`] agents' values over a chunk.
+trait AgentRows {
+    /// Agents in the group.
+    fn agents(&self) -> usize;
+    /// `W` values of agent `j` of the group from the chunk's element `i`.
+    fn lanes<const W: usize>(&self, j: usize, i: usize) -> [f32; W];
+}
+
+/// Agents decoded into the CHUNK-long rows of `rows`, `len` elements each.
+struct F32Rows<'a> {
+    rows: &'a [f32],
+    len: usize,
+}
+
+impl AgentRows for F32Rows<'_> {
+    fn agents(&self) -> usize {
+        self.rows.len() / CHUNK
+    }
+
+    #[inline(always)]
+    fn lanes<const W: usize>(&self, j: usize, i: usize) -> [f32; W] {
+        debug_assert!(i + W <= self.len);
+        let at = j * CHUNK + i;
+        self.rows[at..at + W].try_into().expect("W lanes")
+    }
+}
+
+/// bf16 agents' bytes as stored, widened lane by lane: a value is its 16 bits shifted to the top
+/// of an f32, exactly what [`decode`] gives.
+struct Bf16Rows<'a> {
+    rows: [&'a [u8]; GROUP],
+    agents: usize,
+}
+
+impl AgentRows for Bf16Rows<'_> {
+    fn agents(&self) -> usize {
+        self.agents
+    }
+
+    #[inline(always)]
+    fn lanes<const W: usize>(&self, j: usize, i: usize) -> [f32; W] {
+        let bytes = &self.rows[j][2 * i..2 * (i + W)];
+        std::array::from_fn(|k| {
+            bf16_bits_to_f32(u16::from_le_bytes([bytes[2 * k], bytes[2 * k + 1]]))
+        })
+    }
+}
+
+/// Adds every agent to the sums, a group at a time, in agent order.
+#[inline(always)]
+fn add_agents<const MASKS: bool, R: AgentRows>(
+    groups: impl Iterator<Item = R>,
+    p: &MergeParams,
+    acc: &mut Sums,
+) {
+    for (g, rows) in groups.enumerate() {
+        let first = g * GROUP;
+        let lambdas = &p.lambdas[first..];
+        match rows.agents() {
+            1 => add_group::<1, MASKS, R>(rows, first, lambdas, p.epsilon, acc),
+            2 => add_group::<2, MASKS, R>(rows, first, lambdas, p.epsilon, acc),
+            3 => add_group::<3, MASKS, R>(rows, first, lambdas, p.epsilon, acc),
+            _ => add_group::<GROUP, MASKS, R>(rows, first, lambdas, p.epsilon, acc),
+        }
     }
 }
 
 /// [`add_group`] over elements `i..i + W`, as arrays of `W` lanes that the compiler vectorizes.
 #[inline(always)]
-fn add_lanes<const W: usize, const G: usize, const MASKS: bool>(
+fn add_lanes<const W: usize, const G: usize, const MASKS: bool, R: AgentRows>(
     i: usize,
-    (row, bits, lam): (&[&[f32]; G], [u32; G], [u32; G]),
+    (row, bits, lam): (&R, [u32; G], [u32; G]),
     (first, epsilon): (usize, f32),
     acc: &mut Sums,
 ) {
@@ -214,7 +305,7 @@ fn add_lanes<const W: usize, const G: usize, const MASKS: bool>(
         _ => (*sum, *count, *lambda),
     };
     for j in 0..G {
-        let a: &[f32; W] = row[j][lanes.clone()].try_into().expect("W lanes");
+        let a: [f32; W] = row.lanes(j, i);
         for k in 0..W {
             let tau = a[k] - b[k];
             // All ones where agent t is active. Adding +0.0 leaves any sum of nonzero τ

@@ -272,20 +272,51 @@ mod tests {
     use crate::hash::SplitMix64;
     use crate::method::SharedRule;
 
+    /// The merge of `base` and `agents` as an f32 tile.
+    fn merge_as_f32(
+        backend: &CpuBackend,
+        (base, agents): (&[f32], &[Vec<f32>]),
+        params: &MergeParams,
+    ) -> Vec<u8> {
+        let wide = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let agent_bytes: Vec<Vec<u8>> = agents.iter().map(|a| wide(a)).collect();
+        let slices: Vec<&[u8]> = agent_bytes.iter().map(|a| a.as_slice()).collect();
+        let base_bytes = wide(base);
+        let tile = Tile {
+            dtype: DType::F32,
+            len: base.len(),
+            base: &base_bytes,
+            agents: &slices,
+        };
+        let mut out = vec![0u8; base.len() * params.out_dtype.size()];
+        backend.merge(&tile, params, &mut out).unwrap();
+        out
+    }
+
     /// Every probe path (vector compares for up to 4 agents, pattern table up to 8, per-bit loop
-    /// for more) against a naive count.
+    /// for more; 32-bit masks up to 32 agents, 64-bit beyond) against a naive count, on f32 tiles
+    /// and on bf16 ones (whose agents the kernels widen as they compare and add).
     #[test]
     fn probe_counts_match_a_naive_count_for_few_and_many_agents() {
-        for n in [1usize, 2, 3, 4, 5, 8, 9, 13] {
+        for (n, dtype) in [1usize, 2, 3, 4, 5, 8, 9, 13, 40]
+            .into_iter()
+            .flat_map(|n| [(n, DType::F32), (n, DType::BF16)])
+        {
             let len = CHUNK * 2 + 77;
             let mut rng = SplitMix64::new(n as u64);
-            let base: Vec<f32> = (0..len).map(|i| i as f32 * 0.001).collect();
+            // Values the tile's dtype holds exactly, so the naive count sees what the kernels do.
+            let exact = |v: f32| {
+                let mut b = vec![0u8; dtype.size()];
+                crate::checkpoint::dtype::encode(dtype, &[v], &mut b);
+                crate::checkpoint::dtype::decode_one(dtype, &b, 0)
+            };
+            let base: Vec<f32> = (0..len).map(|i| exact(i as f32 * 0.001)).collect();
             let agents: Vec<Vec<f32>> = (0..n)
                 .map(|t| {
                     base.iter()
                         .map(|&b| {
-                            if rng.next_f64() < 0.1 + 0.05 * t as f64 {
-                                b + 0.5
+                            if rng.next_f64() < 0.1 + 0.01 * t as f64 {
+                                exact(b + 0.5)
                             } else {
                                 b
                             }
@@ -293,12 +324,16 @@ mod tests {
                         .collect()
                 })
                 .collect();
-            let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+            let bytes = |v: &[f32]| -> Vec<u8> {
+                let mut b = vec![0u8; v.len() * dtype.size()];
+                crate::checkpoint::dtype::encode(dtype, v, &mut b);
+                b
+            };
             let agent_bytes: Vec<Vec<u8>> = agents.iter().map(|a| bytes(a)).collect();
             let slices: Vec<&[u8]> = agent_bytes.iter().map(|a| a.as_slice()).collect();
             let base_bytes = bytes(&base);
             let tile = Tile {
-                dtype: DType::F32,
+                dtype,
                 len,
                 base: &base_bytes,
                 agents: &slices,
@@ -313,7 +348,7 @@ mod tests {
                     want.hist[t * n + active.len() - 1] += 1;
                 }
             }
-            assert_eq!(got, want, "n = {n}");
+            assert_eq!(got, want, "n = {n}, {dtype:?}");
             // A counted merge: the same counts, and the bytes of the plain merge — on a tile
             // worker (its chunks in turn) and from outside the pool (chunks spread).
             let lambdas: Vec<f32> = (0..n).map(|t| 1.0 + t as f32 / 8.0).collect();
@@ -328,7 +363,20 @@ mod tests {
             backend.merge(&tile, &params, &mut plain).unwrap();
             let mut counted = vec![0u8; len * 4];
             let counts = backend.merge_counted(&tile, &params, &mut counted).unwrap();
-            assert_eq!((counts, &counted), (want.clone(), &plain), "n = {n}");
+            assert_eq!(
+                (counts, &counted),
+                (want.clone(), &plain),
+                "n = {n}, {dtype:?}"
+            );
+            // The bf16 kernels (agents widened as added) against the same values as f32 (agents
+            // decoded into rows first): the same bytes.
+            if dtype == DType::BF16 {
+                let from_f32 = merge_as_f32(&backend, (&base, &agents), &params);
+                assert_eq!(
+                    from_f32, plain,
+                    "n = {n}: bf16 and f32 tiles of the same values"
+                );
+            }
             let on_worker = std::sync::Mutex::new(None);
             backend.run_workers(&|| {
                 let mut out = vec![0u8; len * 4];
