@@ -3,6 +3,7 @@
 //! normalization → λ → add to (a multiple of) the base. Backends run exactly this arithmetic;
 //! [`combine_element`] is its scalar reference.
 
+use crate::checkpoint::dtype::bf16_bits_to_f32;
 use crate::hash::element_hash;
 pub use crate::select::{magnitude_key, RankCut};
 use crate::simd::multiversion;
@@ -126,7 +127,7 @@ multiversion! {
     /// adding row by row.
     pub fn keep_scale_add(
         keep: Keep,
-        values: (&[f32], Option<&[f32]>),
+        values: (AgentValues, Option<&[f32]>),
         at: (u32, &[u32]),
         c: f32,
         sum: &mut [f32],
@@ -163,15 +164,36 @@ multiversion! {
                 }),
             }
         }
-        let x = &values.0[..sum.len()];
-        match values.1 {
-            Some(b) => {
-                let b = &b[..x.len()];
+        let n = sum.len();
+        match values {
+            (AgentValues::F32(x), Some(b)) => {
+                let (x, b) = (&x[..n], &b[..n]);
                 term(keep, |i| x[i] - b[i], at, c, sum, terms, first_term)
             }
-            None => term(keep, |i| x[i], at, c, sum, terms, first_term),
+            (AgentValues::F32(x), None) => {
+                let x = &x[..n];
+                term(keep, |i| x[i], at, c, sum, terms, first_term)
+            }
+            (AgentValues::Bf16(x), Some(b)) => {
+                let (x, b) = (&x[..n], &b[..n]);
+                term(keep, |i| bf16_bits_to_f32(x[i]) - b[i], at, c, sum, terms, first_term)
+            }
+            (AgentValues::Bf16(x), None) => {
+                let x = &x[..n];
+                term(keep, |i| bf16_bits_to_f32(x[i]), at, c, sum, terms, first_term)
+            }
         }
     }
+}
+
+/// An agent's values over a chunk as [`keep_scale_add`] takes them: decoded, or bf16 bits as
+/// stored, widened as they are read (a shift: exactly what decoding gives).
+#[derive(Clone, Copy)]
+pub enum AgentValues<'a> {
+    /// Decoded values.
+    F32(&'a [f32]),
+    /// bf16 bits.
+    Bf16(&'a [u16]),
 }
 
 /// SCE's element selection: the rank cut over [`variance_key`], and the 1/n that key uses.

@@ -7,8 +7,9 @@
 use super::{chunk_bytes, CHUNK};
 use crate::backend::{CombineParams, Tile};
 use crate::checkpoint::dtype::{decode, encode};
+use crate::checkpoint::DType;
 use crate::method::combine::{
-    keep_scale_add, nearswap, sum_reciprocal, variance_key, CombineSpec, Normalize,
+    keep_scale_add, nearswap, sum_reciprocal, variance_key, AgentValues, CombineSpec, Normalize,
 };
 use crate::simd::multiversion;
 
@@ -68,6 +69,17 @@ impl Chunk<'_> {
             chunk_bytes(bytes, self.start, self.len, size),
             out,
         );
+    }
+
+    /// Agent `t`'s bf16 bits over the chunk, when the tile is bf16 (and its bytes, as every
+    /// tile buffer, 2-aligned on a little-endian machine).
+    #[inline(always)]
+    fn bf16_bits(&self, t: usize) -> Option<&[u16]> {
+        if self.tile.dtype != DType::BF16 || cfg!(target_endian = "big") {
+            return None;
+        }
+        let bytes = chunk_bytes(self.tile.agents[t], self.start, self.len, 2);
+        bytemuck::try_cast_slice(bytes).ok()
     }
 
     /// Agent `t`'s flags over the chunk (empty when the rule needs none).
@@ -146,10 +158,17 @@ fn terms_in_one_pass(c: &Chunk, row: &[f32], s: &mut CombineScratch) {
     let len = c.len;
     let (base, agent, sum) = (&s.base[..len], &mut s.agent[..len], &mut s.sum[..len]);
     for t in 0..c.tile.agents.len() {
-        c.decode(Some(t), agent);
+        // bf16 agents are widened as the term reads them, not decoded into a row first.
+        let values = match c.bf16_bits(t) {
+            Some(bits) => AgentValues::Bf16(bits),
+            None => {
+                c.decode(Some(t), agent);
+                AgentValues::F32(agent)
+            }
+        };
         keep_scale_add(
             spec.keep[t],
-            (agent, spec.delta.then_some(base)),
+            (values, spec.delta.then_some(base)),
             (c.first as u32, c.flags(t)),
             row[1 + t],
             sum,
@@ -403,6 +422,111 @@ fn add_base(c: &Chunk, s: &mut CombineScratch) {
                 .enumerate()
             {
                 base_term(r, b, d, c.coef(i, 0));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::CpuBackend;
+    use super::*;
+    use crate::backend::Backend;
+    use crate::hash::SplitMix64;
+    use crate::method::combine::{combine_element, magnitude_key, random_threshold, Keep, RankCut};
+
+    /// The combine kernels on a bf16 tile (agents widened as each term reads them) against the
+    /// same values as an f32 tile (decoded into a row first) and against the scalar reference
+    /// `combine_element`, bit for bit: TIES-style consensus with every kind of keep that reads
+    /// values (all, a rank band, a random mask), with and without the base subtracted.
+    #[test]
+    fn bf16_tiles_combine_as_their_f32_values_and_the_reference() {
+        let len = 2 * CHUNK + 37;
+        let mut rng = SplitMix64::new(11);
+        let bf16 =
+            |v: f32| crate::checkpoint::dtype::bf16_bits_to_f32(half::bf16::from_f32(v).to_bits());
+        let base: Vec<f32> = (0..len)
+            .map(|_| bf16(rng.next_f64() as f32 - 0.5))
+            .collect();
+        let agents: Vec<Vec<f32>> = (0..3)
+            .map(|_| {
+                base.iter()
+                    .map(|&b| match rng.next_u64() % 3 {
+                        0 => b,
+                        _ => bf16(b + (rng.next_f64() as f32 - 0.5) * 0.1),
+                    })
+                    .collect()
+            })
+            .collect();
+        let cut = |k: f32, index| RankCut {
+            value: magnitude_key(k),
+            index,
+            high_first: false,
+        };
+        let keep = vec![
+            Keep::All,
+            Keep::Band {
+                lo: cut(0.04, 100),
+                hi: cut(0.001, 7),
+            },
+            Keep::Random {
+                threshold: random_threshold(0.6),
+                key: [3, 5],
+            },
+        ];
+        for delta in [true, false] {
+            let spec = CombineSpec {
+                delta,
+                keep: keep.clone(),
+                consensus: true,
+                normalize: Normalize::PerElement(vec![1.0, 0.5, 2.0], 0.0),
+                lambda: 1.0,
+                row_len: 0,
+                row_period: 0,
+                coefs: vec![1.0, 1.0, 0.5, 2.0],
+                nearswap: None,
+                element_keep: None,
+                sign_of_values: false,
+                rank_rows: 0,
+                fusion: None,
+                tile_coefs: false,
+            };
+            let params = CombineParams {
+                spec: &spec,
+                start: 1000,
+                out_dtype: DType::F32,
+                flags: &[],
+                coefs: &[],
+            };
+            let merged = |dtype: DType| -> Vec<u8> {
+                let bytes = |v: &[f32]| -> Vec<u8> {
+                    let mut b = vec![0u8; v.len() * dtype.size()];
+                    crate::checkpoint::dtype::encode(dtype, v, &mut b);
+                    b
+                };
+                let agent_bytes: Vec<Vec<u8>> = agents.iter().map(|a| bytes(a)).collect();
+                let slices: Vec<&[u8]> = agent_bytes.iter().map(|a| a.as_slice()).collect();
+                let base_bytes = bytes(&base);
+                let tile = Tile {
+                    dtype,
+                    len,
+                    base: &base_bytes,
+                    agents: &slices,
+                };
+                let mut out = vec![0u8; len * 4];
+                CpuBackend::new(2)
+                    .unwrap()
+                    .combine(&tile, &params, &mut out)
+                    .unwrap();
+                out
+            };
+            let from_bf16 = merged(DType::BF16);
+            assert_eq!(from_bf16, merged(DType::F32), "delta {delta}");
+            for i in 0..len {
+                let x: Vec<f32> = agents.iter().map(|a| a[i]).collect();
+                let want = combine_element(&spec, base[i], &x, 1000 + i as u64, &[]);
+                let got = f32::from_le_bytes(from_bf16[4 * i..4 * i + 4].try_into().unwrap());
+                assert_eq!(got.to_bits(), want.to_bits(), "delta {delta}, element {i}");
             }
         }
     }
