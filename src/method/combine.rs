@@ -85,7 +85,13 @@ fn keep_lanes(
         lane(key > c.value) | (lane(key == c.value) & (lane(idx < c.index) ^ lane(c.high_first)))
     };
     match keep {
-        Keep::All => (0..len).for_each(|i| f(i, u32::MAX)),
+        // A plain loop: `for_each`'s fold can be left out of line (then neither inlined nor
+        // vectorized) when the kernel holding it grows.
+        Keep::All => {
+            for i in 0..len {
+                f(i, u32::MAX);
+            }
+        }
         Keep::Flagged => {
             for (i, &flag) in flags[..len].iter().enumerate() {
                 f(i, lane(flag != 0));
