@@ -8,10 +8,12 @@
 #
 # BENCH_VERBOSE=1 prints every run; BENCH_METHODS="ram ties" runs only the cases of those labels.
 # BENCH_CACHE: how the inputs sit in the page cache while timed. `disk` (the default) drops them
-# and reads them once from disk first, as a model read from disk sits there (in large folios);
-# `as-is` keeps whatever state they are in — files a program just wrote sit in 4 KiB folios,
-# which every reader copies ~1.7x slower, and which slows `cat` (all copying) far more than
-# rlmerge. The read limit moves with this state (0.6 s vs 0.9 s on the development machine).
+# and reads them once from disk first, as a model read from disk sits there; `as-is` keeps
+# whatever state they are in. A warm read's copy speed depends on how the file's pages came
+# into the cache and what happened to them since (on the development machine: 8.7 GB/s for
+# demo files after hours of use, 12.5-13.9 just after the demo wrote them, 14.8-15.5 after
+# dropping them and reading from disk); `cat` is all copying, so the read limit moves with it
+# (0.55 s vs 0.35 s for cat of the 1 GiB set) far more than rlmerge does.
 set -euo pipefail
 size=${1:-1GiB}
 runs=${2:-5}
