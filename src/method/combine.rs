@@ -331,6 +331,33 @@ pub fn fisher_coefs(lambdas: &[f64], fisher: &[Vec<f32>], len: usize, out: &mut 
 }
 
 impl CombineSpec {
+    /// A rule on task vectors (τ = x − base) with these keeps, sign consensus or not,
+    /// normalization and coefficient row (base first), and nothing else: the tests' TIES-style rule.
+    #[cfg(test)]
+    pub(crate) fn of_task_vectors(
+        keep: Vec<Keep>,
+        consensus: bool,
+        normalize: Normalize,
+        coefs: Vec<f32>,
+    ) -> CombineSpec {
+        CombineSpec {
+            delta: true,
+            keep,
+            consensus,
+            normalize,
+            lambda: 1.0,
+            row_len: 0,
+            row_period: 0,
+            coefs,
+            nearswap: None,
+            element_keep: None,
+            sign_of_values: false,
+            rank_rows: 0,
+            fusion: None,
+            tile_coefs: false,
+        }
+    }
+
     /// Agents the rule merges.
     pub fn agents(&self) -> usize {
         self.keep.len()
@@ -518,22 +545,7 @@ mod tests {
         normalize: Normalize,
         coefs: Vec<f32>,
     ) -> CombineSpec {
-        CombineSpec {
-            delta: true,
-            keep,
-            consensus,
-            normalize,
-            lambda: 1.0,
-            row_len: 0,
-            row_period: 0,
-            coefs,
-            nearswap: None,
-            element_keep: None,
-            sign_of_values: false,
-            rank_rows: 0,
-            fusion: None,
-            tile_coefs: false,
-        }
+        CombineSpec::of_task_vectors(keep, consensus, normalize, coefs)
     }
 
     /// TIES by hand: τ = (+2, −1, +0.5) with weights 1: Σ = 1.5 > 0, so the agreeing set is

@@ -429,6 +429,7 @@ fn add_base(c: &Chunk, s: &mut CombineScratch) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::with_tile;
     use super::super::CpuBackend;
     use super::*;
     use crate::backend::Backend;
@@ -477,19 +478,12 @@ mod tests {
         for delta in [true, false] {
             let spec = CombineSpec {
                 delta,
-                keep: keep.clone(),
-                consensus: true,
-                normalize: Normalize::PerElement(vec![1.0, 0.5, 2.0], 0.0),
-                lambda: 1.0,
-                row_len: 0,
-                row_period: 0,
-                coefs: vec![1.0, 1.0, 0.5, 2.0],
-                nearswap: None,
-                element_keep: None,
-                sign_of_values: false,
-                rank_rows: 0,
-                fusion: None,
-                tile_coefs: false,
+                ..CombineSpec::of_task_vectors(
+                    keep.clone(),
+                    true,
+                    Normalize::PerElement(vec![1.0, 0.5, 2.0], 0.0),
+                    vec![1.0, 1.0, 0.5, 2.0],
+                )
             };
             let params = CombineParams {
                 spec: &spec,
@@ -499,26 +493,12 @@ mod tests {
                 coefs: &[],
             };
             let merged = |dtype: DType| -> Vec<u8> {
-                let bytes = |v: &[f32]| -> Vec<u8> {
-                    let mut b = vec![0u8; v.len() * dtype.size()];
-                    crate::checkpoint::dtype::encode(dtype, v, &mut b);
-                    b
-                };
-                let agent_bytes: Vec<Vec<u8>> = agents.iter().map(|a| bytes(a)).collect();
-                let slices: Vec<&[u8]> = agent_bytes.iter().map(|a| a.as_slice()).collect();
-                let base_bytes = bytes(&base);
-                let tile = Tile {
-                    dtype,
-                    len,
-                    base: &base_bytes,
-                    agents: &slices,
-                };
-                let mut out = vec![0u8; len * 4];
-                CpuBackend::new(2)
-                    .unwrap()
-                    .combine(&tile, &params, &mut out)
-                    .unwrap();
-                out
+                with_tile(dtype, (&base, &agents), |tile| {
+                    let mut out = vec![0u8; len * 4];
+                    let backend = CpuBackend::new(2).unwrap();
+                    backend.combine(tile, &params, &mut out).unwrap();
+                    out
+                })
             };
             let from_bf16 = merged(DType::BF16);
             assert_eq!(from_bf16, merged(DType::F32), "delta {delta}");

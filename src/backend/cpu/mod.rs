@@ -266,11 +266,33 @@ fn with_scratch<S: 'static, R>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::checkpoint::DType;
     use crate::hash::SplitMix64;
     use crate::method::SharedRule;
+
+    /// `visit` of the tile of `base` and `agents` encoded in `dtype`.
+    pub(super) fn with_tile<R>(
+        dtype: DType,
+        (base, agents): (&[f32], &[Vec<f32>]),
+        visit: impl FnOnce(&Tile) -> R,
+    ) -> R {
+        let bytes = |v: &[f32]| -> Vec<u8> {
+            let mut b = vec![0u8; v.len() * dtype.size()];
+            crate::checkpoint::dtype::encode(dtype, v, &mut b);
+            b
+        };
+        let agent_bytes: Vec<Vec<u8>> = agents.iter().map(|a| bytes(a)).collect();
+        let slices: Vec<&[u8]> = agent_bytes.iter().map(|a| a.as_slice()).collect();
+        let base_bytes = bytes(base);
+        visit(&Tile {
+            dtype,
+            len: base.len(),
+            base: &base_bytes,
+            agents: &slices,
+        })
+    }
 
     /// The merge of `base` and `agents` as an f32 tile.
     fn merge_as_f32(
@@ -278,19 +300,11 @@ mod tests {
         (base, agents): (&[f32], &[Vec<f32>]),
         params: &MergeParams,
     ) -> Vec<u8> {
-        let wide = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
-        let agent_bytes: Vec<Vec<u8>> = agents.iter().map(|a| wide(a)).collect();
-        let slices: Vec<&[u8]> = agent_bytes.iter().map(|a| a.as_slice()).collect();
-        let base_bytes = wide(base);
-        let tile = Tile {
-            dtype: DType::F32,
-            len: base.len(),
-            base: &base_bytes,
-            agents: &slices,
-        };
-        let mut out = vec![0u8; base.len() * params.out_dtype.size()];
-        backend.merge(&tile, params, &mut out).unwrap();
-        out
+        with_tile(DType::F32, (base, agents), |tile| {
+            let mut out = vec![0u8; base.len() * params.out_dtype.size()];
+            backend.merge(tile, params, &mut out).unwrap();
+            out
+        })
     }
 
     /// Every probe path (vector compares for up to 4 agents, pattern table up to 8, per-bit loop
@@ -324,70 +338,58 @@ mod tests {
                         .collect()
                 })
                 .collect();
-            let bytes = |v: &[f32]| -> Vec<u8> {
-                let mut b = vec![0u8; v.len() * dtype.size()];
-                crate::checkpoint::dtype::encode(dtype, v, &mut b);
-                b
-            };
-            let agent_bytes: Vec<Vec<u8>> = agents.iter().map(|a| bytes(a)).collect();
-            let slices: Vec<&[u8]> = agent_bytes.iter().map(|a| a.as_slice()).collect();
-            let base_bytes = bytes(&base);
-            let tile = Tile {
-                dtype,
-                len,
-                base: &base_bytes,
-                agents: &slices,
-            };
-            let got = CpuBackend::new(2).unwrap().probe(&tile, 1e-5).unwrap();
-            let mut want = TileCounts::zeros(n);
-            for i in 0..len {
-                let active: Vec<usize> = (0..n)
-                    .filter(|&t| (agents[t][i] - base[i]).abs() > 1e-5)
-                    .collect();
-                for &t in &active {
-                    want.hist[t * n + active.len() - 1] += 1;
+            with_tile(dtype, (&base, &agents), |tile| {
+                let got = CpuBackend::new(2).unwrap().probe(tile, 1e-5).unwrap();
+                let mut want = TileCounts::zeros(n);
+                for i in 0..len {
+                    let active: Vec<usize> = (0..n)
+                        .filter(|&t| (agents[t][i] - base[i]).abs() > 1e-5)
+                        .collect();
+                    for &t in &active {
+                        want.hist[t * n + active.len() - 1] += 1;
+                    }
                 }
-            }
-            assert_eq!(got, want, "n = {n}, {dtype:?}");
-            // A counted merge: the same counts, and the bytes of the plain merge — on a tile
-            // worker (its chunks in turn) and from outside the pool (chunks spread).
-            let lambdas: Vec<f32> = (0..n).map(|t| 1.0 + t as f32 / 8.0).collect();
-            let params = MergeParams {
-                epsilon: 1e-5,
-                lambdas: &lambdas,
-                out_dtype: DType::F32,
-                shared: SharedRule::Mean,
-            };
-            let backend = CpuBackend::new(2).unwrap();
-            let mut plain = vec![0u8; len * 4];
-            backend.merge(&tile, &params, &mut plain).unwrap();
-            let mut counted = vec![0u8; len * 4];
-            let counts = backend.merge_counted(&tile, &params, &mut counted).unwrap();
-            assert_eq!(
-                (counts, &counted),
-                (want.clone(), &plain),
-                "n = {n}, {dtype:?}"
-            );
-            // The bf16 kernels (agents widened as added) against the same values as f32 (agents
-            // decoded into rows first): the same bytes.
-            if dtype == DType::BF16 {
-                let from_f32 = merge_as_f32(&backend, (&base, &agents), &params);
+                assert_eq!(got, want, "n = {n}, {dtype:?}");
+                // A counted merge: the same counts, and the bytes of the plain merge — on a tile
+                // worker (its chunks in turn) and from outside the pool (chunks spread).
+                let lambdas: Vec<f32> = (0..n).map(|t| 1.0 + t as f32 / 8.0).collect();
+                let params = MergeParams {
+                    epsilon: 1e-5,
+                    lambdas: &lambdas,
+                    out_dtype: DType::F32,
+                    shared: SharedRule::Mean,
+                };
+                let backend = CpuBackend::new(2).unwrap();
+                let mut plain = vec![0u8; len * 4];
+                backend.merge(tile, &params, &mut plain).unwrap();
+                let mut counted = vec![0u8; len * 4];
+                let counts = backend.merge_counted(tile, &params, &mut counted).unwrap();
                 assert_eq!(
-                    from_f32, plain,
-                    "n = {n}: bf16 and f32 tiles of the same values"
+                    (counts, &counted),
+                    (want.clone(), &plain),
+                    "n = {n}, {dtype:?}"
                 );
-            }
-            let on_worker = std::sync::Mutex::new(None);
-            backend.run_workers(&|| {
-                let mut out = vec![0u8; len * 4];
-                let counts = backend.merge_counted(&tile, &params, &mut out).unwrap();
-                *on_worker.lock().unwrap() = Some((counts, out));
+                // The bf16 kernels (agents widened as added) against the same values as f32 (agents
+                // decoded into rows first): the same bytes.
+                if dtype == DType::BF16 {
+                    let from_f32 = merge_as_f32(&backend, (&base, &agents), &params);
+                    assert_eq!(
+                        from_f32, plain,
+                        "n = {n}: bf16 and f32 tiles of the same values"
+                    );
+                }
+                let on_worker = std::sync::Mutex::new(None);
+                backend.run_workers(&|| {
+                    let mut out = vec![0u8; len * 4];
+                    let counts = backend.merge_counted(tile, &params, &mut out).unwrap();
+                    *on_worker.lock().unwrap() = Some((counts, out));
+                });
+                assert_eq!(
+                    on_worker.into_inner().unwrap(),
+                    Some((want, plain)),
+                    "n = {n}"
+                );
             });
-            assert_eq!(
-                on_worker.into_inner().unwrap(),
-                Some((want, plain)),
-                "n = {n}"
-            );
         }
     }
 }
