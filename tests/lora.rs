@@ -304,6 +304,69 @@ fn bad_lora_agents_are_refused() {
     );
 }
 
+/// A LoRA agent's θ₀ is the base's tile, copied, where the base's tile holds the same layer;
+/// in slices whose LoRA agent takes other layers than the base, each layer's θ₀ is that layer of
+/// the base, read as such: the merge equals the same recipe with the adapter merged by hand.
+#[test]
+fn a_lora_agent_sliced_from_other_layers_than_the_base_merges_as_its_checkpoint() {
+    let d = tempfile::tempdir().unwrap();
+    let full = d.path().join("coder-full");
+    merged_by_hand(&models().join("coder-lora"), &full);
+    // Slices read the layer count from the agent's config: the base's.
+    std::fs::copy(models().join("base/config.json"), full.join("config.json")).unwrap();
+    let recipe = |agent: &Path| {
+        format!(
+            "slices:
+  - sources:
+    - model: {base}
+      layer_range: [0, 2]
+    - model: {agent}
+      layer_range: [2, 4]
+  - sources:
+    - model: {base}
+      layer_range: [2, 4]
+    - model: {agent}
+      layer_range: [0, 2]
+merge_method: task_arithmetic
+base_model: {base}
+parameters:
+  weight: 1
+",
+            base = models().join("base").display(),
+            agent = agent.display()
+        )
+    };
+    // In slices a LoRA agent is written BASE+ADAPTER.
+    let lora = PathBuf::from(format!(
+        "{}+{}",
+        models().join("base").display(),
+        models().join("coder-lora").display()
+    ));
+    let merged: Vec<_> = [lora, full]
+        .iter()
+        .enumerate()
+        .map(|(i, agent)| {
+            let yml = d.path().join(format!("recipe{i}.yml"));
+            std::fs::write(&yml, recipe(agent)).unwrap();
+            let out = d.path().join(format!("out{i}"));
+            rlmerge()
+                .arg("run")
+                .arg(&yml)
+                .args(["-q", "-o"])
+                .arg(&out)
+                .assert()
+                .success();
+            read_folder(&out)
+        })
+        .collect();
+    assert_eq!(merged[0], merged[1]);
+    // Layer 0 of the output holds the base's layer 0 plus the adapter's layer-2 update on the
+    // base's layer 2: not the base's layer 0 again.
+    let base = read_folder(&models().join("base"));
+    let name = "model.layers.0.self_attn.q_proj.weight";
+    assert_ne!(merged[0][name], base[name]);
+}
+
 /// analyze takes LoRA agents too, and reports them as dense (a low-rank update touches every
 /// element of the matrices it targets).
 #[test]

@@ -4,7 +4,7 @@
 use crate::backend::Tile;
 use crate::checkpoint::CheckpointWriter;
 pub(super) use crate::inputs::resize_exact;
-use crate::inputs::{Inputs, SourceRead, TensorPlan, TensorSource};
+use crate::inputs::{BaseTile, Inputs, SourceRead, TensorPlan, TensorSource};
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
@@ -65,22 +65,25 @@ impl TileBuffers {
             plan,
             finite_only,
         };
-        let sources = std::iter::once(plan.source(inputs, None))
-            .chain(present.iter().map(|&t| plan.source(inputs, Some(t))));
-        let jobs: Vec<(TensorSource, &mut Vec<u8>)> = sources
-            .zip(std::iter::once(&mut self.base).chain(self.agents.iter_mut()))
+        let base_source = plan.source(inputs, None);
+        let agent_sources: Vec<TensorSource> = (present.iter())
+            .map(|&t| plan.source(inputs, Some(t)))
             .collect();
-        let load_one = |(source, buf): (TensorSource, &mut Vec<u8>)| -> Result<()> {
-            source.read(&ctx, (start, len), buf)
-        };
-        let bytes = len * tile_dtype.size();
-        // Spreading a small tile over threads costs more than reading it; results keep input order.
-        let results: Vec<Result<()>> = if spread && bytes >= 1 << 17 {
-            jobs.into_par_iter().map(load_one).collect()
+        // Spreading a small tile over threads costs more than reading it.
+        let parallel = spread && len * tile_dtype.size() >= 1 << 17;
+        if agent_sources.iter().any(TensorSource::is_lora) {
+            // The base first: a LoRA agent's θ₀ is the base's tile, which its read copies instead
+            // of reading the base's file again.
+            base_source.read(&ctx, (start, len), &mut self.base, None)?;
+            let base = base_source.as_base(&self.base);
+            let jobs = agent_sources.into_iter().zip(self.agents.iter_mut());
+            read_sources(&ctx, (start, len), jobs.collect(), Some(&base), parallel)
         } else {
-            jobs.into_iter().map(load_one).collect()
-        };
-        results.into_iter().collect()
+            let jobs = std::iter::once(base_source)
+                .chain(agent_sources)
+                .zip(std::iter::once(&mut self.base).chain(self.agents.iter_mut()));
+            read_sources(&ctx, (start, len), jobs.collect(), None, parallel)
+        }
     }
 
     /// [`Self::load`]s elements `start..start + len` and hands them to `visit` as one [`Tile`].
@@ -115,6 +118,24 @@ impl TileBuffers {
             agents: &agents,
         })
     }
+}
+
+/// Reads each source's elements `start..start + len` into its buffer, on the pool's threads at
+/// once when `parallel`; the first failure in input order is returned.
+fn read_sources(
+    ctx: &SourceRead,
+    range: (usize, usize),
+    jobs: Vec<(TensorSource, &mut Vec<u8>)>,
+    base: Option<&BaseTile>,
+    parallel: bool,
+) -> Result<()> {
+    let load_one = |(source, buf): (TensorSource, &mut Vec<u8>)| source.read(ctx, range, buf, base);
+    let results: Vec<Result<()>> = if parallel {
+        jobs.into_par_iter().map(load_one).collect()
+    } else {
+        jobs.into_iter().map(load_one).collect()
+    };
+    results.into_iter().collect()
 }
 
 impl TileBuffers {

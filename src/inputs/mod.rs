@@ -20,7 +20,7 @@ use plan::whole_model_plans;
 pub use plan::{SlicedTensor, TensorPlan, VocabPlan};
 use reindex::Reindex;
 use sliced::sliced_plans;
-pub use source::{resize_exact, SourceRead, TensorSource};
+pub use source::{resize_exact, BaseTile, SourceRead, TensorSource};
 
 use crate::checkpoint::safetensors_file::shape_text;
 use crate::checkpoint::safetensors_file::Interner;

@@ -4,8 +4,10 @@
 //! added, or rows re-indexed for the output's vocabulary — and every kind passes the same gate as
 //! it is read: its bytes hashed into the input's checksum, and, unless `--allow-nonfinite`, the
 //! first NaN or ±Inf refused with the tensor, file and element named ([`refuse_nonfinite`], and
-//! for a LoRA update [`refuse_nonfinite_update`]). The tile loop (`engine::tiles`) only asks each
-//! input's source to read; a new input kind (a DoRA adapter, a GGUF agent) is a new variant here.
+//! for a LoRA update [`refuse_nonfinite_update`]). A LoRA agent's θ₀ is the base's tile when that
+//! holds the same bytes of the same file ([`BaseTile`]): those passed the gate as the base's. The
+//! tile loop (`engine::tiles`) only asks each input's source to read; a new input kind (a DoRA
+//! adapter, a GGUF agent) is a new variant here.
 
 use super::gate::{refuse_nonfinite, refuse_nonfinite_update};
 use super::{Inputs, TensorPlan};
@@ -103,6 +105,7 @@ impl TensorSource<'_> {
         ctx: &SourceRead,
         (start, len): (usize, usize),
         buf: &mut Vec<u8>,
+        base: Option<&BaseTile>,
     ) -> Result<()> {
         let (model, tensor, lora) = match *self {
             TensorSource::Reindexed { rows, source } => {
@@ -120,16 +123,26 @@ impl TensorSource<'_> {
         let dtype = tensor.entry.dtype;
         let widened = lora.is_some();
         let size = if widened { 4 } else { dtype.size() };
-        resize_exact(buf, len * size, 0);
-        let tail = len * (size - dtype.size());
-        let offset = (start * dtype.size()) as u64;
-        model.read(tensor, offset, &mut buf[tail..])?;
-        model.record_read(tensor, offset, &buf[tail..]);
-        if ctx.finite_only {
-            refuse_nonfinite(ctx.plan, model, tensor, &buf[tail..], start)?;
+        // A LoRA agent's θ₀ is the merge's base: where the base's tile holds this very range of
+        // this very file, already read, gated and widened, it is copied, not read again.
+        let held = base.filter(|b| widened && b.holds(model, tensor));
+        if let Some(b) = held {
+            resize_exact(buf, len * 4, 0);
+            buf.copy_from_slice(b.bytes);
+        } else {
+            resize_exact(buf, len * size, 0);
+            let tail = len * (size - dtype.size());
+            let offset = (start * dtype.size()) as u64;
+            model.read(tensor, offset, &mut buf[tail..])?;
+            model.record_read(tensor, offset, &buf[tail..]);
+            if ctx.finite_only {
+                refuse_nonfinite(ctx.plan, model, tensor, &buf[tail..], start)?;
+            }
         }
         if let Some(lora) = lora {
-            widen_in_place(dtype, buf, len);
+            if held.is_none() {
+                widen_in_place(dtype, buf, len);
+            }
             // A LoRA agent's update over the whole tile at once: its terms are decoded once for
             // all the tile's rows.
             if let Some(l) = lora {
@@ -143,6 +156,52 @@ impl TensorSource<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// The base's tile, already read, as a LoRA agent's read may take it: its bytes in the tile's
+/// dtype and the file range they came from.
+pub struct BaseTile<'a> {
+    /// The base's tile bytes.
+    pub bytes: &'a [u8],
+    /// The base's stored tensor, or `None` when its bytes are not a stored range widened to f32
+    /// (re-indexed rows, or a tile in a 16-bit dtype).
+    pub stored: Option<(&'a ModelFolder, &'a ModelTensor)>,
+}
+
+impl BaseTile<'_> {
+    /// Whether these bytes are `tensor` of `model` widened to f32: the same file, the same
+    /// bytes of it.
+    fn holds(&self, model: &ModelFolder, tensor: &ModelTensor) -> bool {
+        self.stored.is_some_and(|(m, t)| {
+            m.file_of(t) == model.file_of(tensor)
+                && t.entry.offset == tensor.entry.offset
+                && t.entry.numel == tensor.entry.numel
+                && t.entry.dtype == tensor.entry.dtype
+        })
+    }
+}
+
+impl TensorSource<'_> {
+    /// Whether this is a LoRA agent's read (θ₀ + s·B·A).
+    pub fn is_lora(&self) -> bool {
+        matches!(self, TensorSource::Widened { lora: Some(_), .. })
+    }
+
+    /// What the base's tile read by this source holds ([`BaseTile::stored`]).
+    pub fn as_base<'b>(&'b self, bytes: &'b [u8]) -> BaseTile<'b> {
+        let stored = match *self {
+            TensorSource::Stored { model, tensor } if tensor.entry.dtype == DType::F32 => {
+                Some((model, tensor))
+            }
+            TensorSource::Widened {
+                model,
+                tensor,
+                lora: None,
+            } => Some((model, tensor)),
+            _ => None,
+        };
+        BaseTile { bytes, stored }
     }
 }
 
