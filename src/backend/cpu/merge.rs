@@ -1,5 +1,6 @@
-//! SPEC §2 and §2b on the CPU: the RAM merge of one chunk, every agent decoded into its own row,
-//! then summed a group of agents at a time with each element's Σ, c and λ in registers.
+//! SPEC §2 and §2b on the CPU: the RAM merge of one chunk, summed a group of agents at a time with
+//! each element's Σ, c and λ in registers; bf16 agents are widened as the sums read them, others
+//! decoded into a row each first.
 
 use super::counts::{count_masks, PATTERN_SLOTS};
 use super::{chunk_bytes, CHUNK};
@@ -191,8 +192,7 @@ struct Sums<'a> {
     lambda: &'a mut [f32],
 }
 
-/// Adds `G` agents (agents `first..first + G`, their decoded values in the CHUNK-long rows of
-/// `rows`) to the sums, in agent order: an active agent (|τ| > ε) adds τ to Σ, its bit to c (1,
+/// Adds `G` agents (agents `first..first + G`, their values read through `row`) to the sums, in agent order: an active agent (|τ| > ε) adds τ to Σ, its bit to c (1,
 /// or with `MASKS` 1 << t, so c holds the agent mask until a popcount makes it a count) and λ_t
 /// to λ; an inactive one adds +0.0, 0 and −0.0, which change nothing. The first group
 /// (`first` = 0) starts the sums at +0.0, 0 and −0.0 instead of reading them. Selects on bit masks
