@@ -5,7 +5,7 @@
 use super::counts::{count_masks, PATTERN_SLOTS};
 use super::{chunk_bytes, CHUNK};
 use crate::backend::{MergeParams, Tile, TileCounts};
-use crate::checkpoint::dtype::{bf16_bits_to_f32, decode, encode};
+use crate::checkpoint::dtype::{bf16_bits_to_f32, decode, decode_minus, encode};
 use crate::checkpoint::DType;
 use crate::method::SharedRule;
 use crate::simd::multiversion;
@@ -116,21 +116,15 @@ fn merge_chunk_body<const MASKS: bool, const CONSENSUS: bool>(
         return finish_chunk::<MASKS, CONSENSUS>(tile, p, base_bytes, (n, len), s, out);
     }
     // Every agent decoded first, into its own row: the sums then take the agents a group at a
-    // time, each element's Σ, c and λ in registers across the group.
-    for (bytes, row) in tile.agents.iter().zip(s.values.chunks_mut(CHUNK)) {
-        decode(
-            tile.dtype,
-            chunk_bytes(bytes, start, len, in_size),
-            &mut row[..len],
-        );
-    }
-    // Under consensus each row becomes its τ, kept for the consensus pass; the sums then take
+    // time, each element's Σ, c and λ in registers across the group. Under consensus each row is
+    // its τ (decoded minus the base in one pass), kept for the consensus pass; the sums then take
     // τ − 0 = τ (x − +0.0 is x for every x).
-    if CONSENSUS {
-        for row in s.values[..n * CHUNK].chunks_mut(CHUNK) {
-            for (a, &b) in row[..len].iter_mut().zip(&s.base[..len]) {
-                *a -= b;
-            }
+    for (bytes, row) in tile.agents.iter().zip(s.values.chunks_mut(CHUNK)) {
+        let bytes = chunk_bytes(bytes, start, len, in_size);
+        if CONSENSUS {
+            decode_minus(tile.dtype, bytes, &s.base[..len], &mut row[..len]);
+        } else {
+            decode(tile.dtype, bytes, &mut row[..len]);
         }
     }
     let base = if CONSENSUS {
