@@ -66,23 +66,21 @@ impl TileBuffers {
             finite_only,
         };
         let base_source = plan.source(inputs, None);
-        let agent_sources: Vec<TensorSource> = (present.iter())
+        let mut jobs: Vec<(TensorSource, &mut Vec<u8>)> = (present.iter())
             .map(|&t| plan.source(inputs, Some(t)))
+            .zip(self.agents.iter_mut())
             .collect();
         // Spreading a small tile over threads costs more than reading it.
         let parallel = spread && len * tile_dtype.size() >= 1 << 17;
-        if agent_sources.iter().any(TensorSource::is_lora) {
+        if jobs.iter().any(|(source, _)| source.is_lora()) {
             // The base first: a LoRA agent's θ₀ is the base's tile, which its read copies instead
             // of reading the base's file again.
             base_source.read(&ctx, (start, len), &mut self.base, None)?;
             let base = base_source.as_base(&self.base);
-            let jobs = agent_sources.into_iter().zip(self.agents.iter_mut());
-            read_sources(&ctx, (start, len), jobs.collect(), Some(&base), parallel)
+            read_sources(&ctx, (start, len), jobs, Some(&base), parallel)
         } else {
-            let jobs = std::iter::once(base_source)
-                .chain(agent_sources)
-                .zip(std::iter::once(&mut self.base).chain(self.agents.iter_mut()));
-            read_sources(&ctx, (start, len), jobs.collect(), None, parallel)
+            jobs.insert(0, (base_source, &mut self.base));
+            read_sources(&ctx, (start, len), jobs, None, parallel)
         }
     }
 

@@ -138,22 +138,20 @@ impl TensorSource<'_> {
             if ctx.finite_only {
                 refuse_nonfinite(ctx.plan, model, tensor, &buf[tail..], start)?;
             }
-        }
-        if let Some(lora) = lora {
-            if held.is_none() {
+            if widened {
                 widen_in_place(dtype, buf, len);
             }
-            // A LoRA agent's update over the whole tile at once: its terms are decoded once for
-            // all the tile's rows.
-            if let Some(l) = lora {
-                let entry = &tensor.entry;
-                let values = &mut buf[..len * 4];
-                l.add_update_bytes(&entry.name, &entry.shape, start as u64, values)?;
-                if ctx.finite_only {
-                    refuse_nonfinite_update(tensor, l, values, start)?;
-                }
-                dora_rows(ctx, model, tensor, l, start, values)?;
+        }
+        // A LoRA agent's update over the whole tile at once: its terms are decoded once for all
+        // the tile's rows.
+        if let Some(Some(l)) = lora {
+            let entry = &tensor.entry;
+            let values = &mut buf[..len * 4];
+            l.add_update_bytes(&entry.name, &entry.shape, start as u64, values)?;
+            if ctx.finite_only {
+                refuse_nonfinite_update(tensor, l, values, start)?;
             }
+            dora_rows(ctx, model, tensor, l, start, values)?;
         }
         Ok(())
     }

@@ -186,11 +186,11 @@ struct Sums<'a> {
     lambda: &'a mut [f32],
 }
 
-/// Adds `G` agents (agents `first..first + G`, their values read through `row`) to the sums, in agent order: an active agent (|τ| > ε) adds τ to Σ, its bit to c (1,
-/// or with `MASKS` 1 << t, so c holds the agent mask until a popcount makes it a count) and λ_t
-/// to λ; an inactive one adds +0.0, 0 and −0.0, which change nothing. The first group
-/// (`first` = 0) starts the sums at +0.0, 0 and −0.0 instead of reading them. Selects on bit masks
-/// so the loop vectorizes.
+/// Adds `G` agents (agents `first..first + G`, their values read through `row`) to the sums, in
+/// agent order: an active agent (|τ| > ε) adds τ to Σ, its bit to c (1, or with `MASKS` 1 << t,
+/// so c holds the agent mask until a popcount makes it a count) and λ_t to λ; an inactive one
+/// adds +0.0, 0 and −0.0, which change nothing. The first group (`first` = 0) starts the sums at
+/// +0.0, 0 and −0.0 instead of reading them. Selects on bit masks so the loop vectorizes.
 #[inline(always)]
 fn add_group<const G: usize, const MASKS: bool, R: AgentRows>(
     row: R,
