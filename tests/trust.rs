@@ -19,16 +19,24 @@ fn err_of(o: &std::process::Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-/// A copy of the coder-lora adapter in `to`, its tensors passed through `edit_tensor` (name,
-/// f32 values) and its config through `edit_config`.
-fn adapter_copy(
+/// A copy of the model folder `from` in `to`: its weight file `weights` passed tensor by tensor
+/// through `edit_tensor` (name, f32 values), the JSON file `config` through `edit_config`, the
+/// other files as they are.
+fn folder_copy(
+    from: &Path,
     to: &Path,
+    (weights, config): (&str, &str),
     edit_tensor: &dyn Fn(&str, &mut Vec<f32>),
     edit_config: &dyn Fn(&mut serde_json::Value),
 ) -> PathBuf {
     std::fs::create_dir_all(to).unwrap();
-    let from = models().join("coder-lora");
-    let tensors = read_file(&from.join("adapter_model.safetensors"));
+    for f in std::fs::read_dir(from).unwrap() {
+        let f = f.unwrap().file_name();
+        if f != weights && f != config {
+            std::fs::copy(from.join(&f), to.join(&f)).unwrap();
+        }
+    }
+    let tensors = read_file(&from.join(weights));
     let edited: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> = tensors
         .into_iter()
         .map(|(name, (dt, shape, bytes))| {
@@ -41,13 +49,28 @@ fn adapter_copy(
         .iter()
         .map(|(n, (dt, shape, b))| (n.clone(), TensorView::new(*dt, shape.clone(), b).unwrap()))
         .collect();
-    safetensors::serialize_to_file(views, None, &to.join("adapter_model.safetensors")).unwrap();
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(from.join("adapter_config.json")).unwrap())
-            .unwrap();
-    edit_config(&mut config);
-    std::fs::write(to.join("adapter_config.json"), config.to_string()).unwrap();
+    safetensors::serialize_to_file(views, None, &to.join(weights)).unwrap();
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(from.join(config)).unwrap()).unwrap();
+    edit_config(&mut json);
+    std::fs::write(to.join(config), json.to_string()).unwrap();
     to.to_path_buf()
+}
+
+/// A copy of the coder-lora adapter in `to`, its tensors passed through `edit_tensor` (name,
+/// f32 values) and its config through `edit_config`.
+fn adapter_copy(
+    to: &Path,
+    edit_tensor: &dyn Fn(&str, &mut Vec<f32>),
+    edit_config: &dyn Fn(&mut serde_json::Value),
+) -> PathBuf {
+    folder_copy(
+        &models().join("coder-lora"),
+        to,
+        ("adapter_model.safetensors", "adapter_config.json"),
+        edit_tensor,
+        edit_config,
+    )
 }
 
 fn no_edit(_: &str, _: &mut Vec<f32>) {}
@@ -214,6 +237,114 @@ fn lora_values_pass_the_finiteness_gate_for_every_method_and_backend() {
         &["--method", "ram", "--allow-nonfinite"],
     );
     assert!(o.status.success(), "{}", err_of(&o));
+}
+
+/// NaN in the *base* beside a LoRA agent: the agent's θ₀ is the base's tile (copied when the base
+/// reads the same layer, read as a base tensor when a slice takes another layer), so the base's
+/// gate is the agent's too. Refused for every method and backend, naming the base's file and the
+/// tensor, with nothing written; in slices, the layer read only as the LoRA agent's θ₀ as well —
+/// named as the file stores it (layer 2), with the merged tensor it was read for (layer 0).
+#[test]
+fn nan_in_the_base_beside_a_lora_agent_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let poisoned = |layer: usize| {
+        let name = format!("model.layers.{layer}.self_attn.q_proj.weight");
+        folder_copy(
+            &models().join("base"),
+            &d.path().join(format!("base-nan{layer}")),
+            ("model.safetensors", "config.json"),
+            &|n, v| {
+                if n == name {
+                    v[7] = f32::NAN;
+                }
+            },
+            &no_config,
+        )
+    };
+    // The adapter names the model it was trained on: here, the poisoned copy.
+    let trained_on = |base: &Path| {
+        let named = base.display().to_string();
+        adapter_copy(&base.with_extension("lora"), &no_edit, &|c| {
+            c["base_model_name_or_path"] = named.clone().into()
+        })
+    };
+    let base = poisoned(0);
+    let adapter = trained_on(&base);
+    let memory = models().join("memory");
+    let mut devices = vec!["cpu"];
+    if gpu_available() {
+        devices.push("gpu");
+    }
+    let wants = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "non-finite value (NaN) at element 7",
+    ];
+    let methods: [(&str, &[&str]); 6] = [
+        ("ram", &[]),
+        ("ram+", &[]),
+        ("task_arithmetic", &["weight=1"]),
+        ("ties", &["weight=1", "density=0.5"]),
+        ("della", &["weight=1", "density=0.5"]),
+        // Its scans read whole matrices before the merge pass.
+        ("resmerge", &[]),
+    ];
+    for (i, (method, params)) in methods.into_iter().enumerate() {
+        for device in &devices {
+            let out = d.path().join(format!("out-{i}-{device}"));
+            let o = merge_of(&base, [&adapter, &memory])
+                .args(["-q", "-o"])
+                .arg(&out)
+                .args(method_args(method, params))
+                .args(["--device", device])
+                .output()
+                .unwrap();
+            let err = err_of(&o);
+            assert_eq!(o.status.code(), Some(1), "{method} {device}: {err}");
+            for want in wants {
+                assert!(err.contains(want), "{method} {device}: {err}");
+            }
+            assert!(err.contains("base-nan0"), "{method} {device}: {err}");
+            assert!(!out.exists(), "{method} {device}");
+        }
+    }
+    // Slices whose base takes layers 0–1 twice: layer 2 of the base is read only as the LoRA
+    // agent's θ₀ (the first slice's agent takes layers 2–3).
+    let base = poisoned(2);
+    let adapter = trained_on(&base);
+    let lora = format!("{}+{}", base.display(), adapter.display());
+    let recipe = d.path().join("slices.yml");
+    std::fs::write(
+        &recipe,
+        format!(
+            "slices:\n  - sources:\n    - model: {b}\n      layer_range: [0, 2]\n    - model: {lora}\n      layer_range: [2, 4]\n  - sources:\n    - model: {b}\n      layer_range: [0, 2]\n    - model: {lora}\n      layer_range: [0, 2]\nmerge_method: task_arithmetic\nbase_model: {b}\nparameters:\n  weight: 1\n",
+            b = base.display()
+        ),
+    )
+    .unwrap();
+    for device in &devices {
+        let out = d.path().join(format!("slices-{device}"));
+        let o = rlmerge()
+            .arg("run")
+            .arg(&recipe)
+            .args(["-q", "-o"])
+            .arg(&out)
+            .args(["--device", device])
+            .output()
+            .unwrap();
+        let err = err_of(&o);
+        assert_eq!(o.status.code(), Some(1), "slices {device}: {err}");
+        assert!(
+            err.contains(
+                "tensor 'model.layers.2.self_attn.q_proj.weight' in \
+                 "
+            ) && err
+                .contains("(read for the merged tensor 'model.layers.0.self_attn.q_proj.weight')")
+                && err.contains("non-finite value (NaN) at element 7")
+                && err.contains("base-nan2"),
+            "slices {device}: {err}"
+        );
+        assert!(!out.exists(), "slices {device}");
+    }
 }
 
 /// The agent PEFT itself would build from an adapter, by hand ([`lora_merged_by_hand`]): per

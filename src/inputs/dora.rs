@@ -107,7 +107,7 @@ pub(super) fn rescale<V: Values + ?Sized>(
                 bail!(
                     "tensor '{}': DoRA's scale m / ‖row {i}‖ = {m} / {norm} of the adapter {} \
                      is not finite; rlmerge refuses NaN and infinity unless --allow-nonfinite",
-                    read.plan.name(),
+                    entry.name,
                     read.lora.dir.display()
                 );
             }

@@ -8,8 +8,9 @@ use crate::checkpoint::dtype::{decode_one, first_nonfinite};
 use crate::checkpoint::{ModelFolder, ModelTensor};
 use anyhow::{bail, Result};
 
-/// Fails on the first NaN or ±Inf of `raw` (elements of `tensor` from `start`), naming tensor,
-/// file and element.
+/// Fails on the first NaN or ±Inf of `raw` (elements of `tensor` from `start`), naming the
+/// tensor as its file stores it, the file and the element — and the merged tensor it is read
+/// for where that is another (a slice taking other layers than the output's).
 pub(super) fn refuse_nonfinite(
     plan: &TensorPlan,
     model: &ModelFolder,
@@ -19,10 +20,15 @@ pub(super) fn refuse_nonfinite(
 ) -> Result<()> {
     let dtype = tensor.entry.dtype;
     if let Some(i) = first_nonfinite(dtype, raw) {
+        let stored = &*tensor.entry.name;
+        let read_for = if plan.name() == stored {
+            String::new()
+        } else {
+            format!(" (read for the merged tensor '{}')", plan.name())
+        };
         bail!(
-            "tensor '{}' in {} has a non-finite value ({}) at element {}; rlmerge refuses NaN \
-             and infinity unless --allow-nonfinite",
-            plan.name(),
+            "tensor '{stored}' in {}{read_for} has a non-finite value ({}) at element {}; \
+             rlmerge refuses NaN and infinity unless --allow-nonfinite",
             model.file_of(tensor).display(),
             decode_one(dtype, raw, i),
             start + i
