@@ -224,6 +224,18 @@ fn first_nonfinite_scalar(dtype: DType, bytes: &[u8]) -> Option<usize> {
     }
 }
 
+/// `bytes` of `dtype` as their bf16 bit patterns, for kernels that widen each value in a register
+/// as they read it ([`bf16_bits_to_f32`]: the values [`decode`] gives) instead of decoding a row
+/// first. `Some` when `dtype` is bf16 and the bytes can be read as u16 in place (2-aligned, a
+/// little-endian machine — every tile buffer); `None` otherwise: decode.
+#[inline(always)]
+pub fn bf16_bits(dtype: DType, bytes: &[u8]) -> Option<&[u16]> {
+    if dtype != DType::BF16 || cfg!(target_endian = "big") {
+        return None;
+    }
+    bytemuck::try_cast_slice(bytes).ok()
+}
+
 /// bf16 bits → f32 (exact).
 #[inline(always)]
 pub fn bf16_bits_to_f32(bits: u16) -> f32 {

@@ -6,8 +6,7 @@
 
 use super::{chunk_bytes, CHUNK};
 use crate::backend::{CombineParams, Tile};
-use crate::checkpoint::dtype::{decode, encode};
-use crate::checkpoint::DType;
+use crate::checkpoint::dtype::{bf16_bits, decode, encode};
 use crate::method::combine::{
     keep_scale_add, nearswap, sum_reciprocal, variance_key, AgentValues, CombineSpec, Normalize,
 };
@@ -71,15 +70,14 @@ impl Chunk<'_> {
         );
     }
 
-    /// Agent `t`'s bf16 bits over the chunk, when the tile is bf16 (and its bytes, as every
-    /// tile buffer, 2-aligned on a little-endian machine).
+    /// Agent `t`'s bf16 bits over the chunk, when the tile is bf16 ([`bf16_bits`]).
     #[inline(always)]
     fn bf16_bits(&self, t: usize) -> Option<&[u16]> {
-        if self.tile.dtype != DType::BF16 || cfg!(target_endian = "big") {
-            return None;
-        }
-        let bytes = chunk_bytes(self.tile.agents[t], self.start, self.len, 2);
-        bytemuck::try_cast_slice(bytes).ok()
+        let size = self.tile.dtype.size();
+        bf16_bits(
+            self.tile.dtype,
+            chunk_bytes(self.tile.agents[t], self.start, self.len, size),
+        )
     }
 
     /// Agent `t`'s flags over the chunk (empty when the rule needs none).
@@ -433,6 +431,7 @@ mod tests {
     use super::super::CpuBackend;
     use super::*;
     use crate::backend::Backend;
+    use crate::checkpoint::DType;
     use crate::hash::SplitMix64;
     use crate::method::combine::{combine_element, magnitude_key, random_threshold, Keep, RankCut};
 

@@ -4,8 +4,7 @@
 
 use super::{chunk_bytes, CHUNK};
 use crate::backend::{Tile, TileCounts};
-use crate::checkpoint::dtype::{bf16_bits_to_f32, decode};
-use crate::checkpoint::DType;
+use crate::checkpoint::dtype::{bf16_bits, bf16_bits_to_f32, decode};
 use crate::simd::multiversion;
 
 /// Per-worker buffers for one chunk of the probe.
@@ -85,10 +84,10 @@ fn agent_masks<M: Masks + From<bool> + std::ops::Shl<usize, Output = M> + std::o
     for (t, bytes) in tile.agents.iter().enumerate() {
         let bytes = chunk_bytes(bytes, start, len, size);
         let changed = |a: f32, b: f32| M::from((a - b).abs() > epsilon) << t;
-        if tile.dtype == DType::BF16 {
+        if let Some(bits) = bf16_bits(tile.dtype, bytes) {
             // Widened as compared (a shift), not decoded into a row first.
-            for ((m, a), &b) in masks.iter_mut().zip(bytes.chunks_exact(2)).zip(base.iter()) {
-                *m |= changed(bf16_bits_to_f32(u16::from_le_bytes([a[0], a[1]])), b);
+            for ((m, &a), &b) in masks.iter_mut().zip(bits).zip(base.iter()) {
+                *m |= changed(bf16_bits_to_f32(a), b);
             }
         } else {
             decode(tile.dtype, bytes, agent);

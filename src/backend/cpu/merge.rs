@@ -5,8 +5,7 @@
 use super::counts::{count_masks, PATTERN_SLOTS};
 use super::{chunk_bytes, CHUNK};
 use crate::backend::{MergeParams, Tile, TileCounts};
-use crate::checkpoint::dtype::{bf16_bits_to_f32, decode, decode_minus, encode};
-use crate::checkpoint::DType;
+use crate::checkpoint::dtype::{bf16_bits, bf16_bits_to_f32, decode, decode_minus, encode};
 use crate::method::SharedRule;
 use crate::simd::multiversion;
 
@@ -97,7 +96,18 @@ fn merge_chunk_body<const MASKS: bool, const CONSENSUS: bool>(
     decode(tile.dtype, base_bytes, &mut s.base[..len]);
     // bf16 agents are widened in the sums' registers as they are added (a shift), not first
     // decoded into rows (not under consensus, which keeps each agent's τ in its row).
-    if tile.dtype == DType::BF16 && !CONSENSUS {
+    fn bits<'b>(tile: &Tile, bytes: &'b [u8], start: usize, len: usize) -> Option<&'b [u16]> {
+        bf16_bits(
+            tile.dtype,
+            chunk_bytes(bytes, start, len, tile.dtype.size()),
+        )
+    }
+    if !CONSENSUS
+        && tile
+            .agents
+            .iter()
+            .all(|b| bits(tile, b, start, len).is_some())
+    {
         let mut acc = Sums {
             base: &s.base[..len],
             sum: &mut s.sum[..len],
@@ -108,7 +118,8 @@ fn merge_chunk_body<const MASKS: bool, const CONSENSUS: bool>(
             rows: std::array::from_fn(|j| {
                 group
                     .get(j)
-                    .map_or(&[][..], |b| chunk_bytes(b, start, len, in_size))
+                    .and_then(|b| bits(tile, b, start, len))
+                    .unwrap_or_default()
             }),
             agents: group.len(),
         });
@@ -239,10 +250,10 @@ impl AgentRows for F32Rows<'_> {
     }
 }
 
-/// bf16 agents' bytes as stored, widened lane by lane: a value is its 16 bits shifted to the top
-/// of an f32, exactly what [`decode`] gives.
+/// bf16 agents' bits as stored ([`bf16_bits`]), widened lane by lane: a value is its 16 bits
+/// shifted to the top of an f32, exactly what [`decode`] gives.
 struct Bf16Rows<'a> {
-    rows: [&'a [u8]; GROUP],
+    rows: [&'a [u16]; GROUP],
     agents: usize,
 }
 
@@ -253,10 +264,8 @@ impl AgentRows for Bf16Rows<'_> {
 
     #[inline(always)]
     fn lanes<const W: usize>(&self, j: usize, i: usize) -> [f32; W] {
-        let bytes = &self.rows[j][2 * i..2 * (i + W)];
-        std::array::from_fn(|k| {
-            bf16_bits_to_f32(u16::from_le_bytes([bytes[2 * k], bytes[2 * k + 1]]))
-        })
+        let bits = &self.rows[j][i..i + W];
+        std::array::from_fn(|k| bf16_bits_to_f32(bits[k]))
     }
 }
 
