@@ -50,7 +50,7 @@ pub use probe::probe_all;
 use probe::{probe_tensors, to_global};
 pub use retention::{retention, RegionSums, Retention, REGIONS};
 use scans::{combine_spec, spectral_update, ScanBuffers};
-pub use tile_size::{tile_elems, TILE_QUANTUM};
+pub use tile_size::tile_elems;
 use tiles::{
     batches, par_tiles, progress_bar, run_bytes, whole_rows, TensorTiles, TileLoop, WriteRun,
 };
@@ -415,13 +415,8 @@ impl<'a> MergePass<'a> {
         let plan = &self.inputs.tensors[index];
         let present = plan.present();
         let rule = self.rule_of(plan, &present)?;
-        // Widened tiles and LoRA pairs: a tile's bytes stay what the pass chose.
-        let elems = tile_elems(
-            plan,
-            self.inputs,
-            self.pass.tile_elems,
-            self.backend.workers(),
-        );
+        // Widened tiles: a tile's bytes stay what the pass chose.
+        let elems = tile_elems(plan, self.inputs, self.pass.tile_elems);
         // DELLA ranks whole rows: its tiles hold whole rows.
         let tile_elems = match &rule {
             TileRule::Combine(spec, _) if spec.rank_rows > 0 => whole_rows(elems, spec.rank_rows),
@@ -548,7 +543,7 @@ impl<'a> MergePass<'a> {
             stride: 1,
             last_read: true,
         };
-        let limit = run_bytes(self.inputs, &tensors, how.stride);
+        let limit = run_bytes(how.stride);
         let counting = self.counted.is_some();
         let zeros = || -> Vec<TileCounts> {
             jobs.iter()

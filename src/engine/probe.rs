@@ -26,7 +26,7 @@ pub(super) fn probe_tensors(
         .map(|(&plan, present)| TensorTiles {
             plan,
             present,
-            tile_elems: tile_elems(plan, inputs, pass.tile_elems, backend.workers()),
+            tile_elems: tile_elems(plan, inputs, pass.tile_elems),
         })
         .collect();
     let zeros = || -> Vec<TileCounts> {

@@ -34,7 +34,7 @@ pub fn retention(
         .map(|(plan, present)| TensorTiles {
             plan,
             present,
-            tile_elems: tile_elems(plan, inputs, pass.tile_elems, rayon::current_num_threads()),
+            tile_elems: tile_elems(plan, inputs, pass.tile_elems),
         })
         .collect();
     let bar = progress_bar(inputs.pass_bytes(), show_progress, "retention");

@@ -129,7 +129,7 @@ impl<'a> TensorScans<'a> {
         whole: u64,
         buffers: &'a mut ScanBuffers,
     ) -> TensorScans<'a> {
-        let elems = tile_elems(plan, inputs, pass.tile_elems.max(SCAN_TILE_ELEMS), 1);
+        let elems = tile_elems(plan, inputs, pass.tile_elems.max(SCAN_TILE_ELEMS));
         TensorScans {
             inputs,
             plan,
@@ -159,7 +159,7 @@ impl<'a> TensorScans<'a> {
             plan: self.plan,
             present: self.present,
             tile_elems: whole_rows(
-                tile_elems(self.plan, self.inputs, ANY_ORDER_TILE_ELEMS, workers),
+                tile_elems(self.plan, self.inputs, ANY_ORDER_TILE_ELEMS),
                 slab,
             ),
         };

@@ -161,12 +161,10 @@ impl TileBuffers {
     }
 }
 
-/// Bytes of each input a tile loop over `tensors` reads at once ([`READ_RUN_BYTES`]), or 0 (tile
-/// by tile): in a sample (`stride` > 1), or beside LoRA pairs — tiles cut small to leave room
-/// for the pairs (`engine::tile_elems`) would take that room back in a run.
-pub(super) fn run_bytes(inputs: &Inputs, tensors: &[TensorTiles], stride: usize) -> usize {
-    let lora = tensors.iter().any(|t| t.plan.lora_bytes(inputs) > 0);
-    if stride > 1 || lora {
+/// Bytes of each input a tile loop reads at once ([`READ_RUN_BYTES`]), or 0 (tile by tile): in a
+/// sample (`stride` > 1), whose tiles are not consecutive.
+pub(super) fn run_bytes(stride: usize) -> usize {
+    if stride > 1 {
         0
     } else {
         READ_RUN_BYTES
@@ -301,10 +299,7 @@ pub(super) fn par_tiles<S: Send>(
     let count = schedule.count();
     // Tiles a worker takes at once: a run of about run_bytes per input, read at once.
     let bytes = |t: &TensorTiles| t.tile_elems.max(1) * t.plan.tile_dtype(inputs).size();
-    let run = match (
-        run_bytes(inputs, tensors, stride),
-        tensors.iter().map(bytes).max(),
-    ) {
+    let run = match (run_bytes(stride), tensors.iter().map(bytes).max()) {
         (r, Some(b)) if 2 * b < r => r / b,
         _ => 1,
     };
@@ -391,9 +386,8 @@ struct TileAt {
 
 /// A tile loop's numbering — each tensor's first tile, then the end — and its order of LoRA
 /// tensors: one at a time, each waiting for the one before it (its pairs dropped) to finish, so
-/// the pass holds one tensor's pairs, shared by its workers (`engine::tile_elems` leaves each
-/// worker room for its share). The tiles before a waiting worker's were all handed out, to
-/// workers that wait only for earlier tensors: the wait ends.
+/// the pass holds one tensor's pairs, shared by its workers. The tiles before a waiting worker's
+/// were all handed out, to workers that wait only for earlier tensors: the wait ends.
 struct Schedule {
     firsts: Vec<usize>,
     /// Tiles of each tensor still to finish (those the stride visits).

@@ -49,9 +49,6 @@ pub struct Inputs {
     pub slices: Option<Slices>,
     /// The output's vocabulary when a tokenizer source is set (mergekit's `tokenizer_source`).
     pub vocabulary: Option<Arc<Vocabulary>>,
-    /// Bytes of the largest set of LoRA A/B pairs one tensor's tiles hold (0: no LoRA agent),
-    /// which the tiles of the merge leave room for ([`crate::engine::tile_elems`]).
-    pub lora_room: usize,
     /// The user let tensors missing in some models through ([`Layout::allow_missing_tensors`]).
     pub allow_missing_tensors: bool,
     /// Stops the passes over these inputs between tiles (see [`crate::cancel`]): the token of
@@ -147,11 +144,9 @@ impl Inputs {
                 warnings,
                 slices: Some(slices.clone()),
                 vocabulary,
-                lora_room: 0,
                 allow_missing_tensors: layout.allow_missing_tensors,
                 cancel: crate::cancel::current(),
-            }
-            .with_lora_room());
+            });
         }
         let tensors = whole_model_plans(
             &base,
@@ -168,22 +163,9 @@ impl Inputs {
             warnings,
             slices: None,
             vocabulary,
-            lora_room: 0,
             allow_missing_tensors: layout.allow_missing_tensors,
             cancel: crate::cancel::current(),
-        }
-        .with_lora_room())
-    }
-
-    /// Sets [`Self::lora_room`] from the planned tensors.
-    fn with_lora_room(mut self) -> Inputs {
-        self.lora_room = self
-            .tensors
-            .iter()
-            .map(|p| p.lora_bytes(&self))
-            .max()
-            .unwrap_or(0);
-        self
+        })
     }
 
     /// Refuses the base given as an agent too, for every use that takes task vectors against

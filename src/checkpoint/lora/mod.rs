@@ -25,8 +25,7 @@ pub use config::{is_adapter, split_reference, trained_on};
 /// A/B pairs kept at most this many bytes at once, the oldest dropped first (read again if
 /// needed). The engine holds one tensor's pairs at a time — a tile loop starts a LoRA tensor once
 /// the one before it is done, and drops its pairs as soon as its tiles are all merged
-/// ([`LoraAdapter::forget_one`]) — and takes each worker's share of them out of its tile budget
-/// ([`crate::engine::tile_elems`]); this bound is a backstop.
+/// ([`LoraAdapter::forget_one`]); this bound is a backstop.
 const CACHE_BYTES: usize = 32 << 20;
 
 /// One base tensor's low-rank update.
