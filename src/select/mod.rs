@@ -316,20 +316,36 @@ fn split_ties(
 
 impl TieSearch {
     /// Counts the tied elements of the chunk starting at tensor index `start`, noting the split
-    /// when it is among them.
+    /// when it is among them: [`SEARCH_BLOCK`] elements at a time by a count that vectorizes,
+    /// element by element only in the block that holds the split.
     fn search(&mut self, start: u64, v: &[f32]) {
-        let skip = self.from.saturating_sub(start) as usize;
-        for (j, &x) in v.iter().enumerate().skip(skip) {
-            if magnitude_key(x) == self.key {
-                self.seen += 1;
-                if self.seen == self.m {
-                    self.found = Some((start + j as u64 + 1) as u32);
-                    return;
+        let skip = self.from.saturating_sub(start).min(v.len() as u64) as usize;
+        let key = self.key;
+        for (b, block) in v[skip..].chunks(SEARCH_BLOCK).enumerate() {
+            let tied: u32 = block
+                .iter()
+                .map(|&x| u32::from(magnitude_key(x) == key))
+                .sum();
+            if self.seen + u64::from(tied) < self.m {
+                self.seen += u64::from(tied);
+                continue;
+            }
+            for (j, &x) in block.iter().enumerate() {
+                if magnitude_key(x) == key {
+                    self.seen += 1;
+                    if self.seen == self.m {
+                        let at = skip + b * SEARCH_BLOCK + j;
+                        self.found = Some((start + at as u64 + 1) as u32);
+                        return;
+                    }
                 }
             }
         }
     }
 }
+
+/// Elements a tie search counts at once ([`TieSearch::search`]).
+const SEARCH_BLOCK: usize = 256;
 
 /// The cut holding ranks `< k` of `n` elements.
 pub fn cut_of(k: u64, n: u64, found: &mut impl Iterator<Item = RankCut>) -> RankCut {
