@@ -103,6 +103,11 @@ struct ShardFile {
     size: u64,
     /// CRC-32 of the bytes written so far, folded in file order.
     crc: Mutex<CrcStream>,
+    /// Held while bytes are written to the file. The kernel serializes buffered writes to one
+    /// file on its inode lock, and a second writer spins on it (a tenth of a two-worker `ties`
+    /// merge's CPU went there); a worker that finds this taken can keep its bytes and merge on
+    /// ([`CheckpointWriter::try_write_at`]).
+    writing: Mutex<()>,
 }
 
 /// Writes planned tensors into shards. Every shard's layout is known before the first byte, so
@@ -150,6 +155,7 @@ impl CheckpointWriter {
                 file,
                 size: at,
                 crc: Mutex::new(CrcStream::starting_with(crc, head.len() as u64)),
+                writing: Mutex::new(()),
             });
         }
         Ok(CheckpointWriter {
@@ -169,6 +175,33 @@ impl CheckpointWriter {
 
     /// Writes `bytes` of tensor `index` (in the planned list) starting at byte `start` within it.
     pub fn write_at(&self, index: usize, start: u64, bytes: &[u8]) -> Result<()> {
+        let f = &self.files[self.places[index].0];
+        let _writing = f.writing.lock().unwrap_or_else(|p| p.into_inner());
+        self.write_now(index, start, bytes)
+    }
+
+    /// [`Self::write_at`] when no other thread is writing to the file that holds tensor `index`;
+    /// `Ok(false)`, nothing written, when one is.
+    pub fn try_write_at(&self, index: usize, start: u64, bytes: &[u8]) -> Result<bool> {
+        let f = &self.files[self.places[index].0];
+        let _writing = match f.writing.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Ok(false),
+        };
+        self.write_now(index, start, bytes)?;
+        Ok(true)
+    }
+
+    /// Holds the `writing` lock of the file of tensor `index`, as another worker's write would.
+    #[cfg(test)]
+    pub(crate) fn hold_file(&self, index: usize) -> std::sync::MutexGuard<'_, ()> {
+        let f = &self.files[self.places[index].0];
+        f.writing.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The write of [`Self::write_at`], its file's `writing` lock held.
+    fn write_now(&self, index: usize, start: u64, bytes: &[u8]) -> Result<()> {
         let t = &self.tensors[index];
         ensure!(
             start + bytes.len() as u64 <= t.byte_len(),

@@ -173,14 +173,24 @@ pub(super) fn run_bytes(stride: usize) -> usize {
 
 /// A worker's output bytes of consecutive small tiles of one tensor, written at once: one
 /// `pwrite` per run of tiles, as they were read ([`run_bytes`]). Tiles of half a run or more
-/// are written alone, while in cache.
+/// are written alone, while in cache. A run whose file another worker is writing to is kept
+/// ([`PENDING_BYTES`] at most) and written by the next write that finds the file free, so the
+/// worker merges on instead of spinning on the file's lock.
 pub(super) struct WriteRun {
     /// (tensor in the writer's plan, byte of the tensor the bytes start at).
     at: (usize, u64),
     bytes: Vec<u8>,
     /// The loop's [`run_bytes`].
     limit: usize,
+    /// Runs kept while their file was busy: (tensor, first byte, bytes).
+    pending: Vec<(usize, u64, Vec<u8>)>,
+    /// Buffers of runs written since, for the next runs.
+    spare: Vec<Vec<u8>>,
 }
+
+/// Output bytes a worker keeps at most while the file is busy ([`WriteRun`]): four of the CPU
+/// backend's default tiles.
+const PENDING_BYTES: usize = 1 << 19;
 
 impl WriteRun {
     /// Output runs of at most `limit` bytes (0: tile by tile).
@@ -189,11 +199,13 @@ impl WriteRun {
             at: (0, 0),
             bytes: Vec::new(),
             limit,
+            pending: Vec::new(),
+            spare: Vec::new(),
         }
     }
 
     /// Room for `len` output bytes of tensor `index` from byte `start`: after the bytes held when
-    /// they follow them and the run has room, else after writing those.
+    /// they follow them and the run has room, else after passing those on ([`Self::ship`]).
     pub(super) fn room(
         &mut self,
         writer: &CheckpointWriter,
@@ -202,7 +214,7 @@ impl WriteRun {
     ) -> Result<&mut [u8]> {
         let follows = self.at.0 == index && self.at.1 + self.bytes.len() as u64 == start;
         if !(follows && self.bytes.len() + len <= self.limit) {
-            self.flush(writer)?;
+            self.ship(writer)?;
             self.at = (index, start);
         }
         let held = self.bytes.len();
@@ -215,17 +227,51 @@ impl WriteRun {
         Ok(&mut self.bytes[held..])
     }
 
-    /// After a tile's `len` bytes are in [`Self::room`]: a tile of half a run or more is written
-    /// now, while in cache; smaller ones wait for the run to fill.
+    /// After a tile's `len` bytes are in [`Self::room`]: a tile of half a run or more is passed
+    /// on now, while in cache; smaller ones wait for the run to fill.
     pub(super) fn tile_done(&mut self, writer: &CheckpointWriter, len: usize) -> Result<()> {
         if 2 * len >= self.limit {
+            self.ship(writer)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the run held, and the runs kept before it, where their files are free; keeps the
+    /// run where its file is busy, unless that would keep more than [`PENDING_BYTES`]: then
+    /// waits for the files and writes everything.
+    fn ship(&mut self, writer: &CheckpointWriter) -> Result<()> {
+        if self.bytes.is_empty() {
+            return Ok(());
+        }
+        let mut kept = 0;
+        for (index, start, bytes) in std::mem::take(&mut self.pending) {
+            if writer.try_write_at(index, start, &bytes)? {
+                self.spare.push(bytes);
+            } else {
+                kept += bytes.len();
+                self.pending.push((index, start, bytes));
+            }
+        }
+        if writer.try_write_at(self.at.0, self.at.1, &self.bytes)? {
+            self.bytes.clear();
+        } else if kept + self.bytes.len() <= PENDING_BYTES {
+            let next = self.spare.pop().unwrap_or_default();
+            let bytes = std::mem::replace(&mut self.bytes, next);
+            self.pending.push((self.at.0, self.at.1, bytes));
+            self.bytes.clear();
+        } else {
             self.flush(writer)?;
         }
         Ok(())
     }
 
-    /// Writes the bytes held (at the end of the loop).
+    /// Writes the runs kept and the bytes held, waiting for their files (at the end of the loop,
+    /// or when too much is kept).
     pub(super) fn flush(&mut self, writer: &CheckpointWriter) -> Result<()> {
+        for (index, start, bytes) in std::mem::take(&mut self.pending) {
+            writer.write_at(index, start, &bytes)?;
+            self.spare.push(bytes);
+        }
         if !self.bytes.is_empty() {
             writer.write_at(self.at.0, self.at.1, &self.bytes)?;
             self.bytes.clear();
@@ -522,5 +568,53 @@ pub(super) fn whole_rows(tile_elems: usize, row_len: u64) -> usize {
     match row_len as usize {
         0 => tile_elems,
         r => (tile_elems - tile_elems % r).max(r),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::{DType, OutputTensor};
+
+    /// Runs ready while another worker writes to the file are kept and written later, each at
+    /// its place: the file ends with every byte, whatever was busy when.
+    #[test]
+    fn runs_kept_while_the_file_is_busy_are_all_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let elems = 16 * 1024;
+        let tensors = vec![OutputTensor {
+            name: "t".into(),
+            dtype: DType::F32,
+            shape: vec![elems].into(),
+        }];
+        let writer = CheckpointWriter::new(dir.path(), tensors, u64::MAX).unwrap();
+        let want: Vec<u8> = (0..elems * 4).map(|i| (i * 7 % 251) as u8).collect();
+        // Tiles of 1 KiB in runs of 4 KiB: the first half while the file is busy.
+        let mut run = WriteRun::new(4096);
+        let tile = 1024;
+        let put = |run: &mut WriteRun, k: usize, bytes: &[u8]| {
+            let out = run.room(&writer, (0, (k * tile) as u64), tile).unwrap();
+            out.copy_from_slice(bytes);
+            run.tile_done(&writer, tile).unwrap();
+        };
+        let half = want.len() / tile / 2;
+        {
+            let _busy = writer.hold_file(0);
+            for (k, bytes) in want.chunks(tile).enumerate().take(half) {
+                put(&mut run, k, bytes);
+            }
+            assert!(!run.pending.is_empty(), "runs kept while the file is busy");
+            let kept: usize = run.pending.iter().map(|p| p.2.len()).sum();
+            assert!(kept <= PENDING_BYTES);
+        }
+        // The file is free again: the next run's write takes the kept ones first.
+        for (k, bytes) in want.chunks(tile).enumerate().skip(half) {
+            put(&mut run, k, bytes);
+        }
+        run.flush(&writer).unwrap();
+        assert!(run.pending.is_empty());
+        writer.finish().unwrap();
+        let file = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+        assert_eq!(&file[file.len() - want.len()..], &want[..]);
     }
 }
