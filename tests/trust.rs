@@ -81,6 +81,18 @@ fn merge_with(agents: &[&Path], out: &Path, args: &[&str]) -> std::process::Outp
     cmd.args(["-q", "-o"]).arg(out).args(args).output().unwrap()
 }
 
+/// `rlmerge run RECIPE -q -o OUT ARGS…`.
+fn run_recipe(recipe: &Path, out: &Path, args: &[&str]) -> std::process::Output {
+    rlmerge()
+        .arg("run")
+        .arg(recipe)
+        .args(["-q", "-o"])
+        .arg(out)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
 fn gpu_available() -> bool {
     if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
         std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir());
@@ -323,14 +335,7 @@ fn nan_in_the_base_beside_a_lora_agent_is_refused() {
     .unwrap();
     for device in &devices {
         let out = d.path().join(format!("slices-{device}"));
-        let o = rlmerge()
-            .arg("run")
-            .arg(&recipe)
-            .args(["-q", "-o"])
-            .arg(&out)
-            .args(["--device", device])
-            .output()
-            .unwrap();
+        let o = run_recipe(&recipe, &out, &["--device", device]);
         let err = err_of(&o);
         assert_eq!(o.status.code(), Some(1), "slices {device}: {err}");
         assert!(
@@ -485,13 +490,7 @@ fn an_adapter_is_applied_only_to_the_model_it_was_trained_on() {
     )
     .unwrap();
     let out = d.path().join("linear");
-    let o = rlmerge()
-        .arg("run")
-        .arg(&recipe)
-        .args(["-q", "-o"])
-        .arg(&out)
-        .output()
-        .unwrap();
+    let o = run_recipe(&recipe, &out, &[]);
     assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
     assert!(
         err_of(&o).contains("has no base_model to apply it to"),
@@ -1272,13 +1271,7 @@ fn lora_agents_work_in_slices() {
         let r = d.path().join(format!("{name}.yml"));
         std::fs::write(&r, recipe(&agent)).unwrap();
         let out = d.path().join(format!("out-{name}"));
-        let o = rlmerge()
-            .arg("run")
-            .arg(&r)
-            .args(["-q", "-o"])
-            .arg(&out)
-            .output()
-            .unwrap();
+        let o = run_recipe(&r, &out, &[]);
         assert!(o.status.success(), "{name}: {}", err_of(&o));
         outs.push(read_folder(&out));
     }
@@ -1286,13 +1279,7 @@ fn lora_agents_work_in_slices() {
     // A bare adapter folder in slices names the fix.
     let r = d.path().join("bare.yml");
     std::fs::write(&r, recipe(&adapter.display().to_string())).unwrap();
-    let o = rlmerge()
-        .arg("run")
-        .arg(&r)
-        .args(["-q", "-o"])
-        .arg(d.path().join("bare"))
-        .output()
-        .unwrap();
+    let o = run_recipe(&r, &d.path().join("bare"), &[]);
     assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
     assert!(
         err_of(&o).contains("write it as BASE+ADAPTER"),
