@@ -236,6 +236,17 @@ pub fn bf16_bits(dtype: DType, bytes: &[u8]) -> Option<&[u16]> {
     bytemuck::try_cast_slice(bytes).ok()
 }
 
+/// `bytes` of `dtype` as f32 values read in place, the way [`bf16_bits`] reads bf16: `Some` when
+/// `dtype` is f32 and the bytes can be read as f32 in place (4-aligned, a little-endian machine —
+/// every tile buffer); `None` otherwise: decode.
+#[inline(always)]
+pub fn f32_values(dtype: DType, bytes: &[u8]) -> Option<&[f32]> {
+    if dtype != DType::F32 || cfg!(target_endian = "big") {
+        return None;
+    }
+    bytemuck::try_cast_slice(bytes).ok()
+}
+
 /// bf16 bits → f32 (exact).
 #[inline(always)]
 pub fn bf16_bits_to_f32(bits: u16) -> f32 {

@@ -193,11 +193,12 @@ multiversion! {
     }
 }
 
-/// An agent's values over a chunk as [`keep_scale_add`] takes them: decoded, or bf16 bits as
-/// stored, widened as they are read (a shift: exactly what decoding gives).
+/// An agent's values over a chunk as [`keep_scale_add`] takes them: f32 (decoded, or an f32 tile
+/// read in place), or bf16 bits as stored, widened as they are read (a shift: exactly what
+/// decoding gives).
 #[derive(Clone, Copy)]
 pub enum AgentValues<'a> {
-    /// Decoded values.
+    /// f32 values.
     F32(&'a [f32]),
     /// bf16 bits.
     Bf16(&'a [u16]),

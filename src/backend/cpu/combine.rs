@@ -4,9 +4,9 @@
 //! The order of every addition is that of [`crate::method::combine::combine_element`], the
 //! scalar reference the tests hold this to, bit for bit.
 
-use super::{chunk_bytes, CHUNK};
+use super::{chunk_bytes, Stored, CHUNK};
 use crate::backend::{CombineParams, Tile};
-use crate::checkpoint::dtype::{bf16_bits, decode, encode};
+use crate::checkpoint::dtype::{decode, encode};
 use crate::method::combine::{
     keep_scale_add, nearswap, sum_reciprocal, variance_key, AgentValues, CombineSpec, Normalize,
 };
@@ -70,14 +70,14 @@ impl Chunk<'_> {
         );
     }
 
-    /// Agent `t`'s bf16 bits over the chunk, when the tile is bf16 ([`bf16_bits`]).
+    /// Agent `t`'s values over the chunk as stored, when the tile is bf16 or f32 ([`Stored`]):
+    /// read in place, widened as the term reads them; `None`: decode them.
     #[inline(always)]
-    fn bf16_bits(&self, t: usize) -> Option<&[u16]> {
-        let size = self.tile.dtype.size();
-        bf16_bits(
-            self.tile.dtype,
-            chunk_bytes(self.tile.agents[t], self.start, self.len, size),
-        )
+    fn stored(&self, t: usize) -> Option<AgentValues<'_>> {
+        let (dtype, bytes, at) = (self.tile.dtype, self.tile.agents[t], (self.start, self.len));
+        u16::view(dtype, bytes, at)
+            .map(AgentValues::Bf16)
+            .or_else(|| f32::view(dtype, bytes, at).map(AgentValues::F32))
     }
 
     /// Agent `t`'s flags over the chunk (empty when the rule needs none).
@@ -156,9 +156,10 @@ fn terms_in_one_pass(c: &Chunk, row: &[f32], s: &mut CombineScratch) {
     let len = c.len;
     let (base, agent, sum) = (&s.base[..len], &mut s.agent[..len], &mut s.sum[..len]);
     for t in 0..c.tile.agents.len() {
-        // bf16 agents are widened as the term reads them, not decoded into a row first.
-        let values = match c.bf16_bits(t) {
-            Some(bits) => AgentValues::Bf16(bits),
+        // bf16 and f32 agents are read in place (bf16 widened as the term reads them), not
+        // decoded into a row first.
+        let values = match c.stored(t) {
+            Some(values) => values,
             None => {
                 c.decode(Some(t), agent);
                 AgentValues::F32(agent)

@@ -2,9 +2,9 @@
 //! histogram of who changed what with how many others, from the probe or from the merge's own
 //! masks (a counted merge).
 
-use super::{chunk_bytes, CHUNK};
+use super::{chunk_bytes, Stored, CHUNK};
 use crate::backend::{Tile, TileCounts};
-use crate::checkpoint::dtype::{bf16_bits, bf16_bits_to_f32, decode};
+use crate::checkpoint::dtype::decode;
 use crate::simd::multiversion;
 
 /// Per-worker buffers for one chunk of the probe.
@@ -82,19 +82,30 @@ fn agent_masks<M: Masks + From<bool> + std::ops::Shl<usize, Output = M> + std::o
     decode(tile.dtype, chunk_bytes(tile.base, start, len, size), base);
     masks.fill(M::from(false));
     for (t, bytes) in tile.agents.iter().enumerate() {
-        let bytes = chunk_bytes(bytes, start, len, size);
         let changed = |a: f32, b: f32| M::from((a - b).abs() > epsilon) << t;
-        if let Some(bits) = bf16_bits(tile.dtype, bytes) {
-            // Widened as compared (a shift), not decoded into a row first.
-            for ((m, &a), &b) in masks.iter_mut().zip(bits).zip(base.iter()) {
-                *m |= changed(bf16_bits_to_f32(a), b);
-            }
+        // bf16 and f32 values are read in place and widened as compared, not decoded into a row
+        // first.
+        if let Some(bits) = u16::view(tile.dtype, bytes, (start, len)) {
+            or_changed(masks, bits, base, changed);
+        } else if let Some(values) = f32::view(tile.dtype, bytes, (start, len)) {
+            or_changed(masks, values, base, changed);
         } else {
-            decode(tile.dtype, bytes, agent);
-            for ((m, &a), &b) in masks.iter_mut().zip(agent.iter()).zip(base.iter()) {
-                *m |= changed(a, b);
-            }
+            decode(tile.dtype, chunk_bytes(bytes, start, len, size), agent);
+            or_changed(masks, agent, base, changed);
         }
+    }
+}
+
+/// `masks[i] |= changed(values[i], base[i])`, each value widened as it is read.
+#[inline(always)]
+fn or_changed<M: std::ops::BitOrAssign, T: Stored>(
+    masks: &mut [M],
+    values: &[T],
+    base: &[f32],
+    changed: impl Fn(f32, f32) -> M,
+) {
+    for ((m, &a), &b) in masks.iter_mut().zip(values).zip(base) {
+        *m |= changed(a.widen(), b);
     }
 }
 

@@ -3,9 +3,9 @@
 //! decoded into a row each first.
 
 use super::counts::{count_masks, PATTERN_SLOTS};
-use super::{chunk_bytes, CHUNK};
+use super::{chunk_bytes, Stored, CHUNK};
 use crate::backend::{MergeParams, Tile, TileCounts};
-use crate::checkpoint::dtype::{bf16_bits, bf16_bits_to_f32, decode, decode_minus, encode};
+use crate::checkpoint::dtype::{decode, decode_minus, encode};
 use crate::method::SharedRule;
 use crate::simd::multiversion;
 
@@ -94,36 +94,13 @@ fn merge_chunk_body<const MASKS: bool, const CONSENSUS: bool>(
     }
     let base_bytes = chunk_bytes(tile.base, start, len, in_size);
     decode(tile.dtype, base_bytes, &mut s.base[..len]);
-    // bf16 agents are widened in the sums' registers as they are added (a shift), not first
-    // decoded into rows (not under consensus, which keeps each agent's τ in its row).
-    fn bits<'b>(tile: &Tile, bytes: &'b [u8], start: usize, len: usize) -> Option<&'b [u16]> {
-        bf16_bits(
-            tile.dtype,
-            chunk_bytes(bytes, start, len, tile.dtype.size()),
-        )
-    }
+    // bf16 and f32 agents are read in place and widened in the sums' registers as they are added
+    // (a shift for bf16), not first decoded into rows (not under consensus, which keeps each
+    // agent's τ in its row).
     if !CONSENSUS
-        && tile
-            .agents
-            .iter()
-            .all(|b| bits(tile, b, start, len).is_some())
+        && (add_stored::<MASKS, u16>(tile, p, (start, len), s)
+            || add_stored::<MASKS, f32>(tile, p, (start, len), s))
     {
-        let mut acc = Sums {
-            base: &s.base[..len],
-            sum: &mut s.sum[..len],
-            count: &mut s.count[..len],
-            lambda: &mut s.lambda[..len],
-        };
-        let groups = tile.agents.chunks(GROUP).map(|group| Bf16Rows {
-            rows: std::array::from_fn(|j| {
-                group
-                    .get(j)
-                    .and_then(|b| bits(tile, b, start, len))
-                    .unwrap_or_default()
-            }),
-            agents: group.len(),
-        });
-        add_agents::<MASKS, _>(groups, p, &mut acc);
         return finish_chunk::<MASKS, CONSENSUS>(tile, p, base_bytes, (n, len), s, out);
     }
     // Every agent decoded first, into its own row: the sums then take the agents a group at a
@@ -250,23 +227,50 @@ impl AgentRows for F32Rows<'_> {
     }
 }
 
-/// bf16 agents' bits as stored ([`bf16_bits`]), widened lane by lane: a value is its 16 bits
-/// shifted to the top of an f32, exactly what [`decode`] gives.
-struct Bf16Rows<'a> {
-    rows: [&'a [u16]; GROUP],
+/// Agents' values as stored ([`Stored`]: bf16 bits or f32), read in place and widened lane by
+/// lane: exactly what [`decode`] gives.
+struct StoredRows<'a, T> {
+    rows: [&'a [T]; GROUP],
     agents: usize,
 }
 
-impl AgentRows for Bf16Rows<'_> {
+impl<T: Stored> AgentRows for StoredRows<'_, T> {
     fn agents(&self) -> usize {
         self.agents
     }
 
     #[inline(always)]
     fn lanes<const W: usize>(&self, j: usize, i: usize) -> [f32; W] {
-        let bits = &self.rows[j][i..i + W];
-        std::array::from_fn(|k| bf16_bits_to_f32(bits[k]))
+        let v = &self.rows[j][i..i + W];
+        std::array::from_fn(|k| v[k].widen())
     }
+}
+
+/// Adds every agent to the chunk's sums from its values read in place as `T`, when every
+/// agent's can be (the tile holds `T`); returns whether it did.
+#[inline(always)]
+fn add_stored<const MASKS: bool, T: Stored>(
+    tile: &Tile,
+    p: &MergeParams,
+    (start, len): (usize, usize),
+    s: &mut ChunkScratch,
+) -> bool {
+    let view = |b| T::view(tile.dtype, b, (start, len));
+    if !tile.agents.iter().all(|b| view(b).is_some()) {
+        return false;
+    }
+    let mut acc = Sums {
+        base: &s.base[..len],
+        sum: &mut s.sum[..len],
+        count: &mut s.count[..len],
+        lambda: &mut s.lambda[..len],
+    };
+    let groups = tile.agents.chunks(GROUP).map(|group| StoredRows {
+        rows: std::array::from_fn(|j| group.get(j).and_then(|b| view(b)).unwrap_or_default()),
+        agents: group.len(),
+    });
+    add_agents::<MASKS, _>(groups, p, &mut acc);
+    true
 }
 
 /// Adds every agent to the sums, a group at a time, in agent order.

@@ -4,6 +4,7 @@
 
 use super::{Backend, CombineParams, MergeParams, Tile, TileCounts};
 use crate::checkpoint::dtype::{decode, encode};
+use crate::checkpoint::DType;
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 
@@ -59,6 +60,38 @@ pub fn max_threads() -> usize {
 /// The bytes of elements `start..start + len` of a tile buffer.
 fn chunk_bytes(bytes: &[u8], start: usize, len: usize, size: usize) -> &[u8] {
     &bytes[start * size..(start + len) * size]
+}
+
+/// A value as a tile stores it that the kernels widen to f32 in a register as they read it,
+/// instead of decoding a row first: bf16 bits (a shift) or f32 (as is) — exactly the values
+/// [`decode`] gives.
+trait Stored: Copy + bytemuck::Pod {
+    /// The chunk's values in place ([`crate::checkpoint::dtype::bf16_bits`],
+    /// [`crate::checkpoint::dtype::f32_values`]); `None` where the tile holds another dtype.
+    fn view(dtype: DType, bytes: &[u8], range: (usize, usize)) -> Option<&[Self]>;
+    fn widen(self) -> f32;
+}
+
+impl Stored for u16 {
+    #[inline(always)]
+    fn view(dtype: DType, bytes: &[u8], (start, len): (usize, usize)) -> Option<&[u16]> {
+        crate::checkpoint::dtype::bf16_bits(dtype, chunk_bytes(bytes, start, len, dtype.size()))
+    }
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        crate::checkpoint::dtype::bf16_bits_to_f32(self)
+    }
+}
+
+impl Stored for f32 {
+    #[inline(always)]
+    fn view(dtype: DType, bytes: &[u8], (start, len): (usize, usize)) -> Option<&[f32]> {
+        crate::checkpoint::dtype::f32_values(dtype, chunk_bytes(bytes, start, len, dtype.size()))
+    }
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
 }
 
 impl Backend for CpuBackend {
