@@ -126,8 +126,8 @@ multiversion! {
 
 multiversion! {
     /// One agent's term of the sum, in one pass: d = v·c where kept, else +0.0, with
-    /// v = `x[i] − base[i]` (`x[i]` without a base) for `values` = (x, base) — x decoded, or bf16
-    /// bits widened as read ([`AgentValues`]) —, element i being
+    /// v = `x[i] − base[i]` (`x[i]` without a base) for `values` = (x, base) — x f32 (decoded or
+    /// read in place), or bf16 bits widened as read ([`AgentValues`]) —, element i being
     /// `first + i` of flag `flags[i]` for `at` = (first, flags); `sum[i]` += d (from +0.0
     /// when `first_term`, so no row needs clearing before), and `terms[i]` = d when a consensus
     /// needs the terms again. The same IEEE operations as [`Keep::mask_into`] then scaling and

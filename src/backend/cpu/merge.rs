@@ -1,6 +1,6 @@
 //! SPEC §2 and §2b on the CPU: the RAM merge of one chunk, summed a group of agents at a time with
-//! each element's Σ, c and λ in registers; bf16 agents are widened as the sums read them, others
-//! decoded into a row each first.
+//! each element's Σ, c and λ in registers; bf16 and f32 agents are read in place and widened as
+//! the sums read them, f16 agents (and every agent under consensus) decoded into a row each first.
 
 use super::counts::{count_masks, PATTERN_SLOTS};
 use super::{chunk_bytes, Stored, CHUNK};

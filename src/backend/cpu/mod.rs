@@ -65,17 +65,23 @@ fn chunk_bytes(bytes: &[u8], start: usize, len: usize, size: usize) -> &[u8] {
 /// A value as a tile stores it that the kernels widen to f32 in a register as they read it,
 /// instead of decoding a row first: bf16 bits (a shift) or f32 (as is) — exactly the values
 /// [`decode`] gives.
-trait Stored: Copy + bytemuck::Pod {
-    /// The chunk's values in place ([`crate::checkpoint::dtype::bf16_bits`],
+trait Stored: Copy {
+    /// A tile buffer's values in place ([`crate::checkpoint::dtype::bf16_bits`],
     /// [`crate::checkpoint::dtype::f32_values`]); `None` where the tile holds another dtype.
-    fn view(dtype: DType, bytes: &[u8], range: (usize, usize)) -> Option<&[Self]>;
+    fn in_place(dtype: DType, bytes: &[u8]) -> Option<&[Self]>;
     fn widen(self) -> f32;
+
+    /// The values of elements `start..start + len` of a tile buffer in place ([`Self::in_place`]).
+    #[inline(always)]
+    fn view(dtype: DType, bytes: &[u8], (start, len): (usize, usize)) -> Option<&[Self]> {
+        Self::in_place(dtype, chunk_bytes(bytes, start, len, dtype.size()))
+    }
 }
 
 impl Stored for u16 {
     #[inline(always)]
-    fn view(dtype: DType, bytes: &[u8], (start, len): (usize, usize)) -> Option<&[u16]> {
-        crate::checkpoint::dtype::bf16_bits(dtype, chunk_bytes(bytes, start, len, dtype.size()))
+    fn in_place(dtype: DType, bytes: &[u8]) -> Option<&[u16]> {
+        crate::checkpoint::dtype::bf16_bits(dtype, bytes)
     }
     #[inline(always)]
     fn widen(self) -> f32 {
@@ -85,8 +91,8 @@ impl Stored for u16 {
 
 impl Stored for f32 {
     #[inline(always)]
-    fn view(dtype: DType, bytes: &[u8], (start, len): (usize, usize)) -> Option<&[f32]> {
-        crate::checkpoint::dtype::f32_values(dtype, chunk_bytes(bytes, start, len, dtype.size()))
+    fn in_place(dtype: DType, bytes: &[u8]) -> Option<&[f32]> {
+        crate::checkpoint::dtype::f32_values(dtype, bytes)
     }
     #[inline(always)]
     fn widen(self) -> f32 {
