@@ -184,13 +184,18 @@ pub(super) struct WriteRun {
     limit: usize,
     /// Runs kept while their file was busy: (tensor, first byte, bytes).
     pending: Vec<(usize, u64, Vec<u8>)>,
-    /// Buffers of runs written since, for the next runs.
+    /// Buffers of runs written since, for the next runs ([`SPARE_BUFFERS`] at most).
     spare: Vec<Vec<u8>>,
 }
 
 /// Output bytes a worker keeps at most while the file is busy ([`WriteRun`]): four of the CPU
 /// backend's default tiles.
 const PENDING_BYTES: usize = 1 << 19;
+
+/// Buffers of written runs a worker keeps for its next runs; the rest are freed. A buffer keeps
+/// the capacity of the largest run it held, so an unbounded list — after many small kept runs,
+/// each buffer later grown by a full run — could hold far more than [`PENDING_BYTES`].
+const SPARE_BUFFERS: usize = 4;
 
 impl WriteRun {
     /// Output runs of at most `limit` bytes (0: tile by tile).
@@ -246,7 +251,7 @@ impl WriteRun {
         let mut kept = 0;
         for (index, start, bytes) in std::mem::take(&mut self.pending) {
             if writer.try_write_at(index, start, &bytes)? {
-                self.spare.push(bytes);
+                self.recycle(bytes);
             } else {
                 kept += bytes.len();
                 self.pending.push((index, start, bytes));
@@ -265,12 +270,19 @@ impl WriteRun {
         Ok(())
     }
 
+    /// Keeps a written run's buffer for a next run, while fewer than [`SPARE_BUFFERS`] are kept.
+    fn recycle(&mut self, bytes: Vec<u8>) {
+        if self.spare.len() < SPARE_BUFFERS {
+            self.spare.push(bytes);
+        }
+    }
+
     /// Writes the runs kept and the bytes held, waiting for their files (at the end of the loop,
     /// or when too much is kept).
     pub(super) fn flush(&mut self, writer: &CheckpointWriter) -> Result<()> {
         for (index, start, bytes) in std::mem::take(&mut self.pending) {
             writer.write_at(index, start, &bytes)?;
-            self.spare.push(bytes);
+            self.recycle(bytes);
         }
         if !self.bytes.is_empty() {
             writer.write_at(self.at.0, self.at.1, &self.bytes)?;
@@ -613,6 +625,7 @@ mod tests {
         }
         run.flush(&writer).unwrap();
         assert!(run.pending.is_empty());
+        assert!(run.spare.len() <= SPARE_BUFFERS);
         writer.finish().unwrap();
         let file = std::fs::read(dir.path().join("model.safetensors")).unwrap();
         assert_eq!(&file[file.len() - want.len()..], &want[..]);
