@@ -58,8 +58,8 @@ fn saturating_u32(x: f32) -> u32 {
 /// never kept: whether it is changes no output (a kept zero adds ±0 to sums that are never −0,
 /// agrees with no consensus sign and adds nothing to an L1 norm; SPEC §4), so zeros are counted,
 /// not ranked. Rank groups: in each slab of `slab` elements, elements k, k + `stride`, k +
-/// 2·`stride`, … form group k (stride 1: the slab is one row). Each decision is made in sorted
-/// order from the element's index, so no ranks are stored.
+/// 2·`stride`, … form group k (stride 1: the slab is one row). Each group's ranks are found
+/// first, then the slab's decisions in index order, in one vectorized loop.
 pub fn row_keep_mask(
     v: &[f32],
     (slab, stride): (usize, usize),
@@ -67,16 +67,19 @@ pub fn row_keep_mask(
     rule: RankKeep,
     out: &mut Vec<u32>,
 ) {
-    out.clear();
+    // Every lane is written below: no clearing of what `out` held.
+    out.truncate(v.len());
     out.resize(v.len(), 0);
     let slab = slab.max(1);
     let stride = stride.max(1);
     let keep_slab = |(j, (values, mask)): (usize, (&[f32], &mut [u32]))| {
         let at = first.wrapping_add((j * slab) as u32);
         SCRATCH.with_borrow_mut(|scratch| {
+            scratch.reserve(values.len());
             for k in 0..stride.min(values.len()) {
-                keep_group(values, mask, (k, stride), (at, rule), scratch);
+                rank_group(values, (k, stride), scratch);
             }
+            decide(values, &scratch.ranks[..values.len()], at, rule, mask);
         })
     };
     if v.len() >= PARALLEL_ELEMS && v.len() > slab {
@@ -92,17 +95,11 @@ pub fn row_keep_mask(
     }
 }
 
-/// Group `k` of a slab (elements k, k + stride, …) into `mask` (all 0 on entry): the nonzero
-/// keys sorted by key, stably, each kept or not from its rank in that order (the zeros before).
-fn keep_group(
-    values: &[f32],
-    mask: &mut [u32],
-    (k, stride): (usize, usize),
-    (first, rule): (u32, RankKeep),
-    s: &mut Scratch,
-) {
+/// The 1-based ranks of group `k` of a slab (elements k, k + stride, …) into `s.ranks`, by slab
+/// index: the nonzero keys sorted by key, stably, after the group's zeros (whose entries are
+/// left as they were: [`decide`] never reads them).
+fn rank_group(values: &[f32], (k, stride): (usize, usize), s: &mut Scratch) {
     let group = (values.len() - k).div_ceil(stride);
-    s.reserve(group);
     let keys = &mut s.keys[..=group];
     let nonzero = if stride == 1 {
         row_pairs(values, keys)
@@ -110,12 +107,13 @@ fn keep_group(
         let group = (k..values.len()).step_by(stride).map(|i| (i, values[i]));
         push_pairs(group, 0, keys)
     };
-    let sorted = radix_sort(&mut s.keys[..nonzero], &mut s.spare[..nonzero]);
-    let decisions = &mut s.decisions[..nonzero];
-    decide(sorted, (group - nonzero) as u32, first, rule, decisions);
-    for (&Pair(_, i), &d) in sorted.iter().zip(&*decisions) {
-        mask[i as usize] = d;
-    }
+    let zeros = (group - nonzero) as u32;
+    rank_sorted(
+        &mut s.keys[..nonzero],
+        &mut s.spare[..nonzero],
+        zeros + 1,
+        &mut s.ranks,
+    );
 }
 
 /// A (magnitude key, slab index) pair as the ranks sort them: laid out key first, so the vector
@@ -220,37 +218,39 @@ fn row_pairs_avx512(values: &[f32], pairs: &mut [Pair]) -> usize {
 }
 
 multiversion! {
-    /// `dec[pos]` = all ones when the element of the `pos`-th sorted nonzero key (slab index
-    /// `keys[pos].1`, tensor index `first` + it) is kept at rank `zeros + pos + 1`, else 0: the
-    /// hashes and thresholds of a row in one vectorized loop.
-    fn decide(keys: &[Pair], zeros: u32, first: u32, rule: RankKeep, dec: &mut [u32]) {
-        for (pos, (&Pair(_, i), d)) in keys.iter().zip(dec.iter_mut()).enumerate() {
-            let rank = zeros + pos as u32 + 1;
-            let hash = element_hash(rule.key, first.wrapping_add(i));
-            *d = u32::from(hash < rank_threshold(rule.p0, rule.step, rank)).wrapping_neg();
+    /// `mask[i]` = all ones when slab element `i` (tensor index `first` + i) is nonzero and kept
+    /// at its rank `ranks[i]`, else 0: the hashes and thresholds of a slab in one vectorized
+    /// loop (a zero's rank entry is stale, and read as 1).
+    fn decide(values: &[f32], ranks: &[u32], first: u32, rule: RankKeep, mask: &mut [u32]) {
+        for (i, ((&x, &r), m)) in values.iter().zip(ranks).zip(mask.iter_mut()).enumerate() {
+            let nonzero = magnitude_key(x) != 0;
+            let rank = if nonzero { r } else { 1 };
+            let hash = element_hash(rule.key, first.wrapping_add(i as u32));
+            let keep = nonzero & (hash < rank_threshold(rule.p0, rule.step, rank));
+            *m = u32::from(keep).wrapping_neg();
         }
     }
 }
 
-/// A thread's buffers: (key, index) pairs and the radix sort's second buffer, kept from row to
-/// row and tile to tile (fresh ones per slab cost a page fault per page, and as much time again
-/// in the kernel as the sort).
+/// A thread's buffers: (key, index) pairs, the radix sort's second buffer and a slab's ranks,
+/// kept from row to row and tile to tile (fresh ones per slab cost a page fault per page, and as
+/// much time again in the kernel as the sort).
 #[derive(Default)]
 struct Scratch {
     keys: Vec<Pair>,
     spare: Vec<Pair>,
-    /// DELLA's keep decisions, in sorted order.
-    decisions: Vec<u32>,
+    /// Each slab element's 1-based rank in its group, by slab index.
+    ranks: Vec<u32>,
 }
 
 impl Scratch {
-    /// Room for a group of `len` elements and its sentinel: buffers only grow, and what they
+    /// Room for a slab of `len` elements and a sentinel pair: buffers only grow, and what they
     /// held is overwritten before it is read (no clearing per row).
     fn reserve(&mut self, len: usize) {
         if self.keys.len() <= len {
             self.keys.resize(len + 1, Pair(0, 0));
             self.spare.resize(len + 1, Pair(0, 0));
-            self.decisions.resize(len + 1, 0);
+            self.ranks.resize(len + 1, 0);
         }
     }
 }
@@ -259,77 +259,104 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::default();
 }
 
-/// Sorts (key, index) pairs by key, stably — they arrive in index order, so equal keys stay in
-/// it — 8 bits at a time from the lowest bit that differs between keys to the highest (the keys
-/// of a task vector of 16-bit weights differ in few bits: its low mantissa bits are all 0, its
-/// exponents span a few binades — often one pass, not four); short runs by a stable comparison
-/// sort.
-///
-/// Each pass counts and places the four quarters of the run in one interleaved loop, each
-/// quarter with its own counters (quarter j's entries of a digit go after quarter j − 1's, so
-/// the sort stays stable): the keys of a task vector repeat, and one counter per digit would make
-/// every entry wait for the previous store to the same counter.
-/// Returns whichever of `a` and `b` (as long as `a`) holds the sorted pairs.
-fn radix_sort<'s>(mut a: &'s mut [Pair], mut b: &'s mut [Pair]) -> &'s [Pair] {
+/// Ranks (key, slab index) pairs by key, stably — they arrive in index order, so equal keys
+/// keep it: `ranks[index]` = `base` + the pair's position in that order. A radix sort, up to 8
+/// bits at a time from the lowest bit that differs between keys to the highest (the keys of a
+/// task vector of 16-bit weights differ in few bits: its low mantissa bits are all 0, its
+/// exponents span a few binades — often one pass, not four), whose last pass writes the ranks
+/// instead of moving the pairs (`a` and `b`, as long, are its two buffers); short runs by a
+/// stable comparison sort.
+fn rank_sorted<'s>(mut a: &'s mut [Pair], mut b: &'s mut [Pair], base: u32, ranks: &mut [u32]) {
     if a.len() <= 64 {
         a.sort_by_key(|p| p.0);
-        return a;
+        for (pos, &Pair(_, i)) in a.iter().enumerate() {
+            ranks[i as usize] = base + pos as u32;
+        }
+        return;
     }
     let (any, all) = a
         .iter()
         .fold((0u32, u32::MAX), |(o, n), p| (o | p.0, n & p.0));
     let varying = any ^ all;
-    if varying == 0 {
-        return a;
+    // Digits over the bits that vary, from the lowest: as few passes of at most 8 bits as
+    // cover them, of equal width, each counting into 2^width buckets only (a row of a few dozen
+    // keys of a handful of exponents counts into 16, not 256). Keys all equal: one pass of one
+    // bucket, in index order.
+    let (low, high) = (varying.trailing_zeros() % 32, 32 - varying.leading_zeros());
+    let passes = (high - low).div_ceil(8).max(1);
+    let width = (high - low).div_ceil(passes);
+    for pass in 0..passes {
+        let digits = Digits {
+            shift: low + pass * width,
+            buckets: 1 << width,
+        };
+        if pass + 1 < passes {
+            radix_pass(a, digits, |p, at| b[at as usize] = p);
+            std::mem::swap(&mut a, &mut b);
+        } else {
+            radix_pass(a, digits, |p, at| ranks[p.1 as usize] = base + at);
+        }
     }
-    // Digits of 8 bits over the bits that vary, from the lowest.
-    let (low, high) = (varying.trailing_zeros(), 32 - varying.leading_zeros());
+}
+
+/// A radix pass's digit: `buckets` (a power of two, at most 256) values from bit `shift` of a key.
+#[derive(Clone, Copy)]
+struct Digits {
+    shift: u32,
+    buckets: usize,
+}
+
+/// One stable counting pass over `a` by `digits`: `place(pair, position)` for each pair, its
+/// position in `a` sorted by that digit.
+///
+/// It counts and places the four quarters of the run in one interleaved loop, each quarter
+/// with its own counters (quarter j's entries of a digit go after quarter j − 1's, so the pass
+/// stays stable): the keys of a task vector repeat, and one counter per digit would make every
+/// entry wait for the previous store to the same counter.
+#[inline(always)]
+fn radix_pass(a: &[Pair], Digits { shift, buckets }: Digits, mut place: impl FnMut(Pair, u32)) {
+    let digit = |p: Pair| (p.0 >> shift) as usize & (buckets - 1);
     let n = a.len();
     let q = n / 4;
     // Quarter j is a[j·q .. (j + 1)·q], the last one also holding the n % 4 entries after 4q.
-    let tail = 4 * q..n;
-    for shift in (low..high).step_by(8) {
-        let digit = |p: Pair| (p.0 >> shift) as usize & 255;
-        let mut count = [[0u32; 256]; 4];
-        for i in 0..q {
-            for (j, c) in count.iter_mut().enumerate() {
-                c[digit(a[j * q + i])] += 1;
-            }
+    let tail = &a[4 * q..];
+    let mut count = [[0u32; 256]; 4];
+    for i in 0..q {
+        for (j, c) in count.iter_mut().enumerate() {
+            c[digit(a[j * q + i])] += 1;
         }
-        for &p in &a[tail.clone()] {
-            count[3][digit(p)] += 1;
-        }
-        // Where each digit's entries start (one chain of 256 adds), then each quarter's start
-        // within them (digit-wise, vectorized).
-        let mut starts = [0u32; 256];
-        for (d, s) in starts.iter_mut().enumerate() {
-            *s = count[0][d] + count[1][d] + count[2][d] + count[3][d];
-        }
-        let mut at = 0;
-        for s in starts.iter_mut() {
-            (*s, at) = (at, at + *s);
-        }
-        for (d, &s) in starts.iter().enumerate() {
-            let [c0, c1, c2, _] = [count[0][d], count[1][d], count[2][d], count[3][d]];
-            [count[0][d], count[1][d], count[2][d], count[3][d]] =
-                [s, s + c0, s + c0 + c1, s + c0 + c1 + c2];
-        }
-        for i in 0..q {
-            for (j, c) in count.iter_mut().enumerate() {
-                let p = a[j * q + i];
-                let d = digit(p);
-                b[c[d] as usize] = p;
-                c[d] += 1;
-            }
-        }
-        for &p in &a[tail.clone()] {
-            let d = digit(p);
-            b[count[3][d] as usize] = p;
-            count[3][d] += 1;
-        }
-        std::mem::swap(&mut a, &mut b);
     }
-    a
+    for &p in tail {
+        count[3][digit(p)] += 1;
+    }
+    // Where each digit's entries start (one chain of adds), then each quarter's start within
+    // them (digit-wise, vectorized).
+    let mut starts = [0u32; 256];
+    for (d, s) in starts[..buckets].iter_mut().enumerate() {
+        *s = count[0][d] + count[1][d] + count[2][d] + count[3][d];
+    }
+    let mut at = 0;
+    for s in starts[..buckets].iter_mut() {
+        (*s, at) = (at, at + *s);
+    }
+    for (d, &s) in starts[..buckets].iter().enumerate() {
+        let [c0, c1, c2, _] = [count[0][d], count[1][d], count[2][d], count[3][d]];
+        [count[0][d], count[1][d], count[2][d], count[3][d]] =
+            [s, s + c0, s + c0 + c1, s + c0 + c1 + c2];
+    }
+    for i in 0..q {
+        for (j, c) in count.iter_mut().enumerate() {
+            let p = a[j * q + i];
+            let d = digit(p);
+            place(p, c[d]);
+            c[d] += 1;
+        }
+    }
+    for &p in tail {
+        let d = digit(p);
+        place(p, count[3][d]);
+        count[3][d] += 1;
+    }
 }
 
 #[cfg(test)]
@@ -401,25 +428,31 @@ mod tests {
         want
     }
 
-    /// The radix sort is a stable sort by key: on the (key, index) pairs of sparse and dense rows
-    /// with ties, NaN and infinities, 16-bit-like keys (one pass) and keys of every bit (four),
-    /// and short runs (the comparison sort).
+    /// The radix ranks are a stable sort's positions by key: on the (key, index) pairs of
+    /// sparse and dense rows with ties, NaN and infinities, 16-bit-like keys (one pass), keys of
+    /// every bit (four), all equal keys, and short runs (the comparison sort).
     #[test]
-    fn radix_sort_is_a_stable_sort() {
+    fn radix_ranks_are_a_stable_sorts_positions() {
         let mut rng = SplitMix64::new(7);
+        let equal = vec![0.5f32; 300];
         for (len, _, _, zeros, bf16_like) in CASES {
             let v = random_rows(&mut rng, len, zeros, bf16_like);
-            for run in [&v[..], &v[..40], &v[..len.min(3000)]] {
+            for run in [&v[..], &v[..40], &v[..len.min(3000)], &equal[..]] {
                 let mut pairs: Vec<Pair> = run
                     .iter()
                     .enumerate()
                     .map(|(i, &x)| Pair(magnitude_key(x), i as u32))
                     .collect();
-                let mut want = pairs.clone();
-                want.sort_by_key(|p| p.0);
+                let mut sorted = pairs.clone();
+                sorted.sort_by_key(|p| p.0);
+                let mut want = vec![0u32; run.len()];
+                for (pos, p) in sorted.iter().enumerate() {
+                    want[p.1 as usize] = 5 + pos as u32;
+                }
                 let mut spare = pairs.clone();
-                let got = radix_sort(&mut pairs, &mut spare);
-                assert_eq!(got, &want[..], "len {}, zeros {zeros}", run.len());
+                let mut got = vec![0u32; run.len()];
+                rank_sorted(&mut pairs, &mut spare, 5, &mut got);
+                assert_eq!(got, want, "len {}, zeros {zeros}", run.len());
             }
         }
     }
