@@ -35,12 +35,14 @@ impl KeptFlags {
         })
     }
 
-    /// Records agent `t`'s keep mask (all ones: kept) for elements `first..first + mask.len()`.
+    /// Records agent `t`'s keep mask (all ones: kept) for elements `first..first + mask.len()`,
+    /// each element once in the scan. Up to a word boundary, then a word per 64 lanes: a word
+    /// the run covers whole is stored (no other run has an element in it), a partial one, which
+    /// the next or the previous run shares, is or-ed in.
     pub(super) fn record(&self, t: usize, first: u64, mask: &[u32]) {
         let Some(bits) = self.agents[t].as_ref() else {
             return;
         };
-        // Up to a word boundary, then a word per 64 lanes.
         let lead = (((64 - first % 64) % 64) as usize).min(mask.len());
         if lead > 0 {
             let word = pack(&mask[..lead]) << (first % 64);
@@ -48,7 +50,11 @@ impl KeptFlags {
         }
         let word0 = ((first + lead as u64) / 64) as usize;
         for (w, lanes) in bits[word0..].iter().zip(mask[lead..].chunks(64)) {
-            w.fetch_or(pack(lanes), Ordering::Relaxed);
+            if lanes.len() == 64 {
+                w.store(pack(lanes), Ordering::Relaxed);
+            } else {
+                w.fetch_or(pack(lanes), Ordering::Relaxed);
+            }
         }
     }
 
@@ -222,6 +228,15 @@ mod tests {
         w.fill(7);
         k.words(0, 50, 3, &mut w);
         assert_eq!(w, [1, 0, 0]);
+        // The workers record in any order: the later run first gives the same words (its
+        // partial lead word is or-ed, not overwritten, by the earlier run's tail).
+        let later_first = KeptFlags::new(300, &[true, false]).unwrap();
+        later_first.record(0, 180, &mask[..100]);
+        later_first.record(0, 50, &mask);
+        let mut v = Vec::new();
+        later_first.words(0, 0, 300, &mut v);
+        k.words(0, 0, 300, &mut w);
+        assert_eq!(v, w);
         assert!(KeptFlags::new(MAX_BITS, &[true, true]).is_none());
         assert!(KeptFlags::new(10, &[false]).is_none());
     }
