@@ -76,10 +76,15 @@ pub fn row_keep_mask(
         let at = first.wrapping_add((j * slab) as u32);
         SCRATCH.with_borrow_mut(|scratch| {
             scratch.reserve(values.len());
+            let mut nonzero = 0;
             for k in 0..stride.min(values.len()) {
-                rank_group(values, (k, stride), scratch);
+                nonzero = rank_group(values, (k, stride), scratch);
             }
-            decide(values, &scratch.ranks[..values.len()], at, rule, mask);
+            if stride == 1 && nonzero * SPARSE < values.len() {
+                decide_sparse(nonzero, at, rule, scratch, mask);
+            } else {
+                decide(values, &scratch.ranks[..values.len()], at, rule, mask);
+            }
         })
     };
     if v.len() >= PARALLEL_ELEMS && v.len() > slab {
@@ -95,10 +100,17 @@ pub fn row_keep_mask(
     }
 }
 
+/// A row with fewer than one nonzero element in this many is decided element by nonzero
+/// element ([`decide_sparse`]), else in one pass over the whole row ([`decide`]): RL task vectors
+/// are often mostly zeros, and then hashing every element costs more than placing the few
+/// decisions.
+const SPARSE: usize = 4;
+
 /// The 1-based ranks of group `k` of a slab (elements k, k + stride, …) into `s.ranks`, by slab
 /// index: the nonzero keys sorted by key, stably, after the group's zeros (whose entries are
-/// left as they were: [`decide`] never reads them).
-fn rank_group(values: &[f32], (k, stride): (usize, usize), s: &mut Scratch) {
+/// left as they were: the decisions never read them). Returns how many are nonzero, their
+/// (key, slab index) pairs left in `s.keys` in index order.
+fn rank_group(values: &[f32], (k, stride): (usize, usize), s: &mut Scratch) -> usize {
     let group = (values.len() - k).div_ceil(stride);
     let keys = &mut s.keys[..=group];
     let nonzero = if stride == 1 {
@@ -108,12 +120,9 @@ fn rank_group(values: &[f32], (k, stride): (usize, usize), s: &mut Scratch) {
         push_pairs(group, 0, keys)
     };
     let zeros = (group - nonzero) as u32;
-    rank_sorted(
-        &mut s.keys[..nonzero],
-        &mut s.spare[..nonzero],
-        zeros + 1,
-        &mut s.ranks,
-    );
+    let buffers = (&mut s.spare[..nonzero], &mut s.third[..nonzero]);
+    rank_sorted(&s.keys[..nonzero], buffers, zeros + 1, &mut s.ranks);
+    nonzero
 }
 
 /// A (magnitude key, slab index) pair as the ranks sort them: laid out key first, so the vector
@@ -232,15 +241,47 @@ multiversion! {
     }
 }
 
+/// [`decide`] of a sparse row from its `nonzero` elements' (key, slab index) pairs in `s.keys`,
+/// in index order, and their ranks in `s.ranks`: `mask` cleared, then each nonzero element's
+/// decision placed (the hashes and thresholds in one vectorized loop over them).
+fn decide_sparse(nonzero: usize, first: u32, rule: RankKeep, s: &mut Scratch, mask: &mut [u32]) {
+    let pairs = &s.keys[..nonzero];
+    let decisions = &mut s.decisions[..nonzero];
+    for (r, &Pair(_, i)) in decisions.iter_mut().zip(pairs) {
+        *r = s.ranks[i as usize];
+    }
+    decide_ranked(pairs, first, rule, decisions);
+    mask.fill(0);
+    for (&Pair(_, i), &d) in pairs.iter().zip(&*decisions) {
+        mask[i as usize] = d;
+    }
+}
+
+multiversion! {
+    /// `ranks[j]` (the rank of the element of `pairs[j]`, slab index `pairs[j].1`, tensor index
+    /// `first` + it) replaced by its decision: all ones when kept, else 0.
+    fn decide_ranked(pairs: &[Pair], first: u32, rule: RankKeep, ranks: &mut [u32]) {
+        for (&Pair(_, i), r) in pairs.iter().zip(ranks.iter_mut()) {
+            let hash = element_hash(rule.key, first.wrapping_add(i));
+            *r = u32::from(hash < rank_threshold(rule.p0, rule.step, *r)).wrapping_neg();
+        }
+    }
+}
+
 /// A thread's buffers: (key, index) pairs, the radix sort's second buffer and a slab's ranks,
 /// kept from row to row and tile to tile (fresh ones per slab cost a page fault per page, and as
 /// much time again in the kernel as the sort).
 #[derive(Default)]
 struct Scratch {
+    /// A group's nonzero (key, slab index) pairs in index order, left so by the sort.
     keys: Vec<Pair>,
+    /// The radix sort's buffers.
     spare: Vec<Pair>,
+    third: Vec<Pair>,
     /// Each slab element's 1-based rank in its group, by slab index.
     ranks: Vec<u32>,
+    /// A sparse row's ranks, then decisions, of its nonzero elements in index order.
+    decisions: Vec<u32>,
 }
 
 impl Scratch {
@@ -250,7 +291,9 @@ impl Scratch {
         if self.keys.len() <= len {
             self.keys.resize(len + 1, Pair(0, 0));
             self.spare.resize(len + 1, Pair(0, 0));
+            self.third.resize(len + 1, Pair(0, 0));
             self.ranks.resize(len + 1, 0);
+            self.decisions.resize(len + 1, 0);
         }
     }
 }
@@ -264,12 +307,13 @@ thread_local! {
 /// bits at a time from the lowest bit that differs between keys to the highest (the keys of a
 /// task vector of 16-bit weights differ in few bits: its low mantissa bits are all 0, its
 /// exponents span a few binades — often one pass, not four), whose last pass writes the ranks
-/// instead of moving the pairs (`a` and `b`, as long, are its two buffers); short runs by a
-/// stable comparison sort.
-fn rank_sorted<'s>(mut a: &'s mut [Pair], mut b: &'s mut [Pair], base: u32, ranks: &mut [u32]) {
+/// instead of moving the pairs; the passes before move them between the two `buffers` (as long
+/// as `a`), so `a` is left in index order. Short runs by a stable comparison sort.
+fn rank_sorted(a: &[Pair], (b, c): (&mut [Pair], &mut [Pair]), base: u32, ranks: &mut [u32]) {
     if a.len() <= 64 {
-        a.sort_by_key(|p| p.0);
-        for (pos, &Pair(_, i)) in a.iter().enumerate() {
+        b.copy_from_slice(a);
+        b.sort_by_key(|p| p.0);
+        for (pos, &Pair(_, i)) in b.iter().enumerate() {
             ranks[i as usize] = base + pos as u32;
         }
         return;
@@ -285,16 +329,26 @@ fn rank_sorted<'s>(mut a: &'s mut [Pair], mut b: &'s mut [Pair], base: u32, rank
     let (low, high) = (varying.trailing_zeros() % 32, 32 - varying.leading_zeros());
     let passes = (high - low).div_ceil(8).max(1);
     let width = (high - low).div_ceil(passes);
+    // The pairs the next pass reads: `a` first, then whichever buffer the last pass wrote (`x`).
+    let (mut x, mut y) = (b, c);
+    let mut in_a = true;
     for pass in 0..passes {
         let digits = Digits {
             shift: low + pass * width,
             buckets: 1 << width,
         };
-        if pass + 1 < passes {
-            radix_pass(a, digits, |p, at| b[at as usize] = p);
-            std::mem::swap(&mut a, &mut b);
-        } else {
-            radix_pass(a, digits, |p, at| ranks[p.1 as usize] = base + at);
+        let last = pass + 1 == passes;
+        match (in_a, last) {
+            (true, true) => radix_pass(a, digits, |p, at| ranks[p.1 as usize] = base + at),
+            (false, true) => radix_pass(x, digits, |p, at| ranks[p.1 as usize] = base + at),
+            (true, false) => {
+                radix_pass(a, digits, |p, at| x[at as usize] = p);
+                in_a = false;
+            }
+            (false, false) => {
+                radix_pass(x, digits, |p, at| y[at as usize] = p);
+                std::mem::swap(&mut x, &mut y);
+            }
         }
     }
 }
@@ -438,7 +492,7 @@ mod tests {
         for (len, _, _, zeros, bf16_like) in CASES {
             let v = random_rows(&mut rng, len, zeros, bf16_like);
             for run in [&v[..], &v[..40], &v[..len.min(3000)], &equal[..]] {
-                let mut pairs: Vec<Pair> = run
+                let pairs: Vec<Pair> = run
                     .iter()
                     .enumerate()
                     .map(|(i, &x)| Pair(magnitude_key(x), i as u32))
@@ -449,9 +503,9 @@ mod tests {
                 for (pos, p) in sorted.iter().enumerate() {
                     want[p.1 as usize] = 5 + pos as u32;
                 }
-                let mut spare = pairs.clone();
+                let (mut spare, mut third) = (pairs.clone(), pairs.clone());
                 let mut got = vec![0u32; run.len()];
-                rank_sorted(&mut pairs, &mut spare, 5, &mut got);
+                rank_sorted(&pairs, (&mut spare, &mut third), 5, &mut got);
                 assert_eq!(got, want, "len {}, zeros {zeros}", run.len());
             }
         }
@@ -506,7 +560,8 @@ mod tests {
 
     /// DELLA's keep mask is the rule applied to the sorted ranks: every nonzero element kept
     /// exactly when its hash is below its rank's threshold, every zero dropped — for rules with
-    /// rising, falling and flat probabilities, tensors that start anywhere (`first`).
+    /// rising, falling and flat probabilities, tensors that start anywhere (`first`), rows
+    /// decided whole and sparse rows decided by their nonzero elements.
     #[test]
     fn keep_masks_apply_the_rule_to_the_ranks() {
         let mut rng = SplitMix64::new(11);
@@ -523,8 +578,11 @@ mod tests {
                 key: [rng.next_u64() as u32, rng.next_u64() as u32],
             };
             let first = (rng.next_u64() as u32) / slab as u32 * slab as u32;
-            let mut got = Vec::new();
+            // A buffer from an earlier, longer tile, holding other decisions: every lane must
+            // be written (sparse rows and dense ones).
+            let mut got = vec![u32::MAX; len + 5];
             row_keep_mask(&v, (slab, stride), first, rule, &mut got);
+            assert_eq!(got.len(), len);
             let mut kept = 0;
             for (i, (&x, &r)) in v.iter().zip(&ranks).enumerate() {
                 let idx = first.wrapping_add(i as u32);
