@@ -59,7 +59,8 @@ fn saturating_u32(x: f32) -> u32 {
 /// agrees with no consensus sign and adds nothing to an L1 norm; SPEC §4), so zeros are counted,
 /// not ranked. Rank groups: in each slab of `slab` elements, elements k, k + `stride`, k +
 /// 2·`stride`, … form group k (stride 1: the slab is one row). Each group's ranks are found
-/// first, then the slab's decisions in index order, in one vectorized loop.
+/// first, then the slab's decisions in index order: in one vectorized loop over the slab, or over
+/// a sparse row's nonzero elements ([`SPARSE`]).
 pub fn row_keep_mask(
     v: &[f32],
     (slab, stride): (usize, usize),
@@ -268,8 +269,8 @@ multiversion! {
     }
 }
 
-/// A thread's buffers: (key, index) pairs, the radix sort's second buffer and a slab's ranks,
-/// kept from row to row and tile to tile (fresh ones per slab cost a page fault per page, and as
+/// A thread's buffers: (key, index) pairs, the radix sort's buffers, a slab's ranks and a sparse
+/// row's decisions, kept from row to row and tile to tile (fresh ones per slab cost a page fault per page, and as
 /// much time again in the kernel as the sort).
 #[derive(Default)]
 struct Scratch {
