@@ -26,6 +26,14 @@ pub struct RankKeep {
     pub key: [u32; 2],
 }
 
+impl RankKeep {
+    /// Whether the element of tensor index `index` and 1-based `rank` is kept under this rule.
+    #[inline(always)]
+    fn keeps(self, index: u32, rank: u32) -> bool {
+        element_hash(self.key, index) < rank_threshold(self.p0, self.step, rank)
+    }
+}
+
 /// DELLA's keep threshold for an element of 1-based `rank`: ⌊p · 2³²⌋ with
 /// p = p0 + (rank − 1)·step in f32 (the shaders compute the same).
 #[inline]
@@ -235,8 +243,7 @@ multiversion! {
         for (i, ((&x, &r), m)) in values.iter().zip(ranks).zip(mask.iter_mut()).enumerate() {
             let nonzero = magnitude_key(x) != 0;
             let rank = if nonzero { r } else { 1 };
-            let hash = element_hash(rule.key, first.wrapping_add(i as u32));
-            let keep = nonzero & (hash < rank_threshold(rule.p0, rule.step, rank));
+            let keep = nonzero & rule.keeps(first.wrapping_add(i as u32), rank);
             *m = u32::from(keep).wrapping_neg();
         }
     }
@@ -263,8 +270,7 @@ multiversion! {
     /// `first` + it) replaced by its decision: all ones when kept, else 0.
     fn decide_ranked(pairs: &[Pair], first: u32, rule: RankKeep, ranks: &mut [u32]) {
         for (&Pair(_, i), r) in pairs.iter().zip(ranks.iter_mut()) {
-            let hash = element_hash(rule.key, first.wrapping_add(i));
-            *r = u32::from(hash < rank_threshold(rule.p0, rule.step, *r)).wrapping_neg();
+            *r = u32::from(rule.keeps(first.wrapping_add(i), *r)).wrapping_neg();
         }
     }
 }
