@@ -224,24 +224,15 @@ fn first_nonfinite_scalar(dtype: DType, bytes: &[u8]) -> Option<usize> {
     }
 }
 
-/// `bytes` of `dtype` as their bf16 bit patterns, for kernels that widen each value in a register
-/// as they read it ([`bf16_bits_to_f32`]: the values [`decode`] gives) instead of decoding a row
-/// first. `Some` when `dtype` is bf16 and the bytes can be read as u16 in place (2-aligned, a
-/// little-endian machine — every tile buffer); `None` otherwise: decode.
-#[inline(always)]
-pub fn bf16_bits(dtype: DType, bytes: &[u8]) -> Option<&[u16]> {
-    if dtype != DType::BF16 || cfg!(target_endian = "big") {
-        return None;
-    }
-    bytemuck::try_cast_slice(bytes).ok()
-}
-
-/// `bytes` of `dtype` as f32 values read in place, the way [`bf16_bits`] reads bf16: `Some` when
-/// `dtype` is f32 and the bytes can be read as f32 in place (4-aligned, a little-endian machine —
+/// `bytes` of `dtype` read in place as values of `T` — bf16 bit patterns as u16, or f32 — for
+/// kernels that widen each value in a register as they read it ([`bf16_bits_to_f32`] for bf16:
+/// the values [`decode`] gives) instead of decoding a row first. `Some` when `dtype` is `stored`
+/// (the dtype `T` holds) and the bytes can be read in place (aligned, a little-endian machine —
 /// every tile buffer); `None` otherwise: decode.
 #[inline(always)]
-pub fn f32_values(dtype: DType, bytes: &[u8]) -> Option<&[f32]> {
-    if dtype != DType::F32 || cfg!(target_endian = "big") {
+pub fn in_place<T: bytemuck::Pod>(dtype: DType, stored: DType, bytes: &[u8]) -> Option<&[T]> {
+    debug_assert_eq!(stored.size(), std::mem::size_of::<T>());
+    if dtype != stored || cfg!(target_endian = "big") {
         return None;
     }
     bytemuck::try_cast_slice(bytes).ok()

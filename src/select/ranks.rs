@@ -68,7 +68,7 @@ fn saturating_u32(x: f32) -> u32 {
 /// not ranked. Rank groups: in each slab of `slab` elements, elements k, k + `stride`, k +
 /// 2·`stride`, … form group k (stride 1: the slab is one row). Each group's ranks are found
 /// first, then the slab's decisions in index order: in one vectorized loop over the slab, or over
-/// a sparse row's nonzero elements ([`SPARSE`]).
+/// a sparse row's nonzero elements (`SPARSE`).
 pub fn row_keep_mask(
     v: &[f32],
     (slab, stride): (usize, usize),

@@ -65,24 +65,24 @@ fn chunk_bytes(bytes: &[u8], start: usize, len: usize, size: usize) -> &[u8] {
 /// A value as a tile stores it that the kernels widen to f32 in a register as they read it,
 /// instead of decoding a row first: bf16 bits (a shift) or f32 (as is) — exactly the values
 /// [`decode`] gives.
-trait Stored: Copy {
-    /// A tile buffer's values in place ([`crate::checkpoint::dtype::bf16_bits`],
-    /// [`crate::checkpoint::dtype::f32_values`]); `None` where the tile holds another dtype.
-    fn in_place(dtype: DType, bytes: &[u8]) -> Option<&[Self]>;
+trait Stored: bytemuck::Pod {
+    /// The dtype whose values this type holds.
+    const DTYPE: DType;
+
     fn widen(self) -> f32;
 
-    /// The values of elements `start..start + len` of a tile buffer in place ([`Self::in_place`]).
+    /// The values of elements `start..start + len` of a tile buffer in place
+    /// ([`crate::checkpoint::dtype::in_place`]); `None` where the tile holds another dtype.
     #[inline(always)]
     fn view(dtype: DType, bytes: &[u8], (start, len): (usize, usize)) -> Option<&[Self]> {
-        Self::in_place(dtype, chunk_bytes(bytes, start, len, dtype.size()))
+        let bytes = chunk_bytes(bytes, start, len, dtype.size());
+        crate::checkpoint::dtype::in_place(dtype, Self::DTYPE, bytes)
     }
 }
 
 impl Stored for u16 {
-    #[inline(always)]
-    fn in_place(dtype: DType, bytes: &[u8]) -> Option<&[u16]> {
-        crate::checkpoint::dtype::bf16_bits(dtype, bytes)
-    }
+    const DTYPE: DType = DType::BF16;
+
     #[inline(always)]
     fn widen(self) -> f32 {
         crate::checkpoint::dtype::bf16_bits_to_f32(self)
@@ -90,10 +90,8 @@ impl Stored for u16 {
 }
 
 impl Stored for f32 {
-    #[inline(always)]
-    fn in_place(dtype: DType, bytes: &[u8]) -> Option<&[f32]> {
-        crate::checkpoint::dtype::f32_values(dtype, bytes)
-    }
+    const DTYPE: DType = DType::F32;
+
     #[inline(always)]
     fn widen(self) -> f32 {
         self
