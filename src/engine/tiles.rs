@@ -4,7 +4,7 @@
 use crate::backend::Tile;
 use crate::checkpoint::CheckpointWriter;
 pub(super) use crate::inputs::resize_exact;
-use crate::inputs::{BaseTile, Inputs, SourceRead, TensorPlan, TensorSource};
+use crate::inputs::{BaseTile, Inputs, SourceRead, TensorPlan, TensorSource, TileBytes};
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
@@ -13,8 +13,8 @@ use std::sync::{Condvar, Mutex};
 
 /// Reusable tile buffers: one for the base, one per agent.
 pub(super) struct TileBuffers {
-    pub(super) base: Vec<u8>,
-    pub(super) agents: Vec<Vec<u8>>,
+    pub(super) base: TileBytes,
+    pub(super) agents: Vec<TileBytes>,
     /// What the buffers hold when a tile loop read a run of tiles at once ([`READ_RUN_BYTES`]):
     /// (the loop's tensor, first element, elements).
     window: Option<(usize, usize, usize)>,
@@ -40,8 +40,8 @@ pub(super) struct TileRead<'a> {
 impl TileBuffers {
     pub(super) fn new(agents: usize) -> TileBuffers {
         TileBuffers {
-            base: Vec::new(),
-            agents: vec![Vec::new(); agents],
+            base: TileBytes::default(),
+            agents: (0..agents).map(|_| TileBytes::default()).collect(),
             window: None,
         }
     }
@@ -66,7 +66,7 @@ impl TileBuffers {
             finite_only,
         };
         let base_source = plan.source(inputs, None);
-        let mut jobs: Vec<(TensorSource, &mut Vec<u8>)> = (present.iter())
+        let mut jobs: Vec<(TensorSource, &mut TileBytes)> = (present.iter())
             .map(|&t| plan.source(inputs, Some(t)))
             .zip(self.agents.iter_mut())
             .collect();
@@ -123,11 +123,12 @@ impl TileBuffers {
 fn read_sources(
     ctx: &SourceRead,
     range: (usize, usize),
-    jobs: Vec<(TensorSource, &mut Vec<u8>)>,
+    jobs: Vec<(TensorSource, &mut TileBytes)>,
     base: Option<&BaseTile>,
     parallel: bool,
 ) -> Result<()> {
-    let load_one = |(source, buf): (TensorSource, &mut Vec<u8>)| source.read(ctx, range, buf, base);
+    let load_one =
+        |(source, buf): (TensorSource, &mut TileBytes)| source.read(ctx, range, buf, base);
     let results: Vec<Result<()>> = if parallel {
         jobs.into_par_iter().map(load_one).collect()
     } else {

@@ -10,6 +10,7 @@ mod plan;
 mod reindex;
 mod sliced;
 mod source;
+mod tile_bytes;
 
 pub(crate) use checks::identical_inputs;
 use checks::{
@@ -21,6 +22,7 @@ pub use plan::{SlicedTensor, TensorPlan, VocabPlan};
 use reindex::Reindex;
 use sliced::sliced_plans;
 pub use source::{resize_exact, BaseTile, SourceRead, TensorSource};
+pub use tile_bytes::TileBytes;
 
 use crate::checkpoint::safetensors_file::shape_text;
 use crate::checkpoint::safetensors_file::Interner;

@@ -10,6 +10,7 @@
 //! adapter, a GGUF agent) is a new variant here.
 
 use super::gate::{refuse_nonfinite, refuse_nonfinite_update};
+use super::tile_bytes::TileBytes;
 use super::{Inputs, TensorPlan};
 use crate::checkpoint::dtype::decode;
 use crate::checkpoint::lora::LoraAdapter;
@@ -104,7 +105,7 @@ impl TensorSource<'_> {
         &self,
         ctx: &SourceRead,
         (start, len): (usize, usize),
-        buf: &mut Vec<u8>,
+        buf: &mut TileBytes,
         base: Option<&BaseTile>,
     ) -> Result<()> {
         let (model, tensor, lora) = match *self {
@@ -127,10 +128,10 @@ impl TensorSource<'_> {
         // this very file, already read, gated and widened, it is copied, not read again.
         let held = base.filter(|b| widened && b.holds(model, tensor));
         if let Some(b) = held {
-            resize_exact(buf, len * 4, 0);
+            buf.resize_exact(len * 4);
             buf.copy_from_slice(b.bytes);
         } else {
-            resize_exact(buf, len * size, 0);
+            buf.resize_exact(len * size);
             let tail = len * (size - dtype.size());
             let offset = (start * dtype.size()) as u64;
             model.read(tensor, offset, &mut buf[tail..])?;
@@ -353,9 +354,9 @@ fn load_rows(
     rows: &VocabTensor,
     source: Source,
     (start, len): (usize, usize),
-    buf: &mut Vec<u8>,
+    buf: &mut TileBytes,
 ) -> Result<()> {
-    resize_exact(buf, len * 4, 0);
+    buf.resize_exact(len * 4);
     let mut run = [0.0f32; RUN];
     for i0 in (0..len).step_by(RUN) {
         let values = &mut run[..RUN.min(len - i0)];
