@@ -346,14 +346,14 @@ fn rank_sorted(a: &[Pair], (b, c): (&mut [Pair], &mut [Pair]), base: u32, ranks:
         };
         let last = pass + 1 == passes;
         match (in_a, last) {
-            (true, true) => radix_pass(a, digits, |p, at| ranks[p.1 as usize] = base + at),
-            (false, true) => radix_pass(x, digits, |p, at| ranks[p.1 as usize] = base + at),
+            (true, true) => radix_pass(a, digits, base, |p, at| ranks[p.1 as usize] = at),
+            (false, true) => radix_pass(x, digits, base, |p, at| ranks[p.1 as usize] = at),
             (true, false) => {
-                radix_pass(a, digits, |p, at| x[at as usize] = p);
+                radix_pass(a, digits, 0, |p, at| x[at as usize] = p);
                 in_a = false;
             }
             (false, false) => {
-                radix_pass(x, digits, |p, at| y[at as usize] = p);
+                radix_pass(x, digits, 0, |p, at| y[at as usize] = p);
                 std::mem::swap(&mut x, &mut y);
             }
         }
@@ -375,28 +375,38 @@ struct Digits {
 /// stays stable): the keys of a task vector repeat, and one counter per digit would make every
 /// entry wait for the previous store to the same counter.
 #[inline(always)]
-fn radix_pass(a: &[Pair], Digits { shift, buckets }: Digits, mut place: impl FnMut(Pair, u32)) {
-    let digit = |p: Pair| (p.0 >> shift) as usize & (buckets - 1);
-    let n = a.len();
-    let q = n / 4;
+fn radix_pass(
+    a: &[Pair],
+    Digits { shift, buckets }: Digits,
+    origin: u32,
+    mut place: impl FnMut(Pair, u32),
+) {
+    // Masked to 8 bits as well, so the counters' indexing needs no bounds check.
+    let digit = |p: Pair| (p.0 >> shift) as usize & (buckets - 1) & 0xff;
+    let q = a.len() / 4;
     // Quarter j is a[j·q .. (j + 1)·q], the last one also holding the n % 4 entries after 4q.
-    let tail = &a[4 * q..];
+    let (q0, rest) = a.split_at(q);
+    let (q1, rest) = rest.split_at(q);
+    let (q2, q3) = rest.split_at(q);
+    let (q3, tail) = q3.split_at(q);
+    let quarters = || q0.iter().zip(q1).zip(q2).zip(q3);
     let mut count = [[0u32; 256]; 4];
-    for i in 0..q {
-        for (j, c) in count.iter_mut().enumerate() {
-            c[digit(a[j * q + i])] += 1;
-        }
+    for (((&p0, &p1), &p2), &p3) in quarters() {
+        count[0][digit(p0)] += 1;
+        count[1][digit(p1)] += 1;
+        count[2][digit(p2)] += 1;
+        count[3][digit(p3)] += 1;
     }
     for &p in tail {
         count[3][digit(p)] += 1;
     }
-    // Where each digit's entries start (one chain of adds), then each quarter's start within
-    // them (digit-wise, vectorized).
+    // Where each digit's entries start (one chain of adds, from `origin`), then each quarter's
+    // start within them (digit-wise, vectorized).
     let mut starts = [0u32; 256];
     for (d, s) in starts[..buckets].iter_mut().enumerate() {
         *s = count[0][d] + count[1][d] + count[2][d] + count[3][d];
     }
-    let mut at = 0;
+    let mut at = origin;
     for s in starts[..buckets].iter_mut() {
         (*s, at) = (at, at + *s);
     }
@@ -405,9 +415,14 @@ fn radix_pass(a: &[Pair], Digits { shift, buckets }: Digits, mut place: impl FnM
         [count[0][d], count[1][d], count[2][d], count[3][d]] =
             [s, s + c0, s + c0 + c1, s + c0 + c1 + c2];
     }
-    for i in 0..q {
-        for (j, c) in count.iter_mut().enumerate() {
-            let p = a[j * q + i];
+    let [c0, c1, c2, c3] = &mut count;
+    for (((&p0, &p1), &p2), &p3) in quarters() {
+        for (p, c) in [
+            (p0, &mut *c0),
+            (p1, &mut *c1),
+            (p2, &mut *c2),
+            (p3, &mut *c3),
+        ] {
             let d = digit(p);
             place(p, c[d]);
             c[d] += 1;
@@ -415,8 +430,8 @@ fn radix_pass(a: &[Pair], Digits { shift, buckets }: Digits, mut place: impl FnM
     }
     for &p in tail {
         let d = digit(p);
-        place(p, count[3][d]);
-        count[3][d] += 1;
+        place(p, c3[d]);
+        c3[d] += 1;
     }
 }
 
