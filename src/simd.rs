@@ -2,7 +2,10 @@
 //!
 //! The kernels are plain Rust loops written so the compiler vectorizes them. [`multiversion!`]
 //! compiles such a function three times on x86-64 — for the baseline (SSE2), for AVX2 and for
-//! AVX-512 (F, BW, VL) — and calls the widest build the CPU runs. On arm64 the baseline already
+//! AVX-512 (F, BW, VL), both with the bit instructions every AVX2 CPU has (BMI1, BMI2, LZCNT,
+//! POPCNT: a `count_ones`, `trailing_zeros` or variable shift is one instruction) — and calls the
+//! widest build the CPU runs. The hand-written AVX2 and AVX-512 functions (`select::key_window`,
+//! `select::ranks`) enable the same features as the level they are called at. On arm64 the baseline already
 //! has NEON. The results cannot differ: every build performs the same IEEE operations on the same
 //! values (Rust never contracts `a * b + c` into a fused multiply-add), only more lanes at a time.
 //!
@@ -33,9 +36,12 @@ pub fn level() -> Level {
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn detected() -> Level {
     use std::arch::is_x86_feature_detected as has;
-    if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx2") {
+    // The bit instructions every AVX2 CPU has (Haswell, Zen on): `count_ones`, `trailing_zeros`
+    // and variable shifts become one instruction each in the builds.
+    let bits = has!("bmi1") && has!("bmi2") && has!("lzcnt") && has!("popcnt");
+    if bits && has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx2") {
         Level::Avx512
-    } else if has!("avx2") {
+    } else if bits && has!("avx2") {
         Level::Avx2
     } else {
         Level::Baseline
@@ -57,11 +63,11 @@ macro_rules! multiversion {
             fn body($($arg: $ty),*) $(-> $ret)? $body
             #[cfg(target_arch = "x86_64")]
             {
-                #[target_feature(enable = "avx2")]
+                #[target_feature(enable = "avx2,bmi1,bmi2,lzcnt,popcnt")]
                 fn avx2($($arg: $ty),*) $(-> $ret)? {
                     body($($arg),*)
                 }
-                #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+                #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,bmi1,bmi2,lzcnt,popcnt")]
                 fn avx512($($arg: $ty),*) $(-> $ret)? {
                     body($($arg),*)
                 }

@@ -120,7 +120,7 @@ pub(super) fn window_bits_scalar(
 
 /// [`window_bits`] over whole blocks of 64 elements.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,bmi1,bmi2,lzcnt,popcnt")]
 pub(super) fn window_bits_avx2(
     v: &[f32],
     window: KeyWindow,
@@ -185,7 +185,7 @@ pub(super) fn window_bits_avx2(
 
 /// [`window_bits_avx2`] with AVX-512: sixteen elements per compare, straight into bit masks.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,bmi1,bmi2,lzcnt,popcnt")]
 pub(super) fn window_bits_avx512(
     v: &[f32],
     window: KeyWindow,

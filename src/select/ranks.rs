@@ -87,7 +87,7 @@ pub fn row_keep_mask(
             scratch.reserve(values.len());
             let mut nonzero = 0;
             for k in 0..stride.min(values.len()) {
-                nonzero = rank_group(values, (k, stride), scratch);
+                nonzero = rank_group(values, k, stride, scratch);
             }
             if stride == 1 && nonzero * SPARSE < values.len() {
                 decide_sparse(nonzero, at, rule, scratch, mask);
@@ -115,23 +115,25 @@ pub fn row_keep_mask(
 /// decisions.
 const SPARSE: usize = 4;
 
-/// The 1-based ranks of group `k` of a slab (elements k, k + stride, …) into `s.ranks`, by slab
-/// index: the nonzero keys sorted by key, stably, after the group's zeros (whose entries are
-/// left as they were: the decisions never read them). Returns how many are nonzero, their
-/// (key, slab index) pairs left in `s.keys` in index order.
-fn rank_group(values: &[f32], (k, stride): (usize, usize), s: &mut Scratch) -> usize {
-    let group = (values.len() - k).div_ceil(stride);
-    let keys = &mut s.keys[..=group];
-    let nonzero = if stride == 1 {
-        row_pairs(values, keys)
-    } else {
-        let group = (k..values.len()).step_by(stride).map(|i| (i, values[i]));
-        push_pairs(group, 0, keys)
-    };
-    let zeros = (group - nonzero) as u32;
-    let buffers = (&mut s.spare[..nonzero], &mut s.third[..nonzero]);
-    rank_sorted(&s.keys[..nonzero], buffers, zeros + 1, &mut s.ranks);
-    nonzero
+multiversion! {
+    /// The 1-based ranks of group `k` of a slab (elements k, k + stride, …) into `s.ranks`, by
+    /// slab index: the nonzero keys sorted by key, stably, after the group's zeros (whose entries
+    /// are left as they were: the decisions never read them). Returns how many are nonzero, their
+    /// (key, slab index) pairs left in `s.keys` in index order.
+    fn rank_group(values: &[f32], k: usize, stride: usize, s: &mut Scratch) -> usize {
+        let group = (values.len() - k).div_ceil(stride);
+        let keys = &mut s.keys[..=group];
+        let nonzero = if stride == 1 {
+            row_pairs(values, keys)
+        } else {
+            let group = (k..values.len()).step_by(stride).map(|i| (i, values[i]));
+            push_pairs(group, 0, keys)
+        };
+        let zeros = (group - nonzero) as u32;
+        let buffers = (&mut s.spare[..nonzero], &mut s.third[..nonzero]);
+        rank_sorted(&s.keys[..nonzero], buffers, zeros + 1, &mut s.ranks);
+        nonzero
+    }
 }
 
 /// A (magnitude key, slab index) pair as the ranks sort them: laid out key first, so the vector
@@ -191,7 +193,7 @@ fn push_pairs(
 /// of those packed so far (each store stays within the row's length: at most as many pairs
 /// are packed as elements were read).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+#[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,bmi1,bmi2,lzcnt,popcnt")]
 fn row_pairs_avx512(values: &[f32], pairs: &mut [Pair]) -> usize {
     use std::arch::x86_64::*;
     assert!(values.len().is_multiple_of(16) && pairs.len() >= values.len());
@@ -315,7 +317,9 @@ thread_local! {
 /// task vector of 16-bit weights differ in few bits: its low mantissa bits are all 0, its
 /// exponents span a few binades — often one pass, not four), whose last pass writes the ranks
 /// instead of moving the pairs; the passes before move them between the two `buffers` (as long
-/// as `a`), so `a` is left in index order. Short runs by a stable comparison sort.
+/// as `a`), so `a` is left in index order. Short runs by a stable comparison sort. Inlined into
+/// [`rank_group`]'s builds.
+#[inline(always)]
 fn rank_sorted(a: &[Pair], (b, c): (&mut [Pair], &mut [Pair]), base: u32, ranks: &mut [u32]) {
     if a.len() <= 64 {
         b.copy_from_slice(a);
