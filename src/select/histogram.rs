@@ -5,6 +5,7 @@ use super::bins::{Bins16, BINS};
 use super::cut::magnitude_key;
 use super::key_window::{window_bits, KeyWindow, WindowTally};
 use crate::scans::{lock, unlock, worker_states, Scans, SCAN_CHUNK};
+use crate::simd::multiversion;
 use anyhow::Result;
 
 /// (chunk start, elements of a bin in the chunk), for chunks that had some.
@@ -163,50 +164,54 @@ pub(super) fn histogram_pass(
         .collect())
 }
 
-/// Adds the chunk of values `v` (from element `start`) to one lane's pass.
-fn count_lane(pass: &mut AgentPass, window: KeyWindow, start: u64, v: &[f32]) {
-    let AgentPass {
-        high,
-        tally,
-        reached,
-        seen,
-        mixed,
-        follow,
-    } = pass;
-    *seen += v.len() as u64;
-    let (mut inside, mut low) = ([0u64; SCAN_CHUNK / 64], [0u64; SCAN_CHUNK / 64]);
-    let words = v.len().div_ceil(64);
-    tally.add(window_bits(
-        v,
-        window,
-        &mut inside[..words],
-        &mut low[..words],
-    ));
-    let mut adder = high.adder();
-    let (mut lowest, mut highest) = *reached;
-    for (w, (&n, &l)) in inside[..words].iter().zip(&low[..words]).enumerate() {
-        let mut n = n;
-        while n != 0 {
-            let i = w * 64 + n.trailing_zeros() as usize;
-            let bin = magnitude_key(v[i]) >> 16;
-            adder.add(bin, i);
-            (lowest, highest) = (lowest.min(bin), highest.max(bin));
-            n &= n - 1;
+multiversion! {
+    /// Adds the chunk of values `v` (from element `start`) to one lane's pass (the walk over the
+    /// window's keys compiled per level: its `trailing_zeros` and shifts are one instruction each
+    /// with BMI).
+    fn count_lane(pass: &mut AgentPass, window: KeyWindow, start: u64, v: &[f32]) {
+        let AgentPass {
+            high,
+            tally,
+            reached,
+            seen,
+            mixed,
+            follow,
+        } = pass;
+        *seen += v.len() as u64;
+        let (mut inside, mut low) = ([0u64; SCAN_CHUNK / 64], [0u64; SCAN_CHUNK / 64]);
+        let words = v.len().div_ceil(64);
+        tally.add(window_bits(
+            v,
+            window,
+            &mut inside[..words],
+            &mut low[..words],
+        ));
+        let mut adder = high.adder();
+        let (mut lowest, mut highest) = *reached;
+        for (w, (&n, &l)) in inside[..words].iter().zip(&low[..words]).enumerate() {
+            let mut n = n;
+            while n != 0 {
+                let i = w * 64 + n.trailing_zeros() as usize;
+                let bin = magnitude_key(v[i]) >> 16;
+                adder.add(bin, i);
+                (lowest, highest) = (lowest.min(bin), highest.max(bin));
+                n &= n - 1;
+            }
+            // Low bits set: rare where task vectors come from 16-bit weights.
+            let mut l = l;
+            while l != 0 {
+                let bin = magnitude_key(v[w * 64 + l.trailing_zeros() as usize]) >> 16;
+                mixed[bin as usize / 64] |= 1 << (bin % 64);
+                l &= l - 1;
+            }
         }
-        // Low bits set: rare where task vectors come from 16-bit weights.
-        let mut l = l;
-        while l != 0 {
-            let bin = magnitude_key(v[w * 64 + l.trailing_zeros() as usize]) >> 16;
-            mixed[bin as usize / 64] |= 1 << (bin % 64);
-            l &= l - 1;
-        }
-    }
-    *reached = (lowest, highest);
-    for (bin, before, chunks) in follow.iter_mut() {
-        let now = high.count(*bin);
-        if now > *before {
-            chunks.push((start, (now - *before) as u32));
-            *before = now;
+        *reached = (lowest, highest);
+        for (bin, before, chunks) in follow.iter_mut() {
+            let now = high.count(*bin);
+            if now > *before {
+                chunks.push((start, (now - *before) as u32));
+                *before = now;
+            }
         }
     }
 }
