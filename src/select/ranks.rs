@@ -321,7 +321,7 @@ thread_local! {
 /// [`rank_group`]'s builds.
 #[inline(always)]
 fn rank_sorted(a: &[Pair], (b, c): (&mut [Pair], &mut [Pair]), base: u32, ranks: &mut [u32]) {
-    if a.len() <= 64 {
+    if a.len() <= SHORT_RUN {
         b.copy_from_slice(a);
         b.sort_by_key(|p| p.0);
         for (pos, &Pair(_, i)) in b.iter().enumerate() {
@@ -363,6 +363,10 @@ fn rank_sorted(a: &[Pair], (b, c): (&mut [Pair], &mut [Pair]), base: u32, ranks:
         }
     }
 }
+
+/// Runs of at most this many pairs are ranked by a comparison sort: below it, the radix passes'
+/// fixed work (the key bits, clearing and summing the counters) costs more than the compares.
+const SHORT_RUN: usize = 16;
 
 /// A radix pass's digit: `buckets` (a power of two, at most 256) values from bit `shift` of a key.
 #[derive(Clone, Copy)]
@@ -510,14 +514,15 @@ mod tests {
 
     /// The radix ranks are a stable sort's positions by key: on the (key, index) pairs of
     /// sparse and dense rows with ties, NaN and infinities, 16-bit-like keys (one pass), keys of
-    /// every bit (four), all equal keys, and short runs (the comparison sort).
+    /// every bit (four), all equal keys, runs just past [`SHORT_RUN`] and short runs (the
+    /// comparison sort).
     #[test]
     fn radix_ranks_are_a_stable_sorts_positions() {
         let mut rng = SplitMix64::new(7);
         let equal = vec![0.5f32; 300];
         for (len, _, _, zeros, bf16_like) in CASES {
             let v = random_rows(&mut rng, len, zeros, bf16_like);
-            for run in [&v[..], &v[..40], &v[..len.min(3000)], &equal[..]] {
+            for run in [&v[..], &v[..40], &v[..12], &v[..len.min(3000)], &equal[..]] {
                 let pairs: Vec<Pair> = run
                     .iter()
                     .enumerate()
