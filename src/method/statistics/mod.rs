@@ -568,38 +568,23 @@ fn abs_sum_avx512(values: &[f32], mask: Option<&[u32]>) -> f64 {
             }
             *row = _mm512_cvtps_pd(lanes);
         }
-        // Transposed: cols[k][b] = lane k of block b.
-        let [r0, r1, r2, r3, r4, r5, r6, r7] = rows;
-        let (t0, t1) = (_mm512_unpacklo_pd(r0, r1), _mm512_unpackhi_pd(r0, r1));
-        let (t2, t3) = (_mm512_unpacklo_pd(r2, r3), _mm512_unpackhi_pd(r2, r3));
-        let (t4, t5) = (_mm512_unpacklo_pd(r4, r5), _mm512_unpackhi_pd(r4, r5));
-        let (t6, t7) = (_mm512_unpacklo_pd(r6, r7), _mm512_unpackhi_pd(r6, r7));
-        let (u0, u1) = (
-            _mm512_shuffle_f64x2::<0x88>(t0, t2),
-            _mm512_shuffle_f64x2::<0xdd>(t0, t2),
-        );
-        let (u2, u3) = (
-            _mm512_shuffle_f64x2::<0x88>(t1, t3),
-            _mm512_shuffle_f64x2::<0xdd>(t1, t3),
-        );
-        let (u4, u5) = (
-            _mm512_shuffle_f64x2::<0x88>(t4, t6),
-            _mm512_shuffle_f64x2::<0xdd>(t4, t6),
-        );
-        let (u6, u7) = (
-            _mm512_shuffle_f64x2::<0x88>(t5, t7),
-            _mm512_shuffle_f64x2::<0xdd>(t5, t7),
-        );
-        let cols = [
-            _mm512_shuffle_f64x2::<0x88>(u0, u4),
-            _mm512_shuffle_f64x2::<0x88>(u2, u6),
-            _mm512_shuffle_f64x2::<0x88>(u1, u5),
-            _mm512_shuffle_f64x2::<0x88>(u3, u7),
-            _mm512_shuffle_f64x2::<0xdd>(u0, u4),
-            _mm512_shuffle_f64x2::<0xdd>(u2, u6),
-            _mm512_shuffle_f64x2::<0xdd>(u1, u5),
-            _mm512_shuffle_f64x2::<0xdd>(u3, u7),
-        ];
+        // Transposed: cols[k][b] = lane k of block b. Pairs of rows interleaved (t), then
+        // pairs of 128-bit lanes of those (u), then of those again.
+        let mut t = [_mm512_setzero_pd(); 8];
+        for i in 0..4 {
+            t[2 * i] = _mm512_unpacklo_pd(rows[2 * i], rows[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_pd(rows[2 * i], rows[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_pd(); 8];
+        for (i, j) in [0, 1, 4, 5].into_iter().enumerate() {
+            u[2 * i] = _mm512_shuffle_f64x2::<0x88>(t[j], t[j + 2]);
+            u[2 * i + 1] = _mm512_shuffle_f64x2::<0xdd>(t[j], t[j + 2]);
+        }
+        let mut cols = [_mm512_setzero_pd(); 8];
+        for (c, k) in [0, 2, 1, 3].into_iter().enumerate() {
+            cols[c] = _mm512_shuffle_f64x2::<0x88>(u[k], u[k + 4]);
+            cols[c + 4] = _mm512_shuffle_f64x2::<0xdd>(u[k], u[k + 4]);
+        }
         // Each block's f64 sum of its lanes, from −0.0 as `Iterator::sum` starts, then the
         // blocks' sums into the total in block order.
         let mut sums = _mm512_set1_pd(-0.0);
