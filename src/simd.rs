@@ -6,8 +6,10 @@
 //! POPCNT: a `count_ones`, `trailing_zeros` or variable shift is one instruction) — and calls the
 //! widest build the CPU runs. The hand-written AVX2 and AVX-512 functions (`select::key_window`,
 //! `select::ranks`, `method::statistics::l1`) enable the same features as the level they are
-//! called at. On arm64 the baseline already has NEON. The results cannot differ: every build performs the same IEEE operations on the same
-//! values (Rust never contracts `a * b + c` into a fused multiply-add), only more lanes at a time.
+//! called at: the two lists in [`multiversion!`] are the only ones (tests/architecture.rs holds
+//! every `target_feature` under src/ to them). On arm64 the baseline already has NEON. The
+//! results cannot differ: every build performs the same IEEE operations on the same values (Rust
+//! never contracts `a * b + c` into a fused multiply-add), only more lanes at a time.
 //!
 //! `RLMERGE_SIMD=baseline` or `RLMERGE_SIMD=avx2` caps the builds used (the tests compare them).
 

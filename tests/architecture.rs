@@ -4,7 +4,7 @@
 //! (`use crate::…`, `super::…`, inline `crate::a::b::f()`), each resolved to the longest prefix
 //! that is a module file; a circle (a strongly connected set of more than one file) fails the test
 //! with its edges, so a newcomer can follow a concept from its home without going round in
-//! circles.
+//! circles. And the SIMD levels' feature lists named in one place (`src/simd.rs`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -301,5 +301,43 @@ fn no_public_function_is_dead() {
         dead.is_empty(),
         "public functions nothing uses:\n{}",
         dead.join("\n")
+    );
+}
+
+/// The SIMD levels' features are named once, in `src/simd.rs`'s `multiversion!` (one list per
+/// level); a hand-written kernel called at a level (`select::key_window`, `select::ranks`,
+/// `method::statistics::l1`) must enable exactly that level's list, or it would run code the
+/// detection never checked for, or miss instructions the level's builds have. Every
+/// `target_feature(enable = "…")` under src/ is one of the macro's lists.
+#[test]
+fn hand_written_kernels_enable_a_levels_features() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let enable = regex::Regex::new(r#"target_feature\(enable = "([^"]+)"\)"#).unwrap();
+    let simd = std::fs::read_to_string(root.join("src/simd.rs")).unwrap();
+    let levels: BTreeSet<&str> = enable
+        .captures_iter(&simd)
+        .map(|c| c.get(1).unwrap().as_str())
+        .collect();
+    assert_eq!(
+        levels.len(),
+        2,
+        "simd.rs names the AVX2 and AVX-512 lists: {levels:?}"
+    );
+    let mut files = Vec::new();
+    rust_files(&root.join("src"), &mut files);
+    let mut stray = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for c in enable.captures_iter(&text) {
+            let list = c.get(1).unwrap().as_str();
+            if !levels.contains(list) {
+                stray.push(format!("{}: \"{list}\"", file.display()));
+            }
+        }
+    }
+    assert!(
+        stray.is_empty(),
+        "feature lists that are not a level's ({levels:?}):\n{}",
+        stray.join("\n")
     );
 }
