@@ -5,7 +5,7 @@
 use super::crc::{self, CrcStream};
 use super::dtype::DType;
 use super::files::{INDEX_FILE, SINGLE_FILE};
-use super::positional::write_all_at;
+use super::positional::{reserve, write_all_at};
 use super::safetensors_file::{crc32_of_file, FileChecksum};
 use anyhow::{bail, ensure, Context, Result};
 use std::fs::File;
@@ -146,6 +146,8 @@ impl CheckpointWriter {
             }
             let file =
                 File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+            reserve(&file, at)
+                .with_context(|| format!("cannot reserve {at} bytes for {}", path.display()))?;
             write_all_at(&file, &head, 0)
                 .with_context(|| format!("cannot write {}", path.display()))?;
             let mut crc = crc32fast::Hasher::new();
