@@ -4,97 +4,113 @@
 
 use crate::simd::multiversion;
 
-/// (Σ|x|, Σ|x| of the kept x) over a chunk, `mask` all ones where x is kept ([`abs_sum`] twice:
-/// LLVM vectorizes the two sums in one loop poorly).
+/// (Σ|x|, Σ|x| of the kept x) over a chunk, `mask` all ones where x is kept: eight f32 lanes
+/// over eight elements each, then f64 — a fixed order, so every run and thread count gives the
+/// same sums. Lane j adds elements j, j + 8, … of each block of 64 in turn (eight-wide vector
+/// adds); the block's lanes are summed in f64 in lane order and added to the total, block after
+/// block. With AVX-512 the whole groups of eight blocks go first, both sums in one pass
+/// ([`abs_sums_avx512`]: the same additions), then the rest.
 pub(super) fn abs_sums(values: &[f32], mask: &[u32]) -> (f64, f64) {
-    (abs_sum(values, None), abs_sum(values, Some(mask)))
-}
-
-/// Σ|x| (of the kept x when `mask` is given) over a chunk: eight f32 lanes over eight elements
-/// each, then f64 — a fixed order, so every run and thread count gives the same sum. Lane j adds
-/// elements j, j + 8, … of each block of 64 in turn (eight-wide vector adds); the block's lanes
-/// are summed in f64 in lane order and added to the total, block after block. With AVX-512 the
-/// whole groups of eight blocks go first ([`abs_sum_avx512`]: the same additions), then the rest.
-fn abs_sum(values: &[f32], mask: Option<&[u32]>) -> f64 {
+    let mask = &mask[..values.len()];
+    let (mut all, mut kept, mut done) = (0.0, 0.0, 0);
     #[cfg(target_arch = "x86_64")]
     if crate::simd::level() == crate::simd::Level::Avx512 {
-        let done = values.len() / 512 * 512;
+        done = values.len() / 512 * 512;
         // SAFETY: the CPU supports AVX-512 F/BW/VL, detected by `level`.
-        let total = unsafe { abs_sum_avx512(&values[..done], mask.map(|m| &m[..done])) };
-        return abs_sum_from(total, &values[done..], mask.map(|m| &m[done..]));
+        (all, kept) = unsafe { abs_sums_avx512(&values[..done], &mask[..done]) };
     }
-    abs_sum_from(0.0, values, mask)
+    (
+        abs_sum_from(all, &values[done..], None),
+        abs_sum_from(kept, &values[done..], Some(&mask[done..])),
+    )
 }
 
-/// [`abs_sum`] of whole groups of eight blocks (`values.len()` a multiple of 512) with AVX-512:
-/// the eight blocks' f32 lanes as eight vectors, widened to f64 and transposed, so that one
-/// vector add per lane position takes the eight blocks' lane sums side by side — the same
-/// additions, in the same order, as block by block, where each block's sum was a scalar chain
-/// of eight loads, conversions and adds.
+/// [`abs_sums`] of whole groups of eight blocks (`values.len()` a multiple of 512) with AVX-512,
+/// each value and mask word loaded once for both sums: per sum, the eight blocks' f32 lanes as
+/// eight vectors, widened to f64 and transposed ([`block_sums`]), so that one vector add per lane
+/// position takes the eight blocks' lane sums side by side — the same additions, in the same
+/// order, as block by block, where each block's sum was a scalar chain of eight loads,
+/// conversions and adds.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,bmi1,bmi2,lzcnt,popcnt")]
-fn abs_sum_avx512(values: &[f32], mask: Option<&[u32]>) -> f64 {
+fn abs_sums_avx512(values: &[f32], mask: &[u32]) -> (f64, f64) {
     use std::arch::x86_64::*;
-    assert!(values.len().is_multiple_of(512) && mask.is_none_or(|m| m.len() == values.len()));
+    assert!(values.len().is_multiple_of(512) && mask.len() == values.len());
     let magnitude = _mm256_set1_epi32(0x7fff_ffff);
-    let mut total = 0.0f64;
-    for (e, x) in values.chunks_exact(512).enumerate() {
-        let m = mask.map(|m| &m[e * 512..e * 512 + 512]);
+    let (mut all, mut kept) = (0.0f64, 0.0f64);
+    for (x, m) in values.chunks_exact(512).zip(mask.chunks_exact(512)) {
         // Block b's lanes, widened: rows[b][k] = lane k of block b. (Loops, not closures: a
         // closure does not inherit the function's target features, and is then not inlined.)
-        let mut rows = [_mm512_setzero_pd(); 8];
-        for (b, row) in rows.iter_mut().enumerate() {
-            let mut lanes = _mm256_setzero_ps();
+        let mut rows_all = [_mm512_setzero_pd(); 8];
+        let mut rows_kept = [_mm512_setzero_pd(); 8];
+        for b in 0..8 {
+            let mut lanes_all = _mm256_setzero_ps();
+            let mut lanes_kept = _mm256_setzero_ps();
             for g in 0..8 {
                 let at = 64 * b + 8 * g;
-                // SAFETY: `at + 8 ≤ 512`, within the group; unaligned loads are allowed.
-                let v = unsafe { _mm256_loadu_si256(x[at..at + 8].as_ptr().cast()) };
-                let keep = if let Some(m) = m {
-                    // SAFETY: as for `v`: the mask is as long as the values.
-                    let m = unsafe { _mm256_loadu_si256(m[at..at + 8].as_ptr().cast()) };
-                    _mm256_and_si256(magnitude, m)
-                } else {
-                    magnitude
+                // SAFETY: `at + 8 ≤ 512`, within the group (the mask is as long as the values);
+                // unaligned loads are allowed.
+                let (v, k) = unsafe {
+                    (
+                        _mm256_loadu_si256(x[at..at + 8].as_ptr().cast()),
+                        _mm256_loadu_si256(m[at..at + 8].as_ptr().cast()),
+                    )
                 };
-                lanes = _mm256_add_ps(lanes, _mm256_castsi256_ps(_mm256_and_si256(v, keep)));
+                let v = _mm256_and_si256(v, magnitude);
+                lanes_all = _mm256_add_ps(lanes_all, _mm256_castsi256_ps(v));
+                let v = _mm256_and_si256(v, k);
+                lanes_kept = _mm256_add_ps(lanes_kept, _mm256_castsi256_ps(v));
             }
-            *row = _mm512_cvtps_pd(lanes);
+            rows_all[b] = _mm512_cvtps_pd(lanes_all);
+            rows_kept[b] = _mm512_cvtps_pd(lanes_kept);
         }
-        // Transposed: cols[k][b] = lane k of block b. Pairs of rows interleaved (t), then
-        // pairs of 128-bit lanes of those (u), then of those again.
-        let mut t = [_mm512_setzero_pd(); 8];
-        for i in 0..4 {
-            t[2 * i] = _mm512_unpacklo_pd(rows[2 * i], rows[2 * i + 1]);
-            t[2 * i + 1] = _mm512_unpackhi_pd(rows[2 * i], rows[2 * i + 1]);
-        }
-        let mut u = [_mm512_setzero_pd(); 8];
-        for (i, j) in [0, 1, 4, 5].into_iter().enumerate() {
-            u[2 * i] = _mm512_shuffle_f64x2::<0x88>(t[j], t[j + 2]);
-            u[2 * i + 1] = _mm512_shuffle_f64x2::<0xdd>(t[j], t[j + 2]);
-        }
-        let mut cols = [_mm512_setzero_pd(); 8];
-        for (c, k) in [0, 2, 1, 3].into_iter().enumerate() {
-            cols[c] = _mm512_shuffle_f64x2::<0x88>(u[k], u[k + 4]);
-            cols[c + 4] = _mm512_shuffle_f64x2::<0xdd>(u[k], u[k + 4]);
-        }
-        // Each block's f64 sum of its lanes, from −0.0 as `Iterator::sum` starts, then the
-        // blocks' sums into the total in block order.
-        let mut sums = _mm512_set1_pd(-0.0);
-        for c in cols {
-            sums = _mm512_add_pd(sums, c);
-        }
-        let mut by_block = [0.0f64; 8];
-        // SAFETY: `by_block` holds eight f64 (64 bytes); unaligned stores are allowed.
-        unsafe { _mm512_storeu_pd(by_block.as_mut_ptr(), sums) };
-        for s in by_block {
-            total += s;
+        let (a, k) = (block_sums(rows_all), block_sums(rows_kept));
+        // The blocks' sums into the totals in block order.
+        for (a, k) in a.into_iter().zip(k) {
+            all += a;
+            kept += k;
         }
     }
-    total
+    (all, kept)
+}
+
+/// The eight blocks' f64 sums of their lanes (`rows[b][k]` = lane k of block b), each from −0.0
+/// as `Iterator::sum` starts and in lane order: the rows transposed (pairs of rows interleaved,
+/// then pairs of 128-bit lanes of those, then of those again), then one vector add per lane.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,bmi1,bmi2,lzcnt,popcnt")]
+#[inline]
+fn block_sums(rows: [std::arch::x86_64::__m512d; 8]) -> [f64; 8] {
+    use std::arch::x86_64::*;
+    let mut t = [_mm512_setzero_pd(); 8];
+    for i in 0..4 {
+        t[2 * i] = _mm512_unpacklo_pd(rows[2 * i], rows[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_pd(rows[2 * i], rows[2 * i + 1]);
+    }
+    let mut u = [_mm512_setzero_pd(); 8];
+    for (i, j) in [0, 1, 4, 5].into_iter().enumerate() {
+        u[2 * i] = _mm512_shuffle_f64x2::<0x88>(t[j], t[j + 2]);
+        u[2 * i + 1] = _mm512_shuffle_f64x2::<0xdd>(t[j], t[j + 2]);
+    }
+    // cols[k][b] = lane k of block b.
+    let mut cols = [_mm512_setzero_pd(); 8];
+    for (c, k) in [0, 2, 1, 3].into_iter().enumerate() {
+        cols[c] = _mm512_shuffle_f64x2::<0x88>(u[k], u[k + 4]);
+        cols[c + 4] = _mm512_shuffle_f64x2::<0xdd>(u[k], u[k + 4]);
+    }
+    let mut sums = _mm512_set1_pd(-0.0);
+    for c in cols {
+        sums = _mm512_add_pd(sums, c);
+    }
+    let mut by_block = [0.0f64; 8];
+    // SAFETY: `by_block` holds eight f64 (64 bytes); unaligned stores are allowed.
+    unsafe { _mm512_storeu_pd(by_block.as_mut_ptr(), sums) };
+    by_block
 }
 
 multiversion! {
-    /// [`abs_sum`] block by block, adding each block's sum to `total`.
+    /// Σ|x| (of the kept x when `mask` is given) block by block ([`abs_sums`]' order), adding
+    /// each block's sum to `total`.
     fn abs_sum_from(total: f64, values: &[f32], mask: Option<&[u32]>) -> f64 {
         let mut total = total;
         for (block, x) in values.chunks(64).enumerate() {
@@ -154,7 +170,7 @@ mod tests {
     /// The order of a block's lanes shows in its f64 sum: 1 + 2^-53 + 2^-52 is 1 + 2^-52 in
     /// that order and 1 + 2^-51 with the last two swapped (round half to even), and 1 coming
     /// later gives the latter too. Every placement of the three lanes, in each of the eight
-    /// places a group's blocks are summed side by side: abs_sum is that block's sum.
+    /// places a group's blocks are summed side by side: abs_sums' total is that block's sum.
     #[test]
     fn abs_sums_keep_the_lane_order() {
         let lanes = [1.0f32, f32::powi(2.0, -53), f32::powi(2.0, -52)];
@@ -166,11 +182,18 @@ mod tests {
                         for (k, x) in [one, half, ulp].into_iter().zip(lanes) {
                             v[64 * b + k] = -x;
                         }
+                        // Kept: the three lanes, or the first only.
+                        let mut m = vec![0u32; v.len()];
+                        m[64 * b + one] = u32::MAX;
+                        let (all, kept) = abs_sums(&v, &m);
                         assert_eq!(
-                            abs_sum(&v, None).to_bits(),
+                            all.to_bits(),
                             reference(&v, None).to_bits(),
                             "block {b}, lanes {one} {half} {ulp}"
                         );
+                        assert_eq!(kept, 1.0);
+                        let (all, kept) = abs_sums(&v, &vec![u32::MAX; v.len()]);
+                        assert_eq!(all.to_bits(), kept.to_bits());
                     }
                 }
             }
@@ -184,7 +207,7 @@ mod tests {
         assert_ne!(reference(&v, None), reference(&w, None));
     }
 
-    /// abs_sum's vectorized lanes are the block-by-block sum bit for bit: lengths around the
+    /// abs_sums' vectorized lanes are the block-by-block sum bit for bit: lengths around the
     /// blocks and the groups of eight, with and without a mask, values over many binades (so the
     /// order of the additions shows).
     #[test]
@@ -211,13 +234,10 @@ mod tests {
             let m: Vec<u32> = (0..len)
                 .map(|_| rng.next_u64().is_multiple_of(3) as u32 * u32::MAX)
                 .collect();
+            let (all, kept) = abs_sums(&v, &m);
+            assert_eq!(all.to_bits(), reference(&v, None).to_bits(), "len {len}");
             assert_eq!(
-                abs_sum(&v, None).to_bits(),
-                reference(&v, None).to_bits(),
-                "len {len}"
-            );
-            assert_eq!(
-                abs_sum(&v, Some(&m)).to_bits(),
+                kept.to_bits(),
                 reference(&v, Some(&m)).to_bits(),
                 "len {len}, masked"
             );
