@@ -439,7 +439,8 @@ fn the_adapter_is_read_once_per_pass_and_one_pair_is_held_at_a_time() {
 /// The tiles of a LoRA merge hold the pass's tile bytes: a tensor a LoRA agent updates is read in
 /// f32, so its tiles hold half the elements of a bf16 one's; the others keep theirs. One
 /// tensor's A/B pairs are held beside them (checked by the test above): tiles are not cut to
-/// make room for the pairs, which made two-row tiles at 7B shapes (README, "LoRA agents").
+/// make room for the pairs, which made two-row tiles at 7B shapes (docs/performance.md, "LoRA
+/// agents").
 #[test]
 fn a_lora_merge_keeps_the_passs_tile_bytes() {
     use rlmerge::inputs::Inputs;
