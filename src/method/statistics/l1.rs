@@ -182,7 +182,8 @@ mod tests {
                         for (k, x) in [one, half, ulp].into_iter().zip(lanes) {
                             v[64 * b + k] = -x;
                         }
-                        // Kept: the three lanes, or the first only.
+                        // Kept: lane `one` alone (its 1.0 is the kept sum), then every lane
+                        // (the two sums alike).
                         let mut m = vec![0u32; v.len()];
                         m[64 * b + one] = u32::MAX;
                         let (all, kept) = abs_sums(&v, &m);
