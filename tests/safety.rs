@@ -337,6 +337,40 @@ fn sigterm_and_sigint_remove_the_scratch_folder() {
     }
 }
 
+/// A signal the merge started with ignored stays ignored: `nohup` ignores SIGHUP so a merge
+/// outlives its terminal, a shell's background job SIGINT. The merge runs on through it and
+/// completes.
+#[test]
+fn signals_ignored_at_start_stay_ignored() {
+    for signal in ["HUP", "INT"] {
+        let f = slow_fixture(27);
+        let out = f.dir.path().join("out");
+        let merge = slow_merge_command(&f, &out, &[]);
+        // `trap ''` ignores the signal, and exec keeps it ignored in the merge.
+        let child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("trap '' {signal}; exec \"$0\" \"$@\""))
+            .arg(merge.get_program())
+            .args(merge.get_args())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_until_running(f.dir.path());
+        std::thread::sleep(Duration::from_millis(100));
+        let sent = std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(sent.success());
+        let o = child.wait_with_output().unwrap();
+        assert_eq!(o.status.code(), Some(0), "{signal}: {}", stderr(&o));
+        read_folder(&out);
+        assert_eq!(leftovers(f.dir.path()), Vec::<String>::new(), "{signal}");
+    }
+}
+
 #[test]
 fn the_output_s_missing_parent_folders_are_created() {
     let f = fixture(26, Dtype::BF16, &odd_shapes(), &DENSITIES[..2], 1);

@@ -215,8 +215,11 @@ def test_ctrl_c_stops_a_merge_and_leaves_nothing(big_demo, tmp_path):
     root, base, agents = big_demo
     parent = tmp_path / "outs"
     parent.mkdir()
+    # Ctrl-C's handler, also where this suite runs with SIGINT ignored (a background job of a
+    # shell inherits that, and Python then installs no handler).
     script = (
-        "import sys, rlmerge\n"
+        "import signal, sys, rlmerge\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"rlmerge.merge({str(base)!r}, {[str(a) for a in agents]!r}, "
         f"out={str(parent / 'merged')!r}, device='cpu', threads=1, **{SLOW!r})\n"
         "print('finished')\n"
@@ -357,10 +360,16 @@ def test_ctrl_c_stops_only_the_call_it_reaches(big_demo, tmp_path):
     t = threading.Thread(target=background)
     t.start()
     time.sleep(0.3)
+    # Ctrl-C's handler, also where this suite runs with SIGINT ignored (a background job of a
+    # shell inherits that, and Python then installs no handler).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        rlmerge.merge(base, agents, out=tmp_path / "fg", device="cpu", threads=1, **SLOW)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rlmerge.merge(base, agents, out=tmp_path / "fg", device="cpu", threads=1, **SLOW)
+    finally:
+        signal.signal(signal.SIGINT, before)
     t.join()
     assert "error" not in done, done.get("error")
     assert not (tmp_path / "fg").exists()
@@ -378,7 +387,10 @@ def test_the_pip_command_cleans_up_on_sigterm_and_sighup(big_demo, tmp_path, sig
            "--base", str(base)]
     for a in agents:
         cmd += ["--model", str(a)]
-    proc = subprocess.Popen(cmd + ["-o", str(parent / "merged")], stderr=subprocess.PIPE, text=True)
+    # The signal at its default in the command, whatever this suite inherited (under `nohup`,
+    # SIGHUP is ignored, and the command keeps what it starts with ignored).
+    proc = subprocess.Popen(cmd + ["-o", str(parent / "merged")], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not any(parent.iterdir()) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
@@ -389,6 +401,31 @@ def test_the_pip_command_cleans_up_on_sigterm_and_sighup(big_demo, tmp_path, sig
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr, stderr
     assert sorted(os.listdir(parent)) == [], "a scratch or output folder was left"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT])
+def test_the_pip_command_keeps_signals_ignored_at_start(big_demo, tmp_path, sig):
+    """Under `nohup` (SIGHUP ignored) or as a shell's background job (SIGINT ignored), the
+    command keeps the signal ignored, as the binary does: the merge runs on and completes."""
+    root, base, agents = big_demo
+    parent = tmp_path / "outs"
+    parent.mkdir()
+    cmd = [pip_command(), "merge", "-q", "--device", "cpu", "--threads", "1", *SLOW_ARGS,
+           "--base", str(base)]
+    for a in agents:
+        cmd += ["--model", str(a)]
+    proc = subprocess.Popen(cmd + ["-o", str(parent / "merged")], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(sig, signal.SIG_IGN))
+    deadline = time.monotonic() + 60
+    while not any(parent.iterdir()) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the merge ended before it could be signalled"
+    time.sleep(0.2)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert sorted(os.listdir(parent)) == ["merged"]
+    assert rlmerge.verify(parent / "merged")["ok"]
 
 
 def _drop_tensor(src: Path, dst: Path, drop: str) -> None:

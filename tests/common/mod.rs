@@ -564,6 +564,11 @@ pub fn slow_merge(f: &Fixture, out: &Path) -> std::process::Child {
 
 /// [`slow_merge`] with more arguments.
 pub fn slow_merge_with(f: &Fixture, out: &Path, extra: &[&str]) -> std::process::Child {
+    slow_merge_command(f, out, extra).spawn().unwrap()
+}
+
+/// The command [`slow_merge_with`] runs, stderr piped.
+pub fn slow_merge_command(f: &Fixture, out: &Path, extra: &[&str]) -> std::process::Command {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rlmerge"));
     cmd.args([
         "merge",
@@ -585,9 +590,25 @@ pub fn slow_merge_with(f: &Fixture, out: &Path, extra: &[&str]) -> std::process:
         .arg(out)
         .args(extra)
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap()
+        .stderr(std::process::Stdio::piped());
+    // The signals the tests send at their defaults in the merge, whatever this test process
+    // inherited (a shell's background job ignores SIGINT, and rlmerge keeps what it starts with
+    // ignored).
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: the closure runs between fork and exec, and only calls signal(), which is
+        // async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| {
+                for s in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+                    libc::signal(s, libc::SIG_DFL);
+                }
+                Ok(())
+            });
+        }
+    }
+    cmd
 }
 
 /// Inputs of [`slow_merge`]: 2 M elements, so its merge runs for about a second, although the
