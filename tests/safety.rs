@@ -322,19 +322,29 @@ fn sigterm_and_sigint_remove_the_scratch_folder() {
         let f = slow_fixture(25);
         let out = f.dir.path().join("out");
         let child = slow_merge(&f, &out);
-        wait_until_running(f.dir.path());
-        std::thread::sleep(Duration::from_millis(100));
-        let killed = std::process::Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(child.id().to_string())
-            .status()
-            .unwrap();
-        assert!(killed.success());
-        let o = child.wait_with_output().unwrap();
+        let o = signal_once_running(&f, signal, child);
         assert_eq!(o.status.code(), Some(130), "{signal}: {}", stderr(&o));
         assert!(!out.exists());
         assert_eq!(leftovers(f.dir.path()), Vec::<String>::new(), "{signal}");
     }
+}
+
+/// Sends `signal` (a `kill` name: TERM, INT, HUP) to `child`, a merge of `f`, once it is under
+/// way, and waits for it to end.
+fn signal_once_running(
+    f: &Fixture,
+    signal: &str,
+    child: std::process::Child,
+) -> std::process::Output {
+    wait_until_running(f.dir.path());
+    std::thread::sleep(Duration::from_millis(100));
+    let sent = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    child.wait_with_output().unwrap()
 }
 
 /// A signal the merge started with ignored stays ignored: `nohup` ignores SIGHUP so a merge
@@ -356,15 +366,7 @@ fn signals_ignored_at_start_stay_ignored() {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        wait_until_running(f.dir.path());
-        std::thread::sleep(Duration::from_millis(100));
-        let sent = std::process::Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(child.id().to_string())
-            .status()
-            .unwrap();
-        assert!(sent.success());
-        let o = child.wait_with_output().unwrap();
+        let o = signal_once_running(&f, signal, child);
         assert_eq!(o.status.code(), Some(0), "{signal}: {}", stderr(&o));
         read_folder(&out);
         assert_eq!(leftovers(f.dir.path()), Vec::<String>::new(), "{signal}");

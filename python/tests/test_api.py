@@ -377,28 +377,36 @@ def test_ctrl_c_stops_only_the_call_it_reaches(big_demo, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bg"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_the_pip_command_cleans_up_on_sigterm_and_sighup(big_demo, tmp_path, sig):
-    """The pip-installed command, like the binary, removes its scratch folder and exits 130."""
+def _signal_the_pip_command(big_demo, parent, sig, disposition):
+    """Starts the pip-installed command's slow merge into ``parent / "merged"`` with ``sig`` at
+    ``disposition``, sends ``sig`` once the merge is under way, and returns (exit code,
+    stderr)."""
     root, base, agents = big_demo
-    parent = tmp_path / "outs"
-    parent.mkdir()
     cmd = [pip_command(), "merge", "-q", "--device", "cpu", "--threads", "1", *SLOW_ARGS,
            "--base", str(base)]
     for a in agents:
         cmd += ["--model", str(a)]
-    # The signal at its default in the command, whatever this suite inherited (under `nohup`,
-    # SIGHUP is ignored, and the command keeps what it starts with ignored).
     proc = subprocess.Popen(cmd + ["-o", str(parent / "merged")], stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
+                            preexec_fn=lambda: signal.signal(sig, disposition))
     deadline = time.monotonic() + 60
     while not any(parent.iterdir()) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
     assert proc.poll() is None, "the merge ended before it could be signalled"
     time.sleep(0.2)
     proc.send_signal(sig)
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
+    _, stderr = proc.communicate(timeout=120)
+    return proc.returncode, stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_the_pip_command_cleans_up_on_sigterm_and_sighup(big_demo, tmp_path, sig):
+    """The pip-installed command, like the binary, removes its scratch folder and exits 130."""
+    parent = tmp_path / "outs"
+    parent.mkdir()
+    # The signal at its default in the command, whatever this suite inherited (under `nohup`,
+    # SIGHUP is ignored, and the command keeps what it starts with ignored).
+    code, stderr = _signal_the_pip_command(big_demo, parent, sig, signal.SIG_DFL)
+    assert code == 130, stderr
     assert "interrupted" in stderr, stderr
     assert sorted(os.listdir(parent)) == [], "a scratch or output folder was left"
 
@@ -407,23 +415,10 @@ def test_the_pip_command_cleans_up_on_sigterm_and_sighup(big_demo, tmp_path, sig
 def test_the_pip_command_keeps_signals_ignored_at_start(big_demo, tmp_path, sig):
     """Under `nohup` (SIGHUP ignored) or as a shell's background job (SIGINT ignored), the
     command keeps the signal ignored, as the binary does: the merge runs on and completes."""
-    root, base, agents = big_demo
     parent = tmp_path / "outs"
     parent.mkdir()
-    cmd = [pip_command(), "merge", "-q", "--device", "cpu", "--threads", "1", *SLOW_ARGS,
-           "--base", str(base)]
-    for a in agents:
-        cmd += ["--model", str(a)]
-    proc = subprocess.Popen(cmd + ["-o", str(parent / "merged")], stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(sig, signal.SIG_IGN))
-    deadline = time.monotonic() + 60
-    while not any(parent.iterdir()) and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    assert proc.poll() is None, "the merge ended before it could be signalled"
-    time.sleep(0.2)
-    proc.send_signal(sig)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr
+    code, stderr = _signal_the_pip_command(big_demo, parent, sig, signal.SIG_IGN)
+    assert code == 0, stderr
     assert sorted(os.listdir(parent)) == ["merged"]
     assert rlmerge.verify(parent / "merged")["ok"]
 
