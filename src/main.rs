@@ -12,14 +12,14 @@ fn main() -> ExitCode {
     // Ctrl-C, SIGTERM, SIGHUP: remove this process's scratch folders, then exit as killed by it.
     // Once outputs are being renamed into place the signal is too late: the run finishes and
     // reports what it wrote. A signal the process started with ignored stays ignored.
-    let ignored = ignored_signals();
-    let _ = ctrlc::set_handler(|| {
-        if rlmerge::checkpoint::output_folder::remove_live_scratch() {
-            eprintln!("error: interrupted; nothing was written at the output path");
-            std::process::exit(130);
-        }
+    keeping_ignored(|| {
+        let _ = ctrlc::set_handler(|| {
+            if rlmerge::checkpoint::output_folder::remove_live_scratch() {
+                eprintln!("error: interrupted; nothing was written at the output path");
+                std::process::exit(130);
+            }
+        });
     });
-    ignore(&ignored);
     let (code, error) = cli::run_args(std::env::args_os(), &mut std::io::stdout().lock());
     if let Some(message) = error {
         eprintln!("{message}");
@@ -27,13 +27,14 @@ fn main() -> ExitCode {
     ExitCode::from(code)
 }
 
-/// Which of the signals the handler takes (SIGINT, SIGTERM, SIGHUP) this process started with
-/// ignored: `nohup` ignores SIGHUP, so a merge outlives its terminal, and a shell's background job
-/// SIGINT, so Ctrl-C reaches only the foreground. They stay ignored, as POSIX shells and Python
-/// keep them — the handler would otherwise end a `nohup` merge when its terminal closes.
-#[cfg(unix)]
-fn ignored_signals() -> Vec<libc::c_int> {
-    [libc::SIGINT, libc::SIGTERM, libc::SIGHUP]
+/// Runs `install`, which takes SIGINT, SIGTERM and SIGHUP, then sets back to ignored those of them
+/// this process started with ignored: `nohup` ignores SIGHUP, so a merge outlives its terminal,
+/// and a shell's background job SIGINT, so Ctrl-C reaches only the foreground. They stay
+/// ignored, as POSIX shells and Python keep them — the handler would otherwise end a `nohup`
+/// merge when its terminal closes.
+fn keeping_ignored(install: impl FnOnce()) {
+    #[cfg(unix)]
+    let ignored: Vec<libc::c_int> = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP]
         .into_iter()
         .filter(|&signal| {
             // SAFETY: sigaction with no new action only reads the disposition into `old`, a
@@ -42,23 +43,12 @@ fn ignored_signals() -> Vec<libc::c_int> {
             let read = unsafe { libc::sigaction(signal, std::ptr::null(), &mut old) };
             read == 0 && old.sa_sigaction == libc::SIG_IGN
         })
-        .collect()
-}
-
-#[cfg(not(unix))]
-fn ignored_signals() -> Vec<i32> {
-    Vec::new()
-}
-
-/// Sets `signals` back to ignored after the handler took them.
-#[cfg(unix)]
-fn ignore(signals: &[libc::c_int]) {
-    for &signal in signals {
+        .collect();
+    install();
+    #[cfg(unix)]
+    for signal in ignored {
         // SAFETY: setting a signal's disposition to SIG_IGN installs no code and touches no
         // memory of this process.
         unsafe { libc::signal(signal, libc::SIG_IGN) };
     }
 }
-
-#[cfg(not(unix))]
-fn ignore(_: &[i32]) {}
