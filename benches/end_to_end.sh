@@ -7,6 +7,9 @@
 #   benches/end_to_end.sh [MODEL_SIZE=1GiB] [RUNS=5] [DIR=target/bench-models] [DEVICE=cpu]
 #
 # BENCH_VERBOSE=1 prints every run; BENCH_METHODS="ram ties" runs only the cases of those labels.
+# BENCH_SET=past-svd times the SVD methods' elementwise part instead: the same bytes rewritten
+# (benches/past_svd_bound.py, into DIR-past-svd) as 6144 x 6144 matrices, past the 2^25 elements
+# iso_c, tsv and svc decompose, so every tensor takes their elementwise rule.
 # BENCH_CACHE: how the inputs sit in the page cache while timed. `disk` (the default) drops them
 # and reads them once from disk first, as a model read from disk sits there; `as-is` keeps
 # whatever state they are in. A warm read's copy speed depends on how the file's pages came
@@ -27,6 +30,22 @@ if [ ! -f "$dir/.size-$size" ]; then
     "$bin" demo "$dir" --model-size "$size" --write-only --quiet >/dev/null
     touch "$dir/.size-$size"
 fi
+case ${BENCH_SET:-methods} in
+methods) ;;
+past-svd)
+    if [ ! -f "$dir-past-svd/.size-$size" ]; then
+        rm -rf "$dir-past-svd"
+        python3 benches/past_svd_bound.py "$dir" "$dir-past-svd" base coding-agent tool-agent \
+            memory-agent >/dev/null
+        touch "$dir-past-svd/.size-$size"
+    fi
+    dir=$dir-past-svd
+    ;;
+*)
+    echo "BENCH_SET is methods or past-svd" >&2
+    exit 2
+    ;;
+esac
 files=("$dir"/base/*.safetensors "$dir"/coding-agent/*.safetensors "$dir"/tool-agent/*.safetensors \
     "$dir"/memory-agent/*.safetensors)
 bytes=$(cat "${files[@]}" | wc -c)
@@ -72,6 +91,14 @@ cases=(
     "ram/consensus|ram --shared consensus"
     "ram/tile-4096|ram --tile-elems 4096"
 )
+if [ "${BENCH_SET:-methods}" = past-svd ]; then
+    cases=(
+        "task_arithmetic|task_arithmetic --param weight=0.5"
+        "iso_c|iso_c"
+        "tsv|tsv"
+        "svc|task_arithmetic --param weight=0.5 --svc 0.1"
+    )
+fi
 printf '%-18s %9s %8s %9s %10s\n' case "median s" "GB/s" "x limit" "peak RSS"
 for case in "${cases[@]}"; do
     label=${case%%|*}
