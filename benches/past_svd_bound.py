@@ -76,6 +76,8 @@ def main():
             out.write(struct.pack("<Q", len(head)))
             out.write(head)
             for t in order:
+                if t not in places:
+                    sys.exit(f"{model}: has no tensor {t}")
                 path, a, b, dtype = places[t]
                 if dtype != "BF16" or b - a != base[t][2] - base[t][1]:
                     sys.exit(f"{model}: tensor {t} is not the base's size in BF16")
