@@ -22,6 +22,11 @@ size=${1:-1GiB}
 runs=${2:-5}
 dir=${3:-target/bench-models}
 device=${4:-cpu}
+set=${BENCH_SET:-methods}
+if [ "$set" != methods ] && [ "$set" != past-svd ]; then
+    echo "BENCH_SET is methods or past-svd" >&2
+    exit 2
+fi
 cd "$(dirname "$0")/.."
 cargo build --release --quiet
 bin=target/release/rlmerge
@@ -30,9 +35,7 @@ if [ ! -f "$dir/.size-$size" ]; then
     "$bin" demo "$dir" --model-size "$size" --write-only --quiet >/dev/null
     touch "$dir/.size-$size"
 fi
-case ${BENCH_SET:-methods} in
-methods) ;;
-past-svd)
+if [ "$set" = past-svd ]; then
     if [ ! -f "$dir-past-svd/.size-$size" ]; then
         rm -rf "$dir-past-svd"
         python3 benches/past_svd_bound.py "$dir" "$dir-past-svd" base coding-agent tool-agent \
@@ -40,12 +43,7 @@ past-svd)
         touch "$dir-past-svd/.size-$size"
     fi
     dir=$dir-past-svd
-    ;;
-*)
-    echo "BENCH_SET is methods or past-svd" >&2
-    exit 2
-    ;;
-esac
+fi
 files=("$dir"/base/*.safetensors "$dir"/coding-agent/*.safetensors "$dir"/tool-agent/*.safetensors \
     "$dir"/memory-agent/*.safetensors)
 bytes=$(cat "${files[@]}" | wc -c)
@@ -91,7 +89,7 @@ cases=(
     "ram/consensus|ram --shared consensus"
     "ram/tile-4096|ram --tile-elems 4096"
 )
-if [ "${BENCH_SET:-methods}" = past-svd ]; then
+if [ "$set" = past-svd ]; then
     cases=(
         "task_arithmetic|task_arithmetic --param weight=0.5"
         "iso_c|iso_c"
