@@ -12,13 +12,18 @@ use crate::simd::multiversion;
 /// ([`abs_sums_avx512`]: the same additions), then the rest.
 pub(super) fn abs_sums(values: &[f32], mask: &[u32]) -> (f64, f64) {
     let mask = &mask[..values.len()];
-    let (mut all, mut kept, mut done) = (0.0, 0.0, 0);
+    // (Σ|x|, Σ|kept x|) of the whole groups of eight blocks, and the elements they hold.
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::level() == crate::simd::Level::Avx512 {
-        done = values.len() / 512 * 512;
+    let (all, kept, done) = if crate::simd::level() == crate::simd::Level::Avx512 {
+        let done = values.len() / 512 * 512;
         // SAFETY: the CPU supports AVX-512 F/BW/VL, detected by `level`.
-        (all, kept) = unsafe { abs_sums_avx512(&values[..done], &mask[..done]) };
-    }
+        let (all, kept) = unsafe { abs_sums_avx512(&values[..done], &mask[..done]) };
+        (all, kept, done)
+    } else {
+        (0.0, 0.0, 0)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (all, kept, done) = (0.0, 0.0, 0);
     (
         abs_sum_from(all, &values[done..], None),
         abs_sum_from(kept, &values[done..], Some(&mask[done..])),
