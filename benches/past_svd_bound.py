@@ -28,6 +28,8 @@ def header(path):
 
 def tensor_places(folder):
     """name -> (file, absolute start, end, dtype)."""
+    if not os.path.isdir(folder):
+        sys.exit(f"{folder}: not a model folder")
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
