@@ -109,6 +109,9 @@ pub(crate) mod memory {
         v: Vec<Vec<f32>>,
         tile: usize,
         zeros: Vec<f32>,
+        /// Any-order scans over every chunk so far (samples not counted): what a tensor on disk
+        /// would be read for.
+        pub(crate) full_passes: usize,
     }
 
     impl Memory {
@@ -161,6 +164,7 @@ pub(crate) mod memory {
 
         /// Last chunk first, the two workers taking turns.
         fn any_order(&mut self, every: usize, delta: bool, visit: &AnyOrderVisit) -> Result<()> {
+            self.full_passes += usize::from(every == 1);
             let len = self.v[0].len();
             let starts: Vec<usize> = (0..len).step_by(SCAN_CHUNK * every).collect();
             for (i, &start) in starts.iter().rev().enumerate() {
@@ -202,6 +206,11 @@ pub(crate) mod memory {
 
     pub(crate) fn scan_of(v: Vec<Vec<f32>>, tile: usize) -> Memory {
         let zeros = vec![0.0; v[0].len()];
-        Memory { v, tile, zeros }
+        Memory {
+            v,
+            tile,
+            zeros,
+            full_passes: 0,
+        }
     }
 }

@@ -174,6 +174,37 @@ fn rank_cuts_survive_a_misleading_sample() {
     }
 }
 
+/// Finely spread magnitudes (f32 task vectors, a LoRA agent's products), each row of its own
+/// scale: a sample of whole chunks strays by far more ranks than the bins next to its guess
+/// hold, and the window reaching SAMPLE_MARGIN deviations around it still holds the cut — one
+/// pass 1, no second one over every bin — and the cut is exact.
+#[test]
+fn a_sample_of_spread_keys_guesses_a_window_that_holds_the_cut() {
+    let (rows, width) = (64, 2 * SCAN_CHUNK);
+    let mut rng = crate::hash::SplitMix64::new(23);
+    let v: Vec<f32> = (0..rows)
+        .flat_map(|r| {
+            let scale = (1.0 + r as f64 * 0.37).powi(2);
+            let values: Vec<f32> = (0..width)
+                .map(|_| ((rng.next_f64() - 0.5) * scale) as f32)
+                .collect();
+            values
+        })
+        .collect();
+    let len = v.len() as u64;
+    for k in [len / 10, len / 2, len * 8 / 10] {
+        let mut scan = scan_of(vec![v.clone()], 1000);
+        let cut = rank_cuts_remembering(&mut scan, true, (1, len, 0), &[(0, k, false)], 1 << 20)
+            .unwrap()[0];
+        let got: Vec<usize> = (0..v.len())
+            .filter(|&i| cut.inside(magnitude_key(v[i]), i as u32) && v[i] != 0.0)
+            .collect();
+        assert_eq!(got, sorted_top(&v, k as usize, false), "k {k}");
+        // Pass 1 once, then pass 2 in the cut's bin (it holds several keys).
+        assert_eq!(scan.full_passes, 2, "k {k}: pass 1 missed the cut");
+    }
+}
+
 /// The vector and the scalar window scans agree on bits, counts and extremes, for windows from
 /// bin 0, in the middle and at the top, with zeros, denormals and a NaN's key among the values.
 #[test]
