@@ -7,8 +7,9 @@
 #   benches/lora_memory.sh [MODEL_SIZE=512MiB] [RUNS=7] [DIR=target/bench-lora] [RANK=16]
 #
 # THREADS=N passes --threads N (default: every core). BASE=DIR AGENT=DIR measure on checkpoints of
-# your own (any Hugging Face folders of one base, e.g. a 7B one) instead of the demo's synthetic
-# ones: the adapter and the full checkpoints are written under DIR. DORA=1 makes the adapter a
+# your own (any Hugging Face folders of one base, e.g. a 7B one, or benches/write_7b_shapes.py's
+# with a second adapter merged in as the agent) instead of the demo's synthetic ones: the adapter
+# and the full checkpoints are written under DIR. DORA=1 makes the adapter a
 # DoRA one (a magnitude vector per module).
 set -euo pipefail
 size=${1:-512MiB}
