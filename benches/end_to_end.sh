@@ -10,6 +10,9 @@
 # BENCH_SET=past-svd times the SVD methods' elementwise part instead: the same bytes rewritten
 # (benches/past_svd_bound.py, into DIR-past-svd) as 6144 x 6144 matrices, past the 2^25 elements
 # iso_c, tsv and svc decompose, so every tensor takes their elementwise rule.
+# BENCH_SET=lora times a LoRA agent (rank 16 on every projection of the base, written by
+# benches/write_lora.py into DIR-lora) merged beside the demo's tool agent, against reading the
+# base, the adapter and that agent and copying the base.
 # BENCH_CACHE: how the inputs sit in the page cache while timed. `disk` (the default) drops them
 # and reads them once from disk first, as a model read from disk sits there; `as-is` keeps
 # whatever state they are in. A warm read's copy speed depends on how the file's pages came
@@ -23,8 +26,8 @@ runs=${2:-5}
 dir=${3:-target/bench-models}
 device=${4:-cpu}
 set=${BENCH_SET:-methods}
-if [ "$set" != methods ] && [ "$set" != past-svd ]; then
-    echo "BENCH_SET is methods or past-svd" >&2
+if [ "$set" != methods ] && [ "$set" != past-svd ] && [ "$set" != lora ]; then
+    echo "BENCH_SET is methods, past-svd or lora" >&2
     exit 2
 fi
 cd "$(dirname "$0")/.."
@@ -44,8 +47,21 @@ if [ "$set" = past-svd ]; then
     fi
     dir=$dir-past-svd
 fi
-files=("$dir"/base/*.safetensors "$dir"/coding-agent/*.safetensors "$dir"/tool-agent/*.safetensors \
-    "$dir"/memory-agent/*.safetensors)
+# The agents merged with the base, and every file the merge reads.
+if [ "$set" = lora ]; then
+    if [ ! -f "$dir-lora/.size-$size" ]; then
+        rm -rf "$dir-lora"
+        python3 benches/write_lora.py "$dir/base" "$dir-lora" 16 0 >/dev/null
+        touch "$dir-lora/.size-$size"
+    fi
+    agents=("$dir-lora" "$dir/tool-agent")
+else
+    agents=("$dir/coding-agent" "$dir/tool-agent" "$dir/memory-agent")
+fi
+files=("$dir"/base/*.safetensors)
+for a in "${agents[@]}"; do files+=("$a"/*.safetensors); done
+models=()
+for a in "${agents[@]}"; do models+=(--model "$a"); done
 bytes=$(cat "${files[@]}" | wc -c)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
@@ -86,6 +102,16 @@ if [ "$set" = past-svd ]; then
         "tsv|tsv"
         "svc|task_arithmetic --param weight=0.5 --svc 0.1"
     )
+elif [ "$set" = lora ]; then
+    cases=(
+        "ram|ram"
+        "ram+|ram+"
+        "task_arithmetic|task_arithmetic --param weight=0.5"
+        "ties|ties --param weight=1 --param density=0.5"
+        "dare_ties|dare_ties --param weight=1 --param density=0.5"
+        "breadcrumbs|breadcrumbs --param weight=1 --param density=0.9 --param gamma=0.01"
+        "della|della --param weight=1 --param density=0.5 --param epsilon=0.1"
+    )
 else
     cases=(
         "ram|ram"
@@ -110,8 +136,8 @@ for case in "${cases[@]}"; do
     rss=0
     for _ in $(seq "$runs"); do
         # shellcheck disable=SC2086
-        r=$(seconds "$bin" merge -q --device "$device" --base "$dir/base" --model "$dir/coding-agent" \
-            --model "$dir/tool-agent" --model "$dir/memory-agent" --method $method -o "$out/m")
+        r=$(seconds "$bin" merge -q --device "$device" --base "$dir/base" "${models[@]}" \
+            --method $method -o "$out/m")
         samples+=("${r% *}")
         if [ -n "${BENCH_VERBOSE:-}" ]; then echo "  $label: $r s KiB" >&2; fi
         rss=$(( ${r#* } > rss ? ${r#* } : rss ))
