@@ -93,38 +93,30 @@ cp_s=$(for _ in $(seq "$runs"); do seconds cp -r "$dir/base" "$out/cp" | cut -d'
 limit=$(echo "$read_s + $cp_s" | bc -l)
 printf 'inputs: %s bytes (page cache: %s); cat %.2f s + cp %.2f s = read limit %.2f s (median of %s)\n\n' \
     "$bytes" "${BENCH_CACHE:-disk}" "$read_s" "$cp_s" "$limit" "$runs"
-# label|method and flags, side by side: every method issue #27 holds to the read limit, or with
-# BENCH_SET=past-svd the SVD methods (their elementwise rule on that set) and task arithmetic.
-if [ "$set" = past-svd ]; then
+# label|method and flags, side by side: every method issue #27 holds to the read limit (with a
+# LoRA agent too), or with BENCH_SET=past-svd the SVD methods (their elementwise rule on that set)
+# and task arithmetic.
+methods=(
+    "ram|ram"
+    "ram+|ram+"
+    "task_arithmetic|task_arithmetic --param weight=0.5"
+    "ties|ties --param weight=1 --param density=0.5"
+    "dare_ties|dare_ties --param weight=1 --param density=0.5"
+    "breadcrumbs|breadcrumbs --param weight=1 --param density=0.9 --param gamma=0.01"
+    "della|della --param weight=1 --param density=0.5 --param epsilon=0.1"
+)
+case $set in
+past-svd)
     cases=(
         "task_arithmetic|task_arithmetic --param weight=0.5"
         "iso_c|iso_c"
         "tsv|tsv"
         "svc|task_arithmetic --param weight=0.5 --svc 0.1"
     )
-elif [ "$set" = lora ]; then
-    cases=(
-        "ram|ram"
-        "ram+|ram+"
-        "task_arithmetic|task_arithmetic --param weight=0.5"
-        "ties|ties --param weight=1 --param density=0.5"
-        "dare_ties|dare_ties --param weight=1 --param density=0.5"
-        "breadcrumbs|breadcrumbs --param weight=1 --param density=0.9 --param gamma=0.01"
-        "della|della --param weight=1 --param density=0.5 --param epsilon=0.1"
-    )
-else
-    cases=(
-        "ram|ram"
-        "ram+|ram+"
-        "task_arithmetic|task_arithmetic --param weight=0.5"
-        "ties|ties --param weight=1 --param density=0.5"
-        "dare_ties|dare_ties --param weight=1 --param density=0.5"
-        "breadcrumbs|breadcrumbs --param weight=1 --param density=0.9 --param gamma=0.01"
-        "della|della --param weight=1 --param density=0.5 --param epsilon=0.1"
-        "ram/consensus|ram --shared consensus"
-        "ram/tile-4096|ram --tile-elems 4096"
-    )
-fi
+    ;;
+lora) cases=("${methods[@]}") ;;
+*) cases=("${methods[@]}" "ram/consensus|ram --shared consensus" "ram/tile-4096|ram --tile-elems 4096") ;;
+esac
 printf '%-18s %9s %8s %9s %10s\n' case "median s" "GB/s" "x limit" "peak RSS"
 for case in "${cases[@]}"; do
     label=${case%%|*}
