@@ -85,16 +85,28 @@ impl Histogram {
         self.rest_are_zeros.then_some((0, above))
     }
 
-    /// The guessed bins of a cut at rank `k` of this (sampled, whole) histogram: the bin holding
-    /// it and the nearest non-empty bins above and below.
-    pub(super) fn likely_bins(&self, k: u64) -> Vec<u32> {
+    /// The guessed bins of a cut at rank `k` of this (sampled, whole) histogram, the bin holding
+    /// it first: that bin and the nearest non-empty bins above and below. Where that bin holds
+    /// several keys (f32 weights, a LoRA agent's products: magnitudes spread finely, few ranks
+    /// per bin), also the bins of ranks k ± `margin` standard deviations of an independent
+    /// sample's rank (`seen` elements): a window that misses the cut costs a second pass over
+    /// every bin (a read of every input).
+    pub(super) fn likely_bins(&self, k: u64, margin: f64) -> Vec<u32> {
         let (g, _) = self
             .locate(k)
             .expect("a histogram of every bin holds every rank");
         let end = self.lo + self.counts.len() as u32;
         let below = (0..g).rev().find(|&b| self.count(b) > 0);
         let above = (g + 1..end).find(|&b| self.count(b) > 0);
-        [Some(g), below, above].into_iter().flatten().collect()
+        let mut bins: Vec<u32> = [Some(g), below, above].into_iter().flatten().collect();
+        if self.mixed(g) {
+            let q = k as f64 / self.seen as f64;
+            let m = (margin * (k as f64 * (1.0 - q)).sqrt()).ceil() as u64;
+            for r in [k.saturating_sub(m).max(1), (k + m).min(self.seen)] {
+                bins.extend(self.locate(r).map(|(bin, _)| bin));
+            }
+        }
+        bins
     }
 }
 

@@ -41,11 +41,11 @@ const SAMPLE_MIN_ELEMS: u64 = 1 << 20;
 const SAMPLE_EVERY: usize = 16;
 
 /// How far, in standard deviations of an independent sample of the same size, a guessed window
-/// reaches around the sample's rank where keys are spread finely ([`guess_lanes`]). The sample
-/// takes whole chunks, whose elements (a row's) are alike, so its ranks stray much further than
-/// independent elements' would: on the f32 task vectors of a LoRA agent beside a full one
-/// (`benches/lora_memory.sh`, 512 MiB), the nearest bins alone missed 79 of 112 large tensors'
-/// cuts, 16 deviations 1 or 2, 24 none.
+/// reaches around the sample's rank where keys are spread finely ([`Histogram::likely_bins`]).
+/// The sample takes whole chunks, whose elements (a row's) are alike, so its ranks stray much
+/// further than independent elements' would: on the f32 task vectors of a LoRA agent beside a
+/// full one (`benches/lora_memory.sh`, 512 MiB), the nearest bins alone missed 79 of 112 large
+/// tensors' cuts, 16 deviations 1 or 2, 24 none.
 const SAMPLE_MARGIN: f64 = 24.0;
 
 /// Resolves rank cuts (`(agent, k, high_first)`, 0 < k < n: the k largest, ties at the threshold
@@ -212,18 +212,7 @@ fn guess_lanes(
                 };
             }
             let k = ((k as f64 * seen as f64 / numel as f64).ceil() as u64).clamp(1, seen);
-            let mut bins = sample.likely_bins(k);
-            // Where the guessed bin holds several keys (f32 weights, a LoRA agent's products:
-            // magnitudes spread finely, few ranks per bin), the window also spans the bins of
-            // the sample's ranks k ± SAMPLE_MARGIN standard deviations: a window that misses
-            // the cut costs a second pass over every bin (a read of every input).
-            if sample.mixed(bins[0]) {
-                let q = k as f64 / seen as f64;
-                let m = (SAMPLE_MARGIN * (k as f64 * (1.0 - q)).sqrt()).ceil() as u64;
-                for r in [k.saturating_sub(m).max(1), (k + m).min(seen)] {
-                    bins.extend(sample.locate(r).map(|(bin, _)| bin));
-                }
-            }
+            let mut bins = sample.likely_bins(k, SAMPLE_MARGIN);
             // A cut deep among the zeros (bin 0; most of an RL task vector is zeros): bin 0
             // alone, so every nonzero key is only counted. A sample that misleads here costs a
             // retry over every bin, not a wrong cut.

@@ -185,10 +185,9 @@ fn a_sample_of_spread_keys_guesses_a_window_that_holds_the_cut() {
     let v: Vec<f32> = (0..rows)
         .flat_map(|r| {
             let scale = (1.0 + r as f64 * 0.37).powi(2);
-            let values: Vec<f32> = (0..width)
+            (0..width)
                 .map(|_| ((rng.next_f64() - 0.5) * scale) as f32)
-                .collect();
-            values
+                .collect::<Vec<f32>>()
         })
         .collect();
     let len = v.len() as u64;
