@@ -33,27 +33,25 @@ fi
 cd "$(dirname "$0")/.."
 cargo build --release --quiet
 bin=target/release/rlmerge
-if [ ! -f "$dir/.size-$size" ]; then
-    rm -rf "$dir"
-    "$bin" demo "$dir" --model-size "$size" --write-only --quiet >/dev/null
-    touch "$dir/.size-$size"
-fi
-if [ "$set" = past-svd ]; then
-    if [ ! -f "$dir-past-svd/.size-$size" ]; then
-        rm -rf "$dir-past-svd"
-        python3 benches/past_svd_bound.py "$dir" "$dir-past-svd" base coding-agent tool-agent \
-            memory-agent >/dev/null
-        touch "$dir-past-svd/.size-$size"
+# Writes folder $1 with the command that follows, unless it was written for this size already.
+once() {
+    local to=$1
+    shift
+    if [ ! -f "$to/.size-$size" ]; then
+        rm -rf "$to"
+        "$@" >/dev/null
+        touch "$to/.size-$size"
     fi
+}
+once "$dir" "$bin" demo "$dir" --model-size "$size" --write-only --quiet
+if [ "$set" = past-svd ]; then
+    once "$dir-past-svd" python3 benches/past_svd_bound.py "$dir" "$dir-past-svd" base \
+        coding-agent tool-agent memory-agent
     dir=$dir-past-svd
 fi
 # The agents merged with the base, and every file the merge reads.
 if [ "$set" = lora ]; then
-    if [ ! -f "$dir-lora/.size-$size" ]; then
-        rm -rf "$dir-lora"
-        python3 benches/write_lora.py "$dir/base" "$dir-lora" 16 0 >/dev/null
-        touch "$dir-lora/.size-$size"
-    fi
+    once "$dir-lora" python3 benches/write_lora.py "$dir/base" "$dir-lora" 16 0
     agents=("$dir-lora" "$dir/tool-agent")
 else
     agents=("$dir/coding-agent" "$dir/tool-agent" "$dir/memory-agent")
