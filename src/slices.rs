@@ -110,8 +110,17 @@ fn decoder_config(config: &serde_json::Value) -> &serde_json::Value {
 fn top_layer_count(config: &serde_json::Value) -> Option<usize> {
     LAYER_COUNT_KEYS
         .iter()
-        .find_map(|k| config.get(k).and_then(|v| v.as_u64()))
+        .find_map(|k| config.get(k).and_then(whole_number))
         .map(|n| n as usize)
+}
+
+/// A count in a config: `2`, or `2.0` as some tools write it.
+fn whole_number(v: &serde_json::Value) -> Option<u64> {
+    v.as_u64().or_else(|| {
+        v.as_f64()
+            .filter(|x| x.fract() == 0.0 && *x >= 0.0 && *x <= u32::MAX as f64)
+            .map(|x| x as u64)
+    })
 }
 
 /// A model's decoder layer count from its config.json (a multimodal model's `text_config`'s).
@@ -328,6 +337,10 @@ mod tests {
             "model.vision_tower.encoder.layers.2.q.weight",
             "lm_head.weight",
         ];
+        assert_eq!(
+            layer_count(&serde_json::json!({"num_hidden_layers": 2.0})),
+            Some(2)
+        );
         let config = serde_json::json!({"num_hidden_layers": 2});
         let stack = LayerStack::find(names.into_iter(), &config, "m").unwrap();
         assert_eq!(stack.prefix, "model.layers");

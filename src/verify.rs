@@ -25,6 +25,8 @@ pub struct Verification {
     pub skipped: Vec<String>,
     /// Checks that failed, one line each.
     pub problems: Vec<String>,
+    /// Scratch that killed runs left in the folder or beside it, named with its size.
+    pub notes: Vec<String>,
 }
 
 fn check_file(dir: &Path, want: &FileChecksum, what: &str, v: &mut Verification) {
@@ -48,6 +50,12 @@ fn check_file(dir: &Path, want: &FileChecksum, what: &str, v: &mut Verification)
 pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verification> {
     let record = MergeRecord::read(out_dir)?;
     let mut v = Verification::default();
+    let beside = out_dir.parent().filter(|p| !p.as_os_str().is_empty());
+    let near: Vec<std::path::PathBuf> = std::iter::once(out_dir)
+        .chain(beside)
+        .map(Path::to_path_buf)
+        .collect();
+    v.notes = crate::checkpoint::output_folder::stale_notes(&near);
     for f in &record.outputs {
         check_file(out_dir, f, "output", &mut v);
     }

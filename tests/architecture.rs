@@ -1,10 +1,12 @@
-//! The house's shape, checked (issue #25): no source file over 700 lines, no function over 100,
-//! and no import circle between the crate's files. A file's
-//! dependencies are the crate-internal paths it names outside comments and its unit tests
-//! (`use crate::…`, `super::…`, inline `crate::a::b::f()`), each resolved to the longest prefix
-//! that is a module file; a circle (a strongly connected set of more than one file) fails the test
-//! with its edges, so a newcomer can follow a concept from its home without going round in
-//! circles. And the SIMD levels' feature lists named in one place (`src/simd.rs`).
+//! The house's shape, checked (issues #25, #42): no file over 700 lines and no function over 100
+//! — sources, the Python binding, tests and benches alike — and no import circle between the
+//! crate's files. A file's dependencies are the crate-internal paths it names outside comments
+//! and its unit tests (`use crate::…`, `super::…`, grouped and nested imports, inline
+//! `crate::a::b::f()`), each resolved to the longest prefix that is a module file; a circle (a
+//! strongly connected set of more than one file) fails the test with its edges, so a newcomer can
+//! follow a concept from its home without going round in circles. The checkers are tested on
+//! the shapes they once missed. And the SIMD levels' feature lists named in one place
+//! (`src/simd.rs`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -52,9 +54,91 @@ fn code_of(text: &str) -> String {
         .join("\n")
 }
 
+/// Every crate-internal path `code` names, from `crate` or `super` (a leading `super` kept as a
+/// segment): `crate::a::b::f`, and each leaf of a grouped import, nested groups included
+/// (`use crate::{a::{b, c}, d as e}` names `a::b`, `a::c` and `d`; `self` in a group names the
+/// module before it). A restricted visibility (`pub(in crate::a)`) names nothing.
+fn named_paths(code: &str) -> Vec<Vec<String>> {
+    let root = regex::Regex::new(r"\b(crate|super)\s*::").unwrap();
+    let mut out = Vec::new();
+    for m in root.find_iter(code) {
+        if code[..m.start()].trim_end().ends_with("pub(in") {
+            continue;
+        }
+        let first = if m.as_str().starts_with("crate") {
+            Vec::new()
+        } else {
+            vec!["super".to_string()]
+        };
+        use_tree(code.as_bytes(), m.end(), first, &mut out);
+    }
+    out
+}
+
+/// Reads the path or use tree at `i` of `code` under `prefix`, pushing each leaf path to `out`;
+/// returns where it ends.
+fn use_tree(
+    code: &[u8],
+    mut i: usize,
+    mut prefix: Vec<String>,
+    out: &mut Vec<Vec<String>>,
+) -> usize {
+    let skip = |mut i: usize| {
+        while i < code.len() && code[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        i
+    };
+    loop {
+        i = skip(i);
+        match code.get(i) {
+            Some(b'{') => {
+                i += 1;
+                loop {
+                    i = skip(i);
+                    match code.get(i) {
+                        None => return i,
+                        Some(b'}') => return i + 1,
+                        Some(b',') => i += 1,
+                        Some(_) => {
+                            let end = use_tree(code, i, prefix.clone(), out);
+                            // A character the tree reader cannot take: step over it.
+                            i = if end == i { i + 1 } else { end };
+                        }
+                    }
+                }
+            }
+            Some(b'*') => {
+                out.push(prefix);
+                return i + 1;
+            }
+            _ => {}
+        }
+        let start = i;
+        while i < code.len() && (code[i].is_ascii_alphanumeric() || code[i] == b'_') {
+            i += 1;
+        }
+        if i == start {
+            out.push(prefix);
+            return i;
+        }
+        let segment = String::from_utf8_lossy(&code[start..i]).into_owned();
+        let after = skip(i);
+        if code[after..].starts_with(b"::") {
+            prefix.push(segment);
+            i = after + 2;
+            continue;
+        }
+        if segment != "self" {
+            prefix.push(segment);
+        }
+        out.push(prefix);
+        return i;
+    }
+}
+
 /// The module files `module`'s code names.
 fn dependencies(module: &Module, code: &str, files: &BTreeMap<Module, String>) -> BTreeSet<Module> {
-    let path = regex::Regex::new(r"\b(crate|super)((?:::\w+)+)(?:::\{([^;]*?)\})?").unwrap();
     let resolve = |parts: &[String]| -> Option<Module> {
         (1..=parts.len())
             .rev()
@@ -62,59 +146,33 @@ fn dependencies(module: &Module, code: &str, files: &BTreeMap<Module, String>) -
             .find(|p| files.contains_key(p))
     };
     let mut deps = BTreeSet::new();
-    for c in path.captures_iter(code) {
-        let mut segs: Vec<String> = c[2]
-            .split("::")
-            .filter(|s| !s.is_empty())
-            .map(String::from)
-            .collect();
-        let mut base: Module = if &c[1] == "crate" {
-            Vec::new()
-        } else {
-            module[..module.len().saturating_sub(1)].to_vec()
-        };
-        while segs.first().is_some_and(|s| s == "super") {
-            base.pop();
-            segs.remove(0);
-        }
-        let full: Module = base.into_iter().chain(segs).collect();
-        let mut targets = vec![full.clone()];
-        if let Some(group) = c.get(3) {
-            for item in group.as_str().split(',') {
-                let item = item
-                    .split(" as ")
-                    .next()
-                    .unwrap()
-                    .trim()
-                    .trim_matches(|c| c == '{' || c == '}' || c == ' ');
-                if !item.is_empty() && item != "self" {
-                    targets.push(
-                        full.iter()
-                            .cloned()
-                            .chain(item.split("::").map(String::from))
-                            .collect(),
-                    );
-                }
+    for path in named_paths(code) {
+        let mut segs = path.into_iter().peekable();
+        let mut base: Module = Vec::new();
+        if segs.peek().is_some_and(|s| s == "super") {
+            base = module.clone();
+            // A file's `super` is its parent module (a mod.rs's too: its module is the folder).
+            while segs.peek().is_some_and(|s| s == "super") {
+                base.pop();
+                segs.next();
             }
         }
-        for t in targets {
-            if let Some(r) = resolve(&t) {
-                if &r != module && !r.is_empty() {
-                    deps.insert(r);
-                }
+        let full: Module = base.into_iter().chain(segs).collect();
+        if let Some(r) = resolve(&full) {
+            if &r != module && !r.is_empty() {
+                deps.insert(r);
             }
         }
     }
     deps
 }
 
-#[test]
-fn no_import_circles_between_files() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let files = modules(root);
+/// The circles among `files` (module → its code): sets of more than one module file that reach
+/// each other, each named with the edges between its members.
+fn circles(files: &BTreeMap<Module, String>) -> Vec<(Vec<String>, Vec<String>)> {
     let graph: BTreeMap<Module, BTreeSet<Module>> = files
         .iter()
-        .map(|(m, text)| (m.clone(), dependencies(m, &code_of(text), &files)))
+        .map(|(m, text)| (m.clone(), dependencies(m, &code_of(text), files)))
         .collect();
     // Circles: files that reach each other (reachability by depth-first search).
     let reach = |from: &Module| -> BTreeSet<Module> {
@@ -130,37 +188,81 @@ fn no_import_circles_between_files() {
     };
     let reaches: BTreeMap<&Module, BTreeSet<Module>> =
         graph.keys().map(|m| (m, reach(m))).collect();
-    let mut circles = Vec::new();
+    let mut found: Vec<(Vec<String>, Vec<String>)> = Vec::new();
     for (m, r) in &reaches {
-        if r.contains(*m) {
-            let circle: Vec<String> = reaches
-                .iter()
-                .filter(|(o, ro)| r.contains(**o) && ro.contains(*m))
-                .map(|(o, _)| o.join("::"))
-                .collect();
-            if !circles.contains(&circle) {
-                circles.push(circle);
-            }
+        if !r.contains(*m) {
+            continue;
         }
-    }
-    assert!(
-        circles.is_empty(),
-        "import circles between files: {circles:?} (edges: {:?})",
-        circles
+        let members: Vec<&Module> = reaches
             .iter()
-            .flatten()
-            .flat_map(|m| {
-                let key: Module = m.split("::").map(String::from).collect();
-                graph[&key]
+            .filter(|(o, ro)| r.contains(**o) && ro.contains(*m))
+            .map(|(o, _)| *o)
+            .collect();
+        let names: Vec<String> = members.iter().map(|o| o.join("::")).collect();
+        if found.iter().any(|(n, _)| *n == names) {
+            continue;
+        }
+        let edges = members
+            .iter()
+            .flat_map(|o| {
+                graph[*o]
                     .iter()
-                    .filter(|d| circles.iter().any(|c| c.contains(&d.join("::"))))
-                    .map(move |d| format!("{m} -> {}", d.join("::")))
-                    .collect::<Vec<_>>()
+                    .filter(|d| members.contains(d))
+                    .map(move |d| format!("{} -> {}", o.join("::"), d.join("::")))
             })
-            .collect::<Vec<_>>()
-    );
+            .collect();
+        found.push((names, edges));
+    }
+    found
+}
+
+#[test]
+fn no_import_circles_between_files() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let files = modules(root);
+    let found = circles(&files);
+    assert!(found.is_empty(), "import circles between files: {found:?}");
     // The checker sees the crate: a known dependency is found.
-    assert!(graph[&vec!["inputs".to_string()]].contains(&vec!["names".to_string()]));
+    let inputs = vec!["inputs".to_string()];
+    let deps = dependencies(&inputs, &code_of(&files[&inputs]), &files);
+    assert!(deps.contains(&vec!["names".to_string()]));
+}
+
+/// The circle checker sees every way a file names another (issue #42 found circles written with
+/// grouped imports it missed): inline paths, `use crate::{…}` and `super::{…}` groups, nested
+/// groups, `self` in a group, and `super::super`.
+#[test]
+fn the_circle_checker_sees_grouped_and_nested_imports() {
+    let files = |a: &str, b: &str| -> BTreeMap<Module, String> {
+        [
+            (vec!["x".to_string()], String::new()),
+            (vec!["x".to_string(), "a".to_string()], a.to_string()),
+            (vec!["x".to_string(), "b".to_string()], b.to_string()),
+            (vec!["y".to_string()], String::new()),
+        ]
+        .into_iter()
+        .collect()
+    };
+    let back = "use super::a::Thing;\n";
+    for a in [
+        "use crate::{x::b::Other, y};\n",
+        "use super::{b::Other};\n",
+        "use crate::{y, x::{b::{Other, More}}};\n",
+        "use super::b::{self};\n",
+        "use crate::x::{b};\n",
+        "fn f() { super::b::go(); }\n",
+        "use super::super::x::b::Other;\n",
+    ] {
+        let found = circles(&files(a, back));
+        assert_eq!(found.len(), 1, "{a}: {found:?}");
+        assert!(
+            found[0].1.contains(&"x::a -> x::b".to_string()),
+            "{a}: {found:?}"
+        );
+    }
+    // No circle where nothing points back, or only a visibility names the module.
+    assert!(circles(&files("use crate::{x::b::Other};\n", "")).is_empty());
+    assert!(circles(&files("pub(in crate::x) fn f() {}\n", back)).is_empty());
 }
 
 /// Lines a source file may have, and lines a function may span (its `fn` line to its closing
@@ -181,65 +283,102 @@ fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
     }
 }
 
-/// The name of the function a line declares, with its indentation, if it declares one with a
-/// body (rustfmt's layout: the body ends at a `}` line of the same indentation).
-fn fn_declared(line: &str) -> Option<(&str, &str)> {
-    let code = line.trim_start();
-    let indent = &line[..line.len() - code.len()];
-    let mut rest = code;
-    for prefix in [
-        "pub(crate) ",
-        "pub(super) ",
-        "pub ",
-        "const ",
-        "async ",
-        "unsafe ",
-    ] {
-        rest = rest.strip_prefix(prefix).unwrap_or(rest);
+/// `line` without a trailing `//` comment and trailing blanks.
+fn without_comment(line: &str) -> &str {
+    match line.find("//") {
+        Some(i) => line[..i].trim_end(),
+        None => line.trim_end(),
     }
-    let name = rest.strip_prefix("fn ")?;
-    let name = &name[..name.find(|c: char| !(c.is_alphanumeric() || c == '_'))?];
-    (!line.trim_end().ends_with(';')).then_some((indent, name))
+}
+
+/// The name of the function a line declares, with its indentation, if it declares one with a
+/// body (rustfmt's layout: the body ends at a `}` line of the same indentation): any visibility
+/// (`pub`, `pub(crate)`, `pub(in crate::a)`…) and qualifiers (`const`, `async`, `unsafe`,
+/// `extern "C"`) before `fn`.
+fn fn_declared(line: &str) -> Option<(&str, &str)> {
+    let head = regex::Regex::new(
+        r#"^(\s*)(?:pub(?:\s*\([^)]*\))?\s+)?(?:(?:const|async|unsafe|extern\s+"[^"]*")\s+)*fn\s+([A-Za-z_][A-Za-z0-9_]*)"#,
+    )
+    .unwrap();
+    let c = head.captures(line)?;
+    let (indent, name) = (c.get(1).unwrap().as_str(), c.get(2).unwrap().as_str());
+    (!without_comment(line).ends_with(';')).then_some((indent, name))
+}
+
+/// The functions of `text` longer than [`FN_LINES`]: (line, name, lines spanned).
+fn long_functions(text: &str) -> Vec<(usize, String, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut found = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let Some((indent, f)) = fn_declared(line) else {
+            continue;
+        };
+        let close = format!("{indent}}}");
+        let end = if without_comment(line).ends_with('}') {
+            i
+        } else {
+            // The closing brace may carry a comment.
+            (i..lines.len())
+                .find(|&j| without_comment(lines[j]) == close)
+                .unwrap_or(lines.len() - 1)
+        };
+        if end - i + 1 > FN_LINES {
+            found.push((i + 1, f.to_string(), end - i + 1));
+        }
+    }
+    found
+}
+
+/// The length checker finds the functions issue #42 found it missing: one whose closing brace
+/// carries a comment, and one declared `pub(in crate)`.
+#[test]
+fn the_length_checker_sees_every_function() {
+    let body = |head: &str, close: &str| {
+        let mut text = format!("{head}\n");
+        for i in 0..FN_LINES {
+            text += &format!("    let x{i} = {i};\n");
+        }
+        text + close + "\n"
+    };
+    for (head, close) in [
+        ("fn plain() {", "}"),
+        ("fn commented() {", "} // end of commented"),
+        ("pub(in crate) fn restricted() {", "}"),
+        ("pub(in crate::engine) fn deeper() {", "}"),
+        ("pub(crate) const unsafe fn qualified() {", "}"),
+        ("pub(super) async fn awaited() -> u8 {", "}"),
+    ] {
+        let found = long_functions(&body(head, close));
+        assert_eq!(found.len(), 1, "{head} … {close}: {found:?}");
+        assert_eq!(found[0].2, FN_LINES + 2);
+    }
+    assert!(long_functions("fn short() {\n}\n").is_empty());
+    assert!(fn_declared("    fn declared_in_a_trait(&self);").is_none());
 }
 
 #[test]
 fn no_file_or_function_is_too_long() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = Vec::new();
-    rust_files(&root.join("src"), &mut files);
-    rust_files(&root.join("python/src"), &mut files);
+    for dir in ["src", "python/src", "tests", "benches"] {
+        rust_files(&root.join(dir), &mut files);
+    }
     files.sort();
     let mut found = Vec::new();
     for path in &files {
         let text = std::fs::read_to_string(path).unwrap();
-        let lines: Vec<&str> = text.lines().collect();
         let name = path.strip_prefix(root).unwrap().display();
-        if lines.len() > FILE_LINES {
+        let lines = text.lines().count();
+        if lines > FILE_LINES {
+            found.push(format!("{name}: {lines} lines (at most {FILE_LINES})"));
+        }
+        for (line, f, span) in long_functions(&text) {
             found.push(format!(
-                "{name}: {} lines (at most {FILE_LINES})",
-                lines.len()
+                "{name}:{line}: fn {f} spans {span} lines (at most {FN_LINES})"
             ));
         }
-        for (i, line) in lines.iter().enumerate() {
-            let Some((indent, f)) = fn_declared(line) else {
-                continue;
-            };
-            let close = format!("{indent}}}");
-            let end = if line.trim_end().ends_with('}') {
-                i
-            } else {
-                (i..lines.len()).find(|&j| lines[j] == close).unwrap_or(i)
-            };
-            if end - i + 1 > FN_LINES {
-                found.push(format!(
-                    "{name}:{}: fn {f} spans {} lines (at most {FN_LINES})",
-                    i + 1,
-                    end - i + 1
-                ));
-            }
-        }
     }
-    assert!(files.len() > 50, "the walk found the sources");
+    assert!(files.len() > 80, "the walk found the sources and tests");
     assert!(found.is_empty(), "split these:\n{}", found.join("\n"));
 }
 

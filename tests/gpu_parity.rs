@@ -7,19 +7,6 @@ mod common;
 use common::*;
 use rlmerge::method::SharedRule;
 use safetensors::tensor::Dtype;
-use std::path::Path;
-
-fn gpu_available() -> bool {
-    let ok = !rlmerge::backend::gpu::list_adapters().is_empty();
-    if !ok {
-        assert!(
-            std::env::var_os("RLMERGE_REQUIRE_GPU").is_none(),
-            "RLMERGE_REQUIRE_GPU is set but wgpu sees no adapter (install mesa-vulkan-drivers libvulkan1)"
-        );
-        eprintln!("no GPU adapter: GPU parity test skipped");
-    }
-    ok
-}
 
 const VARIANTS: [&[&str]; 8] = [
     &["--method", "ram"],
@@ -41,44 +28,9 @@ const VARIANTS: [&[&str]; 8] = [
     ],
 ];
 
-/// Merges with `--device cpu` and `--device gpu` (plus `extra`) and asserts identical tensors.
-fn assert_same(f: &Fixture, name: &str, args: &[&str], gpu_extra: &[&str]) {
-    let cpu = f.dir.path().join(format!("{name}-cpu"));
-    let gpu = f.dir.path().join(format!("{name}-gpu"));
-    merge_cmd(f, &cpu, &[args, &["--device", "cpu"]].concat())
-        .assert()
-        .success();
-    merge_cmd(f, &gpu, &[args, &["--device", "gpu"], gpu_extra].concat())
-        .assert()
-        .success();
-    compare(&cpu, &gpu, &format!("{name} {args:?} {gpu_extra:?}"));
-}
-
-fn compare(a: &Path, b: &Path, what: &str) {
-    // RAM-family merges draw each agent's counts (plain RAM's from its merge kernels).
-    let figure = |dir: &Path| std::fs::read_to_string(dir.join("overlap.svg")).ok();
-    assert_eq!(figure(a), figure(b), "{what}: overlap.svg");
-    let (x, y) = (read_folder(a), read_folder(b));
-    assert_eq!(
-        x.keys().collect::<Vec<_>>(),
-        y.keys().collect::<Vec<_>>(),
-        "{what}"
-    );
-    for (k, (dt, shape, bytes)) in &x {
-        let (dt2, shape2, bytes2) = &y[k];
-        assert_eq!((dt, shape), (dt2, shape2), "{what}: {k}");
-        assert_same_bytes(
-            &format!("{what}: tensor {k} (gpu vs cpu)"),
-            *dt,
-            bytes2,
-            bytes,
-        );
-    }
-}
-
 #[test]
 fn gpu_equals_cpu_for_every_dtype_variant_and_agent_count() {
-    if !gpu_available() {
+    if !gpu_available("this GPU parity test") {
         return;
     }
     for (d, dtype) in [Dtype::BF16, Dtype::F16, Dtype::F32]
@@ -102,7 +54,7 @@ fn gpu_equals_cpu_for_every_dtype_variant_and_agent_count() {
 
 #[test]
 fn gpu_probe_counts_equal_cpu() {
-    if !gpu_available() {
+    if !gpu_available("this GPU parity test") {
         return;
     }
     for dtype in [Dtype::BF16, Dtype::F16, Dtype::F32] {
@@ -136,7 +88,7 @@ fn gpu_probe_counts_equal_cpu() {
 
 #[test]
 fn gpu_output_dtype_conversions_equal_cpu() {
-    if !gpu_available() {
+    if !gpu_available("this GPU parity test") {
         return;
     }
     for (dtype, outs) in [
@@ -158,7 +110,7 @@ fn gpu_output_dtype_conversions_equal_cpu() {
 
 #[test]
 fn gpu_chunking_and_tiling_do_not_change_the_bytes() {
-    if !gpu_available() {
+    if !gpu_available("this GPU parity test") {
         return;
     }
     let f = fixture(71, Dtype::BF16, &odd_shapes(), &DENSITIES[..4], 1);
@@ -205,7 +157,7 @@ fn gpu_codecs_equal_cpu_on_every_f16_and_many_f32_patterns() {
     use rlmerge::backend::gpu::{AdapterChoice, GpuBackend, GpuContext};
     use rlmerge::backend::{cpu::CpuBackend, Backend, MergeParams, Tile};
     use rlmerge::checkpoint::DType;
-    if !gpu_available() {
+    if !gpu_available("this GPU parity test") {
         return;
     }
     let ctx = GpuContext::open(AdapterChoice::Any).unwrap().unwrap();
@@ -286,7 +238,7 @@ fn gpu_codecs_equal_cpu_on_every_f16_and_many_f32_patterns() {
 /// 65 535 workgroups, so the 2-D dispatch is used.
 #[test]
 fn gpu_tensor_larger_than_one_binding() {
-    if !gpu_available() {
+    if !gpu_available("this GPU parity test") {
         return;
     }
     let numel = (1usize << 25) + 3; // 33 554 435 bf16 elements: odd, and over 65 535 × 256 pairs
@@ -343,7 +295,7 @@ fn gpu_tensor_larger_than_one_binding() {
 /// error naming the tensor and tile, exit 1, and no output — never a panic.
 #[test]
 fn gpu_device_errors_fail_cleanly() {
-    if !gpu_available() {
+    if !gpu_available("this GPU parity test") {
         return;
     }
     // The fault: one chunk of 40M f32 elements bound at once, past lavapipe's 128 MiB binding.
@@ -399,7 +351,7 @@ fn device_gpu_without_adapter_says_how_to_get_one() {
 
 #[test]
 fn devices_lists_adapters_and_merges_name_the_backend() {
-    if !gpu_available() {
+    if !gpu_available("this GPU parity test") {
         return;
     }
     let adapters = rlmerge::backend::gpu::list_adapters();
@@ -439,137 +391,12 @@ fn devices_lists_adapters_and_merges_name_the_backend() {
     }
 }
 
-/// Every mergekit-family method: GPU equals CPU byte for byte for each dtype, with chunks small
-/// enough to cut rows, rank ties and random masks across dispatches.
-#[test]
-fn gpu_equals_cpu_for_every_method() {
-    if !gpu_available() {
-        return;
-    }
-    for (d, dtype) in [Dtype::BF16, Dtype::F16, Dtype::F32]
-        .into_iter()
-        .enumerate()
-    {
-        let f = fixture(700 + d as u64, dtype, &odd_shapes(), &DENSITIES[..3], 2);
-        for (i, (method, params)) in METHODS.iter().enumerate() {
-            let owned = method_args(method, params);
-            let args: Vec<&str> = owned.iter().map(String::as_str).collect();
-            assert_same(&f, &format!("m{i}"), &args, &["--gpu-chunk-elems", "998"]);
-        }
-        // Fisher: per-element coefficients from f32 Fisher folders (the models are `dtype`).
-        let f = fixture(760 + d as u64, dtype, &odd_shapes(), &DENSITIES[..3], 1);
-        let mut rng = Rng(77 + d as u64);
-        let mut recipe = String::from("merge_method: fisher\nmodels:\n");
-        for (a, agent) in f.agents.iter().enumerate() {
-            let fisher: Vec<T> = odd_shapes()
-                .into_iter()
-                .map(|(name, shape)| T {
-                    name: name.into(),
-                    dtype: Dtype::F32,
-                    values: (0..shape.iter().product::<usize>())
-                        .map(|i| if i % 5 == 0 { 0.0 } else { rng.f32() })
-                        .collect(),
-                    shape,
-                })
-                .collect();
-            let dir = f.dir.path().join(format!("fisher{a}"));
-            write_folder(&dir, &fisher, 1);
-            recipe += &format!(
-                "  - model: {}\n    parameters: {{fisher: {}, weight: {}}}\n",
-                agent.display(),
-                dir.display(),
-                1 + a
-            );
-        }
-        std::fs::write(f.dir.path().join("fisher.yml"), recipe).unwrap();
-        let mut outs = vec![];
-        for (device, extra) in [("cpu", &[][..]), ("gpu", &["--gpu-chunk-elems", "998"][..])] {
-            let o = f.dir.path().join(format!("fisher-{device}"));
-            rlmerge()
-                .args(["run", "-q", "--device", device])
-                .arg(f.dir.path().join("fisher.yml"))
-                .arg("-o")
-                .arg(&o)
-                .args(extra)
-                .assert()
-                .success();
-            outs.push(o);
-        }
-        compare(&outs[0], &outs[1], "fisher");
-        // DELLA on a tensor of three dimensions (ranks along dimension 1, in strided groups), and
-        // model_stock per row, beside a matrix.
-        let shapes = [
-            ("model.layers.0.mlp.experts.weight", vec![3, 40, 7]),
-            ("model.layers.0.self_attn.q_proj.weight", vec![23, 19]),
-        ];
-        let f = fixture(780 + d as u64, dtype, &shapes, &DENSITIES[..3], 1);
-        for (i, (method, params)) in [
-            ("della", &["weight=1", "density=0.5", "epsilon=0.2"][..]),
-            (
-                "della_linear",
-                &["weight=0.7", "density=0.4", "epsilon=0.3"],
-            ),
-            ("model_stock", &["filter_wise=true"]),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let owned = method_args(method, params);
-            let args: Vec<&str> = owned.iter().map(String::as_str).collect();
-            assert_same(&f, &format!("d{i}"), &args, &["--gpu-chunk-elems", "998"]);
-        }
-        // nuslerp takes exactly two models.
-        let f = fixture(740 + d as u64, dtype, &odd_shapes(), &DENSITIES[..2], 1);
-        // … one angle per tensor, per row, or per column (rows that repeat across a chunk).
-        for (i, mode) in [
-            &[][..],
-            &["nuslerp_flatten=false"],
-            &["nuslerp_flatten=false", "nuslerp_row_wise=true"],
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let owned = method_args("nuslerp", &[&["weight=0.4"][..], mode].concat());
-            let args: Vec<&str> = owned.iter().map(String::as_str).collect();
-            for chunk in ["998", "7"] {
-                assert_same(
-                    &f,
-                    &format!("nu{i}-{chunk}"),
-                    &args,
-                    &["--gpu-chunk-elems", chunk],
-                );
-            }
-        }
-        // Two-model methods: slerp (row-wise coefficients) and passthrough.
-        let f = fixture(720 + d as u64, dtype, &odd_shapes(), &DENSITIES[..1], 1);
-        for (i, (method, params)) in [
-            ("slerp", &["t=0.3"][..]),
-            ("passthrough", &["scale=0.7"]),
-            ("nearswap", &["t=0.004"]),
-            ("arcee_fusion", &[]),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let owned = method_args(method, params);
-            let args: Vec<&str> = owned.iter().map(String::as_str).collect();
-            assert_same(&f, &format!("s{i}"), &args, &["--gpu-chunk-elems", "6"]);
-            assert_same(
-                &f,
-                &format!("t{i}"),
-                &[&args[..], &["--out-dtype", "f32"]].concat(),
-                &[],
-            );
-        }
-    }
-}
-
 /// CPU and integrated adapters (lavapipe here) map their storage buffers instead of copying
 /// through staging buffers; `RLMERGE_GPU_MAPPED=0` takes the staged path discrete GPUs use. Both
 /// give the CPU's bytes, and the backend line says which ran.
 #[test]
 fn gpu_mapped_and_staged_buffers_equal_cpu() {
-    if !gpu_available() {
+    if !gpu_available("this GPU parity test") {
         return;
     }
     let f = fixture(96, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 2);
@@ -625,7 +452,7 @@ fn gpu_shared_mean_is_the_correctly_rounded_quotient() {
     use rlmerge::backend::gpu::{AdapterChoice, GpuBackend, GpuContext};
     use rlmerge::backend::{cpu::CpuBackend, Backend, MergeParams, Tile};
     use rlmerge::checkpoint::DType;
-    if !gpu_available() {
+    if !gpu_available("this GPU parity test") {
         return;
     }
     let n = 32;
@@ -703,7 +530,7 @@ fn tiles_with_tiny_values_go_to_the_cpu_where_the_adapter_flushes_subnormals() {
     use rlmerge::backend::gpu::{AdapterChoice, GpuBackend, GpuContext};
     use rlmerge::backend::{cpu::CpuBackend, Backend, MergeParams, Tile};
     use rlmerge::checkpoint::DType;
-    if !gpu_available() {
+    if !gpu_available("this GPU parity test") {
         return;
     }
     let honest = GpuBackend::new(GpuContext::open(AdapterChoice::Any).unwrap().unwrap());

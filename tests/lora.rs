@@ -22,7 +22,7 @@ fn merged_by_hand(adapter: &Path, out: &Path) {
     .unwrap();
     // PEFT's rule: each key a regular expression matched as `(.*\.)?(KEY)$` (the fixtures have
     // one key per pattern, so the file's order — which PEFT follows — does not matter here;
-    // tests/trust.rs checks the order).
+    // tests/trust_lora.rs checks the order).
     let pattern = |key: &str, module: &str| -> Option<f64> {
         config[key]
             .as_object()?
@@ -161,39 +161,41 @@ fn lora_agents_merge_to_the_same_bytes_on_the_gpu() {
     }
 }
 
+/// The coder-lora adapter copied into `dir/name`, its config passed through `edit`.
+fn copy(dir: &Path, name: &str, edit: &dyn Fn(&mut serde_json::Value)) -> PathBuf {
+    let to = dir.join(name);
+    std::fs::create_dir_all(&to).unwrap();
+    let from = models().join("coder-lora");
+    std::fs::copy(
+        from.join("adapter_model.safetensors"),
+        to.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(from.join("adapter_config.json")).unwrap())
+            .unwrap();
+    edit(&mut c);
+    std::fs::write(to.join("adapter_config.json"), c.to_string()).unwrap();
+    to
+}
+
+/// An adapter folder `dir/name` with this config text, with or without the coder-lora weights.
+fn broken(dir: &Path, name: &str, config: &str, weights: bool) -> PathBuf {
+    let to = dir.join(name);
+    std::fs::create_dir_all(&to).unwrap();
+    std::fs::write(to.join("adapter_config.json"), config).unwrap();
+    if weights {
+        let w = models().join("coder-lora/adapter_model.safetensors");
+        std::fs::copy(w, to.join("adapter_model.safetensors")).unwrap();
+    }
+    to
+}
+
 /// What a user can get wrong: an adapter on another base, an adapter for modules the base lacks,
 /// a rank that disagrees with the matrices or is 0, DoRA without its magnitudes. Each an error naming the file; nothing written.
 #[test]
 fn bad_lora_agents_are_refused() {
     let d = tempfile::tempdir().unwrap();
-    let copy = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| -> PathBuf {
-        let to = d.path().join(name);
-        std::fs::create_dir_all(&to).unwrap();
-        let from = models().join("coder-lora");
-        std::fs::copy(
-            from.join("adapter_model.safetensors"),
-            to.join("adapter_model.safetensors"),
-        )
-        .unwrap();
-        let mut c: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(from.join("adapter_config.json")).unwrap(),
-        )
-        .unwrap();
-        edit(&mut c);
-        std::fs::write(to.join("adapter_config.json"), c.to_string()).unwrap();
-        to
-    };
-    // An adapter folder with this config text, with or without weights.
-    let broken = |name: &str, config: &str, weights: bool| -> PathBuf {
-        let to = d.path().join(name);
-        std::fs::create_dir_all(&to).unwrap();
-        std::fs::write(to.join("adapter_config.json"), config).unwrap();
-        if weights {
-            let w = models().join("coder-lora/adapter_model.safetensors");
-            std::fs::copy(w, to.join("adapter_model.safetensors")).unwrap();
-        }
-        to
-    };
     let cases: Vec<(PathBuf, &str, i32)> = vec![
         (
             PathBuf::from(format!(
@@ -205,22 +207,24 @@ fn bad_lora_agents_are_refused() {
             2,
         ),
         (
-            copy("rank", &|c| c["r"] = 8.into()),
+            copy(d.path(), "rank", &|c| c["r"] = 8.into()),
             "the config's rank for it is 8",
             1,
         ),
         (
-            copy("rank0", &|c| c["rank_pattern"]["q_proj"] = 0.into()),
+            copy(d.path(), "rank0", &|c| {
+                c["rank_pattern"]["q_proj"] = 0.into()
+            }),
             "has rank 0; a LoRA rank is at least 1",
             1,
         ),
         (
-            copy("dora", &|c| c["use_dora"] = true.into()),
+            copy(d.path(), "dora", &|c| c["use_dora"] = true.into()),
             "has no lora_magnitude_vector",
             1,
         ),
         (
-            copy("peft", &|c| c["peft_type"] = "IA3".into()),
+            copy(d.path(), "peft", &|c| c["peft_type"] = "IA3".into()),
             "only LORA adapters",
             1,
         ),
@@ -240,17 +244,22 @@ fn bad_lora_agents_are_refused() {
             1,
         ),
         (
-            broken("json", "{\"r\": ", true),
+            broken(d.path(), "json", "{\"r\": ", true),
             "not a LoRA adapter config",
             1,
         ),
         (
-            broken("noweights", "{\"r\": 4, \"lora_alpha\": 8}", false),
+            broken(
+                d.path(),
+                "noweights",
+                "{\"r\": 4, \"lora_alpha\": 8}",
+                false,
+            ),
             "adapter_model.safetensors",
             1,
         ),
         (
-            copy("zero", &|c| c["r"] = 0.into()),
+            copy(d.path(), "zero", &|c| c["r"] = 0.into()),
             "r must be at least 1",
             1,
         ),
@@ -274,6 +283,12 @@ fn bad_lora_agents_are_refused() {
         assert!(err.contains(want), "case {i}: {err}");
         assert!(!out.exists(), "case {i}");
     }
+}
+
+/// An adapter for modules a base does not have is named as such.
+#[test]
+fn an_adapter_for_modules_the_base_lacks_is_named() {
+    let d = tempfile::tempdir().unwrap();
     // An adapter for modules a base does not have: named.
     let other = d.path().join("other-base");
     write_folder(

@@ -4,70 +4,25 @@
 
 mod common;
 use common::*;
-use safetensors::tensor::Dtype;
-use std::path::{Path, PathBuf};
-
-fn t(name: &str, shape: &[usize], values: &[f32]) -> T {
-    T {
-        name: name.into(),
-        dtype: Dtype::F32,
-        shape: shape.to_vec(),
-        values: values.to_vec(),
-    }
-}
-
-/// Writes one-tensor f32 models `base`, `a`, `b`, … under `dir`.
-fn models(dir: &Path, shape: &[usize], base: &[f32], agents: &[&[f32]]) {
-    write_folder(&dir.join("base"), &[t("model.layers.0.w", shape, base)], 1);
-    for (i, a) in agents.iter().enumerate() {
-        let name = ((b'a' + i as u8) as char).to_string();
-        write_folder(&dir.join(name), &[t("model.layers.0.w", shape, a)], 1);
-    }
-}
-
-/// Runs recipe `yaml` in `dir` (model names relative to it) and returns the merged tensor.
-fn run(dir: &Path, yaml: &str, extra: &[&str]) -> Vec<f32> {
-    let recipe = dir.join("recipe.yml");
-    std::fs::write(&recipe, yaml).unwrap();
-    let out = dir.join("out");
-    rlmerge()
-        .current_dir(dir)
-        .args(["run", "recipe.yml", "-q", "--force", "-o", "out"])
-        .args(extra)
-        .assert()
-        .success();
-    let (dt, _, bytes) = read_folder(&out).remove("model.layers.0.w").unwrap();
-    from_bytes(dt, &bytes)
-}
-
-fn assert_close(got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len());
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
-            "element {i}: got {g}, want {w} ({got:?})"
-        );
-    }
-}
 
 #[test]
 fn task_arithmetic_by_hand() {
     let d = tempfile::tempdir().unwrap();
     // τ_a = (1, 0, −2, 0), τ_b = (0.5, 1, 1, 0); Δ = τ_a + 0.5 τ_b = (1.25, 0.5, −1.5, 0); λ = 2.
-    models(
+    write_cases(
         d.path(),
         &[4],
         &[1., 2., 3., 4.],
         &[&[2., 2., 1., 4.], &[1.5, 3., 4., 4.]],
     );
     let y = "merge_method: task_arithmetic\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1}\n  - model: b\n    parameters: {weight: 0.5}\nparameters: {lambda: 2}\n";
-    assert_close(&run(d.path(), y, &[]), &[3.5, 3.0, 0.0, 4.0]);
+    assert_near(&run_case(d.path(), y, &[]), &[3.5, 3.0, 0.0, 4.0]);
 }
 
 #[test]
 fn ties_by_hand() {
     let d = tempfile::tempdir().unwrap();
-    models(
+    write_cases(
         d.path(),
         &[4],
         &[1., 2., 3., 4.],
@@ -76,10 +31,10 @@ fn ties_by_hand() {
     // density 0.5 → k = 2. τ̂_a keeps |1| and |−2| (indices 0, 2); τ̂_b keeps the two 1s (1, 2).
     // Σ = (1, 1, −1, 0): index 2 goes negative, so only a's −2 counts; index 3 has no change.
     let y = "merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, density: 0.5}\n  - model: b\n    parameters: {weight: 1, density: 0.5}\n";
-    assert_close(&run(d.path(), y, &[]), &[2.0, 3.0, 1.0, 4.0]);
+    assert_near(&run_case(d.path(), y, &[]), &[2.0, 3.0, 1.0, 4.0]);
     // Ties at the threshold go to the lower index: τ = (1, 1, 1, 1), k = 2 keeps indices 0 and 1.
-    models(d.path(), &[4], &[0.; 4], &[&[1.; 4], &[0.; 4]]);
-    assert_close(&run(d.path(), y, &[]), &[1.0, 1.0, 0.0, 0.0]);
+    write_cases(d.path(), &[4], &[0.; 4], &[&[1.; 4], &[0.; 4]]);
+    assert_near(&run_case(d.path(), y, &[]), &[1.0, 1.0, 0.0, 0.0]);
 }
 
 /// `shared: consensus` in a recipe (SPEC §2b): τ_a = (0.5, −1, 1), τ_b = (1.5, 2, 0),
@@ -89,7 +44,7 @@ fn ties_by_hand() {
 #[test]
 fn shared_consensus_by_hand() {
     let d = tempfile::tempdir().unwrap();
-    models(
+    write_cases(
         d.path(),
         &[3],
         &[0.; 3],
@@ -97,11 +52,11 @@ fn shared_consensus_by_hand() {
     );
     let models_yaml = "base_model: base\nmodels:\n  - model: a\n  - model: b\n  - model: c\n";
     let y = format!("merge_method: ram\nparameters: {{shared: consensus}}\n{models_yaml}");
-    assert_close(&run(d.path(), &y, &[]), &[1.0, 1.5, 1.0]);
+    assert_near(&run_case(d.path(), &y, &[]), &[1.0, 1.5, 1.0]);
     let y = format!("merge_method: ram\n{models_yaml}");
-    assert_close(&run(d.path(), &y, &[]), &[1.0 / 3.0, 2.0 / 3.0, 1.0]);
+    assert_near(&run_case(d.path(), &y, &[]), &[1.0 / 3.0, 2.0 / 3.0, 1.0]);
     let y = format!("merge_method: ramplus_tl\nparameters: {{shared: consensus}}\n{models_yaml}");
-    run(d.path(), &y, &[]);
+    run_case(d.path(), &y, &[]);
     let record = std::fs::read_to_string(d.path().join("out/rlmerge_record.json")).unwrap();
     assert!(record.contains("\"shared\": \"consensus\""), "{record}");
     let card = std::fs::read_to_string(d.path().join("out/README.md")).unwrap();
@@ -132,11 +87,11 @@ fn shared_consensus_by_hand() {
 fn breadcrumbs_by_hand() {
     let d = tempfile::tempdir().unwrap();
     let tau: Vec<f32> = (1..=10).map(|i| i as f32).collect();
-    models(d.path(), &[10], &[0.; 10], &[&tau]);
+    write_cases(d.path(), &[10], &[0.; 10], &[&tau]);
     // 10 elements, density 0.5, γ 0.2: drop the 2 largest and the 3 smallest, keep 4..=8.
     let y = "merge_method: breadcrumbs\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, density: 0.5, gamma: 0.2}\n";
-    assert_close(
-        &run(d.path(), y, &[]),
+    assert_near(
+        &run_case(d.path(), y, &[]),
         &[0., 0., 0., 4., 5., 6., 7., 8., 0., 0.],
     );
 }
@@ -144,12 +99,12 @@ fn breadcrumbs_by_hand() {
 #[test]
 fn linear_and_passthrough_by_hand() {
     let d = tempfile::tempdir().unwrap();
-    models(d.path(), &[2], &[9., 9.], &[&[2., 4.], &[4., 8.]]);
+    write_cases(d.path(), &[2], &[9., 9.], &[&[2., 4.], &[4., 8.]]);
     // (1·2 + 3·4) / 4 = 3.5, (1·4 + 3·8) / 4 = 7; the base only gives the layout.
     let y = "merge_method: linear\nmodels:\n  - model: a\n    parameters: {weight: 1}\n  - model: b\n    parameters: {weight: 3}\n";
-    assert_close(&run(d.path(), y, &[]), &[3.5, 7.0]);
+    assert_near(&run_case(d.path(), y, &[]), &[3.5, 7.0]);
     let y = "merge_method: passthrough\nmodels:\n  - model: b\n    parameters: {scale: 0.5}\n";
-    assert_close(&run(d.path(), y, &[]), &[2.0, 4.0]);
+    assert_near(&run_case(d.path(), y, &[]), &[2.0, 4.0]);
 }
 
 #[test]
@@ -157,26 +112,26 @@ fn slerp_by_hand() {
     let d = tempfile::tempdir().unwrap();
     // One angle for the whole tensor (mergekit 0.1.5): θ₀ = (1, 0, 2, 0), θ₁ = (0, 1, 4, 0),
     // cos θ = 8/√85; t = 0.5 gives both the coefficient sin(θ/2)/sin θ = 1/(2 cos(θ/2)).
-    models(d.path(), &[2, 2], &[1., 0., 2., 0.], &[&[0., 1., 4., 0.]]);
+    write_cases(d.path(), &[2, 2], &[1., 0., 2., 0.], &[&[0., 1., 4., 0.]]);
     let y = "merge_method: slerp\nbase_model: base\nmodels:\n  - model: base\n  - model: a\nparameters:\n  t: 0.5\n";
     let theta = (8.0 / 85f64.sqrt()).acos();
     let c = (1.0 / (2.0 * (theta / 2.0).cos())) as f32;
-    assert_close(&run(d.path(), y, &[]), &[c, c, 6.0 * c, 0.0]);
+    assert_near(&run_case(d.path(), y, &[]), &[c, c, 6.0 * c, 0.0]);
     // Parallel tensors: plain lerp, 0.5·(2, 0) + 0.5·(4, 0).
-    models(d.path(), &[2], &[2., 0.], &[&[4., 0.]]);
-    assert_close(&run(d.path(), y, &[]), &[3.0, 0.0]);
+    write_cases(d.path(), &[2], &[2., 0.], &[&[4., 0.]]);
+    assert_near(&run_case(d.path(), y, &[]), &[3.0, 0.0]);
 }
 
 #[test]
 fn model_stock_by_hand() {
     let d = tempfile::tempdir().unwrap();
     // Parallel task vectors (cos 1): t = 2·1 / (1 + 1) = 1 → the mean of the models.
-    models(d.path(), &[2], &[0., 0.], &[&[1., 0.], &[2., 0.]]);
+    write_cases(d.path(), &[2], &[0., 0.], &[&[1., 0.], &[2., 0.]]);
     let y = "merge_method: model_stock\nbase_model: base\nmodels:\n  - model: a\n  - model: b\n";
-    assert_close(&run(d.path(), y, &[]), &[1.5, 0.0]);
+    assert_near(&run_case(d.path(), y, &[]), &[1.5, 0.0]);
     // Orthogonal ones (cos 0): t = 0 → the base.
-    models(d.path(), &[2], &[5., 5.], &[&[6., 5.], &[5., 6.]]);
-    assert_close(&run(d.path(), y, &[]), &[5.0, 5.0]);
+    write_cases(d.path(), &[2], &[5., 5.], &[&[6., 5.], &[5., 6.]]);
+    assert_near(&run_case(d.path(), y, &[]), &[5.0, 5.0]);
 }
 
 #[test]
@@ -184,17 +139,17 @@ fn model_stock_filter_wise_by_hand() {
     let d = tempfile::tempdir().unwrap();
     // Row 0: parallel task vectors (t = 1, the mean of the models); row 1: orthogonal ones
     // (t = 0, the base). Over the whole tensor the cosine would mix them.
-    models(
+    write_cases(
         d.path(),
         &[2, 2],
         &[0., 0., 5., 5.],
         &[&[1., 0., 6., 5.], &[2., 0., 5., 6.]],
     );
     let y = "merge_method: model_stock\nbase_model: base\nmodels:\n  - model: a\n  - model: b\nparameters:\n  filter_wise: true\n";
-    assert_close(&run(d.path(), y, &[]), &[1.5, 0.0, 5.0, 5.0]);
+    assert_near(&run_case(d.path(), y, &[]), &[1.5, 0.0, 5.0, 5.0]);
     // A vector is one row.
-    models(d.path(), &[2], &[0., 0.], &[&[1., 0.], &[2., 0.]]);
-    assert_close(&run(d.path(), y, &[]), &[1.5, 0.0]);
+    write_cases(d.path(), &[2], &[0., 0.], &[&[1., 0.], &[2., 0.]]);
+    assert_near(&run_case(d.path(), y, &[]), &[1.5, 0.0]);
 }
 
 /// arcee_fusion by hand: a vector is one row, so one KL for all elements and importance ∝ |τ|;
@@ -208,18 +163,18 @@ fn arcee_fusion_by_hand() {
     let base = [0.5f32, -0.25, 0.125, 1.0, -1.0, 0.75, 0.0, 0.25];
     let tau = [0.0f32, 0.0, 0.0, 0.01, -0.01, 0.02, 0.02, 1.0];
     let model: Vec<f32> = base.iter().zip(&tau).map(|(b, t)| b + t).collect();
-    models(d.path(), &[8], &base, &[&model]);
+    write_cases(d.path(), &[8], &base, &[&model]);
     let y =
         "merge_method: arcee_fusion\nbase_model: base\nmodels:\n  - model: base\n  - model: a\n";
     let mut want = base.to_vec();
     want[7] = model[7];
-    assert_eq!(run(d.path(), y, &[]), want);
+    assert_eq!(run_case(d.path(), y, &[]), want);
     // Every τ equal: Q1 = Q2 = Q3, the fence is Q2 and everything is kept.
     let model: Vec<f32> = base.iter().map(|b| b + 0.5).collect();
-    models(d.path(), &[8], &base, &[&model]);
-    assert_eq!(run(d.path(), y, &[]), model);
+    write_cases(d.path(), &[8], &base, &[&model]);
+    assert_eq!(run_case(d.path(), y, &[]), model);
     // Two models besides the base: refused before any tensor is read.
-    models(d.path(), &[8], &base, &[&model, &model]);
+    write_cases(d.path(), &[8], &base, &[&model, &model]);
     std::fs::write(
         d.path().join("two.yml"),
         "merge_method: arcee_fusion\nbase_model: base\nmodels:\n  - model: a\n  - model: b\n",
@@ -244,7 +199,7 @@ fn nuslerp_rows_and_columns_by_hand() {
     let d = tempfile::tempdir().unwrap();
     let h = 0.5f32.sqrt();
     // τ_a = [[1, 0], [1, 0]], τ_b = [[0, 1], [2, 0]], t = 0.5.
-    models(
+    write_cases(
         d.path(),
         &[2, 2],
         &[0.; 4],
@@ -254,21 +209,21 @@ fn nuslerp_rows_and_columns_by_hand() {
         format!("merge_method: nuslerp\nbase_model: base\nmodels:\n  - model: a\n    parameters: {{weight: 1}}\n  - model: b\n    parameters: {{weight: 1}}\nparameters:\n  nuslerp_flatten: {flatten}\n  nuslerp_row_wise: {row_wise}\n")
     };
     // Rows: row 0 orthogonal (both sin(π/4)); row 1 collinear, so a lerp: (1.5, 0).
-    assert_close(
-        &run(d.path(), &recipe(false, false), &[]),
+    assert_near(
+        &run_case(d.path(), &recipe(false, false), &[]),
         &[h, h, 1.5, 0.0],
     );
     // Columns: column 0 is (1, 1) and (0, 2), 45° apart: both coefficients sin(π/8)/sin(π/4);
     // column 1 is (0, 0) and (1, 0): a zero vector is orthogonal to everything, so sin(π/4)·(1, 0).
     let c = ((std::f64::consts::PI / 8.0).sin() / (std::f64::consts::PI / 4.0).sin()) as f32;
-    assert_close(
-        &run(d.path(), &recipe(false, true), &[]),
+    assert_near(
+        &run_case(d.path(), &recipe(false, true), &[]),
         &[c, h, 3.0 * c, 0.0],
     );
     // Flattening (the default) wins over row_wise: one angle for the whole tensor.
-    let whole = run(d.path(), &recipe(true, true), &[]);
-    assert_eq!(whole, run(d.path(), &recipe(true, false), &[]));
-    assert_ne!(whole, run(d.path(), &recipe(false, false), &[]));
+    let whole = run_case(d.path(), &recipe(true, true), &[]);
+    assert_eq!(whole, run_case(d.path(), &recipe(true, false), &[]));
+    assert_ne!(whole, run_case(d.path(), &recipe(false, false), &[]));
 }
 
 #[test]
@@ -276,18 +231,18 @@ fn spherical_methods_by_hand() {
     let d = tempfile::tempdir().unwrap();
     let h = 0.5f32.sqrt();
     // nuslerp: orthogonal task vectors, t = w₁/(w₀ + w₁) = 0.5 → both coefficients sin(π/4).
-    models(d.path(), &[2], &[0., 0.], &[&[1., 0.], &[0., 1.]]);
+    write_cases(d.path(), &[2], &[0., 0.], &[&[1., 0.], &[0., 1.]]);
     let y = "merge_method: nuslerp\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1}\n  - model: b\n    parameters: {weight: 1}\n";
-    assert_close(&run(d.path(), y, &[]), &[h, h]);
+    assert_near(&run_case(d.path(), y, &[]), &[h, h]);
     // multislerp: (2, 0) and (0, 2), equal weights: the unit mean's direction (√½, √½) times the
     // mean norm 2.
-    models(d.path(), &[2], &[0., 0.], &[&[2., 0.], &[0., 2.]]);
+    write_cases(d.path(), &[2], &[0., 0.], &[&[2., 0.], &[0., 2.]]);
     let y = "merge_method: multislerp\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1}\n  - model: b\n    parameters: {weight: 1}\n";
-    assert_close(&run(d.path(), y, &[]), &[2.0 * h, 2.0 * h]);
+    assert_near(&run_case(d.path(), y, &[]), &[2.0 * h, 2.0 * h]);
     // karcher: (3, 0) and (0, 1): the geodesic midpoint (√½, √½) times the mean norm 2.
-    models(d.path(), &[2], &[9., 9.], &[&[3., 0.], &[0., 1.]]);
+    write_cases(d.path(), &[2], &[9., 9.], &[&[3., 0.], &[0., 1.]]);
     let y = "merge_method: karcher\nmodels:\n  - model: a\n  - model: b\n";
-    assert_close(&run(d.path(), y, &[]), &[2.0 * h, 2.0 * h]);
+    assert_near(&run_case(d.path(), y, &[]), &[2.0 * h, 2.0 * h]);
 }
 
 #[test]
@@ -296,40 +251,44 @@ fn sce_by_hand() {
     // τ_a = (1, 2, 0, −1), τ_b = (1, −2, 0, 3): variances (0, 4, 0, 4). select_topk 0.5 of the two
     // non-zero ones keeps one, the tie going to index 1. There Σ τ̂ = 0 counts as +, so only a
     // (weight ½ of the equal mean squares) agrees: 2·½ / ½ = 2.
-    models(
+    write_cases(
         d.path(),
         &[4],
         &[0.; 4],
         &[&[1., 2., 0., -1.], &[1., -2., 0., 3.]],
     );
     let y = "merge_method: sce\nbase_model: base\nmodels:\n  - model: a\n  - model: b\nparameters: {select_topk: 0.5}\n";
-    assert_close(&run(d.path(), y, &[]), &[0.0, 2.0, 0.0, 0.0]);
+    assert_near(&run_case(d.path(), y, &[]), &[0.0, 2.0, 0.0, 0.0]);
     // No selection: weights = mean squares 1.5 and 3.5 over their sum; each element takes the
     // weighted mean of the agents on the majority sign.
     let y = "merge_method: sce\nbase_model: base\nmodels:\n  - model: a\n  - model: b\n";
-    assert_close(&run(d.path(), y, &[]), &[1.0, 2.0, 0.0, 3.0]);
+    assert_near(&run_case(d.path(), y, &[]), &[1.0, 2.0, 0.0, 3.0]);
 }
 
 #[test]
 fn fisher_by_hand() {
     let d = tempfile::tempdir().unwrap();
-    models(d.path(), &[2], &[9., 9.], &[&[2., 4.], &[6., 8.]]);
+    write_cases(d.path(), &[2], &[9., 9.], &[&[2., 4.], &[6., 8.]]);
     write_folder(
         &d.path().join("fa"),
-        &[t("model.layers.0.w", &[2], &[1., 0.])],
+        &[case_tensor("model.layers.0.w", &[2], &[1., 0.])],
         1,
     );
     write_folder(
         &d.path().join("fb"),
-        &[t("model.layers.0.w", &[2], &[3., 0.])],
+        &[case_tensor("model.layers.0.w", &[2], &[3., 0.])],
         1,
     );
     // Element 0: (1·1·2 + 2·3·6) / (1·1 + 2·3) = 38/7. Element 1: every F is 0, so the plain
     // weighted mean (1·4 + 2·8) / 3.
     let y = "merge_method: fisher\nmodels:\n  - model: a\n    parameters: {fisher: fa}\n  - model: b\n    parameters: {fisher: fb, weight: 2}\n";
-    assert_close(&run(d.path(), y, &[]), &[38.0 / 7.0, 20.0 / 3.0]);
+    assert_near(&run_case(d.path(), y, &[]), &[38.0 / 7.0, 20.0 / 3.0]);
     // A Fisher folder without the tensor, or no Fisher folder: clear errors, no output.
-    write_folder(&d.path().join("fc"), &[t("other", &[2], &[1., 1.])], 1);
+    write_folder(
+        &d.path().join("fc"),
+        &[case_tensor("other", &[2], &[1., 1.])],
+        1,
+    );
     for (yaml, want) in [
         (
             y.replace("fisher: fb", "fisher: fc"),
@@ -357,10 +316,10 @@ fn nearswap_by_hand() {
     let d = tempfile::tempdir().unwrap();
     // t = 0.5: |τ| = 0.25 ≤ t → the model's value; |τ| = 2 → w = 0.25: 0.25·2 + 0.75·0 = 0.5;
     // τ = 0 → the base.
-    models(d.path(), &[3], &[0., 0., 7.], &[&[0.25, 2., 7.]]);
+    write_cases(d.path(), &[3], &[0., 0., 7.], &[&[0.25, 2., 7.]]);
     let y =
         "merge_method: nearswap\nbase_model: base\nmodels:\n  - model: a\nparameters: {t: 0.5}\n";
-    assert_close(&run(d.path(), y, &[]), &[0.25, 0.5, 7.0]);
+    assert_near(&run_case(d.path(), y, &[]), &[0.25, 0.5, 7.0]);
 }
 
 /// DARE keeps each element with probability `density` and rescales the survivors so the task
@@ -371,10 +330,10 @@ fn dare_keeps_density_and_l1_norm() {
     let n = 200_000;
     let base = vec![0.0f32; n];
     let tau: Vec<f32> = (0..n).map(|i| 0.01 * (1 + i % 7) as f32).collect();
-    models(d.path(), &[n], &base, &[&tau]);
+    write_cases(d.path(), &[n], &base, &[&tau]);
     for density in [0.1, 0.3, 0.8] {
         let y = format!("merge_method: dare_linear\nbase_model: base\nmodels:\n  - model: a\n    parameters: {{weight: 1, density: {density}}}\n");
-        let out = run(d.path(), &y, &["--seed", "7"]);
+        let out = run_case(d.path(), &y, &["--seed", "7"]);
         let kept = out.iter().filter(|&&x| x != 0.0).count() as f64 / n as f64;
         // Binomial: σ = √(p(1−p)/n) ≤ 0.0012; allow 5σ.
         assert!(
@@ -400,10 +359,10 @@ fn dare_keeps_density_and_l1_norm() {
         );
         // Same seed, other tiles: same bytes. Other seed: another mask.
         assert_eq!(
-            run(d.path(), &y, &["--seed", "7", "--tile-elems", "4099"]),
+            run_case(d.path(), &y, &["--seed", "7", "--tile-elems", "4099"]),
             out
         );
-        assert_ne!(run(d.path(), &y, &["--seed", "8"]), out);
+        assert_ne!(run_case(d.path(), &y, &["--seed", "8"]), out);
     }
 }
 
@@ -417,9 +376,9 @@ fn della_keeps_by_rank_within_rows() {
     let tau: Vec<f32> = (0..rows * cols)
         .map(|i| 0.001 * (1 + i % cols) as f32 * if i % 3 == 0 { -1.0 } else { 1.0 })
         .collect();
-    models(d.path(), &[rows, cols], &vec![0.0; rows * cols], &[&tau]);
+    write_cases(d.path(), &[rows, cols], &vec![0.0; rows * cols], &[&tau]);
     let y = "merge_method: della_linear\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, density: 0.5, epsilon: 0.3}\n";
-    let out = run(d.path(), y, &["--seed", "5"]);
+    let out = run_case(d.path(), y, &["--seed", "5"]);
     let kept_in = |c0: usize, c1: usize| {
         let (mut kept, mut all) = (0usize, 0usize);
         for r in 0..rows {
@@ -444,7 +403,7 @@ fn della_keeps_by_rank_within_rows() {
     // Without the L1 rescale there is no statistics scan to keep the decisions: the merge makes
     // them tile by tile, and they must be the same — the same elements, each τ unscaled.
     let plain = format!("{y}parameters: {{rescale: false}}\n");
-    let unscaled = run(d.path(), &plain, &["--seed", "5", "--tile-elems", "1000"]);
+    let unscaled = run_case(d.path(), &plain, &["--seed", "5", "--tile-elems", "1000"]);
     for (i, (&u, &o)) in unscaled.iter().zip(&out).enumerate() {
         assert_eq!(u != 0.0, o != 0.0, "element {i}: kept differently");
         assert!(u == 0.0 || u == tau[i], "element {i}: {u} for τ {}", tau[i]);
@@ -464,9 +423,9 @@ fn della_ranks_along_dimension_one_of_3d_tensors() {
             0.001 * (1 + j) as f32 * (1.0 - k as f32 / (2 * c) as f32)
         })
         .collect();
-    models(d.path(), &[a, b, c], &vec![0.0; a * b * c], &[&tau]);
+    write_cases(d.path(), &[a, b, c], &vec![0.0; a * b * c], &[&tau]);
     let y = "merge_method: della_linear\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, density: 0.5, epsilon: 0.3}\n";
-    let out = run(d.path(), y, &["--seed", "9"]);
+    let out = run_case(d.path(), y, &["--seed", "9"]);
     let kept_at = |j: usize| {
         let kept = (0..a * c)
             .filter(|&ik| out[(ik / c) * b * c + j * c + ik % c] != 0.0)
@@ -477,265 +436,4 @@ fn della_ranks_along_dimension_one_of_3d_tensors() {
     let (low, high) = (kept_at(0), kept_at(b - 1));
     assert!((low - 0.2).abs() < 0.04, "j = 0 kept {low}");
     assert!((high - 0.8).abs() < 0.04, "j = 49 kept {high}");
-}
-
-/// `RLMERGE_SIMD` caps below the widest kernel build (see src/simd.rs).
-const SIMD_CAPS: [&str; 2] = ["baseline", "avx2"];
-
-/// Every method, every tile size and CPU thread count gives the same bytes (ranks, masks and
-/// statistics are computed over whole tensors, whatever the tiling; the statistics scans run on
-/// the CPU backend's threads, however many).
-#[test]
-fn results_do_not_depend_on_tiles_threads_or_simd() {
-    let f = fixture(900, Dtype::BF16, &odd_shapes(), &DENSITIES[..3], 2);
-    // RAM, and the methods that decompose whole matrices (faer's SVDs and ResMerge's Lanczos
-    // process run on the pool --threads sets).
-    let ram: [(&str, &[&str]); 6] = [
-        ("ram", &[]),
-        ("ram+", &[]),
-        ("ram", &["shared=consensus"]),
-        ("iso_c", &[]),
-        ("tsv", &[]),
-        ("resmerge", &["rank_topk=2"]),
-    ];
-    // Methods of one model besides the base.
-    let one = fixture(902, Dtype::BF16, &odd_shapes(), &DENSITIES[1..2], 2);
-    let single: [(&str, &[&str]); 3] = [
-        ("arcee_fusion", &[]),
-        ("slerp", &["t=0.3"]),
-        ("nearswap", &["t=0.004"]),
-    ];
-    let cases = METHODS
-        .iter()
-        .chain(&ram)
-        .map(|m| (&f, m))
-        .chain(single.iter().map(|m| (&one, m)));
-    for (i, (f, (method, params))) in cases.enumerate() {
-        let whole = f.dir.path().join(format!("{i}-{method}-whole"));
-        let small = f.dir.path().join(format!("{i}-{method}-small"));
-        let owned = method_args(method, params);
-        let args: Vec<&str> = owned.iter().map(String::as_str).collect();
-        merge_cmd(f, &whole, &args).assert().success();
-        let small_args = ["--tile-elems", "37", "--device", "cpu", "--threads", "3"];
-        merge_cmd(f, &small, &[&args[..], &small_args].concat())
-            .assert()
-            .success();
-        let want = read_folder(&whole);
-        assert_eq!(want, read_folder(&small), "{method}: tiles, 3 threads");
-        let one = f.dir.path().join(format!("{i}-{method}-one-thread"));
-        let one_args = ["--device", "cpu", "--threads", "1"];
-        merge_cmd(f, &one, &[&args[..], &one_args].concat())
-            .assert()
-            .success();
-        assert_eq!(want, read_folder(&one), "{method}: one thread");
-        // Where the CPU has AVX-512 or AVX2, the kernels' narrower builds give the same bytes.
-        for cap in SIMD_CAPS {
-            let capped = f.dir.path().join(format!("{i}-{method}-{cap}"));
-            merge_cmd(f, &capped, &args)
-                .env("RLMERGE_SIMD", cap)
-                .assert()
-                .success();
-            assert_eq!(want, read_folder(&capped), "{method}: SIMD {cap}");
-        }
-    }
-    // The 16- and 32-bit codecs, both builds.
-    for dtype in [Dtype::F16, Dtype::F32] {
-        let f = fixture(901, dtype, &odd_shapes(), &DENSITIES[..3], 2);
-        for method in ["ram", "ties"] {
-            let owned = method_args(
-                method,
-                &["weight=1", "density=0.5"][..2 * (method == "ties") as usize],
-            );
-            let args: Vec<&str> = owned.iter().map(String::as_str).collect();
-            let (a, b) = (
-                f.dir.path().join(method),
-                f.dir.path().join(format!("{method}-b")),
-            );
-            merge_cmd(&f, &a, &args).assert().success();
-            for cap in SIMD_CAPS {
-                let _ = std::fs::remove_dir_all(&b);
-                merge_cmd(&f, &b, &args)
-                    .env("RLMERGE_SIMD", cap)
-                    .assert()
-                    .success();
-                assert_eq!(
-                    read_folder(&a),
-                    read_folder(&b),
-                    "{method} {dtype:?}: SIMD {cap}"
-                );
-            }
-        }
-    }
-}
-
-/// The demo's Qwen2 folders, where the fixtures' model names point.
-fn demo_models() -> tempfile::TempDir {
-    let d = tempfile::tempdir().unwrap();
-    rlmerge()
-        .args(["demo", "--write-only", "-q"])
-        .arg(d.path())
-        .assert()
-        .success();
-    d
-}
-
-fn fixtures() -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/recipes");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "yml"))
-        .collect();
-    v.sort();
-    v
-}
-
-/// mergekit's documented recipes (ties, dare_ties, slerp, model_stock, linear, ram, and more) run
-/// unchanged; the recipe is saved as mergekit_config.yml, the output dtype follows `dtype`, and
-/// `rlmerge verify` accepts the result.
-#[test]
-fn mergekit_recipes_run_unchanged() {
-    let d = demo_models();
-    let names: Vec<String> = fixtures()
-        .iter()
-        .map(|p| p.file_stem().unwrap().to_string_lossy().into())
-        .collect();
-    for want in ["ties", "dare_ties", "slerp", "model_stock", "linear", "ram"] {
-        assert!(
-            names.iter().any(|n| n == want),
-            "fixture {want}.yml missing"
-        );
-    }
-    for recipe in fixtures() {
-        let name = recipe.file_stem().unwrap().to_string_lossy().to_string();
-        let out = d.path().join(format!("out-{name}"));
-        rlmerge()
-            .current_dir(d.path())
-            .arg("run")
-            .arg(&recipe)
-            .args(["-q", "-o"])
-            .arg(&out)
-            .assert()
-            .success();
-        let text = std::fs::read_to_string(&recipe).unwrap();
-        assert_eq!(
-            std::fs::read_to_string(out.join("mergekit_config.yml")).unwrap(),
-            text,
-            "{name}"
-        );
-        let want = if text.contains("dtype: float16") {
-            Dtype::F16
-        } else if text.contains("dtype: float32") {
-            Dtype::F32
-        } else {
-            Dtype::BF16
-        };
-        for (tensor, (dt, _, _)) in read_folder(&out) {
-            assert_eq!(dt, want, "{name}: {tensor}");
-        }
-        rlmerge().arg("verify").arg(&out).assert().success();
-    }
-}
-
-/// `merge --config` is `run`.
-#[test]
-fn merge_config_equals_run() {
-    let d = demo_models();
-    let recipe = fixtures()
-        .into_iter()
-        .find(|p| p.ends_with("ties.yml"))
-        .unwrap();
-    for (i, cmd) in [&["run"][..], &["merge", "--config"][..]]
-        .iter()
-        .enumerate()
-    {
-        rlmerge()
-            .current_dir(d.path())
-            .args(*cmd)
-            .arg(&recipe)
-            .args(["-q", "-o", &format!("o{i}")])
-            .assert()
-            .success();
-    }
-    assert_eq!(
-        read_folder(&d.path().join("o0")),
-        read_folder(&d.path().join("o1"))
-    );
-}
-
-/// Recipe errors name the key and line, exit non-zero and leave no output.
-#[test]
-fn recipe_errors_are_clear() {
-    let d = tempfile::tempdir().unwrap();
-    models(d.path(), &[2], &[0., 0.], &[&[1., 0.], &[0., 1.]]);
-    let cases: [(&str, &[&str]); 10] = [
-        ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\nfrobnicate: 1\n", &["frobnicate", "line 5"]),
-        ("merge_method: ties\nbase_model: base\nmodules:\n  x: {}\n", &["modules", "not supported yet", "line 3"]),
-        ("merge_method: ties\nbase_model: base\nslices:\n  - sources:\n      - model: a\n        layer_range: [0, 1]\n", &["config.json"]),
-        ("merge_method: fisher\nbase_model: base\nmodels:\n  - model: a\n", &["fisher", "needs parameter 'fisher'"]),
-        ("merge_method: nonsense\nmodels:\n  - model: a\n", &["unknown merge_method 'nonsense'", "line 1"]),
-        ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {density: 0.5}\n", &["needs parameter 'weight' for model 1", "weight:"]),
-        ("merge_method: ties\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1, gamma: 0.1}\n", &["unknown parameter 'gamma'", "line 5"]),
-        // The new modes' switches take true or false only.
-        ("merge_method: model_stock\nbase_model: base\nmodels:\n  - model: a\n  - model: b\nparameters:\n  filter_wise: maybe\n", &["parameter 'filter_wise' must be true or false", "line 7"]),
-        ("merge_method: nuslerp\nbase_model: base\nmodels:\n  - model: a\n    parameters: {weight: 1}\n  - model: b\n    parameters: {weight: 1}\nparameters:\n  nuslerp_row_wise: 2\n", &["parameter 'nuslerp_row_wise' must be true or false"]),
-        // arcee_fusion takes no parameters.
-        ("merge_method: arcee_fusion\nbase_model: base\nmodels:\n  - model: a\nparameters:\n  t: 0.5\n", &["unknown parameter 't'", "arcee_fusion"]),
-    ];
-    for (yaml, wants) in cases {
-        std::fs::write(d.path().join("r.yml"), yaml).unwrap();
-        let out = rlmerge()
-            .current_dir(d.path())
-            .args(["run", "r.yml", "-q", "-o", "out"])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{yaml}");
-        for w in wants {
-            assert!(err.contains(w), "{yaml}: want '{w}' in: {err}");
-        }
-        assert!(!d.path().join("out").exists(), "{yaml}: output left behind");
-    }
-}
-
-#[test]
-fn methods_lists_every_method_with_parameters() {
-    let out = rlmerge().arg("methods").output().unwrap();
-    assert!(out.status.success());
-    let text = String::from_utf8(out.stdout).unwrap();
-    for m in [
-        "linear",
-        "task_arithmetic",
-        "ties",
-        "dare_linear",
-        "dare_ties",
-        "breadcrumbs",
-        "breadcrumbs_ties",
-        "della",
-        "della_linear",
-        "model_stock",
-        "slerp",
-        "nuslerp",
-        "multislerp",
-        "karcher",
-        "sce",
-        "nearswap",
-        "passthrough",
-        "fisher",
-        "ram",
-        "ramplus_tl",
-        "iso_c",
-        "tsv",
-        "resmerge",
-        "svc",
-    ] {
-        assert!(
-            text.lines().any(|l| l.starts_with(&format!("{m} "))),
-            "{m} missing:\n{text}"
-        );
-    }
-    assert!(
-        text.contains("density") && text.contains("arXiv:2306.01708"),
-        "{text}"
-    );
 }

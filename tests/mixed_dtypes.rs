@@ -64,19 +64,6 @@ fn merge(base: &Path, agents: &[PathBuf], out: &Path, args: &[String]) -> std::p
     cmd.arg("-o").arg(out).args(args).output().unwrap()
 }
 
-fn devices() -> Vec<&'static str> {
-    let gpu = !rlmerge::backend::gpu::list_adapters().is_empty();
-    assert!(
-        gpu || std::env::var_os("RLMERGE_REQUIRE_GPU").is_none(),
-        "RLMERGE_REQUIRE_GPU is set but wgpu sees no adapter"
-    );
-    if gpu {
-        vec!["cpu", "gpu"]
-    } else {
-        vec!["cpu"]
-    }
-}
-
 #[test]
 fn mixed_dtypes_merge_as_if_every_input_were_f32() {
     let m = mixed();

@@ -155,6 +155,52 @@ fn force_replaces_only_empty_or_rlmerge_folders() {
     assert_eq!(std::fs::read(out.join("results.md")).unwrap(), b"mine");
 }
 
+/// `--force` judges each entry by what it is, not by its name (issue #42): a user's folder, or a
+/// user's file of the same size, sitting at a name the old record lists is not rlmerge's.
+#[test]
+fn force_spares_what_carries_a_listed_name_but_is_not_the_file_rlmerge_wrote() {
+    let Models { m, f, _dir } = models();
+    let top = m.parent().unwrap();
+    let out = top.join("out");
+    merge_cmd(&f, &out, &[]).assert().success();
+    // A folder of the user's where the record lists config.json.
+    std::fs::remove_file(out.join("config.json")).unwrap();
+    std::fs::create_dir(out.join("config.json")).unwrap();
+    std::fs::write(out.join("config.json").join("run.log"), b"mine").unwrap();
+    let o = merge_cmd(&f, &out, &["--force"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("'config.json' is a folder"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        std::fs::read(out.join("config.json").join("run.log")).unwrap(),
+        b"mine"
+    );
+    assert!(leftovers(top).is_empty(), "{:?}", leftovers(top));
+    // The same bytes' length, other bytes: a file the user put there, not rlmerge's.
+    let out = top.join("out2");
+    merge_cmd(&f, &out, &[]).assert().success();
+    let config = out.join("config.json");
+    let mut bytes = std::fs::read(&config).unwrap();
+    bytes[0] ^= 0x20;
+    std::fs::write(&config, &bytes).unwrap();
+    let o = merge_cmd(&f, &out, &["--force"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("it changed"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(&config).unwrap(), bytes);
+    // A link at a listed name is not a file rlmerge wrote either.
+    let out = top.join("out3");
+    merge_cmd(&f, &out, &[]).assert().success();
+    std::fs::remove_file(out.join("config.json")).unwrap();
+    std::os::unix::fs::symlink(top.join("M"), out.join("config.json")).unwrap();
+    let o = merge_cmd(&f, &out, &["--force"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("a symbolic link"), "{}", stderr(&o));
+    assert!(m.join("notes.txt").exists());
+}
+
 #[test]
 fn a_folder_that_appears_during_the_merge_is_never_replaced_without_force() {
     let f = slow_fixture(21);

@@ -77,12 +77,7 @@ fn the_cpu_update_is_base_plus_delta_rounded_once() {
 }
 
 fn gpu() -> Option<GpuContext> {
-    if rlmerge::backend::gpu::list_adapters().is_empty() {
-        assert!(
-            std::env::var_os("RLMERGE_REQUIRE_GPU").is_none(),
-            "RLMERGE_REQUIRE_GPU is set but wgpu sees no adapter"
-        );
-        eprintln!("no GPU adapter: the update kernel's GPU test is skipped");
+    if !common::gpu_available("the update kernel's GPU test") {
         return None;
     }
     GpuContext::open(AdapterChoice::Any).unwrap()

@@ -6,18 +6,6 @@ use common::*;
 use safetensors::tensor::Dtype;
 use std::path::{Path, PathBuf};
 
-fn devices() -> Vec<&'static str> {
-    if rlmerge::backend::gpu::list_adapters().is_empty() {
-        assert!(
-            std::env::var_os("RLMERGE_REQUIRE_GPU").is_none(),
-            "no GPU adapter"
-        );
-        vec!["cpu"]
-    } else {
-        vec!["cpu", "gpu"]
-    }
-}
-
 fn folder(dir: &Path, name: &str, dtype: Dtype, values: Vec<f32>) -> PathBuf {
     let p = dir.join(name);
     let n = values.len();
@@ -278,13 +266,20 @@ fn subnormals_and_negative_zero_are_exact_on_both_backends() {
     }
 }
 
-/// Issue #12 item 6: finite inputs never give a non-finite output silently — an overflow of the
-/// method's arithmetic or of the output dtype is an error naming the tensor and element, with no
-/// output, on both backends; where an input itself is not finite (`--allow-nonfinite`) IEEE
-/// rules still decide.
-#[test]
-fn finite_inputs_that_would_merge_to_nonfinite_values_are_errors() {
-    let dir = tempfile::tempdir().unwrap();
+/// The folders of the finite-input cases: a base of 300 f32 values and agents `a` (every third
+/// element +0.5), `b` (every second −0.25: shared with `a` at every sixth), `huge` (every second
+/// +1e37: boosted by λ = 1 + 100·ρ = 51, the unique ones pass f32's largest value) and `big`
+/// (past f16's range, 70000, at element 124).
+struct Values {
+    base: PathBuf,
+    base_v: Vec<f32>,
+    a: PathBuf,
+    b: PathBuf,
+    huge: PathBuf,
+    big: PathBuf,
+}
+
+fn value_folders(dir: &Path) -> Values {
     let base_v: Vec<f32> = (0..300).map(|i| 0.01 * (i % 13) as f32 - 0.05).collect();
     let mut a_v = base_v.clone();
     let mut b_v = base_v.clone();
@@ -304,15 +299,37 @@ fn finite_inputs_that_would_merge_to_nonfinite_values_are_errors() {
     for i in (0..300).step_by(2) {
         huge_v[i] += 1e37;
     }
-    let base = folder(dir.path(), "base", Dtype::F32, base_v.clone());
-    let huge = folder(dir.path(), "huge", Dtype::F32, huge_v);
-    let a = folder(dir.path(), "a", Dtype::F32, a_v);
-    let b = folder(dir.path(), "b", Dtype::F32, b_v);
-    let big = folder(dir.path(), "big", Dtype::F32, big_v);
+    let base = folder(dir, "base", Dtype::F32, base_v.clone());
+    let huge = folder(dir, "huge", Dtype::F32, huge_v);
+    let a = folder(dir, "a", Dtype::F32, a_v);
+    let b = folder(dir, "b", Dtype::F32, b_v);
+    let big = folder(dir, "big", Dtype::F32, big_v);
+    Values {
+        base,
+        base_v,
+        a,
+        b,
+        huge,
+        big,
+    }
+}
+
+/// Issue #12 item 6: finite inputs never give a non-finite output silently — an overflow of the
+/// method's arithmetic or of the output dtype is an error naming the tensor and element, with no
+/// output, on both backends; where an input itself is not finite (`--allow-nonfinite`) IEEE
+/// rules still decide.
+#[test]
+fn finite_inputs_that_would_merge_to_nonfinite_values_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let Values {
+        base, a, huge, big, ..
+    } = value_folders(dir.path());
     let cases: Vec<(Vec<&PathBuf>, Vec<&str>, &str)> = vec![
+        // A weight finite in f32 (1e39 is not, and is refused as a parameter) times changes of
+        // 1e37.
         (
-            vec![&a, &b],
-            vec!["--method", "task_arithmetic", "--param", "weight=1e39"],
+            vec![&huge, &a],
+            vec!["--method", "task_arithmetic", "--param", "weight=100"],
             "element 0",
         ),
         (
@@ -326,12 +343,12 @@ fn finite_inputs_that_would_merge_to_nonfinite_values_are_errors() {
             "element 124",
         ),
         (
-            vec![&a, &b],
+            vec![&huge, &a],
             vec![
                 "--method",
                 "linear",
                 "--param",
-                "weight=1e39",
+                "weight=100",
                 "--param",
                 "normalize=false",
             ],
@@ -352,6 +369,18 @@ fn finite_inputs_that_would_merge_to_nonfinite_values_are_errors() {
             );
             assert!(!out.exists());
         }
+    }
+}
+
+/// Merges that stay finite stay so (karcher with tol = 0, any max_iter), and an input that is
+/// itself infinite may give an infinite output, by IEEE rules.
+#[test]
+fn finite_merges_stay_finite_and_infinite_inputs_follow_ieee() {
+    let dir = tempfile::tempdir().unwrap();
+    let Values {
+        base, base_v, a, b, ..
+    } = value_folders(dir.path());
+    for device in devices() {
         // karcher with tol = 0 (any max_iter) stays finite.
         for max_iter in ["1", "5", "100"] {
             let out = dir.path().join(format!("karcher-{device}-{max_iter}"));

@@ -171,7 +171,7 @@ fn against_catches_a_consistent_but_wrong_output() {
     std::fs::write(&record_path, serde_json::to_string(&record).unwrap()).unwrap();
     assert!(verify(&out, &[]).status.success());
     let mut devices = vec!["cpu"];
-    if !rlmerge::backend::gpu::list_adapters().is_empty() {
+    if gpu_available("verify --against on the GPU") {
         devices.push("gpu");
     }
     for device in devices {

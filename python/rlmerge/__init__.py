@@ -65,11 +65,16 @@ def _check_common(device: Any, threads: Any) -> None:
         raise UsageError(f"threads must be a whole number ≥ 0 (0: all cores), got {threads!r}")
 
 
-def _check_value(key: str, value: Any) -> None:
-    """A method parameter: a number, a bool, a string, or a list of them (a gradient)."""
+def _check_value(key: str, value: Any, lists: int = 0) -> None:
+    """A method parameter: a number, a bool, a string, or a list of them (a gradient); inside a
+    list one value per model (itself a gradient) — no deeper (a value containing itself would
+    otherwise recurse without end)."""
     if isinstance(value, (list, tuple)):
+        if lists >= 2:
+            raise UsageError(f"parameter {key!r} nests lists more than two deep: give a value, a "
+                             "gradient [a, b, …], or one of them per model")
         for v in value:
-            _check_value(key, v)
+            _check_value(key, v, lists + 1)
         return
     if value is None:
         raise UsageError(f"parameter {key!r} is None: give it a value, or leave it out for its default")
@@ -87,7 +92,9 @@ def _summary(record_json: str, out: str) -> Dict[str, Any]:
       λ by layer, module kind or tensor name); ``counts`` (``unique`` and ``shared`` changed
       elements, when a probe ran);
     - ``inputs`` / ``outputs``: every file read and written, with its CRC-32;
-    - ``warnings``: what the merge told you.
+    - ``warnings``: what the merge told you;
+    - ``notes``: what it noticed around the output (scratch that killed merges left beside it,
+      removed or named with its size) — not saved in the folder's record.
     """
     record = json.loads(record_json)
     record["out"] = os.path.abspath(out)
@@ -99,6 +106,16 @@ def _summary(record_json: str, out: str) -> Dict[str, Any]:
         if scoped:
             agent["lambdas"] = {name: values[t] for name, values in scoped}
     return record
+
+
+def _finished(record_json: str, out: str) -> Dict[str, Any]:
+    """:func:`_summary` of a merge that has finished: a Ctrl-C while it is read says that the
+    output is complete (the binding says the same of one that came as the merge finished)."""
+    try:
+        return _summary(record_json, out)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(
+            f"interrupted after the merge had finished: the output at {out} is complete") from None
 
 
 def _split_params(models: Sequence[str], params: Mapping[str, Any],
@@ -188,7 +205,7 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     # The recipe goes to the library as data, read and checked as a recipe file is.
     record = _native.merge(recipe, out, _keywords(device, quiet, force, out_dtype, shard_size,
                                                   threads, allow_missing_tensors, allow_nonfinite))
-    return _summary(record, out)
+    return _finished(record, out)
 
 
 def _keywords(device: str, quiet: bool, force: bool, out_dtype: Optional[str],
@@ -212,7 +229,7 @@ def run(recipe: PathLike, out: PathLike, *, device: str = "auto", quiet: bool = 
     record = _native.run(_path(recipe, "recipe"), out,
                          _keywords(device, quiet, force, out_dtype, shard_size, threads,
                                    allow_missing_tensors, allow_nonfinite))
-    return _summary(record, out)
+    return _finished(record, out)
 
 
 def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False, *,
@@ -246,14 +263,15 @@ def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False
 def verify(dir: PathLike, against: bool = False, *, device: str = "auto") -> Dict[str, Any]:
     """Checks a merged folder against its record (every checksum, the structure); with
     ``against``, recomputes the merge from the recorded inputs and compares the bytes. Returns
-    what it found: ``{"path", "ok", "checks", "skipped", "problems"}`` — ``ok`` is False when a
-    check failed, and ``problems`` says which. Raises :class:`MergeError` when the folder cannot
+    what it found: ``{"path", "ok", "checks", "skipped", "problems", "notes"}`` — ``ok`` is
+    False when a check failed, and ``problems`` says which; ``notes`` names scratch folders that
+    killed runs left in or beside it, with their size and how to remove them. Raises :class:`MergeError` when the folder cannot
     be checked at all (no readable record)."""
     dir = _path(dir, "dir")
     _check_common(device, 0)
-    checks, skipped, problems = _native.verify(dir, against, device)
+    checks, skipped, problems, notes = _native.verify(dir, against, device)
     return {"path": os.path.abspath(dir), "ok": not problems, "checks": checks,
-            "skipped": skipped, "problems": problems}
+            "skipped": skipped, "problems": problems, "notes": notes}
 
 
 def methods() -> List[Dict[str, Any]]:

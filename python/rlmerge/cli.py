@@ -3,8 +3,10 @@ in-process, with the same output and exit codes — Ctrl-C, SIGTERM and SIGHUP s
 its scratch folders removed and exit 130, as the binary does (unless the process started with
 them ignored, as under `nohup`)."""
 
+import os
 import signal
 import sys
+import tempfile
 
 
 def _interrupt(signum, frame):
@@ -12,6 +14,9 @@ def _interrupt(signum, frame):
 
 
 def main() -> None:
+    # As the binary does, before any thread exists: Mesa's Vulkan drivers print an error when
+    # XDG_RUNTIME_DIR is unset (the library itself leaves the environment alone).
+    os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
     from ._rlmerge import call
 
     # Python's default for SIGTERM and SIGHUP ends the process at once, leaving the running

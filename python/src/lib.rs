@@ -56,12 +56,23 @@ fn exception(py: Python<'_>, err: &anyhow::Error) -> PyErr {
     }
 }
 
-/// Runs `work` on its own thread with its own cancellation token, the GIL released; a signal
-/// whose Python handler raises (Ctrl-C: KeyboardInterrupt) requests the stop and is raised once
-/// the work has stopped — unless the work had passed the point of stopping (its output being
-/// committed): then what it did is returned as if the signal had not come.
+/// What a call says when Ctrl-C comes after its work has finished (or passed the point of
+/// stopping: a merge committing its output).
+enum Late {
+    /// Raise `KeyboardInterrupt` with this message, which says what was done.
+    Raise(String),
+    /// Return what the work did, as the binary finishes a merge whose commit a signal reached.
+    Finish,
+}
+
+/// Runs `work` on its own thread with its own cancellation token, the GIL released. A signal
+/// whose Python handler raises (Ctrl-C: `KeyboardInterrupt`) requests the stop; once the work has
+/// stopped the interrupt is raised with a message saying that nothing was written. Where the work
+/// finished anyway — the signal came too late, while the output was being committed or after —
+/// `late` says what happens, so a caller always learns which of the two it got.
 fn cancellable<T: Send + 'static>(
     py: Python<'_>,
+    late: Late,
     work: impl FnOnce() -> anyhow::Result<T> + Send + 'static,
 ) -> PyResult<T> {
     let token = rlmerge::cancel::Token::new();
@@ -79,61 +90,130 @@ fn cancellable<T: Send + 'static>(
             }
             worker.is_finished()
         });
-        if finished {
-            break;
-        }
+        // Checked once more after the work finished: a signal that came in the last instant is
+        // handled here, not raised bare by the next line of Python.
         if let Err(signal) = py.check_signals() {
             token.request();
             interrupted = Some(signal);
+            break;
+        }
+        if finished {
             break;
         }
     }
     let result = py
         .detach(|| worker.join())
         .map_err(|_| PyRuntimeError::new_err("rlmerge panicked; please report this as a bug"))?;
-    match result {
-        Ok(value) => Ok(value),
-        Err(err) if rlmerge::cancel::is_interrupted(&err) => Err(interrupted
-            .unwrap_or_else(|| pyo3::exceptions::PyKeyboardInterrupt::new_err(format!("{err:#}")))),
-        Err(err) => Err(exception(py, &err)),
+    let keyboard = |signal: Option<PyErr>, message: String| -> PyErr {
+        match signal {
+            Some(s) if !s.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) => s,
+            _ => pyo3::exceptions::PyKeyboardInterrupt::new_err(message),
+        }
+    };
+    match (result, late) {
+        (Ok(value), _) if interrupted.is_none() => Ok(value),
+        (Ok(value), Late::Finish) => Ok(value),
+        (Ok(_), Late::Raise(done)) => Err(keyboard(interrupted, done)),
+        (Err(err), _) if rlmerge::cancel::is_interrupted(&err) => {
+            Err(keyboard(interrupted, format!("{err:#}")))
+        }
+        (Err(err), _) => Err(exception(py, &err)),
     }
 }
 
-/// A Python value of a recipe (dict, list, str, number, bool, None) as YAML.
+/// How deep a recipe value may nest: a mergekit recipe is a handful of levels deep, and a value
+/// nested deeper than this (or one that contains itself) is a mistake, refused before converting
+/// it could exhaust the stack.
+const MAX_RECIPE_DEPTH: usize = 64;
+
+/// A Python value of a recipe (dict, list, str, number, bool, None) as YAML; a value nested more
+/// than [`MAX_RECIPE_DEPTH`] deep, or containing itself, is a usage error naming where.
 fn yaml_of(v: &Bound<'_, PyAny>) -> anyhow::Result<serde_yaml::Value> {
+    yaml_at(v, &mut Vec::new(), &mut Vec::new())
+}
+
+/// [`yaml_of`] of the value at `path` (its keys and indexes from the recipe's top), inside the
+/// containers `open` (their addresses, outermost first).
+fn yaml_at(
+    v: &Bound<'_, PyAny>,
+    path: &mut Vec<String>,
+    open: &mut Vec<usize>,
+) -> anyhow::Result<serde_yaml::Value> {
     use serde_yaml::Value;
-    Ok(if v.is_none() {
-        Value::Null
+    let place = |path: &[String]| match path.len() {
+        0 => "the recipe".to_string(),
+        1..=8 => format!("recipe value {}", path.join(".")),
+        n => format!("recipe value {}.… ({n} levels)", path[..6].join(".")),
+    };
+    if v.is_none() {
+        return Ok(Value::Null);
     } else if let Ok(b) = v.cast::<PyBool>() {
-        Value::Bool(b.is_true())
+        return Ok(Value::Bool(b.is_true()));
     } else if v.is_instance_of::<PyInt>() {
         let i: i64 = v
             .extract()
             .map_err(|_| usage(format!("{v} is too large for a recipe value")))?;
-        Value::Number(i.into())
+        return Ok(Value::Number(i.into()));
     } else if v.is_instance_of::<PyFloat>() {
-        Value::Number(v.extract::<f64>()?.into())
+        return Ok(Value::Number(v.extract::<f64>()?.into()));
     } else if v.is_instance_of::<PyString>() {
-        Value::String(v.extract()?)
-    } else if let Ok(d) = v.cast::<PyDict>() {
+        return Ok(Value::String(v.extract()?));
+    }
+    let is_map = v.cast::<PyDict>().is_ok();
+    if !is_map && !v.is_instance_of::<PyList>() && !v.is_instance_of::<PyTuple>() {
+        let kind = v.get_type().name()?;
+        return Err(usage(format!(
+            "{}: {kind} {v} is not a recipe value",
+            place(path)
+        )));
+    }
+    let address = v.as_ptr() as usize;
+    if open.contains(&address) {
+        return Err(usage(format!(
+            "{} contains itself; a recipe is plain data (dicts, lists, text, numbers)",
+            place(path)
+        )));
+    }
+    if open.len() >= MAX_RECIPE_DEPTH {
+        return Err(usage(format!(
+            "{} is nested more than {MAX_RECIPE_DEPTH} levels deep; a recipe is a few levels of \
+             dicts and lists",
+            place(path)
+        )));
+    }
+    open.push(address);
+    let value = if let Ok(d) = v.cast::<PyDict>() {
         let mut map = serde_yaml::Mapping::new();
-        for (k, item) in d.iter() {
+        for (k, element) in d.iter() {
             let key: String = k
                 .extract()
-                .map_err(|_| usage(format!("recipe key {k} is not text")))?;
-            map.insert(Value::String(key), yaml_of(&item)?);
+                .map_err(|_| usage(format!("{}: key {k} is not text", place(path))))?;
+            let value = yaml_in(&element, key.clone(), path, open)?;
+            map.insert(Value::String(key), value);
         }
         Value::Mapping(map)
-    } else if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
-        Value::Sequence(
-            v.try_iter()?
-                .map(|item| yaml_of(&item?))
-                .collect::<anyhow::Result<_>>()?,
-        )
     } else {
-        let kind = v.get_type().name()?;
-        return Err(usage(format!("{kind} {v} is not a recipe value")));
-    })
+        let mut list = Vec::new();
+        for (i, element) in v.try_iter()?.enumerate() {
+            list.push(yaml_in(&element?, i.to_string(), path, open)?);
+        }
+        Value::Sequence(list)
+    };
+    open.pop();
+    Ok(value)
+}
+
+/// [`yaml_at`] of `element`, the entry `key` of the container at `path`.
+fn yaml_in(
+    element: &Bound<'_, PyAny>,
+    key: String,
+    path: &mut Vec<String>,
+    open: &mut Vec<usize>,
+) -> anyhow::Result<serde_yaml::Value> {
+    path.push(key);
+    let value = yaml_at(element, path, open);
+    path.pop();
+    value
 }
 
 /// The keywords of a merge (`merge` and `run`), as the API passes them: a dict with every key.
@@ -163,7 +243,7 @@ fn compute(device: &str, quiet: bool, threads: usize) -> anyhow::Result<ComputeA
         }
     };
     Ok(ComputeArgs {
-        epsilon: rlmerge::method::DEFAULT_EPSILON,
+        epsilon: f64::from(rlmerge::method::DEFAULT_EPSILON),
         threads,
         quiet,
         device,
@@ -207,9 +287,25 @@ fn merge_into(
     job: impl FnOnce() -> anyhow::Result<Job> + Send + 'static,
     (compute, output): (ComputeArgs, OutputArgs),
 ) -> PyResult<String> {
-    cancellable(py, move || {
-        let summary = cli::merge_job(job()?, &compute, &output, &mut std::io::sink())?;
-        Ok(serde_json::to_string(&summary.record)?)
+    let late = Late::Raise(format!(
+        "interrupted after the merge had finished: the output at {} is complete",
+        output.out.display()
+    ));
+    cancellable(py, late, move || {
+        let out = output.out.clone();
+        let summary =
+            cli::merge_job(job()?, &compute, &output, &mut std::io::sink()).map_err(|e| {
+                match rlmerge::cancel::is_interrupted(&e) {
+                    true => e.context(format!("merge into {}", out.display())),
+                    false => e,
+                }
+            })?;
+        // The record, and beside it what the merge noted of the output's surroundings. (Through
+        // its text, as the file holds it: f32 numbers keep their shortest form, 1e-05.)
+        let text = serde_json::to_string(&summary.record)?;
+        let mut record: serde_json::Value = serde_json::from_str(&text)?;
+        record["notes"] = summary.notes.into();
+        Ok(record.to_string())
     })
 }
 
@@ -235,24 +331,24 @@ fn run(py: Python<'_>, recipe: PathBuf, out: PathBuf, keywords: MergeKeywords) -
     merge_into(py, move || Job::from_recipe(&recipe, 0), options)
 }
 
+/// What `verify` found, one line each: (checks passed, checks skipped, problems, notes).
+type VerifyLines = (Vec<String>, Vec<String>, Vec<String>, Vec<String>);
+
 /// Checks the merged folder `dir` against its record; with `against`, recomputes the merge on
-/// `device` and compares the bytes. Returns (checks passed, checks skipped, problems found).
+/// `device` and compares the bytes. Returns (checks passed, checks skipped, problems found,
+/// notes on scratch that killed runs left in or beside it).
 #[pyfunction]
 #[pyo3(signature = (dir, against = false, device = "auto"))]
-fn verify(
-    py: Python<'_>,
-    dir: PathBuf,
-    against: bool,
-    device: &str,
-) -> PyResult<(Vec<String>, Vec<String>, Vec<String>)> {
+fn verify(py: Python<'_>, dir: PathBuf, against: bool, device: &str) -> PyResult<VerifyLines> {
     let compute = compute(device, true, 0).map_err(|e| exception(py, &e))?;
-    cancellable(py, move || {
+    let late = Late::Raise("interrupted after verify had finished".into());
+    cancellable(py, late, move || {
         let backend = match against {
             true => Some(compute.backend()?),
             false => None,
         };
         let v = rlmerge::verify::verify(&dir, backend.as_deref())?;
-        Ok((v.ok, v.skipped, v.problems))
+        Ok((v.ok, v.skipped, v.problems, v.notes))
     })
 }
 
@@ -265,7 +361,7 @@ struct AnalyzeKeywords {
     per_tensor: bool,
     merged: Option<PathBuf>,
     plot: Option<PathBuf>,
-    epsilon: Option<f32>,
+    epsilon: Option<f64>,
     device: String,
     quiet: bool,
     threads: usize,
@@ -285,7 +381,9 @@ fn analyze(py: Python<'_>, keywords: AnalyzeKeywords) -> PyResult<String> {
             models: k.models,
             tokenizer_source: k.tokenizer_source,
             compute: ComputeArgs {
-                epsilon: k.epsilon.unwrap_or(rlmerge::method::DEFAULT_EPSILON),
+                epsilon: k
+                    .epsilon
+                    .unwrap_or(f64::from(rlmerge::method::DEFAULT_EPSILON)),
                 allow_missing_tensors: k.allow_missing_tensors,
                 allow_nonfinite: k.allow_nonfinite,
                 ..compute
@@ -296,7 +394,8 @@ fn analyze(py: Python<'_>, keywords: AnalyzeKeywords) -> PyResult<String> {
         merged: k.merged,
         plot: k.plot,
     };
-    cancellable(py, move || {
+    let late = Late::Raise("interrupted after analyze had finished".into());
+    cancellable(py, late, move || {
         let mut json = Vec::new();
         cli::run_analyze(&args, &mut json)?;
         Ok(String::from_utf8_lossy(&json).into_owned())
@@ -322,7 +421,7 @@ fn call(
     args: Vec<String>,
     capture: bool,
 ) -> PyResult<(u8, String, Option<String>)> {
-    cancellable(py, move || {
+    cancellable(py, Late::Finish, move || {
         let argv = std::iter::once("rlmerge".to_string()).chain(args);
         let mut captured = Vec::new();
         let (code, error) = if capture {
@@ -340,10 +439,8 @@ fn call(
 #[pymodule]
 fn _rlmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
-    // As the binary does: Mesa's Vulkan drivers print an error without XDG_RUNTIME_DIR.
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir());
-    }
+    // No environment change here: other threads of the importing process may read it while it
+    // changes. The pip-installed command sets what the binary sets before it imports this.
     let merge_error = py.get_type::<MergeError>();
     let bases = PyTuple::new(
         py,

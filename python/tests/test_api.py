@@ -523,7 +523,14 @@ def test_analyze_and_methods_are_typed_calls(demo, tmp_path):
     root, base, agents = demo
     with pytest.raises(rlmerge.UsageError) as info:
         rlmerge.analyze(base, agents, epsilon=-1.0)
-    assert str(info.value) == "epsilon must be finite and ≥ 0", str(info.value)
+    assert str(info.value) == "epsilon: parameter 'epsilon' must be ≥ 0, got -1", str(info.value)
+    # Issue #42: 1e39 is a finite Python float and +inf as the f32 ε is compared in; refused from
+    # every front end, as the flag is.
+    with pytest.raises(rlmerge.UsageError, match="infinite as an f32"):
+        rlmerge.analyze(base, agents, epsilon=1e39)
+    with pytest.raises(rlmerge.UsageError, match="infinite as an f32"):
+        rlmerge.merge(base, agents, method="ram", epsilon=1e39, out=tmp_path / "inf")
+    assert not (tmp_path / "inf").exists()
     assert not hasattr(_rlmerge, "command")
     report = rlmerge.analyze(base, agents[:2], epsilon=1e-4, device="cpu")
     assert report["epsilon"] == pytest.approx(1e-4)
@@ -568,3 +575,81 @@ def test_svc_from_python_equals_the_command(demo, tmp_path):
             rlmerge.merge(base, agents, method="ram", out=tmp_path / "bad", device="cpu", svc=bad)
         assert "svc" in str(info.value)
         assert not (tmp_path / "bad").exists()
+
+
+def test_recipe_values_that_never_end_are_usage_errors(demo, tmp_path):
+    """Issue #42: a tokenizer section that contains itself, or nests 5,000 lists deep, is a
+    UsageError naming where — not a stack overflow that kills the interpreter (as json.dumps
+    raises for the same values); a parameter nesting lists past a per-model gradient is too."""
+    root, base, agents = demo
+    loop = {"source": "base"}
+    loop["tokens"] = loop
+    deep: list = []
+    node = deep
+    for _ in range(5000):
+        node.append([])
+        node = node[0]
+    for tokenizer, words in [(loop, "contains itself"),
+                             ({"source": "base", "tokens": deep}, "nested more than 64")]:
+        with pytest.raises(rlmerge.UsageError, match=words) as info:
+            rlmerge.merge(base, agents, method="ram", out=tmp_path / "x", tokenizer=tokenizer)
+        assert "tokenizer.tokens" in str(info.value), str(info.value)
+    with pytest.raises(rlmerge.UsageError, match="more than two deep"):
+        rlmerge.merge(base, agents, method="ties", out=tmp_path / "x", weight=[[[1.0]]])
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_ctrl_c_as_the_merge_ends_says_which_happened(demo, tmp_path):
+    """Issue #42: Ctrl-C at any moment of a merge — even as it finishes — raises a
+    KeyboardInterrupt that says which happened: nothing written at the output path, or the
+    output complete there (and then it verifies). A bare interrupt comes only once the call has
+    returned."""
+    root, base, agents = demo
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        start = time.monotonic()
+        rlmerge.merge(base, agents, out=tmp_path / "timed", device="cpu")
+        span = time.monotonic() - start
+        seen = set()
+        for i in range(20):
+            out = tmp_path / f"m{i}"
+            timer = threading.Timer(span * (0.3 + i / 12), os.kill,
+                                    (os.getpid(), signal.SIGINT))
+            returned = False
+            try:
+                timer.start()
+                rlmerge.merge(base, agents, out=out, device="cpu")
+                returned = True
+                time.sleep(span * 2)
+            except KeyboardInterrupt as e:
+                message = str(e)
+                if returned:
+                    seen.add("after")
+                elif "is complete" in message:
+                    assert str(out) in message, message
+                    assert rlmerge.verify(out)["ok"]
+                    seen.add("complete")
+                else:
+                    assert "nothing was written" in message, repr(message)
+                    assert not out.exists()
+                    seen.add("stopped")
+            finally:
+                timer.cancel()
+        assert seen, "no interrupt landed"
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_verify_names_scratch_a_killed_merge_left(demo, tmp_path):
+    """Issue #42: scratch that a killed merge left beside a folder is named by verify, with its
+    size and how to remove it."""
+    root, base, agents = demo
+    rlmerge.merge(base, agents, out=tmp_path / "done", device="cpu")
+    dead = tmp_path / ".gone.rlmerge-tmp-999999-00000000deadbeef"
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"\0" * 300_000)
+    (tmp_path / (dead.name + ".lock")).write_bytes(b"")
+    found = rlmerge.verify(tmp_path / "done")
+    assert found["ok"]
+    assert len(found["notes"]) == 1 and dead.name in found["notes"][0], found["notes"]
+    assert "rm -rf" in found["notes"][0] and "kB" in found["notes"][0]

@@ -98,13 +98,31 @@ pub fn architecture_difference(
     for (prefix, b, a) in nests {
         for key in ARCHITECTURE_KEYS.iter().filter(|k| !skip.contains(k)) {
             if let (Some(bv), Some(av)) = (b.get(*key), a.get(*key)) {
-                if bv != av && !(bv.is_null() || av.is_null()) {
+                if !(same_value(bv, av) || bv.is_null() || av.is_null()) {
                     return Some((format!("{prefix}{key}"), bv.clone(), av.clone()));
                 }
             }
         }
     }
     None
+}
+
+/// Whether two config values mean the same: numbers by value (`2` and `2.0` are one layer count,
+/// whichever tool wrote the file), lists and objects element by element, the rest as written.
+fn same_value(a: &serde_json::Value, b: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => x.as_f64() == y.as_f64(),
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(x, y)| same_value(x, y))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, v)| y.get(k).is_some_and(|w| same_value(v, w)))
+        }
+        _ => a == b,
+    }
 }
 
 /// Sets every dtype key of a model config to `dtype`: the top level's `torch_dtype` (always) and
@@ -190,6 +208,9 @@ mod tests {
         let same = serde_json::json!({"model_type": "qwen2", "num_hidden_layers": 2,
             "torch_dtype": "float32"});
         assert_eq!(architecture_difference(&base, &same, &[]), None);
+        // Issue #42: a float that equals the integer is the same value.
+        let float = serde_json::json!({"model_type": "qwen2", "num_hidden_layers": 2.0});
+        assert_eq!(architecture_difference(&base, &float, &[]), None);
         let deeper = serde_json::json!({"model_type": "qwen2", "num_hidden_layers": 3});
         let d = architecture_difference(&base, &deeper, &[]).unwrap();
         assert_eq!(

@@ -60,6 +60,16 @@ pub fn shard_file_name(index: usize, count: usize) -> String {
     }
 }
 
+/// `bytes` as people read sizes: "512 B", "3.4 MB", "15.2 GB" (decimal units, as `--shard-size`
+/// takes them).
+pub fn size_text(bytes: u64) -> String {
+    let units = [("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)];
+    match units.iter().find(|(_, size)| bytes as f64 >= *size) {
+        Some((unit, size)) => format!("{:.1} {unit}", bytes as f64 / size),
+        None => format!("{bytes} B"),
+    }
+}
+
 /// Parses a shard size: bytes, or with a unit `KB/MB/GB/TB` (powers of 1000, as Hugging Face) or
 /// `KiB/MiB/GiB/TiB` (powers of 1024).
 pub fn parse_size(text: &str) -> Result<u64> {

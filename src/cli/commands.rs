@@ -85,9 +85,8 @@ impl InputArgs {
 
 impl ComputeArgs {
     fn check(&self) -> Result<()> {
-        if !(self.epsilon.is_finite() && self.epsilon >= 0.0) {
-            return Err(usage("--epsilon must be finite and ≥ 0"));
-        }
+        rlmerge::method::build::epsilon_value(self.epsilon)
+            .map_err(|e| usage(format!("--epsilon: {e:#}")))?;
         if self.tile_elems == Some(0) {
             return Err(usage("--tile-elems must be ≥ 1"));
         }
@@ -100,7 +99,8 @@ impl ComputeArgs {
 
     fn pass(&self, backend: &dyn Backend) -> PassOptions {
         PassOptions {
-            epsilon: self.epsilon,
+            // Checked by `check` before any pass runs.
+            epsilon: self.epsilon as f32,
             tile_elems: self
                 .tile_elems
                 .unwrap_or_else(|| backend.preferred_tile_elems()),
@@ -153,6 +153,13 @@ fn warn_all(warnings: &[String]) {
     }
 }
 
+/// What a user should know about the folders around a command's (stale scratch), on stderr.
+fn note_all(notes: &[String]) {
+    for n in notes {
+        eprintln!("note: {}", terminal(n));
+    }
+}
+
 /// Runs the command, its output (tables, JSON, summaries) into `out`; warnings, progress and
 /// notes go to stderr.
 pub fn run(cli: Cli, mut out: &mut dyn Write) -> Result<()> {
@@ -174,6 +181,7 @@ fn run_verify(args: &VerifyArgs, out: &mut impl Write) -> Result<()> {
         None
     };
     let v = rlmerge::verify::verify(&args.dir, backend.as_deref())?;
+    note_all(&v.notes);
     if args.json {
         let found = serde_json::json!({
             "path": args.dir.display().to_string(),
@@ -338,6 +346,7 @@ pub fn merge_job(
     })?;
     // Warnings found while merging (identical inputs), after those of opening the inputs.
     warn_all(&summary.record.warnings[inputs.warnings.len()..]);
+    note_all(&summary.notes);
     writeln!(
         out,
         "merged {} model(s) into {} with {} ({} shard(s))",
@@ -451,6 +460,15 @@ pub fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
     };
     let inputs = Inputs::open_with(&base, &agents, layout)?;
     warn_all(&inputs.warnings);
+    // Scratch that killed merges left beside the models analyzed, or where figures go.
+    let near: Vec<std::path::PathBuf> = inputs
+        .paths()
+        .iter()
+        .chain(args.merged.iter())
+        .filter_map(|p| p.parent().map(Path::to_path_buf))
+        .chain(args.plot.iter().cloned())
+        .collect();
+    note_all(&output_folder::stale_notes(&near));
     // Bad --merged or --plot paths fail before the probe reads anything.
     if let Some(dir) = &args.merged {
         let real = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());

@@ -156,8 +156,8 @@ pub struct InputArgs {
 #[derive(Args, Debug)]
 pub struct ComputeArgs {
     /// Threshold: an element is changed when |θ_t − θ₀| > ε (absolute).
-    #[arg(long, default_value_t = DEFAULT_EPSILON)]
-    pub epsilon: f32,
+    #[arg(long, default_value_t = f64::from(DEFAULT_EPSILON))]
+    pub epsilon: f64,
     /// Worker threads of the CPU backend, its statistics scans included (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,

@@ -2,7 +2,8 @@
 //! are sparse and partly overlapping (densities ≈ 3.2 %, 46.2 %, 54.3 %), written as real Hugging
 //! Face folders. Also the generator the tests and benchmarks use for larger synthetic checkpoints.
 
-use crate::checkpoint::output_folder::{replaceable, DEMO_MANIFEST};
+use crate::checkpoint::output_folder::{replaceable, Identity, DEMO_MANIFEST};
+use crate::checkpoint::safetensors_file::FileChecksum;
 use crate::checkpoint::{CheckpointWriter, DType, OutputFolder, OutputTensor};
 use crate::error::usage;
 use crate::hash::SplitMix64;
@@ -170,13 +171,18 @@ fn write_model(
         bytes.extend(bits.iter().flat_map(|b| b.to_le_bytes()));
         writer.write(&t.name, &bytes)?;
     }
-    let mut files: Vec<String> = writer.finish()?.into_iter().map(|f| f.file).collect();
-    let write_json = |files: &mut Vec<String>, name: &str, v: serde_json::Value| -> Result<()> {
+    // Each file with its size and CRC-32: `--force` replaces only files that are still these.
+    let mut files: Vec<FileChecksum> = writer.finish()?;
+    let write_json = |files: &mut Vec<FileChecksum>, name: &str, v: serde_json::Value| {
         let p = tmp.join(name);
-        std::fs::write(&p, serde_json::to_string_pretty(&v)? + "\n")
-            .with_context(|| format!("cannot write {}", p.display()))?;
-        files.push(name.to_string());
-        Ok(())
+        let text = serde_json::to_string_pretty(&v)? + "\n";
+        std::fs::write(&p, &text).with_context(|| format!("cannot write {}", p.display()))?;
+        files.push(FileChecksum {
+            file: name.to_string(),
+            size: text.len() as u64,
+            crc32: format!("{:08x}", crc32fast::hash(text.as_bytes())),
+        });
+        Result::<()>::Ok(())
     };
     write_json(&mut files, "config.json", shape.config_json())?;
     write_json(
@@ -206,7 +212,7 @@ pub fn check_replaceable(path: &Path) -> Result<()> {
     if path.symlink_metadata().is_err() {
         return Ok(());
     }
-    replaceable(path).map_err(|why| {
+    replaceable(path, Identity::Checksums).map_err(|why| {
         usage(format!(
             "demo: {} exists and will not be replaced: {why}; choose another folder",
             path.display()

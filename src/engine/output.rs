@@ -160,6 +160,7 @@ pub(super) fn finish(
         shards: record.shards().map(|f| f.file.clone()).collect(),
         record,
         report: boost.report,
+        notes: Vec::new(),
     })
 }
 

@@ -9,7 +9,7 @@ use crate::error::usage;
 use crate::method::build::MethodRequest;
 use crate::method::settings::{Scalar, Setting, Settings};
 use crate::method::{BoostScope, Kind, Method, SharedRule};
-use anyhow::Result;
+use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 
 /// The file rlmerge saves the recipe under in the output folder, as mergekit does.
@@ -76,7 +76,7 @@ impl Job {
         // A mergekit method gets the recipe mergekit would take for it, saved and shown in the
         // model card as mergekit's own merges are; the RAM family is described by the card itself.
         let recipe_text = match &method {
-            Method::Combine(_) => flags.recipe(&base, &agents),
+            Method::Combine(_) => flags.recipe(&base, &agents)?,
             _ => String::new(),
         };
         Ok(Job {
@@ -114,7 +114,8 @@ impl MethodFlags {
     /// These flags as a mergekit recipe over `base` and `agents`: `merge_method`, the
     /// parameters as method-wide `parameters` (mergekit applies them to every model), the models.
     /// `rlmerge run` of it (with the same `--seed`) makes the same merge.
-    pub fn recipe(&self, base: &Path, agents: &[PathBuf]) -> String {
+    /// A value that cannot be written as YAML fails the job rather than saving an empty recipe.
+    pub fn recipe(&self, base: &Path, agents: &[PathBuf]) -> Result<String> {
         use serde_yaml::{Mapping, Value};
         let path = |p: &Path| Value::String(p.to_string_lossy().into_owned());
         let mut recipe = Mapping::new();
@@ -124,7 +125,9 @@ impl MethodFlags {
         if !self.params.is_empty() {
             let mut parameters = Mapping::new();
             for (key, value) in &self.params {
-                let value = serde_yaml::to_value(value).unwrap_or(Value::Null);
+                let value = serde_yaml::to_value(value).with_context(|| {
+                    format!("cannot write parameter '{key}' into the merge's recipe")
+                })?;
                 parameters.insert(key.as_str().into(), value);
             }
             recipe.insert("parameters".into(), Value::Mapping(parameters));
@@ -138,7 +141,8 @@ impl MethodFlags {
             let svc = Mapping::from_iter([("alpha".into(), alpha.into())]);
             recipe.insert("svc".into(), Value::Mapping(svc));
         }
-        let yaml = serde_yaml::to_string(&recipe).unwrap_or_default();
+        let yaml =
+            serde_yaml::to_string(&recipe).context("cannot write the merge's recipe as YAML")?;
         // Random masks (DARE, DELLA) depend on the seed.
         let seeded = matches!(
             kind,
@@ -149,10 +153,10 @@ impl MethodFlags {
         } else {
             String::new()
         };
-        format!(
+        Ok(format!(
             "# Written by rlmerge from its command line: `rlmerge run` of this file{seed} makes \
              the same merge.\n{yaml}"
-        )
+        ))
     }
 
     /// SVC's α from `--svc`, checked (`None`: no calibration).

@@ -31,7 +31,9 @@ pub struct MethodRequest {
 
 /// The RAM threshold ε a request sets, validated (`None`: not set).
 pub fn epsilon(req: &MethodRequest) -> Result<Option<f32>> {
-    Ok(shared_number(req, "epsilon")?.map(|e| e as f32))
+    shared_number(req, "epsilon")?
+        .map(epsilon_value)
+        .transpose()
 }
 
 /// Validates `req` for `agents` merged models and builds the method.
@@ -199,6 +201,14 @@ pub fn svc_alpha(value: &Scalar) -> Result<f64> {
     value.as_f64(param.name)
 }
 
+/// RAM's ε as `--epsilon` or `analyze` gives it, checked as a recipe's `epsilon` is (the
+/// catalog's [`crate::method::catalog::EPSILON`]): finite and ≥ 0 in f32, the type the probe
+/// compares in.
+pub fn epsilon_value(x: f64) -> Result<f32> {
+    check_scalar(&crate::method::catalog::EPSILON, &Scalar::Number(x), None)?;
+    Ok(x as f32)
+}
+
 fn bad(param: &Param, model: Option<usize>, got: &str) -> anyhow::Error {
     let place = model.map_or(String::new(), |m| format!(" of model {}", m + 1));
     usage(format!(
@@ -218,6 +228,17 @@ fn check_scalar(param: &Param, value: &Scalar, model: Option<usize>) -> Result<(
             let whole = !matches!(param.range, Range::Integer { .. }) || x.fract() == 0.0;
             if !(x.is_finite() && x >= lo && x <= hi && whole) {
                 return fail();
+            }
+            if !param.compute.finite(x) {
+                let place = model.map_or(String::new(), |m| format!(" of model {}", m + 1));
+                return Err(usage(format!(
+                    "parameter '{}'{place} must be {}, got {}, which is infinite as an f32 \
+                     (the type it is computed in; at most {:e})",
+                    param.name,
+                    param.range.requirement(),
+                    shown(value),
+                    f32::MAX
+                )));
             }
         }
         Range::Bool => {

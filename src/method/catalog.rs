@@ -2,17 +2,17 @@
 //! reference — the one list `rlmerge methods`, the recipe reader and the planner share.
 
 use super::defaults;
-pub use super::param::{Param, ParamDefault, ParamScope, Range};
+pub use super::param::{Compute, Param, ParamDefault, ParamScope, Range};
 use serde::{Deserialize, Serialize};
 
-/// Every merge method rlmerge knows, by its recipe name.
+/// Every merge method rlmerge knows, by its recipe name — also in the record, which names a
+/// method as recipes and the command line do ([`Kind::name`], one source).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(into = "&'static str", try_from = "String")]
 pub enum Kind {
     /// RAM: keep unique updates, average shared ones (SPEC §2).
     Ram,
     /// RAM+: RAM with unique updates boosted by λ_t (SPEC §3).
-    #[serde(rename = "ram+")]
     RamPlus,
     /// RAM+ in tensor scope (the authors' `ramplus_tl`).
     RamplusTl,
@@ -75,6 +75,7 @@ const fn p(
         default,
         range,
         about,
+        compute: Compute::F32,
     }
 }
 
@@ -118,7 +119,8 @@ const LAMBDA: Param = p(
     "scale of the merged task vector",
 );
 const INT8_MASK: Param = flag("int8_mask", false, "accepted; memory-only in mergekit");
-const EPSILON: Param = p(
+/// RAM's ε (also `--epsilon` and `analyze`'s threshold, checked by `build::epsilon_value`).
+pub const EPSILON: Param = p(
     "epsilon",
     MethodWide,
     Number(defaults::EPSILON),
@@ -276,7 +278,8 @@ const MULTISLERP: [Param; 3] = [
         Number(1e-8),
         num(0.0, INF),
         "accepted; rlmerge uses 1e-8",
-    ),
+    )
+    .in_f64(),
 ];
 const KARCHER: [Param; 2] = [
     p(
@@ -295,7 +298,8 @@ const KARCHER: [Param; 2] = [
         Number(1e-5),
         num(0.0, INF),
         "convergence tolerance",
-    ),
+    )
+    .in_f64(),
 ];
 const SCE: [Param; 2] = [
     p(
@@ -332,7 +336,8 @@ pub const SVC: Param = p(
     Number(SVC_DEFAULT),
     num(1e-6, INF),
     "SVC's α: each merged matrix's singular values times γ_r = T / Σ_t max(α, s_r^t) (SPEC §4e)",
-);
+)
+.in_f64();
 const RESMERGE: [Param; 4] = [
     p(
         "rank_topk",
@@ -350,21 +355,24 @@ const RESMERGE: [Param; 4] = [
         Number(0.7),
         num(0.0, INF),
         "β where the residuals agree fully (c^β scales their norm)",
-    ),
+    )
+    .in_f64(),
     p(
         "beta_max",
         MethodWide,
         Number(1.0),
         num(0.0, INF),
         "β where they do not (≥ beta_min)",
-    ),
+    )
+    .in_f64(),
     p(
         "head_ratio_budget",
         MethodWide,
         Number(0.2),
         num(0.0, INF),
         "ρ: the head correction's norm, a share of the residual backbone's",
-    ),
+    )
+    .in_f64(),
 ];
 const ISO_C: [Param; 1] = [p(
     "scaling_factor",
@@ -389,6 +397,20 @@ const FISHER: [Param; 2] = [
         "folder of the model's diagonal Fisher (safetensors)",
     ),
 ];
+
+impl From<Kind> for &'static str {
+    fn from(kind: Kind) -> &'static str {
+        kind.name()
+    }
+}
+
+impl TryFrom<String> for Kind {
+    type Error = String;
+
+    fn try_from(name: String) -> Result<Kind, String> {
+        Kind::from_record(&name).ok_or_else(|| format!("unknown method '{name}'"))
+    }
+}
 
 impl Kind {
     /// Every method, in the order `rlmerge methods` lists them.
@@ -456,6 +478,15 @@ impl Kind {
         match name {
             "ramplus" | "ram_plus" => Some(Kind::RamPlus),
             _ => Kind::ALL.into_iter().find(|k| k.name() == name),
+        }
+    }
+
+    /// The method a record names: its name, or `res_merge`, which records of rlmerge 0.1 wrote
+    /// for ResMerge.
+    fn from_record(name: &str) -> Option<Kind> {
+        match name {
+            "res_merge" => Some(Kind::ResMerge),
+            _ => Kind::from_name(name),
         }
     }
 

@@ -336,6 +336,20 @@ mod tests {
         AgentCounts { unique, shared }
     }
 
+    /// The record names every method as recipes and the command line do, and reads it back
+    /// (issue #42: serde's own spelling made ResMerge `res_merge`, which records of 0.1 hold).
+    #[test]
+    fn records_name_methods_by_their_recipe_names() {
+        for kind in Kind::ALL {
+            let json = serde_json::to_value(kind).unwrap();
+            assert_eq!(json, kind.name(), "{kind:?}");
+            assert_eq!(serde_json::from_value::<Kind>(json).unwrap(), kind);
+        }
+        let old: Kind = serde_json::from_value("res_merge".into()).unwrap();
+        assert_eq!(old, Kind::ResMerge);
+        assert!(serde_json::from_value::<Kind>("no_such".into()).is_err());
+    }
+
     #[test]
     fn div_by_count_is_ieee_division() {
         let mut rng = crate::hash::SplitMix64::new(21);

@@ -132,6 +132,26 @@ impl ParamDefault {
     }
 }
 
+/// The floating-point type a number parameter is computed in: a value must be finite there, not
+/// only as written (1e39 is a finite f64 and +∞ as an f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compute {
+    /// It enters the merge's f32 arithmetic (a threshold, weight or scale of f32 values).
+    F32,
+    /// It is used in f64 only (a tolerance, a spectral coefficient computed in f64).
+    F64,
+}
+
+impl Compute {
+    /// Whether `x` is finite once in this type.
+    pub fn finite(self, x: f64) -> bool {
+        match self {
+            Compute::F32 => (x as f32).is_finite(),
+            Compute::F64 => x.is_finite(),
+        }
+    }
+}
+
 /// One parameter of a method: its name, scope, default, range and meaning.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Param {
@@ -145,4 +165,16 @@ pub struct Param {
     pub range: Range,
     /// What it does, in a line.
     pub about: &'static str,
+    /// The type a number is computed in (every value must be finite there).
+    pub compute: Compute,
+}
+
+impl Param {
+    /// This parameter computed in f64 rather than f32.
+    pub const fn in_f64(self) -> Param {
+        Param {
+            compute: Compute::F64,
+            ..self
+        }
+    }
 }

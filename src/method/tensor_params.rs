@@ -553,6 +553,7 @@ impl MethodConfig {
             }
             Kind::ModelStock => need(agents >= 2, "at least two models besides the base")?,
             Kind::Passthrough => need(agents == 1, "exactly one model")?,
+            Kind::Nuslerp => need(agents == 2, "exactly two models")?,
             _ => {}
         }
         // Keys and values are checked by `method::build`, the one place requests are validated.

@@ -4,12 +4,32 @@
 #![allow(dead_code)]
 
 pub mod bad_case;
+pub mod cases;
+pub mod gpu;
 pub mod linalg;
+pub mod processes;
+pub mod reference;
+
+#[allow(unused_imports)] // each test binary uses what it needs
+pub use bad_case::err_of;
+#[allow(unused_imports)] // each test binary uses what it needs
+pub use cases::*;
+#[allow(unused_imports)] // each test binary uses what it needs
+pub use gpu::{assert_gpu_close, assert_same, compare, devices, gpu_available};
+#[allow(unused_imports)] // each test binary uses what it needs
+pub use processes::*;
+#[allow(unused_imports)] // each test binary uses what it needs
+pub use reference::*;
 
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+
+/// The small models of the mergekit fixtures (`tests/fixtures/mergekit/models`).
+pub fn models() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mergekit/models")
+}
 
 /// A tensor for a test model; `values` are exactly representable in `dtype`.
 #[derive(Clone, Debug)]
@@ -317,113 +337,6 @@ pub fn fixture_of(
     }
 }
 
-/// SPEC §1 masks for one element.
-pub fn active(base: f32, agents: &[f32], eps: f32) -> Vec<bool> {
-    agents.iter().map(|&a| (a - base).abs() > eps).collect()
-}
-
-/// Written independently of the crate: global (unique, shared) counts per agent over all tensors.
-pub fn reference_counts(base: &[T], agents: &[Vec<T>], eps: f32) -> Vec<(u64, u64)> {
-    let n = agents.len();
-    let mut counts = vec![(0u64, 0u64); n];
-    for (i, b) in base.iter().enumerate() {
-        for e in 0..b.values.len() {
-            let vals: Vec<f32> = agents.iter().map(|a| a[i].values[e]).collect();
-            let m = active(b.values[e], &vals, eps);
-            let c = m.iter().filter(|&&x| x).count();
-            for t in 0..n {
-                if m[t] {
-                    if c == 1 {
-                        counts[t].0 += 1
-                    } else {
-                        counts[t].1 += 1
-                    }
-                }
-            }
-        }
-    }
-    counts
-}
-
-/// ρ = shared / unique from (unique, shared): 0 with no shared change, ∞ with no unique one.
-fn rho(c: (u64, u64)) -> f64 {
-    match c {
-        (_, 0) => 0.0,
-        (0, _) => f64::INFINITY,
-        (u, s) => s as f64 / u as f64,
-    }
-}
-
-/// λ from (unique, shared) by the paper rule.
-pub fn lambda_paper(c: (u64, u64), r: f64, alpha: f64) -> f64 {
-    1.0 + r * rho(c).min(alpha)
-}
-
-/// λ from (unique, shared) by the authors' released script.
-pub fn lambda_official(c: (u64, u64), big_r: f64) -> f64 {
-    1.0 + (big_r.max(1.0) - 1.0) * rho(c).min(1.0)
-}
-
-/// The merged bytes of one tensor per SPEC §2, computed the plain way.
-pub fn reference_merge(base: &T, agents: &[&T], eps: f32, lambdas: &[f32], out: Dtype) -> Vec<u8> {
-    reference_merge_shared(base, agents, eps, lambdas, out, false)
-}
-
-/// [`reference_merge`], with `consensus`: SPEC §2b's shared-region rule — where two or more agents
-/// changed an element, only those whose τ has the sign of the sum of the changes (+ where it is
-/// ≥ 0) are averaged.
-pub fn reference_merge_shared(
-    base: &T,
-    agents: &[&T],
-    eps: f32,
-    lambdas: &[f32],
-    out: Dtype,
-    consensus: bool,
-) -> Vec<u8> {
-    let in_bytes = to_bytes(base.dtype, &base.values);
-    let s = size_of(base.dtype);
-    let mut bytes = Vec::new();
-    for e in 0..base.values.len() {
-        let b = base.values[e];
-        let mut sum = 0.0f32;
-        let mut c = 0usize;
-        let mut last = 0;
-        for (t, a) in agents.iter().enumerate() {
-            let tau = a.values[e] - b;
-            if tau.abs() > eps {
-                sum += tau;
-                c += 1;
-                last = t;
-            }
-        }
-        if c == 0 && out == base.dtype {
-            bytes.extend_from_slice(&in_bytes[e * s..(e + 1) * s]);
-            continue;
-        }
-        let v = match c {
-            0 => b,
-            1 => b + lambdas[last] * sum,
-            c if consensus => {
-                let (mut kept, mut k) = (0.0f32, 0usize);
-                for a in agents {
-                    let tau = a.values[e] - b;
-                    let agrees = if sum >= 0.0 { tau > 0.0 } else { tau < 0.0 };
-                    if tau.abs() > eps && agrees {
-                        kept += tau;
-                        k += 1;
-                    }
-                }
-                assert!(k >= 1 && k <= c);
-                b + kept / k as f32
-            }
-            // The correctly rounded quotient, as the paper authors' script computes it (SPEC §2).
-            c => b + sum / c as f32,
-        };
-        bytes.extend(to_bytes(out, &[v]));
-    }
-    bytes
-}
-
 /// Tensor shapes that are not a multiple of anything: odd lengths, tiny vectors, 2-D matrices.
 pub fn odd_shapes() -> Vec<(&'static str, Vec<usize>)> {
     vec![
@@ -479,7 +392,8 @@ pub fn merge_cmd(f: &Fixture, out: &Path, extra: &[&str]) -> assert_cmd::Command
     cmd
 }
 
-/// The methods with CLI parameters that exercise each part of the core (tests/methods.rs, tests/gpu_parity.rs).
+/// The methods with CLI parameters that exercise each part of the core (tests/recipes.rs,
+/// tests/gpu_methods.rs, tests/spectral_scale.rs).
 pub const METHODS: [(&str, &[&str]); 16] = [
     ("linear", &["weight=0.7"]),
     ("task_arithmetic", &["weight=0.6", "lambda=1.3"]),
@@ -545,95 +459,6 @@ pub fn input_digests(f: &Fixture) -> Vec<u64> {
         .chain(&f.agents)
         .map(|d| digest(d))
         .collect()
-}
-
-/// Names in `dir` that a merge leaves only while it runs.
-pub fn leftovers(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
-        .filter(|n| n.contains(".rlmerge-"))
-        .collect()
-}
-
-/// A merge slowed down by one-element tiles, so a test can act while it runs (on
-/// [`slow_fixture`]'s inputs: a second or so).
-pub fn slow_merge(f: &Fixture, out: &Path) -> std::process::Child {
-    slow_merge_with(f, out, &[])
-}
-
-/// [`slow_merge`] with more arguments.
-pub fn slow_merge_with(f: &Fixture, out: &Path, extra: &[&str]) -> std::process::Child {
-    slow_merge_command(f, out, extra).spawn().unwrap()
-}
-
-/// The command [`slow_merge_with`] runs, stderr piped.
-pub fn slow_merge_command(f: &Fixture, out: &Path, extra: &[&str]) -> std::process::Command {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rlmerge"));
-    cmd.args([
-        "merge",
-        "--quiet",
-        "--device",
-        "cpu",
-        "--threads",
-        "1",
-        "--tile-elems",
-        "1",
-        "--method",
-        "ram+",
-    ]);
-    cmd.arg("--base").arg(&f.base);
-    for a in &f.agents {
-        cmd.arg("--model").arg(a);
-    }
-    cmd.arg("-o")
-        .arg(out)
-        .args(extra)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped());
-    // The signals the tests send at their defaults in the merge, whatever this test process
-    // inherited (a shell's background job ignores SIGINT, and rlmerge keeps what it starts with
-    // ignored).
-    #[cfg(unix)]
-    {
-        use std::os::unix::process::CommandExt;
-        // SAFETY: the closure runs between fork and exec, and only calls signal(), which is
-        // async-signal-safe.
-        unsafe {
-            cmd.pre_exec(|| {
-                for s in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-                    libc::signal(s, libc::SIG_DFL);
-                }
-                Ok(())
-            });
-        }
-    }
-    cmd
-}
-
-/// Inputs of [`slow_merge`]: 2 M elements, so its merge runs for about a second, although the
-/// engine reads small tiles in runs (about 0.4 µs per one-element tile in a release build; 0.2 M
-/// elements sufficed when each tile read its inputs alone, at 3.5 µs).
-pub fn slow_fixture(seed: u64) -> Fixture {
-    fixture(
-        seed,
-        Dtype::BF16,
-        &[("w", vec![2000, 1003]), ("v", vec![1001])],
-        &DENSITIES[..3],
-        1,
-    )
-}
-
-/// Waits until the merge has created its temporary folder (it is under way).
-pub fn wait_until_running(parent: &Path) {
-    let t = std::time::Instant::now();
-    while leftovers(parent).is_empty() {
-        assert!(
-            t.elapsed() < std::time::Duration::from_secs(20),
-            "merge did not start"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
 }
 
 /// A tokenizer.json's vocabulary (the model's and the added tokens) by token.
@@ -769,4 +594,58 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
             "{what} element {e}: got {g}, the reference {w}"
         );
     }
+}
+
+/// A model folder with `tensors` and config `config` (JSON text), at `dir`.
+pub fn model_with(dir: &Path, tensors: &[T], config: &str) -> PathBuf {
+    write_folder(dir, tensors, 1);
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    dir.to_path_buf()
+}
+
+pub fn t(name: &str, shape: &[usize], v: f32) -> T {
+    T {
+        name: name.into(),
+        dtype: Dtype::BF16,
+        shape: shape.to_vec(),
+        values: vec![v; shape.iter().product()],
+    }
+}
+
+/// A bare fixture: base and two agents with a tensor of a hostile name, for analyze and merge.
+pub fn small(dir: &Path, agent_names: &[&str]) -> (PathBuf, Vec<PathBuf>) {
+    let base = dir.join("base");
+    write_folder(
+        &base,
+        &[t("model.layers.0.mlp.up_proj.weight", &[6, 4], 0.0)],
+        1,
+    );
+    let agents = agent_names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let a = dir.join(n);
+            let mut v = vec![0.0; 24];
+            v[i] = 1.0;
+            v[10] = 0.5 + i as f32;
+            write_folder(
+                &a,
+                &[T {
+                    name: "model.layers.0.mlp.up_proj.weight".into(),
+                    dtype: Dtype::BF16,
+                    shape: vec![6, 4],
+                    values: v,
+                }],
+                1,
+            );
+            a
+        })
+        .collect();
+    (base, agents)
+}
+
+/// `rlmerge merge` of `agents` onto the mergekit fixtures' base, quiet, into `out`.
+pub fn merge_with(agents: &[&Path], out: &Path, args: &[&str]) -> std::process::Output {
+    let mut cmd = merge_of(models().join("base"), agents);
+    cmd.args(["-q", "-o"]).arg(out).args(args).output().unwrap()
 }

@@ -20,9 +20,9 @@ mod scratch;
 
 use crate::error::usage;
 use anyhow::{bail, Context, Result};
-pub use path_rules::{refuse_inside, refuse_overlap, replaceable, resolve_output};
+pub use path_rules::{refuse_inside, refuse_overlap, replaceable, resolve_output, Identity};
 pub use rename::rename_noreplace;
-pub use scratch::{begin_commit, remove_live_scratch, sweep, CommitGuard, Scratch};
+pub use scratch::{begin_commit, remove_live_scratch, stale_notes, sweep, CommitGuard, Scratch};
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
@@ -140,6 +140,9 @@ pub struct OutputFolder {
     final_dir: PathBuf,
     force: bool,
     scratch: Scratch,
+    /// What a user should know about the folder beside the output: scratch that killed runs
+    /// left (removed, when it was a merge into this output; else named with its size).
+    notes: Vec<String>,
 }
 
 /// The scratch prefix of outputs named `name`: `.NAME.rlmerge-tmp`.
@@ -172,7 +175,7 @@ impl OutputFolder {
                     out.display()
                 )));
             }
-            replaceable(&final_dir).map_err(|why| {
+            replaceable(&final_dir, Identity::Checksums).map_err(|why| {
                 usage(format!(
                     "--force will not replace {}: {why}; choose another output",
                     out.display()
@@ -184,13 +187,17 @@ impl OutputFolder {
             .with_context(|| format!("cannot create the output's folder {}", parent.display()))?;
         let prefix = tmp_prefix(name);
         // An output a killed commit had moved aside goes back first, and then counts as existing.
-        sweep(parent, &prefix, |id| {
+        let mut restored = false;
+        let removed = sweep(parent, &prefix, |id| {
             let old = aside(&final_dir, id);
             if old.symlink_metadata().is_err() {
                 return Ok(());
             }
             match rename_noreplace(&old, &final_dir) {
-                Ok(()) => Ok(()),
+                Ok(()) => {
+                    restored = true;
+                    Ok(())
+                }
                 // The killed merge's new output went in: the old one was on its way out.
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => std::fs::remove_dir_all(&old)
                     .with_context(|| format!("cannot remove {}", old.display())),
@@ -203,14 +210,31 @@ impl OutputFolder {
                 }),
             }
         })?;
-        check_existing()?;
+        if restored {
+            check_existing()?;
+        }
+        let mut notes = Vec::new();
+        if removed > 0 {
+            notes.push(format!(
+                "removed {} of scratch that a killed merge into {} had left beside it",
+                crate::checkpoint::writer::size_text(removed),
+                out.display()
+            ));
+        }
+        notes.extend(stale_notes(&[parent.to_path_buf()]));
         let scratch = Scratch::create(parent, &prefix)?;
         Ok(OutputFolder {
             shown: out.to_path_buf(),
             final_dir,
             force,
             scratch,
+            notes,
         })
+    }
+
+    /// What a user should know about the folder beside the output (killed runs' scratch).
+    pub fn notes(&self) -> &[String] {
+        &self.notes
     }
 
     /// Where files go until commit.
@@ -241,7 +265,9 @@ impl OutputFolder {
                 self.shown.display()
             );
         }
-        if let Err(why) = replaceable(out) {
+        // A cheap look first (no file read), so a folder that is plainly not rlmerge's is never
+        // moved; the checksums are read once it is aside, where nothing can change it.
+        if let Err(why) = replaceable(out, Identity::Sizes) {
             bail!(
                 "--force will not replace {}: {why} (it changed while the merge ran; the merge was \
                  discarded)",
@@ -252,7 +278,7 @@ impl OutputFolder {
         rename_noreplace(out, &old)
             .with_context(|| format!("cannot move the old {} aside", out.display()))?;
         // Under its private name now; check again what exactly is being replaced.
-        if let Err(why) = replaceable(&old) {
+        if let Err(why) = replaceable(&old, Identity::Checksums) {
             let back = rename_noreplace(&old, out);
             bail!(
                 "--force will not replace {}: {why}{}",
@@ -341,20 +367,22 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let f = d.path().join("file");
         std::fs::write(&f, b"x").unwrap();
-        assert!(replaceable(&f).is_err());
+        let check = |p: &Path| replaceable(p, Identity::Checksums);
+        assert!(check(&f).is_err());
         let m = d.path().join("m");
         std::fs::create_dir(&m).unwrap();
-        assert!(replaceable(&m).is_ok());
+        assert!(check(&m).is_ok());
         std::fs::write(m.join("model.safetensors"), b"x").unwrap();
-        assert!(replaceable(&m).is_err());
+        assert!(check(&m).is_err());
+        // crc32 of "x".
         std::fs::write(
             m.join(RECORD_FILE),
-            r#"{"outputs": [{"file": "model.safetensors", "size": 1, "crc32": "0"}]}"#,
+            r#"{"outputs": [{"file": "model.safetensors", "size": 1, "crc32": "8cdc1683"}]}"#,
         )
         .unwrap();
-        assert!(replaceable(&m).is_ok());
+        assert!(check(&m).is_ok());
         std::fs::write(m.join("eval.json"), b"{}").unwrap();
-        let why = replaceable(&m).unwrap_err();
+        let why = check(&m).unwrap_err();
         assert!(why.contains("eval.json"), "{why}");
     }
 

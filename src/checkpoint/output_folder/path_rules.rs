@@ -99,9 +99,23 @@ fn refuse(out: &Path, resolved: &Path, inputs: &[PathBuf], containing: bool) -> 
     Ok(())
 }
 
+/// How closely [`replaceable`] checks that each entry of a folder is the file its manifest says
+/// rlmerge wrote.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Identity {
+    /// Each entry a regular file (no folder, link or device at a listed name), of the size the
+    /// manifest records: a cheap look before a folder is moved aside.
+    Sizes,
+    /// [`Identity::Sizes`], and each file's CRC-32 the one the manifest records: what `--force`
+    /// checks before anything is removed.
+    Checksums,
+}
+
 /// Whether `--force` may replace `path`: an empty folder, or a folder whose manifest (a merge's
-/// record, or the demo's manifest) lists every file in it. `Err` says why not.
-pub fn replaceable(path: &Path) -> std::result::Result<(), String> {
+/// record, or the demo's manifest) lists every entry in it, each a regular file of the recorded
+/// size and (with [`Identity::Checksums`]) checksum — a user's folder or file that merely
+/// carries a listed name is not rlmerge's. `Err` says why not.
+pub fn replaceable(path: &Path, identity: Identity) -> std::result::Result<(), String> {
     let meta = path
         .symlink_metadata()
         .map_err(|e| format!("cannot inspect it: {e}"))?;
@@ -124,37 +138,85 @@ pub fn replaceable(path: &Path) -> std::result::Result<(), String> {
     let listed = manifest(path).ok_or_else(|| {
         "it is not empty and rlmerge did not write it (no rlmerge_record.json)".to_string()
     })?;
-    match entries.iter().find(|e| !listed.contains(e)) {
-        Some(foreign) => Err(format!(
-            "it holds '{}', which rlmerge did not write there",
-            crate::escape::terminal(foreign)
-        )),
-        None => Ok(()),
+    for entry in &entries {
+        let shown = crate::escape::terminal(entry);
+        let Some(written) = listed.iter().find(|w| w.file == *entry) else {
+            return Err(format!(
+                "it holds '{shown}', which rlmerge did not write there"
+            ));
+        };
+        let file = path.join(entry);
+        let meta = file
+            .symlink_metadata()
+            .map_err(|e| format!("cannot inspect '{shown}' in it: {e}"))?;
+        if !meta.file_type().is_file() {
+            return Err(format!(
+                "its '{shown}' is {}, not the file rlmerge wrote there",
+                super::kind_of(&meta)
+            ));
+        }
+        let changed = || format!("its '{shown}' is not the file rlmerge wrote there (it changed)");
+        if written.size.is_some_and(|size| size != meta.len()) {
+            return Err(changed());
+        }
+        if let (Identity::Checksums, Some(crc)) = (identity, &written.crc32) {
+            let now = crate::checkpoint::safetensors_file::crc32_of_file(&file)
+                .map_err(|e| format!("cannot read '{shown}' in it: {e:#}"))?;
+            if now.crc32 != *crc {
+                return Err(changed());
+            }
+        }
     }
+    Ok(())
+}
+
+/// A file a manifest says rlmerge wrote, with the size and CRC-32 it records (older manifests
+/// record names alone).
+struct Written {
+    file: String,
+    size: Option<u64>,
+    crc32: Option<String>,
 }
 
 /// The files a manifest in `dir` says rlmerge wrote there, the manifest itself included.
-fn manifest(dir: &Path) -> Option<Vec<String>> {
-    let read = |name: &str, key: &str| -> Option<Vec<String>> {
+fn manifest(dir: &Path) -> Option<Vec<Written>> {
+    let read = |name: &str, key: &str| -> Option<Vec<Written>> {
         let path = dir.join(name);
         // Not a regular file (a FIFO would block the read): no manifest.
         crate::checkpoint::files::check_regular_file(&path).ok()?;
         let text = std::fs::read_to_string(&path).ok()?;
         let json: serde_json::Value = serde_json::from_str(&text).ok()?;
-        let mut files: Vec<String> = json
+        let mut files: Vec<Written> = json
             .get(key)?
             .as_array()?
             .iter()
-            .map(|f| f.get("file").unwrap_or(f).as_str().map(str::to_string))
+            .map(|f| {
+                Some(Written {
+                    file: f.get("file").unwrap_or(f).as_str()?.to_string(),
+                    size: f.get("size").and_then(|s| s.as_u64()),
+                    crc32: f.get("crc32").and_then(|c| c.as_str()).map(str::to_string),
+                })
+            })
             .collect::<Option<_>>()?;
-        files.push(name.to_string());
+        files.push(Written::named(name));
         Some(files)
     };
     for record in [RECORD_FILE, LEGACY_RECORD_FILE] {
         if let Some(mut files) = read(record, "outputs") {
-            files.push(CARD_FILE.to_string());
+            files.push(Written::named(CARD_FILE));
             return Some(files);
         }
     }
     read(DEMO_MANIFEST, "files")
+}
+
+impl Written {
+    /// A file the manifest names without a size or checksum (the manifest, the model card).
+    fn named(file: &str) -> Written {
+        Written {
+            file: file.to_string(),
+            size: None,
+            crc32: None,
+        }
+    }
 }

@@ -152,23 +152,37 @@ fn same_file(file: &File, path: &Path) -> bool {
     }
 }
 
-/// Removes what dead processes left in `parent` under `prefix`: for every `PREFIX-ID.lock` that no
-/// process holds, `dead(id)` runs (to restore or remove siblings sharing the lock), then
-/// `PREFIX-ID` and the lock file go. A folder without a lock file is never touched.
-pub fn sweep(parent: &Path, prefix: &str, mut dead: impl FnMut(&str) -> Result<()>) -> Result<()> {
+/// A scratch lock file's name, `PREFIX-PID-HEX.lock` with `.rlmerge-` in PREFIX, as its prefix
+/// and identifier (`PID-HEX`, [`scratch_id`]).
+fn lock_name(name: &str) -> Option<(&str, &str)> {
+    let stem = name.strip_suffix(".lock")?;
+    let (rest, hex) = stem.rsplit_once('-')?;
+    let (prefix, pid) = rest.rsplit_once('-')?;
+    let id = &stem[prefix.len() + 1..];
+    let numeric = !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit());
+    (numeric && !hex.is_empty() && prefix.contains(".rlmerge-")).then_some((prefix, id))
+}
+
+/// The lock files in `parent` whose scratch prefix `matches` and which no process holds: each
+/// one's prefix, identifier and path. A name that is no scratch lock file ([`lock_name`]) is
+/// passed by; a folder without a lock file is never anyone's scratch.
+fn dead_locks(parent: &Path, matches: impl Fn(&str) -> bool) -> Vec<(String, String, PathBuf)> {
     let Ok(entries) = std::fs::read_dir(parent) else {
-        return Ok(());
+        return Vec::new();
     };
+    let mut dead = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(id) = name
+        let Some((prefix, id)) = name
             .to_str()
-            .and_then(|n| n.strip_prefix(prefix))
-            .and_then(|n| n.strip_prefix('-'))
-            .and_then(|n| n.strip_suffix(".lock"))
+            .and_then(lock_name)
+            .map(|(p, i)| (p.to_string(), i.to_string()))
         else {
             continue;
         };
+        if !matches(&prefix) {
+            continue;
+        }
         let lock_path = entry.path();
         let Ok(lock) = File::open(&lock_path) else {
             continue;
@@ -176,14 +190,76 @@ pub fn sweep(parent: &Path, prefix: &str, mut dead: impl FnMut(&str) -> Result<(
         if lock.try_lock().is_err() || !same_file(&lock, &lock_path) {
             continue; // alive (or just removed by another sweep)
         }
-        dead(id)?;
+        dead.push((prefix, id, lock_path));
+    }
+    dead
+}
+
+/// Removes what dead processes left in `parent` under `prefix`: for every `PREFIX-ID.lock` that no
+/// process holds, `dead(id)` runs (to restore or remove siblings sharing the lock), then
+/// `PREFIX-ID` and the lock file go. A folder without a lock file is never touched. Returns the
+/// bytes removed.
+pub fn sweep(parent: &Path, prefix: &str, mut dead: impl FnMut(&str) -> Result<()>) -> Result<u64> {
+    let mut removed = 0;
+    for (_, id, lock_path) in dead_locks(parent, |p| p == prefix) {
+        dead(&id)?;
         let dir = parent.join(format!("{prefix}-{id}"));
         if dir.symlink_metadata().is_ok() {
+            removed += size_of_tree(&dir);
             std::fs::remove_dir_all(&dir).with_context(|| {
                 format!("cannot remove {}, left by a killed run", dir.display())
             })?;
         }
         let _ = std::fs::remove_file(&lock_path);
     }
-    Ok(())
+    Ok(removed)
+}
+
+/// Bytes of the files under `path` on disk (what removing them frees: space reserved for output
+/// shards counts before it is written), links not followed.
+fn size_of_tree(path: &Path) -> u64 {
+    let Ok(meta) = path.symlink_metadata() else {
+        return 0;
+    };
+    if !meta.is_dir() {
+        #[cfg(unix)]
+        return std::os::unix::fs::MetadataExt::blocks(&meta) * 512;
+        #[cfg(not(unix))]
+        return meta.len();
+    }
+    std::fs::read_dir(path)
+        .map(|entries| entries.flatten().map(|e| size_of_tree(&e.path())).sum())
+        .unwrap_or(0)
+}
+
+/// A line for each scratch folder in `folders` that a killed process left (its lock held by
+/// nobody: SIGKILL, the OOM killer, `docker kill` leave them; a later merge into the same output
+/// removes them): its path, its size, and the command that removes it.
+pub fn stale_notes(folders: &[PathBuf]) -> Vec<String> {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut notes = Vec::new();
+    for folder in folders {
+        for (prefix, id, lock_path) in dead_locks(folder, |_| true) {
+            let dir = folder.join(format!("{prefix}-{id}"));
+            if !seen.insert(dir.clone()) {
+                continue;
+            }
+            let pid = id.split('-').next().unwrap_or("?");
+            notes.push(format!(
+                "{} ({}) is the scratch folder of an rlmerge run that was killed (process {pid} \
+                 holds it no more); nothing uses it — remove it with: rm -rf {} {}",
+                dir.display(),
+                crate::checkpoint::writer::size_text(size_of_tree(&dir)),
+                shell_word(&dir),
+                shell_word(&lock_path),
+            ));
+        }
+    }
+    notes
+}
+
+/// `path` quoted for a POSIX shell.
+fn shell_word(path: &Path) -> String {
+    let text = path.display().to_string();
+    format!("'{}'", text.replace('\'', "'\\''"))
 }

@@ -255,7 +255,9 @@ fn parse_raw(raw: RawConfig, text: RecipeText, dir: &Path, seed: u64) -> Result<
         slices: slice_settings,
     };
     let epsilon = match kind {
-        Kind::Ram | Kind::RamPlus | Kind::RamplusTl => build::epsilon(&request)?,
+        Kind::Ram | Kind::RamPlus | Kind::RamplusTl => {
+            build::epsilon(&request).map_err(|e| at_line_of_parameter(e, text))?
+        }
         _ => None,
     };
     let method = build::build(request, agents.len()).map_err(|e| at_line_of_parameter(e, text))?;

@@ -1,0 +1,59 @@
+//! Small hand-checked cases: one-tensor f32 models written under a folder, a recipe run over
+//! them, the merged tensor compared with the value computed by hand.
+
+use super::{from_bytes, read_folder, rlmerge, write_folder, T};
+use safetensors::tensor::Dtype;
+use std::path::Path;
+
+/// A one-tensor f32 model's tensor.
+pub fn case_tensor(name: &str, shape: &[usize], values: &[f32]) -> T {
+    T {
+        name: name.into(),
+        dtype: Dtype::F32,
+        shape: shape.to_vec(),
+        values: values.to_vec(),
+    }
+}
+
+/// Writes one-tensor f32 models `base`, `a`, `b`, … under `dir`.
+pub fn write_cases(dir: &Path, shape: &[usize], base: &[f32], agents: &[&[f32]]) {
+    write_folder(
+        &dir.join("base"),
+        &[case_tensor("model.layers.0.w", shape, base)],
+        1,
+    );
+    for (i, a) in agents.iter().enumerate() {
+        let name = ((b'a' + i as u8) as char).to_string();
+        write_folder(
+            &dir.join(name),
+            &[case_tensor("model.layers.0.w", shape, a)],
+            1,
+        );
+    }
+}
+
+/// Runs recipe `yaml` in `dir` (model names relative to it) and returns the merged tensor.
+pub fn run_case(dir: &Path, yaml: &str, extra: &[&str]) -> Vec<f32> {
+    let recipe = dir.join("recipe.yml");
+    std::fs::write(&recipe, yaml).unwrap();
+    let out = dir.join("out");
+    rlmerge()
+        .current_dir(dir)
+        .args(["run", "recipe.yml", "-q", "--force", "-o", "out"])
+        .args(extra)
+        .assert()
+        .success();
+    let (dt, _, bytes) = read_folder(&out).remove("model.layers.0.w").unwrap();
+    from_bytes(dt, &bytes)
+}
+
+/// `got` equals `want` within 10⁻⁶ (relative above 1).
+pub fn assert_near(got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+            "element {i}: got {g}, want {w} ({got:?})"
+        );
+    }
+}
