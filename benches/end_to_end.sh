@@ -7,9 +7,6 @@
 #   benches/end_to_end.sh [MODEL_SIZE=1GiB] [RUNS=5] [DIR=target/bench-models] [DEVICE=cpu]
 #
 # BENCH_VERBOSE=1 prints every run; BENCH_METHODS="ram ties" runs only the cases of those labels.
-# BENCH_SET=past-svd times the SVD methods' elementwise part instead: the same bytes rewritten
-# (benches/past_svd_bound.py, into DIR-past-svd) as 6144 x 6144 matrices, past the 2^25 elements
-# iso_c, tsv and svc decompose, so every tensor takes their elementwise rule.
 # BENCH_SET=lora times a LoRA agent (rank 16 on every projection of the base, written by
 # benches/write_lora.py into DIR-lora) merged beside the demo's tool agent, against reading the
 # base, the adapter and that agent and copying the base.
@@ -26,8 +23,8 @@ runs=${2:-5}
 dir=${3:-target/bench-models}
 device=${4:-cpu}
 set=${BENCH_SET:-methods}
-if [ "$set" != methods ] && [ "$set" != past-svd ] && [ "$set" != lora ]; then
-    echo "BENCH_SET is methods, past-svd or lora" >&2
+if [ "$set" != methods ] && [ "$set" != lora ]; then
+    echo "BENCH_SET is methods or lora" >&2
     exit 2
 fi
 cd "$(dirname "$0")/.."
@@ -44,11 +41,6 @@ once() {
     fi
 }
 once "$dir" "$bin" demo "$dir" --model-size "$size" --write-only --quiet
-if [ "$set" = past-svd ]; then
-    once "$dir-past-svd" python3 benches/past_svd_bound.py "$dir" "$dir-past-svd" base \
-        coding-agent tool-agent memory-agent
-    dir=$dir-past-svd
-fi
 # The agents merged with the base, and every file the merge reads.
 if [ "$set" = lora ]; then
     once "$dir-lora" python3 benches/write_lora.py "$dir/base" "$dir-lora" 16 0
@@ -92,8 +84,8 @@ limit=$(echo "$read_s + $cp_s" | bc -l)
 printf 'inputs: %s bytes (page cache: %s); cat %.2f s + cp %.2f s = read limit %.2f s (median of %s)\n\n' \
     "$bytes" "${BENCH_CACHE:-disk}" "$read_s" "$cp_s" "$limit" "$runs"
 # label|method and flags, side by side: every method issue #27 holds to the read limit (with a
-# LoRA agent too), or with BENCH_SET=past-svd the SVD methods (their elementwise rule on that set)
-# and task arithmetic.
+# LoRA agent too). The spectral methods decompose every matrix: their bench is
+# benches/spectral_vs_torch.py.
 methods=(
     "ram|ram"
     "ram+|ram+"
@@ -104,14 +96,6 @@ methods=(
     "della|della --param weight=1 --param density=0.5 --param epsilon=0.1"
 )
 case $set in
-past-svd)
-    cases=(
-        "task_arithmetic|task_arithmetic --param weight=0.5"
-        "iso_c|iso_c"
-        "tsv|tsv"
-        "svc|task_arithmetic --param weight=0.5 --svc 0.1"
-    )
-    ;;
 lora) cases=("${methods[@]}") ;;
 *) cases=("${methods[@]}" "ram/consensus|ram --shared consensus" "ram/tile-4096|ram --tile-elems 4096") ;;
 esac

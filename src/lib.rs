@@ -22,6 +22,7 @@ pub mod hash;
 pub mod hub;
 pub mod inputs;
 pub mod job;
+pub(crate) mod linalg;
 pub mod method;
 pub(crate) mod names;
 pub mod record;

@@ -337,8 +337,7 @@ fn resmerge_from_recipes_on_both_backends_and_its_bad_parameters() {
         assert!(err.contains(want), "{param}: {err}");
         assert!(!out.exists());
     }
-    if rlmerge::backend::gpu::list_adapters().is_empty() {
-        eprintln!("no GPU adapter: the GPU half of this test is skipped");
+    if !gpu_available("the GPU half of this test") {
         return;
     }
     let gpu = f.dir.path().join("gpu");

@@ -194,15 +194,17 @@ fn svc_from_flags_recipes_and_the_record_alike_and_on_both_backends() {
         .assert()
         .success();
     assert_eq!(read_folder(&flags), read_folder(&rerun));
-    if rlmerge::backend::gpu::list_adapters().is_empty() {
-        eprintln!("no GPU adapter: the GPU half of this test is skipped");
+    if !gpu_available("the GPU half of this test") {
         return;
     }
+    let on_gpu = |out: &std::path::Path| {
+        merge_cmd(&f, out, &[&method[..], &["--device", "gpu"]].concat())
+            .assert()
+            .success();
+    };
     let gpu = f.dir.path().join("gpu");
-    merge_cmd(&f, &gpu, &[&method[..], &["--device", "gpu"]].concat())
-        .assert()
-        .success();
-    assert_eq!(read_folder(&flags), read_folder(&gpu));
+    on_gpu(&gpu);
+    assert_gpu_close(&flags, &gpu, 1e-6, on_gpu);
 }
 
 /// α is a finite number ≥ 10⁻⁶, from the flag or a recipe; anything else is a usage error naming

@@ -133,6 +133,24 @@ pub trait Backend: Send + Sync {
     /// SPEC §4's generalized task-arithmetic rule over the tile into `out`.
     fn combine(&self, tile: &Tile, params: &CombineParams, out: &mut [u8]) -> Result<()>;
 
+    /// C = A·B in f32, row-major: A rows × k, B k × cols, into `out` (rows × cols). `b.1` names
+    /// B: the same key, the same values — a backend may keep B between calls (a tensor's row
+    /// map is the same for each of its tiles). The GEMM of the spectral methods' row maps (SPEC
+    /// §4g): the CPU backend's is faer's, the GPU's `shaders/gemm.wgsl`.
+    fn matmul(
+        &self,
+        a: &[f32],
+        b: (&[f32], u64),
+        (rows, k, cols): (usize, usize, usize),
+        out: &mut [f32],
+    ) -> Result<()> {
+        let a = faer::MatRef::from_row_major_slice(a, rows, k);
+        let b = faer::MatRef::from_row_major_slice(b.0, k, cols);
+        let c = faer::MatMut::from_row_major_slice_mut(out, rows, cols);
+        faer::linalg::matmul::matmul(c, faer::Accum::Replace, a, b, 1.0, faer::Par::rayon(0));
+        Ok(())
+    }
+
     /// A host-computed update (Iso-C, TSV-M, ResMerge, SVC: SPEC §4c–§4f) added to the tile's
     /// base into `out` in `out_dtype`: each element θ₀ + Δ in f32, encoded once. The tile's
     /// agents are not read (it has none).

@@ -2,21 +2,17 @@
 //! (whole model for global RAM+, per tensor for tensor scope) and the merge pass through a
 //! [`Backend`], and stream the merged bytes into the output checkpoint.
 
-use crate::backend::{Backend, CombineParams, MergeParams, Tile, TileCounts};
-use crate::checkpoint::dtype::decode;
+use crate::backend::{Backend, TileCounts};
 use crate::checkpoint::folder_files::check_base_config;
 use crate::checkpoint::{CheckpointWriter, DType, ModelFolder, OutputFolder, OutputTensor};
 use crate::inputs::{Inputs, TensorPlan};
-use crate::method::combine::CombineSpec;
 use crate::method::settings::{layer_t, TensorPlace};
-use crate::method::statistics::Decisions;
 use crate::method::{BoostScope, Kind, Method};
 use crate::names::layer_index;
 use crate::record::MergeRecord;
 use crate::report::{boost_group, ProbeReport, TensorStats};
 use anyhow::{Context, Result};
 use indicatif::ProgressBar;
-use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -36,20 +32,21 @@ mod calibrate;
 mod fisher;
 mod output;
 mod probe;
-mod resmerge;
 mod retention;
 mod scans;
 mod spectral;
+mod tile_rule;
 mod tile_size;
 mod tiles;
-mod truncated_svd;
 
 use fisher::FisherInputs;
-use output::{check_finite_output, finish, pass_base};
+use output::{check_finite_output, finish};
 pub use probe::probe_all;
 use probe::{probe_tensors, to_global};
 pub use retention::{retention, RegionSums, Retention, REGIONS};
-use scans::{combine_spec, spectral_update, ScanBuffers};
+use scans::{combine_spec, ScanBuffers};
+use spectral::spectral_update;
+use tile_rule::{TileRule, TileScratch};
 pub use tile_size::tile_elems;
 use tiles::{
     batches, par_tiles, progress_bar, run_bytes, whole_rows, TensorTiles, TileLoop, WriteRun,
@@ -116,6 +113,9 @@ pub struct MergeSummary {
     pub shards: Vec<String>,
     /// RAM's probe counts per agent and module, when a probe ran.
     pub report: Option<ProbeReport>,
+    /// What a user should know about the output's surroundings, not the merge (scratch that
+    /// killed runs left beside it): for stderr, not the record.
+    pub notes: Vec<String>,
 }
 
 /// A tensor of the merge pass, its rule known, in its batch of tiles.
@@ -129,73 +129,6 @@ struct TensorJob<'a> {
     /// Plain RAM with SVC: the counts its kernels gave while the tensor was captured
     /// (`calibrate`), reported instead of the calibrated rule's none.
     captured_counts: Option<TileCounts>,
-}
-
-/// How one tensor's tiles are merged.
-enum TileRule {
-    /// RAM / RAM+ with these λ of the present agents.
-    Ram(Vec<f32>),
-    /// A mergekit-family method, with DELLA's keep decisions when its statistics kept them.
-    Combine(CombineSpec, Option<Decisions>),
-    /// The base plus this update of the whole tensor, computed on the host (the matrices of Iso-C,
-    /// TSV-M, ResMerge and SVC), added by the backend's update kernel.
-    Update(Vec<f32>),
-    /// No merged model has the tensor: the base's values.
-    Base,
-}
-
-/// A tile worker's f32 buffers, kept from tile to tile (fresh ones per tile fault in their pages
-/// again): for [`tile_flags`] the base and each agent decoded and each agent's words.
-#[derive(Default)]
-struct TileScratch {
-    base: Vec<f32>,
-    values: Vec<Vec<f32>>,
-    words: Vec<Vec<u32>>,
-}
-
-/// Each present agent's words for the tile's elements, in the flags channel
-/// ([`crate::method::combine::Keep::Flagged`]): DELLA's keep decisions (kept by its statistics,
-/// else made here from the tile's rows), or arcee_fusion's keep flags; empty when the rule
-/// needs none.
-fn tile_flags<'b>(
-    tile: &Tile,
-    start: u64,
-    (spec, decisions): (&CombineSpec, Option<&Decisions>),
-    b: &'b mut TileScratch,
-) -> &'b [Vec<u32>] {
-    if decisions.is_none() && spec.fusion.is_none() {
-        return &[];
-    }
-    let n = tile.agents.len();
-    b.words.resize_with(n, Vec::new);
-    if let Some(Decisions::Kept(kept)) = decisions {
-        for (t, words) in b.words[..n].iter_mut().enumerate() {
-            kept.words(t, start, tile.len, words);
-        }
-        return &b.words[..n];
-    }
-    b.values.resize_with(n, Vec::new);
-    tiles::resize_exact(&mut b.base, tile.len, 0.0);
-    decode(tile.dtype, tile.base, &mut b.base);
-    let base = &b.base;
-    tile.agents
-        .par_iter()
-        .zip(b.values.par_iter_mut())
-        .zip(b.words.par_iter_mut())
-        .enumerate()
-        .for_each(|(t, ((bytes, v), words))| {
-            tiles::resize_exact(v, tile.len, 0.0);
-            decode(tile.dtype, bytes, v);
-            if spec.delta {
-                v.iter_mut().zip(base).for_each(|(x, b)| *x -= b);
-            }
-            match (&spec.fusion, decisions) {
-                (Some(f), _) => f.flags(start, v, words),
-                (None, Some(d)) => d.words(t, start, v, words),
-                (None, None) => unreachable!("returned above: no flags to make"),
-            }
-        });
-    &b.words[..n]
 }
 
 /// Runs the merge into `out_dir`, which appears only when everything is written: the inputs
@@ -292,7 +225,9 @@ pub fn merge(
     pass.bar.finish_and_clear();
     let shards = writer.finish()?;
     let boost = pass.boost_report(global_report);
-    finish(inputs, options, boost, shards, folder)
+    let notes = folder.notes().to_vec();
+    let summary = finish(inputs, options, boost, shards, folder)?;
+    Ok(MergeSummary { notes, ..summary })
 }
 
 /// The merge pass over every tensor: each one's rule, then its tiles through the backend.
@@ -417,9 +352,10 @@ impl<'a> MergePass<'a> {
         let rule = self.rule_of(plan, &present)?;
         // Widened tiles: a tile's bytes stay what the pass chose.
         let elems = tile_elems(plan, self.inputs, self.pass.tile_elems);
-        // DELLA ranks whole rows: its tiles hold whole rows.
+        // DELLA ranks whole rows: its tiles hold whole rows; a row map's are its blocks of rows.
         let tile_elems = match &rule {
             TileRule::Combine(spec, _) if spec.rank_rows > 0 => whole_rows(elems, spec.rank_rows),
+            TileRule::RowMap { .. } => spectral::row_block_elems(plan.shape()),
             _ => elems,
         };
         let mut job = TensorJob {
@@ -455,6 +391,7 @@ impl<'a> MergePass<'a> {
                     },
                 };
                 let (inputs, pass, buffers) = (self.inputs, &self.options.pass, &mut self.buffers);
+                let backend = self.backend;
                 if spectral::decomposes(config.kind) {
                     let mut update = None;
                     self.backend.run_cpu_work(&mut || {
@@ -463,12 +400,18 @@ impl<'a> MergePass<'a> {
                             plan,
                             config,
                             (at, present),
-                            pass,
+                            (pass, backend),
                             buffers,
                         ));
                     });
-                    if let Some(update) = update.expect("the scan ran")? {
-                        return Ok(TileRule::Update(update));
+                    match update.expect("the scan ran")? {
+                        Some(spectral::Decomposed::Whole(update)) => {
+                            return Ok(TileRule::Update(update))
+                        }
+                        Some(spectral::Decomposed::Rows(map)) => {
+                            return Ok(TileRule::RowMap { map, inner: None })
+                        }
+                        None => {}
                     }
                 }
                 let mut spec = None;
@@ -593,60 +536,6 @@ impl<'a> MergePass<'a> {
             .zip(jobs)
             .map(|(local, job)| to_global(local, &job.present, n))
             .collect())
-    }
-
-    /// One tile of `job` (first element `start`) merged into `out` (of `out_dtype`); plain RAM
-    /// adds the tile's counts to `counts`; `scratch` is the worker's buffers.
-    fn merge_tile(
-        &self,
-        job: &TensorJob,
-        tile: &Tile,
-        start: u64,
-        (out_dtype, out): (DType, &mut [u8]),
-        counts: &mut TileCounts,
-        scratch: &mut TileScratch,
-    ) -> Result<()> {
-        match &job.rule {
-            TileRule::Base => {
-                pass_base(tile, out_dtype, out);
-                Ok(())
-            }
-            TileRule::Update(update) => {
-                // θ₀ + Δ in f32, as the combine kernels add (SPEC §4c), encoded once.
-                let start = start as usize;
-                let update = &update[start..start + tile.len];
-                self.backend.add_update(tile, update, out_dtype, out)
-            }
-            TileRule::Ram(lambdas) => {
-                let params = MergeParams {
-                    epsilon: self.options.pass.epsilon,
-                    lambdas,
-                    out_dtype,
-                    shared: self.options.method.shared(),
-                };
-                if self.counted.is_some() {
-                    counts.add(&self.backend.merge_counted(tile, &params, out)?);
-                    Ok(())
-                } else {
-                    self.backend.merge(tile, &params, out)
-                }
-            }
-            TileRule::Combine(spec, kept) => {
-                let flags = tile_flags(tile, start, (spec, kept.as_ref()), scratch);
-                let mut coefs = Vec::new();
-                if let Some(f) = self.fisher {
-                    f.tile_coefs(job.plan, &job.present, spec, (start, tile.len), &mut coefs)?;
-                }
-                let params = CombineParams {
-                    spec,
-                    start,
-                    out_dtype,
-                    flags,
-                    coefs: &coefs,
-                };
-                self.backend.combine(tile, &params, out)
-            }
-        }
     }
 
     /// The probe report (global, tensor scope's folded one, or plain RAM's counted one) and the

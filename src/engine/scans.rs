@@ -11,8 +11,7 @@ use crate::inputs::{Inputs, TensorPlan};
 use crate::method::combine::CombineSpec;
 use crate::method::settings::TensorPlace;
 use crate::method::statistics::{self, Decisions};
-use crate::method::{Kind, MethodConfig};
-use crate::names::Module;
+use crate::method::MethodConfig;
 use crate::scans::{AgentChunk, AgentVisit, AnyOrderVisit, Scans, Values, Visit, SCAN_CHUNK};
 use anyhow::{ensure, Context, Result};
 use indicatif::ProgressBar;
@@ -62,52 +61,20 @@ pub(super) fn combine_spec(
     spec
 }
 
-/// A decomposing method's update of one tensor (Iso-C, TSV-M) when it is a matrix it decomposes
-/// (`spectral::matrix`): its task vectors read by a scan of its tiles, then the SVDs; `None` for
-/// any other tensor, which takes the method's elementwise rule.
-pub(super) fn spectral_update(
-    inputs: &Inputs,
-    plan: &TensorPlan,
-    config: &MethodConfig,
-    (at, present): (TensorPlace, &[usize]),
-    pass: &PassOptions,
-    buffers: &mut ScanBuffers,
-) -> Result<Option<Vec<f32>>> {
-    let Some(matrix) = super::spectral::decomposed(config.kind, plan.name(), plan.shape()) else {
-        return Ok(None);
-    };
-    let numel = plan.numel() as u64;
-    let named = |e: anyhow::Error| e.context(format!("tensor '{}'", plan.name()));
-    let resmerge = match config.kind {
-        Kind::ResMerge => {
-            let number = |key| config.method_number(at, key).map_err(named);
-            Some(super::resmerge::ResMergeParams {
-                rank: number("rank_topk")? as usize,
-                beta_min: number("beta_min")?,
-                beta_max: number("beta_max")?,
-                head_ratio: number("head_ratio_budget")?,
-                family: matches!(Module::of(plan.name()), Module::Attn | Module::Mlp),
-            })
+/// Every agent's τ of a tensor of `elems` elements, whole, from the scan of its tiles.
+pub(super) fn gather_taus(scan: &mut dyn Scans, elems: usize) -> Result<Vec<Vec<f32>>> {
+    let mut taus: Vec<Vec<f32>> = Vec::new();
+    scan.tiles(&mut |tile| {
+        if taus.is_empty() {
+            taus = vec![vec![0.0f32; elems]; tile.tau.len()];
         }
-        _ => None,
-    };
-    let mut scans = TensorScans::new((inputs, plan, present), pass, 0, buffers);
-    // The SVD consumes this scan's values before the merge pass reads the tensor, so the scan
-    // applies the finiteness gate itself: a NaN or ±Inf is refused by name, not fed to the SVD.
-    scans.pass.scan_nonfinite = pass.scan_nonfinite;
-    let update = match resmerge {
-        Some(params) => super::resmerge::update(&mut scans, matrix, present.len(), &params),
-        None => {
-            let alpha = config
-                .tensor_params(at, numel, present)
-                .map_err(named)?
-                .lambda;
-            super::spectral::update(config.kind, &mut scans, matrix, alpha, present.len())
+        let start = tile.start as usize;
+        for (all, tau) in taus.iter_mut().zip(tile.tau) {
+            all[start..start + tau.len()].copy_from_slice(tau);
         }
-    }
-    .with_context(|| format!("{} of tensor '{}'", config.kind.name(), plan.name()))?;
-    inputs.forget_lora_tensor(plan);
-    Ok(Some(update))
+        Ok(ControlFlow::Continue(()))
+    })?;
+    Ok(taus)
 }
 
 /// The statistics scans of one tensor, over the same tile reads as the merge pass.
@@ -225,6 +192,7 @@ impl<'a> TensorScans<'a> {
         let tiles = ranges(self.plan.numel(), pass.tile_elems).enumerate();
         // From the tile holding element `from`: tiles keep their places whatever `from` is.
         for (i, (start, len)) in tiles.skip_while(|(_, (s, l))| (s + l) as u64 <= from) {
+            self.inputs.cancel.check()?;
             let flow = self
                 .buffers
                 .tiles

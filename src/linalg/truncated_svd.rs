@@ -15,7 +15,7 @@ use anyhow::{anyhow, Result};
 use rayon::prelude::*;
 
 /// One singular triplet: A v = s u, Aᵀ u = s v, ‖u‖ = ‖v‖ = 1.
-pub(super) struct Triplet {
+pub struct Triplet {
     pub s: f64,
     pub u: Vec<f64>,
     pub v: Vec<f64>,
@@ -30,7 +30,7 @@ const BREAKDOWN: f64 = 1e-12;
 /// The Lanczos steps (basis vectors) after which a caller with a full SVD to fall back on stops
 /// waiting for the top triplets (singular values so close together that hundreds of steps do not
 /// separate them, or a K in the hundreds); past it the Ritz triplets are checked every 64 steps.
-pub(super) const MAX_STEPS: usize = 512;
+pub const MAX_STEPS: usize = 512;
 
 /// Rows of A per parallel work item in Aᵀu: a function of the shape alone, so the partial sums
 /// and the order they are added in do not depend on the thread count.
@@ -224,7 +224,7 @@ fn start_vector(state: &mut u64, len: usize) -> Vec<f64> {
 
 /// What the Lanczos process gave: the top triplets, and whether they converged within
 /// [`MAX_STEPS`] steps (where not, the Ritz triplets reached, for a caller with no fallback).
-pub(super) struct Top {
+pub struct Top {
     pub triplets: Vec<Triplet>,
     pub converged: bool,
 }
@@ -273,7 +273,7 @@ fn unit(mut x: Vec<f64>) -> Option<Vec<f64>> {
 /// below `k`: directions with σ = 0 are left out), largest first, in at most `max_steps` steps
 /// (`usize::MAX`: until they converge or the basis spans A, where they are exact). `what` names
 /// the matrix in an error.
-pub(super) fn top_triplets(
+pub fn top_triplets(
     a: &[f32],
     (m, n): (usize, usize),
     k: usize,

@@ -116,7 +116,12 @@ impl Backend for CpuBackend {
     }
 
     fn run_cpu_work(&self, work: &mut (dyn FnMut() + Send)) {
-        self.pool.install(work)
+        // The work runs on a pool thread: it answers the caller's job's stop requests.
+        let token = crate::cancel::current();
+        self.pool.install(|| {
+            crate::cancel::set_current(token);
+            work()
+        })
     }
 
     fn probe(&self, tile: &Tile, epsilon: f32) -> Result<TileCounts> {

@@ -1,6 +1,6 @@
 //! The adapter, device, queue and compiled pipelines, built once per process.
 
-use super::{COMBINE_WGSL, MERGE_WGSL, PROBE_WGSL, UPDATE_WGSL};
+use super::{COMBINE_WGSL, GEMM_WGSL, MERGE_WGSL, PROBE_WGSL, UPDATE_WGSL};
 use anyhow::{anyhow, bail, Context, Result};
 use std::sync::{Arc, Mutex};
 
@@ -82,6 +82,7 @@ pub struct GpuContext {
     pub(super) merge_pipeline: wgpu::ComputePipeline,
     pub(super) combine_pipeline: wgpu::ComputePipeline,
     pub(super) update_pipeline: wgpu::ComputePipeline,
+    pub(super) gemm_pipeline: wgpu::ComputePipeline,
     /// The first asynchronous device error (validation, out of memory, device lost), if any.
     pub(super) error: Arc<Mutex<Option<String>>>,
     /// Chunk inputs and results live in mapped storage buffers (see `mapped_buffers`).
@@ -180,6 +181,7 @@ impl GpuContext {
         let merge_pipeline = compute_pipeline(&device, "merge", MERGE_WGSL);
         let combine_pipeline = compute_pipeline(&device, "combine", COMBINE_WGSL);
         let update_pipeline = compute_pipeline(&device, "update", UPDATE_WGSL);
+        let gemm_pipeline = standalone_pipeline(&device, "gemm", GEMM_WGSL);
         let ctx = GpuContext {
             device,
             queue,
@@ -189,6 +191,7 @@ impl GpuContext {
             merge_pipeline,
             combine_pipeline,
             update_pipeline,
+            gemm_pipeline,
             error,
             mapped,
         };
@@ -236,10 +239,14 @@ pub(super) fn compute_pipeline(
     entry: &str,
     kernel: &str,
 ) -> wgpu::ComputePipeline {
-    let source = super::shader_source(kernel);
+    standalone_pipeline(device, entry, &super::shader_source(kernel))
+}
+
+/// A compute pipeline from one whole WGSL source (the GEMM's, which needs no codecs).
+fn standalone_pipeline(device: &wgpu::Device, entry: &str, source: &str) -> wgpu::ComputePipeline {
     let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
         label: Some(entry),
-        source: wgpu::ShaderSource::Wgsl(source.into()),
+        source: wgpu::ShaderSource::Wgsl(source.to_owned().into()),
     });
     device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
         label: Some(entry),

@@ -8,6 +8,7 @@
 
 mod buffers;
 mod context;
+mod gemm;
 mod kernels;
 mod layout;
 mod subnormals;
@@ -48,6 +49,8 @@ pub(super) const UPDATE_WGSL: &str = concat!(
     include_str!("../../../shaders/store.wgsl"),
     include_str!("../../../shaders/update.wgsl")
 );
+/// The spectral methods' GEMM: a standalone kernel (f32 in and out).
+pub(super) const GEMM_WGSL: &str = include_str!("../../../shaders/gemm.wgsl");
 
 /// A kernel's whole WGSL source as every user of it builds it — the pipelines, the naga
 /// validation and the layout tests: the codecs (`dtype.wgsl`), the chunk's uniforms and bindings
@@ -85,6 +88,8 @@ pub struct GpuBackend {
     flushes_subnormals: bool,
     /// The CPU kernels, started on the first tile that needs them.
     cpu: OnceLock<CpuBackend>,
+    /// The GEMM's B, kept on the device while the same one comes back.
+    kept_b: Mutex<Option<gemm::KeptB>>,
 }
 
 impl GpuBackend {
@@ -98,6 +103,7 @@ impl GpuBackend {
             times: Mutex::new(PhaseTimes::default()),
             flushes_subnormals: false,
             cpu: OnceLock::new(),
+            kept_b: Mutex::new(None),
         };
         gpu.flushes_subnormals = subnormals::adapter_flushes(&gpu);
         gpu
@@ -210,6 +216,16 @@ impl Backend for GpuBackend {
         Ok(counts)
     }
 
+    fn matmul(
+        &self,
+        a: &[f32],
+        b: (&[f32], u64),
+        dims: (usize, usize, usize),
+        out: &mut [f32],
+    ) -> Result<()> {
+        self.gemm(a, b, dims, out)
+    }
+
     fn add_update(
         &self,
         tile: &Tile,
@@ -305,8 +321,12 @@ mod tests {
             ("merge", MERGE_WGSL),
             ("combine", COMBINE_WGSL),
             ("update", UPDATE_WGSL),
+            ("gemm", GEMM_WGSL),
         ] {
-            let source = shader_source(kernel);
+            let source = match name {
+                "gemm" => kernel.to_string(),
+                _ => shader_source(kernel),
+            };
             let module = naga::front::wgsl::parse_str(&source)
                 .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(&source)));
             naga::valid::Validator::new(

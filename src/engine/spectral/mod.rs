@@ -1,58 +1,55 @@
-//! The methods that decompose whole matrices: Iso-C (SPEC §4c: Σ τ_t = U S Vᵀ by a thin SVD, the
-//! update α·mean(S)·U Vᵀ) and TSV-M (SPEC §4d: each agent's top 1/T singular directions, their
-//! U and V made orthogonal, summed with their singular values). A matrix's task vectors are read
-//! whole by a statistics scan; the SVDs are faer's, in f64. The update is computed once per
-//! matrix on the host and added to the base tile by tile, so every backend writes the same
-//! bytes. Tensors that are not matrices, or larger than [`MAX_ELEMS`] (ResMerge, which needs no
-//! full SVD: its own bound), take the elementwise rule α·mean τ through the combine kernels
-//! instead (`method::tensor_params`).
+//! The methods that decompose whole matrices: Iso-C (SPEC §4c), TSV-M (§4d), the SVC modifier
+//! (§4e) and ResMerge (§4f). Iso-C, TSV-M and SVC decompose every matrix of the model, whatever
+//! its size, through the short side's Gram matrices (`crate::linalg`): a tall matrix (rows ≥
+//! columns) is streamed from the input files block by block — summed into n × n matrices, then
+//! merged tile by tile in the merge pass by a small map of its rows ([`RowMap`], a
+//! [`super::TileRule::RowMap`]) — so memory grows with its short side, not with the matrix; a
+//! wide one's task vectors are gathered and read transposed, its update made whole (a
+//! [`super::TileRule::Update`]). ResMerge (`super::resmerge`) needs each agent's top K triplets
+//! and takes matrices up to [`RESMERGE_MAX_ELEMS`]; its paper merges embeddings, the LM head and
+//! norms by the models' mean, and the merge says so.
 
-use super::truncated_svd::Triplet;
+mod methods;
+mod resmerge;
+mod row_map;
+mod rows;
+
+use crate::backend::{Backend, Tile};
+use crate::checkpoint::dtype::{decode, decode_minus};
+use crate::engine::scans::{gather_taus, ScanBuffers, TensorScans};
+use crate::engine::PassOptions;
 use crate::inputs::Inputs;
+use crate::inputs::TensorPlan;
+use crate::method::settings::TensorPlace;
+use crate::method::MethodConfig;
 use crate::method::{Kind, Method};
-use crate::scans::Scans;
-use anyhow::{anyhow, Result};
-use rayon::prelude::*;
-use std::ops::ControlFlow;
-
-/// The largest matrix decomposed: 2^25 elements (a 4096 × 8192 projection). Iso-C's SVD holds
-/// the sum and U Vᵀ in f64 plus faer's factors, about 1 GiB at this size; TSV-M holds the T task
-/// vectors in f32 and one agent's SVD at a time (T · 128 MiB + about 1 GiB). Larger matrices (a
-/// big vocabulary's embeddings) take the elementwise rule, and the merge says so.
-pub(super) const MAX_ELEMS: usize = 1 << 25;
+use crate::names::Module;
+use anyhow::Context as _;
+use anyhow::Result;
+pub(super) use methods::MatrixWork;
+pub(crate) use row_map::{Block, RowMap};
+pub(super) use rows::{refuse_nonfinite, FileRows, RowBlocks, Transposed};
 
 /// The largest matrix ResMerge decomposes: 2^30 elements (Llama-3-405B's 53248 × 16384 MLP
 /// projections are 0.81 · 2^30). Past 1 GiB of task vectors it holds one agent's τ and the update
 /// in f32, 8 bytes an element (1.9 GB for a 70B model's 28672 × 8192 projections), and (m + n)
-/// f64 per Lanczos step — a few hundred steps where K is small, at most min(m, n) + 1.
+/// f64 per Lanczos step.
 const RESMERGE_MAX_ELEMS: usize = 1 << 30;
-
-/// The most bytes TSV-M's SVDs take when they run at once (the agents', then the two polar
-/// factors'); above it they run one at a time.
-const PARALLEL_SVD_BYTES: usize = 1 << 30;
 
 /// Whether `kind`'s matrices are merged here (or by `resmerge`, on the same footing).
 pub(super) fn decomposes(kind: Kind) -> bool {
     matches!(kind, Kind::IsoC | Kind::Tsv | Kind::ResMerge)
 }
 
-/// The matrix `kind` decomposes for tensor `name` of `shape` — a 2-D tensor of at least 2 × 2
-/// and at most [`max_elems`] elements — unless the method leaves that kind of tensor to its
-/// elementwise rule ([`left_by_name`]).
+/// The matrix `kind` decomposes for tensor `name` of `shape` — every 2-D tensor of at least 2 × 2
+/// (ResMerge: of at most [`RESMERGE_MAX_ELEMS`]) — unless the method leaves that kind of tensor
+/// to its elementwise rule ([`left_by_name`]).
 pub(super) fn decomposed(kind: Kind, name: &str, shape: &[usize]) -> Option<(usize, usize)> {
     if left_by_name(kind, name) {
         return None;
     }
-    matrix_within(shape, max_elems(kind))
-}
-
-/// The largest matrix `kind` decomposes: [`MAX_ELEMS`] for the full SVDs, [`RESMERGE_MAX_ELEMS`] for
-/// ResMerge's rank-K heads, which need no full SVD.
-fn max_elems(kind: Kind) -> usize {
-    match kind {
-        Kind::ResMerge => RESMERGE_MAX_ELEMS,
-        _ => MAX_ELEMS,
-    }
+    let (m, n) = matrix(shape)?;
+    (kind != Kind::ResMerge || m * n <= RESMERGE_MAX_ELEMS).then_some((m, n))
 }
 
 /// Whether `kind` leaves tensor `name` to its elementwise rule whatever its shape: ResMerge's
@@ -66,266 +63,233 @@ fn left_by_name(kind: Kind, name: &str) -> bool {
         )
 }
 
-/// The matrix decomposed for a tensor of `shape` — (rows, columns) of a 2-D tensor of at
-/// least 2 × 2 and at most [`MAX_ELEMS`] elements — or `None`.
+/// (rows, columns) of a 2-D tensor of at least 2 × 2: a matrix the spectral methods decompose.
 pub(super) fn matrix(shape: &[usize]) -> Option<(usize, usize)> {
-    matrix_within(shape, MAX_ELEMS)
-}
-
-/// (rows, columns) of a 2-D tensor of `shape` of at least 2 × 2 and at most `max` elements.
-fn matrix_within(shape: &[usize], max: usize) -> Option<(usize, usize)> {
     match *shape {
-        [m, n] if m >= 2 && n >= 2 && m * n <= max => Some((m, n)),
+        [m, n] if m >= 2 && n >= 2 => Some((m, n)),
         _ => None,
     }
 }
 
-/// The merge's warnings about a decomposing method: each matrix too large to decompose, merged
-/// by the elementwise rule instead.
+/// The merge's warnings about a decomposing method: the matrices it leaves to the elementwise
+/// rule (ResMerge: by its paper, embeddings, the LM head and norms; and matrices above its bound).
 pub(super) fn warnings(inputs: &Inputs, method: &Method) -> Vec<String> {
-    let kind = match method {
-        Method::Combine(c) if decomposes(c.kind) => c.kind,
-        _ => return Vec::new(),
+    let Method::Combine(c) = method else {
+        return Vec::new();
     };
-    inputs
+    if c.kind != Kind::ResMerge {
+        return Vec::new();
+    }
+    let matrices = inputs
         .tensors
         .iter()
-        .filter(|plan| !left_by_name(kind, plan.name()))
-        .filter_map(|plan| {
-            // A matrix of any size, too large for `kind`.
-            let (m, n) = matrix_within(plan.shape(), usize::MAX)?;
-            (m * n > max_elems(kind)).then(|| {
-                format!(
-                    "{}: tensor '{}' ({m} × {n}) is larger than the {} elements rlmerge \
-                     decomposes; it was merged by the elementwise rule (α · mean τ, SPEC §4c)",
-                    kind.name(),
-                    plan.name(),
-                    max_elems(kind)
-                )
-            })
-        })
-        .collect()
+        .filter(|p| matrix(p.shape()).is_some());
+    let (mut by_name, mut too_large) = (Vec::new(), Vec::new());
+    for plan in matrices {
+        if left_by_name(c.kind, plan.name()) {
+            by_name.push(plan.name());
+        } else if decomposed(c.kind, plan.name(), plan.shape()).is_none() {
+            too_large.push(plan.name());
+        }
+    }
+    let mut said = Vec::new();
+    if let Some(first) = by_name.first() {
+        said.push(format!(
+            "resmerge: {} matrices (embeddings, the LM head, norms; '{first}' first) are merged \
+             by the models' mean, as ResMerge's paper merges them (SPEC §4f)",
+            by_name.len()
+        ));
+    }
+    for name in too_large {
+        said.push(format!(
+            "resmerge: tensor '{name}' is larger than the {RESMERGE_MAX_ELEMS} elements ResMerge \
+             decomposes; it was merged by the models' mean (SPEC §4f)"
+        ));
+    }
+    said
 }
 
-/// `kind`'s update of an m × n matrix, row-major, from the scan of its tiles (of `agents`
-/// agents' copies).
-pub(super) fn update(
+/// What a decomposing method merges a matrix with.
+pub(super) enum Decomposed {
+    /// A tall matrix: its update made from each tile's rows in the merge pass.
+    Rows(RowMap),
+    /// A wide matrix (or ResMerge's): its update, whole, row-major.
+    Whole(Vec<f32>),
+}
+
+/// Iso-C's or TSV-M's merge of the m × n matrix `scans` reads (its `present` agents'), with
+/// scaling factor `alpha` (SPEC §4c, §4d).
+pub(super) fn decompose(
     kind: Kind,
-    scan: &mut dyn Scans,
-    matrix: (usize, usize),
-    alpha: f64,
-    agents: usize,
-) -> Result<Vec<f32>> {
-    match kind {
-        Kind::Tsv => tsv_update(scan, matrix, alpha, agents),
-        _ => iso_c_update(scan, matrix, alpha),
-    }
-}
-
-/// Iso-C's update of an m × n matrix, row-major: α·mean(S)·U Vᵀ for Σ_t τ_t = U S Vᵀ, the sum
-/// taken in f64 in agent order over the scan's tiles (whose task vectors are f32).
-fn iso_c_update(scan: &mut dyn Scans, (m, n): (usize, usize), alpha: f64) -> Result<Vec<f32>> {
-    let mut sum = vec![0.0f64; m * n];
-    scan.tiles(&mut |tile| {
-        let start = tile.start as usize;
-        for tau in tile.tau {
-            for (s, &t) in sum[start..start + tau.len()].iter_mut().zip(tau.iter()) {
-                *s += f64::from(t);
-            }
-        }
-        Ok(ControlFlow::Continue(()))
-    })?;
-    let a = faer::MatRef::from_row_major_slice(&sum, m, n);
-    let svd = thin_svd(a, "the summed task vectors")?;
-    let s = svd.S().column_vector();
-    let r = m.min(n);
-    let mean = (0..r).map(|i| s[i]).sum::<f64>() / r as f64;
-    drop(sum);
-    let uvt = svd.U() * svd.V().transpose();
-    Ok(rounded(uvt.as_ref(), alpha * mean))
-}
-
-/// `values` (an m × n matrix, row-major f32) in f64.
-pub(super) fn matrix_f64(values: &[f32], (m, n): (usize, usize)) -> faer::Mat<f64> {
-    faer::Mat::from_fn(m, n, |i, j| f64::from(values[i * n + j]))
-}
-
-/// The numerical rank's threshold of an m × n matrix whose largest singular value is `s_max`:
-/// s_max · max(m, n) · 2⁻⁵² — singular values at or below it are rounding noise (SPEC §4d, §4e).
-fn rank_floor(s_max: f64, (m, n): (usize, usize)) -> f64 {
-    s_max * m.max(n) as f64 * f64::EPSILON
-}
-
-/// The thin SVD of `a`; `what` names the matrix when it does not converge.
-pub(super) fn thin_svd(
-    a: faer::MatRef<f64>,
-    what: &str,
-) -> Result<faer::linalg::solvers::Svd<f64>> {
-    a.thin_svd()
-        .map_err(|e| anyhow!("the SVD of {what} did not converge ({e:?})"))
-}
-
-/// `scale · mat`, row-major, each element rounded once to f32.
-fn rounded(mat: faer::MatRef<f64>, scale: f64) -> Vec<f32> {
-    let (m, n) = (mat.nrows(), mat.ncols());
-    let mut update = vec![0.0f32; m * n];
-    for (i, row) in update.chunks_exact_mut(n).enumerate() {
-        for (j, u) in row.iter_mut().enumerate() {
-            *u = (scale * mat[(i, j)]) as f32;
-        }
-    }
-    update
-}
-
-/// TSV-M's update of an m × n matrix, row-major (SPEC §4d): for each of the T agents in order,
-/// the top k = ⌊min(m, n) / T⌋ singular triplets of τ_t (those above the numerical rank's
-/// threshold); their left vectors side by side X_U (m × c), right vectors X_V (n × c), values s;
-/// the update α · P(X_U) · diag(s) · P(X_V)ᵀ, P the orthogonal polar factor (U Vᵀ of a thin
-/// SVD).
-fn tsv_update(
-    scan: &mut dyn Scans,
+    scans: &mut TensorScans,
     (m, n): (usize, usize),
     alpha: f64,
-    agents: usize,
-) -> Result<Vec<f32>> {
-    if m.min(n) < agents {
-        // k = 0: no agent keeps a direction (the authors' code gives zero too).
-        return Ok(vec![0.0; m * n]);
-    }
-    let taus = gather_taus(scan, m * n)?;
-    let k = m.min(n) / agents;
-    // Each agent's top k directions above the numerical rank's threshold: directions at or
-    // below it carry nothing, and an SVD's basis of a null space is arbitrary — kept, they
-    // would turn the others.
-    let top = |(t, tau): (usize, &Vec<f32>)| -> Result<Vec<Triplet>> {
-        let svd = thin_svd(
-            matrix_f64(tau, (m, n)).as_ref(),
-            &format!("model {}'s task vector", t + 1),
-        )?;
-        let s = svd.S().column_vector();
-        let floor = rank_floor(s[0], (m, n));
-        Ok((0..k)
-            .filter(|&j| s[j] > floor)
-            .map(|j| Triplet {
-                s: s[j],
-                u: svd.U().col(j).iter().copied().collect(),
-                v: svd.V().col(j).iter().copied().collect(),
-            })
-            .collect())
+    cx: &MatrixWork,
+) -> Result<Decomposed> {
+    let run = |rows: &mut dyn RowBlocks| match kind {
+        Kind::Tsv => methods::tsv(rows, alpha, cx),
+        _ => methods::iso_c(rows, alpha, cx),
     };
-    // The agents' SVDs at once where they fit in PARALLEL_SVD_BYTES (each holds τ, U and V in
-    // f64), else one at a time; faer's own threads do not keep two cores busy.
-    let one_svd = (m * n + (m + n) * m.min(n)) * 8;
-    let tops: Vec<_> = if agents * one_svd <= PARALLEL_SVD_BYTES {
-        taus.par_iter()
-            .enumerate()
-            .map(top)
-            .collect::<Result<_>>()?
-    } else {
-        taus.iter().enumerate().map(top).collect::<Result<_>>()?
-    };
-    drop(taus);
-    let mut xu = faer::Mat::<f64>::zeros(m, agents * k);
-    let mut xv = faer::Mat::<f64>::zeros(n, agents * k);
-    let mut values = Vec::with_capacity(agents * k);
-    for top in tops.into_iter().flatten() {
-        let c = values.len();
-        xu.col_mut(c)
-            .iter_mut()
-            .zip(&top.u)
-            .for_each(|(x, &y)| *x = y);
-        xv.col_mut(c)
-            .iter_mut()
-            .zip(&top.v)
-            .for_each(|(x, &y)| *x = y);
-        values.push(top.s);
-    }
-    let c = values.len();
-    if c == 0 {
-        return Ok(vec![0.0; m * n]);
-    }
-    let polar = |x: faer::MatRef<f64>| -> Result<faer::Mat<f64>> {
-        let svd = thin_svd(x, "the agents' singular vectors")?;
-        Ok(svd.U() * svd.V().transpose())
-    };
-    let (xu_c, xv_c) = (xu.as_ref().subcols(0, c), xv.as_ref().subcols(0, c));
-    // The two polar factors at once, within the same bound (each SVD holds X, U and V).
-    let (qu, qv) = if (m + n) * c * 3 * 8 <= PARALLEL_SVD_BYTES {
-        rayon::join(|| polar(xu_c), || polar(xv_c))
-    } else {
-        (polar(xu_c), polar(xv_c))
-    };
-    let (mut qu, qv) = (qu?, qv?);
-    drop((xu, xv));
-    for (j, &s) in values.iter().enumerate() {
-        qu.col_mut(j).iter_mut().for_each(|x| *x *= s);
-    }
-    let merged = &qu * qv.transpose();
-    Ok(rounded(merged.as_ref(), alpha))
-}
-
-/// SVC's update of an m × n matrix, row-major (SPEC §4e): Δ_m = U Σ Vᵀ (thin SVD in f64); for
-/// each direction r whose σ_r is above the numerical rank's threshold, each agent's response
-/// a_r^i = u_rᵀ τ_i, its coefficient s_r^i = ⟨σ_r v_r, a_r^i⟩ / ‖a_r^i‖² (an agent with no response
-/// along u_r counts α), γ_r = K / Σ_i max(α, s_r^i); the update U diag(γ ⊙ σ) Vᵀ, each element
-/// rounded once to f32. Directions at or below the threshold keep γ = 1.
-pub(super) fn svc_update(
-    merged: &[f32],
-    taus: &[Vec<f32>],
-    (m, n): (usize, usize),
-    alpha: f64,
-) -> Result<Vec<f32>> {
-    let svd = thin_svd(matrix_f64(merged, (m, n)).as_ref(), "the merged update")?;
-    let (u, s, v) = (svd.U(), svd.S().column_vector(), svd.V());
-    let r = m.min(n);
-    let floor = rank_floor(s[0], (m, n));
-    let mut sums = vec![0.0f64; r];
-    for tau in taus {
-        let t = matrix_f64(tau, (m, n));
-        let a = u.transpose() * &t;
-        for k in (0..r).filter(|&k| s[k] > floor) {
-            let (mut norm2, mut dot) = (0.0f64, 0.0f64);
-            for j in 0..n {
-                let x = a[(k, j)];
-                norm2 += x * x;
-                dot += v[(j, k)] * x;
-            }
-            sums[k] += if norm2 > 0.0 {
-                (s[k] * dot / norm2).max(alpha)
-            } else {
-                alpha
-            };
-        }
-    }
-    let agents = taus.len() as f64;
-    let mut scaled = u.to_owned();
-    for k in 0..r {
-        // γ_r σ_r, or σ_r where the direction is below the threshold.
-        let factor = if s[k] > floor {
-            agents / sums[k] * s[k]
-        } else {
-            s[k]
+    if m >= n {
+        let mut rows = FileRows {
+            scans,
+            shape: (m, n),
+            method: kind.name(),
+            merged: None,
         };
-        scaled.col_mut(k).iter_mut().for_each(|x| *x *= factor);
+        return Ok(Decomposed::Rows(run(&mut rows)?));
     }
-    let update = &scaled * v.transpose();
-    Ok(rounded(update.as_ref(), 1.0))
+    let taus = gather_taus(scans, m * n)?;
+    for (t, tau) in taus.iter().enumerate() {
+        refuse_nonfinite(kind.name(), t, (0, n), tau)?;
+    }
+    let mut rows = Transposed {
+        taus,
+        merged: None,
+        stored: (m, n),
+    };
+    let map = run(&mut rows)?;
+    Ok(Decomposed::Whole(whole_update(
+        &map, &mut rows, cx.backend,
+    )?))
 }
 
-/// Every agent's τ of an m × n matrix (`elems` elements), whole, from the scan of its tiles.
-pub(super) fn gather_taus(scan: &mut dyn Scans, elems: usize) -> Result<Vec<Vec<f32>>> {
-    let mut taus: Vec<Vec<f32>> = Vec::new();
-    scan.tiles(&mut |tile| {
-        if taus.is_empty() {
-            taus = vec![vec![0.0f32; elems]; tile.tau.len()];
+/// SVC's merge of a wide matrix whose merged update and task vectors were gathered whole.
+pub(super) fn calibrate_whole(
+    mut rows: Transposed,
+    alpha: f64,
+    cx: &MatrixWork,
+) -> Result<Vec<f32>> {
+    let map = methods::svc(&mut rows, alpha, cx)?;
+    whole_update(&map, &mut rows, cx.backend)
+}
+
+/// SVC's map of a tall matrix read block by block (its merged update made by `rows`).
+pub(super) fn calibrate_rows(rows: &mut FileRows, alpha: f64, cx: &MatrixWork) -> Result<RowMap> {
+    methods::svc(rows, alpha, cx)
+}
+
+/// The update of the wide matrix `rows` reads transposed, made by `map` block by block: each
+/// block of the transpose's rows is a block of the matrix's columns.
+fn whole_update(map: &RowMap, rows: &mut Transposed, backend: &dyn Backend) -> Result<Vec<f32>> {
+    let (m, n) = rows.stored;
+    let mut update = vec![0.0f32; m * n];
+    let mut out = Vec::new();
+    rows.pass(&mut |b: &Block| {
+        map.apply(b, m, (backend, faer::Par::rayon(0)), &mut out)?;
+        for (r, row) in out.chunks_exact(m).enumerate() {
+            for (i, &x) in row.iter().enumerate() {
+                update[i * n + b.row0 + r] = x;
+            }
         }
-        let start = tile.start as usize;
-        for (all, tau) in taus.iter_mut().zip(tile.tau) {
-            all[start..start + tau.len()].copy_from_slice(tau);
-        }
-        Ok(ControlFlow::Continue(()))
+        Ok(())
     })?;
-    Ok(taus)
+    Ok(update)
+}
+
+/// Elements per merge-pass tile of a tall matrix merged by a row map: its blocks of rows
+/// ([`crate::linalg::rows_per_block`]), so each tile's update is made as the scans made the map's
+/// sums — the same blocks whatever `--tile-elems` says.
+pub(super) fn row_block_elems(shape: &[usize]) -> usize {
+    let n = shape.get(1).copied().unwrap_or(1);
+    crate::linalg::rows_per_block(n) * n
+}
+
+/// A row map's update of one merge-pass tile of a tall matrix of `shape` (whole rows; first
+/// element `start`) into `scratch.update`: made from the tile's task vectors, decoded here, or
+/// with `merged` from the method's merged tile (`scratch.merged_bytes`, f32) minus θ₀.
+pub(super) fn tile_update(
+    (map, backend): (&RowMap, &dyn Backend),
+    merged: bool,
+    shape: &[usize],
+    tile: &Tile,
+    start: u64,
+    scratch: &mut super::TileScratch,
+) -> Result<()> {
+    let n = shape[1];
+    let s = scratch;
+    super::tiles::resize_exact(&mut s.base, tile.len, 0.0);
+    decode(tile.dtype, tile.base, &mut s.base);
+    s.values.resize_with(tile.agents.len(), Vec::new);
+    s.values.truncate(tile.agents.len());
+    for (tau, bytes) in s.values.iter_mut().zip(tile.agents) {
+        super::tiles::resize_exact(tau, tile.len, 0.0);
+        decode_minus(tile.dtype, bytes, &s.base, tau);
+    }
+    if merged {
+        super::tiles::resize_exact(&mut s.merged, tile.len, 0.0);
+        decode(
+            crate::checkpoint::DType::F32,
+            &s.merged_bytes,
+            &mut s.merged,
+        );
+        s.merged.iter_mut().zip(&s.base).for_each(|(m, b)| *m -= b);
+    }
+    let block = Block {
+        row0: start as usize / n,
+        rows: tile.len / n,
+        taus: &s.values,
+        merged: merged.then_some(&s.merged[..]),
+    };
+    // On this worker alone: the tile workers keep every core busy.
+    map.apply(&block, n, (backend, faer::Par::Seq), &mut s.update)
+}
+
+/// A decomposing method's merge of one tensor (Iso-C, TSV-M, ResMerge) when it is a matrix it
+/// decomposes (`spectral::decomposed`): its task vectors read by scans of its tiles, then the
+/// decompositions; `None` for any other tensor, which takes the method's elementwise rule.
+pub(in crate::engine) fn spectral_update(
+    inputs: &Inputs,
+    plan: &TensorPlan,
+    config: &MethodConfig,
+    (at, present): (TensorPlace, &[usize]),
+    (pass, backend): (&PassOptions, &dyn Backend),
+    buffers: &mut ScanBuffers,
+) -> Result<Option<Decomposed>> {
+    let Some(matrix) = super::spectral::decomposed(config.kind, plan.name(), plan.shape()) else {
+        return Ok(None);
+    };
+    let numel = plan.numel() as u64;
+    let named = |e: anyhow::Error| e.context(format!("tensor '{}'", plan.name()));
+    let resmerge = match config.kind {
+        Kind::ResMerge => {
+            let number = |key| config.method_number(at, key).map_err(named);
+            Some(resmerge::ResMergeParams {
+                rank: number("rank_topk")? as usize,
+                beta_min: number("beta_min")?,
+                beta_max: number("beta_max")?,
+                head_ratio: number("head_ratio_budget")?,
+                family: matches!(Module::of(plan.name()), Module::Attn | Module::Mlp),
+            })
+        }
+        _ => None,
+    };
+    let mut scans = TensorScans::new((inputs, plan, present), pass, 0, buffers);
+    // The decompositions consume this scan's values before the merge pass reads the tensor, so
+    // the scan applies the finiteness gate itself: a NaN or ±Inf is refused by name, not fed to
+    // them (and with --allow-nonfinite, refused by the method: `spectral::refuse_nonfinite`).
+    scans.pass.scan_nonfinite = pass.scan_nonfinite;
+    let what = format!("tensor '{}'", plan.name());
+    let cx = MatrixWork {
+        threads: rayon::current_num_threads(),
+        what: &what,
+        backend,
+    };
+    let update = match resmerge {
+        Some(params) => {
+            resmerge::update(&mut scans, matrix, present.len(), &params).map(Decomposed::Whole)
+        }
+        None => {
+            let alpha = config
+                .tensor_params(at, numel, present)
+                .map_err(named)?
+                .lambda;
+            decompose(config.kind, &mut scans, matrix, alpha, &cx)
+        }
+    }
+    .with_context(|| format!("{} of tensor '{}'", config.kind.name(), plan.name()))?;
+    inputs.forget_lora_tensor(plan);
+    Ok(Some(update))
 }
 
 #[cfg(test)]
@@ -333,25 +297,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn resmerge_decomposes_matrices_the_full_svds_leave() {
-        // A 7B model's MLP projection: 45 M elements, above the full SVDs' 2^25.
+    fn every_matrix_is_decomposed_and_resmerge_keeps_its_rules() {
+        // A 7B model's MLP projection: every decomposing method takes it.
         let (mlp, shape) = ("model.layers.0.mlp.up_proj.weight", [11008, 4096]);
-        assert_eq!(decomposed(Kind::IsoC, mlp, &shape), None);
-        assert_eq!(decomposed(Kind::Tsv, mlp, &shape), None);
-        assert_eq!(decomposed(Kind::ResMerge, mlp, &shape), Some((11008, 4096)));
-        // Within the full SVDs' bound every decomposing method takes it; above ResMerge's own,
-        // none; embeddings are ResMerge's elementwise rule whatever their size.
-        let small = [4096, 8192];
         for kind in [Kind::IsoC, Kind::Tsv, Kind::ResMerge] {
-            assert_eq!(decomposed(kind, mlp, &small), Some((4096, 8192)));
-            assert_eq!(decomposed(kind, mlp, &[1 << 16, 1 << 15]), None);
+            assert_eq!(decomposed(kind, mlp, &shape), Some((11008, 4096)));
             assert_eq!(decomposed(kind, mlp, &[4096]), None);
+            assert_eq!(decomposed(kind, mlp, &[1, 4096]), None);
         }
+        // A 152k-token vocabulary's embeddings: Iso-C and TSV-M decompose them; ResMerge's paper
+        // merges embeddings by the mean, and matrices past its bound too.
         let embed = "model.embed_tokens.weight";
-        assert_eq!(decomposed(Kind::ResMerge, embed, &[32000, 1024]), None);
         assert_eq!(
-            decomposed(Kind::IsoC, embed, &[32000, 1024]),
-            Some((32000, 1024))
+            decomposed(Kind::IsoC, embed, &[152064, 3584]),
+            Some((152064, 3584))
+        );
+        assert_eq!(decomposed(Kind::ResMerge, embed, &[32000, 1024]), None);
+        assert_eq!(decomposed(Kind::ResMerge, mlp, &[1 << 16, 1 << 15]), None);
+        assert_eq!(
+            decomposed(Kind::IsoC, mlp, &[1 << 16, 1 << 15]),
+            Some((1 << 16, 1 << 15))
         );
     }
 }

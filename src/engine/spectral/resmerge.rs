@@ -2,15 +2,18 @@
 //! rank-K SVD head and a residual; the residuals merged into a backbone along their consensus
 //! direction on the Frobenius sphere, the heads' mean added back, scaled by how well the heads
 //! agree. A head is the top K singular triplets of τ, found by the Lanczos process of
-//! `truncated_svd`, not a full SVD. The residuals' Gram matrix and the update are made block by
+//! `linalg::truncated_svd`, or — for a K in the dozens, or triplets it does not separate — from
+//! the eigendecomposition of τ's Gram matrix on its short side, never a full SVD. The residuals' Gram matrix and the update are made block by
 //! block, the residuals formed from τ and the heads' factors on the fly, so no agent's head or
 //! residual is held whole: the T task vectors are gathered by one scan where they fit in
 //! [`GATHER_BYTES`] (the heads then found in parallel), else one at a time, the residuals read
 //! again by scans. The update is added to the base tile by tile, so every backend writes the
 //! same bytes.
 
-use super::spectral::{gather_taus, matrix_f64, thin_svd, MAX_ELEMS};
-use super::truncated_svd::{top_triplets, MAX_STEPS};
+use super::refuse_nonfinite;
+use crate::engine::scans::gather_taus;
+use crate::linalg::truncated_svd::{top_triplets, MAX_STEPS};
+use crate::linalg::{rank_floor, row_major, symmetric_eigen};
 use crate::scans::Scans;
 use anyhow::Result;
 use rayon::prelude::*;
@@ -74,6 +77,9 @@ fn update_gathering(
     let mut update = vec![0.0f32; m * n];
     if agents * m * n * 4 <= gather_bytes {
         let taus = gather_taus(scan, m * n)?;
+        for (t, tau) in taus.iter().enumerate() {
+            refuse_nonfinite("resmerge", t, (0, n), tau)?;
+        }
         let heads = taus
             .par_iter()
             .enumerate()
@@ -97,6 +103,7 @@ fn update_gathering(
         let mut tau = vec![0.0f32; m * n];
         for t in 0..agents {
             gather_agent(scan, t, &mut tau)?;
+            refuse_nonfinite("resmerge", t, (0, n), &tau)?;
             heads.push(head(&tau, matrix, params.rank, t, MAX_STEPS)?);
         }
         drop(tau);
@@ -257,11 +264,14 @@ fn gather_agent(scan: &mut dyn Scans, t: usize, tau: &mut [f32]) -> Result<()> {
     })
 }
 
-/// Agent `t`'s head (SPEC §4f): the top K singular triplets of τ, none where τ = 0. The Lanczos
-/// process finds them to a residual of 10⁻¹¹ σ₁ (`truncated_svd`); a matrix within
-/// [`MAX_ELEMS`] whose triplets have not converged in `max_steps` steps ([`MAX_STEPS`]) takes
-/// faer's full SVD instead, and a larger one has no step bound: the process goes on until they
-/// converge or its basis spans τ.
+/// The most triplets a head asks of the Lanczos process; more come from the Gram matrix.
+const LANCZOS_MAX_K: usize = 32;
+
+/// Agent `t`'s head (SPEC §4f): the top K singular triplets of τ, none where τ = 0. For K up to
+/// [`LANCZOS_MAX_K`] the Lanczos process finds them to a residual of 10⁻¹¹ σ₁
+/// (`linalg::truncated_svd`); a larger K, or triplets not converged in `max_steps` steps
+/// ([`MAX_STEPS`]: top values too close together), come from τ's Gram matrix on its short side
+/// ([`head_by_gram`]) — one eigendecomposition, whatever K.
 fn head(tau: &[f32], (m, n): (usize, usize), k: usize, t: usize, max_steps: usize) -> Result<Head> {
     let what = format!("model {}'s task vector", t + 1);
     if tau.iter().all(|&x| x == 0.0) {
@@ -270,29 +280,60 @@ fn head(tau: &[f32], (m, n): (usize, usize), k: usize, t: usize, max_steps: usiz
             vs: Vec::new(),
         });
     }
-    let bound = if m * n <= MAX_ELEMS {
-        max_steps
-    } else {
-        usize::MAX
-    };
-    let top = top_triplets(tau, (m, n), k, bound, &what)?;
-    if top.converged {
-        let (us, vs) = top
-            .triplets
-            .into_iter()
-            .map(|x| (x.u.iter().map(|u| u * x.s).collect(), x.v))
-            .unzip();
-        return Ok(Head { us, vs });
+    if k <= LANCZOS_MAX_K {
+        let top = top_triplets(tau, (m, n), k, max_steps, &what)?;
+        if top.converged {
+            let (us, vs) = top
+                .triplets
+                .into_iter()
+                .map(|x| (x.u.iter().map(|u| u * x.s).collect(), x.v))
+                .unzip();
+            return Ok(Head { us, vs });
+        }
     }
-    let svd = thin_svd(matrix_f64(tau, (m, n)).as_ref(), &what)?;
-    let (u, s, v) = (svd.U(), svd.S().column_vector(), svd.V());
-    let k = k.min(m.min(n));
-    let us = (0..k)
-        .map(|c| (0..m).map(|i| u[(i, c)] * s[c]).collect())
-        .collect();
-    let vs = (0..k)
-        .map(|c| (0..n).map(|j| v[(j, c)]).collect())
-        .collect();
+    head_by_gram(tau, (m, n), k, &what)
+}
+
+/// τ's top K triplets from its Gram matrix on the short side (τᵀτ, or ττᵀ for a wide τ), in f64:
+/// its top eigenvectors are the singular vectors of that side, λ = s², and the other side's are
+/// τ v / s (or τᵀu / s). Directions at or below the numerical rank's floor are left out.
+fn head_by_gram(tau: &[f32], (m, n): (usize, usize), k: usize, what: &str) -> Result<Head> {
+    let values: Vec<f64> = tau.iter().map(|&x| f64::from(x)).collect();
+    let x = row_major(&values, n);
+    let wide = m < n;
+    let gram = match wide {
+        true => x * x.transpose(),
+        false => x.transpose() * x,
+    };
+    let e = symmetric_eigen(
+        gram,
+        rayon::current_num_threads(),
+        &format!("the Gram matrix of {what}"),
+    )?;
+    let floor = rank_floor(e.values[0], (m, n));
+    let kept = e.values.iter().take(k).take_while(|&&l| l > floor).count();
+    let (mut us, mut vs) = (Vec::new(), Vec::new());
+    for c in 0..kept {
+        let side = e.vectors.col(c);
+        let other = match wide {
+            true => x.transpose() * side,
+            false => x * side,
+        };
+        let s = e.values[c].sqrt();
+        // Head factors: s·u (m) and v (n).
+        let (su, v): (Vec<f64>, Vec<f64>) = match wide {
+            true => (
+                side.iter().map(|u| u * s).collect(),
+                other.iter().map(|y| y / s).collect(),
+            ),
+            false => (
+                other.iter().copied().collect(),
+                side.iter().copied().collect(),
+            ),
+        };
+        us.push(su);
+        vs.push(v);
+    }
     Ok(Head { us, vs })
 }
 
@@ -445,8 +486,8 @@ mod tests {
     use crate::hash::SplitMix64;
     use crate::scans::memory::scan_of;
 
-    /// A head the Lanczos process has not converged on within its steps is the full SVD's (a
-    /// matrix within MAX_ELEMS), and the same as the converged process's.
+    /// A head the Lanczos process has not converged on within its steps comes from the Gram
+    /// matrix, and is the full SVD's, as the converged process's is.
     #[test]
     fn an_unconverged_head_takes_the_full_svd() {
         let (m, n) = (60, 80);
@@ -469,13 +510,14 @@ mod tests {
         assert!(!top_triplets(&tau, (m, n), 2, few, "τ").unwrap().converged);
         let fallback = full(&head(&tau, (m, n), 2, 0, few).unwrap());
         let converged = full(&head(&tau, (m, n), 2, 0, all).unwrap());
-        let svd = thin_svd(matrix_f64(&tau, (m, n)).as_ref(), "τ").unwrap();
+        let exact = faer::Mat::from_fn(m, n, |i, j| f64::from(tau[i * n + j]));
+        let svd = exact.thin_svd().unwrap();
         for i in 0..m {
             for j in 0..n {
                 let want: f64 = (0..2)
                     .map(|c| svd.S().column_vector()[c] * svd.U()[(i, c)] * svd.V()[(j, c)])
                     .sum();
-                assert_eq!(fallback[i * n + j].to_bits(), want.to_bits());
+                assert!((fallback[i * n + j] - want).abs() < 1e-9);
                 assert!((converged[i * n + j] - want).abs() < 1e-9);
             }
         }
