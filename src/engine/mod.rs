@@ -254,6 +254,9 @@ struct MergePass<'a> {
     /// Plain RAM: the counts its merge kernels gave with each tile (no probe pass), gathered as
     /// tensor scope gathers its probes'.
     counted: Option<TensorGathered>,
+    /// The spectral methods and SVC: matrices decomposed so far, of how many (the progress
+    /// bar's message, as the bytes stand still while a matrix is decomposed).
+    matrices: (usize, usize),
 }
 
 /// Layer and module scope: λ per agent for each group, in the report's group order, with an index
@@ -338,6 +341,11 @@ impl<'a> MergePass<'a> {
             group_lambdas: None,
             per_tensor: per_tensor.then(TensorGathered::default),
             counted: matches!(options.method, Method::Ram { .. }).then(TensorGathered::default),
+            matrices: (0, {
+                let svc = options.svc.is_some();
+                let decomposed = |p: &&TensorPlan| spectral::is_decomposed(&options.method, svc, p);
+                inputs.tensors.iter().filter(decomposed).count()
+            }),
         }
     }
 
@@ -349,6 +357,15 @@ impl<'a> MergePass<'a> {
     fn job(&mut self, index: usize) -> Result<TensorJob<'a>> {
         let plan = &self.inputs.tensors[index];
         let present = plan.present();
+        if spectral::is_decomposed(&self.options.method, self.options.svc.is_some(), plan) {
+            self.matrices.0 += 1;
+            let (done, total) = self.matrices;
+            let what = match self.options.svc {
+                Some(_) => "svc",
+                None => self.options.method.name(),
+            };
+            self.bar.set_message(format!("{what} {done}/{total}"));
+        }
         let rule = self.rule_of(plan, &present)?;
         // Widened tiles: a tile's bytes stay what the pass chose.
         let elems = tile_elems(plan, self.inputs, self.pass.tile_elems);

@@ -6,7 +6,7 @@
 use super::row_map::{stacked, Block, RowMap};
 use super::row_map::{Map32, Split};
 use super::rows::RowBlocks;
-use crate::linalg::{inverse_sqrt, rank_floor, row_major, symmetric_eigen, GramSum, Mat};
+use crate::linalg::{inverse_sqrt, rank_floor, row_major, symmetric_eigen, Eigen, GramSum, Mat};
 use anyhow::Result;
 use faer::Par;
 
@@ -16,6 +16,25 @@ pub(in crate::engine) struct MatrixWork<'a> {
     pub threads: usize,
     pub what: &'a str,
     pub backend: &'a dyn crate::backend::Backend,
+}
+
+/// A Gram matrix's eigendecomposition (values descending), with the floor of the numerical rank
+/// (SPEC §4g) and the rank: how many values lie above it.
+struct Spectrum {
+    e: Eigen,
+    floor: f64,
+    rank: usize,
+}
+
+impl MatrixWork<'_> {
+    /// The [`Spectrum`] of `gram`, the Gram matrix of a matrix of `shape`; `what` names it in an
+    /// error, after the matrix's name.
+    fn spectrum(&self, gram: Mat, shape: (usize, usize), what: &str) -> Result<Spectrum> {
+        let e = symmetric_eigen(gram, self.threads, &format!("{}: {what}", self.what))?;
+        let floor = rank_floor(e.values[0], shape);
+        let rank = e.values.iter().take_while(|&&l| l > floor).count();
+        Ok(Spectrum { e, floor, rank })
+    }
 }
 
 /// The products of the host's GEMMs: on the caller's threads (faer's GEMM gives the same bits on
@@ -53,17 +72,14 @@ pub(in crate::engine) fn iso_c(
         gram.add(sum, sum, par());
         Ok(())
     })?;
-    let what = format!("the Gram matrix of {}'s summed task vectors", cx.what);
-    let e = symmetric_eigen(gram.into_sum(), cx.threads, &what)?;
-    let floor = rank_floor(e.values[0], (m, n));
-    let trace: f64 = e
-        .values
-        .iter()
-        .take_while(|&&l| l > floor)
-        .map(|l| l.sqrt())
-        .sum();
+    let sp = cx.spectrum(
+        gram.into_sum(),
+        (m, n),
+        "the summed task vectors' Gram matrix",
+    )?;
+    let trace: f64 = sp.e.values[..sp.rank].iter().map(|l| l.sqrt()).sum();
     let scale = alpha * trace / n as f64;
-    let w = inverse_sqrt(&e, floor);
+    let w = inverse_sqrt(&sp.e, sp.floor);
     if w.kept == 0 {
         return Ok(RowMap::Zero);
     }
@@ -103,16 +119,11 @@ pub(in crate::engine) fn tsv(
     })?;
     let (mut a, mut vs, mut s) = (Vec::new(), Vec::new(), Vec::new());
     for (t, gram) in grams.into_iter().enumerate() {
-        let what = format!(
-            "the Gram matrix of model {}'s task vector of {}",
-            t + 1,
-            cx.what
-        );
-        let e = symmetric_eigen(gram.into_sum(), cx.threads, &what)?;
-        let floor = rank_floor(e.values[0], (m, n));
-        let kept = e.values.iter().take(k).take_while(|&&l| l > floor).count();
-        let top = e.vectors.as_ref().subcols(0, kept);
-        let values: Vec<f64> = e.values[..kept].iter().map(|l| l.sqrt()).collect();
+        let what = format!("the Gram matrix of model {}'s task vector", t + 1);
+        let sp = cx.spectrum(gram.into_sum(), (m, n), &what)?;
+        let kept = sp.rank.min(k);
+        let top = sp.e.vectors.as_ref().subcols(0, kept);
+        let values: Vec<f64> = sp.e.values[..kept].iter().map(|l| l.sqrt()).collect();
         a.push(Mat::from_fn(n, kept, |i, c| top[(i, c)] / values[c]));
         vs.push(top.to_owned());
         s.extend(values);
@@ -132,9 +143,8 @@ pub(in crate::engine) fn tsv(
         hu.add(xu.as_ref(), xu.as_ref(), par());
         Ok(())
     })?;
-    let what = format!("{}: the agents' left singular vectors", cx.what);
-    let eu = symmetric_eigen(hu.into_sum(), cx.threads, &what)?;
-    let wu = inverse_sqrt(&eu, rank_floor(eu.values[0], (m, c)));
+    let su = cx.spectrum(hu.into_sum(), (m, c), "the agents' left singular vectors")?;
+    let wu = inverse_sqrt(&su.e, su.floor);
     // Δ = X_U (L + F Fᵀ) D P_Vᵀ α: the large part's core in f32, the small part's in f64.
     let tail = Mat::from_fn(c, n, |j, col| s[j] * pv[(col, j)] * alpha);
     Ok(RowMap::Stacked {
@@ -149,9 +159,8 @@ pub(in crate::engine) fn tsv(
 
 /// (XᵀX)^{+1/2} of `x` (`shape` its rows and columns), `what` naming it in an error.
 fn polar_right(x: &Mat, shape: (usize, usize), cx: &MatrixWork, what: &str) -> Result<Mat> {
-    let h = x.transpose() * x;
-    let e = symmetric_eigen(h, cx.threads, &format!("{}: {what}", cx.what))?;
-    Ok(inverse_sqrt(&e, rank_floor(e.values[0], shape)).whole())
+    let sp = cx.spectrum(x.transpose() * x, shape, what)?;
+    Ok(inverse_sqrt(&sp.e, sp.floor).whole())
 }
 
 /// The agent and column within its block of column `j` of blocks `vs` side by side.
@@ -204,10 +213,8 @@ pub(in crate::engine) fn svc(
         }
         Ok(())
     })?;
-    let what = format!("the Gram matrix of {}'s merged update", cx.what);
-    let e = symmetric_eigen(gram.into_sum(), cx.threads, &what)?;
-    let floor = rank_floor(e.values[0], (m, n));
-    let kept = e.values.iter().take_while(|&&l| l > floor).count();
+    let Spectrum { e, rank: kept, .. } =
+        cx.spectrum(gram.into_sum(), (m, n), "the merged update's Gram matrix")?;
     let v = e.vectors.as_ref().subcols(0, kept);
     let mut sums = vec![0.0f64; kept];
     let mut own = own.into_iter();

@@ -71,6 +71,18 @@ pub(super) fn matrix(shape: &[usize]) -> Option<(usize, usize)> {
     }
 }
 
+/// Whether the merge decomposes `plan`'s tensor: a matrix a decomposing method takes, or, with
+/// SVC (`svc`), any matrix some model holds.
+pub(super) fn is_decomposed(method: &Method, svc: bool, plan: &TensorPlan) -> bool {
+    let by_method = match method {
+        Method::Combine(c) if decomposes(c.kind) => {
+            decomposed(c.kind, plan.name(), plan.shape()).is_some()
+        }
+        _ => false,
+    };
+    !plan.present().is_empty() && (by_method || (svc && matrix(plan.shape()).is_some()))
+}
+
 /// The merge's warnings about a decomposing method: the matrices it leaves to the elementwise
 /// rule (ResMerge: by its paper, embeddings, the LM head and norms; and matrices above its bound).
 pub(super) fn warnings(inputs: &Inputs, method: &Method) -> Vec<String> {
