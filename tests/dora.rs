@@ -107,14 +107,7 @@ fn dora_agents_merge_as_their_full_checkpoints() {
     let methods: [&[&str]; 3] = [
         &["--method", "ram"],
         &["--method", "task_arithmetic", "--param", "weight=0.5"],
-        &[
-            "--method",
-            "ties",
-            "--param",
-            "weight=1",
-            "--param",
-            "density=0.5",
-        ],
+        &at_half_density("ties"),
     ];
     for (i, args) in methods.iter().enumerate() {
         let want = d.path().join(format!("{i}-full"));

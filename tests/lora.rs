@@ -120,19 +120,9 @@ fn lora_agents_merge_as_their_full_checkpoints_for_every_method() {
 fn lora_agents_merge_to_the_same_bytes_on_the_gpu() {
     let d = tempfile::tempdir().unwrap();
     let agents = vec![models().join("coder-lora"), models().join("tools-lora")];
-    for (i, args) in [
-        &["--method", "ram+"][..],
-        &[
-            "--method",
-            "ties",
-            "--param",
-            "weight=1",
-            "--param",
-            "density=0.5",
-        ],
-    ]
-    .into_iter()
-    .enumerate()
+    for (i, args) in [&["--method", "ram+"][..], &at_half_density("ties")]
+        .into_iter()
+        .enumerate()
     {
         let (cpu, gpu) = (
             d.path().join(format!("cpu{i}")),

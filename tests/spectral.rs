@@ -227,14 +227,7 @@ fn spectral_methods_refuse_non_finite_matrices_before_decomposing_them() {
         let out = f.dir.path().join("out");
         let extra: &[&str] = if allow { &["--allow-nonfinite"] } else { &[] };
         let method_args: &[&str] = match method {
-            "svc" => &[
-                "--method",
-                "task_arithmetic",
-                "--param",
-                "weight=1",
-                "--svc",
-                "0.1",
-            ],
+            "svc" => &SVC_OVER_TASK_ARITHMETIC,
             _ => &["--method", method],
         };
         let o = merge_cmd(

@@ -158,16 +158,7 @@ fn svc_calibrates_what_any_method_merged() {
 fn svc_from_flags_recipes_and_the_record_alike_and_on_both_backends() {
     let f = svc_fixture();
     let flags = f.dir.path().join("flags");
-    let method = [
-        "--method",
-        "ties",
-        "--param",
-        "weight=1",
-        "--param",
-        "density=0.5",
-        "--svc",
-        "0.2",
-    ];
+    let method = [&at_half_density("ties")[..], &["--svc", "0.2"]].concat();
     merge_cmd(&f, &flags, &[&method[..], &["--device", "cpu"]].concat())
         .assert()
         .success();
@@ -261,20 +252,9 @@ fn bad_svc_requests_are_refused() {
     let mut tensors = f.agent_tensors[0].clone();
     tensors[0].values[3] = f32::NAN;
     write_folder(&f.agents[0], &tensors, 1);
-    let o = merge_cmd(
-        &f,
-        &out,
-        &[
-            "--method",
-            "task_arithmetic",
-            "--param",
-            "weight=1",
-            "--svc",
-            "0.1",
-        ],
-    )
-    .output()
-    .unwrap();
+    let o = merge_cmd(&f, &out, &SVC_OVER_TASK_ARITHMETIC)
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("layers.0.w") && err.contains("NaN"), "{err}");

@@ -146,14 +146,7 @@ fn hostile_names_are_escaped_in_cards_terminals_and_figures() {
     let out = d.path().join("out-ties");
     let mut cmd = merge_of(&base, &agents);
     let o = cmd
-        .args([
-            "--method",
-            "ties",
-            "--param",
-            "weight=1",
-            "--param",
-            "density=0.5",
-        ])
+        .args(at_half_density("ties"))
         .args(["--allow-missing-tensors", "-o"])
         .arg(&out)
         .output()

@@ -464,16 +464,10 @@ fn opposite_infinities_merge_alike_on_both_backends() {
                 &[&a, &b],
                 &out,
                 &[
-                    "--allow-nonfinite",
-                    "--device",
-                    device,
-                    "--method",
-                    method,
-                    "--param",
-                    "weight=1",
-                    "--param",
-                    "density=0.5",
-                ],
+                    &["--allow-nonfinite", "--device", device][..],
+                    &at_half_density(method),
+                ]
+                .concat(),
             );
             assert!(
                 o.status.success(),

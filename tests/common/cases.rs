@@ -57,3 +57,26 @@ pub fn assert_near(got: &[f32], want: &[f32]) {
         );
     }
 }
+
+/// The arguments of a sparsifying method (`ties`, `dare_ties`, `della`, `breadcrumbs`, …) at
+/// weight 1 and density 0.5: the tests' usual dense-update merge.
+pub const fn at_half_density(method: &'static str) -> [&'static str; 6] {
+    [
+        "--method",
+        method,
+        "--param",
+        "weight=1",
+        "--param",
+        "density=0.5",
+    ]
+}
+
+/// SVC (α = 0.1) over task arithmetic at weight 1.
+pub const SVC_OVER_TASK_ARITHMETIC: [&str; 6] = [
+    "--method",
+    "task_arithmetic",
+    "--param",
+    "weight=1",
+    "--svc",
+    "0.1",
+];
