@@ -37,6 +37,35 @@ pub fn did_you_mean<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str
     }
 }
 
+/// `" (did you mean 'DIR/SIBLING'?)"` for a missing `path` whose folder holds a folder of a
+/// similar name (a typo in the last component), else nothing.
+pub fn sibling_hint(path: &std::path::Path) -> String {
+    let (Some(name), parent) = (path.file_name().and_then(|n| n.to_str()), path.parent()) else {
+        return String::new();
+    };
+    let parent = parent.filter(|p| !p.as_os_str().is_empty());
+    let Ok(entries) = std::fs::read_dir(parent.unwrap_or(std::path::Path::new("."))) else {
+        return String::new();
+    };
+    let folders: Vec<String> = entries
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    let hint = did_you_mean(name, folders.iter().map(String::as_str));
+    match (hint.is_empty(), parent) {
+        (true, _) | (_, None) => hint,
+        (false, Some(p)) => {
+            // The suggestion with the path's folder in front, as the user would write it.
+            let found = hint
+                .trim_start_matches(" (did you mean '")
+                .trim_end_matches("'?)");
+            format!(" (did you mean '{}'?)", p.join(found).display())
+        }
+    }
+}
+
 /// Levenshtein distance between `a` and `b`, by characters.
 fn edit_distance(a: &str, b: &str) -> usize {
     let b: Vec<char> = b.chars().collect();

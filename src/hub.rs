@@ -199,6 +199,20 @@ pub fn locate(name: &Path, progress: bool) -> Result<PathBuf> {
     if let Some((dir, _)) = cached(&id, &cache) {
         return Ok(dir);
     }
+    // `org/` is a local folder: the name is most likely a mistyped path, not an id to download.
+    if let Some(parent) = name.parent().filter(|p| p.is_dir()) {
+        return Err(crate::error::usage(format!(
+            "{} is neither a folder nor a Hub id in the cache{}: no folder of that name in {} \
+             ({}); as {} is a local folder it is not looked up on the Hub (to use the Hub's \
+             model, download it into the cache first: hf download {})",
+            crate::escape::terminal(&name.display().to_string()),
+            crate::error::sibling_hint(name),
+            parent.display(),
+            std::env::current_dir().map_or_else(|_| ".".into(), |d| d.display().to_string()),
+            parent.display(),
+            id.repo()
+        )));
+    }
     if offline() {
         return Err(no_folder(format!(
             "the Hugging Face cache has no snapshot of it with weights (looked in {}), and \

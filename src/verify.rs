@@ -8,7 +8,7 @@ use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
 use crate::checkpoint::{DType, ModelFolder};
 use crate::engine::{self, MergeOptions, PassOptions};
 use crate::inputs::{Inputs, Layout};
-use crate::record::MergeRecord;
+use crate::record::{resolved_path, MergeRecord};
 use anyhow::{Context, Result};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -104,7 +104,8 @@ pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verificat
     }
     let mut inputs_intact = true;
     for input in &record.inputs {
-        if !input.path.is_dir() {
+        let path = resolved_path(out_dir, &input.path);
+        if !path.is_dir() {
             inputs_intact = false;
             v.skipped.push(format!(
                 "input {} not found: not checked",
@@ -114,7 +115,7 @@ pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verificat
         }
         for f in &input.files {
             let before = v.problems.len();
-            check_file(&input.path, f, "input", &mut v);
+            check_file(&path, f, "input", &mut v);
             inputs_intact &= v.problems.len() == before;
         }
     }
@@ -155,13 +156,20 @@ fn recompute_and_compare(
         .inputs
         .first()
         .context("the record lists no inputs")?;
-    let agents: Vec<PathBuf> = record.inputs[1..].iter().map(|i| i.path.clone()).collect();
+    let agents: Vec<PathBuf> = record.inputs[1..]
+        .iter()
+        .map(|i| resolved_path(out_dir, &i.path))
+        .collect();
+    let tokenizer = record
+        .tokenizer
+        .as_ref()
+        .map(|t| t.with_folders(|p| resolved_path(out_dir, p)));
     let inputs = Inputs::open_with(
-        &base.path,
+        &resolved_path(out_dir, &base.path),
         &agents,
         Layout {
             slices: record.slices.as_ref(),
-            tokenizer: record.tokenizer.as_ref(),
+            tokenizer: tokenizer.as_ref(),
             with_base: record.method.uses_base(),
             allow_missing_tensors: record.allow_missing_tensors,
         },

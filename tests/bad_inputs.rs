@@ -6,10 +6,27 @@ use common::*;
 use safetensors::tensor::Dtype;
 use std::path::Path;
 
+/// A missing folder is a usage error (issue #45: exit 2, the call was wrong), naming it and,
+/// for a typo, the folder meant.
 #[test]
 fn missing_folder() {
     let c = case();
-    expect_failure(&c, &[&c.bad.display().to_string(), "does not exist"]);
+    let (o, out) = merge_out(&c, &[&c.good, &c.bad], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+    let err = err_of(&o);
+    assert!(
+        err.contains(&c.bad.display().to_string()) && err.contains("does not exist"),
+        "{err}"
+    );
+    assert!(!out.exists());
+    let typo = c.good.with_file_name("god");
+    let (o, _) = merge_out(&c, &[&c.good, &typo], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        err_of(&o).contains(&format!("did you mean '{}'", c.good.display())),
+        "{}",
+        err_of(&o)
+    );
 }
 
 #[test]

@@ -480,15 +480,30 @@ fn recipe_parameters_are_validated_as_flags_are() {
         assert!(err_of(&o).contains(needle), "{head}: {}", err_of(&o));
         assert!(!out.exists());
     }
-    // Every numeric parameter shows its range in `rlmerge methods`.
-    let methods = String::from_utf8(rlmerge().arg("methods").output().unwrap().stdout).unwrap();
-    for line in methods.lines().filter(|l| l.starts_with("    ")) {
-        assert!(
-            ["[", "≥", "≤", "finite", "true/false", "/", "folder"]
-                .iter()
-                .any(|r| line.contains(r)),
-            "no range: {line}"
-        );
+    // Every parameter shows its range on its method's page, `rlmerge methods NAME`.
+    let listed = rlmerge()
+        .args(["methods", "--json"])
+        .output()
+        .unwrap()
+        .stdout;
+    let listed: serde_json::Value = serde_json::from_slice(&listed).unwrap();
+    for m in listed.as_array().unwrap() {
+        let name = m["name"].as_str().unwrap();
+        let page = rlmerge().args(["methods", name]).output().unwrap().stdout;
+        let page = String::from_utf8(page).unwrap();
+        // A parameter's head line: two spaces, its name, its scope.
+        let heads = page.lines().filter(|l| {
+            l.starts_with("  ") && !l.starts_with("   ") && l.contains("method-wide")
+                || l.contains("per model")
+        });
+        for line in heads {
+            assert!(
+                ["[", "≥", "≤", "finite", "true/false", "/", "folder"]
+                    .iter()
+                    .any(|r| line.contains(r)),
+                "{name}: no range: {line}"
+            );
+        }
     }
 }
 
@@ -536,7 +551,9 @@ fn analyze_merged_and_plot_paths_are_checked() {
     std::fs::write(&file, "keep me").unwrap();
     for merged in [&missing, &file] {
         let o = analyze(&["--merged".as_ref(), &os(merged)]);
-        assert_eq!(o.status.code(), Some(1), "{}", err_of(&o));
+        // A missing folder is a usage error (issue #45); a file where a folder belongs, bad input.
+        let code = if merged == &missing { 2 } else { 1 };
+        assert_eq!(o.status.code(), Some(code), "{}", err_of(&o));
         assert!(
             err_of(&o).contains("cannot open the merged folder"),
             "{}",

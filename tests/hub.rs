@@ -133,9 +133,11 @@ fn ids_from_the_cache_give_the_bytes_of_the_folders() {
             card.contains("`org/coder@2222222222222222222222222222222222222222`"),
             "{card}"
         );
+        // The record names the snapshots by id (no path of this machine): found in the cache.
         rlmerge()
             .args(["verify", "--against"])
             .arg(&out)
+            .env("HF_HUB_CACHE", &cache)
             .assert()
             .success();
     }
@@ -223,7 +225,11 @@ fn offline_misses_fail_naming_the_id_and_the_cache() {
     )
     .output()
     .unwrap();
-    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "a missing folder is a usage error"
+    );
     assert!(String::from_utf8_lossy(&o.stderr).contains("no/such/folder"));
 }
 

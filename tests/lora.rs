@@ -227,11 +227,12 @@ fn bad_lora_agents_are_refused() {
             "is not a PEFT adapter folder",
             1,
         ),
-        // BASE+ with nothing after the +: a path, which does not exist.
+        // BASE+ with nothing after the +: a path, which does not exist (a usage error, with the
+        // folder meant).
         (
             PathBuf::from(format!("{}+", models().join("base").display())),
-            "does not exist",
-            1,
+            "does not exist (did you mean",
+            2,
         ),
         (
             broken(d.path(), "json", "{\"r\": ", true),

@@ -100,11 +100,13 @@ fn local_folders_and_hub_ids_follow_one_stated_rule() {
         "{}",
         err_of(&o)
     );
+    // Issue #45: `org/` is a local folder, so a mistyped `org/codr` is a path, not an id to
+    // download: neither a folder nor a cached id, with the folder meant, exit 2.
     let o = merge("org/codr", "o2");
-    assert_eq!(o.status.code(), Some(1), "{}", err_of(&o));
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
     assert!(
-        err_of(&o).contains("no folder org/codr here")
-            && err_of(&o).contains("Hub id org/codr@main could not be fetched"),
+        err_of(&o).contains("org/codr is neither a folder nor a Hub id in the cache")
+            && err_of(&o).contains("did you mean 'org/coder'"),
         "{}",
         err_of(&o)
     );

@@ -132,13 +132,18 @@ fn hostile_names_are_escaped_in_cards_terminals_and_figures() {
     }
     // Outside the front matter (YAML metadata, double-quoted) and outside code spans (literal
     // text), nothing of a name may be Markdown or HTML.
-    let body = card.splitn(3, "---\n").nth(2).unwrap();
-    for line in body.lines().map(without_code_spans) {
-        assert_inert(&line);
-    }
+    assert_body_inert(&card);
     // Each agent's code span holds its whole name: its fence is longer than any backtick run.
+    // (The card names the agent as the record does: relative to the output, issue #45.)
     assert!(
-        card.contains(&format!("``{}``", agents[0].display())),
+        card.contains(&format!(
+            "``{}``",
+            Path::new("..")
+                .join(agents[0].strip_prefix(d.path()).unwrap())
+                .components()
+                .collect::<std::path::PathBuf>()
+                .display()
+        )),
         "{card}"
     );
     // A mergekit method's card shows its recipe (the names in it) in a fenced block that no
@@ -238,11 +243,30 @@ fn without_code_spans(line: &str) -> String {
     out
 }
 
+/// Every line of a card's body (after its front matter) outside code spans and fenced blocks is
+/// inert ([`assert_inert`]). Fenced blocks (the recipe that reproduces the merge) are literal
+/// text: their fence is longer than any run of backticks inside.
+fn assert_body_inert(card: &str) {
+    let body = card.splitn(3, "---\n").nth(2).unwrap();
+    let mut fence: Option<String> = None;
+    for line in body.lines() {
+        match &fence {
+            Some(f) if line == f => fence = None,
+            Some(_) => {}
+            None if line.starts_with("```") => {
+                fence = Some(line.chars().take_while(|&c| c == '`').collect());
+            }
+            None => assert_inert(&without_code_spans(line)),
+        }
+    }
+}
+
 /// A model card's line outside code spans and blocks: nothing of a name in it may be Markdown or
 /// HTML — no forged heading, raw HTML or live link.
 fn assert_inert(line: &str) {
     assert!(
-        !line.starts_with('#') || line == "# Merged model" || line.starts_with("## "),
+        // The title names the method, from rlmerge's own words only.
+        !line.starts_with('#') || line.starts_with("# Merged with ") || line.starts_with("## "),
         "a forged heading: {line:?}"
     );
     assert!(
@@ -403,7 +427,13 @@ fn retention_reads_lambda_only_from_a_regular_record_of_these_agents() {
     // The same weights with another merge's record: its agents are not these.
     let record = merged.join("rlmerge_record.json");
     let text = std::fs::read_to_string(&record).unwrap();
-    let other = text.replace(&agents[0].display().to_string(), "/elsewhere/a");
+    // The record names agent a relative to the merged folder: another merge's names another a.
+    let a = format!(
+        "\"../{}\"",
+        agents[0].file_name().unwrap().to_string_lossy()
+    );
+    assert!(text.contains(&a), "{text}");
+    let other = text.replace(&a, "\"/elsewhere/a\"");
     std::fs::write(&record, other).unwrap();
     let a_lambda = {
         let plot = d.path().join("plot-other");
@@ -435,19 +465,13 @@ fn retention_reads_lambda_only_from_a_regular_record_of_these_agents() {
     );
 }
 
-/// Every test README's Guarantees table cites exists, under the name it gives (a name ending in
+/// Every test docs/guarantees.md's table cites exists, under the name it gives (a name ending in
 /// "…" is a prefix).
 #[test]
 fn every_test_readme_cites_exists() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let table = readme
-        .split("## Guarantees")
-        .nth(1)
-        .unwrap()
-        .split("\n## ")
-        .next()
-        .unwrap();
+    let table = std::fs::read_to_string(root.join("docs/guarantees.md")).unwrap();
+    let table = table.as_str();
     let cite =
         regex::Regex::new(r"`((?:tests|python/tests)/[\w/]+\.(?:rs|py))` \(([^)]*)\)").unwrap();
     let name = regex::Regex::new(r"`([A-Za-z_][\w]*(?:…)?)`").unwrap();

@@ -54,7 +54,20 @@ def _where(name: Any, what: str = "model") -> str:
         return os.path.abspath(text)
     if _HUB_ID.fullmatch(text) or "+" in text:
         return text
-    raise UsageError(f"{what} {text!r}: no such folder here ({os.getcwd()}), and not a Hub id (org/name)")
+    raise UsageError(f"{what} {text!r}: neither a folder nor a Hub id (org/name): no such folder "
+                     f"here ({os.getcwd()}){_sibling(text)}")
+
+
+def _sibling(path: str) -> str:
+    """`` (did you mean 'DIR/NAME'?)`` for a folder beside ``path`` with a similar name."""
+    import difflib
+    parent, name = os.path.split(path.rstrip("/"))
+    try:
+        folders = [e.name for e in os.scandir(parent or ".") if e.is_dir() and not e.name.startswith(".")]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(name, folders, n=1, cutoff=0.6)
+    return f" (did you mean {os.path.join(parent, close[0])!r}?)" if close else ""
 
 
 def _check_common(device: Any, threads: Any) -> None:
@@ -152,6 +165,7 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
           out_dtype: Optional[str] = None, shard_size: Optional[str] = None, threads: int = 0,
           tokenizer_source: Optional[str] = None, tokenizer: Optional[Mapping[str, Any]] = None,
           allow_missing_tensors: bool = False, allow_nonfinite: bool = False,
+          allow_dense_agents: bool = False, seed: int = 0, names: Optional[Sequence[str]] = None,
           svc: Union[None, bool, float] = None, **params: Any) -> Dict[str, Any]:
     """Merges ``models`` (agents fine-tuned from ``base``) with ``method`` into the folder ``out``.
 
@@ -167,7 +181,11 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     agents that added tokens then merge their embeddings token by token.
     ``allow_missing_tensors=True`` merges a tensor some agents lack from those that have it (and
     ignores tensors the base lacks) instead of refusing them; ``allow_nonfinite=True`` merges NaN
-    and ±Inf inputs by IEEE rules instead of refusing them. ``svc=ALPHA`` (``True``: α = 0.1)
+    and ±Inf inputs by IEEE rules instead of refusing them; ``allow_dense_agents=True`` silences
+    the warning for an agent that changed nearly every element (unlike an RL agent of this base).
+    ``names`` gives the agents names (one per model, in order) for the card, the record and the
+    figures. ``seed`` seeds the random masks of dare_linear, dare_ties, della and della_linear (the same
+    seed, the same bytes). ``svc=ALPHA`` (``True``: α = 0.1)
     calibrates each merged matrix's spectrum after the method (SVC, SPEC §4e), as ``--svc`` does.
     Returns the merge's record as a dict (method, λ per agent, input and output checksums) with
     ``out`` and the ``shards`` written. Raises :class:`MergeError` (:class:`UsageError` for a bad
@@ -188,11 +206,13 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     base = _where(base, "base")
     wheres = [_where(m) for m in models]
     shared, per_model = _split_params(wheres, params, list(models))
+    names = _names(names, len(wheres))
     recipe: Dict[str, Any] = {
         "merge_method": method,
         "base_model": base,
-        "models": [{"model": m, "parameters": p} if p else {"model": m}
-                   for m, p in zip(wheres, per_model)],
+        "models": [dict({"model": m}, **({"parameters": p} if p else {}),
+                        **({"name": n} if n is not None else {}))
+                   for m, p, n in zip(wheres, per_model, names)],
     }
     if shared:
         recipe["parameters"] = shared
@@ -202,33 +222,67 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
         recipe["tokenizer"] = dict(tokenizer)
     if svc is not None and svc is not False:
         recipe["svc"] = True if svc is True else {"alpha": svc}
-    # The recipe goes to the library as data, read and checked as a recipe file is.
-    record = _native.merge(recipe, out, _keywords(device, quiet, force, out_dtype, shard_size,
-                                                  threads, allow_missing_tensors, allow_nonfinite))
+    # The recipe goes to the library as data, read and checked as a recipe file is; what it
+    # says of the recipe is said in this function's keywords.
+    keywords = _keywords(device, quiet, force, out_dtype, shard_size, threads,
+                         allow_missing_tensors, allow_nonfinite, allow_dense_agents, seed)
+    try:
+        record = _native.merge(recipe, out, keywords)
+    except UsageError as e:
+        raise UsageError(_in_keywords(str(e))) from None
     return _finished(record, out)
+
+
+def _names(names: Any, models: int) -> List[Optional[str]]:
+    """``names`` checked: ``None``, or one string per model."""
+    if names is None:
+        return [None] * models
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise UsageError(f"names must be a list of strings, one per model, got {names!r}")
+    if len(names) != models:
+        raise UsageError(f"names has {len(names)} names for {models} models: give one per model")
+    return list(names)
+
+
+def _in_keywords(message: str) -> str:
+    """A library message about a recipe, said in :func:`merge`'s keywords: the recipe :func:`merge`
+    builds from them is the library's, not the caller's."""
+    message = re.sub(r"give it with --param (\w+)=VALUE, or `\w+:` under the recipe's parameters",
+                     r"give it as the keyword \1=VALUE of rlmerge.merge (one value for every "
+                     r"model, a list with one per model, or a dict by model)", message)
+    message = message.replace("`svc: ALPHA` beside merge_method (e.g. svc: 0.1)",
+                              "the keyword svc=ALPHA (e.g. svc=0.1)")
+    message = message.replace("unknown merge_method", "unknown method")
+    message = message.replace("under the recipe's parameters", "as a keyword of rlmerge.merge")
+    return message
 
 
 def _keywords(device: str, quiet: bool, force: bool, out_dtype: Optional[str],
               shard_size: Any, threads: int, allow_missing_tensors: bool,
-              allow_nonfinite: bool) -> Dict[str, Any]:
+              allow_nonfinite: bool, allow_dense_agents: bool, seed: Any) -> Dict[str, Any]:
     """A merge's keywords as the native ``merge`` and ``run`` take them; a shard size as the
     library reads one (``"5GB"``, ``"2GiB"`` or a number of bytes)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+        raise UsageError(f"seed must be a whole number in [0, 2**64), got {seed!r}")
     return {"device": device, "quiet": quiet, "force": force, "out_dtype": out_dtype,
             "shard_size": None if shard_size is None else str(shard_size), "threads": threads,
-            "allow_missing_tensors": allow_missing_tensors, "allow_nonfinite": allow_nonfinite}
+            "allow_missing_tensors": allow_missing_tensors, "allow_nonfinite": allow_nonfinite,
+            "allow_dense_agents": bool(allow_dense_agents), "seed": seed}
 
 
 def run(recipe: PathLike, out: PathLike, *, device: str = "auto", quiet: bool = True,
         force: bool = False, out_dtype: Optional[str] = None, shard_size: Optional[str] = None,
         threads: int = 0, allow_missing_tensors: bool = False,
-        allow_nonfinite: bool = False) -> Dict[str, Any]:
+        allow_nonfinite: bool = False, allow_dense_agents: bool = False,
+        seed: int = 0) -> Dict[str, Any]:
     """Runs a mergekit YAML recipe into ``out``, as ``rlmerge run``; returns what :func:`merge`
     returns."""
     _check_common(device, threads)
     out = _path(out, "out")
     record = _native.run(_path(recipe, "recipe"), out,
                          _keywords(device, quiet, force, out_dtype, shard_size, threads,
-                                   allow_missing_tensors, allow_nonfinite))
+                                   allow_missing_tensors, allow_nonfinite, allow_dense_agents,
+                                   seed))
     return _finished(record, out)
 
 
@@ -236,7 +290,9 @@ def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False
             merged: Optional[PathLike] = None, plot: Optional[PathLike] = None,
             epsilon: Optional[float] = None, device: str = "auto", quiet: bool = True,
             threads: int = 0, tokenizer_source: Optional[str] = None,
-            allow_missing_tensors: bool = False, allow_nonfinite: bool = False) -> Dict[str, Any]:
+            allow_missing_tensors: bool = False, allow_nonfinite: bool = False,
+            allow_dense_agents: bool = False,
+            names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """What each agent changed (the data of ``rlmerge analyze --json``): density, unique and
     shared counts, ρ and λ per agent, by module and tensor with ``per_tensor``; with ``merged``,
     the retention of each agent in that merged folder; with ``plot``, SVG figures written there.
@@ -256,6 +312,8 @@ def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False
         "epsilon": None if epsilon is None else float(epsilon), "device": device, "quiet": quiet,
         "threads": threads, "tokenizer_source": tokenizer_source,
         "allow_missing_tensors": allow_missing_tensors, "allow_nonfinite": allow_nonfinite,
+        "allow_dense_agents": bool(allow_dense_agents),
+        "names": [n for n in _names(names, len(models)) if n is not None],
     }
     return json.loads(_native.analyze(keywords))
 

@@ -34,9 +34,10 @@ static USAGE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 const SIGNAL_POLL: Duration = Duration::from_millis(100);
 
 /// Options the library's messages name by their command-line flag, and their keyword here.
-const KEYWORDS: [(&str, &str); 3] = [
+const KEYWORDS: [(&str, &str); 4] = [
     ("--allow-missing-tensors", "allow_missing_tensors=True"),
     ("--allow-nonfinite", "allow_nonfinite=True"),
+    ("--allow-dense-agents", "allow_dense_agents=True"),
     ("--epsilon", "epsilon"),
 ];
 
@@ -228,6 +229,8 @@ struct MergeKeywords {
     threads: usize,
     allow_missing_tensors: bool,
     allow_nonfinite: bool,
+    allow_dense_agents: bool,
+    seed: u64,
 }
 
 /// The compute options on `device` ("auto", "cpu" or "gpu").
@@ -250,6 +253,7 @@ fn compute(device: &str, quiet: bool, threads: usize) -> anyhow::Result<ComputeA
         tile_elems: None,
         allow_nonfinite: false,
         allow_missing_tensors: false,
+        allow_dense_agents: false,
         gpu_chunk_elems: None,
     })
 }
@@ -260,6 +264,7 @@ impl MergeKeywords {
         let compute = ComputeArgs {
             allow_missing_tensors: self.allow_missing_tensors,
             allow_nonfinite: self.allow_nonfinite,
+            allow_dense_agents: self.allow_dense_agents,
             ..compute(&self.device, self.quiet, self.threads)?
         };
         let out_dtype = self
@@ -273,7 +278,7 @@ impl MergeKeywords {
             out_dtype,
             shard_size,
             force: self.force,
-            seed: 0,
+            seed: self.seed,
             out,
         };
         Ok((compute, output))
@@ -320,15 +325,17 @@ fn merge(
     keywords: MergeKeywords,
 ) -> PyResult<String> {
     let value = yaml_of(recipe).map_err(|e| exception(py, &e))?;
+    let seed = keywords.seed;
     let options = keywords.options(out).map_err(|e| exception(py, &e))?;
-    merge_into(py, move || Job::from_recipe_value(value, 0), options)
+    merge_into(py, move || Job::from_recipe_value(value, seed), options)
 }
 
 /// Runs the mergekit YAML recipe file `recipe` into `out`, as `rlmerge run`; the record as JSON.
 #[pyfunction]
 fn run(py: Python<'_>, recipe: PathBuf, out: PathBuf, keywords: MergeKeywords) -> PyResult<String> {
+    let seed = keywords.seed;
     let options = keywords.options(out).map_err(|e| exception(py, &e))?;
-    merge_into(py, move || Job::from_recipe(&recipe, 0), options)
+    merge_into(py, move || Job::from_recipe(&recipe, seed), options)
 }
 
 /// What `verify` found, one line each: (checks passed, checks skipped, problems, notes).
@@ -344,7 +351,7 @@ fn verify(py: Python<'_>, dir: PathBuf, against: bool, device: &str) -> PyResult
     let late = Late::Raise("interrupted after verify had finished".into());
     cancellable(py, late, move || {
         let backend = match against {
-            true => Some(compute.backend()?),
+            true => Some(compute.backend_for_record(&dir)?),
             false => None,
         };
         let v = rlmerge::verify::verify(&dir, backend.as_deref())?;
@@ -368,6 +375,8 @@ struct AnalyzeKeywords {
     tokenizer_source: Option<String>,
     allow_missing_tensors: bool,
     allow_nonfinite: bool,
+    allow_dense_agents: bool,
+    names: Vec<String>,
 }
 
 /// What each agent changed, as `rlmerge analyze --json` prints it (figures written with `plot`).
@@ -379,6 +388,7 @@ fn analyze(py: Python<'_>, keywords: AnalyzeKeywords) -> PyResult<String> {
         inputs: InputArgs {
             base: Some(k.base),
             models: k.models,
+            names: k.names,
             tokenizer_source: k.tokenizer_source,
             compute: ComputeArgs {
                 epsilon: k
@@ -386,6 +396,7 @@ fn analyze(py: Python<'_>, keywords: AnalyzeKeywords) -> PyResult<String> {
                     .unwrap_or(f64::from(rlmerge::method::DEFAULT_EPSILON)),
                 allow_missing_tensors: k.allow_missing_tensors,
                 allow_nonfinite: k.allow_nonfinite,
+                allow_dense_agents: k.allow_dense_agents,
                 ..compute
             },
         },
@@ -406,7 +417,14 @@ fn analyze(py: Python<'_>, keywords: AnalyzeKeywords) -> PyResult<String> {
 #[pyfunction]
 fn methods(py: Python<'_>) -> PyResult<String> {
     let mut json = Vec::new();
-    cli::run_methods(&MethodsArgs { json: true }, &mut json).map_err(|e| exception(py, &e))?;
+    cli::run_methods(
+        &MethodsArgs {
+            name: None,
+            json: true,
+        },
+        &mut json,
+    )
+    .map_err(|e| exception(py, &e))?;
     Ok(String::from_utf8_lossy(&json).into_owned())
 }
 

@@ -84,7 +84,8 @@ def test_pip_command_equals_cargo_binary(demo, tmp_path):
         results.append((folder_bytes(out), analyze, bad.returncode, missing.returncode,
                         missing.stderr))
     assert results[0] == results[1]
-    assert results[0][2:4] == (2, 1)
+    # A missing folder is a usage error (issue #45), as a bad flag is.
+    assert results[0][2:4] == (2, 2)
 
 
 def test_analyze_is_the_commands_json(demo):
@@ -119,7 +120,10 @@ def test_methods_lists_every_method_with_its_parameters():
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
-        (dict(method="nope"), rlmerge.UsageError, ["unknown merge_method 'nope'"]),
+        (dict(method="nope"), rlmerge.UsageError, ["unknown method 'nope'"]),
+        (dict(method="svc"), rlmerge.UsageError, ["svc=ALPHA"]),
+        # Issue #45: a missing parameter is named as this function's keyword, not a flag.
+        (dict(method="ties"), rlmerge.UsageError, ["keyword weight=VALUE of rlmerge.merge"]),
         (dict(method="ties", weight=1, density=2.0), rlmerge.UsageError, ["density", "[0, 1]"]),
         (dict(method="ties", weight=[1, 2]), rlmerge.UsageError, ["2 values for 3 models"]),
         (dict(method="ties", weight={"stranger": 1}), rlmerge.UsageError, ["stranger"]),
@@ -510,7 +514,8 @@ def test_exceptions_are_the_bindings_own(demo, tmp_path):
     root, base, agents = demo
     with pytest.raises(rlmerge.UsageError) as info:
         rlmerge.merge(base, agents, method="tie", out=tmp_path / "x")
-    assert str(info.value).startswith("unknown merge_method 'tie'"), str(info.value)
+    # In the API's words (issue #45): its keyword is `method`, not a recipe's merge_method.
+    assert str(info.value).startswith("unknown method 'tie'"), str(info.value)
     assert "did you mean 'ties'" in str(info.value)
     assert not (tmp_path / "x").exists()
 
@@ -653,3 +658,41 @@ def test_verify_names_scratch_a_killed_merge_left(demo, tmp_path):
     assert found["ok"]
     assert len(found["notes"]) == 1 and dead.name in found["notes"][0], found["notes"]
     assert "rm -rf" in found["notes"][0] and "kB" in found["notes"][0]
+
+
+def test_a_mistyped_folder_names_the_folder_meant(demo, tmp_path):
+    """Issue #45: a mistyped folder is neither a folder nor a cached Hub id, with the sibling
+    folder meant — not a Hub lookup ending in a network error."""
+    root, base, agents = demo
+    cwd = os.getcwd()
+    os.chdir(root.parent)
+    try:
+        for typo in [f"{root.name}/codng-agent", str(root / "codng-agent")]:
+            with pytest.raises(rlmerge.UsageError) as info:
+                rlmerge.merge(base, [typo], method="ram", out=tmp_path / "out")
+            assert "coding-agent'?" in str(info.value), str(info.value)
+            assert "neither a folder nor a" in str(info.value), str(info.value)
+    finally:
+        os.chdir(cwd)
+    assert not (tmp_path / "out").exists()
+
+
+def test_seed_and_dense_agents_from_python(demo, tmp_path):
+    """Issue #45: DARE's masks follow ``seed`` from Python as from ``--seed``; the dense-agent
+    warning can be silenced by keyword."""
+    root, base, agents = demo
+    made = {}
+    for name, seed in [("a", 1), ("b", 1), ("c", 2)]:
+        rlmerge.merge(base, agents, method="dare_ties", weight=1.0, density=0.5, seed=seed,
+                      allow_dense_agents=True, out=tmp_path / name, device="cpu")
+        made[name] = folder_bytes(tmp_path / name)
+    assert made["a"] == made["b"] and made["a"] != made["c"]
+    cli = tmp_path / "cli"
+    cmd = [cargo_binary(), "merge", "-q", "--device", "cpu", "--method", "dare_ties", "--param",
+           "weight=1", "--param", "density=0.5", "--seed", "2", "--base", str(base), "-o", str(cli)]
+    for a in agents:
+        cmd += ["--model", str(a)]
+    subprocess.run(cmd, check=True)
+    assert folder_bytes(cli) == made["c"]
+    with pytest.raises(rlmerge.UsageError, match="seed"):
+        rlmerge.merge(base, agents, method="dare_ties", weight=1.0, seed=-1, out=tmp_path / "d")

@@ -37,6 +37,25 @@ pub struct ModelFolder {
     config_dir: PathBuf,
 }
 
+/// A model folder that is not there: a usage error naming the folder meant where a sibling's
+/// name is close (a typo); a broken or looping link, bad input.
+fn refuse_missing(dir: &Path) -> Result<()> {
+    if dir.exists() {
+        return Ok(());
+    }
+    if dir.symlink_metadata().is_ok() {
+        bail!(
+            "model folder {} does not exist (a broken or looping link)",
+            dir.display()
+        );
+    }
+    Err(crate::error::usage(format!(
+        "model folder {} does not exist{}",
+        dir.display(),
+        crate::error::sibling_hint(dir)
+    )))
+}
+
 impl ModelFolder {
     /// Opens the model folder `dir`: its config, index and every shard's header (no tensor data).
     pub fn open(dir: &Path) -> Result<ModelFolder> {
@@ -46,9 +65,7 @@ impl ModelFolder {
     /// [`Self::open`], sharing tensor names and shapes with the folders opened before through
     /// `interner` (see [`Interner`]).
     pub fn open_interned(dir: &Path, interner: &mut Interner) -> Result<ModelFolder> {
-        if !dir.exists() {
-            bail!("model folder {} does not exist", dir.display());
-        }
+        refuse_missing(dir)?;
         if !dir.is_dir() {
             bail!(
                 "{} is not a folder (expected a Hugging Face model folder)",

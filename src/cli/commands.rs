@@ -1,9 +1,10 @@
 //! The commands behind the arguments: each turns its flags into library calls and prints the
 //! result.
 
+pub use super::methods::run_methods;
 use super::{
     AnalyzeArgs, Cli, Command, ComputeArgs, DemoArgs, DeviceChoice, InputArgs, MergeArgs,
-    MethodsArgs, OutputArgs, RunArgs, VerifyArgs,
+    OutputArgs, RunArgs, VerifyArgs,
 };
 use anyhow::{Context, Result};
 use rlmerge::backend::cpu::CpuBackend;
@@ -16,6 +17,7 @@ use rlmerge::error::usage;
 use rlmerge::escape::terminal;
 use rlmerge::inputs::{Inputs, Layout};
 use rlmerge::job::{Job, MERGEKIT_CONFIG_FILE};
+use rlmerge::method::catalog::Cost;
 use rlmerge::method::{Kind, Method};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -93,8 +95,16 @@ impl ComputeArgs {
         Ok(())
     }
 
-    pub(crate) fn backend(&self) -> Result<Box<dyn Backend>> {
-        make_backend(self.device, self.threads, self.gpu_chunk_elems)
+    /// The backend to recompute the merge recorded in `dir` with (`verify --against`).
+    #[allow(dead_code)] // the Python extension's verify (python/src/lib.rs)
+    pub(crate) fn backend_for_record(&self, dir: &Path) -> Result<Box<dyn Backend>> {
+        let record = rlmerge::record::MergeRecord::read(dir)?;
+        self.backend(job_cost(&record.method, record.svc))
+    }
+
+    /// The backend for a job of this cost (see [`make_backend`]).
+    pub(crate) fn backend(&self, cost: Cost) -> Result<Box<dyn Backend>> {
+        make_backend(self.device, self.threads, self.gpu_chunk_elems, cost)
     }
 
     fn pass(&self, backend: &dyn Backend) -> PassOptions {
@@ -108,16 +118,31 @@ impl ComputeArgs {
         }
     }
 
+    /// Warnings for agents that look dense (see `Inputs::dense_agent_warnings`), unless
+    /// `--allow-dense-agents`; ε from the recipe when it sets one.
+    fn dense_agent_warnings(&self, inputs: &Inputs, epsilon: Option<f32>) -> Result<Vec<String>> {
+        if self.allow_dense_agents {
+            return Ok(Vec::new());
+        }
+        inputs.dense_agent_warnings(epsilon.unwrap_or(self.epsilon as f32))
+    }
+
+    /// Progress on stderr: a bar on a terminal, a line every few seconds elsewhere.
     fn show_progress(&self) -> bool {
-        !self.quiet && std::io::stderr().is_terminal()
+        !self.quiet
     }
 }
 
-/// The backend `device` asks for (see [`DeviceChoice`]).
+/// The backend `device` asks for (see [`DeviceChoice`]) for a job of this `cost`. `auto` takes a
+/// hardware GPU for the spectral methods only: the elementwise ones are bound by reading the
+/// files, and on the one GPU measured (an H200, README's GPU figures) they ran 1.5–3.5× slower
+/// than the CPU backend — so for them it does not load the GPU stack at all. A software adapter
+/// (lavapipe) is used only when asked for, with a warning.
 fn make_backend(
     device: DeviceChoice,
     threads: usize,
     gpu_chunk_elems: Option<usize>,
+    cost: Cost,
 ) -> Result<Box<dyn Backend>> {
     let gpu = |ctx: GpuContext| -> Box<dyn Backend> {
         let backend = GpuBackend::new(ctx);
@@ -129,13 +154,23 @@ fn make_backend(
     match device {
         DeviceChoice::Cpu => Ok(Box::new(CpuBackend::new(threads)?)),
         DeviceChoice::Gpu => match GpuContext::open(AdapterChoice::Any)? {
-            Some(ctx) => Ok(gpu(ctx)),
+            Some(ctx) => {
+                if ctx.is_software() {
+                    eprintln!(
+                        "warning: {} is a software adapter (it runs on the CPU): merges on it \
+                         run many times slower than --device cpu (16-40x measured on lavapipe)",
+                        terminal(&ctx.describe())
+                    );
+                }
+                Ok(gpu(ctx))
+            }
             None => Err(anyhow::anyhow!(
                 "--device gpu: wgpu found no GPU adapter (Vulkan, Metal or DX12). On Linux without a GPU, \
                  install Mesa's software Vulkan driver lavapipe (Debian/Ubuntu: apt-get install \
                  mesa-vulkan-drivers libvulkan1); or use --device cpu"
             )),
         },
+        DeviceChoice::Auto if cost != Cost::Spectral => Ok(Box::new(CpuBackend::new(threads)?)),
         DeviceChoice::Auto => match GpuContext::open(AdapterChoice::HardwareOnly) {
             Ok(Some(ctx)) => Ok(gpu(ctx)),
             Ok(None) => Ok(Box::new(CpuBackend::new(threads)?)),
@@ -144,6 +179,19 @@ fn make_backend(
                 Ok(Box::new(CpuBackend::new(threads)?))
             }
         },
+    }
+}
+
+/// What a merge's method costs, SVC included (it decomposes every matrix).
+fn job_cost(method: &Method, svc: Option<f64>) -> Cost {
+    let kind = match method {
+        Method::Combine(c) => c.kind,
+        Method::Ram { .. } => Kind::Ram,
+        Method::RamPlus { .. } => Kind::RamPlus,
+    };
+    match svc {
+        Some(_) => Cost::Spectral,
+        None => kind.cost(),
     }
 }
 
@@ -176,7 +224,9 @@ pub fn run(cli: Cli, mut out: &mut dyn Write) -> Result<()> {
 
 fn run_verify(args: &VerifyArgs, out: &mut impl Write) -> Result<()> {
     let backend = if args.against {
-        Some(make_backend(args.device, args.threads, None)?)
+        let record = rlmerge::record::MergeRecord::read(&args.dir)?;
+        let cost = job_cost(&record.method, record.svc);
+        Some(make_backend(args.device, args.threads, None, cost)?)
     } else {
         None
     };
@@ -233,9 +283,13 @@ fn run_devices(out: &mut impl Write) -> Result<()> {
     }
     for a in adapters {
         let (i, l) = (&a.info, &a.limits);
+        let software = match a.is_software() {
+            true => " — SOFTWARE (runs on the CPU; slower than --device cpu)",
+            false => "",
+        };
         writeln!(
             out,
-            "{} — {:?}, {:?}, driver {} {}",
+            "{} — {:?}, {:?}, driver {} {}{software}",
             i.name, i.backend, i.device_type, i.driver, i.driver_info
         )?;
         writeln!(
@@ -247,21 +301,33 @@ fn run_devices(out: &mut impl Write) -> Result<()> {
             l.max_compute_workgroups_per_dimension
         )?;
     }
-    writeln!(out, "--device auto uses a hardware GPU (discrete first) and otherwise the CPU backend; --device gpu also takes software adapters")?;
+    writeln!(
+        out,
+        "--device auto uses the CPU backend, and a hardware GPU (discrete first) for the spectral \
+         methods only;\n--device gpu takes any adapter, software ones included"
+    )?;
     Ok(())
 }
 
-/// Prints the λ of each agent after a merge.
-fn print_lambdas(out: &mut impl Write, record: &rlmerge::record::MergeRecord) -> Result<()> {
+/// Prints the λ of each agent after a merge, each named as `agents` gives it.
+fn print_lambdas(
+    out: &mut impl Write,
+    record: &rlmerge::record::MergeRecord,
+    agents: &[PathBuf],
+) -> Result<()> {
     let scope = record.method.scope().map_or("tensor", |s| s.name());
-    for a in &record.agents {
+    for (a, name) in record.agents.iter().zip(agents) {
+        let shown = match &a.name {
+            Some(n) => format!("{n} ({})", name.display()),
+            None => name.display().to_string(),
+        };
+        let name = terminal(&shown);
         match a.lambda {
-            Some(l) => writeln!(out, "  λ = {l:.6}  {}", terminal(&a.path))?,
+            Some(l) => writeln!(out, "  λ = {l:.6}  {name}")?,
             None => writeln!(
                 out,
-                "  λ per {scope} (see {})  {}",
+                "  λ per {scope} (see {})  {name}",
                 rlmerge::record::RECORD_FILE,
-                terminal(&a.path)
             )?,
         }
     }
@@ -295,7 +361,7 @@ pub fn merge_job(
     out: &mut impl Write,
 ) -> Result<rlmerge::engine::MergeSummary> {
     compute.check()?;
-    let inputs = Inputs::open_with(
+    let mut inputs = Inputs::open_with(
         &job.base,
         &job.agents,
         Layout {
@@ -305,10 +371,27 @@ pub fn merge_job(
             allow_missing_tensors: compute.allow_missing_tensors,
         },
     )?;
+    inputs.set_names(job.names.clone())?;
     warn_all(&inputs.warnings);
-    let backend = compute.backend()?;
+    let dense = compute.dense_agent_warnings(&inputs, job.epsilon)?;
+    warn_all(&dense);
+    let cost = job_cost(&job.method, job.svc);
+    let backend = compute.backend(cost)?;
     if !compute.quiet {
-        eprintln!("backend: {}", backend.describe());
+        let why = match (compute.device, cost) {
+            (DeviceChoice::Auto, Cost::Spectral) if backend.describe().starts_with("cpu") => {
+                " (--device auto: a spectral method, which runs on a hardware GPU; none here)"
+            }
+            (DeviceChoice::Auto, Cost::Spectral) => {
+                " (--device auto: a spectral method runs on a hardware GPU)"
+            }
+            (DeviceChoice::Auto, _) => {
+                " (--device auto: this method is bound by reading the files, where the CPU \
+                 backend is the faster; --device gpu to use a GPU)"
+            }
+            _ => "",
+        };
+        eprintln!("backend: {}{why}", backend.describe());
     }
     let mut pass = compute.pass(backend.as_ref());
     if let Some(e) = job.epsilon {
@@ -333,6 +416,7 @@ pub fn merge_job(
             .chain(job.tokenizer.iter().flat_map(|t| t.folders()))
             .collect(),
         svc: job.svc,
+        warnings: dense,
     };
     let summary = engine::merge(&inputs, &options, backend.as_ref(), &output.out).map_err(|e| {
         if rlmerge::error::is_usage(&e) {
@@ -344,107 +428,21 @@ pub fn merge_job(
             ))
         }
     })?;
-    // Warnings found while merging (identical inputs), after those of opening the inputs.
-    warn_all(&summary.record.warnings[inputs.warnings.len()..]);
+    // Warnings found while merging (identical inputs), after those given before it.
+    warn_all(&summary.record.warnings[inputs.warnings.len() + options.warnings.len()..]);
     note_all(&summary.notes);
     writeln!(
         out,
         "merged {} model(s) into {} with {} ({} shard(s))",
         inputs.agents.len(),
         terminal(&output.out.display().to_string()),
-        job.method,
+        summary.record.method_text(),
         summary.shards.len()
     )?;
     if !matches!(job.method, Method::Combine(_)) {
-        print_lambdas(out, &summary.record)?;
+        print_lambdas(out, &summary.record, &job.agents)?;
     }
     Ok(summary)
-}
-
-/// What `rlmerge methods` says of SVC, the modifier.
-const SVC_ABOUT: &str = "SVC, spectral calibration after any method: --svc ALPHA, or svc: in a \
-                         recipe (SPEC §4e)";
-const SVC_REFERENCE: &str = "arXiv:2602.05536";
-
-pub fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
-    let scope_name = |p: &rlmerge::method::catalog::Param| match p.scope {
-        rlmerge::method::catalog::ParamScope::MethodWide => "method-wide",
-        rlmerge::method::catalog::ParamScope::PerModel => "per model",
-    };
-    let svc = &rlmerge::method::catalog::SVC;
-    if args.json {
-        let param = |p: &rlmerge::method::catalog::Param| {
-            serde_json::json!({
-                "name": p.name,
-                "scope": scope_name(p),
-                "default": p.default.text(p.range),
-                "range": p.range.text(),
-                "about": p.about,
-            })
-        };
-        let mut methods: Vec<serde_json::Value> = Kind::ALL
-            .iter()
-            .map(|kind| {
-                serde_json::json!({
-                    "name": kind.name(),
-                    "about": kind.about(),
-                    "reference": kind.reference(),
-                    "parameters": kind.params().iter().map(param).collect::<Vec<_>>(),
-                })
-            })
-            .collect();
-        // The modifier every method takes, after the methods.
-        methods.push(serde_json::json!({
-            "name": svc.name,
-            "modifier": true,
-            "about": SVC_ABOUT,
-            "reference": SVC_REFERENCE,
-            "parameters": [param(svc)],
-        }));
-        writeln!(out, "{}", serde_json::to_string_pretty(&methods)?)?;
-        return Ok(());
-    }
-    for kind in Kind::ALL {
-        writeln!(
-            out,
-            "{:<17} {} ({})",
-            kind.name(),
-            kind.about(),
-            kind.reference()
-        )?;
-        for p in kind.params() {
-            let scope = scope_name(p);
-            writeln!(
-                out,
-                "    {:<16} {:<10} default {:<16} {:<26} {}",
-                p.name,
-                scope,
-                p.default.text(p.range),
-                p.range.text(),
-                p.about
-            )?;
-        }
-    }
-    writeln!(
-        out,
-        "\nModifier of every method:\n{:<17} {SVC_ABOUT} ({SVC_REFERENCE})\n    {:<16} {:<10} \
-         default {:<16} {:<26} {}",
-        svc.name,
-        svc.name,
-        scope_name(svc),
-        svc.default.text(svc.range),
-        svc.range.text(),
-        svc.about
-    )?;
-    writeln!(
-        out,
-        "\nSet parameters in a mergekit recipe (rlmerge run RECIPE.yml -o OUT) or with --param KEY=VALUE.\n\
-         Every method also takes, in a recipe: slices (layer ranges per model, with per-slice\n\
-         parameters), tokenizer_source: base|union|model:NAME or a tokenizer section (source,\n\
-         tokens, pad_to_multiple_of) for agents that added tokens (also --tokenizer-source),\n\
-         BASE+ADAPTER LoRA agents, dtype and out_dtype."
-    )?;
-    Ok(())
 }
 
 pub fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
@@ -458,8 +456,10 @@ pub fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
         allow_missing_tensors: compute.allow_missing_tensors,
         ..Layout::default()
     };
-    let inputs = Inputs::open_with(&base, &agents, layout)?;
+    let mut inputs = Inputs::open_with(&base, &agents, layout)?;
+    inputs.set_names(args.inputs.names.iter().cloned().map(Some).collect())?;
     warn_all(&inputs.warnings);
+    warn_all(&compute.dense_agent_warnings(&inputs, None)?);
     // Scratch that killed merges left beside the models analyzed, or where figures go.
     let near: Vec<std::path::PathBuf> = inputs
         .paths()
@@ -501,7 +501,7 @@ pub fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
         let resolved = output_folder::resolve_output(dir)?;
         output_folder::refuse_inside(dir, &resolved, &protect)?;
     }
-    let backend = compute.backend()?;
+    let backend = compute.backend(Cost::Stream)?;
     let pass = compute.pass(backend.as_ref());
     let report = engine::probe_all(&inputs, backend.as_ref(), &pass, compute.show_progress())?;
     let retention = match &merged {
@@ -562,7 +562,7 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
         return Ok(());
     }
     let backend: Box<dyn Backend> = Box::new(CpuBackend::new(0)?);
-    let show = !args.quiet && std::io::stderr().is_terminal();
+    let show = !args.quiet;
     // The demo replaces only its own earlier output (checked above).
     let options = MergeOptions {
         force: true,
@@ -586,7 +586,7 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
         "\n$ rlmerge merge --method ram+ … -o {}\n",
         merged.display()
     )?;
-    print_lambdas(out, &summary.record)?;
+    print_lambdas(out, &summary.record, &agents)?;
     writeln!(
         out,
         "\nmerged checkpoint: {} ({}; model card README.md, record {})",

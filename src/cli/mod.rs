@@ -7,6 +7,7 @@
 //! interrupted.
 
 mod commands;
+mod methods;
 
 #[allow(unused_imports)] // all but run: the Python extension's typed calls (python/src/lib.rs)
 pub use commands::{merge_job, run, run_analyze, run_methods};
@@ -84,7 +85,7 @@ pub enum Command {
     Merge(MergeArgs),
     /// Run a mergekit YAML recipe (models as folders or Hugging Face Hub ids).
     Run(RunArgs),
-    /// List every merge method with its parameters, defaults and reference.
+    /// The merge methods with their cost; `methods NAME` gives one's parameters and defaults.
     Methods(MethodsArgs),
     /// Probe the task vectors: what each agent changed, what is shared, ρ_t and λ_t.
     Analyze(AnalyzeArgs),
@@ -98,6 +99,8 @@ pub enum Command {
 
 #[derive(Args, Debug)]
 pub struct MethodsArgs {
+    /// One method (or svc, the modifier): its parameters, defaults, reference and an example.
+    pub name: Option<String>,
     /// Print JSON on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -143,6 +146,10 @@ pub struct InputArgs {
     /// An agent model, folder or Hub id (repeat for each agent).
     #[arg(long = "model", value_name = "DIR|ID")]
     pub models: Vec<PathBuf>,
+    /// A name for the agents, in the order of --model (repeat): what tables, figures and the
+    /// model card call them [default: the parts of their paths that tell them apart].
+    #[arg(long = "name", value_name = "NAME")]
+    pub names: Vec<String>,
     /// The output's vocabulary, as mergekit's tokenizer_source: base, union, or a model folder
     /// (model:DIR or DIR). Agents whose embeddings differ in rows (added tokens) then merge token
     /// by token (SPEC §5b) [default: the base's tokenizer, every model of the base's shape].
@@ -178,6 +185,10 @@ pub struct ComputeArgs {
     /// lacks, with a warning, instead of refusing such agents.
     #[arg(long)]
     pub allow_missing_tensors: bool,
+    /// No warning for agents that changed nearly every element they share with the base (RL
+    /// agents change few; a dense one may come from another base).
+    #[arg(long)]
+    pub allow_dense_agents: bool,
     /// Caps elements per GPU dispatch chunk (tests; the result does not depend on it).
     #[arg(long, hide = true)]
     pub gpu_chunk_elems: Option<usize>,
@@ -189,7 +200,7 @@ pub struct MergeArgs {
     pub inputs: InputArgs,
     /// A mergekit YAML recipe giving the models, method and parameters (instead of --base,
     /// --model and --method).
-    #[arg(long, value_name = "RECIPE.yml", conflicts_with_all = ["base", "models", "method", "tokenizer_source"])]
+    #[arg(long, value_name = "RECIPE.yml", conflicts_with_all = ["base", "models", "names", "method", "tokenizer_source"])]
     pub config: Option<PathBuf>,
     /// Merge method [default: ram+] (`rlmerge methods` lists them with their parameters).
     #[arg(long, value_parser = parse_method)]
@@ -306,8 +317,8 @@ pub struct DemoArgs {
 fn parse_method(s: &str) -> Result<Kind, String> {
     Kind::from_name(s).ok_or_else(|| {
         format!(
-            "unknown method '{s}'{}; `rlmerge methods` lists them",
-            rlmerge::error::did_you_mean(s, Kind::ALL.iter().map(|k| k.name()))
+            "unknown method '{s}'{}",
+            Kind::unknown_hint(s, "--svc ALPHA (e.g. --method ram+ --svc 0.1)")
         )
     })
 }
@@ -326,6 +337,9 @@ impl MergeArgs {
             shared: self.shared,
             seed: self.output.seed,
             svc: self.svc.as_deref().map(rlmerge::job::parse_scalar),
+            epsilon: Some(self.inputs.compute.epsilon).filter(|&e| e != f64::from(DEFAULT_EPSILON)),
+            tokenizer_source: self.inputs.tokenizer_source.clone(),
+            names: self.inputs.names.clone(),
         }
     }
 }

@@ -13,6 +13,7 @@ use crate::record::MergeRecord;
 use crate::report::{boost_group, ProbeReport, TensorStats};
 use anyhow::{Context, Result};
 use indicatif::ProgressBar;
+use progress::progress_bar;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -32,6 +33,7 @@ mod calibrate;
 mod fisher;
 mod output;
 mod probe;
+mod progress;
 mod retention;
 mod scans;
 mod spectral;
@@ -48,9 +50,7 @@ use scans::{combine_spec, ScanBuffers};
 use spectral::spectral_update;
 use tile_rule::{TileRule, TileScratch};
 pub use tile_size::tile_elems;
-use tiles::{
-    batches, par_tiles, progress_bar, run_bytes, whole_rows, TensorTiles, TileLoop, WriteRun,
-};
+use tiles::{batches, par_tiles, run_bytes, whole_rows, TensorTiles, TileLoop, WriteRun};
 
 impl PassOptions {
     /// The defaults: ε = 1e-5 (SPEC §1), the backend's tile size, NaN/±Inf inputs refused.
@@ -77,6 +77,7 @@ impl MergeOptions {
             extra_files: Vec::new(),
             protect: Vec::new(),
             svc: None,
+            warnings: Vec::new(),
         }
     }
 }
@@ -103,6 +104,9 @@ pub struct MergeOptions {
     pub protect: Vec<PathBuf>,
     /// SVC's α: each matrix the method merged is spectrally calibrated (SPEC §4e).
     pub svc: Option<f64>,
+    /// Warnings the front end gave before the merge (an agent that looks dense), kept in the
+    /// record after the inputs' own.
+    pub warnings: Vec<String>,
 }
 
 /// What a finished merge reports.
@@ -230,6 +234,17 @@ pub fn merge(
     Ok(MergeSummary { notes, ..summary })
 }
 
+/// A decomposed matrix's arithmetic in the progress bar's units (bytes read): its bytes over
+/// every model times min(m, n) / 16 — the decompositions are O(m·n·min(m, n)), and this weight
+/// matches their time against reading's on the 1 GiB demo (2 cores: Iso-C's 69 s to about 1 s
+/// of reading).
+fn decomposition_work(plan: &TensorPlan, agents: usize) -> u64 {
+    let shape = plan.shape();
+    let small = shape.iter().copied().min().unwrap_or(1) as u64;
+    let bytes = (plan.numel() * plan.base.entry.dtype.size() * (1 + agents)) as u64;
+    bytes * small.div_ceil(16)
+}
+
 /// The merge pass over every tensor: each one's rule, then its tiles through the backend.
 struct MergePass<'a> {
     inputs: &'a Inputs,
@@ -320,6 +335,16 @@ impl<'a> MergePass<'a> {
             }
         );
         let scan_bytes = inputs.pass_bytes() * if per_tensor { 2 } else { 1 };
+        let svc = options.svc.is_some();
+        let decomposed: Vec<&TensorPlan> = inputs
+            .tensors
+            .iter()
+            .filter(|p| spectral::is_decomposed(&options.method, svc, p))
+            .collect();
+        let arithmetic: u64 = decomposed
+            .iter()
+            .map(|p| decomposition_work(p, inputs.agents.len()))
+            .sum();
         MergePass {
             inputs,
             options,
@@ -329,7 +354,7 @@ impl<'a> MergePass<'a> {
                 scan_nonfinite: options.pass.scan_nonfinite && options.method.boost().is_none(),
                 ..options.pass.clone()
             },
-            bar: progress_bar(scan_bytes, options.show_progress, "merge"),
+            bar: progress_bar(scan_bytes + arithmetic, options.show_progress, "merge"),
             buffers: ScanBuffers::new(inputs.agents.len()),
             layers: inputs
                 .tensors
@@ -341,11 +366,7 @@ impl<'a> MergePass<'a> {
             group_lambdas: None,
             per_tensor: per_tensor.then(TensorGathered::default),
             counted: matches!(options.method, Method::Ram { .. }).then(TensorGathered::default),
-            matrices: (0, {
-                let svc = options.svc.is_some();
-                let decomposed = |p: &&TensorPlan| spectral::is_decomposed(&options.method, svc, p);
-                inputs.tensors.iter().filter(decomposed).count()
-            }),
+            matrices: (0, decomposed.len()),
         }
     }
 
@@ -366,6 +387,8 @@ impl<'a> MergePass<'a> {
             };
             self.bar.set_message(format!("{what} {done}/{total}"));
         }
+        let decomposed =
+            spectral::is_decomposed(&self.options.method, self.options.svc.is_some(), plan);
         let rule = self.rule_of(plan, &present)?;
         // Widened tiles: a tile's bytes stay what the pass chose.
         let elems = tile_elems(plan, self.inputs, self.pass.tile_elems);
@@ -385,6 +408,10 @@ impl<'a> MergePass<'a> {
         };
         if let Some(alpha) = self.options.svc {
             self.calibrate(&mut job, alpha)?;
+        }
+        if decomposed {
+            self.bar
+                .inc(decomposition_work(plan, self.inputs.agents.len()));
         }
         Ok(job)
     }

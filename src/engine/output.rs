@@ -81,7 +81,8 @@ pub(super) fn finish(
     shards: Vec<FileChecksum>,
     folder: OutputFolder,
 ) -> Result<MergeSummary> {
-    let agents = agent_summaries(inputs, &boost);
+    let out = folder.final_path().to_path_buf();
+    let agents = agent_summaries(inputs, &boost, &out);
     let out_dtype = options
         .out_dtype
         .or_else(|| inputs.base.main_dtype())
@@ -119,7 +120,7 @@ pub(super) fn finish(
         std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
         outputs.push(crc32_of_file(&path)?);
     }
-    let input_sums = input_checksums(inputs)?;
+    let input_sums = input_checksums(inputs, &out)?;
     let record = MergeRecord {
         tool: "rlmerge".into(),
         version: env!("CARGO_PKG_VERSION").into(),
@@ -128,19 +129,21 @@ pub(super) fn finish(
         allow_nonfinite: !options.pass.scan_nonfinite,
         allow_missing_tensors: inputs.allow_missing_tensors,
         svc: options.svc,
-        base: inputs.base.dir.display().to_string(),
+        base: record::recorded_path(&out, &inputs.base.dir)
+            .display()
+            .to_string(),
         agents,
         tensor_lambdas: boost.tensor_lambdas.unwrap_or_default(),
         group_lambdas: boost.group_lambdas.unwrap_or_default(),
         out_dtype: options.out_dtype.map(|d| d.to_string()),
         main_dtype: Some(out_dtype.torch_name().to_string()),
         slices: inputs.slices.clone(),
-        // Absolute, so verify --against finds it from anywhere.
-        tokenizer: vocabulary.map(|v| v.settings.absolute()),
+        tokenizer: vocabulary.map(|v| v.settings.with_folders(|p| record::recorded_path(&out, p))),
         shard_size: options.shard_size,
         warnings: inputs
             .warnings
             .iter()
+            .chain(&options.warnings)
             .cloned()
             .chain(identical_inputs(&input_sums, options.method.uses_base()))
             .chain(super::spectral::warnings(inputs, &options.method))
@@ -165,14 +168,15 @@ pub(super) fn finish(
 }
 
 /// Each agent's line of the record: its path, its λ (global scope), its changed counts.
-fn agent_summaries(inputs: &Inputs, boost: &BoostReport) -> Vec<AgentSummary> {
+fn agent_summaries(inputs: &Inputs, boost: &BoostReport, out: &Path) -> Vec<AgentSummary> {
     let agent_counts = boost.report.as_ref().map(|r| r.total_agent_counts());
     inputs
         .agents
         .iter()
         .enumerate()
         .map(|(t, a)| AgentSummary {
-            path: a.dir.display().to_string(),
+            path: record::recorded_path(out, &a.dir).display().to_string(),
+            name: inputs.names.get(t).cloned().flatten(),
             // Tensor, layer and module scope: λ per tensor or group, in the record.
             lambda: match (&boost.tensor_lambdas, &boost.group_lambdas) {
                 (None, None) => Some(boost.global_lambdas[t]),
@@ -185,14 +189,14 @@ fn agent_summaries(inputs: &Inputs, boost: &BoostReport) -> Vec<AgentSummary> {
 
 /// Every input's file checksums for the record. Tensors were hashed as they were read; only what
 /// the merge never read is read now.
-fn input_checksums(inputs: &Inputs) -> Result<Vec<InputChecksums>> {
+fn input_checksums(inputs: &Inputs, out: &Path) -> Result<Vec<InputChecksums>> {
     std::iter::once(&inputs.base)
         .chain(&inputs.agents)
         .map(|m| {
             let path = std::fs::canonicalize(&m.dir).unwrap_or_else(|_| m.dir.clone());
             Ok(InputChecksums {
                 hub_id: crate::hub::id_of_snapshot(&path),
-                path,
+                path: record::recorded_path(out, &path),
                 files: m.checksums()?,
             })
         })

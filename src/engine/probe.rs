@@ -1,7 +1,8 @@
 //! RAM's probe pass (SPEC.md §1): per tensor, how many agents changed each element.
 
+use super::progress::progress_bar;
 use super::tile_elems;
-use super::tiles::{batches, par_tiles, progress_bar, TensorTiles, TileLoop};
+use super::tiles::{batches, par_tiles, TensorTiles, TileLoop};
 use super::PassOptions;
 use crate::backend::{Backend, TileCounts};
 use crate::inputs::{Inputs, TensorPlan};

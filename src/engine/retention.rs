@@ -5,8 +5,9 @@
 //! (θ_out − θ₀ has the sign of τ_t). RAM keeps r = λ_t on U_t; task arithmetic with weight w
 //! shows w there.
 
+use super::progress::progress_bar;
 use super::tile_elems;
-use super::tiles::{par_tiles, progress_bar, TensorTiles, TileLoop};
+use super::tiles::{par_tiles, TensorTiles, TileLoop};
 use super::PassOptions;
 use crate::checkpoint::dtype::decode;
 use crate::checkpoint::ModelFolder;
@@ -118,13 +119,16 @@ fn recorded_lambdas(inputs: &Inputs, merged: &ModelFolder) -> Vec<Option<f64>> {
         .iter()
         .map(|a| {
             let dir = real(&a.dir);
-            // The record's inputs are absolute: the base, then the agents in order.
+            // The record's inputs: the base, then the agents in order, each named relative to
+            // the merged folder (see `record::resolved_path`).
             record
                 .inputs
                 .iter()
                 .skip(1)
                 .zip(&record.agents)
-                .find(|(input, _)| real(&input.path) == dir)
+                .find(|(input, _)| {
+                    real(&crate::record::resolved_path(&merged.dir, &input.path)) == dir
+                })
                 .and_then(|(_, agent)| agent.lambda)
         })
         .collect()

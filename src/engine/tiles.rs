@@ -6,7 +6,7 @@ use crate::checkpoint::CheckpointWriter;
 pub(super) use crate::inputs::resize_exact;
 use crate::inputs::{BaseTile, Inputs, SourceRead, TensorPlan, TensorSource, TileBytes};
 use anyhow::Result;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -565,22 +565,6 @@ pub(super) fn batches(plans: &[TensorPlan], tile_elems: usize) -> Vec<std::ops::
         }
     }
     runs
-}
-
-pub(super) fn progress_bar(total: u64, show: bool, message: &str) -> ProgressBar {
-    if !show {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{msg:>8} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
-        )
-        .expect("valid template")
-        .progress_chars("=> "),
-    );
-    bar.set_message(message.to_string());
-    bar
 }
 
 /// `tile_elems` rounded down to whole rows of `row_len` (at least one row; 0: no rows).

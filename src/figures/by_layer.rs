@@ -4,7 +4,7 @@
 //! titles and round ticks; the legend shows each agent's line as it is drawn.
 
 use super::{
-    agent_colour, agent_dash, nice_ticks, short_name, text_width, tick_label, Svg, Swatch, WIDTH,
+    agent_colour, agent_dash, agent_names, nice_ticks, text_width, tick_label, Svg, Swatch, WIDTH,
 };
 use crate::report::ProbeReport;
 
@@ -211,15 +211,10 @@ fn layer_lines(svg: &mut Svg, plot: &Plot, x0: f64, layers: &[(usize, Vec<f64>)]
 
 /// The legend of agents: each one's line as drawn, its short name.
 fn agent_legend(svg: &mut Svg, y: f64, agents: &[String]) -> f64 {
-    let entries: Vec<(Swatch, String)> = agents
-        .iter()
+    let entries: Vec<(Swatch, String)> = agent_names(agents, 30)
+        .into_iter()
         .enumerate()
-        .map(|(t, a)| {
-            (
-                Swatch::Line(agent_colour(t), agent_dash(t)),
-                short_name(a, 30),
-            )
-        })
+        .map(|(t, name)| (Swatch::Line(agent_colour(t), agent_dash(t)), name))
         .collect();
     svg.legend(20.0, y, &entries)
 }
@@ -268,10 +263,17 @@ pub fn lambdas(report: &ProbeReport) -> String {
         crate::method::BoostRule::Paper { r, alpha } => 1.0 + r * alpha,
         crate::method::BoostRule::Official { rescale_factor } => rescale_factor,
     };
-    let mut svg = Svg::new("λ of each agent under ram+ --scope layer, per layer");
+    // What λ would be per layer, whatever scope a merge used: said so in the title.
+    let mut svg = Svg::new("λ each agent would get per layer (ram+ --scope layer)");
     let axis = Axis {
-        title: "λ (rule paper, r = 0.1, α = 2: from 1, no boost, to 1.2)",
-        ticks: nice_ticks(1.0, top, 4),
+        title: "λ (rule paper, r = 0.1, α = 2: from 1, no boost, to the cap 1.2)",
+        // A step above the cap: a λ at its cap is drawn inside the frame, not on it.
+        ticks: {
+            let mut ticks = nice_ticks(1.0, top, 4);
+            let step = ticks[1] - ticks[0];
+            ticks.push(ticks[ticks.len() - 1] + step);
+            ticks
+        },
         percent: false,
     };
     let below = panel(&mut svg, 72.0, &axis, &series, report.agents.len());

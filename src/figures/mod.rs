@@ -32,8 +32,9 @@ pub const ALL: &str = "#8C8C8C";
 /// "Shared with k other agents", k = 1, 2, …: blues, darker for fewer others.
 const SHARED: [&str; 4] = ["#0072B2", "#56B4E9", "#9ECAE1", "#C6DBEF"];
 /// Agents' colours, in order (none of them green, blue or grey).
+/// Amber and vermillion, the two closest, are first and last.
 const AGENTS: [&str; 6] = [
-    "#E69F00", "#CC79A7", "#D55E00", "#000000", "#999933", "#882255",
+    "#E69F00", "#CC79A7", "#000000", "#882255", "#999933", "#D55E00",
 ];
 
 /// The colour of "changed by this agent and k others" (k = 0: [`UNIQUE`]).
@@ -77,9 +78,68 @@ pub fn short_name(agent: &str, max: usize) -> String {
             .file_name()
             .map_or_else(|| agent.to_string(), |n| n.to_string_lossy().into_owned()),
     };
+    cut_middle(&name, max)
+}
+
+/// How the figures name several agents: by the parts of their paths that tell them apart — the
+/// path components all of them share at the start and at the end dropped (whole components,
+/// keeping at least one), Hub snapshots by their id — each at most `max` characters (cut in the
+/// middle), and distinct: `runs/{coder,tool}-grpo/checkpoint-1200` are `coder-grpo` and
+/// `tool-grpo`. Names that are still equal get their agent's number.
+pub fn agent_names(agents: &[String], max: usize) -> Vec<String> {
+    let parts: Vec<Vec<String>> = agents
+        .iter()
+        .map(|a| match crate::hub::id_of_snapshot(Path::new(a)) {
+            Some(id) => vec![id.split('@').next().unwrap_or(&id).to_string()],
+            None => Path::new(a)
+                .components()
+                .filter(|c| !matches!(c, std::path::Component::CurDir))
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .collect(),
+        })
+        .collect();
+    let shortest = parts.iter().map(Vec::len).min().unwrap_or(0);
+    let same_at = |at: &dyn Fn(&Vec<String>) -> Option<&String>| {
+        parts.len() > 1
+            && parts
+                .iter()
+                .all(|p| at(p).is_some() && at(p) == at(&parts[0]))
+    };
+    let mut front = 0;
+    while front + 1 < shortest && same_at(&|p: &Vec<String>| p.get(front)) {
+        front += 1;
+    }
+    let mut back = 0;
+    while front + back + 1 < shortest && same_at(&|p: &Vec<String>| p.get(p.len() - 1 - back)) {
+        back += 1;
+    }
+    let mut names: Vec<String> = parts
+        .iter()
+        .map(|p| match p.len() {
+            0 => String::new(),
+            // One agent: its last component, as a figure of one agent names it.
+            _ if parts.len() == 1 => p[p.len() - 1].clone(),
+            n => p[front..n - back].join("/"),
+        })
+        .map(|n| cut_middle(&n, max))
+        .collect();
+    let dup: Vec<bool> = names
+        .iter()
+        .map(|n| names.iter().filter(|m| *m == n).count() > 1)
+        .collect();
+    for (t, n) in names.iter_mut().enumerate() {
+        if dup[t] {
+            *n = format!("{} {n}", t + 1);
+        }
+    }
+    names
+}
+
+/// `name` cut in the middle with "…" when it is longer than `max` (at least 5) characters.
+fn cut_middle(name: &str, max: usize) -> String {
     let chars: Vec<char> = name.chars().collect();
     if chars.len() <= max.max(5) {
-        return name;
+        return name.to_string();
     }
     let keep = max.max(5) - 1;
     let head: String = chars[..keep.div_ceil(2)].iter().collect();
@@ -279,6 +339,33 @@ pub fn write_all(
 
 #[cfg(test)]
 mod tests {
+    /// Issue #45: three agents whose paths differ only in a middle component keep distinct
+    /// labels, made of that component; shared prefixes and suffixes go, whole components only.
+    #[test]
+    fn agent_names_keep_agents_apart() {
+        let agents: Vec<String> = ["coder", "tool", "memory"]
+            .iter()
+            .map(|a| format!("/home/u/runs/{a}-grpo/checkpoint-1200"))
+            .collect();
+        assert_eq!(
+            agent_names(&agents, 30),
+            ["coder-grpo", "tool-grpo", "memory-grpo"]
+        );
+        // Different depths: what follows the shared start.
+        let agents = vec!["runs/a/x".to_string(), "runs/b".to_string()];
+        assert_eq!(agent_names(&agents, 30), ["a/x", "b"]);
+        // One agent: its folder's name.
+        assert_eq!(agent_names(&["runs/a/ckpt".to_string()], 30), ["ckpt"]);
+        // Long names differing in the middle: cut, and numbered where the cut made them equal.
+        let long: Vec<String> = ["alpha", "beta"]
+            .iter()
+            .map(|m| format!("r/{}{m}{}/c", "x".repeat(20), "y".repeat(20)))
+            .collect();
+        let names = agent_names(&long, 12);
+        assert_ne!(names[0], names[1], "{names:?}");
+        assert!(names.iter().all(|n| n.chars().count() <= 14), "{names:?}");
+    }
+
     use super::*;
 
     #[test]

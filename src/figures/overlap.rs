@@ -3,7 +3,7 @@
 //! other agents that changed the same elements (k = 0: unique), each segment with its share of
 //! the agent's changes written on it where it fits (and in its tooltip).
 
-use super::{k_colour, nice_ticks, short_name, text_width, x_axis, Svg, Swatch, WIDTH};
+use super::{agent_names, k_colour, nice_ticks, text_width, x_axis, Svg, Swatch, WIDTH};
 use crate::report::ProbeReport;
 
 /// Characters of an agent's name shown (the full name is its tooltip).
@@ -21,11 +21,7 @@ pub fn overlap(report: &ProbeReport) -> String {
             format!("{} changed, {unique:.1}% unique", changed[t])
         })
         .collect();
-    let names: Vec<String> = report
-        .agents
-        .iter()
-        .map(|a| short_name(a, NAME_CHARS))
-        .collect();
+    let names: Vec<String> = agent_names(&report.agents, NAME_CHARS);
     let column = names
         .iter()
         .map(|a| text_width(a, 13.0))

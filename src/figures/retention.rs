@@ -5,7 +5,8 @@
 //! the share of signs kept are written in a column of their own.
 
 use super::{
-    k_colour, marker, nice_ticks, short_name, text_width, x_axis, Svg, Swatch, ALL, WIDTH,
+    agent_names, k_colour, marker, nice_ticks, short_name, text_width, x_axis, Svg, Swatch, ALL,
+    WIDTH,
 };
 use crate::report::retention::{Retention, REGIONS};
 
@@ -24,7 +25,7 @@ fn region_colour(i: usize) -> &'static str {
 /// `retention.svg`: how much of each agent's change the merged model keeps, λ marked.
 pub fn retention(r: &Retention) -> String {
     let n = r.agents.len();
-    let names: Vec<String> = r.agents.iter().map(|a| short_name(a, 28)).collect();
+    let names: Vec<String> = agent_names(&r.agents, 28);
     let lambda_notes: Vec<Option<String>> = (0..n)
         .map(|t| r.lambda(t).map(|l| format!("λ = {l:.3}")))
         .collect();
@@ -82,7 +83,11 @@ pub fn retention(r: &Retention) -> String {
         "r = 1: the change kept in full".into(),
     ));
     if lambda_notes.iter().any(Option::is_some) {
-        legend.push((Swatch::Marker(LAMBDA), "λ the merge gave the agent".into()));
+        legend.push((
+            Swatch::Marker(LAMBDA),
+            "λ the merge gave (RAM+ keeps unique at r = λ; far from the bar: the boost was lost)"
+                .into(),
+        ));
     }
     let top = svg.legend(20.0, 52.0, &legend) + 14.0;
     let (row_h, bar_h) = (52.0, 12.0);

@@ -287,3 +287,88 @@ pub(super) fn refuse_repeated_agents(agent_dirs: &[PathBuf]) -> Result<()> {
     }
     Ok(())
 }
+
+/// Above this share of sampled elements changed, an agent is unlikely to be RL-trained from the
+/// base: RL fine-tuning changes a minority of parameters (SPEC §1), dense noise or another base
+/// nearly all of them.
+pub const DENSE_SHARE: f64 = 0.95;
+/// Above this ‖τ‖ / ‖θ₀‖ on the sampled elements, an agent is unlikely to come from the base.
+pub const DENSE_UPDATE: f64 = 0.5;
+/// Elements sampled from each of the largest matrices.
+const SAMPLE_ELEMS: usize = 16_384;
+/// Matrices sampled.
+const SAMPLE_TENSORS: usize = 8;
+
+impl Inputs {
+    /// Warnings for agents that look as if they did not come from the base by RL fine-tuning:
+    /// on a sample of the largest matrices (a window in the middle of each, read without
+    /// touching the merge's checksums), the share of elements with |τ| > `epsilon` above
+    /// [`DENSE_SHARE`], or ‖τ‖ / ‖θ₀‖ above [`DENSE_UPDATE`]. LoRA agents (dense by construction)
+    /// and re-indexed vocabularies are not sampled.
+    pub fn dense_agent_warnings(&self, epsilon: f32) -> Result<Vec<String>> {
+        let mut matrices: Vec<&TensorPlan> = self
+            .tensors
+            .iter()
+            .filter(|p| p.vocab.is_none() && p.sliced.is_none() && p.shape().len() >= 2)
+            .collect();
+        matrices.sort_by_key(|p| std::cmp::Reverse(p.numel()));
+        matrices.truncate(SAMPLE_TENSORS);
+        // Per agent: (changed, sampled, Σ τ², Σ θ₀²).
+        let mut stats = vec![(0u64, 0u64, 0f64, 0f64); self.agents.len()];
+        let mut bytes = Vec::new();
+        let (mut base, mut agent) = (Vec::new(), Vec::new());
+        let mut window = |model: &ModelFolder, t: &ModelTensor, out: &mut Vec<f32>| -> Result<()> {
+            let len = t.entry.numel.min(SAMPLE_ELEMS);
+            let start = ((t.entry.numel - len) / 2) as u64;
+            let size = t.entry.dtype.size();
+            bytes.resize(len * size, 0u8);
+            model.read(t, start * size as u64, &mut bytes)?;
+            out.resize(len, 0.0);
+            crate::checkpoint::dtype::decode(t.entry.dtype, &bytes, out);
+            Ok(())
+        };
+        for plan in matrices {
+            window(plan.base_folder(self), &plan.base, &mut base)?;
+            for (t, s) in stats.iter_mut().enumerate() {
+                let model = &self.agents[t];
+                let Some(tensor) = plan.agent(self, t) else {
+                    continue;
+                };
+                if model.lora.is_some() || tensor.entry.numel != plan.base.entry.numel {
+                    continue;
+                }
+                window(model, tensor, &mut agent)?;
+                for (&a, &b) in agent.iter().zip(&base) {
+                    let tau = f64::from(a) - f64::from(b);
+                    s.0 += u64::from(tau.abs() > f64::from(epsilon));
+                    s.1 += 1;
+                    s.2 += tau * tau;
+                    s.3 += f64::from(b) * f64::from(b);
+                }
+            }
+        }
+        let mut warnings = Vec::new();
+        for (t, &(changed, sampled, tau2, base2)) in stats.iter().enumerate() {
+            if sampled == 0 {
+                continue;
+            }
+            let share = changed as f64 / sampled as f64;
+            let size = if base2 > 0.0 {
+                (tau2 / base2).sqrt()
+            } else {
+                0.0
+            };
+            if share > DENSE_SHARE || size > DENSE_UPDATE {
+                warnings.push(format!(
+                    "agent {} changed {:.2} % of the elements sampled from the largest matrices \
+                     (‖τ‖/‖θ₀‖ = {size:.3}): RL fine-tuning changes few parameters, so it may \
+                     not come from this base (or was trained densely); check --base. \
+                     --allow-dense-agents silences this",
+                    self.agents[t].dir.display(),
+                    100.0 * share
+                ));
+            }
+        }
+        Ok(warnings)
+    }
+}

@@ -56,6 +56,9 @@ pub struct Inputs {
     /// Stops the passes over these inputs between tiles (see [`crate::cancel`]): the token of
     /// the thread that opened them.
     pub cancel: crate::cancel::Token,
+    /// The agents' names where the user gave them (`--name`, a recipe's `name:`), by agent;
+    /// tables, figures, the record and the card show them.
+    pub names: Vec<Option<String>>,
 }
 
 /// What shapes the output beyond the base's tensors: mergekit's slices and tokenizer source.
@@ -148,6 +151,7 @@ impl Inputs {
                 vocabulary,
                 allow_missing_tensors: layout.allow_missing_tensors,
                 cancel: crate::cancel::current(),
+                names: Vec::new(),
             });
         }
         let tensors = whole_model_plans(
@@ -167,6 +171,7 @@ impl Inputs {
             vocabulary,
             allow_missing_tensors: layout.allow_missing_tensors,
             cancel: crate::cancel::current(),
+            names: Vec::new(),
         })
     }
 
@@ -230,11 +235,42 @@ impl Inputs {
             .collect()
     }
 
-    /// Each agent's folder as text, for tables and figures.
+    /// Each agent as tables and figures name it: its name where given, else its folder.
     pub fn agent_labels(&self) -> Vec<String> {
         self.agents
             .iter()
-            .map(|a| a.dir.display().to_string())
+            .enumerate()
+            .map(|(t, a)| match self.names.get(t).cloned().flatten() {
+                Some(name) => name,
+                None => a.dir.display().to_string(),
+            })
             .collect()
+    }
+
+    /// Names the agents (`names[t]` for agent t, `None`: by its folder), checked: one per agent at
+    /// most, each non-empty, printable, and used once.
+    pub fn set_names(&mut self, names: Vec<Option<String>>) -> Result<()> {
+        if names.len() > self.agents.len() {
+            return Err(usage(format!(
+                "{} agent names for {} agents: give one name per agent, in the agents' order",
+                names.len(),
+                self.agents.len()
+            )));
+        }
+        let given: Vec<&String> = names.iter().flatten().collect();
+        for (i, n) in given.iter().enumerate() {
+            if n.trim().is_empty() || n.chars().any(char::is_control) {
+                return Err(usage(format!(
+                    "agent name {n:?} is empty or holds a control character"
+                )));
+            }
+            if given[..i].contains(n) {
+                return Err(usage(format!(
+                    "agent name {n:?} is given twice; names tell agents apart"
+                )));
+            }
+        }
+        self.names = names;
+        Ok(())
     }
 }

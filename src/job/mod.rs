@@ -40,6 +40,8 @@ pub struct Job {
     pub tokenizer: Option<crate::vocabulary::TokenizerSettings>,
     /// SVC's α, when the merge is spectrally calibrated (`--svc`, a recipe's `svc:`; SPEC §4e).
     pub svc: Option<f64>,
+    /// The agents' names, by agent, where the recipe's `name:` gives one (`--name` for flags).
+    pub names: Vec<Option<String>>,
 }
 
 /// The method as command-line flags give it: `--method`, `--param KEY=VALUE` (see
@@ -66,6 +68,13 @@ pub struct MethodFlags {
     pub seed: u64,
     /// `--svc ALPHA`: SVC's α, as given (checked by [`MethodFlags::svc_alpha`]).
     pub svc: Option<Scalar>,
+    /// `--epsilon`, when it is not the default: only for the recipe the flags are saved as (the
+    /// passes take ε from the compute options).
+    pub epsilon: Option<f64>,
+    /// `--tokenizer-source` as given: only for the recipe the flags are saved as.
+    pub tokenizer_source: Option<String>,
+    /// `--name`s, by agent in order.
+    pub names: Vec<String>,
 }
 
 impl Job {
@@ -73,12 +82,9 @@ impl Job {
     /// passthrough) merge the models; the base then only gives the layout and the config files.
     pub fn from_flags(base: PathBuf, agents: Vec<PathBuf>, flags: &MethodFlags) -> Result<Job> {
         let method = flags.method_for(agents.len())?;
-        // A mergekit method gets the recipe mergekit would take for it, saved and shown in the
-        // model card as mergekit's own merges are; the RAM family is described by the card itself.
-        let recipe_text = match &method {
-            Method::Combine(_) => flags.recipe(&base, &agents)?,
-            _ => String::new(),
-        };
+        // Every merge gets the recipe that makes it again, saved and shown in the model card as
+        // mergekit's own merges are.
+        let recipe_text = flags.recipe(&base, &agents)?;
         Ok(Job {
             base,
             agents,
@@ -90,6 +96,7 @@ impl Job {
             slices: None,
             tokenizer: None,
             svc: flags.svc_alpha()?,
+            names: flags.names.iter().cloned().map(Some).collect(),
         })
     }
 
@@ -122,9 +129,14 @@ impl MethodFlags {
         let kind = self.method.unwrap_or(Kind::RamPlus);
         recipe.insert("merge_method".into(), kind.name().into());
         recipe.insert("base_model".into(), path(base));
-        if !self.params.is_empty() {
+        let mut settings = self.method_wide()?;
+        let ram_family = matches!(kind, Kind::Ram | Kind::RamPlus | Kind::RamplusTl);
+        if let Some(e) = self.epsilon.filter(|_| ram_family) {
+            settings.insert("epsilon".into(), Setting::Scalar(Scalar::Number(e)));
+        }
+        if !settings.is_empty() {
             let mut parameters = Mapping::new();
-            for (key, value) in &self.params {
+            for (key, value) in &settings {
                 let value = serde_yaml::to_value(value).with_context(|| {
                     format!("cannot write parameter '{key}' into the merge's recipe")
                 })?;
@@ -132,9 +144,19 @@ impl MethodFlags {
             }
             recipe.insert("parameters".into(), Value::Mapping(parameters));
         }
+        if let Some(source) = &self.tokenizer_source {
+            recipe.insert("tokenizer_source".into(), source.as_str().into());
+        }
         let models = agents
             .iter()
-            .map(|a| Value::Mapping(Mapping::from_iter([("model".into(), path(a))])))
+            .enumerate()
+            .map(|(t, a)| {
+                let mut entry = Mapping::from_iter([("model".into(), path(a))]);
+                if let Some(name) = self.names.get(t) {
+                    entry.insert("name".into(), name.as_str().into());
+                }
+                Value::Mapping(entry)
+            })
             .collect();
         recipe.insert("models".into(), Value::Sequence(models));
         if let Some(alpha) = self.svc_alpha().ok().flatten() {
@@ -167,8 +189,9 @@ impl MethodFlags {
             .transpose()
     }
 
-    /// The method these flags ask for `agents` merged models, validated as a recipe's is.
-    pub fn method_for(&self, agents: usize) -> Result<Method> {
+    /// The method-wide parameters the flags set: every `--param`, and RAM+'s own flags under
+    /// their parameter names; each given once.
+    fn method_wide(&self) -> Result<Settings> {
         let kind = self.method.unwrap_or(Kind::RamPlus);
         let boost_flags = [
             ("--rule", "rule", self.rule.clone().map(Scalar::Text)),
@@ -226,6 +249,13 @@ impl MethodFlags {
                 }
             }
         }
+        Ok(method_wide)
+    }
+
+    /// The method these flags ask for `agents` merged models, validated as a recipe's is.
+    pub fn method_for(&self, agents: usize) -> Result<Method> {
+        let kind = self.method.unwrap_or(Kind::RamPlus);
+        let method_wide = self.method_wide()?;
         let request = MethodRequest {
             kind,
             method_wide,

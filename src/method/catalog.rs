@@ -1,6 +1,7 @@
 //! Every method name rlmerge accepts (mergekit's names), with its parameters, defaults and
 //! reference — the one list `rlmerge methods`, the recipe reader and the planner share.
 
+pub use super::cost::{Cost, Footprint};
 use super::defaults;
 pub use super::param::{Compute, Param, ParamDefault, ParamScope, Range};
 use serde::{Deserialize, Serialize};
@@ -481,6 +482,21 @@ impl Kind {
         }
     }
 
+    /// What to add to "unknown method NAME": the name meant, or, for `svc` (a modifier, not a
+    /// method), how to ask for it — `svc_how`, in the words of the front end the name came from.
+    pub fn unknown_hint(name: &str, svc_how: &str) -> String {
+        if name.trim().eq_ignore_ascii_case(SVC.name) {
+            return format!(
+                ": svc calibrates the result of any method rather than merging by itself — keep \
+                 the method and add {svc_how}"
+            );
+        }
+        format!(
+            "{}; `rlmerge methods` lists them",
+            crate::error::did_you_mean(name, Kind::ALL.iter().map(|k| k.name()))
+        )
+    }
+
     /// The method a record names: its name, or `res_merge`, which records of rlmerge 0.1 wrote
     /// for ResMerge.
     fn from_record(name: &str) -> Option<Kind> {
@@ -537,6 +553,67 @@ impl Kind {
             Kind::IsoC => "per matrix, Σ τ_t = U S Vᵀ becomes α·mean(S)·U Vᵀ (an isotropic spectrum); other tensors α·mean τ",
             Kind::ResMerge => "per attention/MLP matrix, τ = rank-K head + residual: the residuals' reliability-weighted direction on the sphere, plus the mean head scaled by the heads' agreement; other tensors the mean τ",
             Kind::Tsv => "per matrix, each agent's top 1/T singular directions, their U and V made orthogonal (polar factors), summed with their singular values; other tensors α·mean τ",
+        }
+    }
+
+    /// Whether mergekit has the method under this name (its recipes and `mergekit-yaml` take it).
+    pub fn in_mergekit(self) -> bool {
+        !matches!(
+            self,
+            Kind::RamPlus | Kind::Fisher | Kind::IsoC | Kind::Tsv | Kind::ResMerge
+        )
+    }
+
+    /// What the method does, in a few words: the `rlmerge methods` table's line.
+    pub fn summary(self) -> &'static str {
+        match self {
+            Kind::Ram => "unique changes kept whole, shared ones averaged",
+            Kind::RamPlus => "RAM, each agent's unique changes boosted by λ_t",
+            Kind::RamplusTl => "RAM+ with λ per tensor (mergekit's name)",
+            Kind::Linear => "weighted average of the models",
+            Kind::TaskArithmetic => "base + λ·Σ w·τ: the task vectors summed",
+            Kind::Ties => "top-k of each τ, sign election, disjoint mean",
+            Kind::DareLinear => "random drop and rescale, then task arithmetic",
+            Kind::DareTies => "DARE drop and rescale, then TIES sign election",
+            Kind::Breadcrumbs => "largest and smallest |τ| dropped, then summed",
+            Kind::BreadcrumbsTies => "breadcrumbs with TIES sign election",
+            Kind::Della => "drop by magnitude rank, TIES sign election",
+            Kind::DellaLinear => "DELLA's drop without sign election",
+            Kind::ModelStock => "base moved toward the mean by τ's angles",
+            Kind::Slerp => "spherical interpolation of base and one model",
+            Kind::Nuslerp => "slerp of two models or of their task vectors",
+            Kind::Multislerp => "spherical weighted mean of several models",
+            Kind::Karcher => "Karcher mean of the models on the sphere",
+            Kind::Sce => "select by variance, weigh, erase minority signs",
+            Kind::Nearswap => "the model's value where it is near the base",
+            Kind::Passthrough => "one model's tensors as they are (layer stacks)",
+            Kind::ArceeFusion => "keeps changes whose row-KL importance stands out",
+            Kind::Fisher => "Fisher-weighted average (Fisher files given)",
+            Kind::IsoC => "Σ τ of each matrix with a flat spectrum",
+            Kind::Tsv => "each agent's top singular directions, decorrelated",
+            Kind::ResMerge => "SVD heads and residuals merged on the sphere",
+        }
+    }
+
+    /// How much work the method does per byte it reads (what sets its time).
+    pub fn cost(self) -> Cost {
+        match self {
+            Kind::Ram
+            | Kind::Linear
+            | Kind::TaskArithmetic
+            | Kind::Nearswap
+            | Kind::Passthrough
+            | Kind::Fisher => Cost::Stream,
+            Kind::IsoC | Kind::Tsv | Kind::ResMerge => Cost::Spectral,
+            _ => Cost::Scan,
+        }
+    }
+
+    /// What the method holds in memory besides the files' pages.
+    pub fn footprint(self) -> Footprint {
+        match self.cost() {
+            Cost::Spectral => Footprint::Matrices,
+            Cost::Stream | Cost::Scan => Footprint::Tiles,
         }
     }
 

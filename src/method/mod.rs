@@ -5,6 +5,7 @@ pub mod build;
 pub mod catalog;
 pub mod closed_form;
 pub mod combine;
+pub mod cost;
 pub mod param;
 pub mod settings;
 pub mod statistics;

@@ -13,9 +13,9 @@ use std::path::Path;
 pub fn model_card(r: &MergeRecord, recipe: Option<&str>) -> String {
     let mut s = String::new();
     front_matter(&mut s, r);
-    let _ = writeln!(s, "# Merged model\n");
+    let _ = writeln!(s, "# Merged with {}\n", r.method_text());
     summary(&mut s, r);
-    inputs(&mut s, r, recipe.is_some());
+    inputs(&mut s, r);
     if r.outputs.iter().any(|f| f.file == OVERLAP_FIGURE) {
         let _ = writeln!(
             s,
@@ -27,7 +27,7 @@ pub fn model_card(r: &MergeRecord, recipe: Option<&str>) -> String {
     vocabulary(&mut s, r);
     loading(&mut s);
     if let Some(recipe) = recipe {
-        configuration(&mut s, recipe);
+        configuration(&mut s, r, recipe);
     }
     if !r.warnings.is_empty() {
         let _ = writeln!(s, "\n## Notes\n");
@@ -38,16 +38,26 @@ pub fn model_card(r: &MergeRecord, recipe: Option<&str>) -> String {
     s
 }
 
-/// An input's Hub id (`org/name`, no revision) when it is a Hugging Face cache snapshot: the only
+/// An input's Hub id (`org/name`, no revision) when it came from the Hugging Face cache: the only
 /// names the front matter's `base_model` holds (a local folder's path is not a Hub id).
 fn hub_id(path: &str) -> Option<String> {
-    let id = crate::hub::id_of_snapshot(Path::new(path))?;
+    let id = snapshot_id(path)?;
     Some(id.split('@').next().unwrap_or(&id).to_string())
 }
 
-/// How the card's text names an input: a snapshot by `org/name@commit`, a folder by its path.
+/// `org/name@commit` of a record's name for a cache snapshot ([`super::HUB_PREFIX`], or an
+/// absolute snapshot path in older records).
+fn snapshot_id(path: &str) -> Option<String> {
+    match path.strip_prefix(super::HUB_PREFIX) {
+        Some(id) => Some(id.to_string()),
+        None => crate::hub::id_of_snapshot(Path::new(path)),
+    }
+}
+
+/// How the card's text names an input: a snapshot by `org/name@commit`, a folder by its path
+/// (relative to this folder).
 fn shown_name(path: &str) -> String {
-    crate::hub::id_of_snapshot(Path::new(path)).unwrap_or_else(|| path.to_string())
+    snapshot_id(path).unwrap_or_else(|| path.to_string())
 }
 
 /// The YAML front matter: `base_model` (the inputs that are Hub ids, each once; none when every
@@ -73,19 +83,32 @@ fn front_matter(s: &mut String, r: &MergeRecord) {
     );
 }
 
-/// What the method did, in a sentence or two.
+/// What the method did, in a sentence or two; SVC's calibration after it.
 fn summary(s: &mut String, r: &MergeRecord) {
     let _ = match &r.method {
-        Method::Combine(c) => writeln!(
-            s,
-            "This model merges {} model(s) with rlmerge {} using **{}** — {} ({}), with \
-             mergekit's semantics.\n",
-            r.agents.len(),
-            r.version,
-            c.kind.name(),
-            c.kind.about(),
-            c.kind.reference()
-        ),
+        Method::Combine(c) => {
+            let semantics = if c.kind.in_mergekit() {
+                ", with mergekit's semantics"
+            } else {
+                " (rlmerge's implementation; mergekit has no such method)"
+            };
+            let wide = settings_text(&c.parameters);
+            writeln!(
+                s,
+                "This model merges {} model(s) with rlmerge {} using **{}** — {} ({}){semantics}. \
+                 Parameters: {}.",
+                r.agents.len(),
+                r.version,
+                c.kind.name(),
+                c.kind.about(),
+                c.kind.reference(),
+                if wide.is_empty() {
+                    "the method's defaults (`rlmerge methods NAME` lists them)".to_string()
+                } else {
+                    wide
+                }
+            )
+        }
         _ => writeln!(
             s,
             "This model merges {} reinforcement-learning-trained agents into their common base \
@@ -93,7 +116,7 @@ fn summary(s: &mut String, r: &MergeRecord) {
              base value, parameters changed by several agents take the mean of their task \
              vectors over those agents only{}, and parameters changed by one agent keep that \
              agent's update{} (Reinforced Agent Merging, \
-             [arXiv:2601.13572](https://arxiv.org/abs/2601.13572)).\n",
+             [arXiv:2601.13572](https://arxiv.org/abs/2601.13572)).",
             r.agents.len(),
             r.version,
             r.method,
@@ -109,15 +132,39 @@ fn summary(s: &mut String, r: &MergeRecord) {
             }
         ),
     };
+    if let Some(alpha) = r.svc {
+        let _ = writeln!(
+            s,
+            "\nThen **SVC** calibrated the spectrum of every matrix the method merged (α = \
+             {alpha}; [arXiv:2602.05536](https://arxiv.org/abs/2602.05536)): each singular value \
+             of the merged update was rescaled by T / Σ_t max(α, s_r^t), so that directions \
+             several agents share are not counted several times."
+        );
+    }
+    let _ = writeln!(s);
+}
+
+/// Parameters as `key = value`, comma-separated, in their order (empty: none).
+fn settings_text(settings: &crate::method::settings::Settings) -> String {
+    settings
+        .iter()
+        .map(|(k, v)| {
+            let value = serde_json::to_string(v).unwrap_or_else(|_| "?".into());
+            format!("{} = {}", code(k), code(&value))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The base and each agent, with its λ or where its parameters are, and its changed counts.
-fn inputs(s: &mut String, r: &MergeRecord, has_recipe: bool) {
+fn inputs(s: &mut String, r: &MergeRecord) {
     let _ = writeln!(s, "## Inputs\n\n- base: {}", code(&shown_name(&r.base)));
     for (t, a) in r.agents.iter().enumerate() {
         let lambda = match (a.lambda, &r.method) {
-            (_, Method::Combine(_)) if has_recipe => "parameters in the configuration below".into(),
-            (_, Method::Combine(_)) => "parameters in the record".into(),
+            (_, Method::Combine(c)) => match c.models.get(t).map(settings_text) {
+                Some(own) if !own.is_empty() => own,
+                _ => "the method's parameters".into(),
+            },
             (Some(l), _) => format!("λ = {l:.6}"),
             (None, m) => format!(
                 "λ per {} (see {RECORD_FILE})",
@@ -131,9 +178,13 @@ fn inputs(s: &mut String, r: &MergeRecord, has_recipe: bool) {
             ),
             None => String::new(),
         };
+        let name = match &a.name {
+            Some(n) => format!(" ({})", code(n)),
+            None => String::new(),
+        };
         let _ = writeln!(
             s,
-            "- agent {}: {} — {lambda}{counts}",
+            "- agent {}{name}: {} — {lambda}{counts}",
             t + 1,
             code(&shown_name(&a.path))
         );
@@ -199,15 +250,28 @@ fn loading(s: &mut String) {
     );
 }
 
-/// The mergekit recipe, as mergekit's cards show it: in a code block no line of it can leave
-/// (a fence longer than any run of backticks in it), hidden characters made visible.
-fn configuration(s: &mut String, recipe: &str) {
+/// The recipe that makes this merge again (the one it came from, or the command line's flags as
+/// one), as mergekit's cards show theirs: in a code block no line of it can leave (a fence
+/// longer than any run of backticks in it), hidden characters made visible.
+fn configuration(s: &mut String, r: &MergeRecord, recipe: &str) {
     let longest = recipe.split(|c| c != '`').map(str::len).max().unwrap_or(0);
     let fence = "`".repeat(longest.max(2) + 1);
+    let kind = match &r.method {
+        Method::Combine(c) => c.kind,
+        Method::Ram { .. } => crate::method::Kind::Ram,
+        Method::RamPlus { .. } => crate::method::Kind::RamPlus,
+    };
+    let mergekit = if kind.in_mergekit() && r.svc.is_none() {
+        "; `mergekit-yaml` takes it too"
+    } else {
+        ""
+    };
     let _ = writeln!(
         s,
-        "\n## Configuration\n\nThe mergekit configuration of this merge (`{MERGEKIT_CONFIG_FILE}`; \
-         `rlmerge run` and `mergekit-yaml` take it):\n\n{fence}yaml"
+        "\n## Reproduce\n\n`rlmerge run {MERGEKIT_CONFIG_FILE} -o OUT`, from the folder the merge \
+         ran in (model paths are as they were given there), makes this merge again, byte for \
+         byte{mergekit}. `rlmerge verify THIS_FOLDER --against` recomputes it and compares.\n\n\
+         {fence}yaml"
     );
     for line in recipe.lines() {
         let _ = writeln!(s, "{}", crate::escape::terminal(line));

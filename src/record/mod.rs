@@ -13,14 +13,74 @@ mod card;
 pub use crate::checkpoint::output_folder::{CARD_FILE, LEGACY_RECORD_FILE, RECORD_FILE};
 pub use card::model_card;
 
+/// How a record names a model taken from the Hugging Face cache: `hf://org/name@commit`.
+pub const HUB_PREFIX: &str = "hf://";
+
+/// How a record names the input folder `folder` of the merged folder `out` (its final place): a
+/// Hugging Face cache snapshot by [`HUB_PREFIX`] and its `org/name@commit`, any other folder by
+/// its path relative to `out` — so a published folder says nothing of the machine it was made
+/// on, and `verify` finds the inputs wherever the output and its inputs move together.
+pub fn recorded_path(out: &Path, folder: &Path) -> PathBuf {
+    let absolute = |p: &Path| -> PathBuf {
+        std::fs::canonicalize(p).unwrap_or_else(|_| std::path::absolute(p).unwrap_or(p.into()))
+    };
+    let folder = absolute(folder);
+    if let Some(id) = crate::hub::id_of_snapshot(&folder) {
+        return PathBuf::from(format!("{HUB_PREFIX}{id}"));
+    }
+    // The output's parent exists (the merge is written beside it); the output may not yet.
+    let out = match (out.parent(), out.file_name()) {
+        (Some(parent), Some(name)) => absolute(parent).join(name),
+        _ => absolute(out),
+    };
+    relative(&out, &folder)
+}
+
+/// `to` relative to the folder `from` (both absolute): `..` up to their common ancestor, then
+/// down to `to`.
+fn relative(from: &Path, to: &Path) -> PathBuf {
+    let (from, to): (Vec<_>, Vec<_>) = (from.components().collect(), to.components().collect());
+    let common = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
+    let mut rel = PathBuf::new();
+    for _ in common..from.len() {
+        rel.push("..");
+    }
+    for c in &to[common..] {
+        rel.push(c);
+    }
+    if rel.as_os_str().is_empty() {
+        rel.push(".");
+    }
+    rel
+}
+
+/// The folder a record's name for an input stands for, read from the merged folder `out`: a Hub
+/// snapshot found in the cache (as named when it is not there), a relative path under `out`, an
+/// absolute path (records before relative ones) as it is.
+pub fn resolved_path(out: &Path, recorded: &Path) -> PathBuf {
+    if let Some(id) = recorded.to_str().and_then(|s| s.strip_prefix(HUB_PREFIX)) {
+        return crate::hub::ModelId::parse(id)
+            .and_then(|m| crate::hub::cached(&m, &crate::hub::cache_dir()))
+            .map_or_else(|| recorded.to_path_buf(), |(dir, _)| dir);
+    }
+    if recorded.is_absolute() {
+        recorded.to_path_buf()
+    } else {
+        out.join(recorded)
+    }
+}
+
 /// The overlap figure a RAM+ merge writes beside its weights (see `crate::figures::overlap`).
 pub const OVERLAP_FIGURE: &str = "overlap.svg";
 
 /// One agent as the record names it, with its λ and probe counts.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AgentSummary {
-    /// The folder (or `BASE+ADAPTER`) as given.
+    /// The folder as [`recorded_path`] names it.
     pub path: String,
+    /// The name the user gave the agent (`--name`, a recipe's `name:`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     /// λ_t (global scope and `ram`); `None` for tensor scope, see `tensor_lambdas`.
     pub lambda: Option<f64>,
     /// Unique / shared element counts from the probe, when one ran.
@@ -30,7 +90,8 @@ pub struct AgentSummary {
 /// The weight files of one input model as the merge read them.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct InputChecksums {
-    /// The folder, resolved to an absolute path.
+    /// The folder as [`recorded_path`] names it (relative to the merged folder, or a Hub id;
+    /// absolute in records before 0.2). [`resolved_path`] finds it.
     pub path: PathBuf,
     /// `org/name@commit` where the folder is a Hugging Face cache snapshot (a model named by Hub
     /// id): a rerun or `verify --against` elsewhere names the same snapshot.
@@ -60,7 +121,7 @@ pub struct MergeRecord {
     /// SVC's α, when the merge was spectrally calibrated (SPEC §4e).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub svc: Option<f64>,
-    /// The base model as given.
+    /// The base model's folder as [`recorded_path`] names it.
     pub base: String,
     /// The agents in order.
     pub agents: Vec<AgentSummary>,
@@ -99,6 +160,15 @@ pub struct MergeRecord {
 }
 
 impl MergeRecord {
+    /// The method as stdout and the model card name it, SVC included: `ram+ (rule paper, …)`,
+    /// `ties then SVC (α = 0.1)`.
+    pub fn method_text(&self) -> String {
+        match self.svc {
+            Some(alpha) => format!("{} then SVC (α = {alpha})", self.method),
+            None => self.method.to_string(),
+        }
+    }
+
     /// The output's weight shards.
     pub fn shards(&self) -> impl Iterator<Item = &FileChecksum> {
         self.outputs

@@ -63,10 +63,10 @@ pub enum EmbeddingSource {
 }
 
 impl TokenizerSettings {
-    /// The settings with every model folder made absolute (for the record: `verify --against`
-    /// runs from anywhere).
-    pub fn absolute(&self) -> TokenizerSettings {
-        let abs = |p: &PathBuf| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone());
+    /// The settings with every model folder `p` replaced by `f(p)` (the record names folders
+    /// relative to the output; `verify` resolves them back).
+    pub fn with_folders(&self, f: impl Fn(&std::path::Path) -> PathBuf) -> TokenizerSettings {
+        let abs = |p: &PathBuf| f(p);
         let mut s = self.clone();
         if let TokenizerSource::Model(p) = &mut s.source {
             *p = abs(p);

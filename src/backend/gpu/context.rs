@@ -41,6 +41,13 @@ pub(super) fn new_instance() -> wgpu::Instance {
     })
 }
 
+impl AdapterSummary {
+    /// Whether the adapter is a software renderer on the CPU (lavapipe, SwiftShader, WARP).
+    pub fn is_software(&self) -> bool {
+        self.info.device_type == wgpu::DeviceType::Cpu
+    }
+}
+
 /// Every adapter wgpu sees (honouring `WGPU_BACKEND`).
 pub fn list_adapters() -> Vec<AdapterSummary> {
     let _one_at_a_time = OPENING.lock().unwrap_or_else(|p| p.into_inner());
@@ -210,6 +217,12 @@ impl GpuContext {
             Some(e) => Err(anyhow!("GPU error on '{}': {e}", self.info.name)),
             None => Ok(()),
         }
+    }
+
+    /// Whether the adapter is a software renderer on the CPU (lavapipe, SwiftShader, WARP):
+    /// merges on it run many times slower than the CPU backend.
+    pub fn is_software(&self) -> bool {
+        self.info.device_type == wgpu::DeviceType::Cpu
     }
 
     /// The adapter as stderr names it: name, API, type, and whether buffers are mapped.

@@ -237,6 +237,11 @@ impl OutputFolder {
         &self.notes
     }
 
+    /// Where the output will be once committed (absolute).
+    pub fn final_path(&self) -> &Path {
+        &self.final_dir
+    }
+
     /// Where files go until commit.
     pub fn path(&self) -> &Path {
         self.scratch.path()

@@ -51,6 +51,9 @@ struct ModelEntry {
     model: String,
     #[serde(default)]
     parameters: Option<Settings>,
+    /// rlmerge's own key: the name tables, figures and the card give the agent.
+    #[serde(default)]
+    name: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -204,10 +207,13 @@ fn parse_raw(raw: RawConfig, text: RecipeText, dir: &Path, seed: u64) -> Result<
     refuse_unsupported(&raw, text)?;
     let kind = Kind::from_name(&raw.merge_method).ok_or_else(|| {
         usage(format!(
-            "unknown merge_method '{}'{}{}; `rlmerge methods` lists them",
+            "unknown merge_method '{}'{}{}",
             raw.merge_method,
             text.at("merge_method"),
-            crate::error::did_you_mean(&raw.merge_method, Kind::ALL.iter().map(|k| k.name()))
+            Kind::unknown_hint(
+                &raw.merge_method,
+                "`svc: ALPHA` beside merge_method (e.g. svc: 0.1)"
+            )
         ))
     })?;
     let Listed {
@@ -229,6 +235,16 @@ fn parse_raw(raw: RawConfig, text: RecipeText, dir: &Path, seed: u64) -> Result<
         .iter()
         .map(|(m, _)| local_folder(m, dir))
         .collect::<Result<Vec<_>>>()?;
+    let names: Vec<Option<String>> = entries
+        .iter()
+        .map(|(m, _)| {
+            raw.models
+                .iter()
+                .flatten()
+                .find(|e| &e.model == m)
+                .and_then(|e| e.name.clone())
+        })
+        .collect();
     if implicit_base {
         refuse_bare_adapter(&agents, kind)?;
     }
@@ -275,6 +291,7 @@ fn parse_raw(raw: RawConfig, text: RecipeText, dir: &Path, seed: u64) -> Result<
         slices,
         tokenizer,
         svc,
+        names,
     })
 }
 

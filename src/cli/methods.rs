@@ -1,0 +1,261 @@
+//! `rlmerge methods`: the table of every method with its cost and memory classes, in 100
+//! columns, and `rlmerge methods NAME`, one method whole (also as JSON).
+
+use super::MethodsArgs;
+use anyhow::Result;
+use rlmerge::error::usage;
+use rlmerge::method::catalog::{Cost, Footprint, Param, ParamScope};
+use rlmerge::method::Kind;
+use std::io::Write;
+
+/// What `rlmerge methods` says of SVC, the modifier.
+const SVC_SUMMARY: &str = "spectral calibration after any method: --svc A";
+const SVC_ABOUT: &str = "SVC, spectral calibration after any method: each merged matrix's \
+                         singular values rescaled by how many agents reached them; --svc ALPHA, or \
+                         svc: in a recipe (SPEC §4e)";
+const SVC_REFERENCE: &str = "arXiv:2602.05536";
+
+/// The widest line `rlmerge methods` prints.
+const METHODS_WIDTH: usize = 100;
+
+fn scope_name(p: &Param) -> &'static str {
+    match p.scope {
+        ParamScope::MethodWide => "method-wide",
+        ParamScope::PerModel => "per model",
+    }
+}
+
+fn param_json(p: &Param) -> serde_json::Value {
+    serde_json::json!({
+        "name": p.name,
+        "scope": scope_name(p),
+        "default": p.default.text(p.range),
+        "range": p.range.text(),
+        "about": p.about,
+    })
+}
+
+/// One method, or SVC, as `rlmerge methods --json` gives it.
+fn method_json(kind: Option<Kind>) -> serde_json::Value {
+    match kind {
+        Some(kind) => serde_json::json!({
+            "name": kind.name(),
+            "summary": kind.summary(),
+            "about": kind.about(),
+            "reference": kind.reference(),
+            "cost": kind.cost().name(),
+            "memory": kind.footprint().name(),
+            "default": kind == Kind::RamPlus,
+            "parameters": kind.params().iter().map(param_json).collect::<Vec<_>>(),
+        }),
+        None => {
+            let svc = &rlmerge::method::catalog::SVC;
+            serde_json::json!({
+                "name": svc.name,
+                "modifier": true,
+                "summary": SVC_SUMMARY,
+                "about": SVC_ABOUT,
+                "reference": SVC_REFERENCE,
+                "cost": Cost::Spectral.name(),
+                "memory": Footprint::Matrices.name(),
+                "default": false,
+                "parameters": [param_json(svc)],
+            })
+        }
+    }
+}
+
+/// `text` cut into lines of at most `width` characters at spaces, the first after `first`, the
+/// others after `indent` spaces.
+fn wrapped(first: &str, text: &str, indent: usize, width: usize) -> String {
+    let mut lines = vec![first.to_string()];
+    // Whether the last line has no word of `text` yet.
+    let mut fresh = true;
+    for word in text.split(' ') {
+        let line = lines.last_mut().expect("one line at least");
+        if !fresh && line.chars().count() + 1 + word.chars().count() > width {
+            lines.push(format!("{:indent$}{word}", ""));
+        } else {
+            if !(fresh && line.ends_with(' ')) {
+                line.push(' ');
+            }
+            line.push_str(word);
+        }
+        fresh = false;
+    }
+    lines.join("\n")
+}
+
+/// The method `name` names for `rlmerge methods NAME` (`None`: SVC, the modifier).
+fn method_named(name: &str) -> Result<Option<Kind>> {
+    if name == rlmerge::method::catalog::SVC.name {
+        return Ok(None);
+    }
+    Kind::from_name(name).map(Some).ok_or_else(|| {
+        usage(format!(
+            "unknown method '{name}'{}; `rlmerge methods` lists them",
+            rlmerge::error::did_you_mean(
+                name,
+                Kind::ALL
+                    .iter()
+                    .map(|k| k.name())
+                    .chain([rlmerge::method::catalog::SVC.name])
+            )
+        ))
+    })
+}
+
+pub fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
+    if let Some(name) = &args.name {
+        let kind = method_named(name)?;
+        if args.json {
+            writeln!(out, "{}", serde_json::to_string_pretty(&method_json(kind))?)?;
+        } else {
+            write_method(kind, out)?;
+        }
+        return Ok(());
+    }
+    if args.json {
+        let methods: Vec<serde_json::Value> = Kind::ALL
+            .iter()
+            .map(|&k| method_json(Some(k)))
+            .chain([method_json(None)]) // the modifier every method takes, after the methods
+            .collect();
+        writeln!(out, "{}", serde_json::to_string_pretty(&methods)?)?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "{:<17} {:<50} {:<9} memory",
+        "method", "what it does", "cost"
+    )?;
+    let row = |name: &str, summary: &str, cost: Cost, memory: Footprint| {
+        format!(
+            "{name:<17} {summary:<50} {:<9} {}",
+            cost.name(),
+            memory.name()
+        )
+    };
+    for kind in Kind::ALL {
+        let name = match kind {
+            Kind::RamPlus => format!("{} (default)", kind.name()),
+            _ => kind.name().to_string(),
+        };
+        writeln!(
+            out,
+            "{}",
+            row(&name, kind.summary(), kind.cost(), kind.footprint())
+        )?;
+    }
+    let svc = format!("{} (modifier)", rlmerge::method::catalog::SVC.name);
+    writeln!(
+        out,
+        "{}",
+        row(&svc, SVC_SUMMARY, Cost::Spectral, Footprint::Matrices)
+    )?;
+    writeln!(out)?;
+    for (i, cost) in [Cost::Stream, Cost::Scan, Cost::Spectral]
+        .into_iter()
+        .enumerate()
+    {
+        let head = if i == 0 { "cost:" } else { "" };
+        let head = format!("{head:<7} {:<9}", cost.name());
+        writeln!(out, "{}", wrapped(&head, cost.about(), 18, METHODS_WIDTH))?;
+    }
+    for (i, memory) in [Footprint::Tiles, Footprint::Matrices]
+        .into_iter()
+        .enumerate()
+    {
+        let head = if i == 0 { "memory:" } else { "" };
+        let head = format!("{head:<7} {:<9}", memory.name());
+        writeln!(out, "{}", wrapped(&head, memory.about(), 18, METHODS_WIDTH))?;
+    }
+    writeln!(
+        out,
+        "\n`rlmerge methods NAME` gives a method's parameters, defaults and reference; \
+         docs/methods.md,\nwhich method to choose. Parameters go in a mergekit recipe \
+         (rlmerge run RECIPE.yml -o OUT)\nor on the command line (--param KEY=VALUE)."
+    )?;
+    Ok(())
+}
+
+/// `rlmerge methods NAME`: the method (`None`: SVC) whole — what it does, its reference, its cost
+/// and memory classes, every parameter, and a command that runs it.
+fn write_method(kind: Option<Kind>, out: &mut impl Write) -> Result<()> {
+    let svc = &rlmerge::method::catalog::SVC;
+    let (name, about, reference, cost, memory, params) = match kind {
+        Some(k) => (
+            k.name(),
+            k.about(),
+            k.reference(),
+            k.cost(),
+            k.footprint(),
+            k.params(),
+        ),
+        None => (
+            svc.name,
+            SVC_ABOUT,
+            SVC_REFERENCE,
+            Cost::Spectral,
+            Footprint::Matrices,
+            std::slice::from_ref(svc),
+        ),
+    };
+    let w = METHODS_WIDTH;
+    writeln!(out, "{}", wrapped(&format!("{name} —"), about, 4, w))?;
+    writeln!(out, "reference  {reference}")?;
+    writeln!(
+        out,
+        "{}",
+        wrapped(&format!("cost       {}:", cost.name()), cost.about(), 11, w)
+    )?;
+    writeln!(
+        out,
+        "{}",
+        wrapped(
+            &format!("memory     {}:", memory.name()),
+            memory.about(),
+            11,
+            w
+        )
+    )?;
+    if params.is_empty() {
+        writeln!(out, "parameters none")?;
+    } else {
+        writeln!(out, "parameters")?;
+    }
+    for p in params {
+        let default = match p.default {
+            rlmerge::method::catalog::ParamDefault::Required => "required".to_string(),
+            d => format!("default {}", d.text(p.range)),
+        };
+        writeln!(
+            out,
+            "  {:<18} {:<11}  {:<24} {}",
+            p.name,
+            scope_name(p),
+            default,
+            p.range.text()
+        )?;
+        writeln!(out, "{}", wrapped("     ", p.about, 5, w))?;
+    }
+    let example = match kind {
+        None => {
+            "rlmerge merge --base BASE --model AGENT … --method ram+ --svc 0.1 -o OUT".to_string()
+        }
+        Some(k) => {
+            let required: String = k
+                .params()
+                .iter()
+                .filter(|p| matches!(p.default, rlmerge::method::catalog::ParamDefault::Required))
+                .map(|p| format!(" --param {}=…", p.name))
+                .collect();
+            format!(
+                "rlmerge merge --base BASE --model AGENT … --method {}{required} -o OUT",
+                k.name()
+            )
+        }
+    };
+    writeln!(out, "{}", wrapped("example   ", &example, 4, w))?;
+    Ok(())
+}
