@@ -295,13 +295,17 @@ fn every_cited_spec_section_exists() {
         root.join("shaders"),
         root.join("tests"),
         root.join("benches"),
+        root.join("docs"),
     ];
     while let Some(d) = dirs.pop() {
         for e in std::fs::read_dir(d).unwrap() {
             let p = e.unwrap().path();
             if p.is_dir() {
                 dirs.push(p);
-            } else if p.extension().is_some_and(|x| x == "rs" || x == "wgsl") {
+            } else if p
+                .extension()
+                .is_some_and(|x| x == "rs" || x == "wgsl" || x == "md")
+            {
                 files.push(p);
             }
         }

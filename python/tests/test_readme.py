@@ -1,4 +1,4 @@
-"""README.md's Python examples run as written on the demo (issue #26): every ``python`` block, and
+"""README.md's and docs/'s Python examples run as written on the demo (issue #26): every ``python`` block, and
 every ``python -c`` line of its ``sh`` blocks, with the installed package, in a folder holding
 ``rlmerge-demo/`` (what ``rlmerge demo`` writes). tests/readme.rs runs the command-line ones."""
 
@@ -11,13 +11,16 @@ import sys
 
 from conftest import pip_command
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# README.md and every page under docs/ (issue #45).
+PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 
 
 def blocks():
-    """README's fenced blocks as (info string, body)."""
+    """The fenced blocks of README and the docs pages as (info string, body)."""
     found, info, body = [], None, []
-    for line in README.read_text(encoding="utf-8").splitlines():
+    lines = [line for page in PAGES for line in page.read_text(encoding="utf-8").splitlines()]
+    for line in lines:
         if line.startswith("```"):
             if info is None:
                 info, body = line[3:].strip(), []
