@@ -190,6 +190,17 @@ fn recompute_and_compare(
         shard_size: record.shard_size,
         force: true,
         svc: record.svc,
+        config_from: match record.config_from.as_deref() {
+            None => None,
+            Some("base") => Some(engine::ConfigFrom::Base),
+            Some(named) => Some(engine::ConfigFrom::Agent(
+                record
+                    .agents
+                    .iter()
+                    .position(|a| a.path == named)
+                    .context("the record's config_from names none of its agents")?,
+            )),
+        },
         ..MergeOptions::new(record.method.clone(), backend)
     };
     // Recomputed beside the output (the same disk, which held the output once), or where that

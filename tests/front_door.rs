@@ -508,3 +508,76 @@ fn figures_and_cards_keep_agents_apart_and_take_their_names() {
         serde_json::from_slice(&std::fs::read(again.join("rlmerge_record.json")).unwrap()).unwrap();
     assert_eq!(record["agents"][1]["name"], "tools");
 }
+
+/// Issue #44 item 6: an agent whose config differs from the base's in a key that changes how the
+/// weights are used (a long-context agent's rope) is refused until the user says whose config the
+/// output takes; the choice is recorded and remade by verify; other differences are named.
+#[test]
+fn config_differences_that_change_meaning_need_a_choice() {
+    let f = matrices();
+    let config = |rope: f64, eos: u32| {
+        serde_json::json!({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 16, "rope_theta": rope, "eos_token_id": eos,
+            "_name_or_path": "somewhere/else", "torch_dtype": "bfloat16"})
+        .to_string()
+    };
+    std::fs::write(f.base.join("config.json"), config(10000.0, 2)).unwrap();
+    std::fs::write(f.agents[0].join("config.json"), config(10000.0, 7)).unwrap();
+    std::fs::write(f.agents[1].join("config.json"), config(1_000_000.0, 2)).unwrap();
+    std::fs::write(f.agents[2].join("config.json"), config(10000.0, 2)).unwrap();
+    let out = f.dir.path().join("out");
+    let o = merge_cmd(&f, &out, &[]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+    let err = err_of(&o);
+    assert!(
+        err.contains("'rope_theta' is 1000000.0 there and 10000.0 in the base"),
+        "{err}"
+    );
+    assert!(err.contains("--config-from"), "{err}");
+    assert!(!out.exists());
+
+    let agent = f.agents[1].display().to_string();
+    let o = merge_cmd(&f, &out, &["--config-from", &agent])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err_of(&o));
+    // The harmless difference goes unsaid; eos_token_id is named, with whose config was taken.
+    let err = err_of(&o);
+    assert!(!err.contains("_name_or_path"), "{err}");
+    assert!(
+        err.contains("differs from the base's in eos_token_id"),
+        "{err}"
+    );
+    let merged: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(merged["rope_theta"], 1_000_000.0);
+    let record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("rlmerge_record.json")).unwrap()).unwrap();
+    assert_eq!(record["config_from"], "../agent1");
+    let recipe = std::fs::read_to_string(out.join("mergekit_config.yml")).unwrap();
+    assert!(recipe.contains("config_from:"), "{recipe}");
+    let o = rlmerge()
+        .args(["verify", "--against"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}{}", stdout_of(&o), err_of(&o));
+
+    let base_config = f.dir.path().join("base-config");
+    let o = merge_cmd(&f, &base_config, &["--config-from", "base"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err_of(&o));
+    let merged: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(base_config.join("config.json")).unwrap()).unwrap();
+    assert_eq!(merged["rope_theta"], 10000.0);
+    let o = merge_cmd(&f, &f.dir.path().join("x"), &["--config-from", "nobody"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        err_of(&o).contains("neither base nor one of the agents"),
+        "{}",
+        err_of(&o)
+    );
+}

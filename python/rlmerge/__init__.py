@@ -166,6 +166,7 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
           tokenizer_source: Optional[str] = None, tokenizer: Optional[Mapping[str, Any]] = None,
           allow_missing_tensors: bool = False, allow_nonfinite: bool = False,
           allow_dense_agents: bool = False, seed: int = 0, names: Optional[Sequence[str]] = None,
+          config_from: Optional[str] = None,
           svc: Union[None, bool, float] = None, **params: Any) -> Dict[str, Any]:
     """Merges ``models`` (agents fine-tuned from ``base``) with ``method`` into the folder ``out``.
 
@@ -183,6 +184,9 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     ignores tensors the base lacks) instead of refusing them; ``allow_nonfinite=True`` merges NaN
     and ±Inf inputs by IEEE rules instead of refusing them; ``allow_dense_agents=True`` silences
     the warning for an agent that changed nearly every element (unlike an RL agent of this base).
+    ``config_from`` (``"base"``, or an agent's folder or name) says whose config.json the merged
+    model takes — needed where an agent's config differs from the base's in a key that changes how
+    the weights are used (rope, context length, attention windows, activation, norms).
     ``names`` gives the agents names (one per model, in order) for the card, the record and the
     figures. ``seed`` seeds the random masks of dare_linear, dare_ties, della and della_linear (the same
     seed, the same bytes). ``svc=ALPHA`` (``True``: α = 0.1)
@@ -216,6 +220,11 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     }
     if shared:
         recipe["parameters"] = shared
+    if config_from is not None:
+        if not isinstance(config_from, (str, os.PathLike)):
+            raise UsageError(f"config_from must be 'base' or a model, got {config_from!r}")
+        named = os.fspath(config_from)
+        recipe["config_from"] = named if named == "base" or named in (names or []) else _where(named)
     if tokenizer_source is not None:
         recipe["tokenizer_source"] = _where(tokenizer_source) if tokenizer_source not in ("base", "union") else tokenizer_source
     if tokenizer is not None:

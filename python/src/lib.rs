@@ -34,10 +34,11 @@ static USAGE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 const SIGNAL_POLL: Duration = Duration::from_millis(100);
 
 /// Options the library's messages name by their command-line flag, and their keyword here.
-const KEYWORDS: [(&str, &str); 4] = [
+const KEYWORDS: [(&str, &str); 5] = [
     ("--allow-missing-tensors", "allow_missing_tensors=True"),
     ("--allow-nonfinite", "allow_nonfinite=True"),
     ("--allow-dense-agents", "allow_dense_agents=True"),
+    ("--config-from", "config_from="),
     ("--epsilon", "epsilon"),
 ];
 

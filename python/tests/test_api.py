@@ -696,3 +696,23 @@ def test_seed_and_dense_agents_from_python(demo, tmp_path):
     assert folder_bytes(cli) == made["c"]
     with pytest.raises(rlmerge.UsageError, match="seed"):
         rlmerge.merge(base, agents, method="dare_ties", weight=1.0, seed=-1, out=tmp_path / "d")
+
+
+def test_config_differences_need_config_from(demo, tmp_path):
+    """Issue #44: an agent trained with another norm ε is refused until config_from says
+    whose config the merged model takes; the message names the keyword, not a flag."""
+    import shutil
+    root, base, agents = demo
+    long = tmp_path / "long-context"
+    shutil.copytree(agents[0], long)
+    config = json.loads((long / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5 if config["rms_norm_eps"] != 1e-5 else 1e-6
+    (long / "config.json").write_text(json.dumps(config))
+    with pytest.raises(rlmerge.UsageError) as info:
+        rlmerge.merge(base, [long, agents[1]], out=tmp_path / "out")
+    assert "rms_norm_eps" in str(info.value) and "config_from=" in str(info.value), str(info.value)
+    assert not (tmp_path / "out").exists()
+    summary = rlmerge.merge(base, [long, agents[1]], out=tmp_path / "out", config_from=long)
+    assert summary["config_from"] == "../long-context"
+    merged = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert merged["rms_norm_eps"] == config["rms_norm_eps"]

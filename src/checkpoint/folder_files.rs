@@ -68,10 +68,34 @@ pub fn check_base_config(base: &Path) -> Result<()> {
 }
 
 /// The `config.json` keys that fix a model's architecture: an agent whose value differs from the
-/// base's was not fine-tuned from it. Compared at the top level and in a nested `text_config`.
+/// base's was not fine-tuned from it. Compared at the top level and in a nested `text_config`,
+/// in this order — the experts and routing first (issue #44: an agent with one more expert is
+/// named by its expert count, not by a dimension that happens to equal it), then MLA's ranks,
+/// MTP's layers, and the dense dimensions.
 pub const ARCHITECTURE_KEYS: &[&str] = &[
     "model_type",
     "architectures",
+    // Mixture of experts: how many, how many routed to, which layers are sparse.
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "first_k_dense_replace",
+    "decoder_sparse_step",
+    "moe_layer_freq",
+    "n_group",
+    "topk_group",
+    // Multi-head latent attention's ranks.
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    // Multi-token prediction layers.
+    "num_nextn_predict_layers",
     "num_hidden_layers",
     "hidden_size",
     "intermediate_size",
@@ -80,6 +104,101 @@ pub const ARCHITECTURE_KEYS: &[&str] = &[
     "head_dim",
     "vocab_size",
 ];
+
+/// `config.json` keys that change how the weights are used — positions, context length, attention
+/// windows, activation, norms' ε, tied embeddings, soft caps: an agent trained with another value
+/// (a long-context agent's YaRN `rope_scaling`) runs differently under the base's. Where one
+/// differs, a merge takes the config of the model the user names (`--config-from`).
+pub const MEANING_KEYS: &[&str] = &[
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "partial_rotary_factor",
+    "max_position_embeddings",
+    "original_max_position_embeddings",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
+    "sliding_window_pattern",
+    "attention_chunk_size",
+    "hidden_act",
+    "hidden_activation",
+    "rms_norm_eps",
+    "layer_norm_eps",
+    "layer_norm_epsilon",
+    "norm_eps",
+    "tie_word_embeddings",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "query_pre_attn_scalar",
+    "attention_bias",
+    "mlp_bias",
+];
+
+/// `config.json` keys that say nothing of how the weights are used: names, paths, versions,
+/// dtypes, the transformers runtime's switches. A difference in them goes unsaid.
+pub const HARMLESS_KEYS: &[&str] = &[
+    "_name_or_path",
+    "_commit_hash",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "use_cache",
+    "auto_map",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "initializer_range",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "finetuning_task",
+    "task_specific_params",
+    "tokenizer_class",
+];
+
+/// Every key (`text_config.` nested ones with that prefix) whose value differs between the base's
+/// config and an agent's, but the architecture keys (compared before) and [`HARMLESS_KEYS`];
+/// each with whether it is a [`MEANING_KEYS`] key. A key one of them lacks is not compared (tools
+/// and versions write defaults or leave them out), as [`architecture_difference`] does.
+pub fn config_differences(
+    base: &serde_json::Value,
+    agent: &serde_json::Value,
+) -> Vec<(String, bool)> {
+    fn keys(v: &serde_json::Value) -> impl Iterator<Item = &String> {
+        v.as_object().into_iter().flat_map(|o| o.keys())
+    }
+    let mut found = Vec::new();
+    let nests = [("", base, agent)].into_iter().chain(
+        match (base.get("text_config"), agent.get("text_config")) {
+            (Some(b), Some(a)) => Some(("text_config.", b, a)),
+            _ => None,
+        },
+    );
+    for (prefix, b, a) in nests {
+        let mut all: Vec<&String> = keys(b).chain(keys(a)).collect();
+        all.sort();
+        all.dedup();
+        for key in all {
+            let k = key.as_str();
+            let nested = prefix.is_empty() && k == "text_config";
+            if nested || ARCHITECTURE_KEYS.contains(&k) || HARMLESS_KEYS.contains(&k) {
+                continue;
+            }
+            let same = match (b.get(k), a.get(k)) {
+                (Some(x), Some(y)) => same_value(x, y) || x.is_null() || y.is_null(),
+                _ => true,
+            };
+            if !same {
+                found.push((format!("{prefix}{k}"), MEANING_KEYS.contains(&k)));
+            }
+        }
+    }
+    found
+}
 
 /// The first [`ARCHITECTURE_KEYS`] key (with its path, e.g. `text_config.hidden_size`) whose value
 /// differs between configs `base` and `agent`, with both values; keys in `skip` and keys one of the
@@ -152,6 +271,7 @@ pub fn set_config_dtype(config: &mut serde_json::Value, dtype: DType) {
 /// (without it the caller writes the output's tokenizer). Returns the names written.
 pub fn copy_base_files(
     base: &Path,
+    config_dir: &Path,
     out: &Path,
     out_dtype: DType,
     edit_config: &dyn Fn(&mut serde_json::Value),
@@ -159,13 +279,18 @@ pub fn copy_base_files(
 ) -> Result<Vec<String>> {
     let mut copied = Vec::new();
     for name in MODEL_FILES {
-        let src = base.join(name);
+        let from = if *name == "config.json" {
+            config_dir
+        } else {
+            base
+        };
+        let src = from.join(name);
         if !src.is_file() {
             continue;
         }
         let dst = out.join(name);
         if *name == "config.json" {
-            let mut config = read_config(base)?;
+            let mut config = read_config(config_dir)?;
             set_config_dtype(&mut config, out_dtype);
             edit_config(&mut config);
             std::fs::write(&dst, serde_json::to_string_pretty(&config)? + "\n")
@@ -200,6 +325,32 @@ pub fn copy_if_present(from: &Path, name: &str, out: &Path) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue #44 item 5: an agent with one more expert, or another number of experts per token,
+    /// is named by that key — not by a dimension equal to it.
+    #[test]
+    fn expert_counts_and_routing_are_architecture() {
+        let base = serde_json::json!({"model_type": "mixtral", "num_local_experts": 4,
+            "num_attention_heads": 4, "num_experts_per_tok": 2});
+        let more = serde_json::json!({"model_type": "mixtral", "num_local_experts": 5,
+            "num_attention_heads": 4, "num_experts_per_tok": 2});
+        assert_eq!(
+            architecture_difference(&base, &more, &[]).unwrap().0,
+            "num_local_experts"
+        );
+        let routed = serde_json::json!({"model_type": "mixtral", "num_local_experts": 4,
+            "num_attention_heads": 4, "num_experts_per_tok": 1});
+        assert_eq!(
+            architecture_difference(&base, &routed, &[]).unwrap().0,
+            "num_experts_per_tok"
+        );
+        let dsv3 = serde_json::json!({"n_routed_experts": 8, "first_k_dense_replace": 1});
+        let moe_first = serde_json::json!({"n_routed_experts": 8, "first_k_dense_replace": 0});
+        assert_eq!(
+            architecture_difference(&dsv3, &moe_first, &[]).unwrap().0,
+            "first_k_dense_replace"
+        );
+    }
 
     #[test]
     fn architecture_differences_name_the_first_key() {

@@ -417,6 +417,7 @@ pub fn merge_job(
             .collect(),
         svc: job.svc,
         warnings: dense,
+        config_from: job.config_source()?,
     };
     let summary = engine::merge(&inputs, &options, backend.as_ref(), &output.out).map_err(|e| {
         if rlmerge::error::is_usage(&e) {

@@ -200,7 +200,7 @@ pub struct MergeArgs {
     pub inputs: InputArgs,
     /// A mergekit YAML recipe giving the models, method and parameters (instead of --base,
     /// --model and --method).
-    #[arg(long, value_name = "RECIPE.yml", conflicts_with_all = ["base", "models", "names", "method", "tokenizer_source"])]
+    #[arg(long, value_name = "RECIPE.yml", conflicts_with_all = ["base", "models", "names", "method", "tokenizer_source", "config_from"])]
     pub config: Option<PathBuf>,
     /// Merge method [default: ram+] (`rlmerge methods` lists them with their parameters).
     #[arg(long, value_parser = parse_method)]
@@ -235,6 +235,12 @@ pub struct MergeArgs {
     /// RAM+ official rule: R [default 1.2].
     #[arg(long)]
     pub rescale_factor: Option<f64>,
+    /// Whose config.json the merged model takes: base, or an agent (its folder as given to
+    /// --model, or its --name). Needed where an agent's config differs from the base's in a key
+    /// that changes how the weights are used (rope, context length, windows, activation, norms)
+    /// [default: the base's].
+    #[arg(long, value_name = "base|MODEL")]
+    pub config_from: Option<String>,
     /// SVC, with any method: each merged matrix's singular values calibrated with this α (> 0,
     /// e.g. 0.1; SPEC §4e).
     #[arg(long, value_name = "ALPHA", allow_hyphen_values = true)]
@@ -340,6 +346,7 @@ impl MergeArgs {
             epsilon: Some(self.inputs.compute.epsilon).filter(|&e| e != f64::from(DEFAULT_EPSILON)),
             tokenizer_source: self.inputs.tokenizer_source.clone(),
             names: self.inputs.names.clone(),
+            config_from: self.config_from.clone(),
         }
     }
 }

@@ -30,6 +30,7 @@ pub struct PassOptions {
 }
 
 mod calibrate;
+mod configs;
 mod fisher;
 mod output;
 mod probe;
@@ -41,6 +42,7 @@ mod tile_rule;
 mod tile_size;
 mod tiles;
 
+pub use configs::{config_choice, ConfigFrom};
 use fisher::FisherInputs;
 use output::{check_finite_output, finish};
 pub use probe::probe_all;
@@ -78,6 +80,7 @@ impl MergeOptions {
             protect: Vec::new(),
             svc: None,
             warnings: Vec::new(),
+            config_from: None,
         }
     }
 }
@@ -107,6 +110,9 @@ pub struct MergeOptions {
     /// Warnings the front end gave before the merge (an agent that looks dense), kept in the
     /// record after the inputs' own.
     pub warnings: Vec<String>,
+    /// Whose config.json the output takes (`None`: the base's, refused where an agent's differs
+    /// in a key that changes how the weights are used; see [`config_choice`]).
+    pub config_from: Option<ConfigFrom>,
 }
 
 /// What a finished merge reports.
@@ -149,6 +155,7 @@ pub fn merge(
     }
     calibrate::refuse_without_base(options)?;
     check_base_config(&inputs.base.dir)?;
+    let config_warnings = config_choice(inputs, options.config_from)?;
     let fisher = match &options.method {
         Method::Combine(c) if c.kind == Kind::Fisher => Some(FisherInputs::open(c, inputs)?),
         _ => None,
@@ -230,7 +237,7 @@ pub fn merge(
     let shards = writer.finish()?;
     let boost = pass.boost_report(global_report);
     let notes = folder.notes().to_vec();
-    let summary = finish(inputs, options, boost, shards, folder)?;
+    let summary = finish(inputs, options, boost, shards, folder, config_warnings)?;
     Ok(MergeSummary { notes, ..summary })
 }
 

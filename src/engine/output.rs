@@ -80,6 +80,7 @@ pub(super) fn finish(
     boost: BoostReport,
     shards: Vec<FileChecksum>,
     folder: OutputFolder,
+    config_warnings: Vec<String>,
 ) -> Result<MergeSummary> {
     let out = folder.final_path().to_path_buf();
     let agents = agent_summaries(inputs, &boost, &out);
@@ -88,26 +89,7 @@ pub(super) fn finish(
         .or_else(|| inputs.base.main_dtype())
         .unwrap_or(DType::F32);
     let mut outputs = shards;
-    let vocabulary = inputs.vocabulary.as_deref();
-    let set_vocab_size = |config: &mut serde_json::Value| {
-        if let Some(v) = vocabulary {
-            v.set_config_vocab_size(config);
-        }
-    };
-    let mut copied = copy_base_files(
-        &inputs.base.dir,
-        folder.path(),
-        out_dtype,
-        &set_vocab_size,
-        vocabulary.is_none(),
-    )?;
-    if let Some(v) = vocabulary {
-        copied.extend(v.write_files(folder.path())?);
-    }
-    if let Some(slices) = &inputs.slices {
-        sliced_config(inputs, slices, folder.path())?;
-    }
-    for name in copied {
+    for name in model_files(inputs, options, folder.path(), out_dtype)? {
         outputs.push(crc32_of_file(&folder.path().join(name))?);
     }
     // Where a probe ran (RAM+), the paper's Figure 1 for these agents, shown by the model card.
@@ -129,6 +111,12 @@ pub(super) fn finish(
         allow_nonfinite: !options.pass.scan_nonfinite,
         allow_missing_tensors: inputs.allow_missing_tensors,
         svc: options.svc,
+        config_from: options.config_from.map(|c| match c {
+            super::ConfigFrom::Base => "base".to_string(),
+            super::ConfigFrom::Agent(t) => record::recorded_path(&out, &inputs.agents[t].dir)
+                .display()
+                .to_string(),
+        }),
         base: record::recorded_path(&out, &inputs.base.dir)
             .display()
             .to_string(),
@@ -138,12 +126,16 @@ pub(super) fn finish(
         out_dtype: options.out_dtype.map(|d| d.to_string()),
         main_dtype: Some(out_dtype.torch_name().to_string()),
         slices: inputs.slices.clone(),
-        tokenizer: vocabulary.map(|v| v.settings.with_folders(|p| record::recorded_path(&out, p))),
+        tokenizer: inputs
+            .vocabulary
+            .as_deref()
+            .map(|v| v.settings.with_folders(|p| record::recorded_path(&out, p))),
         shard_size: options.shard_size,
         warnings: inputs
             .warnings
             .iter()
             .chain(&options.warnings)
+            .chain(&config_warnings)
             .cloned()
             .chain(identical_inputs(&input_sums, options.method.uses_base()))
             .chain(super::spectral::warnings(inputs, &options.method))
@@ -165,6 +157,42 @@ pub(super) fn finish(
         report: boost.report,
         notes: Vec::new(),
     })
+}
+
+/// Writes the output's config and tokenizer files — the config of the model `--config-from`
+/// names (else the base's) in the output dtype, the vocabulary's files, a sliced config — and
+/// returns their names.
+fn model_files(
+    inputs: &Inputs,
+    options: &MergeOptions,
+    out: &Path,
+    out_dtype: DType,
+) -> Result<Vec<String>> {
+    let vocabulary = inputs.vocabulary.as_deref();
+    let set_vocab_size = |config: &mut serde_json::Value| {
+        if let Some(v) = vocabulary {
+            v.set_config_vocab_size(config);
+        }
+    };
+    let config_dir = match options.config_from {
+        Some(super::ConfigFrom::Agent(t)) => inputs.agents[t].config_dir(),
+        _ => &inputs.base.dir,
+    };
+    let mut copied = copy_base_files(
+        &inputs.base.dir,
+        config_dir,
+        out,
+        out_dtype,
+        &set_vocab_size,
+        vocabulary.is_none(),
+    )?;
+    if let Some(v) = vocabulary {
+        copied.extend(v.write_files(out)?);
+    }
+    if let Some(slices) = &inputs.slices {
+        sliced_config(inputs, slices, out)?;
+    }
+    Ok(copied)
 }
 
 /// Each agent's line of the record: its path, its λ (global scope), its changed counts.

@@ -42,6 +42,40 @@ pub struct Job {
     pub svc: Option<f64>,
     /// The agents' names, by agent, where the recipe's `name:` gives one (`--name` for flags).
     pub names: Vec<Option<String>>,
+    /// Whose config.json the output takes, as the user named it (`--config-from`, a recipe's
+    /// `config_from:`): `base`, an agent's folder as given, or its name.
+    pub config_from: Option<String>,
+}
+
+impl Job {
+    /// [`Job::config_from`] as the merge takes it: `base`, or the agent it names among `agents`
+    /// (folders as given, or their names); anything else is a usage error listing the choices.
+    pub fn config_source(&self) -> Result<Option<crate::engine::ConfigFrom>> {
+        use crate::engine::ConfigFrom;
+        let Some(text) = self.config_from.as_deref() else {
+            return Ok(None);
+        };
+        if text == "base" {
+            return Ok(Some(ConfigFrom::Base));
+        }
+        let real = |p: &Path| std::fs::canonicalize(p).ok();
+        let found = self.agents.iter().enumerate().position(|(t, a)| {
+            a.as_os_str() == text
+                || self.names.get(t).and_then(|n| n.as_deref()) == Some(text)
+                || real(a).is_some() && real(a) == real(Path::new(text))
+        });
+        match found {
+            Some(t) => Ok(Some(ConfigFrom::Agent(t))),
+            None => Err(usage(format!(
+                "config_from '{text}' is neither base nor one of the agents merged ({})",
+                self.agents
+                    .iter()
+                    .map(|a| a.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))),
+        }
+    }
 }
 
 /// The method as command-line flags give it: `--method`, `--param KEY=VALUE` (see
@@ -75,6 +109,8 @@ pub struct MethodFlags {
     pub tokenizer_source: Option<String>,
     /// `--name`s, by agent in order.
     pub names: Vec<String>,
+    /// `--config-from`: whose config.json the output takes.
+    pub config_from: Option<String>,
 }
 
 impl Job {
@@ -97,6 +133,7 @@ impl Job {
             tokenizer: None,
             svc: flags.svc_alpha()?,
             names: flags.names.iter().cloned().map(Some).collect(),
+            config_from: flags.config_from.clone(),
         })
     }
 
@@ -146,6 +183,9 @@ impl MethodFlags {
         }
         if let Some(source) = &self.tokenizer_source {
             recipe.insert("tokenizer_source".into(), source.as_str().into());
+        }
+        if let Some(source) = &self.config_from {
+            recipe.insert("config_from".into(), source.as_str().into());
         }
         let models = agents
             .iter()

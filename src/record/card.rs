@@ -9,8 +9,13 @@ use crate::method::{Method, SharedRule};
 use std::fmt::Write;
 use std::path::Path;
 
-/// The Hugging Face model card: YAML front matter, then what was merged and how.
-pub fn model_card(r: &MergeRecord, recipe: Option<&str>) -> String {
+/// The Hugging Face model card: YAML front matter, then what was merged and how; `config` is the
+/// merged folder's config.json (which class loads it).
+pub fn model_card(
+    r: &MergeRecord,
+    recipe: Option<&str>,
+    config: Option<&serde_json::Value>,
+) -> String {
     let mut s = String::new();
     front_matter(&mut s, r);
     let _ = writeln!(s, "# Merged with {}\n", r.method_text());
@@ -25,7 +30,7 @@ pub fn model_card(r: &MergeRecord, recipe: Option<&str>) -> String {
     }
     output(&mut s, r);
     vocabulary(&mut s, r);
-    loading(&mut s);
+    loading(&mut s, config);
     if let Some(recipe) = recipe {
         configuration(&mut s, r, recipe);
     }
@@ -239,14 +244,44 @@ fn vocabulary(s: &mut String, r: &MergeRecord) {
     );
 }
 
-/// How to load the merged model with transformers.
-fn loading(s: &mut String) {
+/// The transformers class that loads a model of `config` (issue #44): `AutoModelForCausalLM` for
+/// a `…ForCausalLM` (or no config), `AutoModelForImageTextToText` for a model with a vision
+/// tower, else the class `architectures` names (a Python identifier, or `AutoModel`).
+fn loading_class(config: Option<&serde_json::Value>) -> String {
+    let arch = config
+        .and_then(|c| c.get("architectures"))
+        .and_then(|a| a.get(0))
+        .and_then(|a| a.as_str());
+    let vision = config.is_some_and(|c| c.get("vision_config").is_some());
+    match arch {
+        None => "AutoModelForCausalLM".into(),
+        Some(a) if a.ends_with("ForCausalLM") => "AutoModelForCausalLM".into(),
+        Some(_) if vision => "AutoModelForImageTextToText".into(),
+        Some(a)
+            if a.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+                && a.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') =>
+        {
+            a.to_string()
+        }
+        Some(_) => "AutoModel".into(),
+    }
+}
+
+/// How to load the merged model with transformers: the class its config names, and for a model
+/// with a vision tower its processor.
+fn loading(s: &mut String, config: Option<&serde_json::Value>) {
+    let class = loading_class(config);
+    let vision = class == "AutoModelForImageTextToText";
+    let (reader, name) = match vision {
+        true => ("AutoProcessor", "processor"),
+        false => ("AutoTokenizer", "tokenizer"),
+    };
     let _ = writeln!(
         s,
-        "\n## Use\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n\
+        "\n## Use\n\n```python\nfrom transformers import {class}, {reader}\n\n\
          path = \"path/to/this/folder\"  # or its Hub id once uploaded\n\
-         tokenizer = AutoTokenizer.from_pretrained(path)\n\
-         model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=\"auto\")\n```"
+         {name} = {reader}.from_pretrained(path)\n\
+         model = {class}.from_pretrained(path, torch_dtype=\"auto\")\n```"
     );
 }
 
@@ -288,4 +323,37 @@ fn yaml_str(s: &str) -> String {
 /// A name in the card's Markdown: a code span it cannot leave ([`crate::escape::markdown_code`]).
 fn code(s: &str) -> String {
     crate::escape::markdown_code(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::loading_class;
+    use serde_json::json;
+
+    /// Issue #44 item 7: the card loads a model with the class its config names.
+    #[test]
+    fn the_card_loads_with_the_class_the_config_names() {
+        let class = |c: serde_json::Value| loading_class(Some(&c));
+        assert_eq!(loading_class(None), "AutoModelForCausalLM");
+        assert_eq!(
+            class(json!({"architectures": ["Qwen3MoeForCausalLM"]})),
+            "AutoModelForCausalLM"
+        );
+        assert_eq!(
+            class(
+                json!({"architectures": ["Qwen2_5_VLForConditionalGeneration"],
+                         "vision_config": {}})
+            ),
+            "AutoModelForImageTextToText"
+        );
+        assert_eq!(
+            class(json!({"architectures": ["Gemma3ForConditionalGeneration"]})),
+            "Gemma3ForConditionalGeneration"
+        );
+        assert_eq!(
+            class(json!({"architectures": ["X; import os"]})),
+            "AutoModel",
+            "a name from a file is code only when it is an identifier"
+        );
+    }
 }

@@ -121,6 +121,10 @@ pub struct MergeRecord {
     /// SVC's α, when the merge was spectrally calibrated (SPEC §4e).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub svc: Option<f64>,
+    /// Whose config.json the output took when the user said (`base`, or an agent as
+    /// [`recorded_path`] names it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_from: Option<String>,
     /// The base model's folder as [`recorded_path`] names it.
     pub base: String,
     /// The agents in order.
@@ -232,7 +236,9 @@ pub fn write(dir: &Path, record: &MergeRecord, recipe: Option<&str>) -> Result<(
     std::fs::write(&path, serde_json::to_string_pretty(record)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
     let path = dir.join(CARD_FILE);
-    std::fs::write(&path, model_card(record, recipe))
+    // The merged config (in `dir` already) says which class loads the model.
+    let config = crate::checkpoint::folder_files::read_config(dir).ok();
+    std::fs::write(&path, model_card(record, recipe, config.as_ref()))
         .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
 }

@@ -20,6 +20,9 @@ use tokenizer::tokenizer_settings;
 #[serde(deny_unknown_fields)]
 struct RawConfig {
     merge_method: String,
+    /// rlmerge's own key: whose config.json the output takes (`base`, or a model as listed).
+    #[serde(default)]
+    config_from: Option<String>,
     #[serde(default)]
     models: Option<Vec<ModelEntry>>,
     #[serde(default)]
@@ -292,6 +295,7 @@ fn parse_raw(raw: RawConfig, text: RecipeText, dir: &Path, seed: u64) -> Result<
         tokenizer,
         svc,
         names,
+        config_from: raw.config_from.clone(),
     })
 }
 
