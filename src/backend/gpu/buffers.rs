@@ -12,6 +12,11 @@ use crate::checkpoint::DType;
 use anyhow::{anyhow, ensure, Context, Result};
 use std::time::Instant;
 
+/// How long a map of buffers may take after its submission has finished before it is an error:
+/// the callbacks run in whichever thread polls the device next.
+const MAP_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long one wait for a callback another thread runs lasts between polls.
+const MAP_RETRY: std::time::Duration = std::time::Duration::from_millis(10);
 /// One set of chunk buffers; two alternate.
 pub(super) struct Slot {
     pub(super) params: wgpu::Buffer,
@@ -296,7 +301,10 @@ impl GpuBackend {
             submission_index: after,
             timeout: None,
         };
-        for round in 0..2 {
+        // Another worker's poll may be the one that runs these callbacks, and may still be
+        // running them when this poll returns: wait for them a while before giving up.
+        let deadline = std::time::Instant::now() + MAP_PATIENCE;
+        loop {
             self.ctx
                 .device
                 .poll(wait)
@@ -304,20 +312,24 @@ impl GpuBackend {
             self.ctx
                 .check()
                 .with_context(|| format!("GPU {what} failed"))?;
-            while let Ok(r) = mapped.try_recv() {
+            let mut next = mapped.try_recv().ok();
+            if next.is_none() && done < slices.len() {
+                next = mapped.recv_timeout(MAP_RETRY).ok();
+            }
+            while let Some(r) = next {
                 r.map_err(|e| anyhow!("mapping the GPU buffers for {what} failed: {e}"))?;
                 done += 1;
+                next = mapped.try_recv().ok();
             }
             if done == slices.len() {
                 return Ok(());
             }
             ensure!(
-                round == 0,
+                std::time::Instant::now() < deadline,
                 "mapping the GPU buffers for {what} did not complete"
             );
             wait = wgpu::PollType::wait_indefinitely();
         }
-        unreachable!("the loop returns or fails in its second round")
     }
 
     /// Waits for submission `index` (a chunk) and hands its results to `take`: per part, `bytes`
