@@ -18,7 +18,7 @@ use rlmerge::escape::terminal;
 use rlmerge::inputs::{Inputs, Layout};
 use rlmerge::job::{Job, MERGEKIT_CONFIG_FILE};
 use rlmerge::method::catalog::Cost;
-use rlmerge::method::{Kind, Method};
+use rlmerge::method::Method;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
@@ -184,14 +184,9 @@ fn make_backend(
 
 /// What a merge's method costs, SVC included (it decomposes every matrix).
 fn job_cost(method: &Method, svc: Option<f64>) -> Cost {
-    let kind = match method {
-        Method::Combine(c) => c.kind,
-        Method::Ram { .. } => Kind::Ram,
-        Method::RamPlus { .. } => Kind::RamPlus,
-    };
     match svc {
         Some(_) => Cost::Spectral,
-        None => kind.cost(),
+        None => method.kind().cost(),
     }
 }
 

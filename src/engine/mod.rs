@@ -385,7 +385,9 @@ impl<'a> MergePass<'a> {
     fn job(&mut self, index: usize) -> Result<TensorJob<'a>> {
         let plan = &self.inputs.tensors[index];
         let present = plan.present();
-        if spectral::is_decomposed(&self.options.method, self.options.svc.is_some(), plan) {
+        let decomposed =
+            spectral::is_decomposed(&self.options.method, self.options.svc.is_some(), plan);
+        if decomposed {
             self.matrices.0 += 1;
             let (done, total) = self.matrices;
             let what = match self.options.svc {
@@ -394,8 +396,6 @@ impl<'a> MergePass<'a> {
             };
             self.bar.set_message(format!("{what} {done}/{total}"));
         }
-        let decomposed =
-            spectral::is_decomposed(&self.options.method, self.options.svc.is_some(), plan);
         let rule = self.rule_of(plan, &present)?;
         // Widened tiles: a tile's bytes stay what the pass chose.
         let elems = tile_elems(plan, self.inputs, self.pass.tile_elems);

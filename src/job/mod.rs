@@ -167,7 +167,7 @@ impl MethodFlags {
         recipe.insert("merge_method".into(), kind.name().into());
         recipe.insert("base_model".into(), path(base));
         let mut settings = self.method_wide()?;
-        let ram_family = matches!(kind, Kind::Ram | Kind::RamPlus | Kind::RamplusTl);
+        let ram_family = kind.is_ram_family();
         if let Some(e) = self.epsilon.filter(|_| ram_family) {
             settings.insert("epsilon".into(), Setting::Scalar(Scalar::Number(e)));
         }
@@ -261,7 +261,7 @@ impl MethodFlags {
                 )));
             }
         }
-        let ram_family = matches!(kind, Kind::Ram | Kind::RamPlus | Kind::RamplusTl);
+        let ram_family = kind.is_ram_family();
         if self.shared.is_some() && !ram_family {
             return Err(usage(
                 "--shared applies to the RAM family only (--method ram, ram+ or ramplus_tl)",

@@ -44,7 +44,7 @@ pub fn build(req: MethodRequest, agents: usize) -> Result<Method> {
             "at most {MAX_AGENTS} models can be merged at once, got {agents}"
         )));
     }
-    let ram_family = matches!(req.kind, Kind::Ram | Kind::RamPlus | Kind::RamplusTl);
+    let ram_family = req.kind.is_ram_family();
     let slice_settings = req
         .slices
         .iter()

@@ -556,6 +556,12 @@ impl Kind {
         }
     }
 
+    /// Whether the method is Reinforced Agent Merging (`ram`, `ram+`, `ramplus_tl`): ε and the
+    /// shared-region rule are its parameters.
+    pub fn is_ram_family(self) -> bool {
+        matches!(self, Kind::Ram | Kind::RamPlus | Kind::RamplusTl)
+    }
+
     /// Whether mergekit has the method under this name (its recipes and `mergekit-yaml` take it).
     pub fn in_mergekit(self) -> bool {
         !matches!(

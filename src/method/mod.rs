@@ -142,10 +142,15 @@ pub enum Method {
 impl Method {
     /// The method's recipe name.
     pub fn name(&self) -> &'static str {
+        self.kind().name()
+    }
+
+    /// The catalog entry of the method (RAM+ in tensor scope is `ram+` here, as [`Self::name`]).
+    pub fn kind(&self) -> Kind {
         match self {
-            Method::Ram { .. } => "ram",
-            Method::RamPlus { .. } => "ram+",
-            Method::Combine(c) => c.kind.name(),
+            Method::Ram { .. } => Kind::Ram,
+            Method::RamPlus { .. } => Kind::RamPlus,
+            Method::Combine(c) => c.kind,
         }
     }
 

@@ -291,12 +291,7 @@ fn loading(s: &mut String, config: Option<&serde_json::Value>) {
 fn configuration(s: &mut String, r: &MergeRecord, recipe: &str) {
     let longest = recipe.split(|c| c != '`').map(str::len).max().unwrap_or(0);
     let fence = "`".repeat(longest.max(2) + 1);
-    let kind = match &r.method {
-        Method::Combine(c) => c.kind,
-        Method::Ram { .. } => crate::method::Kind::Ram,
-        Method::RamPlus { .. } => crate::method::Kind::RamPlus,
-    };
-    let mergekit = if kind.in_mergekit() && r.svc.is_none() {
+    let mergekit = if r.method.kind().in_mergekit() && r.svc.is_none() {
         "; `mergekit-yaml` takes it too"
     } else {
         ""
