@@ -31,5 +31,6 @@ pub(crate) mod scans;
 pub(crate) mod select;
 mod simd;
 pub(crate) mod slices;
+pub(crate) mod structure;
 pub mod verify;
 pub mod vocabulary;

@@ -1,7 +1,8 @@
 //! Every rule about tensor names, in one leaf module (it uses nothing of the crate): which part
-//! of a transformer a tensor is ([`Module`]), which layer ([`layer_index`]), the λ group of the
-//! layer scope ([`layer_group`]), embeddings ([`is_embedding`]) and numbered stacks
-//! ([`numbered`]). The report, the slices, the vocabulary and the methods read names through it.
+//! of a transformer a tensor is ([`Module`]), which stack it is in by name ([`Stack`],
+//! [`tower_of`]), which layer ([`layer_index`]), token-indexed tensors ([`is_token_indexed`]) and numbered
+//! stacks ([`numbered`]). What the names alone cannot tell — which numbered stack is the decoder,
+//! and MTP layers stored after the decoder's — [`crate::structure`] adds from config.json.
 
 use serde::Serialize;
 
@@ -21,8 +22,15 @@ impl Module {
     pub fn of(name: &str) -> Module {
         let n = name.to_ascii_lowercase();
         let has = |parts: &[&str]| parts.iter().any(|p| n.contains(p));
-        if has(&["lm_head", "output.weight"]) {
+        // A part named for both, as LFM2's final `embedding_norm`, is a norm.
+        let embedding_norm = n
+            .split('.')
+            .any(|part| part.contains("embed") && part.contains("norm"));
+        // An MTP layer's output head (DeepSeek-V3's `shared_head.head`) is an lm_head.
+        if has(&["lm_head", "output.weight", "shared_head.head"]) {
             Module::LmHead
+        } else if embedding_norm {
+            Module::Norm
         } else if has(&["embed", "wte", "wpe", "tok_embeddings"]) {
             Module::Embed
         } else if has(&["norm", "ln_", ".ln"]) {
@@ -46,7 +54,11 @@ impl Module {
             "fc2",
             "feed_forward",
             "experts",
-        ]) {
+            "moe",
+            "router",
+        ]) || n.split('.').any(|part| part == "gate")
+        {
+            // A MoE block's router (`block_sparse_moe.gate`, `mlp.gate`) is part of its MLP.
             Module::Mlp
         } else {
             Module::Other
@@ -62,6 +74,57 @@ impl Module {
             Module::LmHead => "lm_head",
             Module::Other => "other",
         }
+    }
+}
+
+/// The stacks of blocks a model is made of: the decoder, the multi-token-prediction layers that
+/// extend it (Qwen3.5's `mtp.*`, DeepSeek-V3's layers after its last), and the encoder towers
+/// whose output the decoder reads (a vision tower with its merger or projector, an audio tower).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stack {
+    Decoder,
+    Mtp,
+    Vision,
+    Audio,
+}
+
+impl Stack {
+    pub fn name(self) -> &'static str {
+        match self {
+            Stack::Decoder => "decoder",
+            Stack::Mtp => "mtp",
+            Stack::Vision => "vision",
+            Stack::Audio => "audio",
+        }
+    }
+}
+
+/// The stack a tensor's name puts it in when the name says (`model.visual.…`,
+/// `model.vision_tower.…`, `model.multi_modal_projector.…`, `audio_tower.…`, `mtp.…`); `None`
+/// for the decoder's and the model's own tensors.
+pub fn tower_of(name: &str) -> Option<Stack> {
+    let n = name.to_ascii_lowercase();
+    let parts: Vec<&str> = n.split('.').collect();
+    let any = |words: &[&str]| parts.iter().any(|p| words.iter().any(|w| p.contains(w)));
+    if any(&["audio", "speech", "whisper"]) {
+        Some(Stack::Audio)
+    } else if any(&[
+        "vision",
+        "visual",
+        "image",
+        "multi_modal_projector",
+        "mm_projector",
+        "patch_embed",
+    ]) {
+        Some(Stack::Vision)
+    } else if parts
+        .iter()
+        .any(|p| *p == "mtp" || p.starts_with("mtp_") || p.contains("nextn"))
+    {
+        Some(Stack::Mtp)
+    } else {
+        None
     }
 }
 
@@ -81,23 +144,11 @@ fn layer_part(parts: &[&str]) -> Option<(usize, usize)> {
     })
 }
 
-/// The group a tensor's λ comes from in layer scope (SPEC §3): "layer N" for a tensor of layer N,
-/// else its module kind (embed, norm, lm_head, other).
-pub fn layer_group(name: &str) -> String {
-    match layer_index(name) {
-        Some(i) => format!("layer {i}"),
-        None => Module::of(name).name().to_string(),
-    }
-}
-
-/// Whether a tensor outside the layers is an embedding (a slice takes it from the first slice).
-pub fn is_embedding(name: &str) -> bool {
-    Module::of(name) == Module::Embed
-}
-
-/// Whether a tensor is indexed by token: the embeddings or the output head.
+/// Whether a tensor is indexed by token: the embeddings or the output head (an MTP layer's too),
+/// not a tower's patch or position embeddings.
 pub fn is_token_indexed(name: &str) -> bool {
     matches!(Module::of(name), Module::Embed | Module::LmHead)
+        && !matches!(tower_of(name), Some(Stack::Vision | Stack::Audio))
 }
 
 /// A name's first numbered component: the prefix before it and the number
@@ -129,10 +180,39 @@ mod tests {
         assert_eq!(layer_index("model.layers.12.mlp.up_proj.weight"), Some(12));
         assert_eq!(layer_index("transformer.h.3.attn.c_attn.weight"), Some(3));
         assert_eq!(layer_index("model.embed_tokens.weight"), None);
-        assert_eq!(layer_group("model.layers.2.mlp.up_proj.weight"), "layer 2");
-        assert_eq!(layer_group("model.norm.weight"), "norm");
-        assert!(is_embedding("model.embed_tokens.weight"));
-        assert!(!is_embedding("lm_head.weight") && !is_embedding("model.norm.weight"));
+        // A final norm named for the embeddings, routers, an MTP layer's head.
+        assert_eq!(Module::of("model.embedding_norm.weight"), Module::Norm);
+        assert_eq!(
+            Module::of("model.layers.0.block_sparse_moe.gate.weight"),
+            Module::Mlp
+        );
+        assert_eq!(
+            Module::of("model.layers.4.shared_head.head.weight"),
+            Module::LmHead
+        );
+        assert_eq!(
+            Module::of("model.vision_tower.embeddings.patch_embedding.weight"),
+            Module::Embed
+        );
+        assert_eq!(
+            tower_of("model.visual.merger.mlp.0.weight"),
+            Some(Stack::Vision)
+        );
+        assert_eq!(
+            tower_of("model.multi_modal_projector.mm_input_projection_weight"),
+            Some(Stack::Vision)
+        );
+        assert_eq!(
+            tower_of("mtp.layers.0.mlp.up_proj.weight"),
+            Some(Stack::Mtp)
+        );
+        assert_eq!(tower_of("mtp.fc.weight"), Some(Stack::Mtp));
+        assert_eq!(
+            tower_of("model.audio_tower.layers.0.fc1.weight"),
+            Some(Stack::Audio)
+        );
+        assert_eq!(tower_of("model.layers.0.mlp.gate.weight"), None);
+        assert_eq!(tower_of("model.embed_tokens.weight"), None);
         assert!(is_token_indexed("lm_head.weight"));
         assert_eq!(
             numbered("model.layers.3.mlp.experts.1.w"),

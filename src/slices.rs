@@ -1,8 +1,11 @@
 //! mergekit's `slices`: an output model whose layers are taken, slice by slice, from ranges of the
 //! input models' layers — a "frankenmerge" with passthrough, or a merge per slice with any method.
-//! Output layers are numbered consecutively; the tensors outside the layers come from the first
-//! slice's models (embeddings) or the last one's (final norm, lm_head), as mergekit takes them.
+//! Output layers are numbered consecutively; each module outside the decoder's layers comes whole
+//! from the first slice's models (embeddings, vision and audio towers) or the last one's (final
+//! norm, lm_head, MTP layers), as mergekit takes the embeddings and the head
+//! ([`crate::structure`] says which stack a tensor is in).
 
+use crate::structure::{decoder_config, top_layer_count, whole_number, LAYER_COUNT_KEYS};
 use serde::{Deserialize, Serialize};
 
 /// Which input a slice source is.
@@ -69,12 +72,12 @@ impl Slices {
         }
     }
 
-    /// The placement of a tensor outside the layers: from the first slice for embeddings
-    /// (mergekit's "pre" weights), from the last for everything else (final norm, lm_head: "post"
-    /// weights; see [`crate::names::is_embedding`]).
-    pub fn outside_layers(&self, embedding: bool) -> Placement {
+    /// The placement of a tensor outside the decoder's layers: from the first slice for the
+    /// embeddings and the towers (mergekit's "pre" weights), from the last for everything else
+    /// (final norm, lm_head, MTP layers: "post" weights).
+    pub fn outside_layers(&self, first: bool) -> Placement {
         Placement {
-            slice: if embedding { 0 } else { self.0.len() - 1 },
+            slice: if first { 0 } else { self.0.len() - 1 },
             t: 0.0,
         }
     }
@@ -90,163 +93,35 @@ impl Slices {
     }
 }
 
-/// The keys of a config.json that count layers (the first one present is the model's count).
-pub const LAYER_COUNT_KEYS: [&str; 3] = ["num_hidden_layers", "n_layer", "num_layers"];
-
 /// Config lists with one entry per decoder layer, rebuilt for a sliced output. Only these: a
 /// list that merely has as many entries as there are layers (`eos_token_id`, `architectures`)
 /// is no per-layer list.
-pub const PER_LAYER_LISTS: [&str; 3] = ["layer_types", "no_rope_layers", "block_types"];
+pub const PER_LAYER_LISTS: [&str; 4] = [
+    "layer_types",
+    "mlp_layer_types",
+    "no_rope_layers",
+    "block_types",
+];
 
-/// The config that describes the decoder: a multimodal model's `text_config` when the top level
-/// has no layer count, else the top level.
-fn decoder_config(config: &serde_json::Value) -> &serde_json::Value {
-    match config.get("text_config") {
-        Some(text) if top_layer_count(config).is_none() && top_layer_count(text).is_some() => text,
-        _ => config,
-    }
-}
-
-fn top_layer_count(config: &serde_json::Value) -> Option<usize> {
-    LAYER_COUNT_KEYS
-        .iter()
-        .find_map(|k| config.get(k).and_then(whole_number))
-        .map(|n| n as usize)
-}
-
-/// A count in a config: `2`, or `2.0` as some tools write it.
-fn whole_number(v: &serde_json::Value) -> Option<u64> {
-    v.as_u64().or_else(|| {
-        v.as_f64()
-            .filter(|x| x.fract() == 0.0 && *x >= 0.0 && *x <= u32::MAX as f64)
-            .map(|x| x as u64)
-    })
-}
-
-/// A model's decoder layer count from its config.json (a multimodal model's `text_config`'s).
-pub fn layer_count(config: &serde_json::Value) -> Option<usize> {
-    top_layer_count(decoder_config(config))
-}
-
-/// The decoder's layer stack in a model's tensor names: the prefix (`model.layers`,
-/// `model.language_model.layers`, `transformer.h`) under which the layers its config counts are
-/// numbered `0..layers`. Other numbered stacks — a vision tower's layers, an audio encoder's — are
-/// not the decoder's, and slices leave them whole.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LayerStack {
-    pub prefix: String,
-    pub layers: usize,
-}
-
-impl LayerStack {
-    /// The stack of the model whose tensor names are `names` and whose config.json is `config`
-    /// (`what` names it in errors): the one numbered exactly `0..N` with N the config's layer
-    /// count; where several are, the one that is not a vision, audio or encoder stack. A config
-    /// whose count no stack in the files has is refused: the output's config would claim layers
-    /// the output lacks.
-    pub fn find<'a>(
-        names: impl Iterator<Item = &'a str>,
-        config: &serde_json::Value,
-        what: &str,
-    ) -> anyhow::Result<LayerStack> {
-        let Some(count) = layer_count(config) else {
-            anyhow::bail!("{what}: config.json gives no layer count (num_hidden_layers)");
-        };
-        let mut stacks: std::collections::BTreeMap<String, std::collections::BTreeSet<usize>> =
-            Default::default();
-        for name in names {
-            if let Some((prefix, i)) = crate::names::numbered(name) {
-                stacks.entry(prefix.to_string()).or_default().insert(i);
-            }
-        }
-        let whole = |set: &std::collections::BTreeSet<usize>| {
-            set.len() == count && set.iter().next_back() == Some(&(count - 1))
-        };
-        let candidates: Vec<&String> = stacks
-            .iter()
-            .filter(|(_, set)| count > 0 && whole(set))
-            .map(|(p, _)| p)
-            .collect();
-        let other = |p: &str| {
-            ["vision", "visual", "audio", "encoder", "image", "mm_"]
-                .iter()
-                .any(|w| p.contains(w))
-        };
-        // Not a vision, audio or encoder stack — unless the model has no other numbered stack.
-        let decoder: Vec<&&String> = candidates.iter().filter(|p| !other(p)).collect();
-        let chosen = match (decoder.as_slice(), candidates.as_slice()) {
-            ([one], _) => Some(**one),
-            ([], [one]) if stacks.keys().all(|p| other(p)) => Some(*one),
-            _ => None,
-        };
-        match chosen {
-            Some(prefix) => Ok(LayerStack {
-                prefix: prefix.clone(),
-                layers: count,
-            }),
-            None => {
-                let found: Vec<String> = stacks
-                    .iter()
-                    .map(|(p, set)| {
-                        format!("{} ({} layers)", crate::escape::terminal(p), set.len())
-                    })
-                    .collect();
-                anyhow::bail!(
-                    "{what}: config.json counts {count} decoder layers, but {} (found: {})",
-                    if candidates.is_empty() {
-                        "no stack of layers in its weights is numbered 0 to that".to_string()
-                    } else {
-                        format!(
-                            "no single decoder stack is numbered so ({} are, a vision, audio or \
-                             encoder stack, or several)",
-                            candidates
-                                .iter()
-                                .map(|p| crate::escape::terminal(p).into_owned())
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        )
-                    },
-                    if found.is_empty() {
-                        "no numbered layers".to_string()
-                    } else {
-                        found.join(", ")
-                    }
-                )
-            }
-        }
-    }
-
-    /// The decoder layer tensor `name` belongs to; `None` outside this stack.
-    pub fn layer_of(&self, name: &str) -> Option<usize> {
-        crate::names::numbered(name)
-            .filter(|(p, _)| *p == self.prefix)
-            .map(|(_, i)| i)
-    }
-
-    /// `name` (a tensor of this stack) moved to decoder layer `layer`.
-    pub fn rename(&self, name: &str, layer: usize) -> Option<String> {
-        self.layer_of(name)?;
-        let rest = name[self.prefix.len() + 1..]
-            .split_once('.')
-            .map_or("", |(_, r)| r);
-        Some(if rest.is_empty() {
-            format!("{}.{layer}", self.prefix)
-        } else {
-            format!("{}.{layer}.{rest}", self.prefix)
-        })
-    }
-}
+/// Config lists of decoder layer numbers (the layers with a property: Qwen-MoE's dense
+/// `mlp_only_layers`, LFM2's `full_attn_idxs`), rebuilt for a sliced output: output layer j is
+/// listed when the layer it comes from is listed in its model's config.
+pub const LAYER_INDEX_LISTS: [&str; 2] = ["mlp_only_layers", "full_attn_idxs"];
 
 impl Slices {
     /// The output's config.json from the base's (`config`): the decoder's layer count set to the
-    /// output's (at the top level, or in `text_config` for a multimodal model), and every
-    /// [`PER_LAYER_LISTS`] list rebuilt with each output layer's entry from the model and layer it
-    /// comes from (`config_of`: each source's config.json). Other lists are kept as they are.
+    /// output's (at the top level, or in `text_config` for a multimodal model), every
+    /// [`PER_LAYER_LISTS`] and [`LAYER_INDEX_LISTS`] list rebuilt from the model and layer each
+    /// output layer comes from (`config_of`: each source's config.json), and the keys that say
+    /// which layers are dense and which MoE (`first_k_dense_replace`) set for the output's
+    /// order. An order those keys cannot say — a dense layer after a MoE one where the config
+    /// only counts the first k dense layers — is refused naming the key: the loader would build
+    /// the layer with the wrong MLP. Other keys are kept as they are.
     pub fn rewrite_config(
         &self,
         config: &mut serde_json::Value,
         config_of: &dyn Fn(Source) -> serde_json::Value,
-    ) {
+    ) -> anyhow::Result<()> {
         let nested = config.get("text_config").is_some()
             && top_layer_count(config).is_none()
             && config
@@ -266,7 +141,7 @@ impl Slices {
             Some(config)
         };
         let Some(obj) = target.and_then(|c| c.as_object_mut()) else {
-            return;
+            return Ok(());
         };
         if let Some(key) = LAYER_COUNT_KEYS.iter().find(|k| obj.contains_key(**k)) {
             obj.insert(key.to_string(), self.layers().into());
@@ -290,7 +165,129 @@ impl Slices {
                 .collect();
             obj.insert(key.to_string(), rebuilt.into());
         }
+        for key in LAYER_INDEX_LISTS {
+            if !obj.get(key).is_some_and(|v| v.is_array()) {
+                continue;
+            }
+            let listed = |s: usize, layer: usize| {
+                leads[s]
+                    .0
+                    .get(key)
+                    .and_then(|v| v.as_array())
+                    .is_some_and(|l| l.iter().any(|x| whole_number(x) == Some(layer as u64)))
+            };
+            let rebuilt: Vec<serde_json::Value> = self
+                .output_layers()
+                .enumerate()
+                .filter(|(_, (s, i))| listed(*s, leads[*s].1 + i))
+                .map(|(j, _)| j.into())
+                .collect();
+            obj.insert(key.to_string(), rebuilt.into());
+        }
+        self.set_moe_order(obj, &leads)
     }
+
+    /// The dense/MoE order of the output's layers, said by the output's config (see
+    /// [`Self::rewrite_config`]).
+    fn set_moe_order(
+        &self,
+        obj: &mut serde_json::Map<String, serde_json::Value>,
+        leads: &[(serde_json::Value, usize)],
+    ) -> anyhow::Result<()> {
+        let wanted: Vec<Option<bool>> = self
+            .output_layers()
+            .map(|(s, i)| moe_layer(&leads[s].0, leads[s].1 + i))
+            .collect();
+        if wanted.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        let config = serde_json::Value::Object(obj.clone());
+        if config.get("mlp_layer_types").is_none()
+            && config.get("first_k_dense_replace").is_none()
+            && config.get("mlp_only_layers").is_some_and(|v| v.is_array())
+        {
+            // Qwen-MoE: every layer that is dense listed (the rest follow decoder_sparse_step).
+            let dense: Vec<serde_json::Value> = (0..wanted.len())
+                .filter(|j| wanted[*j] == Some(false))
+                .map(|j| j.into())
+                .collect();
+            obj.insert("mlp_only_layers".into(), dense.into());
+        }
+        if config.get("mlp_layer_types").is_none() && config.get("first_k_dense_replace").is_some()
+        {
+            // The first k layers dense, for the k that gives the output's order.
+            let fits = |k: usize| {
+                let mut c = config.clone();
+                c["first_k_dense_replace"] = k.into();
+                (0..wanted.len()).all(|j| moe_layer(&c, j) == wanted[j])
+            };
+            if let Some(k) = (0..=wanted.len()).find(|k| fits(*k)) {
+                obj.insert("first_k_dense_replace".into(), k.into());
+            }
+        }
+        let config = serde_json::Value::Object(obj.clone());
+        let Some(mut j) = (0..wanted.len()).find(|j| moe_layer(&config, *j) != wanted[*j]) else {
+            return Ok(());
+        };
+        if moe_key(&config) == "first_k_dense_replace" {
+            // The layer to blame: the first dense one after a MoE one.
+            j = (0..wanted.len())
+                .find(|i| wanted[*i] == Some(false) && wanted[..*i].contains(&Some(true)))
+                .unwrap_or(j);
+        }
+        let (s, i) = self.output_layers().nth(j).expect("an output layer");
+        let kind = |moe: Option<bool>| match moe {
+            Some(true) => "a MoE layer",
+            Some(false) => "a dense layer",
+            None => "a layer",
+        };
+        anyhow::bail!(
+            "slice {} puts {} (layer {} of its model) at output layer {j}, where the output's \
+             config.json key '{}' can only make {}: no value of it gives the slices' order of \
+             dense and MoE layers — reorder the slices so that the dense layers come first",
+            s + 1,
+            kind(wanted[j]),
+            leads[s].1 + i,
+            moe_key(&config),
+            kind(moe_layer(&config, j))
+        )
+    }
+}
+
+/// Whether decoder layer `i` of a model with (decoder) config `config` is a MoE layer, as its
+/// loader decides: `mlp_layer_types[i]` (GLM-4.7-Flash), `first_k_dense_replace` and
+/// `moe_layer_freq` (DeepSeek, GLM-4.5), `mlp_only_layers` and `decoder_sparse_step` (Qwen-MoE);
+/// `None` where the config says nothing of it (every layer alike).
+fn moe_layer(config: &serde_json::Value, i: usize) -> Option<bool> {
+    if let Some(list) = config.get("mlp_layer_types").and_then(|v| v.as_array()) {
+        return list.get(i).and_then(|v| v.as_str()).map(|v| v == "sparse");
+    }
+    let number = |key: &str| config.get(key).and_then(whole_number);
+    if let Some(k) = number("first_k_dense_replace") {
+        let every = number("moe_layer_freq").unwrap_or(1).max(1);
+        return Some(i as u64 >= k && (i as u64).is_multiple_of(every));
+    }
+    if config.get("mlp_only_layers").is_some() || config.get("decoder_sparse_step").is_some() {
+        let dense = config
+            .get("mlp_only_layers")
+            .and_then(|v| v.as_array())
+            .is_some_and(|l| l.iter().any(|x| whole_number(x) == Some(i as u64)));
+        let step = number("decoder_sparse_step").unwrap_or(1).max(1);
+        return Some(!dense && (i as u64 + 1).is_multiple_of(step));
+    }
+    None
+}
+
+/// The key of `config` that [`moe_layer`] reads.
+fn moe_key(config: &serde_json::Value) -> &'static str {
+    [
+        "mlp_layer_types",
+        "first_k_dense_replace",
+        "decoder_sparse_step",
+    ]
+    .into_iter()
+    .find(|k| config.get(*k).is_some())
+    .unwrap_or("mlp_only_layers")
 }
 
 #[cfg(test)]
@@ -327,62 +324,6 @@ mod tests {
     }
 
     #[test]
-    fn the_decoder_stack_is_the_one_the_config_counts() {
-        let names = [
-            "model.embed_tokens.weight",
-            "model.layers.0.mlp.experts.3.w1.weight",
-            "model.layers.1.mlp.experts.0.w1.weight",
-            "model.vision_tower.encoder.layers.0.q.weight",
-            "model.vision_tower.encoder.layers.1.q.weight",
-            "model.vision_tower.encoder.layers.2.q.weight",
-            "lm_head.weight",
-        ];
-        assert_eq!(
-            layer_count(&serde_json::json!({"num_hidden_layers": 2.0})),
-            Some(2)
-        );
-        let config = serde_json::json!({"num_hidden_layers": 2});
-        let stack = LayerStack::find(names.into_iter(), &config, "m").unwrap();
-        assert_eq!(stack.prefix, "model.layers");
-        assert_eq!(
-            stack.layer_of("model.layers.1.mlp.experts.0.w1.weight"),
-            Some(1)
-        );
-        assert_eq!(
-            stack.layer_of("model.vision_tower.encoder.layers.1.q.weight"),
-            None
-        );
-        assert_eq!(
-            stack
-                .rename("model.layers.1.mlp.experts.0.w1.weight", 7)
-                .as_deref(),
-            Some("model.layers.7.mlp.experts.0.w1.weight")
-        );
-        // Two stacks of 2: the vision one is not the decoder's.
-        let names2 = [
-            "a.layers.0.w",
-            "a.layers.1.w",
-            "vision.blocks.0.w",
-            "vision.blocks.1.w",
-        ];
-        assert_eq!(
-            LayerStack::find(names2.into_iter(), &config, "m")
-                .unwrap()
-                .prefix,
-            "a.layers"
-        );
-        // A config that counts 3 layers the files do not hold.
-        let three = serde_json::json!({"text_config": {"num_hidden_layers": 3}});
-        let e = LayerStack::find(names.into_iter(), &three, "m")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("counts 3 decoder layers") && e.contains("model.layers (2 layers)"),
-            "{e}"
-        );
-    }
-
-    #[test]
     fn only_per_layer_lists_are_rebuilt() {
         let s = Slices(vec![Slice {
             sources: vec![SliceSource {
@@ -396,16 +337,83 @@ mod tests {
             "architectures": ["X", "Y"]
         });
         let mut out = base.clone();
-        s.rewrite_config(&mut out, &|_| base.clone());
+        s.rewrite_config(&mut out, &|_| base.clone()).unwrap();
         assert_eq!(out["num_hidden_layers"], 1);
         assert_eq!(out["layer_types"], serde_json::json!(["b"]));
         assert_eq!(out["eos_token_id"], serde_json::json!([1, 2]));
         assert_eq!(out["architectures"], serde_json::json!(["X", "Y"]));
         let nested = serde_json::json!({"text_config": {"num_hidden_layers": 2, "layer_types": ["a", "b"]}, "vision_config": {"num_hidden_layers": 5}});
         let mut out = nested.clone();
-        s.rewrite_config(&mut out, &|_| nested.clone());
+        s.rewrite_config(&mut out, &|_| nested.clone()).unwrap();
         assert_eq!(out["text_config"]["num_hidden_layers"], 1);
         assert_eq!(out["text_config"]["layer_types"], serde_json::json!(["b"]));
         assert_eq!(out["vision_config"]["num_hidden_layers"], 5);
+    }
+
+    fn ranges(ranges: &[(usize, usize)]) -> Slices {
+        Slices(
+            ranges
+                .iter()
+                .map(|&(start, len)| Slice {
+                    sources: vec![SliceSource {
+                        model: Source::Agent(0),
+                        start,
+                    }],
+                    len,
+                })
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn dense_and_moe_layers_keep_their_order_or_are_refused() {
+        // DeepSeek-V3: layer 0 dense, 1-3 MoE.
+        let ds = serde_json::json!({"num_hidden_layers": 4, "first_k_dense_replace": 1});
+        let mut out = ds.clone();
+        ranges(&[(0, 2), (0, 1), (1, 3)])
+            .rewrite_config(&mut out, &|_| ds.clone())
+            .map(|_| ())
+            .unwrap_err();
+        let mut out = ds.clone();
+        ranges(&[(0, 1), (0, 1), (2, 2)])
+            .rewrite_config(&mut out, &|_| ds.clone())
+            .unwrap();
+        assert_eq!(out["first_k_dense_replace"], 2);
+        assert_eq!(out["num_hidden_layers"], 4);
+        let mut out = ds.clone();
+        let e = ranges(&[(1, 2), (0, 1)])
+            .rewrite_config(&mut out, &|_| ds.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("'first_k_dense_replace'") && e.contains("output layer 2"),
+            "{e}"
+        );
+        // GLM-4.7-Flash: a per-layer list follows the layers.
+        let glm =
+            serde_json::json!({"num_hidden_layers": 2, "mlp_layer_types": ["dense", "sparse"]});
+        let mut out = glm.clone();
+        ranges(&[(1, 1), (0, 2)])
+            .rewrite_config(&mut out, &|_| glm.clone())
+            .unwrap();
+        assert_eq!(
+            out["mlp_layer_types"],
+            serde_json::json!(["sparse", "dense", "sparse"])
+        );
+        // Qwen-MoE: the dense layers' numbers follow them.
+        let qwen = serde_json::json!({"num_hidden_layers": 3, "mlp_only_layers": [0], "decoder_sparse_step": 1});
+        let mut out = qwen.clone();
+        ranges(&[(1, 2), (0, 1)])
+            .rewrite_config(&mut out, &|_| qwen.clone())
+            .unwrap();
+        assert_eq!(out["mlp_only_layers"], serde_json::json!([2]));
+        // Every second layer MoE: a slice that breaks the rhythm is refused.
+        let step = serde_json::json!({"num_hidden_layers": 4, "decoder_sparse_step": 2});
+        let mut out = step.clone();
+        let e = ranges(&[(1, 1), (3, 1)])
+            .rewrite_config(&mut out, &|_| step.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'decoder_sparse_step'"), "{e}");
     }
 }

@@ -8,7 +8,6 @@ use crate::checkpoint::{CheckpointWriter, DType, ModelFolder, OutputFolder, Outp
 use crate::inputs::{Inputs, TensorPlan};
 use crate::method::settings::{layer_t, TensorPlace};
 use crate::method::{BoostScope, Kind, Method};
-use crate::names::layer_index;
 use crate::record::MergeRecord;
 use crate::report::{boost_group, ProbeReport, TensorStats};
 use anyhow::{Context, Result};
@@ -229,7 +228,7 @@ pub fn merge(
         if let Some(scope) = &mut pass.counted {
             for (job, counts) in jobs.iter_mut().zip(counts) {
                 let counts = job.captured_counts.take().unwrap_or(counts);
-                scope.add(probe::tensor_stats(job.plan, counts));
+                scope.add(probe::tensor_stats(inputs, job.plan, counts));
             }
         }
     }
@@ -363,12 +362,10 @@ impl<'a> MergePass<'a> {
             },
             bar: progress_bar(scan_bytes + arithmetic, options.show_progress, "merge"),
             buffers: ScanBuffers::new(inputs.agents.len()),
+            // Gradients run over the decoder's layers (not a tower's blocks, not MTP layers).
             layers: inputs
-                .tensors
-                .iter()
-                .filter_map(|t| layer_index(t.name()))
-                .max()
-                .map_or(0, |m| m + 1),
+                .structure
+                .decoder_layers(inputs.tensors.iter().map(|t| t.name())),
             global_lambdas,
             group_lambdas: None,
             per_tensor: per_tensor.then(TensorGathered::default),
@@ -437,7 +434,10 @@ impl<'a> MergePass<'a> {
                     },
                     None => TensorPlace {
                         name: plan.name(),
-                        t: layer_t(layer_index(plan.name()), self.layers),
+                        t: layer_t(
+                            self.inputs.structure.part(plan.name()).decoder_layer(),
+                            self.layers,
+                        ),
                         slice: None,
                     },
                 };
@@ -479,7 +479,9 @@ impl<'a> MergePass<'a> {
                     self.tensor_lambdas(plan)?
                 } else if let Some(groups) = &self.group_lambdas {
                     let scope = self.options.method.scope().expect("a boost scope");
-                    let group = boost_group(scope, plan.name()).expect("a group scope");
+                    let part = self.inputs.structure.part(plan.name());
+                    let module = crate::names::Module::of(plan.name());
+                    let group = boost_group(scope, part, module).expect("a group scope");
                     let i = groups
                         .index
                         .get(&group)
@@ -497,7 +499,7 @@ impl<'a> MergePass<'a> {
     fn tensor_lambdas(&mut self, plan: &TensorPlan) -> Result<Vec<f64>> {
         let (inputs, pass) = (self.inputs, &self.options.pass);
         let counts = probe_tensors(inputs, &[plan], self.backend, pass, &self.bar)?.remove(0);
-        let stats = probe::tensor_stats(plan, counts);
+        let stats = probe::tensor_stats(inputs, plan, counts);
         let lambdas: Vec<f64> = stats
             .agent_counts()
             .iter()

@@ -245,7 +245,7 @@ fn sliced_config(inputs: &Inputs, slices: &Slices, out: &Path) -> Result<()> {
         };
         read_config(folder.config_dir()).unwrap_or_default()
     };
-    slices.rewrite_config(&mut config, &config_of);
+    slices.rewrite_config(&mut config, &config_of)?;
     std::fs::write(&path, serde_json::to_string_pretty(&config)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))
 }

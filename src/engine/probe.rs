@@ -88,7 +88,7 @@ pub fn probe_all(
         let counts = probe_tensors(inputs, &plans, backend, pass, &bar)?;
         inputs.forget_lora_matrices();
         for (plan, counts) in plans.into_iter().zip(counts) {
-            tensors.push(tensor_stats(plan, counts));
+            tensors.push(tensor_stats(inputs, plan, counts));
         }
     }
     bar.finish_and_clear();
@@ -102,11 +102,17 @@ pub fn probe_all(
 }
 
 /// The probe counts of `plan`'s tensor as the report keeps them.
-pub(super) fn tensor_stats(plan: &TensorPlan, counts: crate::backend::TileCounts) -> TensorStats {
+pub(super) fn tensor_stats(
+    inputs: &Inputs,
+    plan: &TensorPlan,
+    counts: crate::backend::TileCounts,
+) -> TensorStats {
     let present = plan
         .agents
         .iter()
         .enumerate()
         .fold(0, |m, (t, a)| m | (a.is_some() as u64) << t);
-    TensorStats::new(plan.out_name(), plan.numel() as u64, present, counts)
+    let name = plan.out_name();
+    let part = inputs.structure.part(&name);
+    TensorStats::new(name, part, plan.numel() as u64, present, counts)
 }

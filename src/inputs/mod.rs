@@ -29,9 +29,10 @@ use crate::checkpoint::safetensors_file::Interner;
 use crate::checkpoint::{DType, ModelFolder, ModelTensor};
 use crate::error::usage;
 use crate::method::{self};
-use crate::names::{is_embedding, is_token_indexed};
+use crate::names::is_token_indexed;
 use crate::record::InputChecksums;
-use crate::slices::{LayerStack, Placement, Slices, Source};
+use crate::slices::{Placement, Slices, Source};
+use crate::structure::LayerStack;
 use crate::vocabulary::{TokenizerSettings, VocabTensor, Vocabulary};
 use anyhow::{bail, ensure, Context, Result};
 use std::path::{Path, PathBuf};
@@ -59,6 +60,8 @@ pub struct Inputs {
     /// The agents' names where the user gave them (`--name`, a recipe's `name:`), by agent;
     /// tables, figures, the record and the card show them.
     pub names: Vec<Option<String>>,
+    /// The output's stacks (decoder, MTP, towers): the base's, with the slices' layer count.
+    pub structure: crate::structure::Structure,
 }
 
 /// What shapes the output beyond the base's tensors: mergekit's slices and tokenizer source.
@@ -126,6 +129,10 @@ impl Inputs {
             }
         }
         let base_config = refuse_other_architectures(&base, &agents, layout)?;
+        let structure = crate::structure::Structure::of(
+            base.tensors.iter().map(|t| &*t.entry.name),
+            base_config.as_ref(),
+        );
         let mut warnings = check_adapters_base(&base, &agents)?;
         let vocabulary = layout
             .tokenizer
@@ -138,7 +145,8 @@ impl Inputs {
         });
         warnings.extend(vocabulary.iter().flat_map(|v| v.warnings.iter().cloned()));
         if let Some(slices) = layout.slices {
-            let mut tensors = sliced_plans(&base, &agents, slices, reindex.as_ref())?;
+            let mut tensors =
+                sliced_plans(&base, &agents, slices, reindex.as_ref(), &mut warnings)?;
             if let Some(r) = &reindex {
                 r.plan_all(&base, &agents, &mut tensors, &mut warnings)?;
             }
@@ -152,6 +160,7 @@ impl Inputs {
                 allow_missing_tensors: layout.allow_missing_tensors,
                 cancel: crate::cancel::current(),
                 names: Vec::new(),
+                structure: structure.with_layers(slices.layers()),
             });
         }
         let tensors = whole_model_plans(
@@ -172,6 +181,7 @@ impl Inputs {
             allow_missing_tensors: layout.allow_missing_tensors,
             cancel: crate::cancel::current(),
             names: Vec::new(),
+            structure,
         })
     }
 

@@ -1,33 +1,42 @@
 //! The plans of a sliced merge (mergekit's `slices`).
 
 use super::*;
+use crate::names::{Module, Stack};
+use crate::structure::{Part, Structure};
 
-/// The output tensors of a sliced merge (see [`crate::slices`]): the embeddings from the first
-/// slice's sources, each slice's layers renumbered consecutively, then the other tensors outside
-/// the layers from the last slice's sources. Every source must hold each tensor its slice's lead
-/// has, with the same shape.
+/// The output tensors of a sliced merge (see [`crate::slices`]): the embeddings and the towers
+/// (vision, audio) whole from the first slice's lead, each slice's decoder layers renumbered
+/// consecutively, then the other tensors outside the layers — the final norm, lm_head, the MTP
+/// layers renumbered after the output's last — whole from the last slice's lead. Every source
+/// must hold each tensor its slice's lead has, with the same shape. The output's config must be
+/// able to say the slices' order of dense and MoE layers (checked here, before any byte is
+/// written); `notes` says which model each module outside the decoder comes from.
 pub(super) fn sliced_plans(
     base: &ModelFolder,
     agents: &[ModelFolder],
     slices: &Slices,
     reindex: Option<&Reindex>,
+    notes: &mut Vec<String>,
 ) -> Result<Vec<TensorPlan>> {
     let mut planner = SlicePlanner {
         base,
         agents,
         slices,
         reindex,
-        stacks: Vec::new(),
+        models: Vec::new(),
     };
-    // Each model's decoder stack (the layers its config counts; another numbered stack, such as
-    // a vision tower's, stays whole and goes with the embeddings).
+    // Each model's config and decoder stack (the layers its config counts; another numbered
+    // stack, such as a vision tower's, stays whole).
     for slice in &slices.0 {
         for src in &slice.sources {
-            if !planner.stacks.iter().any(|(m, _)| *m == src.model) {
-                let stack = planner.stack_of(src.model)?;
-                planner.stacks.push((src.model, stack));
+            if !planner.models.iter().any(|(m, _, _)| *m == src.model) {
+                let (config, stack) = planner.stack_of(src.model)?;
+                planner.models.push((src.model, config, stack));
             }
         }
+    }
+    if let Ok(mut config) = crate::checkpoint::folder_files::read_config(base.config_dir()) {
+        slices.rewrite_config(&mut config, &|m| planner.config(m).clone())?;
     }
     let mut tensors = planner.outside(true)?;
     for (layer, (s, i)) in slices.output_layers().enumerate() {
@@ -35,16 +44,18 @@ pub(super) fn sliced_plans(
     }
     tensors.extend(planner.outside(false)?);
     ensure!(!tensors.is_empty(), "the slices select no tensors");
+    notes.extend(planner.owners_note(&tensors));
     Ok(tensors)
 }
 
-/// What planning the slices reads: the inputs, the slices, and each source model's decoder stack.
+/// What planning the slices reads: the inputs, the slices, and each source model's config and
+/// decoder stack.
 struct SlicePlanner<'a> {
     base: &'a ModelFolder,
     agents: &'a [ModelFolder],
     slices: &'a Slices,
     reindex: Option<&'a Reindex<'a>>,
-    stacks: Vec<(Source, LayerStack)>,
+    models: Vec<(Source, serde_json::Value, LayerStack)>,
 }
 
 impl<'a> SlicePlanner<'a> {
@@ -55,35 +66,50 @@ impl<'a> SlicePlanner<'a> {
         }
     }
 
-    /// Model `m`'s decoder stack, from its tensor names and config.
-    fn stack_of(&self, m: Source) -> Result<LayerStack> {
+    /// Model `m`'s config and decoder stack, from its tensor names and config.
+    fn stack_of(&self, m: Source) -> Result<(serde_json::Value, LayerStack)> {
         let f = self.folder(m);
         let config = crate::checkpoint::folder_files::read_config(f.config_dir())
             .context("slices need the model's config.json")?;
-        LayerStack::find(
+        let stack = LayerStack::find(
             f.tensors.iter().map(|t| &*t.entry.name),
             &config,
             &f.dir.display().to_string(),
-        )
+        )?;
+        Ok((config, stack))
+    }
+
+    fn model(&self, m: Source) -> &(Source, serde_json::Value, LayerStack) {
+        self.models
+            .iter()
+            .find(|(x, _, _)| *x == m)
+            .expect("every source's")
     }
 
     fn stack(&self, m: Source) -> &LayerStack {
-        &self
-            .stacks
-            .iter()
-            .find(|(x, _)| *x == m)
-            .expect("every source's")
-            .1
+        &self.model(m).2
+    }
+
+    fn config(&self, m: Source) -> &serde_json::Value {
+        &self.model(m).1
+    }
+
+    /// Where tensor `name` of model `m` is.
+    fn part(&self, m: Source, name: &str) -> Part {
+        Structure {
+            decoder: Some(self.stack(m).clone()),
+        }
+        .part(name)
     }
 
     /// One output tensor of slice `s` from its lead's tensor `lead_tensor`: in each other source,
-    /// the tensor `source_name(its first layer)`.
+    /// the tensor `source_name(the source, its first layer)`.
     fn plan(
         &self,
         s: usize,
         placement: Placement,
         lead_tensor: &ModelTensor,
-        source_name: &dyn Fn(usize) -> String,
+        source_name: &dyn Fn(Source, usize) -> String,
         out_name: Arc<str>,
     ) -> Result<TensorPlan> {
         let (agents, slices) = (self.agents, self.slices);
@@ -94,7 +120,7 @@ impl<'a> SlicePlanner<'a> {
             let Source::Agent(t) = src.model else {
                 continue;
             };
-            let name = source_name(src.start);
+            let name = source_name(src.model, src.start);
             let Some(index) = agents[t].index_of(&name) else {
                 bail!(
                     "slice {} takes tensor '{}' from {}, which does not have it",
@@ -135,24 +161,89 @@ impl<'a> SlicePlanner<'a> {
         })
     }
 
-    /// Tensors outside the layers: the embeddings from the first slice's lead, the rest from the
-    /// last slice's.
-    fn outside(&self, embeddings: bool) -> Result<Vec<TensorPlan>> {
-        let placement = self.slices.outside_layers(embeddings);
+    /// Tensors outside the decoder's layers from the first slice's lead (`first`: the embeddings
+    /// and the towers) or the last's (the rest, MTP layers renumbered after the output's last).
+    fn outside(&self, first: bool) -> Result<Vec<TensorPlan>> {
+        let placement = self.slices.outside_layers(first);
         let lead = self.slices.lead(placement.slice).model;
         let mut plans = Vec::new();
         for t in &self.folder(lead).tensors {
             let name = &t.entry.name;
-            // Before the layers: the embeddings and other numbered stacks (a vision tower).
-            let pre = is_embedding(name) || crate::names::numbered(name).is_some();
-            if self.stack(lead).layer_of(name).is_some() || pre != embeddings {
+            let part = self.part(lead, name);
+            if part.decoder_layer().is_some() || from_first(part, name) != first {
                 continue;
             }
-            let name = t.entry.name.clone();
-            let same = |_| name.to_string();
-            plans.push(self.plan(placement.slice, placement, t, &same, name.clone())?);
+            let mtp = self.stack(lead).mtp_of(name);
+            let source_name = |m: Source, _| match mtp {
+                Some(j) => {
+                    let stack = self.stack(m);
+                    stack.rename(name, stack.layers + j).unwrap_or_default()
+                }
+                None => name.to_string(),
+            };
+            let out: Arc<str> = match mtp {
+                Some(j) => self
+                    .stack(lead)
+                    .rename(name, self.slices.layers() + j)
+                    .unwrap_or_default()
+                    .into(),
+                None => name.clone(),
+            };
+            plans.push(self.plan(placement.slice, placement, t, &source_name, out)?);
         }
         Ok(plans)
+    }
+
+    /// Which model the modules outside the decoder's layers come from, where the first and the
+    /// last slice's leads differ.
+    fn owners_note(&self, tensors: &[TensorPlan]) -> Option<String> {
+        let (first, last) = (
+            self.slices.lead(0).model,
+            self.slices.lead(self.slices.0.len() - 1).model,
+        );
+        if first == last {
+            return None;
+        }
+        let mut modules: [Vec<&str>; 2] = [Vec::new(), Vec::new()];
+        for plan in tensors.iter().filter_map(|p| p.sliced.as_ref()) {
+            let from_last = plan.placement.slice != 0;
+            let Some(what) = self.module_words(&plan.name) else {
+                continue;
+            };
+            if !modules[from_last as usize].contains(&what) {
+                modules[from_last as usize].push(what);
+            }
+        }
+        let model = |m: Source| self.folder(m).dir.display().to_string();
+        Some(format!(
+            "slices: {} come whole from {} (the first slice's model); {} from {} (the last \
+             slice's)",
+            words(&modules[0]),
+            model(first),
+            words(&modules[1]),
+            model(last)
+        ))
+    }
+
+    /// The module an output tensor outside the decoder's layers is part of, in words.
+    fn module_words(&self, out_name: &str) -> Option<&'static str> {
+        let output = Structure {
+            decoder: Some(self.stack(self.slices.lead(0).model).clone()),
+        }
+        .with_layers(self.slices.layers());
+        let part = output.part(out_name);
+        Some(match part.stack {
+            Stack::Decoder if part.layer.is_some() => return None,
+            Stack::Decoder => match Module::of(out_name) {
+                Module::Embed => "the embeddings",
+                Module::Norm => "the final norm",
+                Module::LmHead => "lm_head",
+                _ => "the other tensors",
+            },
+            Stack::Mtp => "the MTP layers",
+            Stack::Vision => "the vision tower",
+            Stack::Audio => "the audio tower",
+        })
     }
 
     /// The tensors of output layer `layer`: layer `i` of slice `s`.
@@ -169,7 +260,7 @@ impl<'a> SlicePlanner<'a> {
                 .rename(&t.entry.name, layer)
                 .unwrap_or_default()
                 .into();
-            let source_name = |start: usize| {
+            let source_name = |_, start: usize| {
                 lead_stack
                     .rename(&t.entry.name, start + i)
                     .unwrap_or_default()
@@ -177,5 +268,28 @@ impl<'a> SlicePlanner<'a> {
             tensors.push(self.plan(s, self.slices.placement(s, i), t, &source_name, out)?);
         }
         Ok(())
+    }
+}
+
+/// Whether a tensor outside the decoder's layers comes from the first slice's model (mergekit's
+/// "pre" weights: the embeddings, and the towers that feed them) or the last's (the final norm,
+/// lm_head, and the MTP layers that read the last layer's output).
+fn from_first(part: Part, name: &str) -> bool {
+    match part.stack {
+        Stack::Vision | Stack::Audio => true,
+        Stack::Mtp => false,
+        // Another numbered stack beside the decoder's (an encoder's) goes before it too.
+        Stack::Decoder => {
+            Module::of(name) == Module::Embed || crate::names::numbered(name).is_some()
+        }
+    }
+}
+
+/// "a, b and c".
+fn words(list: &[&str]) -> String {
+    match list {
+        [] => "nothing".to_string(),
+        [one] => one.to_string(),
+        [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
     }
 }

@@ -7,19 +7,22 @@ pub mod retention;
 use crate::backend::TileCounts;
 use crate::method::{defaults, AgentCounts, BoostRule, BoostScope};
 use crate::names::Module;
+use crate::structure::{Part, Structure};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-/// The group of tensors whose counts give a tensor's λ in `scope` (SPEC §3): in layer scope
-/// "layer N" for a tensor of layer N (`….layers.N.…`), else its module kind (embed, norm,
-/// lm_head, other); in module scope its module kind across the layers; `None` in global scope
-/// (one group: the model) and tensor scope (each tensor its own).
-pub fn boost_group(scope: BoostScope, name: &str) -> Option<String> {
+/// The group of tensors whose counts give a tensor's λ in `scope` (SPEC §3), from where the
+/// tensor is (`part`) and its module kind: in layer scope "layer N" for a tensor of decoder layer
+/// N, its stack for a tower's or the MTP layers' (`vision`, `mtp`), else its module kind (embed,
+/// norm, lm_head, other); in module scope its module kind across the decoder's layers, by stack
+/// elsewhere (`vision attn`); `None` in global scope (one group: the model) and tensor scope
+/// (each tensor its own).
+pub fn boost_group(scope: BoostScope, part: Part, module: Module) -> Option<String> {
     match scope {
         BoostScope::Global | BoostScope::Tensor => None,
-        BoostScope::Layer => Some(crate::names::layer_group(name)),
-        BoostScope::Module => Some(Module::of(name).name().to_string()),
+        BoostScope::Layer => Some(Structure::layer_group(part, module)),
+        BoostScope::Module => Some(Structure::module_group(part, module)),
     }
 }
 
@@ -29,6 +32,8 @@ pub struct TensorStats {
     /// Shared with the model's entry (a model may have 10^5 tensors).
     pub name: std::sync::Arc<str>,
     pub module: Module,
+    /// Its stack and layer there.
+    pub part: Part,
     pub numel: u64,
     /// Which agents have this tensor: bit t for agent t (at most 64 agents).
     pub present: u64,
@@ -36,16 +41,18 @@ pub struct TensorStats {
 }
 
 impl TensorStats {
-    /// The counts of tensor `name` of `numel` elements, which the agents in mask `present`
-    /// (bit t: agent t) have.
+    /// The counts of tensor `name` of `numel` elements, at `part` of its model, which the agents
+    /// in mask `present` (bit t: agent t) have.
     pub fn new(
         name: std::sync::Arc<str>,
+        part: Part,
         numel: u64,
         present: u64,
         counts: TileCounts,
     ) -> TensorStats {
         TensorStats {
             module: Module::of(&name),
+            part,
             name,
             numel,
             present,
@@ -137,6 +144,10 @@ pub fn compact(tensors: Vec<TensorStats>) -> Vec<TensorStats> {
             std::collections::btree_map::Entry::Vacant(v) => {
                 v.insert(TensorStats {
                     name: t.module.name().into(),
+                    part: Part {
+                        stack: t.part.stack,
+                        layer: None,
+                    },
                     ..t
                 });
             }
@@ -183,7 +194,7 @@ impl ProbeReport {
     fn boost_groups(&self, scope: BoostScope) -> Vec<(String, Group)> {
         let mut groups: BTreeMap<(Option<usize>, String), Vec<&TensorStats>> = BTreeMap::new();
         for t in &self.tensors {
-            let Some(g) = boost_group(scope, &t.name) else {
+            let Some(g) = boost_group(scope, t.part, t.module) else {
                 continue;
             };
             let layer = g.strip_prefix("layer ").and_then(|n| n.parse().ok());
@@ -498,6 +509,7 @@ mod tests {
         let stats = |name: &str, numel: u64, present: u64, hist: Vec<u64>| TensorStats {
             name: name.into(),
             module: Module::of(name),
+            part: crate::structure::Structure::default().part(name),
             numel,
             present,
             counts: TileCounts { agents: 2, hist },

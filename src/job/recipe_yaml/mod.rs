@@ -138,7 +138,7 @@ fn layer_count(dir: &Path) -> Result<usize> {
     };
     let json =
         crate::checkpoint::folder_files::read_config(dir).context("slices need the layer count")?;
-    crate::slices::layer_count(&json).with_context(|| {
+    crate::structure::layer_count(&json).with_context(|| {
         format!(
             "{}: no num_hidden_layers",
             dir.join("config.json").display()
