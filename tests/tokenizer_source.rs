@@ -585,3 +585,67 @@ fn union_merges_alike_on_the_gpu() {
         );
     }
 }
+
+/// Writes `tensors` as one safetensors file with the reference crate.
+fn write_tensors(file: &Path, tensors: &std::collections::BTreeMap<String, Read>) {
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(name, (dtype, shape, bytes))| {
+            let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes).unwrap();
+            (name.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, file).unwrap();
+}
+
+/// DeepSeek-V3's MTP layer, stored after the decoder's layers (`num_nextn_predict_layers`): its
+/// `shared_head.head` and `embed_tokens` are indexed by token and follow a union as the model's
+/// own head and embeddings do, in a whole merge and in slices, where the layer comes whole from
+/// the last slice's model, renumbered after the output's last layer (SPEC §3, stacks).
+#[test]
+fn mtp_layers_after_the_decoder_follow_the_vocabulary_and_the_slices() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = models(d.path());
+    for m in ["base", "tools-tok", "coder-tok"] {
+        let folder = dir.join(m);
+        let mut t = read_folder(&folder);
+        for (mtp, of) in [
+            ("shared_head.head", "lm_head"),
+            ("embed_tokens", "model.embed_tokens"),
+            ("enorm", "model.norm"),
+        ] {
+            let copy = t[&format!("{of}.weight")].clone();
+            t.insert(format!("model.layers.4.{mtp}.weight"), copy);
+        }
+        write_tensors(&folder.join("model.safetensors"), &t);
+        let path = folder.join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        config["num_nextn_predict_layers"] = 1.into();
+        std::fs::write(&path, config.to_string()).unwrap();
+    }
+    let recipe = "merge_method: task_arithmetic\nbase_model: base\nmodels:\n  - model: tools-tok\n    parameters: {weight: 0.5}\n  - model: coder-tok\n    parameters: {weight: 0.25}\ntokenizer_source: union\n";
+    ok(&run_recipe(&dir, recipe, "union"), "union");
+    let out = read_folder(&dir.join("union"));
+    let mtp = |out: &std::collections::BTreeMap<String, Read>, layer: usize, what: &str| {
+        out[&format!("model.layers.{layer}.{what}.weight")].clone()
+    };
+    assert_eq!(mtp(&out, 4, "shared_head.head"), out["lm_head.weight"]);
+    assert_eq!(
+        mtp(&out, 4, "embed_tokens"),
+        out["model.embed_tokens.weight"]
+    );
+    let recipe = "merge_method: passthrough\nslices:\n  - sources:\n    - model: tools-tok\n      layer_range: [0, 2]\n  - sources:\n    - model: coder-tok\n      layer_range: [1, 4]\ntokenizer_source: union\n";
+    ok(&run_recipe(&dir, recipe, "sliced"), "sliced");
+    let out = read_folder(&dir.join("sliced"));
+    // Five decoder layers, then the MTP layer as layer 5, from coder-tok as its lm_head is.
+    assert!(out.contains_key("model.layers.4.mlp.up_proj.weight"));
+    assert!(!out.contains_key("model.layers.4.enorm.weight"));
+    assert_eq!(mtp(&out, 5, "shared_head.head"), out["lm_head.weight"]);
+    assert_eq!(mtp(&out, 5, "enorm"), out["model.norm.weight"]);
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("sliced/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["num_hidden_layers"], 5);
+    assert_eq!(config["num_nextn_predict_layers"], 1);
+}
