@@ -582,3 +582,78 @@ fn tiles_with_tiny_values_go_to_the_cpu_where_the_adapter_flushes_subnormals() {
         );
     }
 }
+
+/// The GPU keeps several chunks of a tile in flight — uploaded, computing and reading back at
+/// once — on each worker's own buffers, and its counters say so: on lavapipe, a tile of 16
+/// chunks reaches three chunks in flight; merged by two threads at once, it moves the bytes the
+/// chunks hold up and the merged bytes down; every merge gives the CPU backend's bytes.
+#[test]
+fn gpu_keeps_chunks_in_flight_and_counts_the_bytes_it_moves() {
+    use rlmerge::backend::gpu::{AdapterChoice, GpuBackend, GpuContext};
+    use rlmerge::backend::{cpu::CpuBackend, Backend, MergeParams, Tile};
+    use rlmerge::checkpoint::DType;
+    if !gpu_available("this GPU parity test") {
+        return;
+    }
+    let gpu = GpuBackend::new(GpuContext::open(AdapterChoice::Any).unwrap().unwrap())
+        .with_chunk_elems(256);
+    let cpu = CpuBackend::new(0).unwrap();
+    let bytes = |v: Vec<f32>| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let len = 16 * 256;
+    let base = bytes((0..len).map(|i| (i % 97) as f32 * 0.01).collect());
+    let agents: Vec<Vec<u8>> = (0..2)
+        .map(|t| {
+            let b = (0..len)
+                .map(|i| (i % 97) as f32 * 0.01 + if (i + t) % 5 == 0 { 0.25 } else { 0.0 });
+            bytes(b.collect())
+        })
+        .collect();
+    let slices: Vec<&[u8]> = agents.iter().map(|a| a.as_slice()).collect();
+    let tile = Tile {
+        dtype: DType::F32,
+        len,
+        base: &base,
+        agents: &slices,
+    };
+    let lambdas = [1.0f32, 1.0];
+    let params = MergeParams {
+        epsilon: 1e-5,
+        lambdas: &lambdas,
+        out_dtype: DType::F32,
+        shared: SharedRule::Mean,
+    };
+    let mut want = vec![0u8; len * 4];
+    cpu.merge(&tile, &params, &mut want).unwrap();
+    // One worker alone keeps three chunks in flight.
+    let mut got = vec![0u8; len * 4];
+    gpu.merge(&tile, &params, &mut got).unwrap();
+    assert!(got == want, "the GPU's bytes differ from the CPU's");
+    assert!(
+        gpu.phase_times().max_in_flight >= 3,
+        "{:?}",
+        gpu.phase_times()
+    );
+    let before = gpu.phase_times();
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| {
+                let mut got = vec![0u8; len * 4];
+                gpu.merge(&tile, &params, &mut got).unwrap();
+                assert!(got == want, "the GPU's bytes differ from the CPU's");
+            });
+        }
+    });
+    let t = gpu.phase_times();
+    assert_eq!(t.chunks - before.chunks, 32);
+    // Up: the base and two agents, 4 bytes an element, twice; down: the merged tile, twice.
+    assert_eq!(
+        t.bytes_up - before.bytes_up,
+        2 * 3 * len as u64 * 4,
+        "{t:?}"
+    );
+    assert_eq!(
+        t.bytes_down - before.bytes_down,
+        2 * len as u64 * 4,
+        "{t:?}"
+    );
+}

@@ -94,6 +94,13 @@ pub trait Backend: Send + Sync {
     /// What runs the work, for the user ("cpu (2 threads)", "gpu: llvmpipe (Vulkan)").
     fn describe(&self) -> String;
 
+    /// Where a device backend's time and bytes went since it was made (bytes up and down, time
+    /// uploading, waiting for the device, reading back, most chunks in flight), in one line;
+    /// `None` for the CPU backend, which moves nothing.
+    fn traffic(&self) -> Option<String> {
+        None
+    }
+
     /// Elements per engine tile this backend runs best with (results never depend on it).
     fn preferred_tile_elems(&self) -> usize;
 

@@ -426,6 +426,9 @@ pub fn merge_job(
     })?;
     // Warnings found while merging (identical inputs), after those given before it.
     warn_all(&summary.record.warnings[inputs.warnings.len() + options.warnings.len()..]);
+    if let Some(traffic) = backend.traffic().filter(|_| !compute.quiet) {
+        eprintln!("GPU: {traffic}");
+    }
     note_all(&summary.notes);
     writeln!(
         out,

@@ -1,5 +1,7 @@
-//! Chunk buffers: two slots that alternate so the upload and dispatch of one chunk overlap the
-//! readback of the other, and the loop that runs a tile through them chunk by chunk.
+//! Chunk buffers: each worker takes a set of [`DEPTH`] slots from the backend's pool for a tile,
+//! so the upload of one chunk, the dispatch of another and the readback of a third overlap — and
+//! the workers' sets run side by side, no lock held across a tile — and the loop that runs a tile
+//! through them chunk by chunk, draining only at the tile's end.
 
 use super::kernels::{Kernel, KernelResult};
 use super::layout::{
@@ -10,6 +12,7 @@ use super::{GpuBackend, GPU_MAX_AGENTS, GPU_MAX_TABLE_AGENTS};
 use crate::backend::{ranges, Tile};
 use crate::checkpoint::DType;
 use anyhow::{anyhow, ensure, Context, Result};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 /// How long a map of buffers may take after its submission has finished before it is an error:
@@ -17,7 +20,10 @@ use std::time::Instant;
 const MAP_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 /// How long one wait for a callback another thread runs lasts between polls.
 const MAP_RETRY: std::time::Duration = std::time::Duration::from_millis(10);
-/// One set of chunk buffers; two alternate.
+/// Chunks one worker keeps in flight: a slot each, taken in turn.
+pub(super) const DEPTH: usize = 3;
+
+/// One slot of chunk buffers; [`DEPTH`] of them take turns.
 pub(super) struct Slot {
     pub(super) params: wgpu::Buffer,
     pub(super) base: wgpu::Buffer,
@@ -39,13 +45,13 @@ pub(super) struct Slot {
     pub(super) update_group: wgpu::BindGroup,
 }
 
-/// Buffers sized for `chunk_elems` elements of up to `agents` agents.
+/// One worker's buffers, sized for `chunk_elems` elements of up to `agents` agents.
 pub(super) struct Buffers {
     pub(super) agents: usize,
     pub(super) chunk_elems: usize,
-    pub(super) slots: [Slot; 2],
+    pub(super) slots: Vec<Slot>,
     /// Each slot's last submission: a mapped upload waits for it alone.
-    pub(super) last: [Option<wgpu::SubmissionIndex>; 2],
+    pub(super) last: Vec<Option<wgpu::SubmissionIndex>>,
 }
 
 impl GpuBackend {
@@ -65,28 +71,37 @@ impl GpuBackend {
         (by_limit.min(self.chunk_elems_cap) & !1).max(2)
     }
 
-    pub(super) fn ensure_buffers(&self, guard: &mut Option<Buffers>, n: usize) -> Result<()> {
+    /// A set of buffers for chunks of `n` agents from the pool, made when none there fits (sets
+    /// too small for `n` are dropped then); [`Self::give_back_buffers`] returns it.
+    pub(super) fn take_buffers(&self, n: usize) -> Result<Buffers> {
         let chunk = self.chunk_elems(n);
-        if let Some(b) = guard.as_ref() {
-            if b.agents >= n && b.chunk_elems >= chunk {
-                return Ok(());
+        let fits = |b: &Buffers| b.agents >= n && b.chunk_elems >= chunk;
+        {
+            let mut pool = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(i) = pool.iter().position(fits) {
+                return Ok(pool.swap_remove(i));
             }
+            pool.clear();
         }
-        *guard = None;
-        let slots = [self.make_slot(n, chunk), self.make_slot(n, chunk)];
+        let slots = (0..DEPTH).map(|_| self.make_slot(n, chunk)).collect();
         self.ctx.check().with_context(|| {
             format!("cannot allocate GPU buffers for {chunk} elements × {n} agents")
         })?;
-        *guard = Some(Buffers {
+        Ok(Buffers {
             agents: n,
             chunk_elems: chunk,
             slots,
-            last: [None, None],
-        });
-        Ok(())
+            last: vec![None; DEPTH],
+        })
     }
 
-    /// One of the two chunk slots: every buffer a kernel binds, for chunks of `chunk` elements of
+    /// Returns a set [`Self::take_buffers`] gave, its chunks all read back.
+    pub(super) fn give_back_buffers(&self, buffers: Buffers) {
+        let mut pool = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
+        pool.push(buffers);
+    }
+
+    /// One chunk slot: every buffer a kernel binds, for chunks of `chunk` elements of
     /// `n` agents, and each kernel's bind group.
     fn make_slot(&self, n: usize, chunk: usize) -> Slot {
         let d = &self.ctx.device;
@@ -197,6 +212,7 @@ impl GpuBackend {
         let bytes = len * size;
         // Pad to whole words (a 16-bit chunk of odd length shares its last word with padding).
         let padded = (stride_words * 4) as u64;
+        self.add_time(|t| t.bytes_up += padded * (1 + tile.agents.len() as u64));
         if self.ctx.mapped {
             let n = tile.agents.len() as u64;
             let (base, agents) = (
@@ -372,6 +388,7 @@ impl GpuBackend {
             })
             .collect();
         take(&bytes);
+        let down: u64 = parts.iter().map(|(_, _, n)| n).sum();
         drop(bytes);
         drop(views);
         for (b, _, _) in &maps {
@@ -380,11 +397,12 @@ impl GpuBackend {
         self.add_time(|t| {
             t.wait += copied - waited;
             t.readback += copied.elapsed();
+            t.bytes_down += down;
         });
         Ok(())
     }
 
-    /// Runs `kernel` over the tile chunk by chunk, two chunks in flight; `finish(chunk_start,
+    /// Runs `kernel` over the tile chunk by chunk, [`DEPTH`] chunks in flight; `finish(chunk_start,
     /// chunk_len, results)` receives each chunk's readback, one slice per [`Kernel::results`].
     /// `(eps, shared)` go into the uniforms (`Params::eps`, `Params::shared_rule`).
     pub(super) fn run_chunks(
@@ -407,11 +425,40 @@ impl GpuBackend {
         );
         // Buffers for at least one agent: an update's tiles (none) reuse any merge's buffers.
         let sized = n.max(1);
-        let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
-        self.ensure_buffers(&mut guard, sized)?;
-        let buffers = guard.as_mut().expect("buffers were just ensured");
+        let mut buffers = self.take_buffers(sized)?;
         let mut last = std::mem::take(&mut buffers.last);
-        let buffers = &*buffers;
+        let result = self.run_chunks_on(
+            &buffers,
+            &mut last,
+            tile,
+            out_dt,
+            (eps, shared),
+            prepare,
+            kernel,
+            &mut finish,
+        );
+        // A set whose chunks failed may hold a submission never read back: it is dropped.
+        if result.is_ok() {
+            buffers.last = last;
+            self.give_back_buffers(buffers);
+        }
+        result
+    }
+
+    /// [`Self::run_chunks`] on one worker's `buffers`, whose slots' last submissions are `last`.
+    #[allow(clippy::too_many_arguments)]
+    fn run_chunks_on(
+        &self,
+        buffers: &Buffers,
+        last: &mut [Option<wgpu::SubmissionIndex>],
+        tile: &Tile,
+        out_dt: DType,
+        (eps, shared): (f32, u32),
+        prepare: impl Fn(&Slot, usize, usize) -> Result<()>,
+        kernel: Kernel,
+        finish: &mut impl FnMut(usize, usize, &[&[u8]]),
+    ) -> Result<()> {
+        let (n, sized) = (tile.agents.len(), tile.agents.len().max(1));
         let mapped = self.ctx.mapped;
         let parts = |slot, len| result_parts(slot, kernel, n, len * out_dt.size());
         let read_from = |slot, len| read_parts(slot, &parts(slot, len), mapped);
@@ -420,59 +467,71 @@ impl GpuBackend {
             |(slot, start, len, index): (usize, usize, usize, wgpu::SubmissionIndex)| {
                 let what = format!("{} of chunk at element {start}", kernel.name());
                 let read = read_from(&buffers.slots[slot], len);
-                self.read_back(&read, index, &what, |b| finish(start, len, b))
+                let done = self.read_back(&read, index, &what, |b| finish(start, len, b));
+                self.in_flight.fetch_sub(1, Ordering::Relaxed);
+                done
             };
-        // (slot, start, len, submission) submitted but not yet read back
-        let mut pending = None;
-        for (i, (start, len)) in ranges(tile.len, self.chunk_elems(sized)).enumerate() {
-            let slot = &buffers.slots[i % 2];
-            prepare(slot, start, len)?;
-            let params = chunk_params(tile, len, out_dt, (eps, shared));
-            let uploaded = Instant::now();
-            self.upload(slot, tile, start, &params, last[i % 2].take())
-                .with_context(|| format!("chunk at element {start}"))?;
-            let submitted = Instant::now();
-            let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
-            if kernel.results().contains(&KernelResult::Hist) {
-                encoder.clear_buffer(&slot.hist, 0, None);
-            }
-            for (pipeline, group) in match kernel {
-                Kernel::Probe => vec![(&self.ctx.probe_pipeline, &slot.probe_group)],
-                Kernel::Merge => vec![(&self.ctx.merge_pipeline, &slot.merge_group)],
-                // The probe reads the chunk the merge read, from the same buffers.
-                Kernel::MergeCounted => vec![
-                    (&self.ctx.merge_pipeline, &slot.merge_group),
-                    (&self.ctx.probe_pipeline, &slot.probe_group),
-                ],
-                Kernel::Combine => vec![(&self.ctx.combine_pipeline, &slot.combine_group)],
-                Kernel::Update => vec![(&self.ctx.update_pipeline, &slot.update_group)],
-            } {
-                self.dispatch(&mut encoder, pipeline, group, &params);
-            }
-            if !mapped {
-                for ((result, bytes), (read, offset, _)) in
-                    parts(slot, len).into_iter().zip(read_from(slot, len))
-                {
-                    encoder.copy_buffer_to_buffer(result, 0, read, offset, bytes);
+        // (slot, start, len, submission) submitted but not yet read back, oldest first
+        let mut pending = std::collections::VecDeque::with_capacity(DEPTH);
+        let depth = buffers.slots.len();
+        let mut run = || -> Result<()> {
+            for (i, (start, len)) in ranges(tile.len, self.chunk_elems(sized)).enumerate() {
+                let slot = &buffers.slots[i % depth];
+                prepare(slot, start, len)?;
+                let params = chunk_params(tile, len, out_dt, (eps, shared));
+                let uploaded = Instant::now();
+                self.upload(slot, tile, start, &params, last[i % depth].take())
+                    .with_context(|| format!("chunk at element {start}"))?;
+                let submitted = Instant::now();
+                let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
+                if kernel.results().contains(&KernelResult::Hist) {
+                    encoder.clear_buffer(&slot.hist, 0, None);
+                }
+                for (pipeline, group) in match kernel {
+                    Kernel::Probe => vec![(&self.ctx.probe_pipeline, &slot.probe_group)],
+                    Kernel::Merge => vec![(&self.ctx.merge_pipeline, &slot.merge_group)],
+                    // The probe reads the chunk the merge read, from the same buffers.
+                    Kernel::MergeCounted => vec![
+                        (&self.ctx.merge_pipeline, &slot.merge_group),
+                        (&self.ctx.probe_pipeline, &slot.probe_group),
+                    ],
+                    Kernel::Combine => vec![(&self.ctx.combine_pipeline, &slot.combine_group)],
+                    Kernel::Update => vec![(&self.ctx.update_pipeline, &slot.update_group)],
+                } {
+                    self.dispatch(&mut encoder, pipeline, group, &params);
+                }
+                if !mapped {
+                    for ((result, bytes), (read, offset, _)) in
+                        parts(slot, len).into_iter().zip(read_from(slot, len))
+                    {
+                        encoder.copy_buffer_to_buffer(result, 0, read, offset, bytes);
+                    }
+                }
+                let index = self.ctx.queue.submit(Some(encoder.finish()));
+                last[i % depth] = Some(index.clone());
+                let in_flight = self.in_flight.fetch_add(1, Ordering::Relaxed) as u64 + 1;
+                self.add_time(|t| {
+                    t.chunks += 1;
+                    t.upload += submitted - uploaded;
+                    t.submit += submitted.elapsed();
+                    t.max_in_flight = t.max_in_flight.max(in_flight);
+                });
+                pending.push_back((i % depth, start, len, index));
+                // The oldest chunk reads back while the newer ones run; its slot is the next one's.
+                if pending.len() == depth {
+                    let oldest = pending.pop_front().expect("a full queue");
+                    drain(oldest)?;
                 }
             }
-            let index = self.ctx.queue.submit(Some(encoder.finish()));
-            last[i % 2] = Some(index.clone());
-            self.add_time(|t| {
-                t.chunks += 1;
-                t.upload += submitted - uploaded;
-                t.submit += submitted.elapsed();
-            });
-            // The other slot's chunk reads back while this one runs.
-            if let Some(previous) = pending.replace((i % 2, start, len, index)) {
-                drain(previous)?;
+            while let Some(chunk) = pending.pop_front() {
+                drain(chunk)?;
             }
-        }
-        if let Some(last) = pending {
-            drain(last)?;
-        }
-        guard.as_mut().expect("buffers were just ensured").last = last;
-        Ok(())
+            Ok(())
+        };
+        let result = run();
+        // Chunks a failure left unread are in flight no more.
+        self.in_flight.fetch_sub(pending.len(), Ordering::Relaxed);
+        result
     }
 }
 

@@ -76,14 +76,22 @@ pub struct PhaseTimes {
     pub readback: Duration,
     /// Tiles computed by the CPU kernels: tiny values on an adapter that flushes subnormals.
     pub cpu_tiles: u64,
+    /// Bytes written to the device: the chunks' inputs.
+    pub bytes_up: u64,
+    /// Bytes read from the device: the chunks' results.
+    pub bytes_down: u64,
+    /// Most chunks submitted and not yet read back at one time, over every worker.
+    pub max_in_flight: u64,
 }
 
-/// The GPU backend: a [`GpuContext`] with two reusable sets of chunk buffers.
+/// The GPU backend: a [`GpuContext`] with a pool of chunk buffers, a set per worker at work.
 pub struct GpuBackend {
     ctx: GpuContext,
     chunk_elems_cap: usize,
-    buffers: Mutex<Option<Buffers>>,
+    buffers: Mutex<Vec<Buffers>>,
     times: Mutex<PhaseTimes>,
+    /// Chunks submitted and not yet read back, over every worker.
+    in_flight: std::sync::atomic::AtomicUsize,
     /// The adapter flushes subnormal floats (`subnormals`): tiles with tiny values go to `cpu`.
     flushes_subnormals: bool,
     /// The CPU kernels, started on the first tile that needs them.
@@ -99,8 +107,9 @@ impl GpuBackend {
         let mut gpu = GpuBackend {
             ctx,
             chunk_elems_cap: DEFAULT_CHUNK_ELEMS,
-            buffers: Mutex::new(None),
+            buffers: Mutex::new(Vec::new()),
             times: Mutex::new(PhaseTimes::default()),
+            in_flight: Default::default(),
             flushes_subnormals: false,
             cpu: OnceLock::new(),
             kept_b: Mutex::new(None),
@@ -153,6 +162,22 @@ impl GpuBackend {
 }
 
 impl Backend for GpuBackend {
+    fn traffic(&self) -> Option<String> {
+        let t = self.phase_times();
+        let mb = |b: u64| b as f64 / 1e6;
+        Some(format!(
+            "{} chunks, {:.1} MB up and {:.1} MB down; {:.2} s uploading, {:.2} s waiting for the \
+             device, {:.2} s reading back; up to {} chunks in flight",
+            t.chunks,
+            mb(t.bytes_up),
+            mb(t.bytes_down),
+            t.upload.as_secs_f64(),
+            t.wait.as_secs_f64(),
+            t.readback.as_secs_f64(),
+            t.max_in_flight
+        ))
+    }
+
     fn describe(&self) -> String {
         let d = self.ctx.describe();
         match self.flushes_subnormals {
