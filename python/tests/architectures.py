@@ -3,7 +3,8 @@ suite (test_architectures.py): a config per model type, small enough that buildi
 loading all of them takes seconds, with every structural feature the real models have (experts,
 dense-then-MoE layers, hybrid attention, vision towers, MTP layers)."""
 
-# Sizes shared by every text config: 4 decoder layers so that slices can reorder them.
+# Sizes shared by every text config: 4 decoder layers so that slices can reorder them, and vision
+# towers deeper than the decoder so that counting their blocks as layers shows.
 LAYERS = 4
 TEXT = dict(
     vocab_size=96,
@@ -17,7 +18,7 @@ TEXT = dict(
     tie_word_embeddings=False,
 )
 MOE = dict(moe_intermediate_size=16, num_experts_per_tok=2)
-VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=32,
+VISION = dict(depth=LAYERS + 2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=32,
               patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
 
 
@@ -69,7 +70,7 @@ def configs():
                                   layer_types=["linear_attention", "full_attention"] * 2,
                                   mtp_num_hidden_layers=1, **MOE),
         "gemma3": dict(text_config=_text(sliding_window=64), vision_config=dict(
-            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS + 2, num_attention_heads=4,
             image_size=28, patch_size=14), mm_tokens_per_image=4, image_token_index=90,
             boi_token_index=91, eoi_token_index=92),
         "qwen2_5_vl": dict(text_config=_text(rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=10000.0)),

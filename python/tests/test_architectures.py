@@ -7,6 +7,7 @@ be there."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -34,6 +35,7 @@ MTP_OWN_STACK = {"qwen3_5_text", "qwen3_5_moe_text"}
 METHODS = [
     ["--method", "ram"],
     ["--method", "ram+", "--scope", "layer"],
+    ["--method", "ram+", "--scope", "module"],
     ["--method", "task_arithmetic", "--param", "weight=0.5"],
     ["--method", "ties", "--param", "weight=0.5", "--param", "density=0.5"],
     ["--method", "dare_ties", "--param", "weight=0.5", "--param", "density=0.5", "--seed", "1"],
@@ -138,6 +140,24 @@ def tensors(folder):
     return out
 
 
+# A tower's tensors, as transformers saves them (`visual.…`, `vision_tower.…`, with or without
+# `model.`), and the final norm or output head outside the decoder's layers.
+TOWER_WORDS = ("visual.", "vision_tower.", "multi_modal_projector.")
+FINAL = re.compile(r"(^|\.)(lm_head|norm|embedding_norm|final_layernorm)\.weight$")
+
+
+def is_tower(name):
+    return any(w in name for w in TOWER_WORDS)
+
+
+def decoder_prefix(names):
+    """The decoder's layer prefix in saved names (`model.layers.`, `language_model.model.layers.`)."""
+    prefixes = {m.group(1) for m in map(re.compile(r"^(.*\.layers\.)\d+\.").match, names) if m}
+    decoder = [p for p in prefixes if not is_tower(p) and not p.startswith("mtp.")]
+    assert len(decoder) == 1, f"decoder prefixes: {prefixes}"
+    return decoder[0]
+
+
 def text_config(config):
     return getattr(config, "text_config", config)
 
@@ -165,7 +185,17 @@ def test_every_method_family_keeps_every_tensor_and_loads(arch, built, tmp_path)
                 total = sum(t * c for t, c in zip(taus, changed))
                 expect = b + torch.where(count > 0, total / count.clamp(min=1), torch.zeros_like(b))
                 assert torch.allclose(got[k], expect, atol=1e-6), f"{arch}: ram differs at {k}"
-        if method[1] == "ram+":
+        if method[1:] == ["ram+", "--scope", "module"]:
+            groups = {g for g, _ in json.loads((out / "rlmerge_record.json").read_text())["group_lambdas"]}
+            kinds = {"embed", "attn", "mlp", "norm", "lm_head", "other"}
+            stacks = {f"{stack} {kind}" for stack in ("vision", "mtp") for kind in kinds}
+            assert groups <= kinds | stacks, f"{arch}: module groups {groups}"
+            if arch in ("mixtral", "qwen3_moe"):
+                # Routers are part of the MoE block's MLP.
+                assert "other" not in groups, f"{arch}: module groups {groups}"
+            if "vision_config" in configs()[arch]:
+                assert "vision attn" in groups and "attn" in groups, f"{arch}: {groups}"
+        elif method[1] == "ram+":
             record = json.loads((out / "rlmerge_record.json").read_text())
             groups = [g for g, _ in record["group_lambdas"]]
             layers = [int(g.split()[1]) for g in groups if g.startswith("layer ")]
@@ -210,13 +240,16 @@ models:
 dtype: float32
 """), "-o", out, "--device", "cpu", "-q")
     got, b, a = tensors(out), tensors_of(base), tensors_of(agents[0])
-    prefix = "model.language_model.layers." if any(k.startswith("model.language_model.layers.") for k in b) else "model.layers."
+    prefix = decoder_prefix(b)
+    checked = 0
     for k in b:
         if not k.startswith(prefix):
             continue
+        checked += 1
         layer = int(k[len(prefix):].split(".")[0])
         weight = layer / (LAYERS - 1) if layer < LAYERS else 0.0
         assert torch.allclose(got[k], b[k] + weight * (a[k] - b[k]), atol=1e-6), f"{arch}: {k} is not weighted {weight}"
+    assert checked > LAYERS, f"{arch}: no decoder layer under {prefix}"
     load(out, arch)
 
 
@@ -251,12 +284,15 @@ dtype: float32
     assert text_config(config).num_hidden_layers == 2 + LAYERS - 1
     layer_lists_consistent(config, arch)
     got, first, last = tensors(out), tensors_of(agents[0]), tensors_of(agents[1])
+    owned = {"first": 0, "last": 0}
     for k, v in got.items():
-        if k.startswith(("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")) or "embed_tokens" in k and "layers" not in k:
+        if is_tower(k) or "embed_tokens" in k and ".layers." not in k:
             assert torch.equal(v, first[k]), f"{arch}: {k} is not the first slice's model's"
-        elif k.startswith("mtp.") or k in ("lm_head.weight", "model.norm.weight", "model.embedding_norm.weight",
-                                           "model.final_layernorm.weight", "model.language_model.norm.weight"):
+            owned["first"] += 1
+        elif k.startswith("mtp.") or FINAL.search(k) and ".layers." not in k:
             assert torch.equal(v, last[k]), f"{arch}: {k} is not the last slice's model's"
+            owned["last"] += 1
+    assert owned["first"] and owned["last"], f"{arch}: {owned}"
     if arch in MTP_AFTER_DECODER:
         for k in (k for k in last if k.startswith(f"model.layers.{LAYERS}.")):
             moved = k.replace(f"model.layers.{LAYERS}.", f"model.layers.{2 + LAYERS - 1}.", 1)
