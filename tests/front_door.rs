@@ -581,3 +581,63 @@ fn config_differences_that_change_meaning_need_a_choice() {
         err_of(&o)
     );
 }
+
+/// Agent names and `--config-from` are checked once, whichever front end gave them: a name
+/// that is empty or holds a control character, more names than agents, and a `--config-from`
+/// that is a file or a FIFO rather than the base or an agent are usage errors (exit 2) that
+/// name the mistake, never block, and write nothing.
+#[test]
+fn hostile_names_and_config_choices_are_refused() {
+    let f = matrices();
+    let out = f.dir.path().join("out");
+    let refused = |args: &[&str], want: &str| {
+        let o = merge_cmd(&f, &out, args).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", err_of(&o));
+        assert!(err_of(&o).contains(want), "{args:?}: {}", err_of(&o));
+        assert!(!out.exists(), "{args:?} wrote {}", out.display());
+    };
+    refused(&["--name", "cod\u{1b}[31mer"], "control character");
+    refused(&["--name", " "], "is empty");
+    refused(
+        &["--name", "a", "--name", "b", "--name", "c", "--name", "d"],
+        "4 agent names for 3 agents",
+    );
+    // A recipe's `name:` passes the same check.
+    let recipe = f.dir.path().join("named.yml");
+    std::fs::write(
+        &recipe,
+        format!(
+            "merge_method: ram\nbase_model: {}\nmodels:\n  - model: {}\n    name: \"tab\\there\"\n",
+            f.base.display(),
+            f.agents[0].display()
+        ),
+    )
+    .unwrap();
+    let o = rlmerge()
+        .arg("run")
+        .arg(&recipe)
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+    assert!(err_of(&o).contains("control character"), "{}", err_of(&o));
+    // A config.json file, and a FIFO nobody writes to: neither is read.
+    let file = f.base.join("config.json");
+    std::fs::write(&file, "{}").unwrap();
+    refused(
+        &["--config-from", &file.display().to_string()],
+        "neither base nor one of the agents",
+    );
+    #[cfg(unix)]
+    {
+        let fifo = f.dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        if made.is_ok_and(|s| s.success()) {
+            refused(
+                &["--config-from", &fifo.display().to_string()],
+                "neither base nor one of the agents",
+            );
+        }
+    }
+}

@@ -55,19 +55,7 @@ def _where(name: Any, what: str = "model") -> str:
     if _HUB_ID.fullmatch(text) or "+" in text:
         return text
     raise UsageError(f"{what} {text!r}: neither a folder nor a Hub id (org/name): no such folder "
-                     f"here ({os.getcwd()}){_sibling(text)}")
-
-
-def _sibling(path: str) -> str:
-    """`` (did you mean 'DIR/NAME'?)`` for a folder beside ``path`` with a similar name."""
-    import difflib
-    parent, name = os.path.split(path.rstrip("/"))
-    try:
-        folders = [e.name for e in os.scandir(parent or ".") if e.is_dir() and not e.name.startswith(".")]
-    except OSError:
-        return ""
-    close = difflib.get_close_matches(name, folders, n=1, cutoff=0.6)
-    return f" (did you mean {os.path.join(parent, close[0])!r}?)" if close else ""
+                     f"here ({os.getcwd()}){_native.sibling_hint(text.rstrip('/'))}")
 
 
 def _check_common(device: Any, threads: Any) -> None:

@@ -455,6 +455,13 @@ fn call(
     })
 }
 
+/// `" (did you mean 'DIR/NAME'?)"` for a folder beside `path` with a similar name (the command's
+/// own suggestion, `rlmerge::error::sibling_hint`), or `""`.
+#[pyfunction]
+fn sibling_hint(path: PathBuf) -> String {
+    rlmerge::error::sibling_hint(&path)
+}
+
 #[pymodule]
 fn _rlmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -484,6 +491,7 @@ fn _rlmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(analyze, m)?)?;
     m.add_function(wrap_pyfunction!(methods, m)?)?;
     m.add_function(wrap_pyfunction!(call, m)?)?;
+    m.add_function(wrap_pyfunction!(sibling_hint, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
