@@ -2,10 +2,12 @@
 """The GPU backend next to the CPU backend on one machine, end to end.
 
 Writes a synthetic base + 3 RL-like agents (`rlmerge demo --model-size SIZE --write-only`), then
-times each method with `--device cpu` and `--device gpu`, runs alternating, next to the read limit
-(`cat` of every input + `cp -r` of the base). Prints a Markdown table: median wall time, input
-GB/s, ratio to the read limit, peak RSS. Standard library only, so it runs on a bare GPU host
-with a prebuilt binary and no toolchain:
+times each method with `--device cpu`, `--device gpu` and `--device auto`, runs alternating, next
+to the read limit (`cat` of every input + `cp -r` of the base) and the adapter's host→device copy
+rate (`rlmerge devices --copy-rate`). Prints a Markdown table: median wall time, input GB/s, ratio
+to the read limit, share of the copy rate, peak RSS — then the GPU backend's own account of its
+last run per method (bytes up and down, time per phase, most chunks in flight). Standard library
+only, so it runs on a bare GPU host with a prebuilt binary and no toolchain:
 
     benches/gpu_vs_cpu.py [--bin target/release/rlmerge] [--size 2GiB] [--runs 3] [--dir DIR]
 
@@ -33,7 +35,8 @@ AGENTS = ["coding-agent", "tool-agent", "memory-agent"]
 
 
 def timed(argv, out):
-    """Wall seconds and peak RSS (MiB) of one command; its output folder is removed first."""
+    """Wall seconds, peak RSS (MiB) and stderr of one command; its output folder is removed
+    first."""
     shutil.rmtree(out, ignore_errors=True)
     os.sync()
     start = time.perf_counter()
@@ -43,7 +46,7 @@ def timed(argv, out):
     err = proc.stderr.read().decode(errors="replace")
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"{' '.join(argv)} failed:\n{err}")
-    return seconds, usage.ru_maxrss / 1024
+    return seconds, usage.ru_maxrss / 1024, err
 
 
 def main():
@@ -57,7 +60,7 @@ def main():
     marker = os.path.join(args.dir, f".size-{args.size}")
     if not os.path.exists(marker):
         shutil.rmtree(args.dir, ignore_errors=True)
-        t, _ = timed([args.bin, "demo", args.dir, "--model-size", args.size, "--write-only",
+        t, _, _ = timed([args.bin, "demo", args.dir, "--model-size", args.size, "--write-only",
                       "--quiet"], os.path.join(args.dir, ".none"))
         open(marker, "w").close()
         print(f"wrote the models in {t:.1f} s")
@@ -69,6 +72,12 @@ def main():
 
     subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)  # warm the cache
     cat = statistics.median(timed(["cat", *files], out)[0] for _ in range(args.runs))
+    rates = subprocess.run([args.bin, "devices", "--copy-rate"], capture_output=True, text=True,
+                           check=True).stdout
+    line = next((l for l in rates.splitlines() if l.startswith("copy rate on ")), None)
+    # GB/s host to device: the most an elementwise merge on the GPU can reach end to end.
+    copy_up = float(line.split(": ")[1].split(" ")[0]) if line else None
+    print(line or "no GPU adapter: no copy rate")
     cp = statistics.median(
         timed(["cp", "-r", os.path.join(args.dir, "base"), out], out)[0] for _ in range(args.runs)
     )
@@ -79,22 +88,31 @@ def main():
     models = ["--base", os.path.join(args.dir, "base")]
     for a in AGENTS:
         models += ["--model", os.path.join(args.dir, a)]
-    print("| method | device | median s | input GB/s | × read limit | peak RSS |")
-    print("|---|---|---|---|---|---|")
+    print("| method | device | median s | input GB/s | × read limit | % of copy rate | peak RSS |")
+    print("|---|---|---|---|---|---|---|")
+    traffic = {}
     for method in METHODS:
-        samples = {"cpu": [], "gpu": []}
-        rss = {"cpu": 0.0, "gpu": 0.0}
+        samples = {"cpu": [], "gpu": [], "auto": []}
+        rss = {d: 0.0 for d in samples}
         for _ in range(args.runs):
-            for device in samples:  # alternating, so drift hits both alike
-                argv = [args.bin, "merge", "-q", "--device", device, *models, "--method", *method,
-                        "-o", out]
-                t, r = timed(argv, out)
+            for device in samples:  # alternating, so drift hits all alike
+                # Not --quiet on the GPU: its last stderr line says where the time went.
+                quiet = [] if device == "gpu" else ["-q"]
+                argv = [args.bin, "merge", *quiet, "--device", device, *models, "--method",
+                        *method, "-o", out]
+                t, r, err = timed(argv, out)
                 samples[device].append(t)
                 rss[device] = max(rss[device], r)
+                traffic.update({method[0]: l for l in err.splitlines() if l.startswith("GPU: ")})
         for device, ts in samples.items():
             t = statistics.median(ts)
-            print(f"| {method[0]} | {device} | {t:.2f} | {nbytes / t / 1e9:.2f} | {t / limit:.2f} "
+            rate = nbytes / t / 1e9
+            share = f"{100 * rate / copy_up:.0f} %" if copy_up else "—"
+            print(f"| {method[0]} | {device} | {t:.2f} | {rate:.2f} | {t / limit:.2f} | {share} "
                   f"| {rss[device]:.0f} MiB |", flush=True)
+    print()
+    for method, line in traffic.items():
+        print(f"- {method}: {line}")
     shutil.rmtree(out, ignore_errors=True)
 
 

@@ -3,10 +3,10 @@
 //!
 //! `cargo bench --bench merge`. `RLMERGE_BENCH_MODEL_MB` sets the end-to-end model size (default
 //! 256). The GPU groups run where wgpu finds an adapter (lavapipe included) and print where the
-//! GPU backend's time went per chunk (upload, submit, wait, readback). `host_device_copy` measures
+//! GPU backend's time went per chunk (upload, submit, wait, readback). `host_device_copy` prints
 //! the adapter's copy limit through wgpu alone — 64 MiB written to a device buffer (queue write
-//! and submit) and read back (copy to a mappable buffer and map) — the ceiling of any kernel that
-//! moves its inputs to the device and its result back.
+//! and submit) and read back (copy to a mappable buffer, map, copy out) — the ceiling of any kernel
+//! that moves its inputs to the device and its result back.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use rlmerge::backend::cpu::CpuBackend;
@@ -192,58 +192,20 @@ fn mergekit(kind: Kind, params: &[(&str, f64)]) -> Method {
     })
 }
 
-/// Host→device and device→host copy rate through wgpu, without any kernel.
-fn host_device_copy(c: &mut Criterion) {
+/// Host→device and device→host copy rate through wgpu, without any kernel: the library's own
+/// measurement (`GpuContext::copy_rates`, which `rlmerge devices --copy-rate` prints), on 64 MiB.
+fn host_device_copy(_: &mut Criterion) {
     let Ok(Some(ctx)) = GpuContext::open(AdapterChoice::Any) else {
         eprintln!("no GPU adapter: copy benchmark skipped");
         return;
     };
-    let bytes: u64 = 64 << 20;
-    let host = vec![0x5au8; bytes as usize];
-    let buffer = |usage| {
-        ctx.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("copy bench"),
-            size: bytes,
-            usage,
-            mapped_at_creation: false,
-        })
-    };
-    let device_side = buffer(
-        wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+    let (up, down) = ctx.copy_rates(64 << 20, 5).expect("the copy measurement");
+    eprintln!(
+        "host_device_copy on {}: {:.2} GB/s host to device, {:.2} GB/s device to host (best of 5)",
+        ctx.describe(),
+        up / 1e9,
+        down / 1e9
     );
-    let readback = buffer(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST);
-    let wait = |ctx: &GpuContext| {
-        ctx.device
-            .poll(wgpu::PollType::Wait {
-                submission_index: None,
-                timeout: None,
-            })
-            .unwrap();
-    };
-    let mut g = c.benchmark_group("host_device_copy");
-    g.throughput(Throughput::Bytes(bytes));
-    g.bench_function("upload", |b| {
-        b.iter(|| {
-            ctx.queue.write_buffer(&device_side, 0, &host);
-            ctx.queue.submit([]);
-            wait(&ctx);
-        })
-    });
-    let mut sink = vec![0u8; bytes as usize];
-    g.bench_function("readback", |b| {
-        b.iter(|| {
-            let mut enc = ctx.device.create_command_encoder(&Default::default());
-            enc.copy_buffer_to_buffer(&device_side, 0, &readback, 0, bytes);
-            ctx.queue.submit([enc.finish()]);
-            let slice = readback.slice(..);
-            slice.map_async(wgpu::MapMode::Read, |r| r.unwrap());
-            wait(&ctx);
-            sink.copy_from_slice(&slice.get_mapped_range().unwrap());
-            readback.unmap();
-        })
-    });
-    g.finish();
-    eprintln!("copy benchmark on {}", ctx.describe());
 }
 
 criterion_group!(benches, kernels, end_to_end, host_device_copy);

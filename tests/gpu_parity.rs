@@ -369,6 +369,27 @@ fn devices_lists_adapters_and_merges_name_the_backend() {
         assert!(listed.contains(&a.info.name), "{listed}");
     }
     assert!(listed.contains("max storage binding"), "{listed}");
+    // The copy rates an elementwise merge on the adapter cannot beat, measured both ways.
+    let measured = rlmerge()
+        .args(["devices", "--copy-rate"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let measured = String::from_utf8(measured).unwrap();
+    let line = measured
+        .lines()
+        .find(|l| l.starts_with("copy rate on "))
+        .unwrap_or_else(|| panic!("{measured}"));
+    let rates: Vec<f64> = line
+        .split(": ")
+        .nth(1)
+        .unwrap()
+        .split(", ")
+        .map(|part| part.split(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(rates.len() == 2 && rates.iter().all(|r| *r > 0.0), "{line}");
     let f = fixture(95, Dtype::BF16, &odd_shapes(), &DENSITIES[..2], 1);
     for (device, want) in [("gpu", "backend: gpu: "), ("cpu", "backend: cpu (")] {
         let out = f.dir.path().join(device);
@@ -388,6 +409,13 @@ fn devices_lists_adapters_and_merges_name_the_backend() {
             .clone();
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(stderr.contains(want), "{stderr}");
+        // Where a GPU merge's bytes and time went; the CPU moves nothing.
+        assert_eq!(stderr.contains("GPU: "), device == "gpu", "{stderr}");
+        assert_eq!(
+            stderr.contains("chunks in flight"),
+            device == "gpu",
+            "{stderr}"
+        );
     }
 }
 

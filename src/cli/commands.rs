@@ -212,7 +212,7 @@ pub fn run(cli: Cli, mut out: &mut dyn Write) -> Result<()> {
         Command::Methods(args) => run_methods(&args, &mut out),
         Command::Analyze(args) => run_analyze(&args, &mut out),
         Command::Demo(args) => run_demo(&args, &mut out),
-        Command::Devices => run_devices(&mut out),
+        Command::Devices(args) => run_devices(&args, &mut out),
         Command::Verify(args) => run_verify(&args, &mut out),
     }
 }
@@ -267,7 +267,7 @@ fn run_verify(args: &VerifyArgs, out: &mut impl Write) -> Result<()> {
     }
 }
 
-fn run_devices(out: &mut impl Write) -> Result<()> {
+fn run_devices(args: &super::DevicesArgs, out: &mut impl Write) -> Result<()> {
     let adapters = list_adapters();
     if adapters.is_empty() {
         writeln!(
@@ -301,6 +301,18 @@ fn run_devices(out: &mut impl Write) -> Result<()> {
         "--device auto uses the CPU backend, and a hardware GPU (discrete first) for the spectral \
          methods only;\n--device gpu takes any adapter, software ones included"
     )?;
+    if args.copy_rate {
+        if let Some(ctx) = GpuContext::open(AdapterChoice::Any)? {
+            let (up, down) = ctx.copy_rates(256 << 20, 3)?;
+            writeln!(
+                out,
+                "copy rate on {}: {:.2} GB/s host to device, {:.2} GB/s device to host",
+                terminal(&ctx.info.name),
+                up / 1e9,
+                down / 1e9
+            )?;
+        }
+    }
     Ok(())
 }
 

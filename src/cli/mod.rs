@@ -92,9 +92,17 @@ pub enum Command {
     /// Write a small built-in example (a base and three agents), analyze it and merge it with RAM+.
     Demo(DemoArgs),
     /// List the GPU adapters wgpu sees, with the limits that size rlmerge's tiles.
-    Devices,
+    Devices(DevicesArgs),
     /// Check a merged folder against the checksums its record holds (outputs and inputs).
     Verify(VerifyArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct DevicesArgs {
+    /// Also measure the host→device and device→host copy rates of the adapter `--device gpu`
+    /// would take (256 MiB each way, best of 3): the limit of an elementwise merge on it.
+    #[arg(long)]
+    pub copy_rate: bool,
 }
 
 #[derive(Args, Debug)]

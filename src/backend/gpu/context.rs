@@ -225,6 +225,67 @@ impl GpuContext {
         self.info.device_type == wgpu::DeviceType::Cpu
     }
 
+    /// The host→device and device→host copy rates in bytes per second, best of `runs` copies of
+    /// `bytes` (capped at the adapter's largest buffer) each way: an upload through the queue,
+    /// and a download through a mappable buffer copied out to host memory, as merges move their
+    /// chunks. What the bus and wgpu's copy path allow: an elementwise merge on this adapter
+    /// cannot go faster end to end.
+    pub fn copy_rates(&self, bytes: u64, runs: usize) -> Result<(f64, f64)> {
+        let bytes = bytes.min(self.limits.max_buffer_size) & !3;
+        anyhow::ensure!(bytes > 0, "no bytes to copy");
+        let buffer = |usage| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("copy rate"),
+                size: bytes,
+                usage,
+                mapped_at_creation: false,
+            })
+        };
+        use wgpu::BufferUsages as U;
+        let on_device = buffer(U::STORAGE | U::COPY_DST | U::COPY_SRC);
+        let readback = buffer(U::MAP_READ | U::COPY_DST);
+        let host = vec![1u8; bytes as usize];
+        let mut back = vec![0u8; bytes as usize];
+        let wait = |what: &str| -> Result<()> {
+            self.device
+                .poll(wgpu::PollType::wait_indefinitely())
+                .map_err(|e| anyhow!("GPU wait for {what} failed: {e}"))?;
+            self.check()
+        };
+        let (mut up, mut down) = (f64::INFINITY, f64::INFINITY);
+        for _ in 0..runs.max(1) {
+            let start = std::time::Instant::now();
+            self.queue.write_buffer(&on_device, 0, &host);
+            self.queue.submit(None);
+            wait("the upload")?;
+            up = up.min(start.elapsed().as_secs_f64());
+            let start = std::time::Instant::now();
+            let mut encoder = self.device.create_command_encoder(&Default::default());
+            encoder.copy_buffer_to_buffer(&on_device, 0, &readback, 0, bytes);
+            self.queue.submit(Some(encoder.finish()));
+            let (sender, mapped) = std::sync::mpsc::channel();
+            readback.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+                let _ = sender.send(r);
+            });
+            wait("the download")?;
+            mapped
+                .recv()
+                .map_err(|e| anyhow!("the download's map never completed: {e}"))?
+                .map_err(|e| anyhow!("mapping the download failed: {e}"))?;
+            {
+                let view = readback
+                    .slice(..)
+                    .get_mapped_range()
+                    .map_err(|e| anyhow!("reading the download failed: {e}"))?;
+                back.copy_from_slice(&view);
+            }
+            readback.unmap();
+            down = down.min(start.elapsed().as_secs_f64());
+        }
+        anyhow::ensure!(back == host, "the bytes copied back differ from those sent");
+        Ok((bytes as f64 / up, bytes as f64 / down))
+    }
+
     /// The adapter as stderr names it: name, API, type, and whether buffers are mapped.
     pub fn describe(&self) -> String {
         format!(

@@ -2,9 +2,9 @@
 //! — or Mesa's lavapipe where no GPU exists. Byte-identical to the CPU backend.
 //!
 //! A long-lived [`GpuContext`] holds the device, queue and compiled pipelines; [`GpuBackend`] adds
-//! reusable chunk buffers. A tile from the engine is cut into chunks that fit one storage binding;
-//! chunks alternate between two buffer sets so the upload and dispatch of one overlap the readback
-//! of the other.
+//! a pool of reusable chunk buffers. A tile from the engine is cut into chunks that fit one storage
+//! binding; each worker takes a set of three slots from the pool, so the upload, the dispatch and
+//! the readback of consecutive chunks overlap, and the workers' sets run side by side.
 
 mod buffers;
 mod context;
@@ -28,9 +28,9 @@ use std::time::Duration;
 /// Most agents the shaders take: masks are one u32, the workgroup histogram 32².
 pub const GPU_MAX_AGENTS: usize = layout::wgsl::MAX_AGENTS as usize;
 /// Elements per chunk unless the binding limit asks for fewer: several chunks per engine tile keep
-/// the two buffer sets busy.
+/// a worker's slots busy.
 const DEFAULT_CHUNK_ELEMS: usize = 1 << 20;
-/// Engine tiles of several chunks, so the two buffer sets overlap within a tile.
+/// Engine tiles of several chunks, so a worker's slots overlap within a tile.
 const PREFERRED_TILE_ELEMS: usize = 4 * DEFAULT_CHUNK_ELEMS;
 
 pub(super) const DTYPE_WGSL: &str = include_str!("../../../shaders/dtype.wgsl");
