@@ -416,4 +416,38 @@ mod tests {
             .to_string();
         assert!(e.contains("'decoder_sparse_step'"), "{e}");
     }
+
+    #[test]
+    fn hostile_layer_keys_neither_panic_nor_pass_silently() {
+        // Keys of the wrong type, absurd sizes, zero steps: each config is either rewritten or
+        // refused with an error; nothing panics or overflows.
+        let configs = [
+            serde_json::json!({"num_hidden_layers": 4, "first_k_dense_replace": 1e300}),
+            serde_json::json!({"num_hidden_layers": 4, "first_k_dense_replace": -1}),
+            serde_json::json!({"num_hidden_layers": 4, "first_k_dense_replace": 1, "moe_layer_freq": 0}),
+            serde_json::json!({"num_hidden_layers": 4, "decoder_sparse_step": 0}),
+            serde_json::json!({"num_hidden_layers": 4, "mlp_only_layers": ["x", null, 1e300, -3]}),
+            serde_json::json!({"num_hidden_layers": 4, "mlp_layer_types": ["dense", 7, null]}),
+            serde_json::json!({"num_hidden_layers": 4, "mlp_layer_types": "sparse"}),
+            serde_json::json!({"num_hidden_layers": 4, "layer_types": [[], {}, "a", 1]}),
+            serde_json::json!({"num_hidden_layers": 4, "full_attn_idxs": {"0": 1}}),
+            serde_json::json!({"num_hidden_layers": 4, "num_nextn_predict_layers": u32::MAX}),
+        ];
+        for config in configs {
+            for slices in [
+                ranges(&[(0, 4)]),
+                ranges(&[(2, 2), (0, 2)]),
+                ranges(&[(3, 1); 3]),
+            ] {
+                let mut out = config.clone();
+                if slices.rewrite_config(&mut out, &|_| config.clone()).is_ok() {
+                    assert_eq!(out["num_hidden_layers"], slices.layers(), "{config}");
+                }
+            }
+        }
+        // A huge MTP count is no stack the files hold.
+        let names = ["m.layers.0.w", "m.layers.1.w", "m.layers.2.w"];
+        let config = serde_json::json!({"num_hidden_layers": 2, "num_nextn_predict_layers": u64::from(u32::MAX)});
+        assert!(crate::structure::LayerStack::find(names.into_iter(), &config, "m").is_err());
+    }
 }
