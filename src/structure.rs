@@ -177,6 +177,30 @@ impl LayerStack {
             .map(|i| i - self.layers)
     }
 
+    /// Where tensor `name` of a model with this decoder stack is (see [`Structure::part`]).
+    pub fn part(&self, name: &str) -> Part {
+        if let Some(stack) = names::tower_of(name) {
+            return Part {
+                stack,
+                layer: names::layer_index(name),
+            };
+        }
+        match (self.layer_of(name), self.mtp_of(name)) {
+            (Some(i), _) => Part {
+                stack: Stack::Decoder,
+                layer: Some(i),
+            },
+            (_, Some(j)) => Part {
+                stack: Stack::Mtp,
+                layer: Some(j),
+            },
+            _ => Part {
+                stack: Stack::Decoder,
+                layer: None,
+            },
+        }
+    }
+
     /// `name` (a tensor of this stack) moved to number `layer` under its prefix.
     pub fn rename(&self, name: &str, layer: usize) -> Option<String> {
         self.number_of(name)?;
@@ -238,29 +262,10 @@ impl Structure {
 
     /// Where tensor `name` is.
     pub fn part(&self, name: &str) -> Part {
-        if let Some(stack) = names::tower_of(name) {
-            return Part {
-                stack,
-                layer: names::layer_index(name),
-            };
-        }
         match &self.decoder {
-            Some(d) => match (d.layer_of(name), d.mtp_of(name)) {
-                (Some(i), _) => Part {
-                    stack: Stack::Decoder,
-                    layer: Some(i),
-                },
-                (_, Some(j)) => Part {
-                    stack: Stack::Mtp,
-                    layer: Some(j),
-                },
-                _ => Part {
-                    stack: Stack::Decoder,
-                    layer: None,
-                },
-            },
+            Some(d) => d.part(name),
             None => Part {
-                stack: Stack::Decoder,
+                stack: names::tower_of(name).unwrap_or(Stack::Decoder),
                 layer: names::layer_index(name),
             },
         }

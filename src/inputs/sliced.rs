@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::names::{Module, Stack};
-use crate::structure::{Part, Structure};
+use crate::structure::Part;
 
 /// The output tensors of a sliced merge (see [`crate::slices`]): the embeddings and the towers
 /// (vision, audio) whole from the first slice's lead, each slice's decoder layers renumbered
@@ -94,14 +94,6 @@ impl<'a> SlicePlanner<'a> {
         &self.model(m).1
     }
 
-    /// Where tensor `name` of model `m` is.
-    fn part(&self, m: Source, name: &str) -> Part {
-        Structure {
-            decoder: Some(self.stack(m).clone()),
-        }
-        .part(name)
-    }
-
     /// One output tensor of slice `s` from its lead's tensor `lead_tensor`: in each other source,
     /// the tensor `source_name(the source, its first layer)`.
     fn plan(
@@ -169,7 +161,7 @@ impl<'a> SlicePlanner<'a> {
         let mut plans = Vec::new();
         for t in &self.folder(lead).tensors {
             let name = &t.entry.name;
-            let part = self.part(lead, name);
+            let part = self.stack(lead).part(name);
             if part.decoder_layer().is_some() || from_first(part, name) != first {
                 continue;
             }
@@ -204,10 +196,15 @@ impl<'a> SlicePlanner<'a> {
         if first == last {
             return None;
         }
+        // The output's stack: the first lead's, with the slices' layer count.
+        let output = LayerStack {
+            layers: self.slices.layers(),
+            ..self.stack(first).clone()
+        };
         let mut modules: [Vec<&str>; 2] = [Vec::new(), Vec::new()];
         for plan in tensors.iter().filter_map(|p| p.sliced.as_ref()) {
             let from_last = plan.placement.slice != 0;
-            let Some(what) = self.module_words(&plan.name) else {
+            let Some(what) = module_words(output.part(&plan.name), &plan.name) else {
                 continue;
             };
             if !modules[from_last as usize].contains(&what) {
@@ -223,27 +220,6 @@ impl<'a> SlicePlanner<'a> {
             words(&modules[1]),
             model(last)
         ))
-    }
-
-    /// The module an output tensor outside the decoder's layers is part of, in words.
-    fn module_words(&self, out_name: &str) -> Option<&'static str> {
-        let output = Structure {
-            decoder: Some(self.stack(self.slices.lead(0).model).clone()),
-        }
-        .with_layers(self.slices.layers());
-        let part = output.part(out_name);
-        Some(match part.stack {
-            Stack::Decoder if part.layer.is_some() => return None,
-            Stack::Decoder => match Module::of(out_name) {
-                Module::Embed => "the embeddings",
-                Module::Norm => "the final norm",
-                Module::LmHead => "lm_head",
-                _ => "the other tensors",
-            },
-            Stack::Mtp => "the MTP layers",
-            Stack::Vision => "the vision tower",
-            Stack::Audio => "the audio tower",
-        })
     }
 
     /// The tensors of output layer `layer`: layer `i` of slice `s`.
@@ -283,6 +259,23 @@ fn from_first(part: Part, name: &str) -> bool {
             Module::of(name) == Module::Embed || crate::names::numbered(name).is_some()
         }
     }
+}
+
+/// The module an output tensor at `part` outside the decoder's layers is part of, in words;
+/// `None` for a decoder layer's.
+fn module_words(part: Part, out_name: &str) -> Option<&'static str> {
+    Some(match part.stack {
+        Stack::Decoder if part.layer.is_some() => return None,
+        Stack::Decoder => match Module::of(out_name) {
+            Module::Embed => "the embeddings",
+            Module::Norm => "the final norm",
+            Module::LmHead => "lm_head",
+            _ => "the other tensors",
+        },
+        Stack::Mtp => "the MTP layers",
+        Stack::Vision => "the vision tower",
+        Stack::Audio => "the audio tower",
+    })
 }
 
 /// "a, b and c".
