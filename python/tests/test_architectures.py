@@ -87,6 +87,9 @@ def built(tmp_path_factory):
     def build(arch):
         if arch in cache:
             return cache[arch]
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        if arch not in CONFIG_MAPPING:
+            pytest.skip(f"transformers {transformers.__version__} does not know {arch}")
         root = tmp_path_factory.mktemp(arch)
         config = transformers.AutoConfig.for_model(arch, **configs()[arch])
         torch.manual_seed(0)
