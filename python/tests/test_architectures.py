@@ -350,33 +350,60 @@ dtype: float32
             assert config.mlp_only_layers == [2]
 
 
-def test_config_differences_are_named_and_chosen(built, tmp_path):
-    """An agent trained with another rope_theta: refused naming the key until --config-from
-    says whose config the output takes, which the output then has."""
-    for arch in ("llama", "qwen2_5_vl"):
-        base, agents = built(arch)
-        long = tmp_path / f"{arch}-long"
-        shutil.copytree(agents[2], long)
-        config = json.loads((long / "config.json").read_text())
-        text = config.get("text_config", config)
-        text.setdefault("rope_parameters", {"rope_type": "default"})["rope_theta"] = 1e6
-        (long / "config.json").write_text(json.dumps(config))
+def with_config(src, dst, change):
+    """A copy of agent folder `src` at `dst` whose config.json (its text_config where it has one)
+    `change` edits."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    change(config.get("text_config", config))
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_config_differences_are_named_and_chosen(arch, built, tmp_path):
+    """An agent whose config differs from the base's in a key that changes how the weights are
+    used (a longer context; for two architectures a rope_theta too) is refused, naming the key,
+    until --config-from says whose config the output takes, which the output then has."""
+    base, agents = built(arch)
+    changes = [("max_position_embeddings", lambda c: c.update(max_position_embeddings=512))]
+    if arch in ("llama", "qwen2_5_vl"):
+        changes.append(("rope_parameters",
+                        lambda c: c.setdefault("rope_parameters", {"rope_type": "default"}).update(rope_theta=1e6)))
+    for i, (key, change) in enumerate(changes):
+        long = with_config(agents[2], tmp_path / f"long{i}", change)
         models = ["--model", agents[0], "--model", long]
-        p = rlmerge("merge", "--base", base, *models, "--method", "ram", "-q", "-o", tmp_path / f"{arch}-no", ok=False)
-        assert p.returncode != 0 and "rope_parameters" in p.stderr and "--config-from" in p.stderr, p.stderr
-        out = tmp_path / f"{arch}-yes"
+        p = rlmerge("merge", "--base", base, *models, "--method", "ram", "-q", "-o", tmp_path / f"no{i}", ok=False)
+        # Named with its path where it is nested: 'text_config.max_position_embeddings'.
+        assert p.returncode == 2 and key in p.stderr and "--config-from" in p.stderr, p.stderr
+        assert not (tmp_path / f"no{i}").exists()
+        out = tmp_path / f"yes{i}"
         rlmerge("merge", "--base", base, *models, "--method", "ram", "--config-from", long, "-q", "-o", out)
         merged = text_config(load(out, arch))
-        assert merged.rope_parameters["rope_theta"] == 1e6
+        if key == "max_position_embeddings":
+            assert merged.max_position_embeddings == 512
+        else:
+            assert merged.rope_parameters["rope_theta"] == 1e6
 
 
-def test_expert_counts_and_routing_are_architecture(built, tmp_path):
-    base, agents = built("mixtral")
-    for key, value in (("num_local_experts", 8), ("num_experts_per_tok", 1)):
-        other = tmp_path / key
-        shutil.copytree(agents[0], other)
-        config = json.loads((other / "config.json").read_text())
-        config[key] = value
-        (other / "config.json").write_text(json.dumps(config))
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_expert_counts_and_routing_are_architecture(arch, built, tmp_path):
+    """An agent with more experts, or another number of experts per token, is another
+    architecture: refused, naming the key (whichever of the expert-count keys the saved config
+    uses: transformers writes Qwen3-MoE's as num_local_experts)."""
+    base, agents = built(arch)
+    saved = json.loads((base / "config.json").read_text())
+    experts = next(k for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in saved)
+    for key, value in ((experts, 8), ("num_experts_per_tok", 1)):
+        other = with_config(agents[0], tmp_path / key, lambda c: c.update({key: value}))
         p = rlmerge("merge", "--base", base, "--model", other, "--method", "ram", "-q", "-o", tmp_path / f"{key}-out", ok=False)
-        assert p.returncode != 0 and f"'{key}'" in p.stderr, p.stderr
+        assert p.returncode == 2 and f"'{key}'" in p.stderr, p.stderr
+    # The published checkpoint's spelling (num_experts) in an agent beside transformers' in the
+    # base (num_local_experts) is the same key.
+    if experts == "num_local_experts":
+        def respell(c):
+            c["num_experts"] = 8
+            del c["num_local_experts"]
+        other = with_config(agents[0], tmp_path / "respelled", respell)
+        p = rlmerge("merge", "--base", base, "--model", other, "--method", "ram", "-q", "-o", tmp_path / "respelled-out", ok=False)
+        assert p.returncode == 2 and "'num_local_experts'" in p.stderr, p.stderr

@@ -200,9 +200,30 @@ pub fn config_differences(
     found
 }
 
+/// Names one config key goes by: transformers 5 writes Qwen3-MoE's `num_experts` as
+/// `num_local_experts`, which the published checkpoints do not, and DeepSeek's routed experts are
+/// `n_routed_experts` — a base from the Hub and an agent saved by a trainer may each use another.
+const KEY_ALIASES: &[&[&str]] = &[&["num_experts", "num_local_experts", "n_routed_experts"]];
+
+/// `key`'s value in `config` with the name `config` spells it by: `key`, or, where `config` lacks
+/// it, one of its [`KEY_ALIASES`].
+fn get_aliased<'a>(
+    config: &'a serde_json::Value,
+    key: &'a str,
+) -> Option<(&'a str, &'a serde_json::Value)> {
+    let names = KEY_ALIASES
+        .iter()
+        .find(|group| group.contains(&key))
+        .map_or(&[][..], |group| &group[..]);
+    std::iter::once(key)
+        .chain(names.iter().copied())
+        .find_map(|k| config.get(k).map(|v| (k, v)))
+}
+
 /// The first [`ARCHITECTURE_KEYS`] key (with its path, e.g. `text_config.hidden_size`) whose value
 /// differs between configs `base` and `agent`, with both values; keys in `skip` and keys one of the
-/// two configs lacks are not compared.
+/// two configs lacks (under every name it goes by, [`KEY_ALIASES`]) are not compared; a key is named
+/// as the base's config spells it.
 pub fn architecture_difference(
     base: &serde_json::Value,
     agent: &serde_json::Value,
@@ -216,9 +237,10 @@ pub fn architecture_difference(
     );
     for (prefix, b, a) in nests {
         for key in ARCHITECTURE_KEYS.iter().filter(|k| !skip.contains(k)) {
-            if let (Some(bv), Some(av)) = (b.get(*key), a.get(*key)) {
+            if let (Some((name, bv)), Some((_, av))) = (get_aliased(b, key), get_aliased(a, key)) {
                 if !(same_value(bv, av) || bv.is_null() || av.is_null()) {
-                    return Some((format!("{prefix}{key}"), bv.clone(), av.clone()));
+                    // Named as the base's config spells it.
+                    return Some((format!("{prefix}{name}"), bv.clone(), av.clone()));
                 }
             }
         }
@@ -344,6 +366,13 @@ mod tests {
             architecture_difference(&base, &routed, &[]).unwrap().0,
             "num_experts_per_tok"
         );
+        // The published Qwen3-MoE says num_experts, transformers 5 writes num_local_experts.
+        let hub = serde_json::json!({"model_type": "qwen3_moe", "num_experts": 128});
+        let saved = serde_json::json!({"model_type": "qwen3_moe", "num_local_experts": 64});
+        let (key, b, a) = architecture_difference(&hub, &saved, &[]).unwrap();
+        assert_eq!((key.as_str(), b, a), ("num_experts", 128.into(), 64.into()));
+        let same = serde_json::json!({"model_type": "qwen3_moe", "num_local_experts": 128});
+        assert!(architecture_difference(&hub, &same, &[]).is_none());
         let dsv3 = serde_json::json!({"n_routed_experts": 8, "first_k_dense_replace": 1});
         let moe_first = serde_json::json!({"n_routed_experts": 8, "first_k_dense_replace": 0});
         assert_eq!(

@@ -136,7 +136,7 @@ pub struct VerifyArgs {
 /// Where the probe and merge passes run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DeviceChoice {
-    /// A hardware GPU if there is one, else the CPU backend.
+    /// The CPU backend, and a hardware GPU for the spectral methods where there is one.
     Auto,
     /// A GPU adapter, software ones (lavapipe) included; an error if there is none.
     Gpu,
