@@ -50,16 +50,10 @@ fn dora_adapter(
             .unwrap();
     config["use_dora"] = true.into();
     edit(&mut config, &mut tensors);
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .map(|(k, (dt, shape, bytes))| {
-            (
-                k.clone(),
-                TensorView::new(*dt, shape.clone(), bytes).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &to.join("adapter_model.safetensors")).unwrap();
+    write_file(
+        &to.join("adapter_model.safetensors"),
+        tensors.iter().map(|(k, t)| (k, t)),
+    );
     std::fs::write(to.join("adapter_config.json"), config.to_string()).unwrap();
     to
 }

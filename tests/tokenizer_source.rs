@@ -586,18 +586,6 @@ fn union_merges_alike_on_the_gpu() {
     }
 }
 
-/// Writes `tensors` as one safetensors file with the reference crate.
-fn write_tensors(file: &Path, tensors: &std::collections::BTreeMap<String, Read>) {
-    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
-        .iter()
-        .map(|(name, (dtype, shape, bytes))| {
-            let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes).unwrap();
-            (name.clone(), view)
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, file).unwrap();
-}
-
 /// DeepSeek-V3's MTP layer, stored after the decoder's layers (`num_nextn_predict_layers`): its
 /// `shared_head.head` and `embed_tokens` are indexed by token and follow a union as the model's
 /// own head and embeddings do, in a whole merge and in slices, where the layer comes whole from
@@ -617,7 +605,7 @@ fn mtp_layers_after_the_decoder_follow_the_vocabulary_and_the_slices() {
             let copy = t[&format!("{of}.weight")].clone();
             t.insert(format!("model.layers.4.{mtp}.weight"), copy);
         }
-        write_tensors(&folder.join("model.safetensors"), &t);
+        write_file(&folder.join("model.safetensors"), &t);
         let path = folder.join("config.json");
         let mut config: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();

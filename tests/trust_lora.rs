@@ -4,7 +4,7 @@
 
 mod common;
 use common::*;
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -34,11 +34,7 @@ fn folder_copy(
             (name, (dt, shape, to_bytes(dt, &v)))
         })
         .collect();
-    let views: Vec<(String, TensorView)> = edited
-        .iter()
-        .map(|(n, (dt, shape, b))| (n.clone(), TensorView::new(*dt, shape.clone(), b).unwrap()))
-        .collect();
-    safetensors::serialize_to_file(views, None, &to.join(weights)).unwrap();
+    write_file(&to.join(weights), &edited);
     let mut json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(from.join(config)).unwrap()).unwrap();
     edit_config(&mut json);

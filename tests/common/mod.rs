@@ -192,6 +192,21 @@ pub fn read_file(file: &Path) -> BTreeMap<String, Read> {
         .collect()
 }
 
+/// Writes `tensors` as one safetensors file with the reference crate, no metadata: the twin of
+/// [`read_file`], for tests that edit a read file and write it back.
+pub fn write_file<'a>(file: &Path, tensors: impl IntoIterator<Item = (&'a String, &'a Read)>) {
+    let views: Vec<(String, TensorView)> = tensors
+        .into_iter()
+        .map(|(name, (dtype, shape, bytes))| {
+            (
+                name.clone(),
+                TensorView::new(*dtype, shape.clone(), bytes).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, file).unwrap();
+}
+
 /// splitmix64: deterministic test data.
 pub struct Rng(pub u64);
 
