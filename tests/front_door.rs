@@ -7,7 +7,7 @@
 mod common;
 use common::*;
 use safetensors::tensor::Dtype;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 fn stdout_of(o: &std::process::Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
@@ -71,6 +71,34 @@ fn methods_fit_100_columns_with_their_costs_and_each_has_its_page() {
 }
 
 /// A small fixture of matrices (what the spectral methods and SVC decompose) with sparse agents.
+/// A recipe `name` in `f`'s folder: `method` over the base and agent 0, with `model_keys`
+/// (`    key: value` lines) under the agent.
+fn one_agent_recipe(f: &Fixture, name: &str, method: &str, model_keys: &str) -> PathBuf {
+    let recipe = f.dir.path().join(name);
+    std::fs::write(
+        &recipe,
+        format!(
+            "merge_method: {method}\nbase_model: {}\nmodels:\n  - model: {}\n{model_keys}",
+            f.base.display(),
+            f.agents[0].display()
+        ),
+    )
+    .unwrap();
+    recipe
+}
+
+/// `rlmerge run RECIPE -o OUT` with `args`, its output.
+fn run_recipe(recipe: &Path, out: &Path, args: &[&str]) -> std::process::Output {
+    rlmerge()
+        .arg("run")
+        .arg(recipe)
+        .args(args)
+        .arg("-o")
+        .arg(out)
+        .output()
+        .unwrap()
+}
+
 fn matrices() -> Fixture {
     fixture(
         45,
@@ -92,23 +120,8 @@ fn svc_is_named_wherever_the_method_is() {
     let o = merge_cmd(&f, &out, &["--method", "svc"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
     assert!(err_of(&o).contains("add --svc ALPHA"), "{}", err_of(&o));
-    let recipe = f.dir.path().join("svc.yml");
-    std::fs::write(
-        &recipe,
-        format!(
-            "merge_method: svc\nbase_model: {}\nmodels:\n  - model: {}\n",
-            f.base.display(),
-            f.agents[0].display()
-        ),
-    )
-    .unwrap();
-    let o = rlmerge()
-        .arg("run")
-        .arg(&recipe)
-        .arg("-o")
-        .arg(&out)
-        .output()
-        .unwrap();
+    let recipe = one_agent_recipe(&f, "svc.yml", "svc", "");
+    let o = run_recipe(&recipe, &out, &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(err_of(&o).contains("`svc: ALPHA`"), "{}", err_of(&o));
     assert!(!out.exists());
@@ -495,14 +508,7 @@ fn figures_and_cards_keep_agents_apart_and_take_their_names() {
     let recipe = std::fs::read_to_string(out.join("mergekit_config.yml")).unwrap();
     assert!(recipe.contains("name: tools"), "{recipe}");
     let again = root.join("again");
-    let o = rlmerge()
-        .arg("run")
-        .arg(out.join("mergekit_config.yml"))
-        .arg("-q")
-        .arg("-o")
-        .arg(&again)
-        .output()
-        .unwrap();
+    let o = run_recipe(&out.join("mergekit_config.yml"), &again, &["-q"]);
     assert!(o.status.success(), "{}", err_of(&o));
     let record: serde_json::Value =
         serde_json::from_slice(&std::fs::read(again.join("rlmerge_record.json")).unwrap()).unwrap();
@@ -603,23 +609,8 @@ fn hostile_names_and_config_choices_are_refused() {
         "4 agent names for 3 agents",
     );
     // A recipe's `name:` passes the same check.
-    let recipe = f.dir.path().join("named.yml");
-    std::fs::write(
-        &recipe,
-        format!(
-            "merge_method: ram\nbase_model: {}\nmodels:\n  - model: {}\n    name: \"tab\\there\"\n",
-            f.base.display(),
-            f.agents[0].display()
-        ),
-    )
-    .unwrap();
-    let o = rlmerge()
-        .arg("run")
-        .arg(&recipe)
-        .arg("-o")
-        .arg(&out)
-        .output()
-        .unwrap();
+    let recipe = one_agent_recipe(&f, "named.yml", "ram", "    name: \"tab\\there\"\n");
+    let o = run_recipe(&recipe, &out, &[]);
     assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
     assert!(err_of(&o).contains("control character"), "{}", err_of(&o));
     // A config.json file, and a FIFO nobody writes to: neither is read.

@@ -626,14 +626,15 @@ fn gpu_keeps_chunks_in_flight_and_counts_the_bytes_it_moves() {
     let gpu = GpuBackend::new(GpuContext::open(AdapterChoice::Any).unwrap().unwrap())
         .with_chunk_elems(256);
     let cpu = CpuBackend::new(0).unwrap();
-    let bytes = |v: Vec<f32>| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
     let len = 16 * 256;
-    let base = bytes((0..len).map(|i| (i % 97) as f32 * 0.01).collect());
+    let base_values: Vec<f32> = (0..len).map(|i| (i % 97) as f32 * 0.01).collect();
+    let base = to_bytes(Dtype::F32, &base_values);
     let agents: Vec<Vec<u8>> = (0..2)
         .map(|t| {
-            let b = (0..len)
-                .map(|i| (i % 97) as f32 * 0.01 + if (i + t) % 5 == 0 { 0.25 } else { 0.0 });
-            bytes(b.collect())
+            let changed: Vec<f32> = (0..len)
+                .map(|i| base_values[i] + if (i + t) % 5 == 0 { 0.25 } else { 0.0 })
+                .collect();
+            to_bytes(Dtype::F32, &changed)
         })
         .collect();
     let slices: Vec<&[u8]> = agents.iter().map(|a| a.as_slice()).collect();
