@@ -180,6 +180,15 @@ mod tests {
         assert_eq!(layer_index("model.layers.12.mlp.up_proj.weight"), Some(12));
         assert_eq!(layer_index("transformer.h.3.attn.c_attn.weight"), Some(3));
         assert_eq!(layer_index("model.embed_tokens.weight"), None);
+        assert_eq!(
+            Module::of("model.layers.3.mlp.down_proj.weight"),
+            Module::Mlp
+        );
+        assert_eq!(
+            Module::of("model.layers.3.input_layernorm.weight"),
+            Module::Norm
+        );
+        assert_eq!(Module::of("rotary.inv_freq"), Module::Other);
         // A final norm named for the embeddings, routers, an MTP layer's head.
         assert_eq!(Module::of("model.embedding_norm.weight"), Module::Norm);
         assert_eq!(

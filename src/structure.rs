@@ -177,6 +177,14 @@ impl LayerStack {
             .map(|i| i - self.layers)
     }
 
+    /// This stack with `layers` decoder layers (a sliced output's), its MTP layers after them.
+    pub fn with_layers(&self, layers: usize) -> LayerStack {
+        LayerStack {
+            layers,
+            ..self.clone()
+        }
+    }
+
     /// Where tensor `name` of a model with this decoder stack is (see [`Structure::part`]).
     pub fn part(&self, name: &str) -> Part {
         if let Some(stack) = names::tower_of(name) {
@@ -253,10 +261,7 @@ impl Structure {
     /// This structure with `layers` decoder layers: a sliced output's.
     pub fn with_layers(&self, layers: usize) -> Structure {
         Structure {
-            decoder: self.decoder.as_ref().map(|d| LayerStack {
-                layers,
-                ..d.clone()
-            }),
+            decoder: self.decoder.as_ref().map(|d| d.with_layers(layers)),
         }
     }
 

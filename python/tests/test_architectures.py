@@ -227,6 +227,16 @@ def recipe(tmp_path, text):
     return path
 
 
+def frankenmerge(tmp_path, *slices, out, ok=True):
+    """A passthrough merge of `slices`, each (model, first layer, last layer + 1), into `out`."""
+    sources = "".join(f"""
+  - sources:
+      - model: {model}
+        layer_range: [{first}, {end}]""" for model, first, end in slices)
+    text = f"merge_method: passthrough\nslices:{sources}\ndtype: float32\n"
+    return rlmerge("run", recipe(tmp_path, text), "-o", out, "--device", "cpu", "-q", ok=ok)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gradients_run_over_the_decoder_layers(arch, built, tmp_path):
     """weight: [0, 1] gives decoder layer i the weight i / (layers − 1), whatever towers or MTP
@@ -272,17 +282,7 @@ def test_slices_and_frankenmerges(arch, built, tmp_path):
     model; the MTP layers renumbered after the last. Then a ties merge per slice."""
     base, agents = built(arch)
     out = tmp_path / "franken"
-    rlmerge("run", recipe(tmp_path, f"""
-merge_method: passthrough
-slices:
-  - sources:
-      - model: {agents[0]}
-        layer_range: [0, 2]
-  - sources:
-      - model: {agents[1]}
-        layer_range: [1, {LAYERS}]
-dtype: float32
-"""), "-o", out, "--device", "cpu", "-q")
+    frankenmerge(tmp_path, (agents[0], 0, 2), (agents[1], 1, LAYERS), out=out)
     config = load(out, arch)
     assert text_config(config).num_hidden_layers == 2 + LAYERS - 1
     layer_lists_consistent(config, arch)
@@ -327,17 +327,7 @@ def test_dense_and_moe_order(arch, built, tmp_path):
     layers refuses, naming the key; one with a per-layer list or a list of dense layers follows."""
     base, agents = built(arch)
     out = tmp_path / "out"
-    p = rlmerge("run", recipe(tmp_path, f"""
-merge_method: passthrough
-slices:
-  - sources:
-      - model: {agents[0]}
-        layer_range: [1, 3]
-  - sources:
-      - model: {agents[1]}
-        layer_range: [0, 1]
-dtype: float32
-"""), "-o", out, "--device", "cpu", "-q", ok=False)
+    p = frankenmerge(tmp_path, (agents[0], 1, 3), (agents[1], 0, 1), out=out, ok=False)
     if arch in ("deepseek_v3", "glm4_moe"):
         assert p.returncode != 0 and "first_k_dense_replace" in p.stderr, p.stderr
         assert not out.exists()

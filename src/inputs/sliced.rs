@@ -197,10 +197,7 @@ impl<'a> SlicePlanner<'a> {
             return None;
         }
         // The output's stack: the first lead's, with the slices' layer count.
-        let output = LayerStack {
-            layers: self.slices.layers(),
-            ..self.stack(first).clone()
-        };
+        let output = self.stack(first).with_layers(self.slices.layers());
         let mut modules: [Vec<&str>; 2] = [Vec::new(), Vec::new()];
         for plan in tensors.iter().filter_map(|p| p.sliced.as_ref()) {
             let from_last = plan.placement.slice != 0;

@@ -551,24 +551,4 @@ mod tests {
         assert_eq!(report.render_text(false), text);
         assert_eq!(report.to_json(false), json);
     }
-
-    #[test]
-    fn modules_from_names() {
-        assert_eq!(Module::of("model.embed_tokens.weight"), Module::Embed);
-        assert_eq!(
-            Module::of("model.layers.0.self_attn.q_proj.weight"),
-            Module::Attn
-        );
-        assert_eq!(
-            Module::of("model.layers.3.mlp.down_proj.weight"),
-            Module::Mlp
-        );
-        assert_eq!(
-            Module::of("model.layers.3.input_layernorm.weight"),
-            Module::Norm
-        );
-        assert_eq!(Module::of("model.norm.weight"), Module::Norm);
-        assert_eq!(Module::of("lm_head.weight"), Module::LmHead);
-        assert_eq!(Module::of("rotary.inv_freq"), Module::Other);
-    }
 }
