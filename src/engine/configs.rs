@@ -20,8 +20,9 @@ pub enum ConfigFrom {
 /// names whose config the output takes; every other difference that is not harmless is named.
 /// Returns the warnings, for stderr and the card.
 pub fn config_choice(inputs: &Inputs, config_from: Option<ConfigFrom>) -> Result<Vec<String>> {
-    use crate::checkpoint::folder_files::{config_differences, read_config};
-    let Ok(base) = read_config(&inputs.base.dir) else {
+    use crate::checkpoint::folder_files::config_differences;
+    use crate::inputs::own_config;
+    let Some(base) = own_config(&inputs.base)? else {
         return Ok(Vec::new());
     };
     let taken = match config_from {
@@ -30,10 +31,9 @@ pub fn config_choice(inputs: &Inputs, config_from: Option<ConfigFrom>) -> Result
     };
     let mut warnings = Vec::new();
     for agent in &inputs.agents {
-        if agent.lora.is_some() || !agent.dir.join("config.json").is_file() {
+        let Some(config) = own_config(agent)? else {
             continue;
-        }
-        let config = read_config(&agent.dir)?;
+        };
         let mut differences = config_differences(&base, &config);
         // Slices rebuild the per-layer lists from the layers each output layer comes from.
         if inputs.slices.is_some() {

@@ -41,6 +41,14 @@ pub(super) fn open_agent(
     }
 }
 
+/// A model's own config.json: `None` for a LoRA agent (it is the base) and a folder without one.
+pub(crate) fn own_config(m: &ModelFolder) -> Result<Option<serde_json::Value>> {
+    if m.lora.is_some() || m.dir.join("config.json").symlink_metadata().is_err() {
+        return Ok(None);
+    }
+    crate::checkpoint::folder_files::read_config(&m.dir).map(Some)
+}
+
 /// Refuses an agent whose `config.json` gives another architecture than the base's (a key of
 /// [`crate::checkpoint::folder_files::ARCHITECTURE_KEYS`] differs): its tensors would otherwise
 /// merge by name into a model neither of them is. The layer count may differ in slices (each slice
@@ -52,14 +60,8 @@ pub(super) fn refuse_other_architectures(
     agents: &[ModelFolder],
     layout: Layout,
 ) -> Result<Option<serde_json::Value>> {
-    use crate::checkpoint::folder_files::{architecture_difference, read_config};
-    let config_of = |m: &ModelFolder| -> Result<Option<serde_json::Value>> {
-        if m.lora.is_some() || m.dir.join("config.json").symlink_metadata().is_err() {
-            return Ok(None);
-        }
-        read_config(&m.dir).map(Some)
-    };
-    let Some(base_config) = config_of(base)? else {
+    use crate::checkpoint::folder_files::architecture_difference;
+    let Some(base_config) = own_config(base)? else {
         return Ok(None);
     };
     let mut skip = Vec::new();
@@ -70,7 +72,7 @@ pub(super) fn refuse_other_architectures(
         skip.push("vocab_size");
     }
     for agent in agents {
-        let Some(config) = config_of(agent)? else {
+        let Some(config) = own_config(agent)? else {
             continue;
         };
         if let Some((key, b, a)) = architecture_difference(&base_config, &config, &skip) {
