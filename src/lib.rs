@@ -24,6 +24,7 @@ pub mod inputs;
 pub mod job;
 pub(crate) mod linalg;
 pub mod method;
+pub mod model_config;
 pub(crate) mod names;
 pub mod record;
 pub(crate) mod report;

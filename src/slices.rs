@@ -3,8 +3,11 @@
 //! Output layers are numbered consecutively; each module outside the decoder's layers comes whole
 //! from the first slice's models (embeddings, vision and audio towers) or the last one's (final
 //! norm, lm_head, MTP layers), as mergekit takes the embeddings and the head
-//! ([`crate::structure`] says which stack a tensor is in).
+//! ([`crate::structure`] says which stack a tensor is in). Per-layer lists — written, or derived
+//! from each layer's index as transformers derives them — follow the layers
+//! ([`crate::model_config::layers`]).
 
+use crate::model_config::layers::{derived, index_rule_key, per_layer_list, PER_LAYER_LISTS};
 use crate::structure::{decoder_config, top_layer_count, whole_number, LAYER_COUNT_KEYS};
 use serde::{Deserialize, Serialize};
 
@@ -93,16 +96,6 @@ impl Slices {
     }
 }
 
-/// Config lists with one entry per decoder layer, rebuilt for a sliced output. Only these: a
-/// list that merely has as many entries as there are layers (`eos_token_id`, `architectures`)
-/// is no per-layer list.
-pub const PER_LAYER_LISTS: [&str; 4] = [
-    "layer_types",
-    "mlp_layer_types",
-    "no_rope_layers",
-    "block_types",
-];
-
 /// Config lists of decoder layer numbers (the layers with a property: Qwen-MoE's dense
 /// `mlp_only_layers`, LFM2's `full_attn_idxs`), rebuilt for a sliced output: output layer j is
 /// listed when the layer it comes from is listed in its model's config.
@@ -147,24 +140,24 @@ impl Slices {
             obj.insert(key.to_string(), self.layers().into());
         }
         for key in PER_LAYER_LISTS {
-            if !obj.get(key).is_some_and(|v| v.is_array()) {
-                continue;
-            }
-            // A per-layer list in every lead's config.
-            let lists: Option<Vec<&Vec<serde_json::Value>>> = leads
-                .iter()
-                .map(|(c, _)| {
-                    let list = c.get(key)?.as_array()?;
-                    (Some(list.len()) == top_layer_count(c)).then_some(list)
-                })
-                .collect();
+            // Every lead's list, written or derived from its layers' index (issue #50 item 2).
+            let lists: Option<Vec<Vec<serde_json::Value>>> =
+                leads.iter().map(|(c, _)| per_layer_list(c, key)).collect();
             let Some(lists) = lists else { continue };
             let rebuilt: Vec<serde_json::Value> = self
                 .output_layers()
                 .map(|(s, i)| lists[s][leads[s].1 + i].clone())
                 .collect();
-            obj.insert(key.to_string(), rebuilt.into());
+            // A list the output's config does not write is written where its model type's rule
+            // would give the output's layers other values (where it has none, its loader does
+            // not read the list).
+            let written = obj.get(key).is_some_and(|v| v.is_array());
+            let own = derived(&serde_json::Value::Object(obj.clone()), key, self.layers());
+            if written || own.is_some_and(|own| own != rebuilt) {
+                obj.insert(key.to_string(), rebuilt.into());
+            }
         }
+        self.refuse_unknown_index_rule(obj, &leads)?;
         for key in LAYER_INDEX_LISTS {
             if !obj.get(key).is_some_and(|v| v.is_array()) {
                 continue;
@@ -185,6 +178,34 @@ impl Slices {
             obj.insert(key.to_string(), rebuilt.into());
         }
         self.set_moe_order(obj, &leads)
+    }
+
+    /// Refuses to move layers of a config whose layers' kind is a rule over their index that
+    /// rlmerge does not know (`model_config::layers::index_rule_key`): the output's layers would
+    /// change kind silently.
+    fn refuse_unknown_index_rule(
+        &self,
+        obj: &serde_json::Map<String, serde_json::Value>,
+        leads: &[(serde_json::Value, usize)],
+    ) -> anyhow::Result<()> {
+        let Some(key) = index_rule_key(&serde_json::Value::Object(obj.clone())) else {
+            return Ok(());
+        };
+        let moved = self
+            .output_layers()
+            .enumerate()
+            .find(|(j, (s, i))| leads[*s].1 + i != *j);
+        if let Some((j, (s, i))) = moved {
+            anyhow::bail!(
+                "slice {} puts layer {} of its model at output layer {j}, and the config derives \
+                 each layer's kind from its index ('{key}') by a rule rlmerge does not know for \
+                 this model type: the layer would change kind silently. Give the models' \
+                 config.json an explicit layer_types list, or keep every layer at its index",
+                s + 1,
+                leads[s].1 + i
+            );
+        }
+        Ok(())
     }
 
     /// The dense/MoE order of the output's layers, said by the output's config (see

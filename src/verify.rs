@@ -8,6 +8,7 @@ use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
 use crate::checkpoint::{DType, ModelFolder};
 use crate::engine::{self, MergeOptions, PassOptions};
 use crate::inputs::{Inputs, Layout};
+use crate::method::catalog::Cost;
 use crate::record::{resolved_path, MergeRecord};
 use anyhow::{Context, Result};
 use std::io::Read;
@@ -172,6 +173,7 @@ fn recompute_and_compare(
             tokenizer: tokenizer.as_ref(),
             with_base: record.method.uses_base(),
             allow_missing_tensors: record.allow_missing_tensors,
+            raw_f32_agents: record.raw_f32_agents,
         },
     )?;
     let options = MergeOptions {
@@ -226,20 +228,174 @@ fn recompute_and_compare(
         )
     })?;
     let again = scratch.path().join("recomputed");
-    let result = engine::merge(&inputs, &options, backend, &again).and_then(|_| {
-        for shard in record.shards() {
-            match first_difference(&out_dir.join(&shard.file), &again.join(&shard.file))? {
-                None => v.ok.push(format!("recomputed {} is identical", shard.file)),
-                Some(at) => v.problems.push(format!(
-                    "recomputed {} differs from the output at byte {at}",
-                    shard.file
-                )),
-            }
-        }
-        Ok(())
-    });
+    let result = engine::merge(&inputs, &options, backend, &again)
+        .and_then(|summary| compare_outputs(record, &summary.record, out_dir, &again, backend, v));
     drop(scratch);
     result
+}
+
+/// The relative difference (Frobenius, per tensor) within which a spectral merge recomputed on
+/// another backend agrees with the output: their GEMMs sum in another order (docs/gpu.md). A
+/// 16-bit output rounds those f32 values once more, so its elements may differ by one step.
+pub const CROSS_BACKEND_TOLERANCE: f64 = 1e-6;
+
+/// Compares the recomputed folder `again` (its record `redone`) with the output: the same model
+/// files (a record whose shard size or dtype was changed names files the recomputation does not
+/// write), each byte for byte — weights, index, config and tokenizer files — or,
+/// for a spectral merge made on another backend than `backend`, each tensor within
+/// [`CROSS_BACKEND_TOLERANCE`], said so.
+fn compare_outputs(
+    record: &MergeRecord,
+    redone: &MergeRecord,
+    out_dir: &Path,
+    again: &Path,
+    backend: &dyn Backend,
+    v: &mut Verification,
+) -> Result<()> {
+    // The model's files; the saved recipe names its models relative to its own folder, the
+    // figure its agents as they were given.
+    let files = |r: &MergeRecord| -> Vec<String> {
+        r.outputs
+            .iter()
+            .map(|f| f.file.clone())
+            .filter(|f| f != crate::job::MERGEKIT_CONFIG_FILE && f != crate::record::OVERLAP_FIGURE)
+            .collect()
+    };
+    let (recorded, recomputed) = (files(record), files(redone));
+    if recorded != recomputed {
+        v.problems.push(format!(
+            "the recomputed merge writes {} where the record lists {} (the record's shard_size is \
+             {}, its out_dtype {}): the record does not describe this output",
+            recomputed.join(", "),
+            recorded.join(", "),
+            record.shard_size,
+            record.out_dtype.as_deref().unwrap_or("the base's")
+        ));
+        return Ok(());
+    }
+    let made_on = record.backend.as_deref();
+    let decomposed = record.svc.is_some() || record.method.kind().cost() == Cost::Spectral;
+    let tolerant = decomposed && made_on != Some(backend.kind());
+    for file in &recorded {
+        let (a, b) = (out_dir.join(file), again.join(file));
+        match first_difference(&a, &b)? {
+            None => v.ok.push(format!("recomputed {file} is identical")),
+            Some(_) if tolerant && file.ends_with(".safetensors") => {
+                match worst_tensor(out_dir, again, file)? {
+                    Some((name, apart)) if !apart.within_tolerance() => v.problems.push(format!(
+                        "recomputed {file} differs from the output beyond the backends' \
+                             rounding: tensor '{name}' by {:.1e} (relative), up to {} steps of \
+                             its dtype (their GEMMs' rounding stays within \
+                             {CROSS_BACKEND_TOLERANCE:e}, or one step of a 16-bit dtype)",
+                        apart.relative, apart.steps
+                    )),
+                    _ => v.ok.push(format!(
+                        "recomputed {file} agrees within {CROSS_BACKEND_TOLERANCE:e} (relative, \
+                         per tensor; a 16-bit output within one step), not byte for byte: the \
+                         merge was made on {}, recomputed on {}, whose GEMMs sum in another \
+                         order (docs/gpu.md)",
+                        made_on.unwrap_or("a backend the record does not name"),
+                        backend.kind()
+                    )),
+                }
+            }
+            Some(at) => v.problems.push(format!(
+                "recomputed {file} differs from the output at byte {at}{}",
+                match (decomposed, made_on) {
+                    (true, Some(kind)) => format!(" (made on {kind}, recomputed on {kind})"),
+                    _ => String::new(),
+                }
+            )),
+        }
+    }
+    Ok(())
+}
+
+/// How far one tensor of two outputs is from the other: ‖a − b‖ / ‖a‖ (Frobenius), and the most
+/// steps of its stored dtype between two of its elements (16-bit dtypes).
+#[derive(Clone, Copy, Debug, Default)]
+struct Apart {
+    relative: f64,
+    steps: u32,
+}
+
+impl Apart {
+    /// Within what two backends' GEMMs give (docs/gpu.md): the f32 values within
+    /// [`CROSS_BACKEND_TOLERANCE`], so a 16-bit output's elements within one step of it.
+    fn within_tolerance(&self) -> bool {
+        self.relative <= CROSS_BACKEND_TOLERANCE || self.steps <= 1
+    }
+}
+
+/// The tensor of shard `file` of the merged folders `a` and `b` (the same names, shapes and
+/// dtypes) farthest apart ([`Apart`]), or one the other lacks or holds in another shape or dtype
+/// (infinitely apart).
+fn worst_tensor(a: &Path, b: &Path, file: &str) -> Result<Option<(String, Apart)>> {
+    let (fa, fb) = (ModelFolder::open(a)?, ModelFolder::open(b)?);
+    let in_file = |m: &ModelFolder, t: &crate::checkpoint::model::ModelTensor| {
+        m.shards[t.shard].path.file_name() == Some(std::ffi::OsStr::new(file))
+    };
+    let far = Apart {
+        relative: f64::INFINITY,
+        steps: u32::MAX,
+    };
+    let mut worst: Option<(String, Apart)> = None;
+    for ta in fa.tensors.iter().filter(|t| in_file(&fa, t)) {
+        let (ea, name) = (&ta.entry, ta.entry.name.to_string());
+        let Some(tb) = fb.get(&name).filter(|tb| {
+            (tb.entry.dtype, &tb.entry.shape) == (ea.dtype, &ea.shape) && in_file(&fb, tb)
+        }) else {
+            return Ok(Some((name, far)));
+        };
+        let (size, step) = (ea.dtype.size(), 1usize << 20);
+        let (mut ba, mut bb) = (vec![0u8; step * size], vec![0u8; step * size]);
+        let (mut xa, mut xb) = (vec![0f32; step], vec![0f32; step]);
+        let (mut diff, mut norm, mut steps) = (0.0f64, 0.0f64, 0u32);
+        for start in (0..ea.numel).step_by(step) {
+            let n = step.min(ea.numel - start);
+            let at = (start * size) as u64;
+            fa.read(ta, at, &mut ba[..n * size])?;
+            fb.read(tb, at, &mut bb[..n * size])?;
+            crate::checkpoint::dtype::decode(ea.dtype, &ba[..n * size], &mut xa[..n]);
+            crate::checkpoint::dtype::decode(ea.dtype, &bb[..n * size], &mut xb[..n]);
+            for (p, q) in xa[..n].iter().zip(&xb[..n]) {
+                diff += f64::from(p - q).powi(2);
+                norm += f64::from(*p).powi(2);
+            }
+            if size == 2 {
+                let ordered = |c: &[u8]| {
+                    let bits = i32::from(u16::from_le_bytes([c[0], c[1]]));
+                    if bits & 0x8000 != 0 {
+                        -(bits & 0x7fff)
+                    } else {
+                        bits
+                    }
+                };
+                let pairs = ba[..n * 2].chunks_exact(2).zip(bb[..n * 2].chunks_exact(2));
+                for (p, q) in pairs {
+                    steps = steps.max(ordered(p).abs_diff(ordered(q)));
+                }
+            } else {
+                steps = u32::MAX;
+            }
+        }
+        let relative = if diff == 0.0 {
+            0.0
+        } else if norm == 0.0 {
+            f64::INFINITY
+        } else {
+            (diff / norm).sqrt()
+        };
+        let apart = Apart {
+            relative,
+            steps: if diff == 0.0 { 0 } else { steps },
+        };
+        let farther = |w: &Apart| (apart.relative, apart.steps) > (w.relative, w.steps);
+        if worst.as_ref().is_none_or(|(_, w)| farther(w)) {
+            worst = Some((name, apart));
+        }
+    }
+    Ok(worst)
 }
 
 /// The first byte offset where two files differ (a length difference counts), or `None`.

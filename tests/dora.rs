@@ -105,7 +105,8 @@ fn dora_agents_merge_as_their_full_checkpoints() {
     ];
     for (i, args) in methods.iter().enumerate() {
         let want = d.path().join(format!("{i}-full"));
-        let o = merge(&want, &[full.clone(), memory.clone()], args);
+        let raw: Vec<&str> = args.iter().copied().chain(["--raw-f32-agents"]).collect();
+        let o = merge(&want, &[full.clone(), memory.clone()], &raw);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let want = read_folder(&want);
         // Tiles of 12 f32 elements cut the 16- and 40-column rows: a row's norm is the same

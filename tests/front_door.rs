@@ -240,7 +240,11 @@ fn every_card_reproduces_its_merge_and_the_record_is_portable() {
     );
     let card = std::fs::read_to_string(root.join("out/ties/README.md")).unwrap();
     assert!(
-        card.contains("with mergekit's semantics") && card.contains("`mergekit-yaml` takes it")
+        card.contains("with mergekit's semantics")
+            && card.contains(
+                "`mergekit-yaml mergekit_config.yml OUT`, run in this folder, takes it too"
+            ),
+        "{card}"
     );
 }
 

@@ -119,8 +119,8 @@ fn fixtures() -> Vec<PathBuf> {
 }
 
 /// mergekit's documented recipes (ties, dare_ties, slerp, model_stock, linear, ram, and more) run
-/// unchanged; the recipe is saved as mergekit_config.yml, the output dtype follows `dtype`, and
-/// `rlmerge verify` accepts the result.
+/// unchanged; the recipe is saved as mergekit_config.yml (run from anywhere, it makes the same
+/// merge), the output dtype follows `dtype`, and `rlmerge verify` accepts the result.
 #[test]
 fn mergekit_recipes_run_unchanged() {
     let d = demo_models();
@@ -146,10 +146,28 @@ fn mergekit_recipes_run_unchanged() {
             .assert()
             .success();
         let text = std::fs::read_to_string(&recipe).unwrap();
+        // The saved recipe is the recipe — its method and parameters as written, its model paths
+        // relative to the output — and makes the same merge from any folder.
+        let saved = std::fs::read_to_string(out.join("mergekit_config.yml")).unwrap();
+        let (a, b): (serde_yaml::Value, serde_yaml::Value) = (
+            serde_yaml::from_str(&text).unwrap(),
+            serde_yaml::from_str(&saved).unwrap(),
+        );
+        for key in ["merge_method", "parameters", "dtype", "tokenizer_source"] {
+            assert_eq!(a.get(key), b.get(key), "{name}: {key}");
+        }
+        let elsewhere = tempfile::tempdir().unwrap();
+        rlmerge()
+            .current_dir(elsewhere.path())
+            .arg("run")
+            .arg(out.join("mergekit_config.yml"))
+            .args(["-q", "-o", "again"])
+            .assert()
+            .success();
         assert_eq!(
-            std::fs::read_to_string(out.join("mergekit_config.yml")).unwrap(),
-            text,
-            "{name}"
+            read_folder(&out),
+            read_folder(&elsewhere.path().join("again")),
+            "{name}: the saved recipe makes the same merge"
         );
         let want = if text.contains("dtype: float16") {
             Dtype::F16

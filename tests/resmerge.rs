@@ -346,3 +346,119 @@ fn resmerge_from_recipes_on_both_backends_and_its_bad_parameters() {
         .success();
     assert_eq!(read_folder(&flags), read_folder(&gpu));
 }
+
+/// Two agents whose updates are rank 2 (as LoRA agents' are), in f32.
+fn low_rank_agents() -> Fixture {
+    let mut rng = Rng(77);
+    let (m, n) = (24usize, 16usize);
+    let names = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    ];
+    let mut base = Vec::new();
+    let mut agents = vec![Vec::new(), Vec::new()];
+    for name in names {
+        let b: Vec<f32> = (0..m * n).map(|_| (rng.f32() - 0.5) * 0.2).collect();
+        for agent in agents.iter_mut() {
+            let mut w = b.clone();
+            for _ in 0..2 {
+                let u: Vec<f32> = (0..m).map(|_| rng.f32() - 0.5).collect();
+                let v: Vec<f32> = (0..n).map(|_| (rng.f32() - 0.5) * 0.05).collect();
+                for i in 0..m {
+                    for j in 0..n {
+                        w[i * n + j] += u[i] * v[j];
+                    }
+                }
+            }
+            agent.push(T {
+                name: name.into(),
+                dtype: Dtype::F32,
+                shape: vec![m, n],
+                values: w,
+            });
+        }
+        base.push(T {
+            name: name.into(),
+            dtype: Dtype::F32,
+            shape: vec![m, n],
+            values: b,
+        });
+    }
+    fixture_of(base, agents, 1, |_| 1)
+}
+
+/// Issue #50 item 5: ResMerge merges what each agent's top rank_topk directions leave; of agents
+/// whose update those directions hold whole (low-rank, LoRA), it keeps nothing — the output is
+/// the base. The merge says so: each agent's kept share in the record and the card, and a
+/// warning below a tenth of a mean's share; a rank_topk below the agents' rank keeps some.
+#[test]
+fn resmerge_says_when_it_keeps_nothing_of_an_agent() {
+    let f = low_rank_agents();
+    let kept = |out: &std::path::Path| -> Vec<f64> {
+        let record: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("rlmerge_record.json")).unwrap())
+                .unwrap();
+        record["agents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["kept"].as_f64().unwrap())
+            .collect()
+    };
+    let whole = f.dir.path().join("k4");
+    let o = merge_cmd(
+        &f,
+        &whole,
+        &["--method", "resmerge", "--param", "rank_topk=4"],
+    )
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{}", err_of(&o));
+    assert!(
+        err_of(&o).contains("resmerge kept") && err_of(&o).contains("lower rank_topk"),
+        "{}",
+        err_of(&o)
+    );
+    assert!(
+        kept(&whole).iter().all(|&k| k.abs() < 1e-3),
+        "{:?}",
+        kept(&whole)
+    );
+    let card = std::fs::read_to_string(whole.join("README.md")).unwrap();
+    assert!(card.contains("of its update"), "{card}");
+    // `analyze --merged` measures the same retention.
+    let o = rlmerge()
+        .arg("analyze")
+        .arg("--base")
+        .arg(&f.base)
+        .args(["--model"])
+        .arg(&f.agents[0])
+        .args(["--model"])
+        .arg(&f.agents[1])
+        .arg("--merged")
+        .arg(&whole)
+        .arg("--json")
+        .output()
+        .unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let all = json["retention"]["agents"][0]["all"]["retention"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        (all - kept(&whole)[0]).abs() < 1e-9,
+        "{all} vs {:?}",
+        kept(&whole)
+    );
+    // Below the agents' rank the residual is merged: kept, no warning.
+    let part = f.dir.path().join("k1");
+    let o = merge_cmd(
+        &f,
+        &part,
+        &["--method", "resmerge", "--param", "rank_topk=1"],
+    )
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{}", err_of(&o));
+    assert!(!err_of(&o).contains("resmerge kept"), "{}", err_of(&o));
+    assert!(kept(&part).iter().all(|&k| k > 0.05), "{:?}", kept(&part));
+}

@@ -311,7 +311,6 @@ fn nan_in_the_base_beside_a_lora_agent_is_refused() {
 fn lora_by_hand(adapter: &Path, out: &Path, alpha_of: &dyn Fn(&str) -> f64) {
     let scale = |module: &str, r: usize| (alpha_of(module) / r as f64) as f32;
     lora_merged_by_hand(&models().join("base"), adapter, out, &scale);
-    std::fs::copy(models().join("base/config.json"), out.join("config.json")).unwrap();
 }
 
 /// Writes an adapter config whose `alpha_pattern` is `pattern` (JSON text, keys in that order),
@@ -346,6 +345,7 @@ fn alpha_and_rank_patterns_follow_peft() {
             "weight=1",
             "--out-dtype",
             "f32",
+            "--raw-f32-agents",
         ];
         let (x, y) = (
             d.path().join(format!("{what}-x")),
@@ -517,7 +517,7 @@ fn lora_agents_work_in_slices() {
         let r = d.path().join(format!("{name}.yml"));
         std::fs::write(&r, recipe(&agent)).unwrap();
         let out = d.path().join(format!("out-{name}"));
-        let o = run_recipe(&r, &out, &[]);
+        let o = run_recipe(&r, &out, &["--raw-f32-agents"]);
         assert!(o.status.success(), "{name}: {}", err_of(&o));
         outs.push(read_folder(&out));
     }

@@ -275,3 +275,132 @@ fn a_record_under_its_old_name_is_still_read() {
     assert!(out.join("rlmerge_record.json").is_file());
     assert!(!out.join("rlmerge_recipe.json").exists());
 }
+
+/// Issue #50 item 4: verify checks what it claims. A spectral merge made on the GPU (whose GEMM
+/// sums in another order, docs/gpu.md) recomputed on the CPU agrees within the backends'
+/// tolerance and says so — not a failure; every other method's bytes are the same on both. A
+/// record says which backend made it. An input's config.json changed since the merge (another
+/// norm ε) fails verify, as a weight would; a record whose shard size was changed names it
+/// instead of an internal path.
+#[test]
+fn verify_compares_across_backends_and_catches_changed_configs() {
+    let f = fixture(
+        50,
+        Dtype::BF16,
+        &[
+            ("model.layers.0.self_attn.q_proj.weight", vec![24, 16]),
+            ("model.layers.0.mlp.up_proj.weight", vec![32, 16]),
+            ("model.norm.weight", vec![16]),
+        ],
+        &[0.1, 0.15, 0.2],
+        1,
+    );
+    let record = |out: &Path| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(out.join("rlmerge_record.json")).unwrap()).unwrap()
+    };
+    let cpu = merged(&f, "cpu", &["--method", "tsv", "--device", "cpu"]);
+    assert_eq!(record(&cpu)["backend"], "cpu");
+    if gpu_available("verify of a GPU-made spectral merge") {
+        let gpu = merged(&f, "gpu", &["--method", "tsv", "--device", "gpu"]);
+        assert_eq!(record(&gpu)["backend"], "gpu");
+        let o = verify(&gpu, &["--against", "--device", "cpu"]);
+        let said = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(o.status.success(), "{said}{}", err_of(&o));
+        assert!(
+            said.contains("identical") || said.contains("agrees within 1e-6"),
+            "{said}"
+        );
+        if read_folder(&gpu) != read_folder(&cpu) {
+            assert!(said.contains("made on gpu, recomputed on cpu"), "{said}");
+        }
+        // RAM gives the same bytes on both: verified byte for byte across them.
+        let ram = merged(&f, "ram-gpu", &["--method", "ram", "--device", "gpu"]);
+        let o = verify(&ram, &["--against", "--device", "cpu"]);
+        let said = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(
+            o.status.success() && said.contains("model.safetensors is identical"),
+            "{said}"
+        );
+    }
+    // A changed config of an input: the record holds its checksum.
+    let out = merged(&f, "ties", &["--method", "ties", "--param", "weight=1"]);
+    assert!(verify(&out, &[]).status.success());
+    let config = f.agents[1].join("config.json");
+    let before = std::fs::read(&config).unwrap();
+    let mut edited: serde_json::Value = serde_json::from_slice(&before).unwrap();
+    edited["rms_norm_eps"] = serde_json::json!(1e-5);
+    std::fs::write(&config, edited.to_string()).unwrap();
+    let o = verify(&out, &["--against"]);
+    assert_eq!(o.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        said.contains("FAIL  input") && said.contains("config.json"),
+        "{said}"
+    );
+    std::fs::write(&config, before).unwrap();
+    assert!(verify(&out, &["--against"]).status.success());
+    // A record whose shard size says 1 byte: named, not an internal scratch path.
+    let path = out.join("rlmerge_record.json");
+    let mut tampered = record(&out);
+    tampered["shard_size"] = serde_json::json!(1);
+    std::fs::write(&path, tampered.to_string()).unwrap();
+    let o = verify(&out, &["--against"]);
+    let said = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(o.status.code(), Some(1), "{said}");
+    assert!(said.contains("shard_size is 1"), "{said}");
+    assert!(!said.contains(".rlmerge-verify"), "{said}");
+}
+
+/// The cross-backend comparison itself, without a GPU: an output one bf16 step off the
+/// recomputation in one element (what another GEMM's rounding can make) passes where the record
+/// says the spectral merge was made on the GPU, and fails byte for byte where it says the CPU;
+/// two steps off fails either way.
+#[test]
+fn a_gpu_made_spectral_merge_is_compared_within_one_step() {
+    let f = fixture(
+        52,
+        Dtype::BF16,
+        &[("model.layers.0.self_attn.q_proj.weight", vec![24, 16])],
+        &[0.1, 0.15],
+        1,
+    );
+    let out = merged(&f, "tsv", &["--method", "tsv", "--device", "cpu"]);
+    let shard = out.join("model.safetensors");
+    let original = std::fs::read(&shard).unwrap();
+    let record_path = out.join("rlmerge_record.json");
+    let original_record = std::fs::read_to_string(&record_path).unwrap();
+    let tamper = |steps: u16, backend: &str| {
+        let mut bytes = original.clone();
+        let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let at = 8 + header + 2 * 5;
+        let bits = u16::from_le_bytes([bytes[at], bytes[at + 1]]);
+        bytes[at..at + 2].copy_from_slice(&(bits + steps).to_le_bytes());
+        std::fs::write(&shard, &bytes).unwrap();
+        let mut record: serde_json::Value = serde_json::from_str(&original_record).unwrap();
+        record["backend"] = backend.into();
+        for o in record["outputs"].as_array_mut().unwrap() {
+            if o["file"] == "model.safetensors" {
+                o["crc32"] = crc(&shard).into();
+            }
+        }
+        std::fs::write(&record_path, record.to_string()).unwrap();
+        let o = verify(&out, &["--against", "--device", "cpu"]);
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+        )
+    };
+    let (ok, said) = tamper(1, "gpu");
+    assert!(ok && said.contains("agrees within 1e-6"), "{said}");
+    assert!(said.contains("made on gpu, recomputed on cpu"), "{said}");
+    let (ok, said) = tamper(1, "cpu");
+    assert!(
+        !ok && said.contains("differs from the output at byte"),
+        "{said}"
+    );
+    let (ok, said) = tamper(2, "gpu");
+    assert!(
+        !ok && said.contains("beyond the backends' rounding"),
+        "{said}"
+    );
+}

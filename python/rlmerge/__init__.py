@@ -60,10 +60,49 @@ def _where(name: Any, what: str = "model") -> str:
 
 def _check_common(device: Any, threads: Any) -> None:
     """The compute keywords every call takes, checked in the API's own words."""
-    if device not in ("auto", "cpu", "gpu"):
-        raise UsageError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise UsageError(f"threads must be a whole number ≥ 0 (0: all cores), got {threads!r}")
+    _check_keywords(device=device, threads=threads)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+#: What each keyword of the API takes: its check, and the words a UsageError says of it. Every
+#: keyword of every call is checked here, alike, before the library sees it (a bool is no
+#: number, a string no bool, a dict no list).
+_KEYWORDS = {
+    "flag": (lambda v: isinstance(v, bool), "must be True or False"),
+    "text": (lambda v: v is None or isinstance(v, str), "must be a string (or None)"),
+    "size": (lambda v: v is None or isinstance(v, str) or (_is_number(v) and v >= 1),
+             "must be a size: a number of bytes ≥ 1, or a string such as '5GB' (or None)"),
+    "seed": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
+                                     and 0 <= v < 2 ** 64),
+             "must be a whole number in [0, 2**64) (or None)"),
+    "number": (lambda v: v is None or _is_number(v), "must be a number (or None)"),
+    "svc": (lambda v: v is None or isinstance(v, bool) or _is_number(v),
+            "must be a number α > 0, True (α = 0.1), or False/None"),
+    "threads": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                "must be a whole number ≥ 0 (0: all cores)"),
+    "device": (lambda v: isinstance(v, str) and v in ("auto", "cpu", "gpu"),
+               "must be 'auto', 'cpu' or 'gpu'"),
+    "mapping": (lambda v: v is None or isinstance(v, Mapping), "must be a dict (or None)"),
+}
+
+_KEYWORD_KINDS = {
+    "quiet": "flag", "force": "flag", "allow_missing_tensors": "flag",
+    "allow_nonfinite": "flag", "allow_dense_agents": "flag", "raw_f32_agents": "flag",
+    "per_tensor": "flag", "against": "flag", "method": "text", "out_dtype": "text",
+    "shard_size": "size", "seed": "seed", "epsilon": "number", "svc": "svc",
+    "threads": "threads", "device": "device", "tokenizer": "mapping",
+}
+
+
+def _check_keywords(**keywords: Any) -> None:
+    """Each keyword's type, checked alike: a UsageError naming the keyword and what it takes."""
+    for name, value in keywords.items():
+        check, takes = _KEYWORDS[_KEYWORD_KINDS[name]]
+        if not check(value):
+            raise UsageError(f"{name} {takes}, got {type(value).__name__} {value!r}")
 
 
 def _check_value(key: str, value: Any, lists: int = 0) -> None:
@@ -153,7 +192,8 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
           out_dtype: Optional[str] = None, shard_size: Optional[str] = None, threads: int = 0,
           tokenizer_source: Optional[str] = None, tokenizer: Optional[Mapping[str, Any]] = None,
           allow_missing_tensors: bool = False, allow_nonfinite: bool = False,
-          allow_dense_agents: bool = False, seed: int = 0, names: Optional[Sequence[str]] = None,
+          allow_dense_agents: bool = False, raw_f32_agents: bool = False,
+          seed: Optional[int] = None, names: Optional[Sequence[str]] = None,
           config_from: Optional[str] = None,
           svc: Union[None, bool, float] = None, **params: Any) -> Dict[str, Any]:
     """Merges ``models`` (agents fine-tuned from ``base``) with ``method`` into the folder ``out``.
@@ -175,6 +215,8 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     ``config_from`` (``"base"``, or an agent's folder or name) says whose config.json the merged
     model takes — needed where an agent's config differs from the base's in a key that changes how
     the weights are used (rope, context length, attention windows, activation, norms).
+    ``raw_f32_agents=True`` reads agents' F32 weights over a BF16/F16 base as stored; by default
+    they are fp32 master weights, read as their rounding to the base's dtype.
     ``names`` gives the agents names (one per model, in order) for the card, the record and the
     figures. ``seed`` seeds the random masks of dare_linear, dare_ties, della and della_linear (the same
     seed, the same bytes). ``svc=ALPHA`` (``True``: α = 0.1)
@@ -188,7 +230,11 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     out = _path(out, "out")
     if isinstance(models, (str, bytes, os.PathLike)):
         raise UsageError("models must be a list of folders, not one path")
-    _check_common(device, threads)
+    _check_keywords(method=method, device=device, threads=threads, quiet=quiet, force=force,
+                    out_dtype=out_dtype, shard_size=shard_size, seed=seed, svc=svc,
+                    tokenizer=tokenizer, allow_missing_tensors=allow_missing_tensors,
+                    allow_nonfinite=allow_nonfinite, allow_dense_agents=allow_dense_agents,
+                    raw_f32_agents=raw_f32_agents)
     for key, value in params.items():
         if isinstance(value, Mapping):
             for v in value.values():
@@ -210,10 +256,14 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
         recipe["parameters"] = shared
     if config_from is not None:
         if not isinstance(config_from, (str, os.PathLike)):
-            raise UsageError(f"config_from must be 'base' or a model, got {config_from!r}")
+            raise UsageError(f"config_from must be 'base' or a model (a string or a path), got "
+                             f"{type(config_from).__name__} {config_from!r}")
         named = os.fspath(config_from)
         recipe["config_from"] = named if named == "base" or named in (names or []) else _where(named)
     if tokenizer_source is not None:
+        if not isinstance(tokenizer_source, (str, os.PathLike)):
+            raise UsageError(f"tokenizer_source must be 'base', 'union' or a model, got "
+                             f"{type(tokenizer_source).__name__} {tokenizer_source!r}")
         recipe["tokenizer_source"] = _where(tokenizer_source) if tokenizer_source not in ("base", "union") else tokenizer_source
     if tokenizer is not None:
         recipe["tokenizer"] = dict(tokenizer)
@@ -222,7 +272,8 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     # The recipe goes to the library as data, read and checked as a recipe file is; what it
     # says of the recipe is said in this function's keywords.
     keywords = _keywords(device, quiet, force, out_dtype, shard_size, threads,
-                         allow_missing_tensors, allow_nonfinite, allow_dense_agents, seed)
+                         allow_missing_tensors, allow_nonfinite, allow_dense_agents,
+                         raw_f32_agents, seed)
     try:
         record = _native.merge(recipe, out, keywords)
     except UsageError as e:
@@ -231,11 +282,12 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
 
 
 def _names(names: Any, models: int) -> List[Optional[str]]:
-    """``names`` checked: ``None``, or one string per model."""
+    """``names`` checked: ``None``, or a list (or tuple) of one string per model."""
     if names is None:
         return [None] * models
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise UsageError(f"names must be a list of strings, one per model, got {names!r}")
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise UsageError(f"names must be a list of strings, one per model, got "
+                         f"{type(names).__name__} {names!r}")
     if len(names) != models:
         raise UsageError(f"names has {len(names)} names for {models} models: give one per model")
     return list(names)
@@ -256,30 +308,38 @@ def _in_keywords(message: str) -> str:
 
 def _keywords(device: str, quiet: bool, force: bool, out_dtype: Optional[str],
               shard_size: Any, threads: int, allow_missing_tensors: bool,
-              allow_nonfinite: bool, allow_dense_agents: bool, seed: Any) -> Dict[str, Any]:
-    """A merge's keywords as the native ``merge`` and ``run`` take them; a shard size as the
-    library reads one (``"5GB"``, ``"2GiB"`` or a number of bytes)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
-        raise UsageError(f"seed must be a whole number in [0, 2**64), got {seed!r}")
+              allow_nonfinite: bool, allow_dense_agents: bool, raw_f32_agents: bool,
+              seed: Any) -> Dict[str, Any]:
+    """A merge's keywords as the native ``merge`` and ``run`` take them (each checked by
+    :func:`_check_keywords`); a shard size as the library reads one (``"5GB"``, ``"2GiB"`` or a
+    number of bytes)."""
+    _check_keywords(device=device, threads=threads, quiet=quiet, force=force, out_dtype=out_dtype,
+                    shard_size=shard_size, seed=seed, allow_missing_tensors=allow_missing_tensors,
+                    allow_nonfinite=allow_nonfinite, allow_dense_agents=allow_dense_agents,
+                    raw_f32_agents=raw_f32_agents)
+    if _is_number(shard_size):
+        shard_size = int(shard_size) if float(shard_size).is_integer() else shard_size
     return {"device": device, "quiet": quiet, "force": force, "out_dtype": out_dtype,
             "shard_size": None if shard_size is None else str(shard_size), "threads": threads,
             "allow_missing_tensors": allow_missing_tensors, "allow_nonfinite": allow_nonfinite,
-            "allow_dense_agents": bool(allow_dense_agents), "seed": seed}
+            "allow_dense_agents": allow_dense_agents, "raw_f32_agents": raw_f32_agents,
+            "seed": seed}
 
 
 def run(recipe: PathLike, out: PathLike, *, device: str = "auto", quiet: bool = True,
         force: bool = False, out_dtype: Optional[str] = None, shard_size: Optional[str] = None,
         threads: int = 0, allow_missing_tensors: bool = False,
         allow_nonfinite: bool = False, allow_dense_agents: bool = False,
-        seed: int = 0) -> Dict[str, Any]:
+        raw_f32_agents: bool = False, seed: Optional[int] = None) -> Dict[str, Any]:
     """Runs a mergekit YAML recipe into ``out``, as ``rlmerge run``; returns what :func:`merge`
-    returns."""
+    returns. A keyword given replaces the recipe's setting (``seed``, ``out_dtype``,
+    ``shard_size``); the recipe saved with the merge says what it ran with."""
     _check_common(device, threads)
     out = _path(out, "out")
     record = _native.run(_path(recipe, "recipe"), out,
                          _keywords(device, quiet, force, out_dtype, shard_size, threads,
                                    allow_missing_tensors, allow_nonfinite, allow_dense_agents,
-                                   seed))
+                                   raw_f32_agents, seed))
     return _finished(record, out)
 
 
@@ -288,7 +348,7 @@ def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False
             epsilon: Optional[float] = None, device: str = "auto", quiet: bool = True,
             threads: int = 0, tokenizer_source: Optional[str] = None,
             allow_missing_tensors: bool = False, allow_nonfinite: bool = False,
-            allow_dense_agents: bool = False,
+            allow_dense_agents: bool = False, raw_f32_agents: bool = False,
             names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """What each agent changed (the data of ``rlmerge analyze --json``): density, unique and
     shared counts, ρ and λ per agent, by module and tensor with ``per_tensor``; with ``merged``,
@@ -298,18 +358,24 @@ def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False
     """
     if isinstance(models, (str, bytes, os.PathLike)):
         raise UsageError("models must be a list of folders, not one path")
-    _check_common(device, threads)
+    _check_keywords(device=device, threads=threads, per_tensor=per_tensor, epsilon=epsilon,
+                    quiet=quiet, allow_missing_tensors=allow_missing_tensors,
+                    allow_nonfinite=allow_nonfinite, allow_dense_agents=allow_dense_agents,
+                    raw_f32_agents=raw_f32_agents)
+    if tokenizer_source is not None and not isinstance(tokenizer_source, (str, os.PathLike)):
+        raise UsageError(f"tokenizer_source must be 'base', 'union' or a model, got "
+                         f"{type(tokenizer_source).__name__} {tokenizer_source!r}")
     if tokenizer_source is not None and tokenizer_source not in ("base", "union"):
         tokenizer_source = _where(tokenizer_source)
     keywords = {
         "base": _where(base, "base"), "models": [_where(m) for m in models],
-        "per_tensor": bool(per_tensor),
+        "per_tensor": per_tensor,
         "merged": None if merged is None else _path(merged, "merged"),
         "plot": None if plot is None else _path(plot, "plot"),
         "epsilon": None if epsilon is None else float(epsilon), "device": device, "quiet": quiet,
         "threads": threads, "tokenizer_source": tokenizer_source,
         "allow_missing_tensors": allow_missing_tensors, "allow_nonfinite": allow_nonfinite,
-        "allow_dense_agents": bool(allow_dense_agents),
+        "allow_dense_agents": allow_dense_agents, "raw_f32_agents": raw_f32_agents,
         "names": [n for n in _names(names, len(models)) if n is not None],
     }
     return json.loads(_native.analyze(keywords))
@@ -323,7 +389,7 @@ def verify(dir: PathLike, against: bool = False, *, device: str = "auto") -> Dic
     killed runs left in or beside it, with their size and how to remove them. Raises :class:`MergeError` when the folder cannot
     be checked at all (no readable record)."""
     dir = _path(dir, "dir")
-    _check_common(device, 0)
+    _check_keywords(device=device, against=against)
     checks, skipped, problems, notes = _native.verify(dir, against, device)
     return {"path": os.path.abspath(dir), "ok": not problems, "checks": checks,
             "skipped": skipped, "problems": problems, "notes": notes}

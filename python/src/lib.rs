@@ -34,10 +34,11 @@ static USAGE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 const SIGNAL_POLL: Duration = Duration::from_millis(100);
 
 /// Options the library's messages name by their command-line flag, and their keyword here.
-const KEYWORDS: [(&str, &str); 5] = [
+const KEYWORDS: [(&str, &str); 6] = [
     ("--allow-missing-tensors", "allow_missing_tensors=True"),
     ("--allow-nonfinite", "allow_nonfinite=True"),
     ("--allow-dense-agents", "allow_dense_agents=True"),
+    ("--raw-f32-agents", "raw_f32_agents=True"),
     ("--config-from", "config_from="),
     ("--epsilon", "epsilon"),
 ];
@@ -231,7 +232,8 @@ struct MergeKeywords {
     allow_missing_tensors: bool,
     allow_nonfinite: bool,
     allow_dense_agents: bool,
-    seed: u64,
+    raw_f32_agents: bool,
+    seed: Option<u64>,
 }
 
 /// The compute options on `device` ("auto", "cpu" or "gpu").
@@ -247,7 +249,7 @@ fn compute(device: &str, quiet: bool, threads: usize) -> anyhow::Result<ComputeA
         }
     };
     Ok(ComputeArgs {
-        epsilon: f64::from(rlmerge::method::DEFAULT_EPSILON),
+        epsilon: None,
         threads,
         quiet,
         device,
@@ -255,6 +257,7 @@ fn compute(device: &str, quiet: bool, threads: usize) -> anyhow::Result<ComputeA
         allow_nonfinite: false,
         allow_missing_tensors: false,
         allow_dense_agents: false,
+        raw_f32_agents: false,
         gpu_chunk_elems: None,
     })
 }
@@ -266,14 +269,18 @@ impl MergeKeywords {
             allow_missing_tensors: self.allow_missing_tensors,
             allow_nonfinite: self.allow_nonfinite,
             allow_dense_agents: self.allow_dense_agents,
+            raw_f32_agents: self.raw_f32_agents,
             ..compute(&self.device, self.quiet, self.threads)?
         };
         let out_dtype = self
             .out_dtype
             .map(|d| rlmerge::job::parse_dtype(&d).map_err(|e| usage(format!("out_dtype: {e}"))))
             .transpose()?;
-        let shard_size = self.shard_size.as_deref().unwrap_or("5GB");
-        let shard_size = rlmerge::checkpoint::writer::parse_size(shard_size)
+        let shard_size = self
+            .shard_size
+            .as_deref()
+            .map(rlmerge::checkpoint::writer::parse_size)
+            .transpose()
             .map_err(|e| usage(format!("shard_size: {e:#}")))?;
         let output = OutputArgs {
             out_dtype,
@@ -328,7 +335,7 @@ fn merge(
     let value = yaml_of(recipe).map_err(|e| exception(py, &e))?;
     let seed = keywords.seed;
     let options = keywords.options(out).map_err(|e| exception(py, &e))?;
-    merge_into(py, move || Job::from_recipe_value(value, seed), options)
+    merge_into(py, move || Job::from_base_and_models(value, seed), options)
 }
 
 /// Runs the mergekit YAML recipe file `recipe` into `out`, as `rlmerge run`; the record as JSON.
@@ -377,6 +384,7 @@ struct AnalyzeKeywords {
     allow_missing_tensors: bool,
     allow_nonfinite: bool,
     allow_dense_agents: bool,
+    raw_f32_agents: bool,
     names: Vec<String>,
 }
 
@@ -392,12 +400,11 @@ fn analyze(py: Python<'_>, keywords: AnalyzeKeywords) -> PyResult<String> {
             names: k.names,
             tokenizer_source: k.tokenizer_source,
             compute: ComputeArgs {
-                epsilon: k
-                    .epsilon
-                    .unwrap_or(f64::from(rlmerge::method::DEFAULT_EPSILON)),
+                epsilon: k.epsilon,
                 allow_missing_tensors: k.allow_missing_tensors,
                 allow_nonfinite: k.allow_nonfinite,
                 allow_dense_agents: k.allow_dense_agents,
+                raw_f32_agents: k.raw_f32_agents,
                 ..compute
             },
         },

@@ -716,3 +716,90 @@ def test_config_differences_need_config_from(demo, tmp_path):
     assert summary["config_from"] == "../long-context"
     merged = json.loads((tmp_path / "out" / "config.json").read_text())
     assert merged["rms_norm_eps"] == config["rms_norm_eps"]
+
+
+@pytest.mark.parametrize(
+    "call, keyword, value",
+    [
+        ("merge", "allow_dense_agents", "no"),
+        ("merge", "allow_nonfinite", "no"),
+        ("merge", "allow_missing_tensors", 1),
+        ("merge", "raw_f32_agents", "yes"),
+        ("merge", "quiet", "false"),
+        ("merge", "force", None),
+        ("merge", "svc", "0.1"),
+        ("merge", "seed", True),
+        ("merge", "seed", 1.5),
+        ("merge", "shard_size", True),
+        ("merge", "out_dtype", 16),
+        ("merge", "names", {"a": 1, "b": 2, "c": 3}),
+        ("merge", "names", "abc"),
+        ("merge", "config_from", 3),
+        ("merge", "tokenizer_source", 7),
+        ("merge", "tokenizer", ["union"]),
+        ("run", "force", "no"),
+        ("run", "seed", "7"),
+        ("analyze", "per_tensor", "no"),
+        ("analyze", "epsilon", "1e-5"),
+        ("analyze", "allow_dense_agents", "no"),
+        ("verify", "against", "yes"),
+    ],
+)
+def test_every_keyword_is_checked_alike(demo, tmp_path, call, keyword, value):
+    """Issue #50 item 6: a keyword of the wrong type — a string for a bool, a bool for a number, a
+    dict for a list — is a UsageError naming the keyword, whichever call and keyword, before
+    anything is written; no message names the binding's internal structs."""
+    root, base, agents = demo
+    out = tmp_path / "out"
+    recipe = root / "recipe.yml"
+    calls = {
+        "merge": lambda **k: rlmerge.merge(base, agents, out=out, **k),
+        "run": lambda **k: rlmerge.run(recipe, out, **k),
+        "analyze": lambda **k: rlmerge.analyze(base, agents, **k),
+        "verify": lambda **k: rlmerge.verify(root, **k),
+    }
+    with pytest.raises(rlmerge.UsageError) as info:
+        calls[call](**{keyword: value})
+    message = str(info.value)
+    assert keyword in message, message
+    for internal in ("MergeKeywords", "AnalyzeKeywords", "failed to extract", "TypeError"):
+        assert internal not in message, message
+    assert not out.exists()
+
+
+def test_python_merges_are_the_commands_and_their_recipes_remake_them(demo, tmp_path):
+    """Issue #50 items 3 and 6: rlmerge.merge(base, models) is `rlmerge merge --base --model`
+    (karcher too, whose base gives only the layout), and the recipe it saves, run from another
+    folder, makes it again — seed, dtype and shard size included; a keyword given to run()
+    replaces the recipe's."""
+    root, base, agents = demo
+    for method, kwargs, flags in [
+        ("karcher", {}, []),
+        ("dare_ties", dict(weight=1.0, density=0.5, seed=4, out_dtype="float32", shard_size="200KB"),
+         ["--param", "weight=1", "--param", "density=0.5", "--seed", "4", "--out-dtype", "f32",
+          "--shard-size", "200KB"]),
+    ]:
+        api = tmp_path / f"api-{method}"
+        rlmerge.merge(base, agents, method=method, out=api, device="cpu", **kwargs)
+        cli = tmp_path / f"cli-{method}"
+        cmd = [cargo_binary(), "merge", "-q", "--device", "cpu", "--method", method, *flags,
+               "--base", str(base), "-o", str(cli)]
+        for a in agents:
+            cmd += ["--model", str(a)]
+        subprocess.run(cmd, check=True)
+        assert folder_bytes(api) == folder_bytes(cli), method
+        elsewhere = tmp_path / f"elsewhere-{method}"
+        elsewhere.mkdir()
+        cwd = os.getcwd()
+        try:
+            os.chdir(elsewhere)
+            rlmerge.run(api / "mergekit_config.yml", "again", device="cpu")
+        finally:
+            os.chdir(cwd)
+        assert folder_bytes(elsewhere / "again") == folder_bytes(api), method
+    saved = (tmp_path / "api-dare_ties" / "mergekit_config.yml").read_text()
+    assert "seed: 4" in saved and "out_dtype: float32" in saved, saved
+    other = tmp_path / "other-seed"
+    rlmerge.run(tmp_path / "api-dare_ties" / "mergekit_config.yml", other, seed=5, device="cpu")
+    assert folder_bytes(other) != folder_bytes(tmp_path / "api-dare_ties")
+    assert "seed: 5" in (other / "mergekit_config.yml").read_text()

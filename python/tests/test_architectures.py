@@ -397,3 +397,33 @@ def test_expert_counts_and_routing_are_architecture(arch, built, tmp_path):
         other = with_config(agents[0], tmp_path / "respelled", respell)
         p = rlmerge("merge", "--base", base, "--model", other, "--method", "ram", "-q", "-o", tmp_path / "respelled-out", ok=False)
         assert p.returncode == 2 and "'num_local_experts'" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("arch, change", [
+    # Gemma-3's published configs give no layer_types: every third layer full, by index.
+    ("gemma3_text", dict(sliding_window_pattern=3)),
+    # Qwen2 with its window on from layer 2 (max_window_layers).
+    ("qwen2", dict(use_sliding_window=True, max_window_layers=2, sliding_window=64)),
+])
+def test_frankenmerges_keep_each_layers_attention(arch, change, built, tmp_path):
+    """Issue #50 item 2: where a config derives each layer's attention from its index, a layer a
+    slice moves keeps the attention it had — transformers' own AutoConfig(...).layer_types of the
+    output, layer by layer, is that of the layer each came from — and the output still loads."""
+    base, agents = built(arch)
+
+    def derived(src, dst):
+        def edit(c):
+            c.pop("layer_types", None)
+            c.update(change)
+        return with_config(src, dst, edit)
+
+    a0, a1 = derived(agents[0], tmp_path / "a0"), derived(agents[1], tmp_path / "a1")
+    slices = [(a0, 1, 3), (a1, 0, 2), (a0, 3, LAYERS)]
+    out = tmp_path / "franken"
+    frankenmerge(tmp_path, *slices, out=out)
+    got = text_config(load(out, arch)).layer_types
+    want = []
+    for model, first, end in slices:
+        want += text_config(transformers.AutoConfig.from_pretrained(model)).layer_types[first:end]
+    assert got == want, f"{arch}: {got} != {want}"
+    assert len(set(want)) > 1, "the slices move layers of both kinds"

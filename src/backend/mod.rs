@@ -94,6 +94,12 @@ pub trait Backend: Send + Sync {
     /// What runs the work, for the user ("cpu (2 threads)", "gpu: llvmpipe (Vulkan)").
     fn describe(&self) -> String;
 
+    /// Which backend this is, as the record names it: `cpu` or `gpu`. Every merge writes the
+    /// same bytes on both but the spectral methods, whose GEMMs sum in another order.
+    fn kind(&self) -> &'static str {
+        "cpu"
+    }
+
     /// Where a device backend's time and bytes went since it was made (bytes up and down, time
     /// uploading, waiting for the device, reading back, most chunks in flight), in one line;
     /// `None` for the CPU backend, which moves nothing.

@@ -258,6 +258,24 @@ pub fn f32_to_bf16_bits(v: f32) -> u16 {
     }
 }
 
+/// Each value rounded to `dtype` (to nearest even, as torch's `.bfloat16()` and `.half()` round)
+/// and back to f32: what storing it in `dtype` keeps. f32 values stay as they are.
+pub fn round_through(dtype: DType, values: &mut [f32]) {
+    match dtype {
+        DType::BF16 => {
+            for v in values.iter_mut() {
+                *v = bf16_bits_to_f32(f32_to_bf16_bits(*v));
+            }
+        }
+        DType::F16 => {
+            for v in values.iter_mut() {
+                *v = f16::from_f32(*v).to_f32();
+            }
+        }
+        DType::F32 => {}
+    }
+}
+
 /// Decodes one element at `index` (for reports and tests; loops use [`decode`]).
 pub fn decode_one(dtype: DType, bytes: &[u8], index: usize) -> f32 {
     let mut v = [0f32];

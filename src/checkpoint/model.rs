@@ -227,8 +227,10 @@ impl ModelFolder {
         &self.shards[tensor.shard].path
     }
 
-    /// Size and CRC-32 of every file that holds weights (shards, and the index when sharded); a
-    /// LoRA agent's are its adapter's files (its base's are the base input's).
+    /// Size and CRC-32 of every file the merge reads: the files that hold weights (shards, and
+    /// the index when sharded) and the config.json that says how they are used; a LoRA agent's
+    /// are its adapter's files (its base's are the base input's). `verify` checks them all, so a
+    /// config changed since the merge is caught as a weight is.
     pub fn checksums(&self) -> Result<Vec<FileChecksum>> {
         if let Some(l) = &self.lora {
             return Ok(vec![
@@ -241,9 +243,11 @@ impl ModelFolder {
             .iter()
             .map(|s| s.checksum())
             .collect::<Result<Vec<_>>>()?;
-        let index = self.dir.join(INDEX_FILE);
-        if index.symlink_metadata().is_ok() {
-            sums.push(crc32_of_file(&index)?);
+        for name in [INDEX_FILE, "config.json"] {
+            let path = self.dir.join(name);
+            if path.symlink_metadata().is_ok() {
+                sums.push(crc32_of_file(&path)?);
+            }
         }
         Ok(sums)
     }

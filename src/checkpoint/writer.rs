@@ -70,6 +70,9 @@ pub fn size_text(bytes: u64) -> String {
     }
 }
 
+/// The largest shard when none is asked (`--shard-size`'s default): 5 GB, as mergekit's.
+pub const DEFAULT_SHARD_SIZE: u64 = 5_000_000_000;
+
 /// Parses a shard size: bytes, or with a unit `KB/MB/GB/TB` (powers of 1000, as Hugging Face) or
 /// `KiB/MiB/GiB/TiB` (powers of 1024).
 pub fn parse_size(text: &str) -> Result<u64> {

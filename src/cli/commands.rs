@@ -87,8 +87,10 @@ impl InputArgs {
 
 impl ComputeArgs {
     fn check(&self) -> Result<()> {
-        rlmerge::method::build::epsilon_value(self.epsilon)
-            .map_err(|e| usage(format!("--epsilon: {e:#}")))?;
+        if let Some(e) = self.epsilon {
+            rlmerge::method::build::epsilon_value(e)
+                .map_err(|e| usage(format!("--epsilon: {e:#}")))?;
+        }
         if self.tile_elems == Some(0) {
             return Err(usage("--tile-elems must be ≥ 1"));
         }
@@ -98,8 +100,7 @@ impl ComputeArgs {
     /// The backend to recompute the merge recorded in `dir` with (`verify --against`).
     #[allow(dead_code)] // the Python extension's verify (python/src/lib.rs)
     pub(crate) fn backend_for_record(&self, dir: &Path) -> Result<Box<dyn Backend>> {
-        let record = rlmerge::record::MergeRecord::read(dir)?;
-        self.backend(job_cost(&record.method, record.svc))
+        verify_backend(self.device, self.threads, dir)
     }
 
     /// The backend for a job of this cost (see [`make_backend`]).
@@ -107,10 +108,16 @@ impl ComputeArgs {
         make_backend(self.device, self.threads, self.gpu_chunk_elems, cost)
     }
 
+    /// ε as given, else the default.
+    fn epsilon(&self) -> f32 {
+        // Checked by `check` before any pass runs.
+        self.epsilon
+            .map_or(rlmerge::method::DEFAULT_EPSILON, |e| e as f32)
+    }
+
     fn pass(&self, backend: &dyn Backend) -> PassOptions {
         PassOptions {
-            // Checked by `check` before any pass runs.
-            epsilon: self.epsilon as f32,
+            epsilon: self.epsilon(),
             tile_elems: self
                 .tile_elems
                 .unwrap_or_else(|| backend.preferred_tile_elems()),
@@ -124,7 +131,7 @@ impl ComputeArgs {
         if self.allow_dense_agents {
             return Ok(Vec::new());
         }
-        inputs.dense_agent_warnings(epsilon.unwrap_or(self.epsilon as f32))
+        inputs.dense_agent_warnings(epsilon.unwrap_or(self.epsilon()))
     }
 
     /// Progress on stderr: a bar on a terminal, a line every few seconds elsewhere.
@@ -217,13 +224,27 @@ pub fn run(cli: Cli, mut out: &mut dyn Write) -> Result<()> {
     }
 }
 
+/// The backend `verify --against` recomputes the merge recorded in `dir` on: the one `device`
+/// names, where `auto` takes the backend the record says made it — the spectral methods' bytes
+/// depend on it — a GPU where there is a hardware one, else the CPU (verify then compares within
+/// their tolerance, and says so).
+fn verify_backend(device: DeviceChoice, threads: usize, dir: &Path) -> Result<Box<dyn Backend>> {
+    let record = rlmerge::record::MergeRecord::read(dir)?;
+    let cost = job_cost(&record.method, record.svc);
+    let device = match (device, record.backend.as_deref()) {
+        (DeviceChoice::Auto, Some("cpu")) => DeviceChoice::Cpu,
+        (DeviceChoice::Auto, Some("gpu")) => {
+            return make_backend(DeviceChoice::Auto, threads, None, Cost::Spectral)
+        }
+        (device, _) => device,
+    };
+    make_backend(device, threads, None, cost)
+}
+
 fn run_verify(args: &VerifyArgs, out: &mut impl Write) -> Result<()> {
-    let backend = if args.against {
-        let record = rlmerge::record::MergeRecord::read(&args.dir)?;
-        let cost = job_cost(&record.method, record.svc);
-        Some(make_backend(args.device, args.threads, None, cost)?)
-    } else {
-        None
+    let backend = match args.against {
+        true => Some(verify_backend(args.device, args.threads, &args.dir)?),
+        false => None,
     };
     let v = rlmerge::verify::verify(&args.dir, backend.as_deref())?;
     note_all(&v.notes);
@@ -346,9 +367,8 @@ fn run_merge(args: &MergeArgs, out: &mut impl Write) -> Result<()> {
         Some(path) => Job::from_recipe(path, args.output.seed)?,
         None => {
             let (base, agents) = args.inputs.folders()?;
-            let mut job = Job::from_flags(base, agents, &args.method_flags())?;
-            job.tokenizer = args.inputs.tokenizer()?;
-            job
+            let tokenizer = args.inputs.tokenizer()?;
+            Job::from_flags(base, agents, &args.method_flags(), tokenizer)?
         }
     };
     merge_job(job, &args.inputs.compute, &args.output, out).map(drop)
@@ -362,12 +382,20 @@ fn run_recipe(args: &RunArgs, out: &mut impl Write) -> Result<()> {
 /// Runs a merge job with the compute and output options; the one path of `merge`, `run` and the
 /// Python API's merges. Returns what was written (the record, the shards).
 pub fn merge_job(
-    job: Job,
+    mut job: Job,
     compute: &ComputeArgs,
     output: &OutputArgs,
     out: &mut impl Write,
 ) -> Result<rlmerge::engine::MergeSummary> {
     compute.check()?;
+    job.set_command_line(&rlmerge::job::CommandLine {
+        epsilon: compute.epsilon,
+        out_dtype: output.out_dtype,
+        shard_size: output.shard_size,
+        allow_nonfinite: compute.allow_nonfinite,
+        allow_missing_tensors: compute.allow_missing_tensors,
+        raw_f32_agents: compute.raw_f32_agents,
+    })?;
     let mut inputs = Inputs::open_with(
         &job.base,
         &job.agents,
@@ -375,7 +403,8 @@ pub fn merge_job(
             slices: job.slices.as_ref(),
             tokenizer: job.tokenizer.as_ref(),
             with_base: job.method.uses_base(),
-            allow_missing_tensors: compute.allow_missing_tensors,
+            allow_missing_tensors: job.allow_missing_tensors,
+            raw_f32_agents: job.raw_f32_agents,
         },
     )?;
     inputs.set_names(job.names.clone())?;
@@ -385,37 +414,29 @@ pub fn merge_job(
     let cost = job_cost(&job.method, job.svc);
     let backend = compute.backend(cost)?;
     if !compute.quiet {
-        let why = match (compute.device, cost) {
-            (DeviceChoice::Auto, Cost::Spectral) if backend.describe().starts_with("cpu") => {
-                " (--device auto: a spectral method, which runs on a hardware GPU; none here)"
-            }
-            (DeviceChoice::Auto, Cost::Spectral) => {
-                " (--device auto: a spectral method runs on a hardware GPU)"
-            }
-            (DeviceChoice::Auto, _) => {
-                " (--device auto: this method is bound by reading the files, where the CPU \
-                 backend is the faster; --device gpu to use a GPU)"
-            }
-            _ => "",
-        };
-        eprintln!("backend: {}{why}", backend.describe());
+        eprintln!(
+            "backend: {}",
+            backend_choice(compute.device, cost, backend.as_ref())
+        );
     }
     let mut pass = compute.pass(backend.as_ref());
     if let Some(e) = job.epsilon {
         pass.epsilon = e;
     }
+    pass.scan_nonfinite = !job.allow_nonfinite;
     let options = MergeOptions {
         method: job.method.clone(),
         pass,
-        out_dtype: output.out_dtype.or(job.out_dtype),
-        shard_size: output.shard_size,
+        out_dtype: job.out_dtype,
+        shard_size: job
+            .shard_size
+            .unwrap_or(rlmerge::checkpoint::writer::DEFAULT_SHARD_SIZE),
         force: output.force,
         show_progress: compute.show_progress(),
-        extra_files: if job.recipe_text.is_empty() {
-            Vec::new()
-        } else {
-            vec![(MERGEKIT_CONFIG_FILE.to_string(), job.recipe_text.clone())]
-        },
+        extra_files: vec![(
+            MERGEKIT_CONFIG_FILE.to_string(),
+            job.saved_recipe(&output.out)?,
+        )],
         protect: job
             .recipe_path
             .iter()
@@ -456,6 +477,24 @@ pub fn merge_job(
     Ok(summary)
 }
 
+/// The backend a merge runs on, with why `--device auto` chose it.
+fn backend_choice(device: DeviceChoice, cost: Cost, backend: &dyn Backend) -> String {
+    let why = match (device, cost) {
+        (DeviceChoice::Auto, Cost::Spectral) if backend.kind() == "cpu" => {
+            " (--device auto: a spectral method, which runs on a hardware GPU; none here)"
+        }
+        (DeviceChoice::Auto, Cost::Spectral) => {
+            " (--device auto: a spectral method runs on a hardware GPU)"
+        }
+        (DeviceChoice::Auto, _) => {
+            " (--device auto: this method is bound by reading the files, where the CPU backend \
+             is the faster; --device gpu to use a GPU)"
+        }
+        _ => "",
+    };
+    format!("{}{why}", backend.describe())
+}
+
 pub fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
     let compute = &args.inputs.compute;
     compute.check()?;
@@ -465,6 +504,7 @@ pub fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
         tokenizer: tokenizer.as_ref(),
         with_base: true,
         allow_missing_tensors: compute.allow_missing_tensors,
+        raw_f32_agents: compute.raw_f32_agents,
         ..Layout::default()
     };
     let mut inputs = Inputs::open_with(&base, &agents, layout)?;

@@ -65,7 +65,7 @@ use rlmerge::checkpoint::writer::parse_size;
 use rlmerge::checkpoint::DType;
 use rlmerge::job::{parse_dtype, parse_param, MethodFlags};
 use rlmerge::method::settings::Setting;
-use rlmerge::method::{BoostScope, Kind, SharedRule, DEFAULT_EPSILON};
+use rlmerge::method::{BoostScope, Kind, SharedRule};
 use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
@@ -170,9 +170,10 @@ pub struct InputArgs {
 /// How and where the passes run.
 #[derive(Args, Debug)]
 pub struct ComputeArgs {
-    /// Threshold: an element is changed when |θ_t − θ₀| > ε (absolute).
-    #[arg(long, default_value_t = f64::from(DEFAULT_EPSILON))]
-    pub epsilon: f64,
+    /// Threshold: an element is changed when |θ_t − θ₀| > ε (absolute) [default: 1e-5, or a
+    /// recipe's epsilon parameter].
+    #[arg(long)]
+    pub epsilon: Option<f64>,
     /// Worker threads of the CPU backend, its statistics scans included (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -197,6 +198,10 @@ pub struct ComputeArgs {
     /// agents change few; a dense one may come from another base).
     #[arg(long)]
     pub allow_dense_agents: bool,
+    /// Read agents' F32 weights over a BF16/F16 base as stored: by default they are fp32 master
+    /// weights, read as their rounding to the base's dtype (a change below its step is no change).
+    #[arg(long)]
+    pub raw_f32_agents: bool,
     /// Caps elements per GPU dispatch chunk (tests; the result does not depend on it).
     #[arg(long, hide = true)]
     pub gpu_chunk_elems: Option<usize>,
@@ -263,16 +268,17 @@ pub struct OutputArgs {
     /// Output dtype [default: the recipe's out_dtype/dtype, else each tensor's dtype in the base].
     #[arg(long, value_parser = parse_dtype)]
     pub out_dtype: Option<DType>,
-    /// Largest output shard (5GB = 5·10⁹ bytes, 5GiB = 5·2³⁰).
-    #[arg(long, default_value = "5GB", value_parser = parse_size)]
-    pub shard_size: u64,
+    /// Largest output shard (5GB = 5·10⁹ bytes, 5GiB = 5·2³⁰) [default: a recipe's
+    /// shard_size, else 5GB].
+    #[arg(long, value_parser = parse_size)]
+    pub shard_size: Option<u64>,
     /// Replace the output folder if it exists (only once the new one is complete).
     #[arg(long)]
     pub force: bool,
-    /// Seed of random masks (dare_linear, dare_ties): the same seed gives the same bytes on every
-    /// backend and tiling.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Seed of random masks (dare_linear, dare_ties, della, della_linear): the same seed gives the
+    /// same bytes on every backend and tiling [default: a recipe's seed, else 0].
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Output folder.
     #[arg(short = 'o', long = "out", value_name = "OUT_DIR")]
     pub out: PathBuf,
@@ -349,9 +355,8 @@ impl MergeArgs {
             alpha: self.alpha,
             rescale_factor: self.rescale_factor,
             shared: self.shared,
-            seed: self.output.seed,
+            seed: self.output.seed.unwrap_or(0),
             svc: self.svc.as_deref().map(rlmerge::job::parse_scalar),
-            epsilon: Some(self.inputs.compute.epsilon).filter(|&e| e != f64::from(DEFAULT_EPSILON)),
             tokenizer_source: self.inputs.tokenizer_source.clone(),
             names: self.inputs.names.clone(),
             config_from: self.config_from.clone(),

@@ -3,6 +3,7 @@
 
 use crate::error::usage;
 use crate::inputs::Inputs;
+use crate::model_config::ConfigDifference;
 use anyhow::Result;
 
 /// The model whose config.json a merged folder takes (`--config-from`, a recipe's
@@ -16,12 +17,12 @@ pub enum ConfigFrom {
 }
 
 /// What a merge says of the agents' configs against the base's (issue #44): keys that change how
-/// the weights are used (`folder_files::MEANING_KEYS`) refuse the merge unless `config_from`
+/// the weights are used (`model_config::is_meaning_key`, compared by meaning) refuse the merge unless `config_from`
 /// names whose config the output takes; every other difference that is not harmless is named.
 /// Returns the warnings, for stderr and the card.
 pub fn config_choice(inputs: &Inputs, config_from: Option<ConfigFrom>) -> Result<Vec<String>> {
-    use crate::checkpoint::folder_files::config_differences;
     use crate::inputs::own_config;
+    use crate::model_config::config_differences;
     let Some(base) = own_config(&inputs.base)? else {
         return Ok(Vec::new());
     };
@@ -32,47 +33,45 @@ pub fn config_choice(inputs: &Inputs, config_from: Option<ConfigFrom>) -> Result
     let mut warnings = Vec::new();
     for agent in &inputs.agents {
         let Some(config) = own_config(agent)? else {
+            // A LoRA agent runs with its base's config; any other is said to be unchecked.
+            if agent.lora.is_none() {
+                warnings.push(format!(
+                    "agent {} has no config.json: nothing says it was trained with the base's \
+                     positions, windows and norms, and its config was not compared with the \
+                     base's",
+                    agent.dir.display()
+                ));
+            }
             continue;
         };
         let mut differences = config_differences(&base, &config);
         // Slices rebuild the per-layer lists from the layers each output layer comes from.
         if inputs.slices.is_some() {
-            differences.retain(|(k, _)| {
-                let key = k.rsplit('.').next().unwrap_or(k);
-                !crate::slices::PER_LAYER_LISTS.contains(&key)
+            differences.retain(|d| {
+                let key = d.key.rsplit('.').next().unwrap_or(&d.key);
+                !crate::model_config::layers::PER_LAYER_LISTS.contains(&key)
             });
         }
         if differences.is_empty() {
             continue;
         }
-        let meaning: Vec<&str> = differences
-            .iter()
-            .filter(|(_, m)| *m)
-            .map(|(k, _)| k.as_str())
-            .collect();
-        if !meaning.is_empty() && config_from.is_none() {
-            let key = meaning[0].rsplit('.').next().unwrap_or(meaning[0]);
-            let show = |c: &serde_json::Value| {
-                let v = match meaning[0].strip_prefix("text_config.") {
-                    Some(k) => c.get("text_config").and_then(|n| n.get(k)),
-                    None => c.get(key),
-                };
-                v.map_or("absent".to_string(), |v| v.to_string())
-            };
+        let meaning: Vec<&ConfigDifference> = differences.iter().filter(|d| d.meaning).collect();
+        if let (Some(first), None) = (meaning.first(), config_from) {
+            let names: Vec<&str> = meaning.iter().map(|d| d.key.as_str()).collect();
             return Err(usage(format!(
                 "agent {}'s config.json differs from the base's in {} — keys that change how the \
                  weights are used ('{}' is {} there and {} in the base); say whose config the \
                  merged model takes: --config-from base, or --config-from {} (a recipe: \
                  config_from:)",
                 agent.dir.display(),
-                meaning.join(", "),
-                meaning[0],
-                show(&config),
-                show(&base),
+                names.join(", "),
+                first.key,
+                shown(&first.agent),
+                shown(&first.base),
                 agent.dir.display()
             )));
         }
-        let keys: Vec<&str> = differences.iter().map(|(k, _)| k.as_str()).collect();
+        let keys: Vec<&str> = differences.iter().map(|d| d.key.as_str()).collect();
         warnings.push(format!(
             "agent {}'s config.json differs from the base's in {}: the merged model takes {taken}",
             agent.dir.display(),
@@ -80,4 +79,12 @@ pub fn config_choice(inputs: &Inputs, config_from: Option<ConfigFrom>) -> Result
         ));
     }
     Ok(warnings)
+}
+
+/// A config value in a message: long ones (a per-layer list) cut at 120 characters.
+fn shown(value: &str) -> String {
+    match value.char_indices().nth(120) {
+        Some((at, _)) => format!("{}…", &value[..at]),
+        None => value.to_string(),
+    }
 }

@@ -72,7 +72,7 @@ impl MergeOptions {
             method,
             pass: PassOptions::default_for(backend),
             out_dtype: None,
-            shard_size: 5_000_000_000,
+            shard_size: crate::checkpoint::writer::DEFAULT_SHARD_SIZE,
             force: false,
             show_progress: false,
             extra_files: Vec::new(),
@@ -236,7 +236,8 @@ pub fn merge(
     let shards = writer.finish()?;
     let boost = pass.boost_report(global_report);
     let notes = folder.notes().to_vec();
-    let summary = finish(inputs, options, boost, shards, folder, config_warnings)?;
+    let made = (config_warnings, backend.kind());
+    let summary = finish(inputs, options, boost, shards, folder, made)?;
     Ok(MergeSummary { notes, ..summary })
 }
 

@@ -80,7 +80,7 @@ pub(super) fn finish(
     boost: BoostReport,
     shards: Vec<FileChecksum>,
     folder: OutputFolder,
-    config_warnings: Vec<String>,
+    (config_warnings, backend): (Vec<String>, &'static str),
 ) -> Result<MergeSummary> {
     let out = folder.final_path().to_path_buf();
     let agents = agent_summaries(inputs, &boost, &out);
@@ -102,6 +102,11 @@ pub(super) fn finish(
         std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
         outputs.push(crc32_of_file(&path)?);
     }
+    let kept = kept_shares(inputs, options, folder.path())?;
+    let mut agents = agents;
+    for (agent, share) in agents.iter_mut().zip(kept.iter().flatten()) {
+        agent.kept = Some(*share);
+    }
     let input_sums = input_checksums(inputs, &out)?;
     let record = MergeRecord {
         tool: "rlmerge".into(),
@@ -110,6 +115,7 @@ pub(super) fn finish(
         epsilon: options.pass.epsilon,
         allow_nonfinite: !options.pass.scan_nonfinite,
         allow_missing_tensors: inputs.allow_missing_tensors,
+        raw_f32_agents: inputs.raw_f32_agents,
         svc: options.svc,
         config_from: options.config_from.map(|c| match c {
             super::ConfigFrom::Base => "base".to_string(),
@@ -117,6 +123,7 @@ pub(super) fn finish(
                 .display()
                 .to_string(),
         }),
+        backend: Some(backend.to_string()),
         base: record::recorded_path(&out, &inputs.base.dir)
             .display()
             .to_string(),
@@ -139,6 +146,7 @@ pub(super) fn finish(
             .cloned()
             .chain(identical_inputs(&input_sums, options.method.uses_base()))
             .chain(super::spectral::warnings(inputs, &options.method))
+            .chain(kept_warnings(inputs, kept.as_deref()))
             .collect(),
         inputs: input_sums,
         outputs,
@@ -211,6 +219,50 @@ fn agent_summaries(inputs: &Inputs, boost: &BoostReport, out: &Path) -> Vec<Agen
                 _ => None,
             },
             counts: agent_counts.as_ref().map(|c| c[t]),
+            kept: None,
+        })
+        .collect()
+}
+
+/// What a ResMerge kept of each agent's update (issue #50 item 5): its retention over every
+/// element it changed, r = Σ (θ_out − θ₀)·τ_t / Σ τ_t² (`analyze --merged`'s "all"), read back
+/// from the written shards in one more pass. ResMerge's backbone merges what each agent's top
+/// singular directions leave, so an agent whose update those directions hold whole (a low-rank,
+/// LoRA agent) can come out as the base. `None` for other methods, and for outputs whose tensors
+/// are not the base's (slices, a tokenizer source).
+fn kept_shares(inputs: &Inputs, options: &MergeOptions, dir: &Path) -> Result<Option<Vec<f64>>> {
+    let resmerge = options.method.kind() == crate::method::Kind::ResMerge;
+    if !resmerge || inputs.slices.is_some() || inputs.vocabulary.is_some() {
+        return Ok(None);
+    }
+    let merged = crate::checkpoint::ModelFolder::open(dir)?;
+    let r = super::retention(inputs, &merged, &options.pass, false)?;
+    Ok(Some(
+        r.regions
+            .iter()
+            .map(|regions| regions[2].retention())
+            .collect(),
+    ))
+}
+
+/// A warning for each agent a merge kept less than a tenth of a mean's share of (1/T).
+fn kept_warnings(inputs: &Inputs, kept: Option<&[f64]>) -> Vec<String> {
+    let Some(kept) = kept else {
+        return Vec::new();
+    };
+    let floor = 0.1 / inputs.agents.len() as f64;
+    kept.iter()
+        .zip(&inputs.agents)
+        .filter(|(share, _)| **share < floor)
+        .map(|(share, agent)| {
+            format!(
+                "resmerge kept {share:.2e} of agent {}'s update (Σ Δ·τ / Σ τ² over the elements \
+                 it changed; the models' mean keeps 1/{}): its top rank_topk singular directions \
+                 hold nearly all of it, and ResMerge merges only what they leave (a low-rank \
+                 agent, such as a LoRA one) — lower rank_topk, or merge it with another method",
+                agent.dir.display(),
+                inputs.agents.len()
+            )
         })
         .collect()
 }

@@ -4,14 +4,25 @@
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// How often progress is written as a line where stderr is not a terminal (a log, CI):
-/// `RLMERGE_PROGRESS_SECONDS`, else 10 s.
+/// `RLMERGE_PROGRESS_SECONDS`, else 10 s; a value that is no number of seconds in
+/// [0.01, 10⁶] is said once on stderr, not dropped silently.
 fn progress_line_every() -> std::time::Duration {
-    let secs = std::env::var("RLMERGE_PROGRESS_SECONDS")
-        .ok()
+    static SAID: std::sync::Once = std::sync::Once::new();
+    let given = std::env::var("RLMERGE_PROGRESS_SECONDS").ok();
+    let secs = given
+        .as_deref()
         .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s >= 0.01 && *s <= 1e6)
-        .unwrap_or(10.0);
-    std::time::Duration::from_secs_f64(secs)
+        .filter(|s| s.is_finite() && *s >= 0.01 && *s <= 1e6);
+    if let (Some(v), None) = (&given, secs) {
+        SAID.call_once(|| {
+            eprintln!(
+                "warning: RLMERGE_PROGRESS_SECONDS={} is not a number of seconds in [0.01, 1e6]; \
+                 a progress line every 10 s",
+                crate::escape::terminal(&format!("{v:?}"))
+            )
+        });
+    }
+    std::time::Duration::from_secs_f64(secs.unwrap_or(10.0))
 }
 
 /// A pass's progress over `total` units of work (bytes read, and for decomposed matrices a

@@ -50,7 +50,7 @@ pub(crate) fn own_config(m: &ModelFolder) -> Result<Option<serde_json::Value>> {
 }
 
 /// Refuses an agent whose `config.json` gives another architecture than the base's (a key of
-/// [`crate::checkpoint::folder_files::ARCHITECTURE_KEYS`] differs): its tensors would otherwise
+/// [`crate::model_config::ARCHITECTURE_KEYS`] differs): its tensors would otherwise
 /// merge by name into a model neither of them is. The layer count may differ in slices (each slice
 /// names its layers), the vocabulary with a tokenizer source (rows are re-indexed). Agents without
 /// a config.json (and LoRA agents, which are the base) are compared by their tensors alone.
@@ -60,7 +60,7 @@ pub(super) fn refuse_other_architectures(
     agents: &[ModelFolder],
     layout: Layout,
 ) -> Result<Option<serde_json::Value>> {
-    use crate::checkpoint::folder_files::architecture_difference;
+    use crate::model_config::architecture_difference;
     let Some(base_config) = own_config(base)? else {
         return Ok(None);
     };
@@ -107,7 +107,7 @@ pub(super) fn architecture_key_of(
         .map(|(b, _)| *b as u64);
     let key = config.and_then(|c| {
         differing.clone().find_map(|d| {
-            crate::checkpoint::folder_files::ARCHITECTURE_KEYS
+            crate::model_config::ARCHITECTURE_KEYS
                 .iter()
                 .find(|k| c.get(**k).and_then(|v| v.as_u64()) == Some(d))
         })
@@ -243,7 +243,13 @@ pub(super) fn real_path(p: &Path) -> PathBuf {
 /// changes as shared by two; an agent equal to the base changes nothing.
 pub(crate) fn identical_inputs(sums: &[InputChecksums], uses_base: bool) -> Vec<String> {
     fn key(i: &InputChecksums) -> Vec<(u64, &str)> {
-        let mut k: Vec<(u64, &str)> = i.files.iter().map(|f| (f.size, f.crc32.as_str())).collect();
+        // The weights: a config.json that differs in a name or a tool's version changes none.
+        let mut k: Vec<(u64, &str)> = i
+            .files
+            .iter()
+            .filter(|f| f.file != "config.json")
+            .map(|f| (f.size, f.crc32.as_str()))
+            .collect();
         k.sort_unstable();
         k
     }
@@ -340,6 +346,10 @@ impl Inputs {
                     continue;
                 }
                 window(model, tensor, &mut agent)?;
+                // As the merge reads it: fp32 master weights as their 16-bit rounding.
+                if let Some(to) = self.agent_rounding(tensor.entry.dtype, plan.base.entry.dtype) {
+                    crate::checkpoint::dtype::round_through(to, &mut agent);
+                }
                 for (&a, &b) in agent.iter().zip(&base) {
                     let tau = f64::from(a) - f64::from(b);
                     s.0 += u64::from(tau.abs() > f64::from(epsilon));
@@ -373,4 +383,27 @@ impl Inputs {
         }
         Ok(warnings)
     }
+}
+
+/// A note for each agent that stores F32 weights over a 16-bit base (fp32 master weights), which
+/// the merge reads as their rounding to the base's dtype ([`super::Inputs::agent_rounding`]).
+pub(super) fn rounded_agents(base: &ModelFolder, agents: &[ModelFolder]) -> Vec<String> {
+    let mut notes = Vec::new();
+    for agent in agents.iter().filter(|a| a.lora.is_none()) {
+        let over = agent.tensors.iter().find_map(|t| {
+            let b = base.get(&t.entry.name)?;
+            (t.entry.dtype == DType::F32 && b.entry.dtype != DType::F32).then_some(b.entry.dtype)
+        });
+        if let Some(dtype) = over {
+            notes.push(format!(
+                "agent {} stores F32 weights over a {dtype} base (fp32 master weights): they are \
+                 read as their {dtype} rounding (to nearest even, as a trainer's converter and \
+                 torch's .to({}) write them), so a change below a {dtype} step is no change; \
+                 --raw-f32-agents reads them as stored",
+                agent.dir.display(),
+                dtype.torch_name()
+            ));
+        }
+    }
+    notes
 }

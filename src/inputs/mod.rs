@@ -54,6 +54,8 @@ pub struct Inputs {
     pub vocabulary: Option<Arc<Vocabulary>>,
     /// The user let tensors missing in some models through ([`Layout::allow_missing_tensors`]).
     pub allow_missing_tensors: bool,
+    /// Agents' F32 tensors are read as stored ([`Layout::raw_f32_agents`]).
+    pub raw_f32_agents: bool,
     /// Stops the passes over these inputs between tiles (see [`crate::cancel`]): the token of
     /// the thread that opened them.
     pub cancel: crate::cancel::Token,
@@ -76,6 +78,9 @@ pub struct Layout<'a> {
     /// Tensors some agent lacks, or has and the base lacks, are merged from the models that have
     /// them (or ignored) with a warning instead of refused (`--allow-missing-tensors`).
     pub allow_missing_tensors: bool,
+    /// Agents' F32 tensors over a 16-bit base are read as stored, not as their rounding to the
+    /// base's dtype (`--raw-f32-agents`; see [`Inputs::agent_rounding`]).
+    pub raw_f32_agents: bool,
 }
 
 impl Inputs {
@@ -112,28 +117,16 @@ impl Inputs {
             .iter()
             .map(|d| open_agent(base_dir, d, &mut interner))
             .collect::<Result<Vec<_>>>()?;
-        for agent in &agents {
-            if !agent
-                .tensors
-                .iter()
-                .any(|t| base.get(&t.entry.name).is_some())
-            {
-                bail!(
-                    "{} has none of the base's tensor names (agent: '{}', base: '{}'); was it \
-                     fine-tuned from {}, and saved with the same names?",
-                    agent.dir.display(),
-                    agent.tensors.first().map_or("", |t| &*t.entry.name),
-                    base.tensors[0].entry.name,
-                    base_dir.display()
-                );
-            }
-        }
+        refuse_foreign_names(&base, &agents)?;
         let base_config = refuse_other_architectures(&base, &agents, layout)?;
         let structure = crate::structure::Structure::of(
             base.tensors.iter().map(|t| &*t.entry.name),
             base_config.as_ref(),
         );
         let mut warnings = check_adapters_base(&base, &agents)?;
+        if !layout.raw_f32_agents {
+            warnings.extend(checks::rounded_agents(&base, &agents));
+        }
         let vocabulary = layout
             .tokenizer
             .map(|t| Vocabulary::build(t, &base, &agents).map(Arc::new))
@@ -158,6 +151,7 @@ impl Inputs {
                 slices: Some(slices.clone()),
                 vocabulary,
                 allow_missing_tensors: layout.allow_missing_tensors,
+                raw_f32_agents: layout.raw_f32_agents,
                 cancel: crate::cancel::current(),
                 names: Vec::new(),
                 structure: structure.with_layers(slices.layers()),
@@ -179,10 +173,20 @@ impl Inputs {
             slices: None,
             vocabulary,
             allow_missing_tensors: layout.allow_missing_tensors,
+            raw_f32_agents: layout.raw_f32_agents,
             cancel: crate::cancel::current(),
             names: Vec::new(),
             structure,
         })
+    }
+
+    /// The dtype an agent's tensor stored as `stored` over a base tensor of dtype `base` is read
+    /// rounded to (issue #50 item 8, SPEC §5): F32 weights over a BF16 or F16 base are fp32
+    /// master weights, which drift below a 16-bit step almost everywhere — read raw, every element
+    /// would count as changed. They are read as their rounding to the base's dtype (to nearest
+    /// even), as a trainer's converter writes them, unless `--raw-f32-agents`.
+    pub fn agent_rounding(&self, stored: DType, base: DType) -> Option<DType> {
+        (!self.raw_f32_agents && stored == DType::F32 && base != DType::F32).then_some(base)
     }
 
     /// Refuses the base given as an agent too, for every use that takes task vectors against
@@ -267,20 +271,50 @@ impl Inputs {
                 self.agents.len()
             )));
         }
+        use unicode_normalization::UnicodeNormalization;
         let given: Vec<&String> = names.iter().flatten().collect();
+        // Compared as Unicode's NFC: one name in two spellings (é precomposed, or e and a
+        // combining accent) shows identically in the card and the figures.
+        let composed: Vec<String> = given.iter().map(|n| n.nfc().collect()).collect();
         for (i, n) in given.iter().enumerate() {
             if n.trim().is_empty() || n.chars().any(char::is_control) {
                 return Err(usage(format!(
                     "agent name {n:?} is empty or holds a control character"
                 )));
             }
-            if given[..i].contains(n) {
+            if let Some(j) = composed[..i].iter().position(|c| *c == composed[i]) {
+                let spelled = match given[j] == *n {
+                    true => String::new(),
+                    false => format!(" (spelled {:?} and {n:?}: one name in Unicode)", given[j]),
+                };
                 return Err(usage(format!(
-                    "agent name {n:?} is given twice; names tell agents apart"
+                    "agent name {n:?} is given twice{spelled}; names tell agents apart"
                 )));
             }
         }
         self.names = names;
         Ok(())
     }
+}
+
+/// Refuses an agent that holds none of the base's tensor names: not fine-tuned from it, or
+/// saved with other names.
+fn refuse_foreign_names(base: &ModelFolder, agents: &[ModelFolder]) -> Result<()> {
+    for agent in agents {
+        if !agent
+            .tensors
+            .iter()
+            .any(|t| base.get(&t.entry.name).is_some())
+        {
+            bail!(
+                "{} has none of the base's tensor names (agent: '{}', base: '{}'); was it \
+                 fine-tuned from {}, and saved with the same names?",
+                agent.dir.display(),
+                agent.tensors.first().map_or("", |t| &*t.entry.name),
+                base.tensors[0].entry.name,
+                base.dir.display()
+            );
+        }
+    }
+    Ok(())
 }

@@ -50,6 +50,17 @@ pub enum TensorSource<'a> {
         /// A LoRA agent's adapter, whose update is added.
         lora: Option<&'a LoraAdapter>,
     },
+    /// An agent's F32 weights over a 16-bit base, read as their rounding to the base's dtype
+    /// (fp32 master weights; [`Inputs::agent_rounding`]): gated and hashed as stored, then
+    /// rounded in place.
+    Rounded {
+        /// The model holding the tensor.
+        model: &'a ModelFolder,
+        /// Its copy of the tensor (F32).
+        tensor: &'a ModelTensor,
+        /// The base's dtype, rounded to.
+        to: DType,
+    },
     /// A token-indexed tensor's rows re-indexed for the output's vocabulary, as f32.
     Reindexed {
         /// Where each output row comes from.
@@ -78,6 +89,11 @@ impl TensorPlan {
             };
         }
         let lora = model.lora_for(&tensor.entry.name);
+        let rounding =
+            agent.and_then(|_| inputs.agent_rounding(tensor.entry.dtype, self.base.entry.dtype));
+        if let (Some(to), None) = (rounding, lora) {
+            return TensorSource::Rounded { model, tensor, to };
+        }
         if tensor.entry.dtype != self.tile_dtype(inputs) || lora.is_some() {
             TensorSource::Widened {
                 model,
@@ -111,6 +127,10 @@ impl TensorSource<'_> {
         let (model, tensor, lora) = match *self {
             TensorSource::Reindexed { rows, source } => {
                 return load_rows(ctx, rows, source, (start, len), buf)
+            }
+            TensorSource::Rounded { model, tensor, to } => {
+                TensorSource::Stored { model, tensor }.read(ctx, (start, len), buf, None)?;
+                return round_tile(ctx, tensor, to, start, buf);
             }
             TensorSource::Stored { model, tensor } => (model, tensor, None),
             TensorSource::Widened {
@@ -214,6 +234,39 @@ pub fn resize_exact<T: Clone>(buf: &mut Vec<T>, len: usize, fill: T) {
         buf.reserve_exact(len);
     }
     buf.resize(len, fill);
+}
+
+/// An F32 tile of agent `tensor` (from element `start`) rounded to the base's dtype `to` in
+/// place; a finite value that rounds to ±Inf (beyond the dtype's range) is refused by name
+/// unless NaN/±Inf are let through.
+fn round_tile(
+    ctx: &SourceRead,
+    tensor: &ModelTensor,
+    to: DType,
+    start: usize,
+    buf: &mut TileBytes,
+) -> Result<()> {
+    let mut run = [0.0f32; RUN];
+    let len = buf.len() / 4;
+    for i0 in (0..len).step_by(RUN) {
+        let n = RUN.min(len - i0);
+        decode(DType::F32, &buf[i0 * 4..(i0 + n) * 4], &mut run[..n]);
+        let stored = run;
+        crate::checkpoint::dtype::round_through(to, &mut run[..n]);
+        if ctx.finite_only {
+            if let Some(k) = (0..n).find(|&k| !run[k].is_finite() && stored[k].is_finite()) {
+                bail!(
+                    "tensor '{}': element {} is {} in F32, beyond {to}'s range, so its rounding \
+                     to the base's dtype is infinite (--raw-f32-agents reads F32 agents as stored)",
+                    crate::escape::terminal(&tensor.entry.name),
+                    start + i0 + k,
+                    stored[k]
+                );
+            }
+        }
+        put_f32(buf, i0, &run[..n]);
+    }
+    Ok(())
 }
 
 /// Elements widened to f32 at a time.
@@ -335,6 +388,14 @@ fn read_f32(read: &SourceRead, source: Source, at: usize, out: &mut [f32]) -> Re
             refuse_nonfinite(plan, model, tensor, raw, from)?;
         }
         widen(model, tensor, raw, from as u64, values)?;
+        if source != plan.base_source() {
+            if let Some(to) = read
+                .inputs
+                .agent_rounding(tensor.entry.dtype, plan.base.entry.dtype)
+            {
+                crate::checkpoint::dtype::round_through(to, values);
+            }
+        }
         if let Some(l) = model.lora_for(&tensor.entry.name) {
             if read.finite_only {
                 refuse_nonfinite_update(tensor, l, bytemuck::cast_slice(values), from)?;

@@ -3,6 +3,7 @@
 //! Both go through [`crate::method::build`], so a value accepted by one is accepted by the other.
 
 mod recipe_yaml;
+pub mod saved_recipe;
 
 use crate::checkpoint::DType;
 use crate::error::usage;
@@ -28,9 +29,19 @@ pub struct Job {
     pub epsilon: Option<f32>,
     /// The recipe's `out_dtype` (or mergekit's older `dtype`).
     pub out_dtype: Option<DType>,
-    /// The recipe's text, saved beside the merged weights as [`MERGEKIT_CONFIG_FILE`] (empty:
-    /// the job came from flags).
-    pub recipe_text: String,
+    /// The largest output shard, where the recipe (`shard_size:`) or the command line sets it.
+    pub shard_size: Option<u64>,
+    /// NaN and ±Inf inputs merged by IEEE rules (`--allow-nonfinite`, a recipe's
+    /// `allow_nonfinite:`).
+    pub allow_nonfinite: bool,
+    /// Tensors some models lack merged from those that have them (`--allow-missing-tensors`).
+    pub allow_missing_tensors: bool,
+    /// Agents' F32 weights read as stored, not as their rounding to a 16-bit base's dtype
+    /// (`--raw-f32-agents`).
+    pub raw_f32_agents: bool,
+    /// The recipe as data — the one the job came from, or its flags written as one — which the
+    /// merge saves as [`MERGEKIT_CONFIG_FILE`] ([`Job::saved_recipe`]).
+    pub recipe: saved_recipe::Recipe,
     /// The recipe file it came from (an output must not overwrite it).
     pub recipe_path: Option<PathBuf>,
     /// mergekit's `slices`, when the recipe selects layers.
@@ -49,7 +60,9 @@ pub struct Job {
 
 impl Job {
     /// [`Job::config_from`] as the merge takes it: `base`, or the agent it names among `agents`
-    /// (folders as given, or their names); anything else is a usage error listing the choices.
+    /// (folders as given, or their names); anything else is a usage error listing the choices,
+    /// and a text that names two agents — one by its folder, another by its name — is refused as
+    /// ambiguous rather than taken as either.
     pub fn config_source(&self) -> Result<Option<crate::engine::ConfigFrom>> {
         use crate::engine::ConfigFrom;
         let Some(text) = self.config_from.as_deref() else {
@@ -59,13 +72,26 @@ impl Job {
             return Ok(Some(ConfigFrom::Base));
         }
         let real = |p: &Path| std::fs::canonicalize(p).ok();
-        let found = self.agents.iter().enumerate().position(|(t, a)| {
-            a.as_os_str() == text
-                || self.names.get(t).and_then(|n| n.as_deref()) == Some(text)
-                || real(a).is_some() && real(a) == real(Path::new(text))
-        });
-        match found {
-            Some(t) => Ok(Some(ConfigFrom::Agent(t))),
+        let by_name = |t: usize| self.names.get(t).and_then(|n| n.as_deref()) == Some(text);
+        let by_folder = |a: &PathBuf| {
+            a.as_os_str() == text || real(a).is_some() && real(a) == real(Path::new(text))
+        };
+        let found: Vec<usize> = (0..self.agents.len())
+            .filter(|&t| by_name(t) || by_folder(&self.agents[t]))
+            .collect();
+        if let [a, b, ..] = found[..] {
+            let how = |t: usize| if by_name(t) { "its name" } else { "its folder" };
+            return Err(usage(format!(
+                "config_from '{text}' names two agents: {} (by {}) and {} (by {}); give the \
+                 other's folder, or rename one with a name that is no folder",
+                self.agents[a].display(),
+                how(a),
+                self.agents[b].display(),
+                how(b)
+            )));
+        }
+        match found.first() {
+            Some(&t) => Ok(Some(ConfigFrom::Agent(t))),
             None => Err(usage(format!(
                 "config_from '{text}' is neither base nor one of the agents merged ({})",
                 self.agents
@@ -102,9 +128,6 @@ pub struct MethodFlags {
     pub seed: u64,
     /// `--svc ALPHA`: SVC's α, as given (checked by [`MethodFlags::svc_alpha`]).
     pub svc: Option<Scalar>,
-    /// `--epsilon`, when it is not the default: only for the recipe the flags are saved as (the
-    /// passes take ε from the compute options).
-    pub epsilon: Option<f64>,
     /// `--tokenizer-source` as given: only for the recipe the flags are saved as.
     pub tokenizer_source: Option<String>,
     /// `--name`s, by agent in order.
@@ -114,23 +137,33 @@ pub struct MethodFlags {
 }
 
 impl Job {
-    /// A job from `--base`, `--model`s and the method flags. Methods without θ₀ (linear,
-    /// passthrough) merge the models; the base then only gives the layout and the config files.
-    pub fn from_flags(base: PathBuf, agents: Vec<PathBuf>, flags: &MethodFlags) -> Result<Job> {
+    /// A job from `--base`, `--model`s, the method flags and `--tokenizer-source` (`tokenizer`,
+    /// its folder found). Methods without θ₀ (linear, passthrough, karcher) merge the models; the
+    /// base then only gives the layout and the config files.
+    pub fn from_flags(
+        base: PathBuf,
+        agents: Vec<PathBuf>,
+        flags: &MethodFlags,
+        tokenizer: Option<crate::vocabulary::TokenizerSettings>,
+    ) -> Result<Job> {
         let method = flags.method_for(agents.len())?;
         // Every merge gets the recipe that makes it again, saved and shown in the model card as
         // mergekit's own merges are.
-        let recipe_text = flags.recipe(&base, &agents)?;
+        let recipe = flags.recipe(&base, &agents, tokenizer.as_ref())?;
         Ok(Job {
             base,
             agents,
             method,
             epsilon: None,
             out_dtype: None,
-            recipe_text,
+            shard_size: None,
+            allow_nonfinite: false,
+            allow_missing_tensors: false,
+            raw_f32_agents: false,
+            recipe,
             recipe_path: None,
             slices: None,
-            tokenizer: None,
+            tokenizer,
             svc: flags.svc_alpha()?,
             names: flags.names.iter().cloned().map(Some).collect(),
             config_from: flags.config_from.clone(),
@@ -138,39 +171,117 @@ impl Job {
     }
 
     /// A job from a mergekit YAML recipe; its model names are local folders, as written or beside
-    /// the recipe.
-    pub fn from_recipe(path: &Path, seed: u64) -> Result<Job> {
+    /// the recipe. `seed` (the command line's) overrides the recipe's `seed:`.
+    pub fn from_recipe(path: &Path, seed: Option<u64>) -> Result<Job> {
         recipe_yaml::read(path, seed)
     }
 
     /// A job from a recipe made in memory, as a YAML value with a file's keys (the Python API's
-    /// keywords): the same checks as [`Job::from_recipe`], messages naming keys but no lines, and
-    /// serde_yaml's text of it saved with the merge. Model paths resolve against the working
-    /// directory.
-    pub fn from_recipe_value(value: serde_yaml::Value, seed: u64) -> Result<Job> {
+    /// keywords): the same checks as [`Job::from_recipe`], messages naming keys but no lines.
+    /// Model paths resolve against the working directory.
+    pub fn from_recipe_value(value: serde_yaml::Value, seed: Option<u64>) -> Result<Job> {
         recipe_yaml::from_value(value, seed)
+    }
+
+    /// A merge given as a base and models — the Python API's `merge`, as the command line's
+    /// `merge --base --model` — as a recipe value: its `base_model` is the base as `--base` means
+    /// it (the key [`base_key`] says for the method), then read as [`Job::from_recipe_value`].
+    pub fn from_base_and_models(mut value: serde_yaml::Value, seed: Option<u64>) -> Result<Job> {
+        if let Some(map) = value.as_mapping_mut() {
+            let kind = map
+                .get("merge_method")
+                .and_then(serde_yaml::Value::as_str)
+                .and_then(Kind::from_name);
+            if let Some(key) = kind.map(base_key).filter(|k| *k != "base_model") {
+                if let Some(base) = map.remove("base_model") {
+                    map.insert(key.into(), base);
+                }
+            }
+        }
+        recipe_yaml::from_value(value, seed)
+    }
+
+    /// What the command line (or the Python keywords) sets on top of the job: each given
+    /// setting replaces the recipe's (and the saved recipe says so), the `allow_*` switches add
+    /// to it. ε is checked here, once, whichever front end gave it.
+    pub fn set_command_line(&mut self, given: &CommandLine) -> Result<()> {
+        if let Some(e) = given.epsilon {
+            let checked = crate::method::build::epsilon_value(e)
+                .map_err(|err| usage(format!("--epsilon: {err:#}")))?;
+            self.epsilon = Some(checked);
+        }
+        self.out_dtype = given.out_dtype.or(self.out_dtype);
+        self.shard_size = given.shard_size.or(self.shard_size);
+        self.allow_nonfinite |= given.allow_nonfinite;
+        self.allow_missing_tensors |= given.allow_missing_tensors;
+        self.raw_f32_agents |= given.raw_f32_agents;
+        Ok(())
+    }
+
+    /// The recipe the merge saves into the output folder `out` (its final path): `rlmerge run`
+    /// of it, from any folder, makes this merge again ([`saved_recipe`]).
+    pub fn saved_recipe(&self, out: &Path) -> Result<String> {
+        let ram = self.method.kind().is_ram_family();
+        let settings = saved_recipe::Settings {
+            out_dtype: self.out_dtype,
+            shard_size: self.shard_size,
+            seed: self.method.seed(),
+            // ε as f32 keeps its shortest form (1e-5, not 9.99999974e-6).
+            epsilon: self
+                .epsilon
+                .filter(|_| ram)
+                .map(|e| e.to_string().parse().unwrap_or(f64::from(e))),
+            allow_nonfinite: self.allow_nonfinite,
+            allow_missing_tensors: self.allow_missing_tensors,
+            raw_f32_agents: self.raw_f32_agents,
+        };
+        self.recipe.text_for(out, &settings)
     }
 }
 
+/// Settings of a merge that the command line gives beside a recipe or the method flags
+/// ([`Job::set_command_line`]): `None` and `false` where not given.
+#[derive(Clone, Debug, Default)]
+pub struct CommandLine {
+    /// `--epsilon`.
+    pub epsilon: Option<f64>,
+    /// `--out-dtype`.
+    pub out_dtype: Option<DType>,
+    /// `--shard-size`.
+    pub shard_size: Option<u64>,
+    /// `--allow-nonfinite`.
+    pub allow_nonfinite: bool,
+    /// `--allow-missing-tensors`.
+    pub allow_missing_tensors: bool,
+    /// `--raw-f32-agents`.
+    pub raw_f32_agents: bool,
+}
+
 impl MethodFlags {
-    /// The method with its parameters for `agents` merged models: the flags and `--param`s turned
-    /// into one request for [`crate::method::build`], which validates it as it does recipes.
-    /// These flags as a mergekit recipe over `base` and `agents`: `merge_method`, the
-    /// parameters as method-wide `parameters` (mergekit applies them to every model), the models.
-    /// `rlmerge run` of it (with the same `--seed`) makes the same merge.
-    /// A value that cannot be written as YAML fails the job rather than saving an empty recipe.
-    pub fn recipe(&self, base: &Path, agents: &[PathBuf]) -> Result<String> {
+    /// These flags as a mergekit recipe over `base` and `agents` (and the tokenizer source's
+    /// folder): `merge_method`, the parameters as method-wide `parameters` (mergekit applies them
+    /// to every model), the models — with the folder each reference names. The base is
+    /// `base_model`, or `layout_model` for karcher, which would average a `base_model` as one more
+    /// point. A value that cannot be written as YAML fails the job rather than saving an empty
+    /// recipe.
+    pub fn recipe(
+        &self,
+        base: &Path,
+        agents: &[PathBuf],
+        tokenizer: Option<&crate::vocabulary::TokenizerSettings>,
+    ) -> Result<saved_recipe::Recipe> {
         use serde_yaml::{Mapping, Value};
-        let path = |p: &Path| Value::String(p.to_string_lossy().into_owned());
+        let mut folders = Vec::new();
+        let mut path = |p: &Path| {
+            let text = p.to_string_lossy().into_owned();
+            folders.push((text.clone(), p.to_path_buf()));
+            Value::String(text)
+        };
         let mut recipe = Mapping::new();
         let kind = self.method.unwrap_or(Kind::RamPlus);
         recipe.insert("merge_method".into(), kind.name().into());
-        recipe.insert("base_model".into(), path(base));
-        let mut settings = self.method_wide()?;
-        let ram_family = kind.is_ram_family();
-        if let Some(e) = self.epsilon.filter(|_| ram_family) {
-            settings.insert("epsilon".into(), Setting::Scalar(Scalar::Number(e)));
-        }
+        recipe.insert(base_key(kind).into(), path(base));
+        let settings = self.method_wide()?;
         if !settings.is_empty() {
             let mut parameters = Mapping::new();
             for (key, value) in &settings {
@@ -182,7 +293,15 @@ impl MethodFlags {
             recipe.insert("parameters".into(), Value::Mapping(parameters));
         }
         if let Some(source) = &self.tokenizer_source {
-            recipe.insert("tokenizer_source".into(), source.as_str().into());
+            let model = tokenizer.and_then(|t| match &t.source {
+                crate::vocabulary::TokenizerSource::Model(p) => Some(p.clone()),
+                _ => None,
+            });
+            let value = match model {
+                Some(folder) => path(&folder),
+                None => source.as_str().into(),
+            };
+            recipe.insert("tokenizer_source".into(), value);
         }
         if let Some(source) = &self.config_from {
             recipe.insert("config_from".into(), source.as_str().into());
@@ -199,26 +318,14 @@ impl MethodFlags {
             })
             .collect();
         recipe.insert("models".into(), Value::Sequence(models));
-        if let Some(alpha) = self.svc_alpha().ok().flatten() {
+        if let Some(alpha) = self.svc_alpha()? {
             let svc = Mapping::from_iter([("alpha".into(), alpha.into())]);
             recipe.insert("svc".into(), Value::Mapping(svc));
         }
-        let yaml =
-            serde_yaml::to_string(&recipe).context("cannot write the merge's recipe as YAML")?;
-        // Random masks (DARE, DELLA) depend on the seed.
-        let seeded = matches!(
-            kind,
-            Kind::DareLinear | Kind::DareTies | Kind::Della | Kind::DellaLinear
-        );
-        let seed = if seeded {
-            format!(" --seed {}", self.seed)
-        } else {
-            String::new()
-        };
-        Ok(format!(
-            "# Written by rlmerge from its command line: `rlmerge run` of this file{seed} makes \
-             the same merge.\n{yaml}"
-        ))
+        Ok(saved_recipe::Recipe {
+            value: Value::Mapping(recipe),
+            folders,
+        })
     }
 
     /// SVC's α from `--svc`, checked (`None`: no calibration).
@@ -333,4 +440,14 @@ pub fn parse_scalar(v: &str) -> Scalar {
 /// An output dtype as a user writes it (bf16, bfloat16, f16, float16, half, f32, float32, float).
 pub fn parse_dtype(s: &str) -> Result<DType, String> {
     DType::parse_user(s).ok_or_else(|| format!("unknown dtype '{s}' (use bf16, f16 or f32)"))
+}
+
+/// The recipe key that holds the base of a merge given as `--base` and `--model`s (the command
+/// line's flags, the Python API's `merge`): `base_model`, but `layout_model` for karcher, whose
+/// `base_model` mergekit averages as one more point while `--base` gives only the layout.
+pub fn base_key(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Karcher => "layout_model",
+        _ => "base_model",
+    }
 }

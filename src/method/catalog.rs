@@ -556,6 +556,14 @@ impl Kind {
         }
     }
 
+    /// Whether the method draws random masks (DARE, DELLA): its output depends on the seed.
+    pub fn is_seeded(self) -> bool {
+        matches!(
+            self,
+            Kind::DareLinear | Kind::DareTies | Kind::Della | Kind::DellaLinear
+        )
+    }
+
     /// Whether the method is Reinforced Agent Merging (`ram`, `ram+`, `ramplus_tl`): ε and the
     /// shared-region rule are its parameters.
     pub fn is_ram_family(self) -> bool {

@@ -154,6 +154,14 @@ impl Method {
         }
     }
 
+    /// The seed of the method's random masks, for a method that draws them ([`Kind::is_seeded`]).
+    pub fn seed(&self) -> Option<u64> {
+        match self {
+            Method::Combine(c) if c.kind.is_seeded() => Some(c.seed),
+            _ => None,
+        }
+    }
+
     /// Whether θ₀ enters the merge (task vectors against it), so it must not be an agent too.
     pub fn uses_base(&self) -> bool {
         match self {

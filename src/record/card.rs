@@ -187,6 +187,10 @@ fn inputs(s: &mut String, r: &MergeRecord) {
             Some(n) => format!(" ({})", code(n)),
             None => String::new(),
         };
+        let counts = match a.kept {
+            Some(k) => format!("{counts}; the merge kept {k:.3} of its update (Σ Δ·τ / Σ τ²)"),
+            None => counts,
+        };
         let _ = writeln!(
             s,
             "- agent {}{name}: {} — {lambda}{counts}",
@@ -286,27 +290,68 @@ fn loading(s: &mut String, config: Option<&serde_json::Value>) {
 }
 
 /// The recipe that makes this merge again (the one it came from, or the command line's flags as
-/// one), as mergekit's cards show theirs: in a code block no line of it can leave (a fence
-/// longer than any run of backticks in it), hidden characters made visible.
+/// one, its model paths relative to this folder), as mergekit's cards show theirs: in a code
+/// block no line of it can leave (a fence longer than any run of backticks in it), hidden
+/// characters made visible. Whether mergekit runs it too is said, not promised.
 fn configuration(s: &mut String, r: &MergeRecord, recipe: &str) {
     let longest = recipe.split(|c| c != '`').map(str::len).max().unwrap_or(0);
     let fence = "`".repeat(longest.max(2) + 1);
-    let mergekit = if r.method.kind().in_mergekit() && r.svc.is_none() {
-        "; `mergekit-yaml` takes it too"
-    } else {
-        ""
-    };
     let _ = writeln!(
         s,
-        "\n## Reproduce\n\n`rlmerge run {MERGEKIT_CONFIG_FILE} -o OUT`, from the folder the merge \
-         ran in (model paths are as they were given there), makes this merge again, byte for \
-         byte{mergekit}. `rlmerge verify THIS_FOLDER --against` recomputes it and compares.\n\n\
-         {fence}yaml"
+        "\n## Reproduce\n\n`rlmerge run {MERGEKIT_CONFIG_FILE} -o OUT` makes this merge again, \
+         byte for byte, from any folder: the model paths in it are relative to this one. {} \
+         `rlmerge verify THIS_FOLDER --against` recomputes it and compares.\n\n{fence}yaml",
+        mergekit_note(r, recipe)
     );
     for line in recipe.lines() {
         let _ = writeln!(s, "{}", crate::escape::terminal(line));
     }
     let _ = writeln!(s, "{fence}");
+}
+
+/// What mergekit makes of the recipe: nothing, for a method or modifier it does not have;
+/// otherwise it runs it from this folder, ignoring rlmerge's own keys (named), and drawing its
+/// own random masks.
+fn mergekit_note(r: &MergeRecord, recipe: &str) -> String {
+    let kind = r.method.kind();
+    if !kind.in_mergekit() {
+        return format!(
+            "mergekit cannot run it: `{}` is rlmerge's method.",
+            kind.name()
+        );
+    }
+    if r.svc.is_some() {
+        return "mergekit cannot run it: SVC is rlmerge's.".into();
+    }
+    const OWN_KEYS: [&str; 8] = [
+        "layout_model",
+        "config_from",
+        "seed",
+        "shard_size",
+        "allow_nonfinite",
+        "allow_missing_tensors",
+        "raw_f32_agents",
+        "svc",
+    ];
+    let value: serde_yaml::Value = serde_yaml::from_str(recipe).unwrap_or_default();
+    let own: Vec<String> = OWN_KEYS
+        .iter()
+        .filter(|k| value.get(**k).is_some())
+        .map(|k| format!("`{k}`"))
+        .collect();
+    let mut note =
+        format!("`mergekit-yaml {MERGEKIT_CONFIG_FILE} OUT`, run in this folder, takes it too");
+    if !own.is_empty() {
+        let _ = write!(note, ", ignoring rlmerge's own keys ({})", own.join(", "));
+        if own.iter().any(|k| k == "`layout_model`") {
+            note.push_str(": it takes the layout and config from the first model");
+        }
+    }
+    if kind.is_seeded() {
+        note.push_str(", with random masks of its own");
+    }
+    note.push('.');
+    note
 }
 
 /// A name in the card's YAML front matter: double-quoted (JSON's escapes are YAML's), hidden

@@ -28,8 +28,12 @@ pub fn recorded_path(out: &Path, folder: &Path) -> PathBuf {
     if let Some(id) = crate::hub::id_of_snapshot(&folder) {
         return PathBuf::from(format!("{HUB_PREFIX}{id}"));
     }
-    // The output's parent exists (the merge is written beside it); the output may not yet.
+    // The output's parent exists (the merge is written beside it); the output may not yet. A
+    // bare name's parent is the working directory.
     let out = match (out.parent(), out.file_name()) {
+        (Some(parent), Some(name)) if parent.as_os_str().is_empty() => {
+            absolute(Path::new(".")).join(name)
+        }
         (Some(parent), Some(name)) => absolute(parent).join(name),
         _ => absolute(out),
     };
@@ -85,6 +89,10 @@ pub struct AgentSummary {
     pub lambda: Option<f64>,
     /// Unique / shared element counts from the probe, when one ran.
     pub counts: Option<AgentCounts>,
+    /// What the merge kept of the agent's update, Σ Δ·τ / Σ τ² over the elements it changed
+    /// (ResMerge, which can keep nothing of a low-rank agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept: Option<f64>,
 }
 
 /// The weight files of one input model as the merge read them.
@@ -118,6 +126,10 @@ pub struct MergeRecord {
     /// Tensors missing in some models were let through (`--allow-missing-tensors`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_missing_tensors: bool,
+    /// Agents' F32 weights were read as stored, not rounded to the base's dtype
+    /// (`--raw-f32-agents`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub raw_f32_agents: bool,
     /// SVC's α, when the merge was spectrally calibrated (SPEC §4e).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub svc: Option<f64>,
@@ -125,6 +137,11 @@ pub struct MergeRecord {
     /// [`recorded_path`] names it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config_from: Option<String>,
+    /// The backend that made the merge (`cpu` or `gpu`; `None` in records before it): the
+    /// spectral methods' bytes depend on it, so `verify --against` recomputes on it where it can,
+    /// or compares within their tolerance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
     /// The base model's folder as [`recorded_path`] names it.
     pub base: String,
     /// The agents in order.

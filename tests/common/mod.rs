@@ -500,7 +500,9 @@ pub fn tokenizer_vocab(file: &Path) -> HashMap<String, usize> {
 /// (embedding adapters: (B·A)ᵀ), k ascending, no fused multiply-add, with s = `scale(module, r)`;
 /// for a DoRA module (a `lora_magnitude_vector` m), then each row i times m_i / ‖row i‖, the norm
 /// the square root of the row's squares summed in f64, rounded to f32, the factor and product in
-/// f32. Written to `out` in f32, one shard — the independent reference of the LoRA tests.
+/// f32. Written to `out` in f32, one shard, with the base's config — the independent reference of
+/// the LoRA tests (merged with `--raw-f32-agents`: its f32 values are the update, not fp32
+/// master weights to round to the base's dtype).
 pub fn lora_merged_by_hand(
     base: &Path,
     adapter: &Path,
@@ -555,6 +557,8 @@ pub fn lora_merged_by_hand(
         });
     }
     write_folder(out, &tensors, 1);
+    // The agent PEFT builds runs with its base's config.
+    std::fs::copy(base.join("config.json"), out.join("config.json")).unwrap();
 }
 
 /// `rlmerge run` on the CPU, into `out`, of a recipe over the fixture's base and agents: `head`

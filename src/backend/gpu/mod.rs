@@ -162,6 +162,10 @@ impl GpuBackend {
 }
 
 impl Backend for GpuBackend {
+    fn kind(&self) -> &'static str {
+        "gpu"
+    }
+
     fn traffic(&self) -> Option<String> {
         let t = self.phase_times();
         let mb = |b: u64| b as f64 / 1e6;

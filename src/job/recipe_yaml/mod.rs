@@ -1,10 +1,12 @@
 //! The mergekit YAML recipe: read, checked key by key, and turned into a [`Job`].
 //! Unknown keys and the parts rlmerge does not support yet are errors that name the key and line.
 
+mod folders;
+mod settings;
 mod tokenizer;
 
+use super::saved_recipe::Recipe;
 use super::Job;
-use crate::checkpoint::DType;
 use crate::error::usage;
 use crate::method::build::{self, MethodRequest};
 use crate::method::settings::{Scalar, Setting, Settings};
@@ -12,7 +14,9 @@ use crate::method::tensor_params::SliceSettings;
 use crate::method::Kind;
 use crate::slices::{self, Slice, Slices, Source};
 use anyhow::{bail, Context, Result};
+use folders::{layer_count, Folders};
 use serde::Deserialize;
+use settings::{out_dtype, shard_size, svc_of};
 use std::path::{Path, PathBuf};
 use tokenizer::tokenizer_settings;
 
@@ -46,6 +50,26 @@ struct RawConfig {
     /// SVC, the spectral calibration modifier: `svc: true`, `svc: ALPHA` or `svc: {alpha: ALPHA}`.
     #[serde(default)]
     svc: Option<serde_yaml::Value>,
+    /// rlmerge's own key: the model whose tensor names, shapes, config and tokenizer the output
+    /// takes, not merged — for a method whose `base_model` would be (karcher: a point).
+    #[serde(default)]
+    layout_model: Option<String>,
+    /// rlmerge's own key: the seed of random masks (`--seed`).
+    #[serde(default)]
+    seed: Option<u64>,
+    /// rlmerge's own key: the largest output shard (`--shard-size`: bytes, or `5GB`, `2GiB`).
+    #[serde(default)]
+    shard_size: Option<serde_yaml::Value>,
+    /// rlmerge's own key: NaN and ±Inf inputs merged by IEEE rules (`--allow-nonfinite`).
+    #[serde(default)]
+    allow_nonfinite: Option<bool>,
+    /// rlmerge's own key: tensors some models lack merged from those that have them
+    /// (`--allow-missing-tensors`).
+    #[serde(default)]
+    allow_missing_tensors: Option<bool>,
+    /// rlmerge's own key: agents' F32 weights read as stored (`--raw-f32-agents`).
+    #[serde(default)]
+    raw_f32_agents: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -80,74 +104,8 @@ struct SliceSource {
     parameters: Option<Settings>,
 }
 
-/// A model reference as a local folder: as written (relative to the working directory), else
-/// relative to the recipe's folder.
-fn local_folder(reference: &str, recipe_dir: &Path) -> Result<PathBuf> {
-    if reference.trim().is_empty() {
-        bail!("a model reference is empty (`model:` needs a folder or a Hub id)");
-    }
-    // mergekit's BASE+ADAPTER: each part found as a model is.
-    if let Some((base, adapter)) = crate::checkpoint::lora::split_reference(reference) {
-        let (b, a) = (
-            local_folder(base, recipe_dir)?,
-            local_folder(adapter, recipe_dir)?,
-        );
-        return Ok(PathBuf::from(format!("{}+{}", b.display(), a.display())));
-    }
-    let direct = PathBuf::from(reference);
-    if direct.is_dir() {
-        return Ok(direct);
-    }
-    let beside = recipe_dir.join(reference);
-    if beside.is_dir() {
-        return Ok(beside);
-    }
-    // A file is no model, though its path may look like a Hub id (org/name).
-    if let Some(file) = [&direct, &beside].into_iter().find(|p| p.exists()) {
-        bail!(
-            "model '{reference}' is {}, which is not a folder (a model is a folder with config.json and safetensors weights)",
-            file.display()
-        );
-    }
-    if crate::hub::ModelId::parse(reference).is_some() {
-        return crate::hub::locate(
-            &direct,
-            std::io::IsTerminal::is_terminal(&std::io::stderr()),
-        );
-    }
-    bail!(
-        "model '{reference}' is not a local folder (looked in {} and {}) nor a Hub id (org/name)",
-        std::env::current_dir().map_or_else(|_| ".".into(), |d| d.display().to_string()),
-        recipe_dir.display()
-    )
-}
-
-/// Layers of a model, from its config.json (a LoRA agent `BASE+ADAPTER`: its base's).
-fn layer_count(dir: &Path) -> Result<usize> {
-    let text = dir.to_string_lossy();
-    let dir = match crate::checkpoint::lora::split_reference(&text) {
-        Some((base, _)) => Path::new(base),
-        None if crate::checkpoint::lora::is_adapter(dir) => {
-            return Err(usage(format!(
-                "{} is a LoRA adapter: in slices, write it as BASE+ADAPTER so its layers are \
-                 the base's",
-                dir.display()
-            )))
-        }
-        None => dir,
-    };
-    let json =
-        crate::checkpoint::folder_files::read_config(dir).context("slices need the layer count")?;
-    crate::structure::layer_count(&json).with_context(|| {
-        format!(
-            "{}: no num_hidden_layers",
-            dir.join("config.json").display()
-        )
-    })
-}
-
-/// Reads a mergekit YAML recipe.
-pub(super) fn read(path: &Path, seed: u64) -> Result<Job> {
+/// Reads a mergekit YAML recipe; `seed` (the command line's) overrides the recipe's `seed:`.
+pub(super) fn read(path: &Path, seed: Option<u64>) -> Result<Job> {
     crate::checkpoint::files::check_regular_file(path)
         .with_context(|| format!("cannot read recipe {}", path.display()))?;
     let text = std::fs::read_to_string(path)
@@ -177,77 +135,64 @@ impl RecipeText<'_> {
 }
 
 /// Parses recipe `text`; model paths resolve against the working directory, then `dir`.
-pub(super) fn parse(text: &str, dir: &Path, seed: u64) -> Result<Job> {
+pub(super) fn parse(text: &str, dir: &Path, seed: Option<u64>) -> Result<Job> {
     // Editors on Windows start files with a byte order mark; YAML allows it, serde_yaml does not.
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-    let raw = read_yaml(text)?;
-    parse_raw(
-        raw,
-        RecipeText {
-            text,
-            numbered: true,
-        },
-        dir,
-        seed,
-    )
+    let (value, raw) = read_yaml(text)?;
+    let text = RecipeText {
+        text,
+        numbered: true,
+    };
+    parse_raw(raw, value, text, &Folders::new(dir), seed)
 }
 
 /// A recipe made in memory as a YAML value (the Python API's keywords): the same reading and
-/// checks as a file's, with messages naming keys, not lines; serde_yaml's text of it is what
-/// the merge saves as its recipe. Model paths resolve against the working directory.
-pub(super) fn from_value(value: serde_yaml::Value, seed: u64) -> Result<Job> {
+/// checks as a file's, with messages naming keys, not lines. Model paths resolve against the
+/// working directory.
+pub(super) fn from_value(value: serde_yaml::Value, seed: Option<u64>) -> Result<Job> {
     let text = serde_yaml::to_string(&value)?;
-    let raw = serde_yaml::from_value(value).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let raw = serde_yaml::from_value(value.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
     let text = RecipeText {
         text: &text,
         numbered: false,
     };
-    parse_raw(raw, text, Path::new("."), seed)
+    parse_raw(raw, value, text, &Folders::new(Path::new(".")), seed)
 }
 
-/// The recipe after YAML: its keys checked, its models found, its method built.
-fn parse_raw(raw: RawConfig, text: RecipeText, dir: &Path, seed: u64) -> Result<Job> {
+/// The recipe after YAML (`value` as written, `raw` typed): its keys checked, its models found,
+/// its method built.
+fn parse_raw(
+    raw: RawConfig,
+    value: serde_yaml::Value,
+    text: RecipeText,
+    folders: &Folders,
+    seed: Option<u64>,
+) -> Result<Job> {
     refuse_unsupported(&raw, text)?;
-    let kind = Kind::from_name(&raw.merge_method).ok_or_else(|| {
-        usage(format!(
-            "unknown merge_method '{}'{}{}",
-            raw.merge_method,
-            text.at("merge_method"),
-            Kind::unknown_hint(
-                &raw.merge_method,
-                "`svc: ALPHA` beside merge_method (e.g. svc: 0.1)"
-            )
-        ))
-    })?;
+    let seed = seed.or(raw.seed).unwrap_or(0);
+    let kind = method_kind(&raw, text)?;
     let Listed {
         mut entries,
         base_ref,
         method_wide,
         slices,
-    } = listed_models(&raw, text, dir)?;
-    let tokenizer = tokenizer_settings(&raw, text, dir)?;
+    } = listed_models(&raw, text, folders)?;
+    let tokenizer = tokenizer_settings(&raw, text, folders)?;
     let svc = svc_of(&raw)?;
     let out_dtype = out_dtype(&raw)?;
-    let implicit_base = base_ref.is_none();
-    let (base, base_ref, with_base) = choose_base(kind, &mut entries, base_ref, dir)?;
+    let shard_size = shard_size(&raw)?;
+    let implicit_base = base_ref.is_none() && raw.layout_model.is_none();
+    let (base, base_ref, with_base) =
+        choose_base(kind, &mut entries, base_ref, &raw.layout_model, folders)?;
     // The base is not merged as an agent when listed among the models (mergekit excludes it).
     if with_base {
         entries.retain(|(m, _)| *m != base_ref);
     }
     let agents = entries
         .iter()
-        .map(|(m, _)| local_folder(m, dir))
+        .map(|(m, _)| folders.folder(m))
         .collect::<Result<Vec<_>>>()?;
-    let names: Vec<Option<String>> = entries
-        .iter()
-        .map(|(m, _)| {
-            raw.models
-                .iter()
-                .flatten()
-                .find(|e| &e.model == m)
-                .and_then(|e| e.name.clone())
-        })
-        .collect();
+    let names = names_of(&raw, &entries);
     if implicit_base {
         refuse_bare_adapter(&agents, kind)?;
     }
@@ -264,7 +209,7 @@ fn parse_raw(raw: RawConfig, text: RecipeText, dir: &Path, seed: u64) -> Result<
             "fisher with slices is not supported; merge whole models",
         ));
     }
-    let models = model_settings(entries, dir)?;
+    let models = model_settings(entries, folders)?;
     let request = MethodRequest {
         kind,
         method_wide,
@@ -289,7 +234,14 @@ fn parse_raw(raw: RawConfig, text: RecipeText, dir: &Path, seed: u64) -> Result<
         method,
         epsilon,
         out_dtype,
-        recipe_text: text.text.to_string(),
+        shard_size,
+        allow_nonfinite: raw.allow_nonfinite.unwrap_or(false),
+        allow_missing_tensors: raw.allow_missing_tensors.unwrap_or(false),
+        raw_f32_agents: raw.raw_f32_agents.unwrap_or(false),
+        recipe: Recipe {
+            value,
+            folders: folders.found.take(),
+        },
         recipe_path: None,
         slices,
         tokenizer,
@@ -299,69 +251,68 @@ fn parse_raw(raw: RawConfig, text: RecipeText, dir: &Path, seed: u64) -> Result<
     })
 }
 
-/// The recipe's `svc:`: `true` (α's default), a number, or `{alpha: ALPHA}`; `false` or absent,
-/// none. α is checked as `--svc`'s is.
-fn svc_of(raw: &RawConfig) -> Result<Option<f64>> {
-    use crate::method::settings::Scalar;
-    use serde_yaml::Value;
-    let alpha = match &raw.svc {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => return Ok(None),
-        Some(Value::Bool(true)) => return Ok(Some(crate::method::catalog::SVC_DEFAULT)),
-        Some(Value::Mapping(m)) => {
-            if let Some(k) = m.keys().find(|k| k.as_str() != Some("alpha")) {
-                return Err(crate::error::usage(format!(
-                    "svc: unknown key {}; svc takes alpha",
-                    serde_yaml::to_string(k).unwrap_or_default().trim()
-                )));
-            }
-            match m.get("alpha") {
-                Some(v) => v.clone(),
-                None => return Ok(Some(crate::method::catalog::SVC_DEFAULT)),
-            }
-        }
-        Some(v) => v.clone(),
-    };
-    // A number, a word or a bool as a recipe's parameters are read; anything else (a list, a
-    // mapping) as its text, which the range check refuses by name.
-    let scalar = serde_yaml::from_value::<Scalar>(alpha.clone()).unwrap_or_else(|_| {
-        Scalar::Text(
-            serde_yaml::to_string(&alpha)
-                .unwrap_or_default()
-                .trim()
-                .into(),
-        )
-    });
-    crate::method::build::svc_alpha(&scalar).map(Some)
+/// The recipe's `merge_method`, a usage error naming the closest method where it is none.
+fn method_kind(raw: &RawConfig, text: RecipeText) -> Result<Kind> {
+    Kind::from_name(&raw.merge_method).ok_or_else(|| {
+        usage(format!(
+            "unknown merge_method '{}'{}{}",
+            raw.merge_method,
+            text.at("merge_method"),
+            Kind::unknown_hint(
+                &raw.merge_method,
+                "`svc: ALPHA` beside merge_method (e.g. svc: 0.1)"
+            )
+        ))
+    })
 }
 
-/// The output dtype the recipe asks (`out_dtype`, or mergekit's older `dtype`).
-fn out_dtype(raw: &RawConfig) -> Result<Option<DType>> {
-    match raw.out_dtype.as_ref().or(raw.dtype.as_ref()) {
-        None => Ok(None),
-        Some(d) => Ok(Some(DType::parse_user(d).with_context(|| {
-            format!("unknown dtype '{d}' (use bfloat16, float16 or float32)")
-        })?)),
-    }
+/// Each merged model's `name:` (rlmerge's key), by model reference in `entries`' order.
+fn names_of(raw: &RawConfig, entries: &[(String, Settings)]) -> Vec<Option<String>> {
+    entries
+        .iter()
+        .map(|(m, _)| {
+            raw.models
+                .iter()
+                .flatten()
+                .find(|e| &e.model == m)
+                .and_then(|e| e.name.clone())
+        })
+        .collect()
 }
 
 /// The merge's base folder, its reference as the recipe wrote it, and whether θ₀ enters the
-/// formula; without `base_model`, a method that does not need one takes the first model's layout.
-/// Karcher's base joins `entries` (it averages every input, as mergekit's group entries).
+/// formula; without `base_model`, a method that does not need one takes its layout from
+/// `layout_model` (rlmerge's key), else from the first model. Karcher's base joins `entries` (it
+/// averages every input, as mergekit's group entries).
 fn choose_base(
     kind: Kind,
     entries: &mut Vec<(String, Settings)>,
     base_ref: Option<String>,
-    dir: &Path,
+    layout: &Option<String>,
+    folders: &Folders,
 ) -> Result<(PathBuf, String, bool)> {
     // θ₀ enters the formula: always for most methods, for nuslerp/multislerp when named.
     let with_base = kind.uses_base() || (kind.base_optional() && base_ref.is_some());
+    if let Some(layout) = layout {
+        if base_ref.is_some() || with_base {
+            return Err(usage(format!(
+                "layout_model '{layout}' names a model that gives the output's layout without \
+                 being merged, which {} cannot take{}; write base_model",
+                kind.name(),
+                match base_ref {
+                    Some(_) => " beside base_model",
+                    None => " (it merges against its base_model)",
+                }
+            )));
+        }
+    }
     // Karcher averages every input, the base_model among them (mergekit's group entries).
     if let (Kind::Karcher, Some(b)) = (kind, &base_ref) {
         if !entries.iter().any(|(m, _)| m == b) {
             entries.insert(0, (b.clone(), Settings::new()));
         }
     }
-    let base_ref = match (base_ref, with_base) {
+    let base_ref = match (base_ref.or_else(|| layout.clone()), with_base) {
         (Some(b), _) => b,
         (None, false) => entries
             .first()
@@ -369,7 +320,7 @@ fn choose_base(
             .context("the recipe lists no models")?,
         (None, true) => bail!("merge_method {} needs base_model", kind.name()),
     };
-    let base = local_folder(&base_ref, dir)?;
+    let base = folders.folder(&base_ref)?;
     // A LoRA agent first among models without a base: its base gives the layout.
     let base = match crate::checkpoint::lora::split_reference(&base.to_string_lossy()) {
         Some((b, _)) if !with_base => PathBuf::from(b),
@@ -419,7 +370,7 @@ fn check_slice_counts(slices: &Slices, method: &crate::method::Method) -> Result
 }
 
 /// The recipe as typed YAML, after the checks serde's typed maps would skip.
-fn read_yaml(text: &str) -> Result<RawConfig> {
+fn read_yaml(text: &str) -> Result<(serde_yaml::Value, RawConfig)> {
     if let Some(line) = text
         .lines()
         .position(|l| l.trim_start().trim_start_matches("- ").starts_with("<<:"))
@@ -431,8 +382,10 @@ fn read_yaml(text: &str) -> Result<RawConfig> {
     }
     // As a plain YAML value first: it refuses a key given twice in any mapping, which typed maps
     // (parameters) would take silently, the last one winning.
-    serde_yaml::from_str::<serde_yaml::Value>(text).map_err(|e| anyhow::anyhow!("{e}"))?;
-    serde_yaml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))
+    let value =
+        serde_yaml::from_str::<serde_yaml::Value>(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let raw = serde_yaml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok((value, raw))
 }
 
 /// mergekit keys rlmerge does not support yet: an error naming the key and its line.
@@ -469,7 +422,7 @@ struct RawSlice {
 
 /// The models of `models`, or of the slices: one slice over every layer of each model reads as
 /// `models` (mergekit's slerp examples write it so); any other slicing selects layers.
-fn listed_models(raw: &RawConfig, text: RecipeText, dir: &Path) -> Result<Listed> {
+fn listed_models(raw: &RawConfig, text: RecipeText, folders: &Folders) -> Result<Listed> {
     let mut listed = Listed {
         entries: Vec::new(),
         base_ref: raw.base_model.clone(),
@@ -515,7 +468,7 @@ fn listed_models(raw: &RawConfig, text: RecipeText, dir: &Path) -> Result<Listed
         if slice.sources.is_empty() {
             return Err(usage(format!("slice {} has no sources{line}", n + 1)));
         }
-        read.push(read_slice(n, slice, dir, &line)?);
+        read.push(read_slice(n, slice, folders, &line)?);
     }
     // One slice over every layer of each model: the models, as `models` lists them.
     if read.len() == 1 && read[0].whole {
@@ -537,13 +490,13 @@ fn listed_models(raw: &RawConfig, text: RecipeText, dir: &Path) -> Result<Listed
 }
 
 /// Slice `n` (from 0) of the recipe, its sources checked against their models' layer counts.
-fn read_slice(n: usize, slice: &SliceEntry, dir: &Path, line: &str) -> Result<RawSlice> {
+fn read_slice(n: usize, slice: &SliceEntry, folders: &Folders, line: &str) -> Result<RawSlice> {
     let mut sources = Vec::new();
     let mut len = None;
     let mut whole = true;
     for s in &slice.sources {
         let [start, end] = s.layer_range;
-        let layers = layer_count(&local_folder(&s.model, dir)?)?;
+        let layers = layer_count(&folders.folder(&s.model)?)?;
         if start >= end || end > layers {
             return Err(usage(format!(
                 "slice {} takes layer_range [{start}, {end}] of '{}', which has {layers} \
@@ -626,11 +579,11 @@ fn slices_of(
 
 /// Each merged model's parameters; Fisher folders are local folders too, found the same way as
 /// models.
-fn model_settings(entries: Vec<(String, Settings)>, dir: &Path) -> Result<Vec<Settings>> {
+fn model_settings(entries: Vec<(String, Settings)>, folders: &Folders) -> Result<Vec<Settings>> {
     let mut models: Vec<Settings> = entries.into_iter().map(|(_, s)| s).collect();
     for s in models.iter_mut() {
         if let Some(Setting::Scalar(Scalar::Text(p))) = s.get("fisher") {
-            let folder = local_folder(p, dir)?;
+            let folder = folders.folder(p)?;
             s.insert(
                 "fisher".into(),
                 Setting::Scalar(Scalar::Text(folder.display().to_string())),
@@ -672,12 +625,17 @@ mod tests {
         let e = parse(
             "merge_method: ties\nbase_model: x\nfoo: 1\n",
             Path::new("."),
-            0,
+            None,
         )
         .unwrap_err();
         let msg = format!("{e:#}");
         assert!(msg.contains("foo") && msg.contains("line 3"), "{msg}");
-        let e = parse("merge_method: ties\nmodules:\n  a: 1\n", Path::new("."), 0).unwrap_err();
+        let e = parse(
+            "merge_method: ties\nmodules:\n  a: 1\n",
+            Path::new("."),
+            None,
+        )
+        .unwrap_err();
         let msg = format!("{e:#}");
         assert!(
             msg.contains("modules") && msg.contains("not supported yet") && msg.contains("line 2"),

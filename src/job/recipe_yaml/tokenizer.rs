@@ -1,22 +1,22 @@
 //! A recipe's tokenizer settings: mergekit's `tokenizer_source`, or its `tokenizer:` section
 //! (`source`, `tokens`, `pad_to_multiple_of`), checked with the line of each mistake (SPEC §5b).
 
-use super::{local_folder, RawConfig, RecipeText};
+use super::{Folders, RawConfig, RecipeText};
 use crate::error::usage;
 use crate::vocabulary::{
     parse_source, EmbeddingSource, TokenSetting, TokenizerSettings, TokenizerSource,
 };
 use anyhow::{Context, Result};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// The tokenizer settings (`tokenizer_source`, or the `tokenizer:` section: `source`, default
 /// union as in mergekit, `tokens`, `pad_to_multiple_of`); `None` when the recipe sets neither.
 pub(super) fn tokenizer_settings(
     raw: &RawConfig,
     text: RecipeText,
-    dir: &Path,
+    folders: &Folders,
 ) -> Result<Option<TokenizerSettings>> {
-    let folder = |name: &str| local_folder(name, dir);
+    let folder = |name: &str| folders.folder(name);
     let source_of = |v: &serde_yaml::Value, key: &str| -> Result<TokenizerSource> {
         let line = text.at(key);
         let Some(s) = v.as_str() else {
