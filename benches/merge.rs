@@ -164,10 +164,8 @@ fn end_to_end(c: &mut Criterion) {
             ),
         ];
         for (method_name, method) in methods {
-            let options = MergeOptions {
-                force: true,
-                ..MergeOptions::new(method, backend)
-            };
+            let mut options = MergeOptions::new(rlmerge::method::Merging::of(method), backend);
+            options.force = true;
             let out = dir.path().join(format!("{name}-{method_name}"));
             g.bench_function(format!("{name}/{method_name}"), |b| {
                 b.iter(|| engine::merge(&inputs, &options, backend, &out).unwrap())

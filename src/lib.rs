@@ -13,6 +13,8 @@
 pub mod backend;
 pub mod cancel;
 pub mod checkpoint;
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod demo;
 pub mod engine;
 pub mod error;
@@ -30,6 +32,7 @@ pub mod record;
 pub(crate) mod report;
 pub(crate) mod scans;
 pub(crate) mod select;
+pub mod service;
 mod simd;
 pub(crate) mod slices;
 pub(crate) mod structure;

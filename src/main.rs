@@ -1,5 +1,3 @@
-mod cli;
-
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -20,7 +18,7 @@ fn main() -> ExitCode {
             }
         });
     });
-    let (code, error) = cli::run_args(std::env::args_os(), &mut std::io::stdout().lock());
+    let (code, error) = rlmerge::cli::run_args(std::env::args_os(), &mut std::io::stdout().lock());
     if let Some(message) = error {
         eprintln!("{message}");
     }

@@ -5,14 +5,13 @@
 use crate::backend::Backend;
 use crate::checkpoint::output_folder::{sweep, Scratch};
 use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
-use crate::checkpoint::{DType, ModelFolder};
-use crate::engine::{self, MergeOptions, PassOptions};
-use crate::inputs::{Inputs, Layout};
-use crate::method::catalog::Cost;
+use crate::checkpoint::ModelFolder;
+use crate::engine;
+use crate::job::Job;
 use crate::record::{resolved_path, MergeRecord};
 use anyhow::{Context, Result};
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Prefix of the scratch folders `--against` recomputes into.
 const VERIFY_SCRATCH: &str = ".rlmerge-verify";
@@ -153,58 +152,10 @@ fn recompute_and_compare(
     backend: &dyn Backend,
     v: &mut Verification,
 ) -> Result<()> {
-    let base = record
-        .inputs
-        .first()
-        .context("the record lists no inputs")?;
-    let agents: Vec<PathBuf> = record.inputs[1..]
-        .iter()
-        .map(|i| resolved_path(out_dir, &i.path))
-        .collect();
-    let tokenizer = record
-        .tokenizer
-        .as_ref()
-        .map(|t| t.with_folders(|p| resolved_path(out_dir, p)));
-    let inputs = Inputs::open_with(
-        &resolved_path(out_dir, &base.path),
-        &agents,
-        Layout {
-            slices: record.slices.as_ref(),
-            tokenizer: tokenizer.as_ref(),
-            with_base: record.method.uses_base(),
-            allow_missing_tensors: record.allow_missing_tensors,
-            raw_f32_agents: record.raw_f32_agents,
-        },
-    )?;
-    let options = MergeOptions {
-        pass: PassOptions {
-            epsilon: record.epsilon,
-            scan_nonfinite: !record.allow_nonfinite,
-            ..PassOptions::default_for(backend)
-        },
-        out_dtype: record
-            .out_dtype
-            .as_deref()
-            .map(|d| {
-                DType::parse_user(d).with_context(|| format!("record: unknown out_dtype '{d}'"))
-            })
-            .transpose()?,
-        shard_size: record.shard_size,
-        force: true,
-        svc: record.svc,
-        config_from: match record.config_from.as_deref() {
-            None => None,
-            Some("base") => Some(engine::ConfigFrom::Base),
-            Some(named) => Some(engine::ConfigFrom::Agent(
-                record
-                    .agents
-                    .iter()
-                    .position(|a| a.path == named)
-                    .context("the record's config_from names none of its agents")?,
-            )),
-        },
-        ..MergeOptions::new(record.method.clone(), backend)
-    };
+    // The merge the record describes, through the service any merge goes through.
+    let job = Job::from_record(record, out_dir)?;
+    let inputs = crate::service::open_inputs(&job)?;
+    let compute = crate::service::Compute::on(crate::service::Device::Auto);
     // Recomputed beside the output (the same disk, which held the output once), or where that
     // folder is read-only, in the system's temporary folder. A killed verify's folder is removed
     // by the next one (its lock is free).
@@ -228,6 +179,12 @@ fn recompute_and_compare(
         )
     })?;
     let again = scratch.path().join("recomputed");
+    let options = crate::service::merge_options(
+        &job,
+        (backend, &compute),
+        (&again, true, false),
+        Vec::new(),
+    )?;
     let result = engine::merge(&inputs, &options, backend, &again)
         .and_then(|summary| compare_outputs(record, &summary.record, out_dir, &again, backend, v));
     drop(scratch);
@@ -258,7 +215,10 @@ fn compare_outputs(
         r.outputs
             .iter()
             .map(|f| f.file.clone())
-            .filter(|f| f != crate::job::MERGEKIT_CONFIG_FILE && f != crate::record::OVERLAP_FIGURE)
+            .filter(|f| {
+                f != crate::checkpoint::output_folder::MERGEKIT_CONFIG_FILE
+                    && f != crate::record::OVERLAP_FIGURE
+            })
             .collect()
     };
     let (recorded, recomputed) = (files(record), files(redone));
@@ -274,7 +234,7 @@ fn compare_outputs(
         return Ok(());
     }
     let made_on = record.backend.as_deref();
-    let decomposed = record.svc.is_some() || record.method.kind().cost() == Cost::Spectral;
+    let decomposed = record.merging.decomposes();
     let tolerant = decomposed && made_on != Some(backend.kind());
     for file in &recorded {
         let (a, b) = (out_dir.join(file), again.join(file));

@@ -429,7 +429,8 @@ fn the_adapter_is_read_once_per_pass_and_one_pair_is_held_at_a_time() {
                 .collect(),
             ..Default::default()
         };
-        let mut options = MergeOptions::new(flags.method_for(2).unwrap(), &backend);
+        let merging = rlmerge::method::Merging::of(flags.method_for(2).unwrap());
+        let mut options = MergeOptions::new(merging, &backend);
         options.pass.tile_elems = 24;
         merge(
             &inputs,

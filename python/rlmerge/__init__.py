@@ -274,10 +274,7 @@ def merge(base: PathLike, models: Sequence[PathLike], method: str = "ram+", out:
     keywords = _keywords(device, quiet, force, out_dtype, shard_size, threads,
                          allow_missing_tensors, allow_nonfinite, allow_dense_agents,
                          raw_f32_agents, seed)
-    try:
-        record = _native.merge(recipe, out, keywords)
-    except UsageError as e:
-        raise UsageError(_in_keywords(str(e))) from None
+    record = _native.merge(recipe, out, keywords)
     return _finished(record, out)
 
 
@@ -291,19 +288,6 @@ def _names(names: Any, models: int) -> List[Optional[str]]:
     if len(names) != models:
         raise UsageError(f"names has {len(names)} names for {models} models: give one per model")
     return list(names)
-
-
-def _in_keywords(message: str) -> str:
-    """A library message about a recipe, said in :func:`merge`'s keywords: the recipe :func:`merge`
-    builds from them is the library's, not the caller's."""
-    message = re.sub(r"give it with --param (\w+)=VALUE, or `\w+:` under the recipe's parameters",
-                     r"give it as the keyword \1=VALUE of rlmerge.merge (one value for every "
-                     r"model, a list with one per model, or a dict by model)", message)
-    message = message.replace("`svc: ALPHA` beside merge_method (e.g. svc: 0.1)",
-                              "the keyword svc=ALPHA (e.g. svc=0.1)")
-    message = message.replace("unknown merge_method", "unknown method")
-    message = message.replace("under the recipe's parameters", "as a keyword of rlmerge.merge")
-    return message
 
 
 def _keywords(device: str, quiet: bool, force: bool, out_dtype: Optional[str],

@@ -1,22 +1,19 @@
-//! `rlmerge._rlmerge`, the native half of the Python package, over the same library as the
-//! binary: typed calls — `merge` and `run`, `analyze`, `verify`, `methods` — that build the
-//! library's own requests (a recipe as a YAML value, never text; the command line's argument
-//! structs, never argv), and `call`, the `rlmerge` command the package installs. Errors become exceptions here: [`MergeError`], `UsageError` (also a
-//! `ValueError`) for a bad request, `KeyboardInterrupt` when Ctrl-C stopped the call. Every call
-//! releases the GIL while it works and has its own cancellation: Ctrl-C stops the call it
-//! interrupts, not those other threads run.
+//! `rlmerge._rlmerge`, the native half of the Python package, over the library's merge service
+//! (`rlmerge::service`), as the command line is: typed calls — `merge` and `run`, `analyze`,
+//! `verify`, `methods` — that build the library's own requests (a recipe as a YAML value, never
+//! text; a `Job`, a `Compute`, an `Analysis`), and `call`, the `rlmerge` command the package
+//! installs (the library's command line, `rlmerge::cli`). Errors become exceptions here:
+//! [`MergeError`], `UsageError` (also a `ValueError`) for a bad request, `KeyboardInterrupt`
+//! when Ctrl-C stopped the call. Every call releases the GIL while it works and has its own
+//! cancellation: Ctrl-C stops the call it interrupts, not those other threads run.
 
-#[path = "../../src/cli/mod.rs"]
-#[allow(dead_code)] // the front-end pieces the binary uses and this module does not
-mod cli;
-
-use cli::{AnalyzeArgs, ComputeArgs, DeviceChoice, InputArgs, MethodsArgs, OutputArgs};
 use pyo3::exceptions::{PyException, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
 use rlmerge::error::usage;
-use rlmerge::job::Job;
+use rlmerge::job::{CommandLine, Job};
+use rlmerge::service;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -33,22 +30,10 @@ static USAGE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 /// How often a running call lets Python look for signals (Ctrl-C).
 const SIGNAL_POLL: Duration = Duration::from_millis(100);
 
-/// Options the library's messages name by their command-line flag, and their keyword here.
-const KEYWORDS: [(&str, &str); 6] = [
-    ("--allow-missing-tensors", "allow_missing_tensors=True"),
-    ("--allow-nonfinite", "allow_nonfinite=True"),
-    ("--allow-dense-agents", "allow_dense_agents=True"),
-    ("--raw-f32-agents", "raw_f32_agents=True"),
-    ("--config-from", "config_from="),
-    ("--epsilon", "epsilon"),
-];
-
-/// A library error as the exception of its kind, its message in this API's keywords.
+/// A library error as the exception of its kind, its message in this API's keywords (the
+/// library's messages name their settings for each front end: `rlmerge::error::Arg`).
 fn exception(py: Python<'_>, err: &anyhow::Error) -> PyErr {
-    let mut message = format!("{err:#}");
-    for (flag, keyword) in KEYWORDS {
-        message = message.replace(flag, keyword);
-    }
+    let message = rlmerge::error::render(err, rlmerge::error::Dialect::Python);
     if rlmerge::error::is_usage(err) {
         match USAGE_ERROR.get(py) {
             Some(t) => PyErr::from_type(t.bind(py).clone(), message),
@@ -237,39 +222,39 @@ struct MergeKeywords {
 }
 
 /// The compute options on `device` ("auto", "cpu" or "gpu").
-fn compute(device: &str, quiet: bool, threads: usize) -> anyhow::Result<ComputeArgs> {
+fn compute(device: &str, quiet: bool, threads: usize) -> anyhow::Result<service::Compute> {
     let device = match device {
-        "auto" => DeviceChoice::Auto,
-        "cpu" => DeviceChoice::Cpu,
-        "gpu" => DeviceChoice::Gpu,
+        "auto" => service::Device::Auto,
+        "cpu" => service::Device::Cpu,
+        "gpu" => service::Device::Gpu,
         other => {
             return Err(usage(format!(
                 "device must be 'auto', 'cpu' or 'gpu', got '{other}'"
             )))
         }
     };
-    Ok(ComputeArgs {
-        epsilon: None,
+    Ok(service::Compute {
         threads,
-        quiet,
-        device,
-        tile_elems: None,
-        allow_nonfinite: false,
-        allow_missing_tensors: false,
-        allow_dense_agents: false,
-        raw_f32_agents: false,
-        gpu_chunk_elems: None,
+        show_progress: !quiet,
+        ..service::Compute::on(device)
     })
 }
 
+/// A merge's options from its keywords: how it computes, what it sets on top of its recipe,
+/// where it goes.
+struct MergeRequest {
+    compute: service::Compute,
+    command_line: CommandLine,
+    quiet: bool,
+    out: PathBuf,
+    force: bool,
+}
+
 impl MergeKeywords {
-    /// The library's compute and output options for a merge into `out`.
-    fn options(self, out: PathBuf) -> anyhow::Result<(ComputeArgs, OutputArgs)> {
-        let compute = ComputeArgs {
-            allow_missing_tensors: self.allow_missing_tensors,
-            allow_nonfinite: self.allow_nonfinite,
-            allow_dense_agents: self.allow_dense_agents,
-            raw_f32_agents: self.raw_f32_agents,
+    /// The library's compute and command-line settings for a merge into `out`.
+    fn options(self, out: PathBuf) -> anyhow::Result<MergeRequest> {
+        let compute = service::Compute {
+            warn_dense_agents: !self.allow_dense_agents,
             ..compute(&self.device, self.quiet, self.threads)?
         };
         let out_dtype = self
@@ -282,36 +267,58 @@ impl MergeKeywords {
             .map(rlmerge::checkpoint::writer::parse_size)
             .transpose()
             .map_err(|e| usage(format!("shard_size: {e:#}")))?;
-        let output = OutputArgs {
+        let command_line = CommandLine {
+            epsilon: None,
             out_dtype,
             shard_size,
-            force: self.force,
-            seed: self.seed,
-            out,
+            allow_nonfinite: self.allow_nonfinite,
+            allow_missing_tensors: self.allow_missing_tensors,
+            raw_f32_agents: self.raw_f32_agents,
         };
-        Ok((compute, output))
+        Ok(MergeRequest {
+            compute,
+            command_line,
+            quiet: self.quiet,
+            out,
+            force: self.force,
+        })
     }
 }
 
-/// Merges the job `job` makes into `output.out`, on its own cancellable thread; the merge's
+/// What a call says while it runs, on stderr as the command says it: warnings and notes
+/// always, the backend and the GPU's traffic unless `quiet`.
+fn show(quiet: bool) -> impl FnMut(service::Said) {
+    move |said| match said {
+        service::Said::Warning(w) => eprintln!("warning: {}", rlmerge::escape::terminal(&w)),
+        service::Said::Note(n) => eprintln!("note: {}", rlmerge::escape::terminal(&n)),
+        service::Said::Backend(b) if !quiet => {
+            eprintln!("backend: {}", rlmerge::escape::terminal(&b))
+        }
+        service::Said::Traffic(t) if !quiet => eprintln!("GPU: {t}"),
+        _ => {}
+    }
+}
+
+/// Merges the job `job` makes into `options.out`, on its own cancellable thread; the merge's
 /// record as JSON.
 fn merge_into(
     py: Python<'_>,
     job: impl FnOnce() -> anyhow::Result<Job> + Send + 'static,
-    (compute, output): (ComputeArgs, OutputArgs),
+    options: MergeRequest,
 ) -> PyResult<String> {
     let late = Late::Raise(format!(
         "interrupted after the merge had finished: the output at {} is complete",
-        output.out.display()
+        options.out.display()
     ));
     cancellable(py, late, move || {
-        let out = output.out.clone();
-        let summary =
-            cli::merge_job(job()?, &compute, &output, &mut std::io::sink()).map_err(|e| {
-                match rlmerge::cancel::is_interrupted(&e) {
-                    true => e.context(format!("merge into {}", out.display())),
-                    false => e,
-                }
+        let out = options.out.clone();
+        let mut job = job()?;
+        job.set_command_line(&options.command_line)?;
+        let target = (out.as_path(), options.force);
+        let summary = service::merge(&job, &options.compute, target, &mut show(options.quiet))
+            .map_err(|e| match rlmerge::cancel::is_interrupted(&e) {
+                true => e.context(format!("merge into {}", out.display())),
+                false => e,
             })?;
         // The record, and beside it what the merge noted of the output's surroundings. (Through
         // its text, as the file holds it: f32 numbers keep their shortest form, 1e-05.)
@@ -359,7 +366,14 @@ fn verify(py: Python<'_>, dir: PathBuf, against: bool, device: &str) -> PyResult
     let late = Late::Raise("interrupted after verify had finished".into());
     cancellable(py, late, move || {
         let backend = match against {
-            true => Some(compute.backend_for_record(&dir)?),
+            true => {
+                let record = rlmerge::record::MergeRecord::read(&dir)?;
+                Some(service::backend_for_record(
+                    &record,
+                    &compute,
+                    &mut show(true),
+                )?)
+            }
             false => None,
         };
         let v = rlmerge::verify::verify(&dir, backend.as_deref())?;
@@ -392,48 +406,41 @@ struct AnalyzeKeywords {
 #[pyfunction]
 fn analyze(py: Python<'_>, keywords: AnalyzeKeywords) -> PyResult<String> {
     let k = keywords;
-    let compute = compute(&k.device, k.quiet, k.threads).map_err(|e| exception(py, &e))?;
-    let args = AnalyzeArgs {
-        inputs: InputArgs {
-            base: Some(k.base),
-            models: k.models,
-            names: k.names,
-            tokenizer_source: k.tokenizer_source,
-            compute: ComputeArgs {
-                epsilon: k.epsilon,
-                allow_missing_tensors: k.allow_missing_tensors,
-                allow_nonfinite: k.allow_nonfinite,
-                allow_dense_agents: k.allow_dense_agents,
-                raw_f32_agents: k.raw_f32_agents,
-                ..compute
-            },
-        },
-        per_tensor: k.per_tensor,
-        json: true,
-        merged: k.merged,
-        plot: k.plot,
+    let compute = service::Compute {
+        warn_dense_agents: !k.allow_dense_agents,
+        ..compute(&k.device, k.quiet, k.threads).map_err(|e| exception(py, &e))?
     };
     let late = Late::Raise("interrupted after analyze had finished".into());
     cancellable(py, late, move || {
-        let mut json = Vec::new();
-        cli::run_analyze(&args, &mut json)?;
-        Ok(String::from_utf8_lossy(&json).into_owned())
+        let analysis = service::Analysis {
+            base: k.base,
+            agents: k.models,
+            names: k.names,
+            tokenizer: k
+                .tokenizer_source
+                .as_deref()
+                .map(rlmerge::vocabulary::TokenizerSettings::of_source)
+                .transpose()?,
+            epsilon: k.epsilon,
+            allow_missing_tensors: k.allow_missing_tensors,
+            allow_nonfinite: k.allow_nonfinite,
+            raw_f32_agents: k.raw_f32_agents,
+            merged: k.merged,
+            plot: k.plot,
+            per_tensor: k.per_tensor,
+        };
+        let found = service::analyze(&analysis, &compute, &mut show(k.quiet))?;
+        Ok(serde_json::to_string_pretty(&found.to_json(k.per_tensor))?)
     })
 }
 
 /// Every merge method with its parameters, as `rlmerge methods --json` prints them.
 #[pyfunction]
-fn methods(py: Python<'_>) -> PyResult<String> {
-    let mut json = Vec::new();
-    cli::run_methods(
-        &MethodsArgs {
-            name: None,
-            json: true,
-        },
-        &mut json,
+fn methods() -> PyResult<String> {
+    Ok(
+        serde_json::to_string_pretty(&rlmerge::method::listing::all_json())
+            .expect("JSON values serialize"),
     )
-    .map_err(|e| exception(py, &e))?;
-    Ok(String::from_utf8_lossy(&json).into_owned())
 }
 
 /// The `rlmerge` command pip installs (`rlmerge.cli`): the command line with `args` (without the
@@ -451,9 +458,9 @@ fn call(
         let argv = std::iter::once("rlmerge".to_string()).chain(args);
         let mut captured = Vec::new();
         let (code, error) = if capture {
-            cli::run_args(argv, &mut captured)
+            rlmerge::cli::run_args(argv, &mut captured)
         } else {
-            cli::run_args(argv, &mut std::io::stdout().lock())
+            rlmerge::cli::run_args(argv, &mut std::io::stdout().lock())
         };
         if code == 130 {
             return Err(anyhow::Error::new(rlmerge::cancel::Interrupted));

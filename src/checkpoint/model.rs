@@ -99,11 +99,14 @@ impl ModelFolder {
             .symlink_metadata()
             .is_ok()
         {
-            bail!(
-                "{} is a LoRA adapter, not a full model: give it as an agent (--model, or \
-                 BASE+ADAPTER), with the model it was trained on as the base",
-                dir.display()
-            );
+            return Err(crate::error::data(crate::message![
+                format!(
+                    "{} is a LoRA adapter, not a full model: give it as an agent (",
+                    dir.display()
+                ),
+                crate::error::Arg::named("--model", "one of models"),
+                ", or BASE+ADAPTER), with the model it was trained on as the base",
+            ]));
         } else {
             bail!(
                 "{}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)",

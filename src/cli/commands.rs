@@ -6,19 +6,15 @@ use super::{
     AnalyzeArgs, Cli, Command, ComputeArgs, DemoArgs, DeviceChoice, InputArgs, MergeArgs,
     OutputArgs, RunArgs, VerifyArgs,
 };
+use crate::backend::gpu::{list_adapters, AdapterChoice, GpuContext};
+use crate::demo;
+use crate::error::usage;
+use crate::escape::terminal;
+use crate::inputs::Inputs;
+use crate::job::Job;
+use crate::method::Method;
+use crate::service;
 use anyhow::{Context, Result};
-use rlmerge::backend::cpu::CpuBackend;
-use rlmerge::backend::gpu::{list_adapters, AdapterChoice, GpuBackend, GpuContext};
-use rlmerge::backend::Backend;
-use rlmerge::checkpoint::output_folder;
-use rlmerge::demo;
-use rlmerge::engine::{self, MergeOptions, PassOptions};
-use rlmerge::error::usage;
-use rlmerge::escape::terminal;
-use rlmerge::inputs::{Inputs, Layout};
-use rlmerge::job::{Job, MERGEKIT_CONFIG_FILE};
-use rlmerge::method::catalog::Cost;
-use rlmerge::method::Method;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
@@ -33,14 +29,14 @@ impl InputArgs {
                 // BASE+ADAPTER (a LoRA agent): each part found as a model is.
                 let locate = |p: &PathBuf| match p
                     .to_str()
-                    .and_then(rlmerge::checkpoint::lora::split_reference)
+                    .and_then(crate::checkpoint::lora::split_reference)
                 {
                     Some((b, a)) => {
-                        let b = rlmerge::hub::locate(Path::new(b), progress)?;
-                        let a = rlmerge::hub::locate(Path::new(a), progress)?;
+                        let b = crate::hub::locate(Path::new(b), progress)?;
+                        let a = crate::hub::locate(Path::new(a), progress)?;
                         Ok(PathBuf::from(format!("{}+{}", b.display(), a.display())))
                     }
-                    None => rlmerge::hub::locate(p, progress),
+                    None => crate::hub::locate(p, progress),
                 };
                 let models = self.models.iter().map(locate).collect::<Result<_>>()?;
                 Ok((locate(b)?, models))
@@ -52,154 +48,59 @@ impl InputArgs {
     }
 
     /// `--tokenizer-source`: base, union, or a model (a folder or Hub id, as for --model).
-    fn tokenizer(&self) -> Result<Option<rlmerge::vocabulary::TokenizerSettings>> {
-        use rlmerge::vocabulary::{parse_source, TokenizerSettings};
-        let Some(text) = &self.tokenizer_source else {
-            return Ok(None);
-        };
-        let locate = |name: &str| -> Result<PathBuf> {
-            let bad = |what: &str| {
-                usage(format!(
-                    "--tokenizer-source '{name}' {what}; give base, union or a model folder \
-                     (or Hub id) with a tokenizer.json"
-                ))
-            };
-            if name.trim().is_empty() {
-                return Err(bad("is empty"));
-            }
-            let p = rlmerge::hub::locate(Path::new(name), std::io::stderr().is_terminal())
-                .with_context(|| {
-                    format!("--tokenizer-source {name}: use base, union or a model")
-                })?;
-            match std::fs::metadata(&p) {
-                Ok(m) if m.is_dir() => Ok(p),
-                Ok(_) => Err(bad("is not a folder")),
-                Err(_) => Err(bad("does not exist")),
-            }
-        };
-        Ok(Some(TokenizerSettings {
-            source: parse_source(text, &locate)?,
-            tokens: Vec::new(),
-            pad_to_multiple_of: None,
-        }))
+    fn tokenizer(&self) -> Result<Option<crate::vocabulary::TokenizerSettings>> {
+        self.tokenizer_source
+            .as_deref()
+            .map(crate::vocabulary::TokenizerSettings::of_source)
+            .transpose()
     }
 }
 
 impl ComputeArgs {
-    fn check(&self) -> Result<()> {
-        if let Some(e) = self.epsilon {
-            rlmerge::method::build::epsilon_value(e)
-                .map_err(|e| usage(format!("--epsilon: {e:#}")))?;
-        }
-        if self.tile_elems == Some(0) {
-            return Err(usage("--tile-elems must be ≥ 1"));
-        }
-        Ok(())
-    }
-
-    /// The backend to recompute the merge recorded in `dir` with (`verify --against`).
-    #[allow(dead_code)] // the Python extension's verify (python/src/lib.rs)
-    pub(crate) fn backend_for_record(&self, dir: &Path) -> Result<Box<dyn Backend>> {
-        verify_backend(self.device, self.threads, dir)
-    }
-
-    /// The backend for a job of this cost (see [`make_backend`]).
-    pub(crate) fn backend(&self, cost: Cost) -> Result<Box<dyn Backend>> {
-        make_backend(self.device, self.threads, self.gpu_chunk_elems, cost)
-    }
-
-    /// ε as given, else the default.
-    fn epsilon(&self) -> f32 {
-        // Checked by `check` before any pass runs.
-        self.epsilon
-            .map_or(rlmerge::method::DEFAULT_EPSILON, |e| e as f32)
-    }
-
-    fn pass(&self, backend: &dyn Backend) -> PassOptions {
-        PassOptions {
-            epsilon: self.epsilon(),
-            tile_elems: self
-                .tile_elems
-                .unwrap_or_else(|| backend.preferred_tile_elems()),
-            scan_nonfinite: !self.allow_nonfinite,
+    /// The compute choices as the library takes them.
+    pub(crate) fn compute(&self) -> service::Compute {
+        service::Compute {
+            device: self.device.into(),
+            threads: self.threads,
+            tile_elems: self.tile_elems,
+            gpu_chunk_elems: self.gpu_chunk_elems,
+            show_progress: !self.quiet,
+            warn_dense_agents: !self.allow_dense_agents,
         }
     }
 
-    /// Warnings for agents that look dense (see `Inputs::dense_agent_warnings`), unless
-    /// `--allow-dense-agents`; ε from the recipe when it sets one.
-    fn dense_agent_warnings(&self, inputs: &Inputs, epsilon: Option<f32>) -> Result<Vec<String>> {
-        if self.allow_dense_agents {
-            return Ok(Vec::new());
+    /// What these flags set on top of a job's recipe or method flags.
+    pub(crate) fn command_line(&self, output: &OutputArgs) -> crate::job::CommandLine {
+        crate::job::CommandLine {
+            epsilon: self.epsilon,
+            out_dtype: output.out_dtype,
+            shard_size: output.shard_size,
+            allow_nonfinite: self.allow_nonfinite,
+            allow_missing_tensors: self.allow_missing_tensors,
+            raw_f32_agents: self.raw_f32_agents,
         }
-        inputs.dense_agent_warnings(epsilon.unwrap_or(self.epsilon()))
-    }
-
-    /// Progress on stderr: a bar on a terminal, a line every few seconds elsewhere.
-    fn show_progress(&self) -> bool {
-        !self.quiet
     }
 }
 
-/// The backend `device` asks for (see [`DeviceChoice`]) for a job of this `cost`. `auto` takes a
-/// hardware GPU for the spectral methods only: the elementwise ones are bound by reading the
-/// files, and on the one GPU measured (an H200, README's GPU figures) they ran 1.5–3.5× slower
-/// than the CPU backend — so for them it does not load the GPU stack at all. A software adapter
-/// (lavapipe) is used only when asked for, with a warning.
-fn make_backend(
-    device: DeviceChoice,
-    threads: usize,
-    gpu_chunk_elems: Option<usize>,
-    cost: Cost,
-) -> Result<Box<dyn Backend>> {
-    let gpu = |ctx: GpuContext| -> Box<dyn Backend> {
-        let backend = GpuBackend::new(ctx);
-        Box::new(match gpu_chunk_elems {
-            Some(n) => backend.with_chunk_elems(n),
-            None => backend,
-        })
-    };
-    match device {
-        DeviceChoice::Cpu => Ok(Box::new(CpuBackend::new(threads)?)),
-        DeviceChoice::Gpu => match GpuContext::open(AdapterChoice::Any)? {
-            Some(ctx) => {
-                if ctx.is_software() {
-                    eprintln!(
-                        "warning: {} is a software adapter (it runs on the CPU): merges on it \
-                         run many times slower than --device cpu (16-40x measured on lavapipe)",
-                        terminal(&ctx.describe())
-                    );
-                }
-                Ok(gpu(ctx))
-            }
-            None => Err(anyhow::anyhow!(
-                "--device gpu: wgpu found no GPU adapter (Vulkan, Metal or DX12). On Linux without a GPU, \
-                 install Mesa's software Vulkan driver lavapipe (Debian/Ubuntu: apt-get install \
-                 mesa-vulkan-drivers libvulkan1); or use --device cpu"
-            )),
-        },
-        DeviceChoice::Auto if cost != Cost::Spectral => Ok(Box::new(CpuBackend::new(threads)?)),
-        DeviceChoice::Auto => match GpuContext::open(AdapterChoice::HardwareOnly) {
-            Ok(Some(ctx)) => Ok(gpu(ctx)),
-            Ok(None) => Ok(Box::new(CpuBackend::new(threads)?)),
-            Err(e) => {
-                eprintln!("warning: {e:#}; using the CPU backend");
-                Ok(Box::new(CpuBackend::new(threads)?))
-            }
-        },
+impl From<DeviceChoice> for service::Device {
+    fn from(d: DeviceChoice) -> service::Device {
+        match d {
+            DeviceChoice::Auto => service::Device::Auto,
+            DeviceChoice::Gpu => service::Device::Gpu,
+            DeviceChoice::Cpu => service::Device::Cpu,
+        }
     }
 }
 
-/// What a merge's method costs, SVC included (it decomposes every matrix).
-fn job_cost(method: &Method, svc: Option<f64>) -> Cost {
-    match svc {
-        Some(_) => Cost::Spectral,
-        None => method.kind().cost(),
-    }
-}
-
-fn warn_all(warnings: &[String]) {
-    for w in warnings {
-        eprintln!("warning: {}", terminal(w));
+/// What a job says while it runs, on stderr: warnings and notes always, the backend and the GPU's
+/// traffic unless `quiet`.
+pub(crate) fn show(quiet: bool) -> impl FnMut(service::Said) {
+    move |said| match said {
+        service::Said::Warning(w) => eprintln!("warning: {}", terminal(&w)),
+        service::Said::Note(n) => eprintln!("note: {}", terminal(&n)),
+        service::Said::Backend(b) if !quiet => eprintln!("backend: {}", terminal(&b)),
+        service::Said::Traffic(t) if !quiet => eprintln!("GPU: {t}"),
+        _ => {}
     }
 }
 
@@ -212,7 +113,7 @@ fn note_all(notes: &[String]) {
 
 /// Runs the command, its output (tables, JSON, summaries) into `out`; warnings, progress and
 /// notes go to stderr.
-pub fn run(cli: Cli, mut out: &mut dyn Write) -> Result<()> {
+pub(crate) fn run(cli: Cli, mut out: &mut dyn Write) -> Result<()> {
     match cli.command {
         Command::Merge(args) => run_merge(&args, &mut out),
         Command::Run(args) => run_recipe(&args, &mut out),
@@ -224,29 +125,23 @@ pub fn run(cli: Cli, mut out: &mut dyn Write) -> Result<()> {
     }
 }
 
-/// The backend `verify --against` recomputes the merge recorded in `dir` on: the one `device`
-/// names, where `auto` takes the backend the record says made it — the spectral methods' bytes
-/// depend on it — a GPU where there is a hardware one, else the CPU (verify then compares within
-/// their tolerance, and says so).
-fn verify_backend(device: DeviceChoice, threads: usize, dir: &Path) -> Result<Box<dyn Backend>> {
-    let record = rlmerge::record::MergeRecord::read(dir)?;
-    let cost = job_cost(&record.method, record.svc);
-    let device = match (device, record.backend.as_deref()) {
-        (DeviceChoice::Auto, Some("cpu")) => DeviceChoice::Cpu,
-        (DeviceChoice::Auto, Some("gpu")) => {
-            return make_backend(DeviceChoice::Auto, threads, None, Cost::Spectral)
-        }
-        (device, _) => device,
-    };
-    make_backend(device, threads, None, cost)
-}
-
 fn run_verify(args: &VerifyArgs, out: &mut impl Write) -> Result<()> {
     let backend = match args.against {
-        true => Some(verify_backend(args.device, args.threads, &args.dir)?),
+        true => {
+            let record = crate::record::MergeRecord::read(&args.dir)?;
+            let compute = service::Compute {
+                threads: args.threads,
+                ..service::Compute::on(args.device.into())
+            };
+            Some(service::backend_for_record(
+                &record,
+                &compute,
+                &mut show(false),
+            )?)
+        }
         false => None,
     };
-    let v = rlmerge::verify::verify(&args.dir, backend.as_deref())?;
+    let v = crate::verify::verify(&args.dir, backend.as_deref())?;
     note_all(&v.notes);
     if args.json {
         let found = serde_json::json!({
@@ -340,10 +235,10 @@ fn run_devices(args: &super::DevicesArgs, out: &mut impl Write) -> Result<()> {
 /// Prints the λ of each agent after a merge, each named as `agents` gives it.
 fn print_lambdas(
     out: &mut impl Write,
-    record: &rlmerge::record::MergeRecord,
+    record: &crate::record::MergeRecord,
     agents: &[PathBuf],
 ) -> Result<()> {
-    let scope = record.method.scope().map_or("tensor", |s| s.name());
+    let scope = record.merging.method.scope().map_or("tensor", |s| s.name());
     for (a, name) in record.agents.iter().zip(agents) {
         let shown = match &a.name {
             Some(n) => format!("{n} ({})", name.display()),
@@ -355,7 +250,7 @@ fn print_lambdas(
             None => writeln!(
                 out,
                 "  λ per {scope} (see {})  {name}",
-                rlmerge::record::RECORD_FILE,
+                crate::record::RECORD_FILE,
             )?,
         }
     }
@@ -371,224 +266,70 @@ fn run_merge(args: &MergeArgs, out: &mut impl Write) -> Result<()> {
             Job::from_flags(base, agents, &args.method_flags(), tokenizer)?
         }
     };
-    merge_job(job, &args.inputs.compute, &args.output, out).map(drop)
+    merge_job(job, &args.inputs.compute, &args.output, out)
 }
 
 fn run_recipe(args: &RunArgs, out: &mut impl Write) -> Result<()> {
     let job = Job::from_recipe(&args.recipe, args.output.seed)?;
-    merge_job(job, &args.compute, &args.output, out).map(drop)
+    merge_job(job, &args.compute, &args.output, out)
 }
 
-/// Runs a merge job with the compute and output options; the one path of `merge`, `run` and the
-/// Python API's merges. Returns what was written (the record, the shards).
-pub fn merge_job(
+/// Runs a merge job with the compute and output flags through the merge service, and prints
+/// what it merged (and each agent's λ).
+fn merge_job(
     mut job: Job,
     compute: &ComputeArgs,
     output: &OutputArgs,
     out: &mut impl Write,
-) -> Result<rlmerge::engine::MergeSummary> {
-    compute.check()?;
-    job.set_command_line(&rlmerge::job::CommandLine {
-        epsilon: compute.epsilon,
-        out_dtype: output.out_dtype,
-        shard_size: output.shard_size,
-        allow_nonfinite: compute.allow_nonfinite,
-        allow_missing_tensors: compute.allow_missing_tensors,
-        raw_f32_agents: compute.raw_f32_agents,
-    })?;
-    let mut inputs = Inputs::open_with(
-        &job.base,
-        &job.agents,
-        Layout {
-            slices: job.slices.as_ref(),
-            tokenizer: job.tokenizer.as_ref(),
-            with_base: job.method.uses_base(),
-            allow_missing_tensors: job.allow_missing_tensors,
-            raw_f32_agents: job.raw_f32_agents,
-        },
+) -> Result<()> {
+    job.set_command_line(&compute.command_line(output))?;
+    let summary = service::merge(
+        &job,
+        &compute.compute(),
+        (&output.out, output.force),
+        &mut show(compute.quiet),
     )?;
-    inputs.set_names(job.names.clone())?;
-    warn_all(&inputs.warnings);
-    let dense = compute.dense_agent_warnings(&inputs, job.epsilon)?;
-    warn_all(&dense);
-    let cost = job_cost(&job.method, job.svc);
-    let backend = compute.backend(cost)?;
-    if !compute.quiet {
-        eprintln!(
-            "backend: {}",
-            backend_choice(compute.device, cost, backend.as_ref())
-        );
-    }
-    let mut pass = compute.pass(backend.as_ref());
-    if let Some(e) = job.epsilon {
-        pass.epsilon = e;
-    }
-    pass.scan_nonfinite = !job.allow_nonfinite;
-    let options = MergeOptions {
-        method: job.method.clone(),
-        pass,
-        out_dtype: job.out_dtype,
-        shard_size: job
-            .shard_size
-            .unwrap_or(rlmerge::checkpoint::writer::DEFAULT_SHARD_SIZE),
-        force: output.force,
-        show_progress: compute.show_progress(),
-        extra_files: vec![(
-            MERGEKIT_CONFIG_FILE.to_string(),
-            job.saved_recipe(&output.out)?,
-        )],
-        protect: job
-            .recipe_path
-            .iter()
-            .cloned()
-            .chain(job.tokenizer.iter().flat_map(|t| t.folders()))
-            .collect(),
-        svc: job.svc,
-        warnings: dense,
-        config_from: job.config_source()?,
-    };
-    let summary = engine::merge(&inputs, &options, backend.as_ref(), &output.out).map_err(|e| {
-        if rlmerge::error::is_usage(&e) {
-            e // says itself that nothing was touched
-        } else {
-            e.context(format!(
-                "merge into {} failed; nothing was written there",
-                output.out.display()
-            ))
-        }
-    })?;
-    // Warnings found while merging (identical inputs), after those given before it.
-    warn_all(&summary.record.warnings[inputs.warnings.len() + options.warnings.len()..]);
-    if let Some(traffic) = backend.traffic().filter(|_| !compute.quiet) {
-        eprintln!("GPU: {traffic}");
-    }
-    note_all(&summary.notes);
     writeln!(
         out,
         "merged {} model(s) into {} with {} ({} shard(s))",
-        inputs.agents.len(),
+        job.agents.len(),
         terminal(&output.out.display().to_string()),
-        summary.record.method_text(),
+        summary.record.merging.text(),
         summary.shards.len()
     )?;
-    if !matches!(job.method, Method::Combine(_)) {
+    if !matches!(job.merging.method, Method::Combine(_)) {
         print_lambdas(out, &summary.record, &job.agents)?;
     }
-    Ok(summary)
+    Ok(())
 }
 
-/// The backend a merge runs on, with why `--device auto` chose it.
-fn backend_choice(device: DeviceChoice, cost: Cost, backend: &dyn Backend) -> String {
-    let why = match (device, cost) {
-        (DeviceChoice::Auto, Cost::Spectral) if backend.kind() == "cpu" => {
-            " (--device auto: a spectral method, which runs on a hardware GPU; none here)"
-        }
-        (DeviceChoice::Auto, Cost::Spectral) => {
-            " (--device auto: a spectral method runs on a hardware GPU)"
-        }
-        (DeviceChoice::Auto, _) => {
-            " (--device auto: this method is bound by reading the files, where the CPU backend \
-             is the faster; --device gpu to use a GPU)"
-        }
-        _ => "",
-    };
-    format!("{}{why}", backend.describe())
-}
-
-pub fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
+fn run_analyze(args: &AnalyzeArgs, out: &mut impl Write) -> Result<()> {
     let compute = &args.inputs.compute;
-    compute.check()?;
     let (base, agents) = args.inputs.folders()?;
-    let tokenizer = args.inputs.tokenizer()?;
-    let layout = Layout {
-        tokenizer: tokenizer.as_ref(),
-        with_base: true,
+    let analysis = service::Analysis {
+        base,
+        agents,
+        names: args.inputs.names.clone(),
+        tokenizer: args.inputs.tokenizer()?,
+        epsilon: compute.epsilon,
         allow_missing_tensors: compute.allow_missing_tensors,
+        allow_nonfinite: compute.allow_nonfinite,
         raw_f32_agents: compute.raw_f32_agents,
-        ..Layout::default()
+        merged: args.merged.clone(),
+        plot: args.plot.clone(),
+        per_tensor: args.per_tensor,
     };
-    let mut inputs = Inputs::open_with(&base, &agents, layout)?;
-    inputs.set_names(args.inputs.names.iter().cloned().map(Some).collect())?;
-    warn_all(&inputs.warnings);
-    warn_all(&compute.dense_agent_warnings(&inputs, None)?);
-    // Scratch that killed merges left beside the models analyzed, or where figures go.
-    let near: Vec<std::path::PathBuf> = inputs
-        .paths()
-        .iter()
-        .chain(args.merged.iter())
-        .filter_map(|p| p.parent().map(Path::to_path_buf))
-        .chain(args.plot.iter().cloned())
-        .collect();
-    note_all(&output_folder::stale_notes(&near));
-    // Bad --merged or --plot paths fail before the probe reads anything.
-    if let Some(dir) = &args.merged {
-        let real = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
-        let merged_real = real(dir);
-        let input = std::iter::once(&inputs.base)
-            .chain(&inputs.agents)
-            .find(|m| {
-                real(&m.dir) == merged_real
-                    || real(m.config_dir()) == merged_real && m.lora.is_none()
-            });
-        if let Some(m) = input {
-            return Err(usage(format!(
-                "--merged {} is an input of this analysis ({}); give the folder the merge wrote",
-                dir.display(),
-                m.dir.display()
-            )));
-        }
-    }
-    let merged = match &args.merged {
-        Some(dir) => Some(
-            rlmerge::checkpoint::ModelFolder::open(dir)
-                .with_context(|| format!("cannot open the merged folder {}", dir.display()))?,
-        ),
-        None => None,
-    };
-    // Figures go next to the models, never into them: the same rule as a merge's -o.
-    let mut protect = inputs.paths();
-    protect.extend(merged.iter().flat_map(|m| m.paths()));
-    if let Some(dir) = &args.plot {
-        let resolved = output_folder::resolve_output(dir)?;
-        output_folder::refuse_inside(dir, &resolved, &protect)?;
-    }
-    let backend = compute.backend(Cost::Stream)?;
-    let pass = compute.pass(backend.as_ref());
-    let report = engine::probe_all(&inputs, backend.as_ref(), &pass, compute.show_progress())?;
-    let retention = match &merged {
-        Some(m) => Some(engine::retention(
-            &inputs,
-            m,
-            &pass,
-            compute.show_progress(),
-        )?),
-        None => None,
-    };
-    if let Some(dir) = &args.plot {
-        let figures = rlmerge::figures::write_all(
-            &report,
-            retention.as_ref(),
-            dir,
-            args.per_tensor,
-            &protect,
-        )?;
-        for path in figures {
-            if !compute.quiet {
-                eprintln!("wrote {}", path.display());
-            }
+    let found = service::analyze(&analysis, &compute.compute(), &mut show(true))?;
+    for path in &found.figures {
+        if !compute.quiet {
+            eprintln!("wrote {}", path.display());
         }
     }
     if args.json {
-        let mut v = report.to_json(args.per_tensor);
-        if let Some(r) = &retention {
-            v["retention"] = r.to_json();
-        }
+        let v = found.to_json(args.per_tensor);
         writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
     } else {
-        write!(out, "{}", report.render_text(args.per_tensor))?;
-        if let Some(r) = &retention {
-            write!(out, "{}", r.render_text())?;
-        }
+        write!(out, "{}", found.render_text(args.per_tensor))?;
     }
     Ok(())
 }
@@ -612,16 +353,15 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
     if args.write_only {
         return Ok(());
     }
-    let backend: Box<dyn Backend> = Box::new(CpuBackend::new(0)?);
-    let show = !args.quiet;
-    // The demo replaces only its own earlier output (checked above).
-    let options = MergeOptions {
-        force: true,
-        show_progress: show,
-        ..MergeOptions::new(Method::default_ram_plus(), backend.as_ref())
+    // RAM+ from the command line's defaults, on the CPU; the demo replaces only its own earlier
+    // output (checked above).
+    let job = Job::from_flags(base.clone(), agents.clone(), &Default::default(), None)?;
+    let compute = service::Compute {
+        show_progress: !args.quiet,
+        ..service::Compute::on(service::Device::Cpu)
     };
     // Global RAM+ probes the whole model first; its report is the analysis to show.
-    let summary = engine::merge(&inputs, &options, backend.as_ref(), &merged)?;
+    let summary = service::merge(&job, &compute, (&merged, true), &mut show(true))?;
     let report = summary
         .report
         .as_ref()
@@ -643,7 +383,7 @@ fn run_demo(args: &DemoArgs, out: &mut impl Write) -> Result<()> {
         "\nmerged checkpoint: {} ({}; model card README.md, record {})",
         merged.display(),
         summary.shards.join(", "),
-        rlmerge::record::RECORD_FILE
+        crate::record::RECORD_FILE
     )?;
     Ok(())
 }

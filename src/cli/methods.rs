@@ -2,68 +2,15 @@
 //! columns, and `rlmerge methods NAME`, one method whole (also as JSON).
 
 use super::MethodsArgs;
+use crate::error::usage;
+use crate::method::catalog::{Cost, Footprint};
+use crate::method::listing::{method_json, scope_name, SVC_ABOUT, SVC_REFERENCE, SVC_SUMMARY};
+use crate::method::Kind;
 use anyhow::Result;
-use rlmerge::error::usage;
-use rlmerge::method::catalog::{Cost, Footprint, Param, ParamScope};
-use rlmerge::method::Kind;
 use std::io::Write;
-
-/// What `rlmerge methods` says of SVC, the modifier.
-const SVC_SUMMARY: &str = "spectral calibration after any method: --svc A";
-const SVC_ABOUT: &str = "SVC, spectral calibration after any method: each merged matrix's \
-                         singular values rescaled by how many agents reached them; --svc ALPHA, or \
-                         svc: in a recipe (SPEC §4e)";
-const SVC_REFERENCE: &str = "arXiv:2602.05536";
 
 /// The widest line `rlmerge methods` prints.
 const METHODS_WIDTH: usize = 100;
-
-fn scope_name(p: &Param) -> &'static str {
-    match p.scope {
-        ParamScope::MethodWide => "method-wide",
-        ParamScope::PerModel => "per model",
-    }
-}
-
-fn param_json(p: &Param) -> serde_json::Value {
-    serde_json::json!({
-        "name": p.name,
-        "scope": scope_name(p),
-        "default": p.default.text(p.range),
-        "range": p.range.text(),
-        "about": p.about,
-    })
-}
-
-/// One method, or SVC, as `rlmerge methods --json` gives it.
-fn method_json(kind: Option<Kind>) -> serde_json::Value {
-    match kind {
-        Some(kind) => serde_json::json!({
-            "name": kind.name(),
-            "summary": kind.summary(),
-            "about": kind.about(),
-            "reference": kind.reference(),
-            "cost": kind.cost().name(),
-            "memory": kind.footprint().name(),
-            "default": kind == Kind::RamPlus,
-            "parameters": kind.params().iter().map(param_json).collect::<Vec<_>>(),
-        }),
-        None => {
-            let svc = &rlmerge::method::catalog::SVC;
-            serde_json::json!({
-                "name": svc.name,
-                "modifier": true,
-                "summary": SVC_SUMMARY,
-                "about": SVC_ABOUT,
-                "reference": SVC_REFERENCE,
-                "cost": Cost::Spectral.name(),
-                "memory": Footprint::Matrices.name(),
-                "default": false,
-                "parameters": [param_json(svc)],
-            })
-        }
-    }
-}
 
 /// `text` cut into lines of at most `width` characters at spaces, the first after `first`, the
 /// others after `indent` spaces.
@@ -88,18 +35,18 @@ fn wrapped(first: &str, text: &str, indent: usize, width: usize) -> String {
 
 /// The method `name` names for `rlmerge methods NAME` (`None`: SVC, the modifier).
 fn method_named(name: &str) -> Result<Option<Kind>> {
-    if name == rlmerge::method::catalog::SVC.name {
+    if name == crate::method::catalog::SVC.name {
         return Ok(None);
     }
     Kind::from_name(name).map(Some).ok_or_else(|| {
         usage(format!(
             "unknown method '{name}'{}; `rlmerge methods` lists them",
-            rlmerge::error::did_you_mean(
+            crate::error::did_you_mean(
                 name,
                 Kind::ALL
                     .iter()
                     .map(|k| k.name())
-                    .chain([rlmerge::method::catalog::SVC.name])
+                    .chain([crate::method::catalog::SVC.name])
             )
         ))
     })
@@ -116,11 +63,7 @@ pub fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
         return Ok(());
     }
     if args.json {
-        let methods: Vec<serde_json::Value> = Kind::ALL
-            .iter()
-            .map(|&k| method_json(Some(k)))
-            .chain([method_json(None)]) // the modifier every method takes, after the methods
-            .collect();
+        let methods = crate::method::listing::all_json();
         writeln!(out, "{}", serde_json::to_string_pretty(&methods)?)?;
         return Ok(());
     }
@@ -147,7 +90,7 @@ pub fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
             row(&name, kind.summary(), kind.cost(), kind.footprint())
         )?;
     }
-    let svc = format!("{} (modifier)", rlmerge::method::catalog::SVC.name);
+    let svc = format!("{} (modifier)", crate::method::catalog::SVC.name);
     writeln!(
         out,
         "{}",
@@ -182,7 +125,7 @@ pub fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
 /// `rlmerge methods NAME`: the method (`None`: SVC) whole — what it does, its reference, its cost
 /// and memory classes, every parameter, and a command that runs it.
 fn write_method(kind: Option<Kind>, out: &mut impl Write) -> Result<()> {
-    let svc = &rlmerge::method::catalog::SVC;
+    let svc = &crate::method::catalog::SVC;
     let (name, about, reference, cost, memory, params) = match kind {
         Some(k) => (
             k.name(),
@@ -226,7 +169,7 @@ fn write_method(kind: Option<Kind>, out: &mut impl Write) -> Result<()> {
     }
     for p in params {
         let default = match p.default {
-            rlmerge::method::catalog::ParamDefault::Required => "required".to_string(),
+            crate::method::catalog::ParamDefault::Required => "required".to_string(),
             d => format!("default {}", d.text(p.range)),
         };
         writeln!(
@@ -247,7 +190,7 @@ fn write_method(kind: Option<Kind>, out: &mut impl Write) -> Result<()> {
             let required: String = k
                 .params()
                 .iter()
-                .filter(|p| matches!(p.default, rlmerge::method::catalog::ParamDefault::Required))
+                .filter(|p| matches!(p.default, crate::method::catalog::ParamDefault::Required))
                 .map(|p| format!(" --param {}=…", p.name))
                 .collect();
             format!(

@@ -1,7 +1,9 @@
-//! The command line: argument definitions (clap lives here, in the front ends — the binary and
-//! the Python extension, `python/src/lib.rs`, which compiles this same module — and nowhere in
-//! the library). Each flag becomes library data in [`commands`]: method flags a
-//! [`rlmerge::job::MethodFlags`], compute flags a backend and an [`rlmerge::engine::PassOptions`].
+//! The command line, a front end of the library: argument definitions (the one module that uses
+//! clap, behind the default `cli` feature) and the commands, which turn flags into library data —
+//! method flags a [`crate::job::MethodFlags`], compute flags a [`crate::service::Compute`] —
+//! call the merge service ([`crate::service`]) and print what it returns and says. The binary
+//! (`src/main.rs`) and the command the Python package installs (`python/src/lib.rs`'s `call`)
+//! run it through [`run_args`].
 //!
 //! Exit codes: 0 success, 1 the merge/analysis failed (bad input, I/O), 2 usage error, 130
 //! interrupted.
@@ -9,8 +11,7 @@
 mod commands;
 mod methods;
 
-#[allow(unused_imports)] // all but run: the Python extension's typed calls (python/src/lib.rs)
-pub use commands::{merge_job, run, run_analyze, run_methods};
+use commands::run;
 
 /// What a command's result means for the user: the exit code, and the one-line error to print
 /// (`error: …`, names read from files escaped) unless it succeeded.
@@ -27,10 +28,10 @@ pub fn outcome(result: anyhow::Result<()>) -> (u8, Option<String>) {
             (0, None)
         }
         Err(err) => {
-            let message = format!("error: {}", rlmerge::escape::terminal(&format!("{err:#}")));
-            let code = if rlmerge::cancel::is_interrupted(&err) {
+            let message = format!("error: {}", crate::escape::terminal(&format!("{err:#}")));
+            let code = if crate::cancel::is_interrupted(&err) {
                 130
-            } else if rlmerge::error::is_usage(&err) {
+            } else if crate::error::is_usage(&err) {
                 2
             } else {
                 1
@@ -59,13 +60,13 @@ where
     }
 }
 
+use crate::checkpoint::writer::parse_size;
+use crate::checkpoint::DType;
+use crate::job::{parse_dtype, parse_param, MethodFlags};
+use crate::method::settings::Setting;
+use crate::method::{BoostScope, Kind, SharedRule};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use rlmerge::checkpoint::writer::parse_size;
-use rlmerge::checkpoint::DType;
-use rlmerge::job::{parse_dtype, parse_param, MethodFlags};
-use rlmerge::method::settings::Setting;
-use rlmerge::method::{BoostScope, Kind, SharedRule};
 use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
@@ -74,13 +75,13 @@ use std::path::PathBuf;
     version,
     about = "Merge RL-trained LLM agents into one checkpoint with Reinforced Agent Merging (RAM / RAM+)"
 )]
-pub struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
-    pub command: Command,
+    pub(crate) command: Command,
 }
 
 #[derive(Subcommand, Debug)]
-pub enum Command {
+pub(crate) enum Command {
     /// Merge agents fine-tuned from one base into a new Hugging Face folder.
     Merge(MergeArgs),
     /// Run a mergekit YAML recipe (models as folders or Hugging Face Hub ids).
@@ -98,44 +99,44 @@ pub enum Command {
 }
 
 #[derive(Args, Debug)]
-pub struct DevicesArgs {
+pub(crate) struct DevicesArgs {
     /// Also measure the host→device and device→host copy rates of the adapter `--device gpu`
     /// would take (256 MiB each way, best of 3): the limit of an elementwise merge on it.
     #[arg(long)]
-    pub copy_rate: bool,
+    pub(crate) copy_rate: bool,
 }
 
 #[derive(Args, Debug)]
-pub struct MethodsArgs {
+pub(crate) struct MethodsArgs {
     /// One method (or svc, the modifier): its parameters, defaults, reference and an example.
-    pub name: Option<String>,
+    pub(crate) name: Option<String>,
     /// Print JSON on stdout instead of the table.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
 }
 
 #[derive(Args, Debug)]
-pub struct VerifyArgs {
+pub(crate) struct VerifyArgs {
     /// The merged folder.
-    pub dir: PathBuf,
+    pub(crate) dir: PathBuf,
     /// Also recompute the merge from the record's inputs and compare the bytes.
     #[arg(long)]
-    pub against: bool,
+    pub(crate) against: bool,
     /// Where to recompute with --against.
     #[arg(long, value_enum, default_value = "auto")]
-    pub device: DeviceChoice,
+    pub(crate) device: DeviceChoice,
     /// Worker threads of the CPU backend (0 = all cores).
     #[arg(long, default_value_t = 0)]
-    pub threads: usize,
+    pub(crate) threads: usize,
     /// Print what was found as JSON on stdout ({"path", "ok", "checks", "skipped", "problems"});
     /// the exit code is still 1 when a check failed.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
 }
 
 /// Where the probe and merge passes run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum DeviceChoice {
+pub(crate) enum DeviceChoice {
     /// The CPU backend, and a hardware GPU for the spectral methods where there is one.
     Auto,
     /// A GPU adapter, software ones (lavapipe) included; an error if there is none.
@@ -146,191 +147,191 @@ pub enum DeviceChoice {
 
 /// Inputs and compute options shared by `merge` and `analyze`.
 #[derive(Args, Debug)]
-pub struct InputArgs {
+pub(crate) struct InputArgs {
     /// The base model all agents were fine-tuned from: a folder, or a Hugging Face Hub id
     /// (org/name or org/name@revision) taken from the HF cache or downloaded into it.
     #[arg(long, value_name = "DIR|ID")]
-    pub base: Option<PathBuf>,
+    pub(crate) base: Option<PathBuf>,
     /// An agent model, folder or Hub id (repeat for each agent).
     #[arg(long = "model", value_name = "DIR|ID")]
-    pub models: Vec<PathBuf>,
+    pub(crate) models: Vec<PathBuf>,
     /// A name for the agents, in the order of --model (repeat): what tables, figures and the
     /// model card call them [default: the parts of their paths that tell them apart].
     #[arg(long = "name", value_name = "NAME")]
-    pub names: Vec<String>,
+    pub(crate) names: Vec<String>,
     /// The output's vocabulary, as mergekit's tokenizer_source: base, union, or a model folder
     /// (model:DIR or DIR). Agents whose embeddings differ in rows (added tokens) then merge token
     /// by token (SPEC §5b) [default: the base's tokenizer, every model of the base's shape].
     #[arg(long, value_name = "base|union|MODEL")]
-    pub tokenizer_source: Option<String>,
+    pub(crate) tokenizer_source: Option<String>,
     #[command(flatten)]
-    pub compute: ComputeArgs,
+    pub(crate) compute: ComputeArgs,
 }
 
 /// How and where the passes run.
 #[derive(Args, Debug)]
-pub struct ComputeArgs {
+pub(crate) struct ComputeArgs {
     /// Threshold: an element is changed when |θ_t − θ₀| > ε (absolute) [default: 1e-5, or a
     /// recipe's epsilon parameter].
     #[arg(long)]
-    pub epsilon: Option<f64>,
+    pub(crate) epsilon: Option<f64>,
     /// Worker threads of the CPU backend, its statistics scans included (0 = all cores).
     #[arg(long, default_value_t = 0)]
-    pub threads: usize,
+    pub(crate) threads: usize,
     /// No progress bars.
     #[arg(long, short)]
-    pub quiet: bool,
+    pub(crate) quiet: bool,
     /// Where to compute.
     #[arg(long, value_enum, default_value = "auto")]
-    pub device: DeviceChoice,
+    pub(crate) device: DeviceChoice,
     /// Elements per tile [default: the backend's preference] (tuning and tests; the result does
     /// not depend on it).
     #[arg(long, hide = true)]
-    pub tile_elems: Option<usize>,
+    pub(crate) tile_elems: Option<usize>,
     /// Merge NaN and ±Inf by IEEE rules instead of refusing inputs that hold them.
     #[arg(long)]
-    pub allow_nonfinite: bool,
+    pub(crate) allow_nonfinite: bool,
     /// Merge a tensor some agents lack from the models that have it, and ignore tensors the base
     /// lacks, with a warning, instead of refusing such agents.
     #[arg(long)]
-    pub allow_missing_tensors: bool,
+    pub(crate) allow_missing_tensors: bool,
     /// No warning for agents that changed nearly every element they share with the base (RL
     /// agents change few; a dense one may come from another base).
     #[arg(long)]
-    pub allow_dense_agents: bool,
+    pub(crate) allow_dense_agents: bool,
     /// Read agents' F32 weights over a BF16/F16 base as stored: by default they are fp32 master
     /// weights, read as their rounding to the base's dtype (a change below its step is no change).
     #[arg(long)]
-    pub raw_f32_agents: bool,
+    pub(crate) raw_f32_agents: bool,
     /// Caps elements per GPU dispatch chunk (tests; the result does not depend on it).
     #[arg(long, hide = true)]
-    pub gpu_chunk_elems: Option<usize>,
+    pub(crate) gpu_chunk_elems: Option<usize>,
 }
 
 #[derive(Args, Debug)]
-pub struct MergeArgs {
+pub(crate) struct MergeArgs {
     #[command(flatten)]
-    pub inputs: InputArgs,
+    pub(crate) inputs: InputArgs,
     /// A mergekit YAML recipe giving the models, method and parameters (instead of --base,
     /// --model and --method).
     #[arg(long, value_name = "RECIPE.yml", conflicts_with_all = ["base", "models", "names", "method", "tokenizer_source", "config_from"])]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// Merge method [default: ram+] (`rlmerge methods` lists them with their parameters).
     #[arg(long, value_parser = parse_method)]
-    pub method: Option<Kind>,
+    pub(crate) method: Option<Kind>,
     /// A method parameter for every model, as KEY=VALUE (repeat), e.g. --param density=0.5.
     #[arg(long = "param", value_name = "KEY=VALUE", value_parser = parse_param)]
-    pub params: Vec<(String, Setting)>,
+    pub(crate) params: Vec<(String, Setting)>,
     /// RAM+ boost rule [default: paper; ramplus_tl: paper].
     #[arg(long, value_parser = PossibleValuesParser::new([
         PossibleValue::new("paper").help("λ = 1 + r·min(ρ, α) (the paper)"),
         PossibleValue::new("official").help("λ = 1 + (R − 1)·min(ρ, 1) (the authors' released script)"),
     ]))]
-    pub rule: Option<String>,
+    pub(crate) rule: Option<String>,
     /// RAM+ scope of ρ: one λ per agent (global), or per agent and tensor, layer or module kind
     /// [default: global; ramplus_tl: tensor].
     #[arg(long, value_parser = PossibleValuesParser::new(["global", "tensor", "layer", "module"])
         .map(|s| BoostScope::from_name(&s).expect("a listed scope")))]
-    pub scope: Option<BoostScope>,
+    pub(crate) scope: Option<BoostScope>,
     /// RAM and RAM+: how the shared region (elements several agents changed) is merged
     /// [default: mean].
     #[arg(long, value_parser = PossibleValuesParser::new([
         PossibleValue::new("mean").help("the mean of the agents that changed the element (the paper)"),
         PossibleValue::new("consensus").help("the mean of those whose change has the sign of the changes' sum (SPEC §2b)"),
     ]).map(|s| SharedRule::from_name(&s).expect("a listed rule")))]
-    pub shared: Option<SharedRule>,
+    pub(crate) shared: Option<SharedRule>,
     /// RAM+ paper rule: r [default 0.1].
     #[arg(long)]
-    pub r: Option<f64>,
+    pub(crate) r: Option<f64>,
     /// RAM+ paper rule: cap α on ρ [default 2.0 global, 0.2 tensor scope].
     #[arg(long)]
-    pub alpha: Option<f64>,
+    pub(crate) alpha: Option<f64>,
     /// RAM+ official rule: R [default 1.2].
     #[arg(long)]
-    pub rescale_factor: Option<f64>,
+    pub(crate) rescale_factor: Option<f64>,
     /// Whose config.json the merged model takes: base, or an agent (its folder as given to
     /// --model, or its --name). Needed where an agent's config differs from the base's in a key
     /// that changes how the weights are used (rope, context length, windows, activation, norms)
     /// [default: the base's].
     #[arg(long, value_name = "base|MODEL")]
-    pub config_from: Option<String>,
+    pub(crate) config_from: Option<String>,
     /// SVC, with any method: each merged matrix's singular values calibrated with this α (> 0,
     /// e.g. 0.1; SPEC §4e).
     #[arg(long, value_name = "ALPHA", allow_hyphen_values = true)]
-    pub svc: Option<String>,
+    pub(crate) svc: Option<String>,
     #[command(flatten)]
-    pub output: OutputArgs,
+    pub(crate) output: OutputArgs,
 }
 
 /// Where and how the merged folder is written.
 #[derive(Args, Debug)]
-pub struct OutputArgs {
+pub(crate) struct OutputArgs {
     /// Output dtype [default: the recipe's out_dtype/dtype, else each tensor's dtype in the base].
     #[arg(long, value_parser = parse_dtype)]
-    pub out_dtype: Option<DType>,
+    pub(crate) out_dtype: Option<DType>,
     /// Largest output shard (5GB = 5·10⁹ bytes, 5GiB = 5·2³⁰) [default: a recipe's
     /// shard_size, else 5GB].
     #[arg(long, value_parser = parse_size)]
-    pub shard_size: Option<u64>,
+    pub(crate) shard_size: Option<u64>,
     /// Replace the output folder if it exists (only once the new one is complete).
     #[arg(long)]
-    pub force: bool,
+    pub(crate) force: bool,
     /// Seed of random masks (dare_linear, dare_ties, della, della_linear): the same seed gives the
     /// same bytes on every backend and tiling [default: a recipe's seed, else 0].
     #[arg(long)]
-    pub seed: Option<u64>,
+    pub(crate) seed: Option<u64>,
     /// Output folder.
     #[arg(short = 'o', long = "out", value_name = "OUT_DIR")]
-    pub out: PathBuf,
+    pub(crate) out: PathBuf,
 }
 
 #[derive(Args, Debug)]
-pub struct RunArgs {
+pub(crate) struct RunArgs {
     /// The mergekit YAML recipe.
     #[arg(value_name = "RECIPE.yml")]
-    pub recipe: PathBuf,
+    pub(crate) recipe: PathBuf,
     #[command(flatten)]
-    pub compute: ComputeArgs,
+    pub(crate) compute: ComputeArgs,
     #[command(flatten)]
-    pub output: OutputArgs,
+    pub(crate) output: OutputArgs,
 }
 
 #[derive(Args, Debug)]
-pub struct AnalyzeArgs {
+pub(crate) struct AnalyzeArgs {
     #[command(flatten)]
-    pub inputs: InputArgs,
+    pub(crate) inputs: InputArgs,
     /// Break the counts down by module and by tensor.
     #[arg(long)]
-    pub per_tensor: bool,
+    pub(crate) per_tensor: bool,
     /// Print JSON on stdout instead of tables.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
     /// A merged folder (any method, any tool): also report how much of each agent's change it
     /// kept, on its unique and its shared elements.
     #[arg(long, value_name = "DIR")]
-    pub merged: Option<PathBuf>,
+    pub(crate) merged: Option<PathBuf>,
     /// Write SVG figures into DIR: overlap.svg (each agent's changes by how many others made them
     /// too, the paper's Figure 1) and layers.svg (density and unique share per layer); with
     /// --per-tensor also lambda.svg (λ per layer under ram+ --scope layer); with --merged also
     /// retention.svg (how much of each agent the merge kept, per region).
     #[arg(long, value_name = "DIR")]
-    pub plot: Option<PathBuf>,
+    pub(crate) plot: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
-pub struct DemoArgs {
+pub(crate) struct DemoArgs {
     /// Where to write the example.
     #[arg(default_value = "rlmerge-demo")]
-    pub dir: PathBuf,
+    pub(crate) dir: PathBuf,
     /// No progress bars.
     #[arg(long, short)]
-    pub quiet: bool,
+    pub(crate) quiet: bool,
     /// Size of each model (e.g. 1GiB) instead of the tiny default: a synthetic checkpoint for benchmarks.
     #[arg(long, value_parser = parse_size)]
-    pub model_size: Option<u64>,
+    pub(crate) model_size: Option<u64>,
     /// Only write the models; skip the analysis and the merge.
     #[arg(long)]
-    pub write_only: bool,
+    pub(crate) write_only: bool,
 }
 
 /// A `--method` name (mergekit's, and `ram+`'s aliases).
@@ -338,14 +339,17 @@ fn parse_method(s: &str) -> Result<Kind, String> {
     Kind::from_name(s).ok_or_else(|| {
         format!(
             "unknown method '{s}'{}",
-            Kind::unknown_hint(s, "--svc ALPHA (e.g. --method ram+ --svc 0.1)")
+            Kind::unknown_hint(
+                s,
+                crate::error::Arg::named("--svc ALPHA (e.g. --method ram+ --svc 0.1)", "svc=ALPHA")
+            )
         )
     })
 }
 
 impl MergeArgs {
     /// The method flags as library data.
-    pub fn method_flags(&self) -> MethodFlags {
+    pub(crate) fn method_flags(&self) -> MethodFlags {
         MethodFlags {
             method: self.method,
             params: self.params.clone(),
@@ -356,7 +360,7 @@ impl MergeArgs {
             rescale_factor: self.rescale_factor,
             shared: self.shared,
             seed: self.output.seed.unwrap_or(0),
-            svc: self.svc.as_deref().map(rlmerge::job::parse_scalar),
+            svc: self.svc.as_deref().map(crate::job::parse_scalar),
             tokenizer_source: self.inputs.tokenizer_source.clone(),
             names: self.inputs.names.clone(),
             config_from: self.config_from.clone(),

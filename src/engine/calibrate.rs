@@ -9,30 +9,11 @@
 use super::scans::{ScanBuffers, TensorScans};
 use super::spectral::{self, FileRows, MatrixWork, Transposed};
 use super::tiles::{self, par_tiles, TensorTiles, TileLoop};
-use super::{MergeOptions, MergePass, TensorJob, TileRule, TileScratch};
+use super::{MergePass, TensorJob, TileRule, TileScratch};
 use crate::backend::{Tile, TileCounts};
 use crate::checkpoint::dtype::{decode, DType};
-use crate::method::Method;
 use anyhow::{Context, Result};
 use std::sync::Mutex;
-
-/// SVC calibrates the merge's update against θ₀ (SPEC §4e): a method whose formula has no θ₀
-/// (linear, passthrough…, even with a `--base` for the layout) has none to calibrate — a usage
-/// error, before anything is written.
-pub(super) fn refuse_without_base(options: &MergeOptions) -> Result<()> {
-    let from_base = match &options.method {
-        Method::Combine(c) => c.with_base && (c.kind.uses_base() || c.kind.base_optional()),
-        _ => true,
-    };
-    if options.svc.is_some() && !from_base {
-        return Err(crate::error::usage(format!(
-            "svc calibrates a merge's update against its base model, and method {} merges \
-             without one (use a method with a base, e.g. task_arithmetic)",
-            options.method.name()
-        )));
-    }
-    Ok(())
-}
 
 /// What the capture holds: the merged update Δ_m and each present agent's τ, row-major f32.
 struct Captured {

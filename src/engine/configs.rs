@@ -58,18 +58,28 @@ pub fn config_choice(inputs: &Inputs, config_from: Option<ConfigFrom>) -> Result
         let meaning: Vec<&ConfigDifference> = differences.iter().filter(|d| d.meaning).collect();
         if let (Some(first), None) = (meaning.first(), config_from) {
             let names: Vec<&str> = meaning.iter().map(|d| d.key.as_str()).collect();
-            return Err(usage(format!(
-                "agent {}'s config.json differs from the base's in {} — keys that change how the \
-                 weights are used ('{}' is {} there and {} in the base); say whose config the \
-                 merged model takes: --config-from base, or --config-from {} (a recipe: \
-                 config_from:)",
-                agent.dir.display(),
-                names.join(", "),
-                first.key,
-                shown(&first.agent),
-                shown(&first.base),
-                agent.dir.display()
-            )));
+            let choose = |whose: &str| {
+                crate::error::Arg::named(
+                    &format!("--config-from {whose}"),
+                    &format!("config_from=\"{whose}\""),
+                )
+            };
+            return Err(usage(crate::message![
+                format!(
+                    "agent {}'s config.json differs from the base's in {} — keys that change how \
+                     the weights are used ('{}' is {} there and {} in the base); say whose config \
+                     the merged model takes: ",
+                    agent.dir.display(),
+                    names.join(", "),
+                    first.key,
+                    shown(&first.agent),
+                    shown(&first.base),
+                ),
+                choose("base"),
+                ", or ",
+                choose(&agent.dir.display().to_string()),
+                " (a recipe: config_from:)",
+            ]));
         }
         let keys: Vec<&str> = differences.iter().map(|d| d.key.as_str()).collect();
         warnings.push(format!(

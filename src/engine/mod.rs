@@ -7,7 +7,7 @@ use crate::checkpoint::folder_files::check_base_config;
 use crate::checkpoint::{CheckpointWriter, DType, ModelFolder, OutputFolder, OutputTensor};
 use crate::inputs::{Inputs, TensorPlan};
 use crate::method::settings::{layer_t, TensorPlace};
-use crate::method::{BoostScope, Kind, Method};
+use crate::method::{BoostScope, Kind, Merging, Method};
 use crate::record::MergeRecord;
 use crate::report::{boost_group, ProbeReport, TensorStats};
 use anyhow::{Context, Result};
@@ -65,11 +65,12 @@ impl PassOptions {
 }
 
 impl MergeOptions {
-    /// `method` with every other option at the command line's default: the [`PassOptions`] defaults,
-    /// each tensor in the base's dtype, 5 GB shards, no replacing, no progress bar, no extra file.
-    pub fn new(method: Method, backend: &dyn Backend) -> MergeOptions {
+    /// `merging` with every other option at the command line's default: the [`PassOptions`]
+    /// defaults, each tensor in the base's dtype, 5 GB shards, no replacing, no progress bar, no
+    /// extra file.
+    pub fn new(merging: Merging, backend: &dyn Backend) -> MergeOptions {
         MergeOptions {
-            method,
+            merging,
             pass: PassOptions::default_for(backend),
             out_dtype: None,
             shard_size: crate::checkpoint::writer::DEFAULT_SHARD_SIZE,
@@ -77,7 +78,6 @@ impl MergeOptions {
             show_progress: false,
             extra_files: Vec::new(),
             protect: Vec::new(),
-            svc: None,
             warnings: Vec::new(),
             config_from: None,
         }
@@ -87,8 +87,8 @@ impl MergeOptions {
 /// Everything a merge needs besides the inputs and the backend.
 #[derive(Clone, Debug)]
 pub struct MergeOptions {
-    /// The method, validated, with its parameters.
-    pub method: Method,
+    /// The method, validated, with its parameters, and SVC's calibration where asked.
+    pub merging: Merging,
     /// How the passes read the inputs.
     pub pass: PassOptions,
     /// `None`: each tensor keeps the base's dtype.
@@ -104,8 +104,6 @@ pub struct MergeOptions {
     /// Paths besides the input models that the output must stay clear of (the recipe file, a
     /// tokenizer source).
     pub protect: Vec<PathBuf>,
-    /// SVC's α: each matrix the method merged is spectrally calibrated (SPEC §4e).
-    pub svc: Option<f64>,
     /// Warnings the front end gave before the merge (an agent that looks dense), kept in the
     /// record after the inputs' own.
     pub warnings: Vec<String>,
@@ -149,13 +147,12 @@ pub fn merge(
     backend: &dyn Backend,
     out_dir: &Path,
 ) -> Result<MergeSummary> {
-    if options.method.uses_base() {
+    if options.merging.method.uses_base() {
         inputs.refuse_base_as_agent()?;
     }
-    calibrate::refuse_without_base(options)?;
     check_base_config(&inputs.base.dir)?;
     let config_warnings = config_choice(inputs, options.config_from)?;
-    let fisher = match &options.method {
+    let fisher = match &options.merging.method {
         Method::Combine(c) if c.kind == Kind::Fisher => Some(FisherInputs::open(c, inputs)?),
         _ => None,
     };
@@ -165,7 +162,7 @@ pub fn merge(
     }
     protect.extend(options.protect.iter().cloned());
     let folder = OutputFolder::create(out_dir, options.force, &protect)?;
-    let mut global_report = if options.method.needs_global_probe() {
+    let mut global_report = if options.merging.method.needs_global_probe() {
         Some(probe_all(
             inputs,
             backend,
@@ -176,13 +173,16 @@ pub fn merge(
         None
     };
     // Layer and module scope: λ per group, from the per-tensor counts.
-    let group_lambdas = match (options.method.scope(), &global_report) {
+    let group_lambdas = match (options.merging.method.scope(), &global_report) {
         (Some(scope), Some(report)) if scope != BoostScope::Global => {
             let ordered: Vec<(String, Vec<f64>)> = report
                 .group_agent_counts(scope)
                 .into_iter()
                 .map(|(g, counts)| {
-                    let l = counts.iter().map(|&c| options.method.lambda(c)).collect();
+                    let l = counts
+                        .iter()
+                        .map(|&c| options.merging.method.lambda(c))
+                        .collect();
                     (g, l)
                 })
                 .collect();
@@ -203,7 +203,7 @@ pub fn merge(
         Some(r) => r
             .total_agent_counts()
             .iter()
-            .map(|&c| options.method.lambda(c))
+            .map(|&c| options.merging.method.lambda(c))
             .collect(),
         None => vec![1.0; inputs.agents.len()],
     };
@@ -335,18 +335,18 @@ impl<'a> MergePass<'a> {
         global_lambdas: Vec<f64>,
     ) -> MergePass<'a> {
         let per_tensor = matches!(
-            options.method,
+            options.merging.method,
             Method::RamPlus {
                 scope: BoostScope::Tensor,
                 ..
             }
         );
         let scan_bytes = inputs.pass_bytes() * if per_tensor { 2 } else { 1 };
-        let svc = options.svc.is_some();
+
         let decomposed: Vec<&TensorPlan> = inputs
             .tensors
             .iter()
-            .filter(|p| spectral::is_decomposed(&options.method, svc, p))
+            .filter(|p| spectral::is_decomposed(&options.merging, p))
             .collect();
         let arithmetic: u64 = decomposed
             .iter()
@@ -358,7 +358,8 @@ impl<'a> MergePass<'a> {
             backend,
             fisher,
             pass: PassOptions {
-                scan_nonfinite: options.pass.scan_nonfinite && options.method.boost().is_none(),
+                scan_nonfinite: options.pass.scan_nonfinite
+                    && options.merging.method.boost().is_none(),
                 ..options.pass.clone()
             },
             bar: progress_bar(scan_bytes + arithmetic, options.show_progress, "merge"),
@@ -370,7 +371,8 @@ impl<'a> MergePass<'a> {
             global_lambdas,
             group_lambdas: None,
             per_tensor: per_tensor.then(TensorGathered::default),
-            counted: matches!(options.method, Method::Ram { .. }).then(TensorGathered::default),
+            counted: matches!(options.merging.method, Method::Ram { .. })
+                .then(TensorGathered::default),
             matrices: (0, decomposed.len()),
         }
     }
@@ -383,14 +385,13 @@ impl<'a> MergePass<'a> {
     fn job(&mut self, index: usize) -> Result<TensorJob<'a>> {
         let plan = &self.inputs.tensors[index];
         let present = plan.present();
-        let decomposed =
-            spectral::is_decomposed(&self.options.method, self.options.svc.is_some(), plan);
+        let decomposed = spectral::is_decomposed(&self.options.merging, plan);
         if decomposed {
             self.matrices.0 += 1;
             let (done, total) = self.matrices;
-            let what = match self.options.svc {
+            let what = match self.options.merging.svc {
                 Some(_) => "svc",
-                None => self.options.method.name(),
+                None => self.options.merging.method.name(),
             };
             self.bar.set_message(format!("{what} {done}/{total}"));
         }
@@ -411,7 +412,7 @@ impl<'a> MergePass<'a> {
             rule,
             captured_counts: None,
         };
-        if let Some(alpha) = self.options.svc {
+        if let Some(alpha) = self.options.merging.svc {
             self.calibrate(&mut job, alpha)?;
         }
         if decomposed {
@@ -423,7 +424,7 @@ impl<'a> MergePass<'a> {
 
     /// What each tile of a tensor goes through, with the scans its statistics take.
     fn rule_of(&mut self, plan: &TensorPlan, present: &[usize]) -> Result<TileRule> {
-        let method = &self.options.method;
+        let method = &self.options.merging.method;
         Ok(match method {
             Method::Combine(_) if present.is_empty() => TileRule::Base,
             Method::Combine(config) => {
@@ -479,7 +480,7 @@ impl<'a> MergePass<'a> {
                 let lambdas = if self.per_tensor.is_some() {
                     self.tensor_lambdas(plan)?
                 } else if let Some(groups) = &self.group_lambdas {
-                    let scope = self.options.method.scope().expect("a boost scope");
+                    let scope = self.options.merging.method.scope().expect("a boost scope");
                     let part = self.inputs.structure.part(plan.name());
                     let module = crate::names::Module::of(plan.name());
                     let group = boost_group(scope, part, module).expect("a group scope");
@@ -504,7 +505,7 @@ impl<'a> MergePass<'a> {
         let lambdas: Vec<f64> = stats
             .agent_counts()
             .iter()
-            .map(|&c| self.options.method.lambda(c))
+            .map(|&c| self.options.merging.method.lambda(c))
             .collect();
         let scope = self.per_tensor.as_mut().expect("tensor scope");
         scope.lambdas.push((plan.out_name(), lambdas.clone()));

@@ -5,11 +5,11 @@ use super::{BoostReport, MergeOptions, MergeSummary};
 use crate::backend::Tile;
 use crate::checkpoint::dtype::{decode, decode_one, encode, first_nonfinite};
 use crate::checkpoint::folder_files::{copy_base_files, read_config};
+use crate::checkpoint::output_folder::MERGEKIT_CONFIG_FILE;
 use crate::checkpoint::safetensors_file::crc32_of_file;
 use crate::checkpoint::safetensors_file::FileChecksum;
 use crate::checkpoint::{DType, OutputFolder};
 use crate::inputs::{identical_inputs, Inputs};
-use crate::job::MERGEKIT_CONFIG_FILE;
 use crate::record::OVERLAP_FIGURE;
 use crate::record::{self, AgentSummary, InputChecksums, MergeRecord};
 use crate::slices::{Slices, Source};
@@ -111,12 +111,11 @@ pub(super) fn finish(
     let record = MergeRecord {
         tool: "rlmerge".into(),
         version: env!("CARGO_PKG_VERSION").into(),
-        method: options.method.clone(),
+        merging: options.merging.clone(),
         epsilon: options.pass.epsilon,
         allow_nonfinite: !options.pass.scan_nonfinite,
         allow_missing_tensors: inputs.allow_missing_tensors,
         raw_f32_agents: inputs.raw_f32_agents,
-        svc: options.svc,
         config_from: options.config_from.map(|c| match c {
             super::ConfigFrom::Base => "base".to_string(),
             super::ConfigFrom::Agent(t) => record::recorded_path(&out, &inputs.agents[t].dir)
@@ -144,8 +143,11 @@ pub(super) fn finish(
             .chain(&options.warnings)
             .chain(&config_warnings)
             .cloned()
-            .chain(identical_inputs(&input_sums, options.method.uses_base()))
-            .chain(super::spectral::warnings(inputs, &options.method))
+            .chain(identical_inputs(
+                &input_sums,
+                options.merging.method.uses_base(),
+            ))
+            .chain(super::spectral::warnings(inputs, &options.merging.method))
             .chain(kept_warnings(inputs, kept.as_deref()))
             .collect(),
         inputs: input_sums,
@@ -231,7 +233,7 @@ fn agent_summaries(inputs: &Inputs, boost: &BoostReport, out: &Path) -> Vec<Agen
 /// LoRA agent) can come out as the base. `None` for other methods, and for outputs whose tensors
 /// are not the base's (slices, a tokenizer source).
 fn kept_shares(inputs: &Inputs, options: &MergeOptions, dir: &Path) -> Result<Option<Vec<f64>>> {
-    let resmerge = options.method.kind() == crate::method::Kind::ResMerge;
+    let resmerge = options.merging.method.kind() == crate::method::Kind::ResMerge;
     if !resmerge || inputs.slices.is_some() || inputs.vocabulary.is_some() {
         return Ok(None);
     }

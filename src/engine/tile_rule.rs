@@ -169,7 +169,7 @@ impl MergePass<'_> {
                     epsilon: self.options.pass.epsilon,
                     lambdas,
                     out_dtype,
-                    shared: self.options.method.shared(),
+                    shared: self.options.merging.method.shared(),
                 };
                 if self.counted.is_some() {
                     counts.add(&self.backend.merge_counted(tile, &params, out)?);

@@ -285,11 +285,14 @@ pub(super) fn refuse_repeated_agents(agent_dirs: &[PathBuf]) -> Result<()> {
     for dir in agent_dirs {
         let r = real_path(dir);
         if let Some((_, first)) = seen.iter().find(|(s, _)| *s == r) {
-            return Err(usage(format!(
-                "--model {} is given twice (also as {}); give each agent once",
-                dir.display(),
-                first.display()
-            )));
+            return Err(usage(crate::message![
+                crate::error::Arg::named("--model", "model"),
+                format!(
+                    " {} is given twice (also as {}); give each agent once",
+                    dir.display(),
+                    first.display()
+                ),
+            ]));
         }
         seen.push((r, dir));
     }

@@ -12,7 +12,7 @@ use super::TensorPlan;
 use crate::checkpoint::dtype::decode;
 use crate::checkpoint::lora::LoraAdapter;
 use crate::checkpoint::{ModelFolder, ModelTensor};
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 /// f32 values held as themselves or as little-endian bytes (a widened tile).
 pub(super) trait Values {
@@ -104,12 +104,15 @@ pub(super) fn rescale<V: Values + ?Sized>(
         let factor = m / norm;
         if read.finite_only && !factor.is_finite() {
             if m.is_finite() && norm.is_finite() {
-                bail!(
-                    "tensor '{}': DoRA's scale m / ‖row {i}‖ = {m} / {norm} of the adapter {} \
-                     is not finite; rlmerge refuses NaN and infinity unless --allow-nonfinite",
-                    entry.name,
-                    read.lora.dir.display()
-                );
+                return Err(crate::error::data(crate::message![
+                    format!(
+                        "tensor '{}': DoRA's scale m / ‖row {i}‖ = {m} / {norm} of the adapter \
+                         {} is not finite; rlmerge refuses NaN and infinity unless ",
+                        entry.name,
+                        read.lora.dir.display()
+                    ),
+                    crate::error::Arg::switch("allow-nonfinite"),
+                ]));
             }
             return Err(read.lora.nonfinite_error(&entry.name, lo as u64, factor));
         }

@@ -6,7 +6,7 @@
 use super::TensorPlan;
 use crate::checkpoint::dtype::{decode_one, first_nonfinite};
 use crate::checkpoint::{ModelFolder, ModelTensor};
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 /// Fails on the first NaN or ±Inf of `raw` (elements of `tensor` from `start`), naming the
 /// tensor as its file stores it, the file and the element — and the merged tensor it is read
@@ -26,13 +26,16 @@ pub(super) fn refuse_nonfinite(
         } else {
             format!(" (read for the merged tensor '{}')", plan.name())
         };
-        bail!(
-            "tensor '{stored}' in {}{read_for} has a non-finite value ({}) at element {}; \
-             rlmerge refuses NaN and infinity unless --allow-nonfinite",
-            model.file_of(tensor).display(),
-            decode_one(dtype, raw, i),
-            start + i
-        );
+        return Err(crate::error::data(crate::message![
+            format!(
+                "tensor '{stored}' in {}{read_for} has a non-finite value ({}) at element {}; \
+                 rlmerge refuses NaN and infinity unless ",
+                model.file_of(tensor).display(),
+                decode_one(dtype, raw, i),
+                start + i
+            ),
+            crate::error::Arg::switch("allow-nonfinite"),
+        ]));
     }
     Ok(())
 }

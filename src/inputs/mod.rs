@@ -92,10 +92,13 @@ impl Inputs {
     /// [`Inputs::open`], the output's layers taken from `layout.slices` and its vocabulary from
     /// `layout.tokenizer` when given.
     pub fn open_with(base_dir: &Path, agent_dirs: &[PathBuf], layout: Layout) -> Result<Inputs> {
-        ensure!(
-            !agent_dirs.is_empty(),
-            "at least one agent model is needed (--model DIR)"
-        );
+        if agent_dirs.is_empty() {
+            return Err(usage(crate::message![
+                "at least one agent model is needed (",
+                crate::error::Arg::named("--model DIR", "models=[…]"),
+                ")",
+            ]));
+        }
         if agent_dirs.len() > method::MAX_AGENTS {
             return Err(usage(format!(
                 "at most {} agent models can be handled at once, got {}",
@@ -194,12 +197,15 @@ impl Inputs {
     pub fn refuse_base_as_agent(&self) -> Result<()> {
         let base = real_path(&self.base.dir);
         match self.agents.iter().find(|a| real_path(&a.dir) == base) {
-            Some(a) => Err(usage(format!(
-                "--model {} is the base model {}; its task vector is zero — give each agent \
-                 once, and not the base",
-                a.dir.display(),
-                self.base.dir.display()
-            ))),
+            Some(a) => Err(usage(crate::message![
+                crate::error::Arg::named("--model", "model"),
+                format!(
+                    " {} is the base model {}; its task vector is zero — give each agent once, \
+                     and not the base",
+                    a.dir.display(),
+                    self.base.dir.display()
+                ),
+            ])),
             None => Ok(()),
         }
     }

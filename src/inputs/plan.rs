@@ -268,13 +268,16 @@ fn note_missing(
         .collect();
     if !missing.is_empty() {
         if !layout.allow_missing_tensors {
-            return Err(usage(format!(
-                "tensor '{}' of the base is missing in {}: an agent of the same \
-                 architecture has every tensor of its base; pass --allow-missing-tensors \
-                 to merge it from the models that have it",
-                crate::escape::terminal(&bt.entry.name),
-                missing.join(", ")
-            )));
+            return Err(usage(crate::message![
+                format!(
+                    "tensor '{}' of the base is missing in {}: an agent of the same \
+                     architecture has every tensor of its base; pass ",
+                    crate::escape::terminal(&bt.entry.name),
+                    missing.join(", ")
+                ),
+                crate::error::Arg::switch("allow-missing-tensors"),
+                " to merge it from the models that have it",
+            ]));
         }
         let what = if missing.len() == agents.len() {
             "kept from the base".to_string()
@@ -306,14 +309,17 @@ fn refuse_extra(
         .collect();
     if let Some(first) = extra.first() {
         if !layout.allow_missing_tensors {
-            return Err(usage(format!(
-                "{} has {} tensor(s) the base lacks (first: '{}'): an agent of the same \
-                 architecture has only its base's tensors; pass --allow-missing-tensors \
-                 to ignore them",
-                agent.dir.display(),
-                extra.len(),
-                crate::escape::terminal(first)
-            )));
+            return Err(usage(crate::message![
+                format!(
+                    "{} has {} tensor(s) the base lacks (first: '{}'): an agent of the same \
+                     architecture has only its base's tensors; pass ",
+                    agent.dir.display(),
+                    extra.len(),
+                    crate::escape::terminal(first)
+                ),
+                crate::error::Arg::switch("allow-missing-tensors"),
+                " to ignore them",
+            ]));
         }
         warnings.push(format!(
             "{} has {} tensor(s) the base lacks (first: '{first}'); they are ignored",

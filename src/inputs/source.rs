@@ -255,13 +255,17 @@ fn round_tile(
         crate::checkpoint::dtype::round_through(to, &mut run[..n]);
         if ctx.finite_only {
             if let Some(k) = (0..n).find(|&k| !run[k].is_finite() && stored[k].is_finite()) {
-                bail!(
-                    "tensor '{}': element {} is {} in F32, beyond {to}'s range, so its rounding \
-                     to the base's dtype is infinite (--raw-f32-agents reads F32 agents as stored)",
-                    crate::escape::terminal(&tensor.entry.name),
-                    start + i0 + k,
-                    stored[k]
-                );
+                return Err(crate::error::data(crate::message![
+                    format!(
+                        "tensor '{}': element {} is {} in F32, beyond {to}'s range, so its \
+                         rounding to the base's dtype is infinite (",
+                        crate::escape::terminal(&tensor.entry.name),
+                        start + i0 + k,
+                        stored[k]
+                    ),
+                    crate::error::Arg::switch("raw-f32-agents"),
+                    " reads F32 agents as stored)",
+                ]));
             }
         }
         put_f32(buf, i0, &run[..n]);

@@ -2,6 +2,7 @@
 //! mergekit YAML recipe (`job/recipe_yaml/`) — become a validated [`Method`] with its input folders.
 //! Both go through [`crate::method::build`], so a value accepted by one is accepted by the other.
 
+mod from_record;
 mod recipe_yaml;
 pub mod saved_recipe;
 
@@ -9,12 +10,9 @@ use crate::checkpoint::DType;
 use crate::error::usage;
 use crate::method::build::MethodRequest;
 use crate::method::settings::{Scalar, Setting, Settings};
-use crate::method::{BoostScope, Kind, Method, SharedRule};
+use crate::method::{BoostScope, Kind, Merging, Method, SharedRule};
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
-
-/// The file rlmerge saves the recipe under in the output folder, as mergekit does.
-pub const MERGEKIT_CONFIG_FILE: &str = "mergekit_config.yml";
 
 /// A merge to run: the folders, resolved, and the method, validated.
 #[derive(Debug)]
@@ -23,8 +21,8 @@ pub struct Job {
     pub base: PathBuf,
     /// The agents' folders, in order (a LoRA agent as `BASE+ADAPTER` or its adapter folder).
     pub agents: Vec<PathBuf>,
-    /// The method, validated for this many agents.
-    pub method: Method,
+    /// The method, validated for this many agents, and SVC's calibration where asked.
+    pub merging: Merging,
     /// RAM's ε when the recipe sets it.
     pub epsilon: Option<f32>,
     /// The recipe's `out_dtype` (or mergekit's older `dtype`).
@@ -40,7 +38,7 @@ pub struct Job {
     /// (`--raw-f32-agents`).
     pub raw_f32_agents: bool,
     /// The recipe as data — the one the job came from, or its flags written as one — which the
-    /// merge saves as [`MERGEKIT_CONFIG_FILE`] ([`Job::saved_recipe`]).
+    /// merge saves as `mergekit_config.yml` ([`Job::saved_recipe`]).
     pub recipe: saved_recipe::Recipe,
     /// The recipe file it came from (an output must not overwrite it).
     pub recipe_path: Option<PathBuf>,
@@ -49,8 +47,6 @@ pub struct Job {
     /// mergekit's `tokenizer_source` / `tokenizer:` section (`None`: the base's tokenizer, every
     /// model's embeddings of the base's shape).
     pub tokenizer: Option<crate::vocabulary::TokenizerSettings>,
-    /// SVC's α, when the merge is spectrally calibrated (`--svc`, a recipe's `svc:`; SPEC §4e).
-    pub svc: Option<f64>,
     /// The agents' names, by agent, where the recipe's `name:` gives one (`--name` for flags).
     pub names: Vec<Option<String>>,
     /// Whose config.json the output takes, as the user named it (`--config-from`, a recipe's
@@ -126,7 +122,7 @@ pub struct MethodFlags {
     pub shared: Option<SharedRule>,
     /// Seed of random masks (DARE, DELLA).
     pub seed: u64,
-    /// `--svc ALPHA`: SVC's α, as given (checked by [`MethodFlags::svc_alpha`]).
+    /// `--svc ALPHA`: SVC's α, as given (checked with the method, `method::build::merging`).
     pub svc: Option<Scalar>,
     /// `--tokenizer-source` as given: only for the recipe the flags are saved as.
     pub tokenizer_source: Option<String>,
@@ -146,14 +142,15 @@ impl Job {
         flags: &MethodFlags,
         tokenizer: Option<crate::vocabulary::TokenizerSettings>,
     ) -> Result<Job> {
-        let method = flags.method_for(agents.len())?;
+        let merging =
+            crate::method::build::merging(flags.method_for(agents.len())?, flags.svc.as_ref())?;
         // Every merge gets the recipe that makes it again, saved and shown in the model card as
         // mergekit's own merges are.
-        let recipe = flags.recipe(&base, &agents, tokenizer.as_ref())?;
+        let recipe = flags.recipe(&base, &agents, tokenizer.as_ref(), merging.svc)?;
         Ok(Job {
             base,
             agents,
-            method,
+            merging,
             epsilon: None,
             out_dtype: None,
             shard_size: None,
@@ -164,7 +161,6 @@ impl Job {
             recipe_path: None,
             slices: None,
             tokenizer,
-            svc: flags.svc_alpha()?,
             names: flags.names.iter().cloned().map(Some).collect(),
             config_from: flags.config_from.clone(),
         })
@@ -206,8 +202,12 @@ impl Job {
     /// to it. ε is checked here, once, whichever front end gave it.
     pub fn set_command_line(&mut self, given: &CommandLine) -> Result<()> {
         if let Some(e) = given.epsilon {
-            let checked = crate::method::build::epsilon_value(e)
-                .map_err(|err| usage(format!("--epsilon: {err:#}")))?;
+            let checked = crate::method::build::epsilon_value(e).map_err(|err| {
+                usage(crate::message![
+                    crate::error::Arg::named("--epsilon", "epsilon"),
+                    format!(": {err:#}")
+                ])
+            })?;
             self.epsilon = Some(checked);
         }
         self.out_dtype = given.out_dtype.or(self.out_dtype);
@@ -221,11 +221,11 @@ impl Job {
     /// The recipe the merge saves into the output folder `out` (its final path): `rlmerge run`
     /// of it, from any folder, makes this merge again ([`saved_recipe`]).
     pub fn saved_recipe(&self, out: &Path) -> Result<String> {
-        let ram = self.method.kind().is_ram_family();
+        let ram = self.merging.kind().is_ram_family();
         let settings = saved_recipe::Settings {
             out_dtype: self.out_dtype,
             shard_size: self.shard_size,
-            seed: self.method.seed(),
+            seed: self.merging.method.seed(),
             // ε as f32 keeps its shortest form (1e-5, not 9.99999974e-6).
             epsilon: self
                 .epsilon
@@ -259,7 +259,7 @@ pub struct CommandLine {
 
 impl MethodFlags {
     /// These flags as a mergekit recipe over `base` and `agents` (and the tokenizer source's
-    /// folder): `merge_method`, the parameters as method-wide `parameters` (mergekit applies them
+    /// folder, SVC's checked α): `merge_method`, the parameters as method-wide `parameters` (mergekit applies them
     /// to every model), the models — with the folder each reference names. The base is
     /// `base_model`, or `layout_model` for karcher, which would average a `base_model` as one more
     /// point. A value that cannot be written as YAML fails the job rather than saving an empty
@@ -269,6 +269,7 @@ impl MethodFlags {
         base: &Path,
         agents: &[PathBuf],
         tokenizer: Option<&crate::vocabulary::TokenizerSettings>,
+        svc: Option<f64>,
     ) -> Result<saved_recipe::Recipe> {
         use serde_yaml::{Mapping, Value};
         let mut folders = Vec::new();
@@ -318,7 +319,7 @@ impl MethodFlags {
             })
             .collect();
         recipe.insert("models".into(), Value::Sequence(models));
-        if let Some(alpha) = self.svc_alpha()? {
+        if let Some(alpha) = svc {
             let svc = Mapping::from_iter([("alpha".into(), alpha.into())]);
             recipe.insert("svc".into(), Value::Mapping(svc));
         }
@@ -326,14 +327,6 @@ impl MethodFlags {
             value: Value::Mapping(recipe),
             folders,
         })
-    }
-
-    /// SVC's α from `--svc`, checked (`None`: no calibration).
-    pub fn svc_alpha(&self) -> Result<Option<f64>> {
-        self.svc
-            .as_ref()
-            .map(crate::method::build::svc_alpha)
-            .transpose()
     }
 
     /// The method-wide parameters the flags set: every `--param`, and RAM+'s own flags under

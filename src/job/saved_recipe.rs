@@ -1,4 +1,4 @@
-//! The recipe a merged folder saves as [`super::MERGEKIT_CONFIG_FILE`] (issue #50 item 3):
+//! The recipe a merged folder saves as `mergekit_config.yml` (issue #50 item 3):
 //! `rlmerge run` of it, from any folder, makes the same merge byte for byte. It is the job's
 //! recipe — the one it came from, or the command line's flags written as one — as YAML data, with
 //! every model reference rewritten relative to the output folder (a Hub snapshot by

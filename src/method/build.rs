@@ -9,7 +9,7 @@ use super::catalog::{Kind, Param, ParamDefault, ParamScope, Range};
 use super::settings::{ConditionalValue, Scalar, Setting, Settings};
 use super::tensor_params::{MethodConfig, SliceSettings};
 use super::{defaults, BoostRule, BoostScope, Method, SharedRule, MAX_AGENTS};
-use crate::error::usage;
+use crate::error::{usage, Arg};
 use anyhow::Result;
 
 /// A method and its parameters as given: `method_wide` for the method, `models` per merged model (in
@@ -99,13 +99,15 @@ fn check_required(config: &MethodConfig, agents: usize) -> Result<()> {
                 ParamScope::MethodWide => String::new(),
                 ParamScope::PerModel => format!(" for model {}", m + 1),
             };
-            return Err(usage(format!(
-                "method {} needs parameter '{name}'{whom}: give it with --param {name}=VALUE, or \
-                 `{name}:` under the recipe's parameters ({})",
-                config.kind.name(),
-                p.range.requirement(),
-                name = p.name
-            )));
+            return Err(usage(crate::message![
+                format!(
+                    "method {} needs parameter '{}'{whom}: ",
+                    config.kind.name(),
+                    p.name
+                ),
+                Arg::give_param(p.name),
+                format!(" ({})", p.range.requirement()),
+            ]));
         }
     }
     Ok(())
@@ -195,7 +197,28 @@ pub fn number(x: f64) -> String {
 
 /// SVC's α, checked against [`crate::method::catalog::SVC`]'s range (a usage error naming `svc`
 /// otherwise).
-pub fn svc_alpha(value: &Scalar) -> Result<f64> {
+/// A merge's whole rule (SPEC §4e): `method`, calibrated by SVC where `svc` gives α — checked
+/// here, once, whichever front end gave it: α in its range, and a method whose formula has a θ₀
+/// to calibrate the update against (linear, passthrough, karcher… merge without one, even with a
+/// `--base` for the layout).
+pub fn merging(method: Method, svc: Option<&Scalar>) -> Result<crate::method::Merging> {
+    let svc = svc.map(svc_alpha).transpose()?;
+    let from_base = match &method {
+        Method::Combine(c) => c.with_base && (c.kind.uses_base() || c.kind.base_optional()),
+        _ => true,
+    };
+    if svc.is_some() && !from_base {
+        return Err(usage(format!(
+            "svc calibrates a merge's update against its base model, and method {} merges \
+             without one (use a method with a base, e.g. task_arithmetic)",
+            method.name()
+        )));
+    }
+    Ok(crate::method::Merging { method, svc })
+}
+
+/// SVC's α as given (`--svc`, a recipe's `svc:`, Python's `svc=`), checked against its range.
+fn svc_alpha(value: &Scalar) -> Result<f64> {
     let param = &crate::method::catalog::SVC;
     check_scalar(param, value, None)?;
     value.as_f64(param.name)
@@ -305,19 +328,24 @@ fn ram_plus(req: &MethodRequest) -> Result<Method> {
     };
     let rule = if rule == "official" {
         if r.is_some() || alpha.is_some() {
-            return Err(usage(
-                "r and alpha (--r, --alpha) apply to rule paper only; rule official takes \
-                 rescale_factor (--rescale-factor)",
-            ));
+            return Err(usage(crate::message![
+                "r and alpha (",
+                Arg::named("--r, --alpha", "r=, alpha="),
+                ") apply to rule paper only; rule official takes rescale_factor (",
+                Arg::option("rescale-factor"),
+                ")",
+            ]));
         }
         BoostRule::Official {
             rescale_factor: rescale_factor.unwrap_or(defaults::RESCALE_FACTOR),
         }
     } else {
         if rescale_factor.is_some() {
-            return Err(usage(
-                "rescale_factor (--rescale-factor) applies to rule official only",
-            ));
+            return Err(usage(crate::message![
+                "rescale_factor (",
+                Arg::option("rescale-factor"),
+                ") applies to rule official only",
+            ]));
         }
         BoostRule::Paper {
             r: r.unwrap_or(defaults::R),

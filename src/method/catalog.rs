@@ -483,18 +483,19 @@ impl Kind {
     }
 
     /// What to add to "unknown method NAME": the name meant, or, for `svc` (a modifier, not a
-    /// method), how to ask for it — `svc_how`, in the words of the front end the name came from.
-    pub fn unknown_hint(name: &str, svc_how: &str) -> String {
+    /// method), how to ask for it — `svc_how`, in the words of each front end.
+    pub fn unknown_hint(name: &str, svc_how: crate::error::Arg) -> crate::error::Message {
         if name.trim().eq_ignore_ascii_case(SVC.name) {
-            return format!(
+            return crate::message![
                 ": svc calibrates the result of any method rather than merging by itself — keep \
-                 the method and add {svc_how}"
-            );
+                 the method and add ",
+                svc_how
+            ];
         }
-        format!(
+        crate::message![format!(
             "{}; `rlmerge methods` lists them",
             crate::error::did_you_mean(name, Kind::ALL.iter().map(|k| k.name()))
-        )
+        )]
     }
 
     /// The method a record names: its name, or `res_merge`, which records of rlmerge 0.1 wrote

@@ -6,12 +6,15 @@ pub mod catalog;
 pub mod closed_form;
 pub mod combine;
 pub mod cost;
+pub mod listing;
+pub mod merging;
 pub mod param;
 pub mod settings;
 pub mod statistics;
 pub mod tensor_params;
 
 pub use catalog::Kind;
+pub use merging::Merging;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 pub use tensor_params::MethodConfig;

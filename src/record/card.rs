@@ -4,7 +4,7 @@
 //! for the context it lands in: YAML strings, Markdown code spans, Markdown text, code blocks.
 
 use super::{MergeRecord, OVERLAP_FIGURE, RECORD_FILE};
-use crate::job::MERGEKIT_CONFIG_FILE;
+use crate::checkpoint::output_folder::MERGEKIT_CONFIG_FILE;
 use crate::method::{Method, SharedRule};
 use std::fmt::Write;
 use std::path::Path;
@@ -18,7 +18,7 @@ pub fn model_card(
 ) -> String {
     let mut s = String::new();
     front_matter(&mut s, r);
-    let _ = writeln!(s, "# Merged with {}\n", r.method_text());
+    let _ = writeln!(s, "# Merged with {}\n", r.merging.text());
     summary(&mut s, r);
     inputs(&mut s, r);
     if r.outputs.iter().any(|f| f.file == OVERLAP_FIGURE) {
@@ -84,13 +84,13 @@ fn front_matter(s: &mut String, r: &MergeRecord) {
     let _ = writeln!(
         s,
         "library_name: transformers\ntags:\n- merge\n- rlmerge\n- {}\n---\n",
-        r.method.name()
+        r.merging.method.name()
     );
 }
 
 /// What the method did, in a sentence or two; SVC's calibration after it.
 fn summary(s: &mut String, r: &MergeRecord) {
-    let _ = match &r.method {
+    let _ = match &r.merging.method {
         Method::Combine(c) => {
             let semantics = if c.kind.in_mergekit() {
                 ", with mergekit's semantics"
@@ -124,20 +124,20 @@ fn summary(s: &mut String, r: &MergeRecord) {
              [arXiv:2601.13572](https://arxiv.org/abs/2601.13572)).",
             r.agents.len(),
             r.version,
-            r.method,
+            r.merging.method,
             r.epsilon,
-            match r.method.shared() {
+            match r.merging.method.shared() {
                 SharedRule::Mean => "",
                 SharedRule::Consensus => " whose change has the sign of the changes' sum",
             },
-            if r.method.boost().is_some() {
+            if r.merging.method.boost().is_some() {
                 ", scaled by λ_t"
             } else {
                 ""
             }
         ),
     };
-    if let Some(alpha) = r.svc {
+    if let Some(alpha) = r.merging.svc {
         let _ = writeln!(
             s,
             "\nThen **SVC** calibrated the spectrum of every matrix the method merged (α = \
@@ -165,7 +165,7 @@ fn settings_text(settings: &crate::method::settings::Settings) -> String {
 fn inputs(s: &mut String, r: &MergeRecord) {
     let _ = writeln!(s, "## Inputs\n\n- base: {}", code(&shown_name(&r.base)));
     for (t, a) in r.agents.iter().enumerate() {
-        let lambda = match (a.lambda, &r.method) {
+        let lambda = match (a.lambda, &r.merging.method) {
             (_, Method::Combine(c)) => match c.models.get(t).map(settings_text) {
                 Some(own) if !own.is_empty() => own,
                 _ => "the method's parameters".into(),
@@ -313,14 +313,14 @@ fn configuration(s: &mut String, r: &MergeRecord, recipe: &str) {
 /// otherwise it runs it from this folder, ignoring rlmerge's own keys (named), and drawing its
 /// own random masks.
 fn mergekit_note(r: &MergeRecord, recipe: &str) -> String {
-    let kind = r.method.kind();
+    let kind = r.merging.method.kind();
     if !kind.in_mergekit() {
         return format!(
             "mergekit cannot run it: `{}` is rlmerge's method.",
             kind.name()
         );
     }
-    if r.svc.is_some() {
+    if r.merging.svc.is_some() {
         return "mergekit cannot run it: SVC is rlmerge's.".into();
     }
     const OWN_KEYS: [&str; 8] = [

@@ -3,7 +3,7 @@
 //! ("Recipe" means only the mergekit YAML a merge may come from, saved as `mergekit_config.yml`.)
 
 use crate::checkpoint::safetensors_file::FileChecksum;
-use crate::method::{AgentCounts, Method};
+use crate::method::{AgentCounts, Merging};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -117,8 +117,10 @@ pub struct MergeRecord {
     pub tool: String,
     /// The rlmerge version that wrote it.
     pub version: String,
-    /// The method with its parameters.
-    pub method: Method,
+    /// The method with its parameters, and SVC's α where the merge was spectrally calibrated
+    /// (SPEC §4e): the record's `method` and `svc`.
+    #[serde(flatten)]
+    pub merging: Merging,
     /// RAM's ε.
     pub epsilon: f32,
     /// NaN/±Inf inputs were merged by IEEE rules instead of refused.
@@ -130,9 +132,6 @@ pub struct MergeRecord {
     /// (`--raw-f32-agents`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub raw_f32_agents: bool,
-    /// SVC's α, when the merge was spectrally calibrated (SPEC §4e).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub svc: Option<f64>,
     /// Whose config.json the output took when the user said (`base`, or an agent as
     /// [`recorded_path`] names it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -181,15 +180,6 @@ pub struct MergeRecord {
 }
 
 impl MergeRecord {
-    /// The method as stdout and the model card name it, SVC included: `ram+ (rule paper, …)`,
-    /// `ties then SVC (α = 0.1)`.
-    pub fn method_text(&self) -> String {
-        match self.svc {
-            Some(alpha) => format!("{} then SVC (α = {alpha})", self.method),
-            None => self.method.to_string(),
-        }
-    }
-
     /// The output's weight shards.
     pub fn shards(&self) -> impl Iterator<Item = &FileChecksum> {
         self.outputs

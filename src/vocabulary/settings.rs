@@ -98,6 +98,43 @@ impl TokenizerSettings {
     }
 }
 
+impl TokenizerSettings {
+    /// The settings `--tokenizer-source` (Python's `tokenizer_source=`) gives: `base`, `union`, or
+    /// a model — a folder, or a Hub id from the cache or downloaded into it — that must be a
+    /// folder; no token settings.
+    pub fn of_source(text: &str) -> Result<TokenizerSettings> {
+        let locate = |name: &str| -> Result<PathBuf> {
+            let bad = |what: &str| {
+                crate::error::usage(crate::message![
+                    crate::error::Arg::option("tokenizer-source"),
+                    format!(
+                        " '{name}' {what}; give base, union or a model folder (or Hub id) with a \
+                         tokenizer.json"
+                    ),
+                ])
+            };
+            if name.trim().is_empty() {
+                return Err(bad("is empty"));
+            }
+            let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+            let p =
+                crate::hub::locate(std::path::Path::new(name), progress).with_context(|| {
+                    format!("--tokenizer-source {name}: use base, union or a model")
+                })?;
+            match std::fs::metadata(&p) {
+                Ok(m) if m.is_dir() => Ok(p),
+                Ok(_) => Err(bad("is not a folder")),
+                Err(_) => Err(bad("does not exist")),
+            }
+        };
+        Ok(TokenizerSettings {
+            source: parse_source(text, &locate)?,
+            tokens: Vec::new(),
+            pad_to_multiple_of: None,
+        })
+    }
+}
+
 /// Reads a `tokenizer_source` value or the `tokenizer:` section's `source` as a user writes it:
 /// `base`, `union`, or a model (`model:NAME` or NAME), found by `folder`.
 pub fn parse_source(

@@ -38,9 +38,10 @@ impl CpuBackend {
     pub fn new(threads: usize) -> Result<CpuBackend> {
         let max = max_threads();
         if threads > max {
-            return Err(crate::error::usage(format!(
-                "--threads {threads}: at most {max} (4 × the cores here, at least 64; 0 = one per core)"
-            )));
+            return Err(crate::error::usage(crate::message![
+                crate::error::Arg::option_value("threads", &threads.to_string()),
+                format!(": at most {max} (4 × the cores here, at least 64; 0 = one per core)"),
+            ]));
         }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)

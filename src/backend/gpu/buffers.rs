@@ -419,10 +419,15 @@ impl GpuBackend {
             n >= 1 || matches!(kernel, Kernel::Update),
             "no agents in the tile"
         );
-        ensure!(
-            n <= GPU_MAX_AGENTS,
-            "the GPU backend merges at most {GPU_MAX_AGENTS} agents at once, got {n} (use --device cpu)"
-        );
+        if n > GPU_MAX_AGENTS {
+            return Err(crate::error::data(crate::message![
+                format!(
+                    "the GPU backend merges at most {GPU_MAX_AGENTS} agents at once, got {n} (use "
+                ),
+                crate::error::Arg::option_value("device", "cpu"),
+                ")",
+            ]));
+        }
         // Buffers for at least one agent: an update's tiles (none) reuse any merge's buffers.
         let sized = n.max(1);
         let mut buffers = self.take_buffers(sized)?;

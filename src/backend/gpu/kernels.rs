@@ -92,11 +92,17 @@ impl GpuBackend {
             spec.agents()
         );
         let end = params.start + tile.len as u64;
-        ensure!(
-            end <= u32::MAX as u64,
-            "the GPU backend indexes tensors with 32 bits; this one has more than {} elements (use --device cpu)",
-            u32::MAX
-        );
+        if end > u32::MAX as u64 {
+            return Err(crate::error::data(crate::message![
+                format!(
+                    "the GPU backend indexes tensors with 32 bits; this one has more than {} \
+                     elements (use ",
+                    u32::MAX
+                ),
+                crate::error::Arg::option_value("device", "cpu"),
+                ")",
+            ]));
+        }
         let (norm_mode, fixed_recip, table) = normalization(spec, n)?;
         let rules: Vec<u32> = spec.keep.iter().flat_map(rule_words).collect();
         let q = &self.ctx.queue;
@@ -177,10 +183,16 @@ fn normalization(spec: &CombineSpec, n: usize) -> Result<(u32, f32, Vec<f32>)> {
         Normalize::None => (wgsl::NORM_NONE, 1.0, Vec::new()),
         Normalize::Fixed(r) => (wgsl::NORM_FIXED, *r, Vec::new()),
         Normalize::PerElement(w, floor) => {
-            ensure!(
-                n <= GPU_MAX_TABLE_AGENTS,
-                "the GPU backend normalizes a consensus merge of at most {GPU_MAX_TABLE_AGENTS} models, got {n} (use --device cpu)"
-            );
+            if n > GPU_MAX_TABLE_AGENTS {
+                return Err(crate::error::data(crate::message![
+                    format!(
+                        "the GPU backend normalizes a consensus merge of at most \
+                         {GPU_MAX_TABLE_AGENTS} models, got {n} (use "
+                    ),
+                    crate::error::Arg::option_value("device", "cpu"),
+                    ")",
+                ]));
+            }
             (
                 wgsl::NORM_TABLE,
                 1.0,

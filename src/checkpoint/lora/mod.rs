@@ -414,23 +414,29 @@ impl LoraAdapter {
             for (e, bytes) in parts.into_iter().chain(m) {
                 let Some(e) = e else { continue };
                 if let Some(k) = first_nonfinite(e.dtype, bytes) {
-                    return anyhow::anyhow!(
-                        "tensor '{}' in {file} has a non-finite value ({}) at element {k}; \
-                         rlmerge refuses NaN and infinity unless --allow-nonfinite",
-                        crate::escape::terminal(&e.name),
-                        decode_one(e.dtype, bytes, k)
-                    );
+                    return crate::error::data(crate::message![
+                        format!(
+                            "tensor '{}' in {file} has a non-finite value ({}) at element {k}; \
+                             rlmerge refuses NaN and infinity unless ",
+                            crate::escape::terminal(&e.name),
+                            decode_one(e.dtype, bytes, k)
+                        ),
+                        crate::error::Arg::switch("allow-nonfinite"),
+                    ]);
                 }
             }
         }
-        anyhow::anyhow!(
-            "{file}: the update s·B·A of '{}' is not finite ({value}) at element {element} \
-             (s = {}, rank {}): the adapter's values overflow 32-bit floats; rlmerge refuses NaN \
-             and infinity unless --allow-nonfinite",
-            crate::escape::terminal(name),
-            u.scale,
-            u.rank
-        )
+        crate::error::data(crate::message![
+            format!(
+                "{file}: the update s·B·A of '{}' is not finite ({value}) at element {element} \
+                 (s = {}, rank {}): the adapter's values overflow 32-bit floats; rlmerge refuses \
+                 NaN and infinity unless ",
+                crate::escape::terminal(name),
+                u.scale,
+                u.rank
+            ),
+            crate::error::Arg::switch("allow-nonfinite"),
+        ])
     }
 }
 

@@ -18,8 +18,8 @@ mod path_rules;
 mod rename;
 mod scratch;
 
-use crate::error::usage;
-use anyhow::{bail, Context, Result};
+use crate::error::{usage, Arg};
+use anyhow::{Context, Result};
 pub use path_rules::{refuse_inside, refuse_overlap, replaceable, resolve_output, Identity};
 pub use rename::rename_noreplace;
 pub use scratch::{begin_commit, remove_live_scratch, stale_notes, sweep, CommitGuard, Scratch};
@@ -36,6 +36,8 @@ pub const RECORD_FILE: &str = "rlmerge_record.json";
 pub const LEGACY_RECORD_FILE: &str = "rlmerge_recipe.json";
 /// The model card.
 pub const CARD_FILE: &str = "README.md";
+/// The recipe that makes the merge again, saved beside the weights as mergekit saves its own.
+pub const MERGEKIT_CONFIG_FILE: &str = "mergekit_config.yml";
 /// The manifest of a folder `rlmerge demo` wrote: `{"files": [...]}`.
 pub const DEMO_MANIFEST: &str = ".rlmerge-demo.json";
 
@@ -170,16 +172,20 @@ impl OutputFolder {
                 return Ok(());
             }
             if !force {
-                return Err(usage(format!(
-                    "output {} already exists (use --force to replace a folder rlmerge wrote)",
-                    out.display()
-                )));
+                return Err(usage(crate::message![
+                    format!("output {} already exists (use ", out.display()),
+                    Arg::switch("force"),
+                    " to replace a folder rlmerge wrote)",
+                ]));
             }
             replaceable(&final_dir, Identity::Checksums).map_err(|why| {
-                usage(format!(
-                    "--force will not replace {}: {why}; choose another output",
-                    out.display()
-                ))
+                usage(crate::message![
+                    Arg::switch("force"),
+                    format!(
+                        " will not replace {}: {why}; choose another output",
+                        out.display()
+                    ),
+                ])
             })
         };
         check_existing()?;
@@ -264,20 +270,27 @@ impl OutputFolder {
             Err(_) => {}
         }
         if !self.force {
-            bail!(
-                "{} appeared while the merge ran; it was left as it was and the merge discarded \
-                 (rerun with --force to replace a folder rlmerge wrote)",
-                self.shown.display()
-            );
+            return Err(crate::error::data(crate::message![
+                format!(
+                    "{} appeared while the merge ran; it was left as it was and the merge \
+                     discarded (rerun with ",
+                    self.shown.display()
+                ),
+                Arg::switch("force"),
+                " to replace a folder rlmerge wrote)",
+            ]));
         }
         // A cheap look first (no file read), so a folder that is plainly not rlmerge's is never
         // moved; the checksums are read once it is aside, where nothing can change it.
         if let Err(why) = replaceable(out, Identity::Sizes) {
-            bail!(
-                "--force will not replace {}: {why} (it changed while the merge ran; the merge was \
-                 discarded)",
-                self.shown.display()
-            );
+            return Err(crate::error::data(crate::message![
+                Arg::switch("force"),
+                format!(
+                    " will not replace {}: {why} (it changed while the merge ran; the merge was \
+                     discarded)",
+                    self.shown.display()
+                ),
+            ]));
         }
         let old = aside(out, self.scratch.id());
         rename_noreplace(out, &old)
@@ -285,14 +298,17 @@ impl OutputFolder {
         // Under its private name now; check again what exactly is being replaced.
         if let Err(why) = replaceable(&old, Identity::Checksums) {
             let back = rename_noreplace(&old, out);
-            bail!(
-                "--force will not replace {}: {why}{}",
-                self.shown.display(),
-                match back {
-                    Ok(()) => String::new(),
-                    Err(_) => format!(" (it is kept at {})", old.display()),
-                }
-            );
+            return Err(crate::error::data(crate::message![
+                Arg::switch("force"),
+                format!(
+                    " will not replace {}: {why}{}",
+                    self.shown.display(),
+                    match back {
+                        Ok(()) => String::new(),
+                        Err(_) => format!(" (it is kept at {})", old.display()),
+                    }
+                ),
+            ]));
         }
         if let Err(e) = rename_noreplace(tmp, out) {
             let back = rename_noreplace(&old, out);

@@ -22,7 +22,7 @@ use crate::inputs::Inputs;
 use crate::inputs::TensorPlan;
 use crate::method::settings::TensorPlace;
 use crate::method::MethodConfig;
-use crate::method::{Kind, Method};
+use crate::method::{Kind, Merging, Method};
 use crate::names::Module;
 use anyhow::Context as _;
 use anyhow::Result;
@@ -36,9 +36,10 @@ pub(super) use rows::{refuse_nonfinite, FileRows, RowBlocks, Transposed};
 /// f64 per Lanczos step.
 const RESMERGE_MAX_ELEMS: usize = 1 << 30;
 
-/// Whether `kind`'s matrices are merged here (or by `resmerge`, on the same footing).
+/// Whether `kind`'s matrices are merged here (or by `resmerge`, on the same footing): the
+/// methods of the spectral cost class, the one list of them (`Kind::cost`).
 pub(super) fn decomposes(kind: Kind) -> bool {
-    matches!(kind, Kind::IsoC | Kind::Tsv | Kind::ResMerge)
+    kind.cost() == crate::method::cost::Cost::Spectral
 }
 
 /// The matrix `kind` decomposes for tensor `name` of `shape` — every 2-D tensor of at least 2 × 2
@@ -71,16 +72,17 @@ pub(super) fn matrix(shape: &[usize]) -> Option<(usize, usize)> {
     }
 }
 
-/// Whether the merge decomposes `plan`'s tensor: a matrix a decomposing method takes, or, with
-/// SVC (`svc`), any matrix some model holds.
-pub(super) fn is_decomposed(method: &Method, svc: bool, plan: &TensorPlan) -> bool {
-    let by_method = match method {
+/// Whether `merging` decomposes `plan`'s tensor: a matrix a decomposing method takes, or, with
+/// SVC, any matrix some model holds.
+pub(super) fn is_decomposed(merging: &Merging, plan: &TensorPlan) -> bool {
+    let by_method = match &merging.method {
         Method::Combine(c) if decomposes(c.kind) => {
             decomposed(c.kind, plan.name(), plan.shape()).is_some()
         }
         _ => false,
     };
-    !plan.present().is_empty() && (by_method || (svc && matrix(plan.shape()).is_some()))
+    let by_svc = merging.svc.is_some() && matrix(plan.shape()).is_some();
+    !plan.present().is_empty() && (by_method || by_svc)
 }
 
 /// The merge's warnings about a decomposing method: the matrices it leaves to the elementwise

@@ -8,7 +8,7 @@ use crate::backend::Tile;
 use crate::checkpoint::dtype::{decode, decode_minus};
 use crate::engine::scans::TensorScans;
 use crate::linalg::rows_per_block;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use std::ops::ControlFlow;
 
 /// A tall matrix (rows ≥ columns) read block by block.
@@ -152,15 +152,18 @@ pub(in crate::engine) fn refuse_nonfinite(
 ) -> Result<()> {
     if let Some(e) = tau.iter().position(|x| !x.is_finite()) {
         let at = start + e;
-        bail!(
-            "model {}'s task vector has a non-finite value ({}) at element {at} (row {}, column \
-             {}); {method} decomposes whole matrices and cannot merge NaN or ±Inf \
-             (--allow-nonfinite lets them through to the elementwise methods only)",
-            t + 1,
-            tau[e],
-            at / n.max(1),
-            at % n.max(1)
-        );
+        return Err(crate::error::data(crate::message![
+            format!(
+                "model {}'s task vector has a non-finite value ({}) at element {at} (row {}, \
+                 column {}); {method} decomposes whole matrices and cannot merge NaN or ±Inf (",
+                t + 1,
+                tau[e],
+                at / n.max(1),
+                at % n.max(1)
+            ),
+            crate::error::Arg::switch("allow-nonfinite"),
+            " lets them through to the elementwise methods only)",
+        ]));
     }
     Ok(())
 }

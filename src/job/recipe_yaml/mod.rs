@@ -7,7 +7,7 @@ mod tokenizer;
 
 use super::saved_recipe::Recipe;
 use super::Job;
-use crate::error::usage;
+use crate::error::{usage, Arg};
 use crate::method::build::{self, MethodRequest};
 use crate::method::settings::{Scalar, Setting, Settings};
 use crate::method::tensor_params::SliceSettings;
@@ -225,13 +225,14 @@ fn parse_raw(
         _ => None,
     };
     let method = build::build(request, agents.len()).map_err(|e| at_line_of_parameter(e, text))?;
+    let merging = build::merging(method, svc.as_ref())?;
     if let Some(slices) = &slices {
-        check_slice_counts(slices, &method)?;
+        check_slice_counts(slices, &merging.method)?;
     }
     Ok(Job {
         base,
         agents,
-        method,
+        merging,
         epsilon,
         out_dtype,
         shard_size,
@@ -245,7 +246,6 @@ fn parse_raw(
         recipe_path: None,
         slices,
         tokenizer,
-        svc,
         names,
         config_from: raw.config_from.clone(),
     })
@@ -254,15 +254,19 @@ fn parse_raw(
 /// The recipe's `merge_method`, a usage error naming the closest method where it is none.
 fn method_kind(raw: &RawConfig, text: RecipeText) -> Result<Kind> {
     Kind::from_name(&raw.merge_method).ok_or_else(|| {
-        usage(format!(
-            "unknown merge_method '{}'{}{}",
-            raw.merge_method,
-            text.at("merge_method"),
-            Kind::unknown_hint(
-                &raw.merge_method,
-                "`svc: ALPHA` beside merge_method (e.g. svc: 0.1)"
-            )
-        ))
+        let svc = Arg::named(
+            "`svc: ALPHA` beside merge_method (e.g. svc: 0.1)",
+            "the keyword svc=ALPHA (e.g. svc=0.1)",
+        );
+        let mut message = crate::message![
+            "unknown ",
+            Arg::named("merge_method", "method"),
+            format!(" '{}'{}", raw.merge_method, text.at("merge_method")),
+        ];
+        message
+            .0
+            .extend(Kind::unknown_hint(&raw.merge_method, svc).0);
+        usage(message)
     })
 }
 

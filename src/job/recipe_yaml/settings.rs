@@ -4,16 +4,17 @@
 use super::RawConfig;
 use crate::checkpoint::DType;
 use crate::error::usage;
+use crate::method::settings::Scalar;
 use anyhow::{Context, Result};
 
 /// The recipe's `svc:`: `true` (α's default), a number, or `{alpha: ALPHA}`; `false` or absent,
-/// none. α is checked as `--svc`'s is.
-pub(super) fn svc_of(raw: &RawConfig) -> Result<Option<f64>> {
-    use crate::method::settings::Scalar;
+/// none. α is checked with the method it calibrates (`method::build::merging`).
+pub(super) fn svc_of(raw: &RawConfig) -> Result<Option<Scalar>> {
     use serde_yaml::Value;
+    let default = || Ok(Some(Scalar::Number(crate::method::catalog::SVC_DEFAULT)));
     let alpha = match &raw.svc {
         None | Some(Value::Null) | Some(Value::Bool(false)) => return Ok(None),
-        Some(Value::Bool(true)) => return Ok(Some(crate::method::catalog::SVC_DEFAULT)),
+        Some(Value::Bool(true)) => return default(),
         Some(Value::Mapping(m)) => {
             if let Some(k) = m.keys().find(|k| k.as_str() != Some("alpha")) {
                 return Err(crate::error::usage(format!(
@@ -23,7 +24,7 @@ pub(super) fn svc_of(raw: &RawConfig) -> Result<Option<f64>> {
             }
             match m.get("alpha") {
                 Some(v) => v.clone(),
-                None => return Ok(Some(crate::method::catalog::SVC_DEFAULT)),
+                None => return default(),
             }
         }
         Some(v) => v.clone(),
@@ -38,7 +39,7 @@ pub(super) fn svc_of(raw: &RawConfig) -> Result<Option<f64>> {
                 .into(),
         )
     });
-    crate::method::build::svc_alpha(&scalar).map(Some)
+    Ok(Some(scalar))
 }
 
 /// The output dtype the recipe asks (`out_dtype`, or mergekit's older `dtype`).
