@@ -8,7 +8,7 @@
 //! ([`crate::model_config::layers`]).
 
 use crate::model_config::layers::{derived, index_rule_key, per_layer_list, PER_LAYER_LISTS};
-use crate::structure::{decoder_config, top_layer_count, whole_number, LAYER_COUNT_KEYS};
+use crate::structure::{decoder_config, decoder_config_mut, whole_number, LAYER_COUNT_KEYS};
 use serde::{Deserialize, Serialize};
 
 /// Which input a slice source is.
@@ -115,12 +115,6 @@ impl Slices {
         config: &mut serde_json::Value,
         config_of: &dyn Fn(Source) -> serde_json::Value,
     ) -> anyhow::Result<()> {
-        let nested = config.get("text_config").is_some()
-            && top_layer_count(config).is_none()
-            && config
-                .get("text_config")
-                .and_then(top_layer_count)
-                .is_some();
         let leads: Vec<(serde_json::Value, usize)> = (0..self.0.len())
             .map(|s| {
                 let lead = self.lead(s);
@@ -128,12 +122,7 @@ impl Slices {
                 (decoder_config(&c).clone(), lead.start)
             })
             .collect();
-        let target = if nested {
-            config.get_mut("text_config")
-        } else {
-            Some(config)
-        };
-        let Some(obj) = target.and_then(|c| c.as_object_mut()) else {
+        let Some(obj) = decoder_config_mut(config).as_object_mut() else {
             return Ok(());
         };
         if let Some(key) = LAYER_COUNT_KEYS.iter().find(|k| obj.contains_key(**k)) {

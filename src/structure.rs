@@ -28,6 +28,15 @@ pub fn decoder_config(config: &serde_json::Value) -> &serde_json::Value {
     }
 }
 
+/// [`decoder_config`], to edit (a sliced output's layer count and per-layer lists).
+pub fn decoder_config_mut(config: &mut serde_json::Value) -> &mut serde_json::Value {
+    let top = std::ptr::eq(decoder_config(config), config);
+    match top {
+        false => config.get_mut("text_config").expect("the decoder's config"),
+        true => config,
+    }
+}
+
 /// The layer count at a config's top level (not in `text_config`).
 pub fn top_layer_count(config: &serde_json::Value) -> Option<usize> {
     count_of(config, &LAYER_COUNT_KEYS)

@@ -1,7 +1,7 @@
 //! The non-weight files of a model folder that a merged checkpoint takes from its base.
 
 use super::dtype::DType;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use std::path::Path;
 
 /// The model's own files copied from the base folder when present.
@@ -21,38 +21,10 @@ pub const TOKENIZER_FILES: &[&str] = &[
     "chat_template.json",
 ];
 
-/// Reads `dir/config.json` as a loader needs it: a regular file (not a folder or a FIFO, which
-/// would hang the read) holding a JSON object.
-pub fn read_config(dir: &Path) -> Result<serde_json::Value> {
-    let path = dir.join("config.json");
-    if path.symlink_metadata().is_err() {
-        bail!("{} has no config.json ({})", dir.display(), path.display());
-    }
-    super::files::check_regular_file(&path)?;
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("cannot read {}", path.display()))?;
-    let config: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
-    if !config.is_object() {
-        bail!(
-            "{}: a model config must be a JSON object, not {}",
-            path.display(),
-            match config {
-                serde_json::Value::Array(_) => "an array",
-                serde_json::Value::String(_) => "a string",
-                serde_json::Value::Number(_) => "a number",
-                serde_json::Value::Bool(_) => "a boolean",
-                _ => "null",
-            }
-        );
-    }
-    Ok(config)
-}
-
-/// Checks the base's `config.json` ([`read_config`]): a merged folder without a usable one does
-/// not load, so the merge stops before it starts.
+/// Checks the base's `config.json` (`ModelConfig::read`): a merged folder without a usable one
+/// does not load, so the merge stops before it starts.
 pub fn check_base_config(base: &Path) -> Result<()> {
-    read_config(base)
+    crate::model_config::ModelConfig::read(base)
         .map(|_| ())
         .context("the base's config.json is needed: a merged model without one does not load")?;
     // The files copied into the output: one that is there but no regular file (a FIFO, a
@@ -88,40 +60,30 @@ pub fn set_config_dtype(config: &mut serde_json::Value, dtype: DType) {
     }
 }
 
-/// Copies [`MODEL_FILES`] from `base` into `out` (regular files only), `config.json` with its
-/// dtype keys set to the output dtype ([`set_config_dtype`]) and then `edit_config` applied (a
-/// tokenizer source sets `vocab_size`), and with `tokenizer` the base's [`TOKENIZER_FILES`] too
-/// (without it the caller writes the output's tokenizer). Returns the names written.
-pub fn copy_base_files(
+/// Writes the output's `config` (built in memory: `engine::output`) into `out`, copies the
+/// base's other [`MODEL_FILES`] (regular files only), and with `tokenizer` the base's
+/// [`TOKENIZER_FILES`] too (without it the caller writes the output's tokenizer). Returns the
+/// names written.
+pub fn write_model_files(
     base: &Path,
-    config_dir: &Path,
+    config: Option<&serde_json::Value>,
     out: &Path,
-    out_dtype: DType,
-    edit_config: &dyn Fn(&mut serde_json::Value),
     tokenizer: bool,
 ) -> Result<Vec<String>> {
     let mut copied = Vec::new();
-    for name in MODEL_FILES {
-        let from = if *name == "config.json" {
-            config_dir
-        } else {
-            base
-        };
-        let src = from.join(name);
-        if !src.is_file() {
-            continue;
+    if let Some(config) = config {
+        let dst = out.join(crate::model_config::CONFIG_FILE);
+        std::fs::write(&dst, serde_json::to_string_pretty(config)? + "\n")
+            .with_context(|| format!("cannot write {}", dst.display()))?;
+        copied.push(crate::model_config::CONFIG_FILE.to_string());
+    }
+    for name in MODEL_FILES
+        .iter()
+        .filter(|n| **n != crate::model_config::CONFIG_FILE)
+    {
+        if copy_if_present(base, name, out)? {
+            copied.push(name.to_string());
         }
-        let dst = out.join(name);
-        if *name == "config.json" {
-            let mut config = read_config(config_dir)?;
-            set_config_dtype(&mut config, out_dtype);
-            edit_config(&mut config);
-            std::fs::write(&dst, serde_json::to_string_pretty(&config)? + "\n")
-                .with_context(|| format!("cannot write {}", dst.display()))?;
-        } else {
-            copy_if_present(base, name, out)?;
-        }
-        copied.push(name.to_string());
     }
     if tokenizer {
         for name in TOKENIZER_FILES {

@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use super::files::{check_regular_file, INDEX_FILE, SINGLE_FILE};
+use crate::model_config::ModelConfig;
 
 /// A tensor of a model: which shard holds it and where.
 #[derive(Clone, Debug)]
@@ -35,6 +36,8 @@ pub struct ModelFolder {
     pub lora: Option<LoraAdapter>,
     /// The folder holding the model's config.json: `dir`, or a LoRA agent's base.
     config_dir: PathBuf,
+    /// That config.json, read once as the folder opened (`None`: the folder has none).
+    config: Option<ModelConfig>,
 }
 
 /// A model folder that is not there: a usage error naming the folder meant where a sibling's
@@ -159,6 +162,7 @@ impl ModelFolder {
             by_name,
             lora: None,
             config_dir: dir.to_path_buf(),
+            config: ModelConfig::read_if_present(dir)?,
         })
     }
 
@@ -190,6 +194,18 @@ impl ModelFolder {
     /// The folder whose config.json describes this model: its own, or a LoRA agent's base's.
     pub fn config_dir(&self) -> &Path {
         &self.config_dir
+    }
+
+    /// The config.json that describes this model (a LoRA agent's: its base's), read as the
+    /// folder opened; `None` where there is none.
+    pub fn config(&self) -> Option<&ModelConfig> {
+        self.config.as_ref()
+    }
+
+    /// The folder's own config.json: `None` for a LoRA agent (it runs with its base's) and for a
+    /// folder without one.
+    pub fn own_config(&self) -> Option<&ModelConfig> {
+        self.config.as_ref().filter(|_| self.lora.is_none())
     }
 
     /// Whether tensor `name` is the base's plus a LoRA update (read as f32).

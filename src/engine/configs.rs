@@ -4,35 +4,25 @@
 use crate::error::usage;
 use crate::inputs::Inputs;
 use crate::model_config::ConfigDifference;
+use crate::slices::Source;
 use anyhow::Result;
-
-/// The model whose config.json a merged folder takes (`--config-from`, a recipe's
-/// `config_from:`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ConfigFrom {
-    /// The base's.
-    Base,
-    /// Agent t's.
-    Agent(usize),
-}
 
 /// What a merge says of the agents' configs against the base's (issue #44): keys that change how
 /// the weights are used (`model_config::is_meaning_key`, compared by meaning) refuse the merge unless `config_from`
 /// names whose config the output takes; every other difference that is not harmless is named.
 /// Returns the warnings, for stderr and the card.
-pub fn config_choice(inputs: &Inputs, config_from: Option<ConfigFrom>) -> Result<Vec<String>> {
-    use crate::inputs::own_config;
+pub fn config_choice(inputs: &Inputs, config_from: Option<Source>) -> Result<Vec<String>> {
     use crate::model_config::config_differences;
-    let Some(base) = own_config(&inputs.base)? else {
+    let Some(base) = inputs.base.own_config().map(|c| c.json()) else {
         return Ok(Vec::new());
     };
     let taken = match config_from {
-        None | Some(ConfigFrom::Base) => "the base's".to_string(),
-        Some(ConfigFrom::Agent(t)) => format!("{}'s", inputs.agents[t].dir.display()),
+        None | Some(Source::Base) => "the base's".to_string(),
+        Some(Source::Agent(t)) => format!("{}'s", inputs.agents[t].dir.display()),
     };
     let mut warnings = Vec::new();
     for agent in &inputs.agents {
-        let Some(config) = own_config(agent)? else {
+        let Some(config) = agent.own_config().map(|c| c.json()) else {
             // A LoRA agent runs with its base's config; any other is said to be unchecked.
             if agent.lora.is_none() {
                 warnings.push(format!(
@@ -44,7 +34,7 @@ pub fn config_choice(inputs: &Inputs, config_from: Option<ConfigFrom>) -> Result
             }
             continue;
         };
-        let mut differences = config_differences(&base, &config);
+        let mut differences = config_differences(base, config);
         // Slices rebuild the per-layer lists from the layers each output layer comes from.
         if inputs.slices.is_some() {
             differences.retain(|d| {

@@ -41,7 +41,7 @@ mod tile_rule;
 mod tile_size;
 mod tiles;
 
-pub use configs::{config_choice, ConfigFrom};
+pub use configs::config_choice;
 use fisher::FisherInputs;
 use output::{check_finite_output, finish};
 pub use probe::probe_all;
@@ -109,7 +109,7 @@ pub struct MergeOptions {
     pub warnings: Vec<String>,
     /// Whose config.json the output takes (`None`: the base's, refused where an agent's differs
     /// in a key that changes how the weights are used; see [`config_choice`]).
-    pub config_from: Option<ConfigFrom>,
+    pub config_from: Option<crate::slices::Source>,
 }
 
 /// What a finished merge reports.

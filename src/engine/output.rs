@@ -4,7 +4,7 @@
 use super::{BoostReport, MergeOptions, MergeSummary};
 use crate::backend::Tile;
 use crate::checkpoint::dtype::{decode, decode_one, encode, first_nonfinite};
-use crate::checkpoint::folder_files::{copy_base_files, read_config};
+use crate::checkpoint::folder_files::{set_config_dtype, write_model_files};
 use crate::checkpoint::output_folder::MERGEKIT_CONFIG_FILE;
 use crate::checkpoint::safetensors_file::crc32_of_file;
 use crate::checkpoint::safetensors_file::FileChecksum;
@@ -12,7 +12,7 @@ use crate::checkpoint::{DType, OutputFolder};
 use crate::inputs::{identical_inputs, Inputs};
 use crate::record::OVERLAP_FIGURE;
 use crate::record::{self, AgentSummary, InputChecksums, MergeRecord};
-use crate::slices::{Slices, Source};
+use crate::slices::Source;
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
@@ -89,7 +89,8 @@ pub(super) fn finish(
         .or_else(|| inputs.base.main_dtype())
         .unwrap_or(DType::F32);
     let mut outputs = shards;
-    for name in model_files(inputs, options, folder.path(), out_dtype)? {
+    let config = output_config(inputs, options, out_dtype)?;
+    for name in model_files(inputs, config.as_ref(), folder.path())? {
         outputs.push(crc32_of_file(&folder.path().join(name))?);
     }
     // Where a probe ran (RAM+), the paper's Figure 1 for these agents, shown by the model card.
@@ -117,8 +118,8 @@ pub(super) fn finish(
         allow_missing_tensors: inputs.allow_missing_tensors,
         raw_f32_agents: inputs.raw_f32_agents,
         config_from: options.config_from.map(|c| match c {
-            super::ConfigFrom::Base => "base".to_string(),
-            super::ConfigFrom::Agent(t) => record::recorded_path(&out, &inputs.agents[t].dir)
+            Source::Base => "base".to_string(),
+            Source::Agent(t) => record::recorded_path(&out, &inputs.agents[t].dir)
                 .display()
                 .to_string(),
         }),
@@ -158,7 +159,7 @@ pub(super) fn finish(
         .iter()
         .find(|(name, _)| name == MERGEKIT_CONFIG_FILE)
         .map(|(_, text)| text.as_str());
-    record::write(folder.path(), &record, recipe)?;
+    record::write(folder.path(), &record, recipe, config.as_ref())?;
     inputs.check_unchanged()?;
     folder.commit()?;
     Ok(MergeSummary {
@@ -169,40 +170,56 @@ pub(super) fn finish(
     })
 }
 
-/// Writes the output's config and tokenizer files — the config of the model `--config-from`
-/// names (else the base's) in the output dtype, the vocabulary's files, a sliced config — and
-/// returns their names.
+/// Writes the output's config and tokenizer files — its config ([`output_config`]), the base's
+/// generation config, and the base's tokenizer or the vocabulary's — and returns their names.
 fn model_files(
     inputs: &Inputs,
-    options: &MergeOptions,
+    config: Option<&serde_json::Value>,
     out: &Path,
-    out_dtype: DType,
 ) -> Result<Vec<String>> {
     let vocabulary = inputs.vocabulary.as_deref();
-    let set_vocab_size = |config: &mut serde_json::Value| {
-        if let Some(v) = vocabulary {
-            v.set_config_vocab_size(config);
-        }
-    };
-    let config_dir = match options.config_from {
-        Some(super::ConfigFrom::Agent(t)) => inputs.agents[t].config_dir(),
-        _ => &inputs.base.dir,
-    };
-    let mut copied = copy_base_files(
-        &inputs.base.dir,
-        config_dir,
-        out,
-        out_dtype,
-        &set_vocab_size,
-        vocabulary.is_none(),
-    )?;
+    let mut written = write_model_files(&inputs.base.dir, config, out, vocabulary.is_none())?;
     if let Some(v) = vocabulary {
-        copied.extend(v.write_files(out)?);
+        written.extend(v.write_files(out)?);
+    }
+    Ok(written)
+}
+
+/// The output's config.json, built in memory and written once: the config of the model
+/// `--config-from` names (else the base's), every dtype key set to the output's, the
+/// vocabulary's size where a tokenizer source set it, and a sliced output's layer count and
+/// per-layer lists. `None` where that model has no config.
+fn output_config(
+    inputs: &Inputs,
+    options: &MergeOptions,
+    out_dtype: DType,
+) -> Result<Option<serde_json::Value>> {
+    let from = match options.config_from {
+        Some(Source::Agent(t)) => &inputs.agents[t],
+        _ => &inputs.base,
+    };
+    let Some(config) = from.config() else {
+        return Ok(None);
+    };
+    let mut config = config.json().clone();
+    set_config_dtype(&mut config, out_dtype);
+    if let Some(v) = inputs.vocabulary.as_deref() {
+        v.set_config_vocab_size(&mut config);
     }
     if let Some(slices) = &inputs.slices {
-        sliced_config(inputs, slices, out)?;
+        let config_of = |m: Source| {
+            let folder = match m {
+                Source::Base => &inputs.base,
+                Source::Agent(t) => &inputs.agents[t],
+            };
+            folder
+                .config()
+                .map(|c| c.json().clone())
+                .unwrap_or_default()
+        };
+        slices.rewrite_config(&mut config, &config_of)?;
     }
-    Ok(copied)
+    Ok(Some(config))
 }
 
 /// Each agent's line of the record: its path, its λ (global scope), its changed counts.
@@ -283,23 +300,4 @@ fn input_checksums(inputs: &Inputs, out: &Path) -> Result<Vec<InputChecksums>> {
             })
         })
         .collect()
-}
-
-/// A sliced merge's config.json: the layer count and per-layer lists of the output's layers.
-fn sliced_config(inputs: &Inputs, slices: &Slices, out: &Path) -> Result<()> {
-    let path = out.join("config.json");
-    if !path.is_file() {
-        return Ok(());
-    }
-    let mut config = read_config(out)?;
-    let config_of = |m: Source| {
-        let folder = match m {
-            Source::Base => &inputs.base,
-            Source::Agent(t) => &inputs.agents[t],
-        };
-        read_config(folder.config_dir()).unwrap_or_default()
-    };
-    slices.rewrite_config(&mut config, &config_of)?;
-    std::fs::write(&path, serde_json::to_string_pretty(&config)? + "\n")
-        .with_context(|| format!("cannot write {}", path.display()))
 }

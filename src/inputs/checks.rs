@@ -41,14 +41,6 @@ pub(super) fn open_agent(
     }
 }
 
-/// A model's own config.json: `None` for a LoRA agent (it is the base) and a folder without one.
-pub(crate) fn own_config(m: &ModelFolder) -> Result<Option<serde_json::Value>> {
-    if m.lora.is_some() || m.dir.join("config.json").symlink_metadata().is_err() {
-        return Ok(None);
-    }
-    crate::checkpoint::folder_files::read_config(&m.dir).map(Some)
-}
-
 /// Refuses an agent whose `config.json` gives another architecture than the base's (a key of
 /// [`crate::model_config::ARCHITECTURE_KEYS`] differs): its tensors would otherwise
 /// merge by name into a model neither of them is. The layer count may differ in slices (each slice
@@ -61,7 +53,7 @@ pub(super) fn refuse_other_architectures(
     layout: Layout,
 ) -> Result<Option<serde_json::Value>> {
     use crate::model_config::architecture_difference;
-    let Some(base_config) = own_config(base)? else {
+    let Some(base_config) = base.own_config().map(|c| c.json()) else {
         return Ok(None);
     };
     let mut skip = Vec::new();
@@ -72,10 +64,10 @@ pub(super) fn refuse_other_architectures(
         skip.push("vocab_size");
     }
     for agent in agents {
-        let Some(config) = own_config(agent)? else {
+        let Some(config) = agent.own_config().map(|c| c.json()) else {
             continue;
         };
-        if let Some((key, b, a)) = architecture_difference(&base_config, &config, &skip) {
+        if let Some((key, b, a)) = architecture_difference(base_config, config, &skip) {
             return Err(usage(format!(
                 "{} is a different architecture from the base {}: config.json key '{key}' is {a} \
                  there and {b} in the base; rlmerge merges agents fine-tuned from the base{}",
@@ -90,7 +82,7 @@ pub(super) fn refuse_other_architectures(
             )));
         }
     }
-    Ok(Some(base_config))
+    Ok(Some(base_config.clone()))
 }
 
 /// For a tensor whose shape differs between the base and an agent: the base config's
@@ -207,7 +199,7 @@ pub(super) fn check_adapters_base(
 /// fine-tuned from `b` has its config and sizes, not its bytes). Read only when an adapter names
 /// a folder other than the base.
 pub(super) fn same_model(a: &Path, b: &Path) -> bool {
-    use crate::checkpoint::folder_files::read_config;
+    use crate::model_config::ModelConfig;
     let weights = |d: &Path| -> Option<Vec<(std::ffi::OsString, u64)>> {
         let mut files: Vec<_> = std::fs::read_dir(d)
             .ok()?
@@ -229,7 +221,7 @@ pub(super) fn same_model(a: &Path, b: &Path) -> bool {
             matches!((crc(a), crc(b)), (Some(x), Some(y)) if x == y)
         })
     };
-    matches!((read_config(a), read_config(b)), (Ok(x), Ok(y)) if x == y)
+    matches!((ModelConfig::read(a), ModelConfig::read(b)), (Ok(x), Ok(y)) if x == y)
         && same_sizes
         && same_bytes()
 }

@@ -12,11 +12,11 @@ mod sliced;
 mod source;
 mod tile_bytes;
 
+pub(crate) use checks::identical_inputs;
 use checks::{
     architecture_key_of, check_adapters_base, open_agent, real_path, refuse_other_architectures,
     refuse_repeated_agents,
 };
-pub(crate) use checks::{identical_inputs, own_config};
 use plan::whole_model_plans;
 pub use plan::{SlicedTensor, TensorPlan, VocabPlan};
 use reindex::Reindex;

@@ -35,7 +35,10 @@ pub(super) fn sliced_plans(
             }
         }
     }
-    if let Ok(mut config) = crate::checkpoint::folder_files::read_config(base.config_dir()) {
+    // The output's config must say the slices' order (a dense layer after a MoE one…): refused
+    // now, before any tensor is planned.
+    if let Some(config) = base.config() {
+        let mut config = config.json().clone();
         slices.rewrite_config(&mut config, &|m| planner.config(m).clone())?;
     }
     let mut tensors = planner.outside(true)?;
@@ -69,8 +72,16 @@ impl<'a> SlicePlanner<'a> {
     /// Model `m`'s config and decoder stack, from its tensor names and config.
     fn stack_of(&self, m: Source) -> Result<(serde_json::Value, LayerStack)> {
         let f = self.folder(m);
-        let config = crate::checkpoint::folder_files::read_config(f.config_dir())
-            .context("slices need the model's config.json")?;
+        let config = f
+            .config()
+            .with_context(|| {
+                format!(
+                    "{} has no config.json; slices need the model's config.json",
+                    f.config_dir().display()
+                )
+            })?
+            .json()
+            .clone();
         let stack = LayerStack::find(
             f.tensors.iter().map(|t| &*t.entry.name),
             &config,

@@ -59,13 +59,13 @@ impl Job {
     /// (folders as given, or their names); anything else is a usage error listing the choices,
     /// and a text that names two agents — one by its folder, another by its name — is refused as
     /// ambiguous rather than taken as either.
-    pub fn config_source(&self) -> Result<Option<crate::engine::ConfigFrom>> {
-        use crate::engine::ConfigFrom;
+    pub fn config_source(&self) -> Result<Option<crate::slices::Source>> {
+        use crate::slices::Source;
         let Some(text) = self.config_from.as_deref() else {
             return Ok(None);
         };
         if text == "base" {
-            return Ok(Some(ConfigFrom::Base));
+            return Ok(Some(Source::Base));
         }
         let real = |p: &Path| std::fs::canonicalize(p).ok();
         let by_name = |t: usize| self.names.get(t).and_then(|n| n.as_deref()) == Some(text);
@@ -87,7 +87,7 @@ impl Job {
             )));
         }
         match found.first() {
-            Some(&t) => Ok(Some(ConfigFrom::Agent(t))),
+            Some(&t) => Ok(Some(Source::Agent(t))),
             None => Err(usage(format!(
                 "config_from '{text}' is neither base nor one of the agents merged ({})",
                 self.agents

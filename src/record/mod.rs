@@ -237,15 +237,20 @@ impl MergeRecord {
 }
 
 /// Writes the record and the model card into `dir`; `recipe` is the mergekit recipe the merge
-/// saved beside them (a recipe's, or the command line's as one), which the card shows.
-pub fn write(dir: &Path, record: &MergeRecord, recipe: Option<&str>) -> Result<()> {
+/// saved beside them (a recipe's, or the command line's as one), which the card shows, and
+/// `config` the output's config.json (which class loads it).
+pub fn write(
+    dir: &Path,
+    record: &MergeRecord,
+    recipe: Option<&str>,
+    config: Option<&serde_json::Value>,
+) -> Result<()> {
     let path = dir.join(RECORD_FILE);
     std::fs::write(&path, serde_json::to_string_pretty(record)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
     let path = dir.join(CARD_FILE);
-    // The merged config (in `dir` already) says which class loads the model.
-    let config = crate::checkpoint::folder_files::read_config(dir).ok();
-    std::fs::write(&path, model_card(record, recipe, config.as_ref()))
+    // The merged config says which class loads the model.
+    std::fs::write(&path, model_card(record, recipe, config))
         .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
 }

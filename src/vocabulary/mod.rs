@@ -6,7 +6,6 @@
 //! (embeddings, lm_head) are then read row-remapped ([`VocabTensor::row_from`]), so models whose
 //! vocabularies differ merge token by token.
 
-use crate::checkpoint::folder_files::read_config;
 use crate::checkpoint::ModelFolder;
 use crate::slices::Source;
 use anyhow::{bail, ensure, Context, Result};
@@ -354,11 +353,8 @@ fn vocab_sizes(
         }
     }
     let size_of = |config_dir: &Path, tok_dir: &Path| -> Result<usize> {
-        if let Some(n) = read_config(config_dir)
-            .ok()
-            .as_ref()
-            .and_then(config_vocab_size)
-        {
+        let config = crate::model_config::ModelConfig::read(config_dir).ok();
+        if let Some(n) = config.as_ref().and_then(|c| config_vocab_size(c.json())) {
             return Ok(n);
         }
         let s = scan(tok_dir, &mut |_, _| {})?.context("its tokenizer.json is gone")?;

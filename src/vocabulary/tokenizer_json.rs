@@ -173,10 +173,9 @@ pub fn config_vocab_size(config: &Value) -> Option<usize> {
 
 /// A model's vocab_size: config.json's, else its tokenizer's size (`scanned`).
 pub(super) fn vocab_size_of(dir: &Path, scanned: &Scanned) -> usize {
-    read_config(dir)
+    crate::model_config::ModelConfig::read(dir)
         .ok()
-        .as_ref()
-        .and_then(config_vocab_size)
+        .and_then(|c| config_vocab_size(c.json()))
         .unwrap_or(scanned.entries + scanned.added.len())
 }
 

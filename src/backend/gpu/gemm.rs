@@ -1,32 +1,33 @@
 //! The GPU's GEMM (`shaders/gemm.wgsl`): C = A·B in f32, the spectral methods' row maps applied
 //! on the device (SPEC §4g). B — a tensor's map, the same for each of its tiles — is uploaded once
 //! and kept while the caller names the same B; B wider than one storage binding is cut into
-//! column panels, each written into its columns of C.
+//! column panels, each written into its columns of C. The buffers of A, C and the readback are
+//! the backend's, kept from call to call and grown when a block needs more, not made per call.
 
+use super::layout::{Dims, GEMM_BINDINGS, GEMM_TILE};
 use super::GpuBackend;
 use anyhow::{anyhow, ensure, Context, Result};
 use wgpu::util::DeviceExt;
 
-/// B on the device: the caller's key for it, and its column panels (first column, width, buffer).
-pub(super) struct KeptB {
+/// What the GEMM keeps on the device between calls: B's panels (with one uniform each) and the
+/// A, C and readback buffers.
+#[derive(Default)]
+pub(super) struct GemmState {
+    b: Option<KeptB>,
+    a: Option<Sized>,
+    c: Option<Sized>,
+    readback: Option<Sized>,
+}
+
+/// B on the device: the caller's key for it, and its column panels (first column, width, buffer,
+/// the panel's uniform).
+struct KeptB {
     key: u64,
-    panels: Vec<(usize, usize, wgpu::Buffer)>,
+    panels: Vec<(usize, usize, wgpu::Buffer, wgpu::Buffer)>,
 }
 
-/// The kernel's uniform (`Dims` in gemm.wgsl).
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct Dims {
-    rows: u32,
-    k: u32,
-    cols: u32,
-    c_stride: u32,
-    c_offset: u32,
-    pad: [u32; 3],
-}
-
-/// Rows and columns of C each workgroup computes.
-const TILE: usize = 16;
+/// A buffer and its size in bytes.
+struct Sized(wgpu::Buffer, u64);
 
 impl GpuBackend {
     /// C (`out`, rows × cols) = A (rows × k) · B (k × cols), row-major f32; `b_key` names B.
@@ -51,33 +52,32 @@ impl GpuBackend {
             "a block of {rows} rows of {k} and {cols} columns is larger than the GPU's storage \
              binding ({max_binding} bytes)"
         );
-        let mut kept = self.kept_b.lock().unwrap_or_else(|p| p.into_inner());
-        if kept.as_ref().is_none_or(|kb| kb.key != b_key) {
-            *kept = Some(self.upload_panels(b, (k, cols), b_key, max_binding));
+        let mut guard = self.gemm.lock().unwrap_or_else(|p| p.into_inner());
+        // The fields borrowed apart, through the guard.
+        let state = &mut *guard;
+        if state.b.as_ref().is_none_or(|kb| kb.key != b_key) {
+            state.b = Some(self.upload_panels(b, (k, cols), b_key, max_binding));
         }
-        let panels = &kept.as_ref().expect("uploaded above").panels;
-        let device = &ctx.device;
-        let usage = wgpu::BufferUsages::STORAGE;
-        let a_buffer = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("gemm a"),
-            contents: bytemuck::cast_slice(a),
-            usage,
-        });
         let c_bytes = (rows * cols * 4) as u64;
-        let c_buffer = device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("gemm c"),
-            size: c_bytes.max(4),
-            usage: usage | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        });
-        let readback = device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("gemm readback"),
-            size: c_bytes.max(4),
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let mut encoder = device.create_command_encoder(&Default::default());
-        for (first, width, b_buffer) in panels {
+        let storage = wgpu::BufferUsages::STORAGE;
+        let a_buffer = self.kept(
+            &mut state.a,
+            "gemm a",
+            (a.len() * 4) as u64,
+            storage | wgpu::BufferUsages::COPY_DST,
+        );
+        ctx.queue.write_buffer(a_buffer, 0, bytemuck::cast_slice(a));
+        let c_buffer = self.kept(
+            &mut state.c,
+            "gemm c",
+            c_bytes,
+            storage | wgpu::BufferUsages::COPY_SRC,
+        );
+        let read_usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
+        let readback = self.kept(&mut state.readback, "gemm readback", c_bytes, read_usage);
+        let panels = &state.b.as_ref().expect("uploaded above").panels;
+        let mut encoder = ctx.device.create_command_encoder(&Default::default());
+        for (first, width, b_buffer, uniform) in panels {
             let dims = Dims {
                 rows: rows as u32,
                 k: k as u32,
@@ -86,43 +86,79 @@ impl GpuBackend {
                 c_offset: *first as u32,
                 pad: [0; 3],
             };
-            let uniform = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some("gemm dims"),
-                contents: bytemuck::bytes_of(&dims),
-                usage: wgpu::BufferUsages::UNIFORM,
-            });
-            let group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+            ctx.queue
+                .write_buffer(uniform, 0, bytemuck::bytes_of(&dims));
+            // Bound by the names of the kernel's table (checked against the WGSL by a test).
+            let bound = |name: &str| match name {
+                "dims" => (uniform, None),
+                "a" => (a_buffer, Some((a.len() * 4) as u64)),
+                "b" => (b_buffer, None),
+                "c" => (c_buffer, Some(c_bytes)),
+                _ => unreachable!("no GEMM buffer is bound as {name}"),
+            };
+            let entries: Vec<wgpu::BindGroupEntry> = GEMM_BINDINGS
+                .iter()
+                .enumerate()
+                .map(|(i, name)| {
+                    let (buffer, bytes) = bound(name);
+                    entry(i as u32, buffer, bytes)
+                })
+                .collect();
+            let group = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: Some("gemm"),
                 layout: &ctx.gemm_pipeline.get_bind_group_layout(0),
-                entries: &[
-                    entry(0, &uniform),
-                    entry(1, &a_buffer),
-                    entry(2, b_buffer),
-                    entry(3, &c_buffer),
-                ],
+                entries: &entries,
             });
             let mut pass = encoder.begin_compute_pass(&Default::default());
             pass.set_pipeline(&ctx.gemm_pipeline);
             pass.set_bind_group(0, &group, &[]);
-            pass.dispatch_workgroups(width.div_ceil(TILE) as u32, rows.div_ceil(TILE) as u32, 1);
+            pass.dispatch_workgroups(
+                width.div_ceil(GEMM_TILE) as u32,
+                rows.div_ceil(GEMM_TILE) as u32,
+                1,
+            );
         }
-        encoder.copy_buffer_to_buffer(&c_buffer, 0, &readback, 0, c_bytes.max(4));
+        encoder.copy_buffer_to_buffer(c_buffer, 0, readback, 0, c_bytes);
         let index = ctx.queue.submit([encoder.finish()]);
-        drop(kept);
-        let slice = readback.slice(..);
+        let slice = readback.slice(..c_bytes);
         self.map_wait(&[slice], wgpu::MapMode::Read, Some(index), "a GEMM")
             .context("the GPU's GEMM")?;
-        let view = slice
-            .get_mapped_range()
-            .map_err(|e| anyhow!("reading the GPU's GEMM result failed: {e}"))?;
-        for (o, bytes) in out.iter_mut().zip(view.chunks_exact(4)) {
-            *o = f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        {
+            let view = slice
+                .get_mapped_range()
+                .map_err(|e| anyhow!("reading the GPU's GEMM result failed: {e}"))?;
+            for (o, bytes) in out.iter_mut().zip(view.chunks_exact(4)) {
+                *o = f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+            }
         }
+        readback.unmap();
         Ok(())
     }
 
-    /// B (k × cols) on the device, in column panels each within one storage binding.
+    /// The kept buffer in `slot`, made (again) with `usage` where it holds fewer than `bytes`.
+    fn kept<'s>(
+        &self,
+        slot: &'s mut Option<Sized>,
+        label: &str,
+        bytes: u64,
+        usage: wgpu::BufferUsages,
+    ) -> &'s wgpu::Buffer {
+        if slot.as_ref().is_none_or(|s| s.1 < bytes) {
+            let buffer = self.ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: bytes.max(4),
+                usage,
+                mapped_at_creation: false,
+            });
+            *slot = Some(Sized(buffer, bytes.max(4)));
+        }
+        &slot.as_ref().expect("made above").0
+    }
+
+    /// B (k × cols) on the device, in column panels each within one storage binding, each with
+    /// the uniform its dispatches read.
     fn upload_panels(&self, b: &[f32], (k, cols): (usize, usize), key: u64, max: usize) -> KeptB {
+        let device = &self.ctx.device;
         let width = (max / (4 * k.max(1))).clamp(1, cols.max(1));
         let panels = (0..cols)
             .step_by(width)
@@ -131,24 +167,32 @@ impl GpuBackend {
                 let panel: Vec<f32> = (0..k)
                     .flat_map(|r| b[r * cols + first..r * cols + first + w].iter().copied())
                     .collect();
-                let buffer =
-                    self.ctx
-                        .device
-                        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                            label: Some("gemm b"),
-                            contents: bytemuck::cast_slice(&panel),
-                            usage: wgpu::BufferUsages::STORAGE,
-                        });
-                (first, w, buffer)
+                let buffer = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("gemm b"),
+                    contents: bytemuck::cast_slice(&panel),
+                    usage: wgpu::BufferUsages::STORAGE,
+                });
+                let uniform = device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("gemm dims"),
+                    size: std::mem::size_of::<Dims>() as u64,
+                    usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                });
+                (first, w, buffer, uniform)
             })
             .collect();
         KeptB { key, panels }
     }
 }
 
-fn entry(binding: u32, buffer: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
+/// Binding `binding` to `buffer`, or to its first `bytes` (a kept buffer may be larger).
+fn entry(binding: u32, buffer: &wgpu::Buffer, bytes: Option<u64>) -> wgpu::BindGroupEntry<'_> {
     wgpu::BindGroupEntry {
         binding,
-        resource: buffer.as_entire_binding(),
+        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+            buffer,
+            offset: 0,
+            size: bytes.and_then(std::num::NonZeroU64::new),
+        }),
     }
 }

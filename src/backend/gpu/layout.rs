@@ -163,16 +163,42 @@ pub(super) const COMBINE_BINDINGS: [&str; 9] = [
 ];
 /// See [`PROBE_BINDINGS`].
 pub(super) const UPDATE_BINDINGS: [&str; 5] = ["p", "base", "agents", "delta", "out"];
+/// See [`PROBE_BINDINGS`]: the GEMM's (`gemm.wgsl`, a standalone kernel).
+pub(super) const GEMM_BINDINGS: [&str; 4] = ["dims", "a", "b", "c"];
+
+/// The GEMM's uniform (`Dims` in gemm.wgsl): one panel of B against a block of A's rows.
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+pub(super) struct Dims {
+    pub rows: u32,
+    pub k: u32,
+    pub cols: u32,
+    /// Columns of C per row (a panel writes its own columns).
+    pub c_stride: u32,
+    /// C's first column for the panel.
+    pub c_offset: u32,
+    pub pad: [u32; 3],
+}
+
+/// Rows and columns of C each GEMM workgroup computes (`TILE` in gemm.wgsl).
+pub(super) const GEMM_TILE: usize = 16;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::gpu::{shader_source, COMBINE_WGSL, MERGE_WGSL, PROBE_WGSL, UPDATE_WGSL};
+    use crate::backend::gpu::{
+        shader_source, COMBINE_WGSL, GEMM_WGSL, MERGE_WGSL, PROBE_WGSL, UPDATE_WGSL,
+    };
     use std::mem::{offset_of, size_of};
 
-    /// A kernel's module as the host builds it (dtype.wgsl + chunk.wgsl + the kernel).
+    /// A kernel's module as the host builds it (dtype.wgsl + chunk.wgsl + the kernel; the GEMM
+    /// alone, a standalone kernel).
     fn module(kernel: &str) -> naga::Module {
-        naga::front::wgsl::parse_str(&shader_source(kernel)).expect("the shaders parse")
+        let source = match kernel == GEMM_WGSL {
+            true => kernel.to_string(),
+            false => shader_source(kernel),
+        };
+        naga::front::wgsl::parse_str(&source).expect("the shaders parse")
     }
 
     /// (member name, byte offset) of WGSL struct `name`, and its size.
@@ -214,6 +240,7 @@ mod tests {
             (MERGE_WGSL, &MERGE_BINDINGS[..]),
             (COMBINE_WGSL, &COMBINE_BINDINGS[..]),
             (UPDATE_WGSL, &UPDATE_BINDINGS[..]),
+            (GEMM_WGSL, &GEMM_BINDINGS[..]),
         ] {
             let m = module(kernel);
             let mut bound: Vec<(u32, String)> = m
@@ -248,9 +275,14 @@ mod tests {
         let comb = fields!(Comb; start, row_len, first_row, delta, consensus, norm_mode, lambda,
             fixed_recip, nearswap, nearswap_t, element_keep, element_value, element_index, inv_n,
             sign_of_values, row_period);
+        let dims = fields!(Dims; rows, k, cols, c_stride, c_offset);
         let combine = module(COMBINE_WGSL);
-        for (name, (fields, size)) in [("Params", params), ("Comb", comb)] {
-            let (wgsl, span) = wgsl_struct(&combine, name);
+        let gemm = module(GEMM_WGSL);
+        for (name, (fields, size)) in [("Params", params), ("Comb", comb), ("Dims", dims)] {
+            let m = if name == "Dims" { &gemm } else { &combine };
+            let (mut wgsl, span) = wgsl_struct(m, name);
+            // Padding is not a field either side names alike; the size checks it.
+            wgsl.retain(|(f, _)| !f.starts_with("_pad"));
             assert_eq!(fields, wgsl, "{name}: Rust and WGSL fields differ");
             assert_eq!(
                 size,
@@ -273,5 +305,10 @@ mod tests {
             );
         }
         assert_eq!(super::super::GPU_MAX_AGENTS, wgsl::MAX_AGENTS as usize);
+        assert_eq!(
+            wgsl_const(&gemm, "TILE"),
+            Some(GEMM_TILE as u32),
+            "the GEMM's tile"
+        );
     }
 }

@@ -96,8 +96,8 @@ pub struct GpuBackend {
     flushes_subnormals: bool,
     /// The CPU kernels, started on the first tile that needs them.
     cpu: OnceLock<CpuBackend>,
-    /// The GEMM's B, kept on the device while the same one comes back.
-    kept_b: Mutex<Option<gemm::KeptB>>,
+    /// The GEMM's buffers: its B, kept while the same one comes back, and A, C and the readback.
+    gemm: Mutex<gemm::GemmState>,
 }
 
 impl GpuBackend {
@@ -112,7 +112,7 @@ impl GpuBackend {
             in_flight: Default::default(),
             flushes_subnormals: false,
             cpu: OnceLock::new(),
-            kept_b: Mutex::new(None),
+            gemm: Mutex::new(gemm::GemmState::default()),
         };
         gpu.flushes_subnormals = subnormals::adapter_flushes(&gpu);
         gpu

@@ -110,9 +110,9 @@ pub(super) fn layer_count(dir: &Path) -> Result<usize> {
         }
         None => dir,
     };
-    let json =
-        crate::checkpoint::folder_files::read_config(dir).context("slices need the layer count")?;
-    crate::structure::layer_count(&json).with_context(|| {
+    let config =
+        crate::model_config::ModelConfig::read(dir).context("slices need the layer count")?;
+    config.layer_count().with_context(|| {
         format!(
             "{}: no num_hidden_layers",
             dir.join("config.json").display()
