@@ -1,10 +1,12 @@
-//! Bad input: a one-line error naming the file and tensor, exit code ≠ 0, and no output folder.
+//! Bad input: a one-line error naming the file and tensor, exit code ≠ 0, and no output folder;
+//! the smaller mistakes say what is wrong and the fix.
 
 mod common;
 use common::bad_case::*;
 use common::*;
 use safetensors::tensor::Dtype;
 use std::path::Path;
+use std::time::Duration;
 
 /// A missing folder is a usage error (issue #45: exit 2, the call was wrong), naming it and,
 /// for a typo, the folder meant.
@@ -456,4 +458,155 @@ fn symlink_loops() {
     std::fs::remove_dir_all(&c.bad).unwrap();
     std::os::unix::fs::symlink(&c.bad, &c.bad).unwrap();
     expect_failure(&c, &[&c.bad.display().to_string()]);
+}
+
+/// `o` failed with exit `code`, one error line holding each of `wants`, nothing at `out`.
+fn refused(o: std::process::Output, code: i32, wants: &[&str], out: &Path) {
+    let err = err_of(&o);
+    assert_eq!(o.status.code(), Some(code), "{wants:?}: {err}");
+    for w in wants {
+        assert!(err.contains(w), "want {w:?} in: {err}");
+    }
+    // One error line; warnings about the inputs (a dense agent) may come before it.
+    let lines = err.lines().filter(|l| !l.starts_with("warning: ")).count();
+    assert!(lines == 1, "{err}");
+    assert!(!out.exists());
+}
+
+/// The smaller mistakes of issue #24 each get an error that names the problem and the fix, at
+/// once, with nothing written.
+#[test]
+fn smaller_mistakes_say_what_is_wrong_and_the_fix() {
+    let d = tempfile::tempdir().unwrap();
+    let memory = models().join("memory");
+    // A tokenizer file that is a FIFO: refused before the merge, never opened.
+    let base = d.path().join("base");
+    std::fs::create_dir(&base).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(models().join("base").join(f), base.join(f)).unwrap();
+    }
+    assert!(std::process::Command::new("mkfifo")
+        .arg(base.join("tokenizer.json"))
+        .status()
+        .unwrap()
+        .success());
+    let out = d.path().join("o1");
+    let o = rlmerge()
+        .arg("merge")
+        .arg("--base")
+        .arg(&base)
+        .arg("--model")
+        .arg(&memory)
+        .args(["-q", "--method", "ram", "-o"])
+        .arg(&out)
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    refused(o, 1, &["tokenizer.json", "not a regular file"], &out);
+    // An adapter saved as a PyTorch pickle only.
+    let bin = d.path().join("bin-adapter");
+    std::fs::create_dir(&bin).unwrap();
+    std::fs::copy(
+        models().join("coder-lora/adapter_config.json"),
+        bin.join("adapter_config.json"),
+    )
+    .unwrap();
+    std::fs::write(bin.join("adapter_model.bin"), b"not read").unwrap();
+    let out = d.path().join("o2");
+    refused(
+        merge_with(&[&bin], &out, &["--method", "ram"]),
+        1,
+        &["adapter_model.bin", "pickle", "safetensors"],
+        &out,
+    );
+    // An adapter given as the base.
+    let out = d.path().join("o3");
+    let o = rlmerge()
+        .arg("merge")
+        .arg("--base")
+        .arg(models().join("coder-lora"))
+        .arg("--model")
+        .arg(&memory)
+        .args(["-q", "--method", "ram", "-o"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    refused(
+        o,
+        1,
+        &["is a LoRA adapter, not a full model", "--model"],
+        &out,
+    );
+}
+
+/// The smaller mistakes of issue #24 in parameters and configs: a missing parameter, a huge value,
+/// a config's vocab_size that is not its embeddings' rows — each named with its fix, at once.
+#[test]
+fn smaller_mistakes_of_parameters_and_configs_name_the_fix() {
+    let d = tempfile::tempdir().unwrap();
+    let memory = models().join("memory");
+    // A method without a parameter it needs: before any tensor is read, exit 2, with the fix.
+    let out = d.path().join("o4");
+    refused(
+        merge_with(&[&memory], &out, &["--method", "ties"]),
+        2,
+        &["needs parameter 'weight'", "--param weight="],
+        &out,
+    );
+    // A huge value is shown short.
+    let out = d.path().join("o5");
+    let o = merge_with(
+        &[&memory],
+        &out,
+        &[
+            "--method",
+            "ties",
+            "--param",
+            "weight=1",
+            "--param",
+            "density=1e300",
+        ],
+    );
+    assert!(
+        err_of(&o).contains("got 1e300") && err_of(&o).len() < 200,
+        "{}",
+        err_of(&o)
+    );
+    refused(o, 2, &["density"], &out);
+    // A tokenizer source where the base's config vocab_size is not its embedding rows.
+    let vbase = d.path().join("vbase");
+    std::fs::create_dir(&vbase).unwrap();
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(models().join("base").join(f), vbase.join(f)).unwrap();
+    }
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(models().join("base/config.json")).unwrap())
+            .unwrap();
+    c["vocab_size"] = 64.into();
+    std::fs::write(vbase.join("config.json"), c.to_string()).unwrap();
+    let out = d.path().join("o6");
+    let o = rlmerge()
+        .arg("merge")
+        .arg("--base")
+        .arg(&vbase)
+        .arg("--model")
+        .arg(models().join("tools-tok"))
+        .args([
+            "-q",
+            "--method",
+            "task_arithmetic",
+            "--param",
+            "weight=1",
+            "--tokenizer-source",
+            "union",
+            "-o",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    refused(o, 1, &["config.json vocab_size", "says 64"], &out);
 }

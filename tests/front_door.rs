@@ -70,7 +70,6 @@ fn methods_fit_100_columns_with_their_costs_and_each_has_its_page() {
     assert!(err_of(&o).contains("did you mean 'ties'"), "{}", err_of(&o));
 }
 
-/// A small fixture of matrices (what the spectral methods and SVC decompose) with sparse agents.
 /// A recipe `name` in `f`'s folder: `method` over the base and agent 0, with `model_keys`
 /// (`    key: value` lines) under the agent.
 fn one_agent_recipe(f: &Fixture, name: &str, method: &str, model_keys: &str) -> PathBuf {
@@ -99,23 +98,9 @@ fn run_recipe(recipe: &Path, out: &Path, args: &[&str]) -> std::process::Output 
         .unwrap()
 }
 
-fn matrices() -> Fixture {
-    fixture(
-        45,
-        Dtype::BF16,
-        &[
-            ("model.layers.0.self_attn.q_proj.weight", vec![24, 16]),
-            ("model.layers.0.mlp.up_proj.weight", vec![32, 16]),
-            ("model.norm.weight", vec![16]),
-        ],
-        &[0.1, 0.15, 0.2],
-        1,
-    )
-}
-
 #[test]
 fn svc_is_named_wherever_the_method_is() {
-    let f = matrices();
+    let f = matrices(45);
     let out = f.dir.path().join("out");
     let o = merge_cmd(&f, &out, &["--method", "svc"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
@@ -152,7 +137,7 @@ fn svc_is_named_wherever_the_method_is() {
 /// the folder says nothing of the machine and `verify --against` works after both moved.
 #[test]
 fn every_card_reproduces_its_merge_and_the_record_is_portable() {
-    let f = matrices();
+    let f = matrices(45);
     let run_in = |dir: &Path, args: &[&str]| {
         let o = rlmerge().current_dir(dir).args(args).output().unwrap();
         assert!(o.status.success(), "{args:?}: {}", err_of(&o));
@@ -293,7 +278,7 @@ fn an_agent_that_changed_everything_is_warned_about() {
         .unwrap();
     assert!(err_of(&o).contains("elements sampled"), "{}", err_of(&o));
 
-    let sparse = matrices();
+    let sparse = matrices(45);
     let o = merge_cmd(&sparse, &sparse.dir.path().join("out"), &[])
         .output()
         .unwrap();
@@ -303,7 +288,7 @@ fn an_agent_that_changed_everything_is_warned_about() {
 
 #[test]
 fn a_mistyped_folder_is_a_usage_error_naming_the_folder_meant() {
-    let f = matrices();
+    let f = matrices(45);
     let root = f.dir.path();
     for (typo, meant) in [("./agnt0", "./agent0"), ("sub/agnt0", "sub/agent0")] {
         if typo.starts_with("sub/") {
@@ -397,7 +382,7 @@ fn progress_without_a_terminal_is_a_line_every_few_seconds() {
 /// says why; a software adapter is marked by `devices` and warned about with `--device gpu`.
 #[test]
 fn auto_keeps_bus_bound_methods_on_the_cpu_and_software_adapters_are_marked() {
-    let f = matrices();
+    let f = matrices(45);
     let o = merge_of(&f.base, &f.agents)
         .arg("-o")
         .arg(f.dir.path().join("out"))
@@ -440,7 +425,7 @@ fn auto_keeps_bus_bound_methods_on_the_cpu_and_software_adapters_are_marked() {
 /// figures; `--name` (and a recipe's `name:`) names them in figures, tables, card and record.
 #[test]
 fn figures_and_cards_keep_agents_apart_and_take_their_names() {
-    let f = matrices();
+    let f = matrices(45);
     let root = f.dir.path();
     let mut runs = Vec::new();
     for (t, role) in ["coder", "tool", "memory"].iter().enumerate() {
@@ -524,7 +509,7 @@ fn figures_and_cards_keep_agents_apart_and_take_their_names() {
 /// output takes; the choice is recorded and remade by verify; other differences are named.
 #[test]
 fn config_differences_that_change_meaning_need_a_choice() {
-    let f = matrices();
+    let f = matrices(45);
     let config = |rope: f64, eos: u32| {
         serde_json::json!({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
             "hidden_size": 16, "rope_theta": rope, "eos_token_id": eos,
@@ -598,7 +583,7 @@ fn config_differences_that_change_meaning_need_a_choice() {
 /// name the mistake, never block, and write nothing.
 #[test]
 fn hostile_names_and_config_choices_are_refused() {
-    let f = matrices();
+    let f = matrices(45);
     let out = f.dir.path().join("out");
     let refused = |args: &[&str], want: &str| {
         let o = merge_cmd(&f, &out, args).output().unwrap();

@@ -22,7 +22,7 @@ fn merged_by_hand(adapter: &Path, out: &Path) {
     .unwrap();
     // PEFT's rule: each key a regular expression matched as `(.*\.)?(KEY)$` (the fixtures have
     // one key per pattern, so the file's order — which PEFT follows — does not matter here;
-    // tests/trust_lora.rs checks the order).
+    // tests/lora_gates.rs checks the order).
     let pattern = |key: &str, module: &str| -> Option<f64> {
         config[key]
             .as_object()?

@@ -1,6 +1,7 @@
 //! Bytes that depend on neither tiles, threads nor SIMD, and mergekit's recipes through the CLI:
-//! the documented recipes run unchanged, `merge --config` equals `run`, recipe errors are clear,
-//! and `rlmerge methods` lists every method.
+//! the documented recipes run unchanged, `merge --config` equals `run`, recipe errors are clear
+//! (a method's model count among them, before the merge), and `rlmerge methods` lists every
+//! method.
 
 mod common;
 use common::*;
@@ -286,4 +287,22 @@ fn methods_lists_every_method_with_parameters() {
         ties.contains("density") && ties.contains("arXiv:2306.01708"),
         "{ties}"
     );
+}
+
+/// nuslerp takes two models: a third is a usage error before anything is read (exit 2), not a
+/// failure inside the merge.
+#[test]
+fn a_methods_model_count_is_checked_before_the_merge() {
+    let f = fixture(6, Dtype::BF16, &[("w", vec![8, 4])], &DENSITIES[..3], 1);
+    let out = f.dir.path().join("out");
+    let o = merge_cmd(&f, &out, &["--method", "nuslerp", "--param", "weight=1"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+    assert!(
+        err_of(&o).contains("nuslerp needs exactly two models, got 3"),
+        "{}",
+        err_of(&o)
+    );
+    assert!(!out.exists() && leftovers(f.dir.path()).is_empty());
 }

@@ -1,5 +1,6 @@
 //! A merge never destroys data: wherever `-o` points, whatever appears there during a merge, and
-//! whatever else runs beside it (issue #12, "Data loss"; README "Guarantees").
+//! whatever else runs beside it (issue #12, "Data loss"; README "Guarantees"); a killed merge's
+//! scratch is named until it is removed.
 
 mod common;
 use common::*;
@@ -50,10 +51,6 @@ fn tree(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     all
 }
 
-fn stderr(o: &std::process::Output) -> String {
-    String::from_utf8_lossy(&o.stderr).to_string()
-}
-
 #[test]
 fn force_never_writes_at_around_or_inside_an_input() {
     let Models { m, f, _dir } = models();
@@ -78,13 +75,13 @@ fn force_never_writes_at_around_or_inside_an_input() {
             Some(2),
             "-o {}: {}",
             out.display(),
-            stderr(&o)
+            err_of(&o)
         );
         assert!(
-            stderr(&o).contains(why),
+            err_of(&o).contains(why),
             "-o {}: {}",
             out.display(),
-            stderr(&o)
+            err_of(&o)
         );
     }
     std::fs::remove_file(&link).unwrap();
@@ -109,7 +106,7 @@ fn a_recipe_file_is_an_input_too() {
             .arg(&out)
             .output()
             .unwrap();
-        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
     }
     assert_eq!(std::fs::read_to_string(&recipe).unwrap(), text);
 }
@@ -129,8 +126,8 @@ fn force_replaces_only_empty_or_rlmerge_folders() {
         .success());
     for out in [&file, &fifo, &PathBuf::from("/dev/null")] {
         let o = merge_cmd(&f, out, &["--force"]).output().unwrap();
-        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-        assert!(stderr(&o).contains("not a folder"), "{}", stderr(&o));
+        assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+        assert!(err_of(&o).contains("not a folder"), "{}", err_of(&o));
     }
     assert_eq!(std::fs::read(&file).unwrap(), b"precious");
     assert!(leftovers(top).is_empty(), "{:?}", leftovers(top));
@@ -140,7 +137,7 @@ fn force_replaces_only_empty_or_rlmerge_folders() {
     std::fs::write(theirs.join("eval.json"), b"{}").unwrap();
     let o = merge_cmd(&f, &theirs, &["--force"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("did not write"), "{}", stderr(&o));
+    assert!(err_of(&o).contains("did not write"), "{}", err_of(&o));
     assert_eq!(std::fs::read(theirs.join("eval.json")).unwrap(), b"{}");
     // A merged folder is replaced, but not once the user added a file to it.
     let out = top.join("out");
@@ -151,7 +148,7 @@ fn force_replaces_only_empty_or_rlmerge_folders() {
     std::fs::write(out.join("results.md"), b"mine").unwrap();
     let o = merge_cmd(&f, &out, &["--force"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("results.md"), "{}", stderr(&o));
+    assert!(err_of(&o).contains("results.md"), "{}", err_of(&o));
     assert_eq!(std::fs::read(out.join("results.md")).unwrap(), b"mine");
 }
 
@@ -168,11 +165,11 @@ fn force_spares_what_carries_a_listed_name_but_is_not_the_file_rlmerge_wrote() {
     std::fs::create_dir(out.join("config.json")).unwrap();
     std::fs::write(out.join("config.json").join("run.log"), b"mine").unwrap();
     let o = merge_cmd(&f, &out, &["--force"]).output().unwrap();
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
     assert!(
-        stderr(&o).contains("'config.json' is a folder"),
+        err_of(&o).contains("'config.json' is a folder"),
         "{}",
-        stderr(&o)
+        err_of(&o)
     );
     assert_eq!(
         std::fs::read(out.join("config.json").join("run.log")).unwrap(),
@@ -187,8 +184,8 @@ fn force_spares_what_carries_a_listed_name_but_is_not_the_file_rlmerge_wrote() {
     bytes[0] ^= 0x20;
     std::fs::write(&config, &bytes).unwrap();
     let o = merge_cmd(&f, &out, &["--force"]).output().unwrap();
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(stderr(&o).contains("it changed"), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+    assert!(err_of(&o).contains("it changed"), "{}", err_of(&o));
     assert_eq!(std::fs::read(&config).unwrap(), bytes);
     // A link at a listed name is not a file rlmerge wrote either.
     let out = top.join("out3");
@@ -196,8 +193,8 @@ fn force_spares_what_carries_a_listed_name_but_is_not_the_file_rlmerge_wrote() {
     std::fs::remove_file(out.join("config.json")).unwrap();
     std::os::unix::fs::symlink(top.join("M"), out.join("config.json")).unwrap();
     let o = merge_cmd(&f, &out, &["--force"]).output().unwrap();
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(stderr(&o).contains("a symbolic link"), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+    assert!(err_of(&o).contains("a symbolic link"), "{}", err_of(&o));
     assert!(m.join("notes.txt").exists());
 }
 
@@ -210,8 +207,8 @@ fn a_folder_that_appears_during_the_merge_is_never_replaced_without_force() {
     std::fs::create_dir(&out).unwrap();
     std::fs::write(out.join("theirs.txt"), b"appeared").unwrap();
     let o = child.wait_with_output().unwrap();
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    assert!(stderr(&o).contains("appeared"), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(1), "{}", err_of(&o));
+    assert!(err_of(&o).contains("appeared"), "{}", err_of(&o));
     assert_eq!(std::fs::read(out.join("theirs.txt")).unwrap(), b"appeared");
     assert_eq!(std::fs::read_dir(&out).unwrap().count(), 1);
     assert!(leftovers(f.dir.path()).is_empty());
@@ -233,8 +230,8 @@ fn with_force_a_folder_that_appears_is_replaced_only_if_replaceable() {
     std::fs::create_dir(&out).unwrap();
     std::fs::write(out.join("theirs.txt"), b"appeared").unwrap();
     let o = child.wait_with_output().unwrap();
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    assert!(stderr(&o).contains("will not replace"), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(1), "{}", err_of(&o));
+    assert!(err_of(&o).contains("will not replace"), "{}", err_of(&o));
     assert_eq!(std::fs::read(out.join("theirs.txt")).unwrap(), b"appeared");
     assert!(leftovers(f.dir.path()).is_empty());
 }
@@ -316,8 +313,8 @@ fn demo_never_replaces_the_users_files() {
         std::fs::write(&mine, b"mine").unwrap();
         let before = tree(&d);
         let o = run();
-        assert_eq!(o.status.code(), Some(2), "{sub}: {}", stderr(&o));
-        assert!(stderr(&o).contains("mine.txt"), "{}", stderr(&o));
+        assert_eq!(o.status.code(), Some(2), "{sub}: {}", err_of(&o));
+        assert!(err_of(&o).contains("mine.txt"), "{}", err_of(&o));
         assert_eq!(tree(&d), before, "{sub}: the demo touched files");
         std::fs::remove_file(&mine).unwrap();
     }
@@ -348,8 +345,8 @@ fn demo_never_replaces_the_users_files() {
                 .success()),
         }
         let o = run();
-        assert_eq!(o.status.code(), Some(2), "{plant}: {}", stderr(&o));
-        assert!(stderr(&o).contains("recipe.yml"), "{}", stderr(&o));
+        assert_eq!(o.status.code(), Some(2), "{plant}: {}", err_of(&o));
+        assert!(err_of(&o).contains("recipe.yml"), "{}", err_of(&o));
         assert!(
             !d.join("base").exists(),
             "{plant}: the demo wrote models first"
@@ -369,7 +366,7 @@ fn sigterm_and_sigint_remove_the_scratch_folder() {
         let out = f.dir.path().join("out");
         let child = slow_merge(&f, &out);
         let o = signal_once_running(&f, signal, child);
-        assert_eq!(o.status.code(), Some(130), "{signal}: {}", stderr(&o));
+        assert_eq!(o.status.code(), Some(130), "{signal}: {}", err_of(&o));
         assert!(!out.exists());
         assert_eq!(leftovers(f.dir.path()), Vec::<String>::new(), "{signal}");
     }
@@ -413,7 +410,7 @@ fn signals_ignored_at_start_stay_ignored() {
             .spawn()
             .unwrap();
         let o = signal_once_running(&f, signal, child);
-        assert_eq!(o.status.code(), Some(0), "{signal}: {}", stderr(&o));
+        assert_eq!(o.status.code(), Some(0), "{signal}: {}", err_of(&o));
         read_folder(&out);
         assert_eq!(leftovers(f.dir.path()), Vec::<String>::new(), "{signal}");
     }
@@ -478,7 +475,7 @@ fn absurd_paths_are_refused() {
         let o = merge_cmd(&f, Path::new(out), &["--force"])
             .output()
             .unwrap();
-        assert_eq!(o.status.code(), Some(2), "-o '{out}': {}", stderr(&o));
+        assert_eq!(o.status.code(), Some(2), "-o '{out}': {}", err_of(&o));
     }
     let file = f.dir.path().join("file.bin");
     std::fs::write(&file, b"x").unwrap();
@@ -496,7 +493,7 @@ fn absurd_paths_are_refused() {
             assert_ne!(o.status.code(), Some(0), "{flag} '{}'", bad.display());
             assert!(!out.exists());
             assert_eq!(
-                stderr(&o)
+                err_of(&o)
                     .lines()
                     .filter(|l| l.starts_with("error:"))
                     .count(),
@@ -505,4 +502,82 @@ fn absurd_paths_are_refused() {
         }
     }
     assert_eq!(std::fs::read(&file).unwrap(), b"x");
+}
+
+/// A merge into `out` killed with SIGKILL (the OOM killer, `docker kill`, Slurm) once it is under
+/// way: its full scratch folder stays beside `out`.
+fn killed_merge(f: &Fixture, out: &Path) {
+    let mut child = slow_merge(f, out);
+    let parent = out.parent().unwrap();
+    wait_until_running(parent);
+    // Killed once the output's shard is in its scratch folder (after RAM+'s probe).
+    let t = std::time::Instant::now();
+    let shard_there = || {
+        leftovers(parent)
+            .iter()
+            .any(|l| std::fs::read_dir(parent.join(l)).is_ok_and(|mut d| d.next().is_some()))
+    };
+    while !shard_there() {
+        assert!(t.elapsed().as_secs() < 30, "the merge wrote nothing");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!out.exists());
+    assert!(!leftovers(out.parent().unwrap()).is_empty());
+}
+
+/// After SIGKILL, the scratch left beside `-o` is named — with its size and the command that
+/// removes it — by `verify` of a folder beside it, `analyze` of models beside it, and a merge
+/// into another folder beside it; a merge into the same output removes it and says how much.
+#[test]
+fn a_killed_merges_scratch_is_named_until_it_is_removed() {
+    let f = slow_fixture(42);
+    let top = f.dir.path();
+    let out = top.join("out");
+    merge_cmd(&f, &top.join("done"), &[]).assert().success();
+    killed_merge(&f, &out);
+    let named = |o: &std::process::Output| {
+        let err = err_of(o);
+        assert!(
+            err.contains("note: ")
+                && err.contains(".out.rlmerge-tmp-")
+                && err.contains("was killed")
+                && err.contains(" MB) is the scratch folder")
+                && err.contains("rm -rf '"),
+            "{err}"
+        );
+    };
+    let verify = rlmerge()
+        .arg("verify")
+        .arg(top.join("done"))
+        .output()
+        .unwrap();
+    assert!(verify.status.success(), "{}", err_of(&verify));
+    named(&verify);
+    let mut analyze = rlmerge();
+    analyze.args(["analyze", "--quiet", "--device", "cpu", "--base"]);
+    analyze.arg(&f.base);
+    for a in &f.agents {
+        analyze.arg("--model").arg(a);
+    }
+    let analyze = analyze.output().unwrap();
+    assert!(analyze.status.success(), "{}", err_of(&analyze));
+    named(&analyze);
+    let other = merge_cmd(&f, &top.join("other"), &["--method", "ram"])
+        .output()
+        .unwrap();
+    assert!(other.status.success(), "{}", err_of(&other));
+    named(&other);
+    // A merge into the same output removes what the killed one left, and says so.
+    let again = merge_cmd(&f, &out, &["--method", "ram"]).output().unwrap();
+    assert!(again.status.success(), "{}", err_of(&again));
+    assert!(
+        err_of(&again).contains("note: removed") && err_of(&again).contains("killed merge"),
+        "{}",
+        err_of(&again)
+    );
+    assert!(leftovers(top).is_empty(), "{:?}", leftovers(top));
+    let quiet = rlmerge().arg("verify").arg(&out).output().unwrap();
+    assert!(!err_of(&quiet).contains("note: "), "{}", err_of(&quiet));
 }

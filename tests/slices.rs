@@ -1,6 +1,7 @@
 //! mergekit's `slices` beyond the goldens (tests/mergekit_goldens.rs checks the merged values
 //! against mergekit's): the output config's layer count and per-layer lists, the record that
-//! `verify --against` reruns, every method family, and the recipes a user can get wrong.
+//! `verify --against` reruns, every method family, the recipes a user can get wrong, and slices
+//! that cut the decoder's layers only (a multimodal model's towers whole).
 
 mod common;
 use common::*;
@@ -229,4 +230,108 @@ fn bad_slices_are_refused_before_anything_is_written() {
         assert!(err.contains(want), "case {i}: {err}");
         assert!(!dir.join(&out).exists(), "case {i}");
     }
+}
+
+/// A multimodal-shaped model: a decoder of `layers` layers (`model.language_model.layers.N`),
+/// a vision tower of 3 (`model.vision_tower.layers.N`), embeddings and lm_head; values `v`.
+fn multimodal(dir: &Path, layers: usize, config_layers: usize, v: f32) -> PathBuf {
+    let mut tensors = vec![t("model.language_model.embed_tokens.weight", &[8, 4], v)];
+    for i in 0..3 {
+        tensors.push(t(
+            &format!("model.vision_tower.layers.{i}.attn.weight"),
+            &[4, 4],
+            v + i as f32,
+        ));
+    }
+    for i in 0..layers {
+        tensors.push(t(
+            &format!("model.language_model.layers.{i}.mlp.weight"),
+            &[4, 4],
+            v + 10.0 * i as f32,
+        ));
+    }
+    tensors.push(t("lm_head.weight", &[8, 4], v));
+    let config = serde_json::json!({
+        "model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
+        "eos_token_id": [1, 2], "image_token_index": 5,
+        "text_config": {"model_type": "llama", "num_hidden_layers": config_layers, "hidden_size": 4,
+                        "layer_types": (0..config_layers).map(|i| format!("t{i}")).collect::<Vec<_>>()},
+        "vision_config": {"num_hidden_layers": 3, "hidden_size": 4}
+    });
+    model_with(dir, &tensors, &config.to_string())
+}
+
+/// Slices cut the decoder's stack alone: a vision tower's layers stay whole (from the first
+/// slice, with the embeddings), only per-layer config lists are rebuilt (not `eos_token_id` or
+/// `architectures`, even when they are as long as the layer count), the count is set where the
+/// config keeps it (`text_config`), and a config counting layers the files lack is refused.
+#[test]
+fn slices_cut_only_the_decoder_layers() {
+    let d = tempfile::tempdir().unwrap();
+    let a = multimodal(&d.path().join("a"), 2, 2, 0.0);
+    let b = multimodal(&d.path().join("b"), 2, 2, 100.0);
+    let recipe = d.path().join("r.yml");
+    std::fs::write(
+        &recipe,
+        "slices:\n  - sources:\n    - model: a\n      layer_range: [0, 2]\n  - sources:\n    - model: b\n      layer_range: [1, 2]\nmerge_method: passthrough\n",
+    )
+    .unwrap();
+    let run = |out: &str| {
+        rlmerge()
+            .current_dir(d.path())
+            .arg("run")
+            .arg(&recipe)
+            .args(["-q", "-o", out])
+            .output()
+            .unwrap()
+    };
+    let o = run("out");
+    assert!(o.status.success(), "{}", err_of(&o));
+    let out = read_folder(&d.path().join("out"));
+    let names: Vec<&str> = out.keys().map(String::as_str).collect();
+    for i in 0..3 {
+        assert!(
+            names.contains(&format!("model.language_model.layers.{i}.mlp.weight").as_str()),
+            "{names:?}"
+        );
+        assert!(
+            names.contains(&format!("model.vision_tower.layers.{i}.attn.weight").as_str()),
+            "{names:?}"
+        );
+    }
+    assert_eq!(names.len(), 3 + 3 + 2, "{names:?}");
+    // Output layer 2 is b's layer 1; the vision tower is a's.
+    let b_layer1 = &read_folder(&b)["model.language_model.layers.1.mlp.weight"];
+    assert_eq!(&out["model.language_model.layers.2.mlp.weight"], b_layer1);
+    let a_vision = &read_folder(&a)["model.vision_tower.layers.2.attn.weight"];
+    assert_eq!(&out["model.vision_tower.layers.2.attn.weight"], a_vision);
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.path().join("out/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["text_config"]["num_hidden_layers"], 3);
+    assert_eq!(
+        config["text_config"]["layer_types"],
+        serde_json::json!(["t0", "t1", "t1"])
+    );
+    assert_eq!(config["vision_config"]["num_hidden_layers"], 3);
+    assert_eq!(config["eos_token_id"], serde_json::json!([1, 2]));
+    assert_eq!(
+        config["architectures"],
+        serde_json::json!(["LlavaForConditionalGeneration"])
+    );
+    // A config that claims 3 decoder layers where the files hold 2.
+    multimodal(&d.path().join("a"), 2, 3, 0.0);
+    std::fs::write(
+        &recipe,
+        "slices:\n  - sources:\n    - model: a\n      layer_range: [0, 1]\n  - sources:\n    - model: a\n      layer_range: [1, 3]\nmerge_method: passthrough\n",
+    )
+    .unwrap();
+    let o = run("bad");
+    assert_eq!(o.status.code(), Some(1), "{}", err_of(&o));
+    assert!(
+        err_of(&o).contains("counts 3 decoder layers"),
+        "{}",
+        err_of(&o)
+    );
+    assert!(!d.path().join("bad").exists());
 }

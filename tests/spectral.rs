@@ -98,23 +98,9 @@ fn the_tsv_reference_gives_the_spec_example() {
     }
 }
 
-fn iso_c_fixture() -> Fixture {
-    fixture(
-        41,
-        Dtype::F32,
-        &[
-            ("layers.0.w", vec![24, 40]),
-            ("layers.0.v", vec![40, 16]),
-            ("layers.0.b", vec![40]),
-        ],
-        &[0.3, 0.5, 0.7],
-        1,
-    )
-}
-
 #[test]
 fn iso_c_matches_a_reference_without_svd() {
-    let f = iso_c_fixture();
+    let f = f32_matrices(41);
     let out = f.dir.path().join("out");
     let method = ["--method", "iso_c", "--param", "scaling_factor=1.3"];
     merge_cmd(&f, &out, &[&method[..], &["--device", "cpu"]].concat())
@@ -136,7 +122,7 @@ fn iso_c_matches_a_reference_without_svd() {
 /// its vector.
 #[test]
 fn tsv_matches_a_reference_without_an_svd_library() {
-    let mut f = iso_c_fixture();
+    let mut f = f32_matrices(41);
     // Agent 2 did not change layers.0.w.
     f.agent_tensors[2][0].values = f.base_tensors[0].values.clone();
     write_folder(&f.agents[2], &f.agent_tensors[2], 1);
@@ -184,7 +170,7 @@ fn listed_read_from_recipes_and_the_same_on_both_backends(method: &str) {
         .expect("the method is listed");
     assert_eq!(iso["parameters"][0]["name"], "scaling_factor", "{iso}");
 
-    let f = iso_c_fixture();
+    let f = f32_matrices(41);
     let flags = f.dir.path().join("flags");
     merge_cmd(&f, &flags, &["--device", "cpu", "--method", method])
         .assert()
@@ -220,7 +206,7 @@ fn spectral_methods_refuse_non_finite_matrices_before_decomposing_them() {
     ];
     let methods = |c: &(f32, bool)| [(*c, "iso_c"), (*c, "tsv"), (*c, "resmerge"), (*c, "svc")];
     for ((bad, allow), method) in cases.iter().flat_map(methods) {
-        let f = iso_c_fixture();
+        let f = f32_matrices(41);
         let mut tensors = f.agent_tensors[0].clone();
         tensors[0].values[7] = bad;
         write_folder(&f.agents[0], &tensors, 1);
@@ -271,7 +257,7 @@ fn spectral_methods_refuse_non_finite_matrices_before_decomposing_them() {
 /// scaling_factor is a finite number ≥ 0: anything else is a usage error naming it (exit 2).
 #[test]
 fn spectral_methods_refuse_absurd_scaling_factors() {
-    let f = iso_c_fixture();
+    let f = f32_matrices(41);
     let values = ["-1", "nan", "inf", "1e400", "much", ""];
     for (value, method) in values.iter().flat_map(|v| [(v, "iso_c"), (v, "tsv")]) {
         let out = f.dir.path().join("out");

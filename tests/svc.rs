@@ -77,20 +77,6 @@ fn the_svc_reference_gives_the_spec_example() {
     }
 }
 
-fn svc_fixture() -> Fixture {
-    fixture(
-        57,
-        Dtype::F32,
-        &[
-            ("layers.0.w", vec![24, 40]),
-            ("layers.0.v", vec![40, 16]),
-            ("layers.0.b", vec![40]),
-        ],
-        &[0.3, 0.5, 0.7],
-        1,
-    )
-}
-
 fn values(dir: &Path, name: &str) -> Vec<f32> {
     from_bytes(Dtype::F32, &read_folder(dir)[name].2)
 }
@@ -100,7 +86,7 @@ fn values(dir: &Path, name: &str) -> Vec<f32> {
 /// vector as the method merged it, bit for bit.
 #[test]
 fn svc_calibrates_what_any_method_merged() {
-    let f = svc_fixture();
+    let f = f32_matrices(57);
     let methods: [&[&str]; 3] = [
         &["--method", "task_arithmetic", "--param", "weight=1"],
         &[
@@ -156,7 +142,7 @@ fn svc_calibrates_what_any_method_merged() {
 /// --against recomputes it, the saved recipe reruns it; the GPU writes the CPU's bytes.
 #[test]
 fn svc_from_flags_recipes_and_the_record_alike_and_on_both_backends() {
-    let f = svc_fixture();
+    let f = f32_matrices(57);
     let flags = f.dir.path().join("flags");
     let method = [&at_half_density("ties")[..], &["--svc", "0.2"]].concat();
     merge_cmd(&f, &flags, &[&method[..], &["--device", "cpu"]].concat())
@@ -202,7 +188,7 @@ fn svc_from_flags_recipes_and_the_record_alike_and_on_both_backends() {
 /// svc (exit 2), nothing written. A NaN input is refused by name before any SVD.
 #[test]
 fn bad_svc_requests_are_refused() {
-    let f = svc_fixture();
+    let f = f32_matrices(57);
     let out = f.dir.path().join("out");
     for value in ["-1", "0", "nan", "inf", "1e400", "much", ""] {
         let o = merge_cmd(&f, &out, &["--method", "ram", "--svc", value])

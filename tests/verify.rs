@@ -284,17 +284,7 @@ fn a_record_under_its_old_name_is_still_read() {
 /// instead of an internal path.
 #[test]
 fn verify_compares_across_backends_and_catches_changed_configs() {
-    let f = fixture(
-        50,
-        Dtype::BF16,
-        &[
-            ("model.layers.0.self_attn.q_proj.weight", vec![24, 16]),
-            ("model.layers.0.mlp.up_proj.weight", vec![32, 16]),
-            ("model.norm.weight", vec![16]),
-        ],
-        &[0.1, 0.15, 0.2],
-        1,
-    );
+    let f = matrices(50);
     let record = |out: &Path| -> serde_json::Value {
         serde_json::from_slice(&std::fs::read(out.join("rlmerge_record.json")).unwrap()).unwrap()
     };

@@ -7,6 +7,7 @@ pub mod bad_case;
 pub mod cases;
 pub mod gpu;
 pub mod linalg;
+pub mod models;
 pub mod processes;
 pub mod reference;
 
@@ -16,6 +17,8 @@ pub use bad_case::err_of;
 pub use cases::*;
 #[allow(unused_imports)] // each test binary uses what it needs
 pub use gpu::{assert_gpu_close, assert_same, compare, devices, gpu_available};
+#[allow(unused_imports)] // each test binary uses what it needs
+pub use models::{f32_matrices, matrices};
 #[allow(unused_imports)] // each test binary uses what it needs
 pub use processes::*;
 #[allow(unused_imports)] // each test binary uses what it needs

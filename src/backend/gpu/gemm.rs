@@ -88,27 +88,13 @@ impl GpuBackend {
             };
             ctx.queue
                 .write_buffer(uniform, 0, bytemuck::bytes_of(&dims));
-            // Bound by the names of the kernel's table (checked against the WGSL by a test).
-            let bound = |name: &str| match name {
-                "dims" => (uniform, None),
-                "a" => (a_buffer, Some((a.len() * 4) as u64)),
-                "b" => (b_buffer, None),
-                "c" => (c_buffer, Some(c_bytes)),
-                _ => unreachable!("no GEMM buffer is bound as {name}"),
-            };
-            let entries: Vec<wgpu::BindGroupEntry> = GEMM_BINDINGS
-                .iter()
-                .enumerate()
-                .map(|(i, name)| {
-                    let (buffer, bytes) = bound(name);
-                    entry(i as u32, buffer, bytes)
-                })
-                .collect();
-            let group = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: Some("gemm"),
-                layout: &ctx.gemm_pipeline.get_bind_group_layout(0),
-                entries: &entries,
-            });
+            let buffers = [
+                (uniform, None),
+                (a_buffer, Some((a.len() * 4) as u64)),
+                (b_buffer, None),
+                (c_buffer, Some(c_bytes)),
+            ];
+            let group = self.gemm_group(&buffers);
             let mut pass = encoder.begin_compute_pass(&Default::default());
             pass.set_pipeline(&ctx.gemm_pipeline);
             pass.set_bind_group(0, &group, &[]);
@@ -133,6 +119,24 @@ impl GpuBackend {
         }
         readback.unmap();
         Ok(())
+    }
+
+    /// The GEMM's bind group over `buffers` — dims, a, b, c, each bound whole or to its first
+    /// bytes — in the order of the kernel's table (checked against the WGSL by a test).
+    fn gemm_group(&self, buffers: &[(&wgpu::Buffer, Option<u64>); 4]) -> wgpu::BindGroup {
+        let entries: Vec<wgpu::BindGroupEntry> = GEMM_BINDINGS
+            .iter()
+            .zip(buffers)
+            .enumerate()
+            .map(|(i, (_, (buffer, bytes)))| entry(i as u32, buffer, *bytes))
+            .collect();
+        self.ctx
+            .device
+            .create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("gemm"),
+                layout: &self.ctx.gemm_pipeline.get_bind_group_layout(0),
+                entries: &entries,
+            })
     }
 
     /// The kept buffer in `slot`, made (again) with `usage` where it holds fewer than `bytes`.

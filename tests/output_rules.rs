@@ -1,4 +1,4 @@
-//! Trust, round two (issue #24): every writer follows the output rules (figures, the commit under a
+//! Every writer follows the output rules (figures, the commit under a
 //! signal, records read back), names are data in every medium (one escaping rule for cards,
 //! terminals and figures), and README's table cites tests that exist.
 

@@ -1,4 +1,4 @@
-//! Trust, round two (issue #24): LoRA agents go through the gates full agents do — one finiteness
+//! LoRA agents go through the gates full agents do — one finiteness
 //! rule for their matrices and their base, PEFT's own patterns, the base they were trained on,
 //! slices. Each test is a hostile input that gave a silent wrong model before these gates.
 

@@ -1,5 +1,6 @@
-//! What the agents' configs mean against the base's (issue #50 items 1, 2 and 7): a key one side
-//! leaves out or sets to null is compared by what it means — an agent that adds YaRN to a base
+//! What the agents' configs say against the base's. Architecture: an agent of another one is
+//! refused naming the key, a number written as a float is the same number. Meaning (issue #50
+//! items 1, 2 and 7): a key one side leaves out or sets to null is compared by what it means — an agent that adds YaRN to a base
 //! that says nothing of rope scaling is refused until the user says whose config the output
 //! takes, either way round, and beside another difference; a Hub config and the same config as
 //! transformers 5 saves it are one meaning; a frankenmerge of a model whose layers' attention is
@@ -250,4 +251,151 @@ fn unchecked_configs_and_ambiguous_names_are_said() {
         "{}",
         err_of(&o)
     );
+}
+
+/// `num_hidden_layers: 2.0` (a tool that writes every number as a float) is the base's 2 layers:
+/// the same architecture, merged and sliced.
+#[test]
+fn a_config_number_written_as_a_float_is_the_same_number() {
+    let f = fixture(
+        5,
+        Dtype::BF16,
+        &[
+            ("model.layers.0.mlp.up_proj.weight", vec![4, 6]),
+            ("model.layers.1.mlp.up_proj.weight", vec![4, 6]),
+        ],
+        &DENSITIES[..2],
+        1,
+    );
+    let config = |layers: serde_json::Value| {
+        serde_json::json!({"model_type": "llama", "num_hidden_layers": layers, "hidden_size": 6})
+            .to_string()
+    };
+    std::fs::write(f.base.join("config.json"), config(2.into())).unwrap();
+    for a in &f.agents {
+        std::fs::write(a.join("config.json"), config(2.0.into())).unwrap();
+    }
+    let out = f.dir.path().join("out");
+    let o = merge_cmd(&f, &out, &["--method", "ram"]).output().unwrap();
+    assert!(o.status.success(), "{}", err_of(&o));
+    // Slices read the layer count from a float too.
+    std::fs::write(f.base.join("config.json"), config(2.0.into())).unwrap();
+    let recipe = f.dir.path().join("slices.yml");
+    std::fs::write(
+        &recipe,
+        format!(
+            "merge_method: passthrough\nslices:\n  - sources:\n      - model: {}\n        \
+             layer_range: [1, 2]\n",
+            f.agents[0].display()
+        ),
+    )
+    .unwrap();
+    let sliced = rlmerge()
+        .args(["run", "--quiet"])
+        .arg(&recipe)
+        .arg("-o")
+        .arg(f.dir.path().join("sliced"))
+        .output()
+        .unwrap();
+    assert!(sliced.status.success(), "{}", err_of(&sliced));
+}
+
+/// Agents of another architecture are refused up front (exit 2) with the config key that
+/// differs; without a config, a shape that differs says "different architecture" and names the
+/// base's key of that size.
+#[test]
+fn agents_of_another_architecture_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let config = |model_type: &str, layers: usize, inter: usize| {
+        format!(
+            r#"{{"model_type": "{model_type}", "num_hidden_layers": {layers}, "hidden_size": 4, "intermediate_size": {inter}}}"#
+        )
+    };
+    let layer = |i: usize, inter: usize, v: f32| {
+        vec![
+            t(
+                &format!("model.layers.{i}.mlp.up_proj.weight"),
+                &[inter, 4],
+                v,
+            ),
+            t(&format!("model.layers.{i}.input_layernorm.weight"), &[4], v),
+        ]
+    };
+    let base_tensors: Vec<T> = (0..2).flat_map(|i| layer(i, 8, 0.0)).collect();
+    let base = model_with(
+        &d.path().join("base"),
+        &base_tensors,
+        &config("llama", 2, 8),
+    );
+    let good_tensors: Vec<T> = (0..2).flat_map(|i| layer(i, 8, 0.5)).collect();
+    let good = model_with(
+        &d.path().join("good"),
+        &good_tensors,
+        &config("llama", 2, 8),
+    );
+    let qwen = model_with(
+        &d.path().join("qwen"),
+        &good_tensors,
+        &config("qwen2", 2, 8),
+    );
+    let deeper_tensors: Vec<T> = (0..3).flat_map(|i| layer(i, 8, 0.5)).collect();
+    let deeper = model_with(
+        &d.path().join("deeper"),
+        &deeper_tensors,
+        &config("llama", 3, 8),
+    );
+    let wider_tensors: Vec<T> = (0..2).flat_map(|i| layer(i, 16, 0.5)).collect();
+    let wider = d.path().join("wider");
+    write_folder(&wider, &wider_tensors, 1);
+    std::fs::remove_file(wider.join("config.json")).unwrap();
+    let run = |agent: &Path, extra: &[&str]| {
+        let out = d.path().join("out");
+        let o = rlmerge()
+            .arg("merge")
+            .arg("--base")
+            .arg(&base)
+            .arg("--model")
+            .arg(&good)
+            .arg("--model")
+            .arg(agent)
+            .args(["-q", "--method", "ram", "-o"])
+            .arg(&out)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(!out.exists() || o.status.success());
+        let _ = std::fs::remove_dir_all(&out);
+        o
+    };
+    let o = run(&qwen, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+    assert!(err_of(&o).contains("different architecture") && err_of(&o).contains("'model_type'"));
+    let o = run(&deeper, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+    assert!(
+        err_of(&o).contains("'num_hidden_layers' is 3"),
+        "{}",
+        err_of(&o)
+    );
+    // --allow-missing-tensors lets tensors through, never another architecture.
+    let o = run(&deeper, &["--allow-missing-tensors"]);
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+    let o = run(&wider, &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", err_of(&o));
+    assert!(
+        err_of(&o).contains("different architecture")
+            && err_of(&o).contains("'intermediate_size' is 8"),
+        "{}",
+        err_of(&o)
+    );
+    // Analyze applies the same rule.
+    let o = rlmerge()
+        .arg("analyze")
+        .arg("--base")
+        .arg(&base)
+        .arg("--model")
+        .arg(&qwen)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
 }
