@@ -10,6 +10,8 @@
 # BENCH_SET=lora times a LoRA agent (rank 16 on every projection of the base, written by
 # benches/write_lora.py into DIR-lora) merged beside the demo's tool agent, against reading the
 # base, the adapter and that agent and copying the base.
+# BENCH_SET=bin times the same base and agents saved as torch.save files (pytorch_model.bin, written
+# by benches/to_torch_bin.py with $BENCH_PYTHON, which needs torch) against reading those files.
 # BENCH_CACHE: how the inputs sit in the page cache while timed. `disk` (the default) drops them
 # and reads them once from disk first, as a model read from disk sits there; `as-is` keeps
 # whatever state they are in. A warm read's copy speed depends on how the file's pages came
@@ -23,8 +25,8 @@ runs=${2:-5}
 dir=${3:-target/bench-models}
 device=${4:-cpu}
 set=${BENCH_SET:-methods}
-if [ "$set" != methods ] && [ "$set" != lora ]; then
-    echo "BENCH_SET is methods or lora" >&2
+if [ "$set" != methods ] && [ "$set" != lora ] && [ "$set" != bin ]; then
+    echo "BENCH_SET is methods, lora or bin" >&2
     exit 2
 fi
 cd "$(dirname "$0")/.."
@@ -41,15 +43,22 @@ once() {
     fi
 }
 once "$dir" "$bin" demo "$dir" --model-size "$size" --write-only --quiet
-# The agents merged with the base, and every file the merge reads.
+# The base and the agents merged with it, and every file the merge reads.
+base=$dir/base
 if [ "$set" = lora ]; then
     once "$dir-lora" python3 benches/write_lora.py "$dir/base" "$dir-lora" 16 0
     agents=("$dir-lora" "$dir/tool-agent")
+elif [ "$set" = bin ]; then
+    for m in base coding-agent tool-agent memory-agent; do
+        once "$dir-bin/$m" "${BENCH_PYTHON:-python3}" benches/to_torch_bin.py "$dir/$m" "$dir-bin/$m"
+    done
+    base=$dir-bin/base
+    agents=("$dir-bin/coding-agent" "$dir-bin/tool-agent" "$dir-bin/memory-agent")
 else
     agents=("$dir/coding-agent" "$dir/tool-agent" "$dir/memory-agent")
 fi
-files=("$dir"/base/*.safetensors)
-for a in "${agents[@]}"; do files+=("$a"/*.safetensors); done
+weights() { ls "$1"/*.safetensors "$1"/*.bin 2>/dev/null || true; }
+mapfile -t files < <(weights "$base"; for a in "${agents[@]}"; do weights "$a"; done)
 models=()
 for a in "${agents[@]}"; do models+=(--model "$a"); done
 bytes=$(cat "${files[@]}" | wc -c)
@@ -79,7 +88,7 @@ as-is) ;;
 esac
 cat "${files[@]}" >/dev/null
 read_s=$(for _ in $(seq "$runs"); do seconds cat "${files[@]}" | cut -d' ' -f1; done | median)
-cp_s=$(for _ in $(seq "$runs"); do seconds cp -r "$dir/base" "$out/cp" | cut -d' ' -f1; done | median)
+cp_s=$(for _ in $(seq "$runs"); do seconds cp -r "$base" "$out/cp" | cut -d' ' -f1; done | median)
 limit=$(echo "$read_s + $cp_s" | bc -l)
 printf 'inputs: %s bytes (page cache: %s); cat %.2f s + cp %.2f s = read limit %.2f s (median of %s)\n\n' \
     "$bytes" "${BENCH_CACHE:-disk}" "$read_s" "$cp_s" "$limit" "$runs"
@@ -96,7 +105,7 @@ methods=(
     "della|della --param weight=1 --param density=0.5 --param epsilon=0.1"
 )
 case $set in
-lora) cases=("${methods[@]}") ;;
+lora | bin) cases=("${methods[@]}") ;;
 *) cases=("${methods[@]}" "ram/consensus|ram --shared consensus" "ram/tile-4096|ram --tile-elems 4096") ;;
 esac
 printf '%-18s %9s %8s %9s %10s\n' case "median s" "GB/s" "x limit" "peak RSS"
@@ -110,7 +119,7 @@ for case in "${cases[@]}"; do
     rss=0
     for _ in $(seq "$runs"); do
         # shellcheck disable=SC2086
-        r=$(seconds "$bin" merge -q --device "$device" --base "$dir/base" "${models[@]}" \
+        r=$(seconds "$bin" merge -q --device "$device" --base "$base" "${models[@]}" \
             --method $method -o "$out/m")
         samples+=("${r% *}")
         if [ -n "${BENCH_VERBOSE:-}" ]; then echo "  $label: $r s KiB" >&2; fi

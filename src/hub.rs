@@ -104,7 +104,10 @@ fn is_commit(rev: &str) -> bool {
 
 /// Whether a snapshot folder holds weights (a download may have stopped before them).
 fn has_weights(dir: &Path) -> bool {
-    dir.join("model.safetensors").is_file() || dir.join("model.safetensors.index.json").is_file()
+    use crate::checkpoint::files::WeightFormat;
+    WeightFormat::ALL
+        .iter()
+        .any(|f| dir.join(f.single_file()).is_file() || dir.join(f.index_file()).is_file())
 }
 
 /// The cached snapshot of `id` (its folder and commit), if the cache has one with weights.
@@ -140,8 +143,28 @@ pub fn id_of_snapshot(dir: &Path) -> Option<String> {
     Some(format!("{org}/{name}@{commit}"))
 }
 
-/// Files of a repository a merge needs: weights, their index, config, tokenizer and generation
-/// files (not other formats' weights, images or training state).
+/// The files of a repository listing `files` that a merge needs: [`needed`], and where the
+/// repository has no safetensors weights, its `torch.save` ones (`pytorch_model*.bin`, their
+/// index, `adapter_model.bin`) — as transformers chooses.
+pub fn wanted<'a>(files: &[&'a str]) -> Vec<&'a str> {
+    let safetensors = files
+        .iter()
+        .any(|f| needed(f) && f.ends_with(".safetensors"));
+    let torch = |f: &str| {
+        !f.contains('/')
+            && ((f.starts_with("pytorch_model") && f.ends_with(".bin"))
+                || f == crate::checkpoint::files::TORCH_INDEX_FILE
+                || f == crate::checkpoint::files::ADAPTER_TORCH_WEIGHTS)
+    };
+    files
+        .iter()
+        .copied()
+        .filter(|f| needed(f) || (!safetensors && torch(f)))
+        .collect()
+}
+
+/// Files of a repository a merge needs: safetensors weights, their index, config, tokenizer and
+/// generation files (not other formats' weights, images or training state).
 pub fn needed(file: &str) -> bool {
     if file.contains('/') {
         return false;
@@ -339,14 +362,13 @@ fn download(id: &ModelId, cache: &Path, progress: bool) -> Result<PathBuf> {
         .info()
         .map_err(network_error)
         .with_context(|| format!("cannot read {id}'s file list from {endpoint}"))?;
-    let files: Vec<&str> = info
-        .siblings
+    let listed: Vec<&str> = info.siblings.iter().map(|s| s.rfilename.as_str()).collect();
+    let files = wanted(&listed);
+    if !files
         .iter()
-        .map(|s| s.rfilename.as_str())
-        .filter(|f| needed(f))
-        .collect();
-    if !files.iter().any(|f| f.ends_with(".safetensors")) {
-        bail!("{id} has no .safetensors weights on {endpoint}");
+        .any(|f| f.ends_with(".safetensors") || f.ends_with(".bin"))
+    {
+        bail!("{id} has no .safetensors or pytorch_model.bin weights on {endpoint}");
     }
     for file in &files {
         repo.download(file)
@@ -427,5 +449,21 @@ mod tests {
         ] {
             assert!(!needed(f), "{f}");
         }
+        // torch.save weights only where there are no safetensors ones, as transformers loads.
+        let both = [
+            "model.safetensors",
+            "pytorch_model.bin",
+            "config.json",
+            "optimizer.bin",
+        ];
+        assert_eq!(wanted(&both), ["model.safetensors", "config.json"]);
+        let bins = [
+            "pytorch_model-00001-of-00002.bin",
+            "pytorch_model-00002-of-00002.bin",
+            "pytorch_model.bin.index.json",
+            "training_args.bin",
+            "config.json",
+        ];
+        assert_eq!(wanted(&bins), [bins[0], bins[1], bins[2], bins[4]]);
     }
 }

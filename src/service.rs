@@ -250,6 +250,10 @@ pub fn merge(
     compute.check()?;
     let inputs = open_inputs(job)?;
     inputs
+        .format_notes()
+        .into_iter()
+        .for_each(|n| say(Said::Note(n)));
+    inputs
         .warnings
         .iter()
         .for_each(|w| say(Said::Warning(w.clone())));
@@ -381,6 +385,10 @@ pub fn analyze(
     };
     let mut inputs = Inputs::open_with(&analysis.base, &analysis.agents, layout)?;
     inputs.set_names(analysis.names.iter().cloned().map(Some).collect())?;
+    inputs
+        .format_notes()
+        .into_iter()
+        .for_each(|n| say(Said::Note(n)));
     inputs
         .warnings
         .iter()

@@ -4,7 +4,7 @@
 
 use crate::backend::Backend;
 use crate::checkpoint::output_folder::{sweep, Scratch};
-use crate::checkpoint::safetensors_file::{crc32_of_file, FileChecksum};
+use crate::checkpoint::weight_file::{crc32_of_file, FileChecksum};
 use crate::checkpoint::ModelFolder;
 use crate::engine;
 use crate::job::Job;

@@ -31,12 +31,22 @@ fn missing_folder() {
     );
 }
 
+/// A folder of no weights says which files it looked for; a `pytorch_model.bin` that is not a
+/// torch zip file is named as such.
 #[test]
-fn folder_without_safetensors() {
+fn folder_without_weights_or_with_a_bin_that_is_not_torchs() {
     let c = case();
     std::fs::create_dir_all(&c.bad).unwrap();
+    expect_failure(
+        &c,
+        &[
+            &c.bad.display().to_string(),
+            "model.safetensors",
+            "pytorch_model.bin",
+        ],
+    );
     std::fs::write(c.bad.join("pytorch_model.bin"), b"not ours").unwrap();
-    expect_failure(&c, &[&c.bad.display().to_string(), "model.safetensors"]);
+    expect_failure(&c, &["pytorch_model.bin", "not a torch checkpoint"]);
 }
 
 #[test]
@@ -503,7 +513,7 @@ fn smaller_mistakes_say_what_is_wrong_and_the_fix() {
         .output()
         .unwrap();
     refused(o, 1, &["tokenizer.json", "not a regular file"], &out);
-    // An adapter saved as a PyTorch pickle only.
+    // An adapter saved by torch.save only, whose file is not one.
     let bin = d.path().join("bin-adapter");
     std::fs::create_dir(&bin).unwrap();
     std::fs::copy(
@@ -516,7 +526,7 @@ fn smaller_mistakes_say_what_is_wrong_and_the_fix() {
     refused(
         merge_with(&[&bin], &out, &["--method", "ram"]),
         1,
-        &["adapter_model.bin", "pickle", "safetensors"],
+        &["adapter_model.bin", "not a torch checkpoint"],
         &out,
     );
     // An adapter given as the base.

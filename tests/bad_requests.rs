@@ -106,6 +106,27 @@ fn a_folder_with_both_a_single_file_and_an_index_is_ambiguous() {
     expect_failure(&c, &["model.safetensors.index.json", "ambiguous"]);
 }
 
+/// Which weights a folder's files mean, as transformers decides: safetensors before torch.save
+/// files (a `pytorch_model.bin` beside `model.safetensors` is not read, whatever it holds); a
+/// `pytorch_model.bin` with its own index is ambiguous as safetensors' pair is; a `.bin` that is
+/// not torch's is named.
+#[test]
+fn safetensors_come_before_torch_files_and_each_pair_is_ambiguous() {
+    let c = case();
+    good_model(&c.bad, 1.0);
+    std::fs::write(c.bad.join("pytorch_model.bin"), b"never read").unwrap();
+    let (o, out) = merge_out(&c, &[&c.good, &c.bad], &[]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let record = std::fs::read_to_string(out.join("rlmerge_record.json")).unwrap();
+    assert!(!record.contains("pytorch_model.bin") && !record.contains("\"format\""));
+    std::fs::remove_dir_all(&out).unwrap();
+    std::fs::remove_file(c.bad.join("model.safetensors")).unwrap();
+    std::fs::write(c.bad.join("pytorch_model.bin.index.json"), "{}").unwrap();
+    expect_failure(&c, &["pytorch_model.bin.index.json", "ambiguous"]);
+    std::fs::remove_file(c.bad.join("pytorch_model.bin.index.json")).unwrap();
+    expect_failure(&c, &["pytorch_model.bin", "not a torch checkpoint"]);
+}
+
 #[test]
 fn verify_fails_on_weight_files_the_record_does_not_list() {
     let c = case();

@@ -49,6 +49,17 @@ impl DType {
         }
     }
 
+    /// The dtype of a torch storage class (`torch.BFloat16Storage`: `BFloat16`), as `torch.save`
+    /// names it in a pickle; `None` for dtypes rlmerge cannot merge (`Double`, `Long`, …).
+    pub fn from_torch_storage(class: &str) -> Option<DType> {
+        match class {
+            "BFloat16" => Some(DType::BF16),
+            "Half" => Some(DType::F16),
+            "Float" => Some(DType::F32),
+            _ => None,
+        }
+    }
+
     /// Parses the user-facing spelling (`bf16`, `float16`, `fp32`, …) used on the CLI and in recipes.
     pub fn parse_user(s: &str) -> Option<DType> {
         match s.to_ascii_lowercase().as_str() {

@@ -1,6 +1,8 @@
-//! Reading and writing Hugging Face safetensors checkpoints, tile by tile.
+//! Reading checkpoints (safetensors, torch zip files) and writing Hugging Face safetensors
+//! folders, tile by tile.
 
 pub mod crc;
+pub mod cursor;
 pub mod dtype;
 pub mod files;
 pub mod folder_files;
@@ -8,9 +10,13 @@ pub mod lora;
 pub mod model;
 pub mod open_files;
 pub mod output_folder;
+pub mod pickle;
 pub mod positional;
 pub mod safetensors_file;
+pub mod torch_file;
+pub mod weight_file;
 pub mod writer;
+pub mod zip;
 
 pub use dtype::DType;
 pub use model::{ModelFolder, ModelTensor};

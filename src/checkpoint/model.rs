@@ -2,14 +2,14 @@
 
 use super::dtype::DType;
 use super::lora::LoraAdapter;
-use super::safetensors_file::{
-    crc32_of_file, FileChecksum, Interner, SafetensorsFile, TensorEntry,
-};
+use super::weight_file::{crc32_of_file, FileChecksum, Interner, TensorEntry, WeightFile};
 use anyhow::{bail, Context, Result};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use super::files::{check_regular_file, INDEX_FILE, SINGLE_FILE};
+use super::files::{
+    check_regular_file, WeightFormat, INDEX_FILE, SINGLE_FILE, TORCH_INDEX_FILE, TORCH_SINGLE_FILE,
+};
 use crate::model_config::ModelConfig;
 
 /// A tensor of a model: which shard holds it and where.
@@ -25,8 +25,10 @@ pub struct ModelTensor {
 pub struct ModelFolder {
     /// The folder.
     pub dir: PathBuf,
+    /// The format of its weight files.
+    pub format: WeightFormat,
     /// Its weight files in shard order, headers parsed and validated.
-    pub shards: Vec<SafetensorsFile>,
+    pub shards: Vec<WeightFile>,
     /// Tensors in storage order (shard, then offset).
     pub tensors: Vec<ModelTensor>,
     /// Indices into `tensors`, sorted by name: lookups by binary search, 4 bytes per tensor (a
@@ -75,59 +77,24 @@ impl ModelFolder {
                 dir.display()
             );
         }
-        let index_path = dir.join(INDEX_FILE);
-        let single_path = dir.join(SINGLE_FILE);
-        // Present even as a broken or looping link: opening it then says what is wrong with it.
-        let present = |p: &Path| p.symlink_metadata().is_ok();
-        if present(&index_path) && present(&single_path) {
-            bail!(
-                "{} holds both {SINGLE_FILE} and {INDEX_FILE}: transformers would load \
-                 {SINGLE_FILE} alone, so which weights are meant is ambiguous; remove the one \
-                 that is not the model",
-                dir.display()
-            );
-        }
-        // Read once: it names the shards, and then every tensor must be where it says.
-        let index = if present(&index_path) {
-            Some(read_index(&index_path)?)
-        } else {
-            None
-        };
-        let shard_names: Vec<String> = if let Some(index) = &index {
-            index_shards(&index_path, index)?
-        } else if present(&single_path) {
-            vec![SINGLE_FILE.to_string()]
-        } else if dir
-            .join(super::files::ADAPTER_CONFIG)
-            .symlink_metadata()
-            .is_ok()
-        {
-            return Err(crate::error::data(crate::message![
-                format!(
-                    "{} is a LoRA adapter, not a full model: give it as an agent (",
-                    dir.display()
-                ),
-                crate::error::Arg::named("--model", "one of models"),
-                ", or BASE+ADAPTER), with the model it was trained on as the base",
-            ]));
-        } else {
-            bail!(
-                "{}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)",
-                dir.display()
-            );
+        let Some((format, index_path, index, shard_names)) = weight_files(dir)? else {
+            return Err(no_weights(dir));
         };
         let mut shards = Vec::with_capacity(shard_names.len());
         let mut tensors = Vec::new();
         for (i, name) in shard_names.iter().enumerate() {
             let path = dir.join(name);
-            if !present(&path) {
+            if path.symlink_metadata().is_err() {
                 bail!(
                     "{}: names shard {name}, which is missing at {}",
                     index_path.display(),
                     path.display()
                 );
             }
-            let (file, entries) = SafetensorsFile::open_interned(&path, interner)?;
+            let (file, entries) = match format {
+                WeightFormat::Safetensors => super::safetensors_file::open(&path, interner)?,
+                WeightFormat::Torch => super::torch_file::open(&path, interner)?,
+            };
             for entry in entries {
                 tensors.push(ModelTensor { shard: i, entry });
             }
@@ -157,6 +124,7 @@ impl ModelFolder {
         }
         Ok(ModelFolder {
             dir: dir.to_path_buf(),
+            format,
             shards,
             tensors,
             by_name,
@@ -236,7 +204,7 @@ impl ModelFolder {
         self.shards[tensor.shard].read(&tensor.entry, start, buf)
     }
 
-    /// Feeds bytes just read to the shard's running checksum (see [`SafetensorsFile::record_read`]).
+    /// Feeds bytes just read to the shard's running checksum (see [`WeightFile::record_read`]).
     pub fn record_read(&self, tensor: &ModelTensor, start: u64, bytes: &[u8]) {
         self.shards[tensor.shard].record_read(&tensor.entry, start, bytes)
     }
@@ -262,7 +230,7 @@ impl ModelFolder {
             .iter()
             .map(|s| s.checksum())
             .collect::<Result<Vec<_>>>()?;
-        for name in [INDEX_FILE, "config.json"] {
+        for name in [self.format.index_file(), "config.json"] {
             let path = self.dir.join(name);
             if path.symlink_metadata().is_ok() {
                 sums.push(crc32_of_file(&path)?);
@@ -281,7 +249,7 @@ impl ModelFolder {
     pub fn paths(&self) -> Vec<PathBuf> {
         let mut paths = vec![self.dir.clone()];
         paths.extend(self.shards.iter().map(|s| s.path.clone()));
-        let index = self.dir.join(INDEX_FILE);
+        let index = self.dir.join(self.format.index_file());
         if index.symlink_metadata().is_ok() {
             paths.push(index);
         }
@@ -290,6 +258,20 @@ impl ModelFolder {
             paths.push(l.dir.join(super::files::ADAPTER_CONFIG));
         }
         paths
+    }
+
+    /// The format its weights are read from where it is not safetensors (said on stderr, in the
+    /// record and the card): `torch.save (pytorch_model.bin)`, or a LoRA agent's adapter saved
+    /// by torch.save.
+    pub fn other_format(&self) -> Option<&'static str> {
+        match &self.lora {
+            Some(l) => l
+                .file
+                .path
+                .ends_with(super::files::ADAPTER_TORCH_WEIGHTS)
+                .then_some("torch.save (adapter_model.bin)"),
+            None => (self.format != WeightFormat::Safetensors).then(|| self.format.name()),
+        }
     }
 
     /// Total bytes of tensor data.
@@ -308,6 +290,63 @@ impl ModelFolder {
         }
         counts.values().max_by_key(|(n, _)| *n).map(|(_, d)| *d)
     }
+}
+
+/// The weight files of `dir` in the first format it holds (see [`WeightFormat::ALL`]): the
+/// format, the index's path, the index when sharded, and the shard names; `None` when it holds
+/// none. A folder with both one file and an index of one format is refused: which is the model
+/// is ambiguous.
+#[allow(clippy::type_complexity)]
+fn weight_files(
+    dir: &Path,
+) -> Result<Option<(WeightFormat, PathBuf, Option<IndexJson>, Vec<String>)>> {
+    // Present even as a broken or looping link: opening it then says what is wrong with it.
+    let present = |p: &Path| p.symlink_metadata().is_ok();
+    for format in WeightFormat::ALL {
+        let (single, index) = (format.single_file(), format.index_file());
+        let index_path = dir.join(index);
+        let single_path = dir.join(single);
+        if present(&index_path) && present(&single_path) {
+            bail!(
+                "{} holds both {single} and {index}: transformers would load {single} alone, so \
+                 which weights are meant is ambiguous; remove the one that is not the model",
+                dir.display()
+            );
+        }
+        if present(&index_path) {
+            // Read once: it names the shards, and then every tensor must be where it says.
+            let parsed = read_index(&index_path)?;
+            let shards = index_shards(&index_path, &parsed)?;
+            return Ok(Some((format, index_path, Some(parsed), shards)));
+        }
+        if present(&single_path) {
+            return Ok(Some((format, index_path, None, vec![single.to_string()])));
+        }
+    }
+    Ok(None)
+}
+
+/// Why a folder without weight files cannot be read: a LoRA adapter is named as one.
+fn no_weights(dir: &Path) -> anyhow::Error {
+    if dir
+        .join(super::files::ADAPTER_CONFIG)
+        .symlink_metadata()
+        .is_ok()
+    {
+        return crate::error::data(crate::message![
+            format!(
+                "{} is a LoRA adapter, not a full model: give it as an agent (",
+                dir.display()
+            ),
+            crate::error::Arg::named("--model", "one of models"),
+            ", or BASE+ADAPTER), with the model it was trained on as the base",
+        ]);
+    }
+    anyhow::anyhow!(
+        "{}: no {SINGLE_FILE}, {INDEX_FILE}, {TORCH_SINGLE_FILE} or {TORCH_INDEX_FILE} (rlmerge \
+         reads Hugging Face folders of safetensors or torch.save weights)",
+        dir.display()
+    )
 }
 
 #[derive(serde::Deserialize)]

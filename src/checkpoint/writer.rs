@@ -6,7 +6,7 @@ use super::crc::{self, CrcStream};
 use super::dtype::DType;
 use super::files::{INDEX_FILE, SINGLE_FILE};
 use super::positional::{reserve, write_all_at};
-use super::safetensors_file::{crc32_of_file, FileChecksum};
+use super::weight_file::{crc32_of_file, FileChecksum};
 use anyhow::{bail, ensure, Context, Result};
 use std::fs::File;
 use std::path::{Path, PathBuf};

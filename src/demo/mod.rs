@@ -3,7 +3,7 @@
 //! Face folders. Also the generator the tests and benchmarks use for larger synthetic checkpoints.
 
 use crate::checkpoint::output_folder::{replaceable, Identity, DEMO_MANIFEST};
-use crate::checkpoint::safetensors_file::FileChecksum;
+use crate::checkpoint::weight_file::FileChecksum;
 use crate::checkpoint::{CheckpointWriter, DType, OutputFolder, OutputTensor};
 use crate::error::usage;
 use crate::hash::SplitMix64;

@@ -6,8 +6,8 @@ use crate::backend::Tile;
 use crate::checkpoint::dtype::{decode, decode_one, encode, first_nonfinite};
 use crate::checkpoint::folder_files::{set_config_dtype, write_model_files};
 use crate::checkpoint::output_folder::MERGEKIT_CONFIG_FILE;
-use crate::checkpoint::safetensors_file::crc32_of_file;
-use crate::checkpoint::safetensors_file::FileChecksum;
+use crate::checkpoint::weight_file::crc32_of_file;
+use crate::checkpoint::weight_file::FileChecksum;
 use crate::checkpoint::{DType, OutputFolder};
 use crate::inputs::{identical_inputs, Inputs};
 use crate::record::OVERLAP_FIGURE;
@@ -297,6 +297,7 @@ fn input_checksums(inputs: &Inputs, out: &Path) -> Result<Vec<InputChecksums>> {
                 hub_id: crate::hub::id_of_snapshot(&path),
                 path: record::recorded_path(out, &path),
                 files: m.checksums()?,
+                format: m.other_format().map(str::to_string),
             })
         })
         .collect()

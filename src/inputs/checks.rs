@@ -216,8 +216,7 @@ pub(super) fn same_model(a: &Path, b: &Path) -> bool {
     );
     let same_bytes = || {
         weights(a).unwrap_or_default().iter().all(|(name, _)| {
-            let crc =
-                |d: &Path| crate::checkpoint::safetensors_file::crc32_of_file(&d.join(name)).ok();
+            let crc = |d: &Path| crate::checkpoint::weight_file::crc32_of_file(&d.join(name)).ok();
             matches!((crc(a), crc(b)), (Some(x), Some(y)) if x == y)
         })
     };
@@ -303,6 +302,23 @@ const SAMPLE_ELEMS: usize = 16_384;
 const SAMPLE_TENSORS: usize = 8;
 
 impl Inputs {
+    /// A note for each input whose weights are not safetensors: the format they are read from.
+    pub fn format_notes(&self) -> Vec<String> {
+        let named =
+            std::iter::once(("base", &self.base)).chain(self.agents.iter().map(|a| ("agent", a)));
+        named
+            .filter_map(|(role, m)| {
+                m.other_format().map(|f| {
+                    format!(
+                        "{role} {} is read from its {f} files: their pickle as data (never \
+                         run), their tensors in place",
+                        m.dir.display()
+                    )
+                })
+            })
+            .collect()
+    }
+
     /// Warnings for agents that look as if they did not come from the base by RL fine-tuning:
     /// on a sample of the largest matrices (a window in the middle of each, read without
     /// touching the merge's checksums), the share of elements with |τ| > `epsilon` above

@@ -24,8 +24,8 @@ use sliced::sliced_plans;
 pub use source::{resize_exact, BaseTile, SourceRead, TensorSource};
 pub use tile_bytes::TileBytes;
 
-use crate::checkpoint::safetensors_file::shape_text;
-use crate::checkpoint::safetensors_file::Interner;
+use crate::checkpoint::weight_file::shape_text;
+use crate::checkpoint::weight_file::Interner;
 use crate::checkpoint::{DType, ModelFolder, ModelTensor};
 use crate::error::usage;
 use crate::method::{self};
@@ -108,7 +108,7 @@ impl Inputs {
         }
         refuse_repeated_agents(agent_dirs)?;
         // One copy of each tensor name and shape for all models.
-        let mut interner = crate::checkpoint::safetensors_file::Interner::default();
+        let mut interner = crate::checkpoint::weight_file::Interner::default();
         let base = ModelFolder::open_interned(base_dir, &mut interner)
             .context("cannot open the base model")?;
         ensure!(

@@ -163,7 +163,17 @@ fn settings_text(settings: &crate::method::settings::Settings) -> String {
 
 /// The base and each agent, with its λ or where its parameters are, and its changed counts.
 fn inputs(s: &mut String, r: &MergeRecord) {
-    let _ = writeln!(s, "## Inputs\n\n- base: {}", code(&shown_name(&r.base)));
+    // The format each input was read from where it is not safetensors (inputs: base, agents).
+    let read_from = |i: usize| match r.inputs.get(i).and_then(|c| c.format.as_deref()) {
+        Some(f) => format!(" (read from {f} files)"),
+        None => String::new(),
+    };
+    let _ = writeln!(
+        s,
+        "## Inputs\n\n- base: {}{}",
+        code(&shown_name(&r.base)),
+        read_from(0)
+    );
     for (t, a) in r.agents.iter().enumerate() {
         let lambda = match (a.lambda, &r.merging.method) {
             (_, Method::Combine(c)) => match c.models.get(t).map(settings_text) {
@@ -193,9 +203,10 @@ fn inputs(s: &mut String, r: &MergeRecord) {
         };
         let _ = writeln!(
             s,
-            "- agent {}{name}: {} — {lambda}{counts}",
+            "- agent {}{name}: {}{} — {lambda}{counts}",
             t + 1,
-            code(&shown_name(&a.path))
+            code(&shown_name(&a.path)),
+            read_from(t + 1)
         );
     }
 }

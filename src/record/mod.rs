@@ -2,7 +2,7 @@
 //! (machine-readable: method, λ, every input and output checksum) and the README.md model card.
 //! ("Recipe" means only the mergekit YAML a merge may come from, saved as `mergekit_config.yml`.)
 
-use crate::checkpoint::safetensors_file::FileChecksum;
+use crate::checkpoint::weight_file::FileChecksum;
 use crate::method::{AgentCounts, Merging};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -107,6 +107,10 @@ pub struct InputChecksums {
     pub hub_id: Option<String>,
     /// Each weight file read, with its size and CRC-32.
     pub files: Vec<FileChecksum>,
+    /// The format its weights were read from, where it is not safetensors
+    /// ([`crate::checkpoint::ModelFolder::other_format`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<String>,
 }
 
 /// How a merged folder was made (`rlmerge_record.json`): the method and its parameters, λ per

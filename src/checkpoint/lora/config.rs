@@ -1,7 +1,7 @@
 //! A PEFT adapter's `adapter_config.json`: what it may hold, PEFT's defaults, and its
 //! `rank_pattern` / `alpha_pattern` read as PEFT reads them.
 
-use crate::checkpoint::files::{check_regular_file, ADAPTER_CONFIG, INDEX_FILE, SINGLE_FILE};
+use crate::checkpoint::files::{check_regular_file, WeightFormat, ADAPTER_CONFIG};
 use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
 
@@ -45,8 +45,9 @@ struct AdapterConfig {
 /// Whether `dir` is a PEFT adapter folder (an adapter config, and no full weights).
 pub fn is_adapter(dir: &Path) -> bool {
     dir.join(ADAPTER_CONFIG).is_file()
-        && !dir.join(SINGLE_FILE).exists()
-        && !dir.join(INDEX_FILE).exists()
+        && WeightFormat::ALL
+            .iter()
+            .all(|f| !dir.join(f.single_file()).exists() && !dir.join(f.index_file()).exists())
 }
 
 /// The model adapter folder `dir` says it was trained on: its config's `base_model_name_or_path`

@@ -9,7 +9,7 @@
 //! tiles are read, `crate::inputs::source`).
 
 use super::dtype::{decode_one, first_nonfinite};
-use super::safetensors_file::{shape_text, Interner, SafetensorsFile, TensorEntry};
+use super::weight_file::{shape_text, Interner, TensorEntry, WeightFile};
 use anyhow::{bail, ensure, Result};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 mod config;
 mod update;
 
-use super::files::ADAPTER_WEIGHTS;
+use super::files::{ADAPTER_TORCH_WEIGHTS, ADAPTER_WEIGHTS};
 use config::Settings;
 pub use config::{is_adapter, split_reference, trained_on};
 
@@ -81,7 +81,7 @@ pub struct LoraAdapter {
     /// The adapter's folder.
     pub dir: PathBuf,
     /// Its weights file (`adapter_model.safetensors`), header parsed.
-    pub file: SafetensorsFile,
+    pub file: WeightFile,
     /// By base tensor name (`{module}.weight`).
     updates: HashMap<String, LoraUpdate>,
     cache: Mutex<Cache>,
@@ -152,7 +152,7 @@ enum Part {
 
 /// Sorts the adapter file's tensors into [`ModulePairs`]; anything else it holds is refused.
 fn module_pairs(
-    file: &SafetensorsFile,
+    file: &WeightFile,
     entries: Vec<TensorEntry>,
     settings: &Settings,
 ) -> Result<ModulePairs> {
@@ -211,17 +211,15 @@ impl LoraAdapter {
     /// Opens adapter folder `dir`: its config, and every lora_A/lora_B pair of its weights.
     pub fn open(dir: &Path, interner: &mut Interner) -> Result<LoraAdapter> {
         let settings = Settings::read(dir)?;
-        if dir.join(ADAPTER_WEIGHTS).symlink_metadata().is_err()
-            && dir.join("adapter_model.bin").symlink_metadata().is_ok()
+        // PEFT's safetensors weights, else the torch.save file older PEFT wrote (read as data).
+        let torch = dir.join(ADAPTER_TORCH_WEIGHTS);
+        let (file, entries) = if dir.join(ADAPTER_WEIGHTS).symlink_metadata().is_err()
+            && torch.symlink_metadata().is_ok()
         {
-            bail!(
-                "{}: only adapter_model.bin is here, a PyTorch pickle, which rlmerge does not \
-                 read (loading a pickle can run arbitrary code); save the adapter as \
-                 {ADAPTER_WEIGHTS} (PEFT: save_pretrained(..., safe_serialization=True))",
-                dir.display()
-            );
-        }
-        let (file, entries) = SafetensorsFile::open_interned(&dir.join(ADAPTER_WEIGHTS), interner)?;
+            super::torch_file::open(&torch, interner)?
+        } else {
+            super::safetensors_file::open(&dir.join(ADAPTER_WEIGHTS), interner)?
+        };
         let mut updates = HashMap::new();
         for (module, tensors) in module_pairs(&file, entries, &settings)? {
             let magnitude = settings.check_dora(&module, &tensors, &file.path)?;

@@ -160,7 +160,7 @@ pub fn replaceable(path: &Path, identity: Identity) -> std::result::Result<(), S
             return Err(changed());
         }
         if let (Identity::Checksums, Some(crc)) = (identity, &written.crc32) {
-            let now = crate::checkpoint::safetensors_file::crc32_of_file(&file)
+            let now = crate::checkpoint::weight_file::crc32_of_file(&file)
                 .map_err(|e| format!("cannot read '{shown}' in it: {e:#}"))?;
             if now.crc32 != *crc {
                 return Err(changed());
