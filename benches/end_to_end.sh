@@ -12,6 +12,8 @@
 # base, the adapter and that agent and copying the base.
 # BENCH_SET=bin times the same base and agents saved as torch.save files (pytorch_model.bin, written
 # by benches/to_torch_bin.py with $BENCH_PYTHON, which needs torch) against reading those files.
+# BENCH_SET=verl times the base with the 3 agents saved as verl's FSDP trainer saves an actor (fp32
+# masters, 2 ranks' DTensor shards, by benches/to_verl_shards.py with $BENCH_PYTHON).
 # BENCH_CACHE: how the inputs sit in the page cache while timed. `disk` (the default) drops them
 # and reads them once from disk first, as a model read from disk sits there; `as-is` keeps
 # whatever state they are in. A warm read's copy speed depends on how the file's pages came
@@ -25,8 +27,8 @@ runs=${2:-5}
 dir=${3:-target/bench-models}
 device=${4:-cpu}
 set=${BENCH_SET:-methods}
-if [ "$set" != methods ] && [ "$set" != lora ] && [ "$set" != bin ]; then
-    echo "BENCH_SET is methods, lora or bin" >&2
+if [ "$set" != methods ] && [ "$set" != lora ] && [ "$set" != bin ] && [ "$set" != verl ]; then
+    echo "BENCH_SET is methods, lora, bin or verl" >&2
     exit 2
 fi
 cd "$(dirname "$0")/.."
@@ -54,10 +56,15 @@ elif [ "$set" = bin ]; then
     done
     base=$dir-bin/base
     agents=("$dir-bin/coding-agent" "$dir-bin/tool-agent" "$dir-bin/memory-agent")
+elif [ "$set" = verl ]; then
+    for m in coding-agent tool-agent memory-agent; do
+        once "$dir-verl/$m" "${BENCH_PYTHON:-python3}" benches/to_verl_shards.py "$dir/$m" "$dir-verl/$m"
+    done
+    agents=("$dir-verl/coding-agent" "$dir-verl/tool-agent" "$dir-verl/memory-agent")
 else
     agents=("$dir/coding-agent" "$dir/tool-agent" "$dir/memory-agent")
 fi
-weights() { ls "$1"/*.safetensors "$1"/*.bin 2>/dev/null || true; }
+weights() { ls "$1"/*.safetensors "$1"/*.bin "$1"/*.pt 2>/dev/null || true; }
 mapfile -t files < <(weights "$base"; for a in "${agents[@]}"; do weights "$a"; done)
 models=()
 for a in "${agents[@]}"; do models+=(--model "$a"); done
@@ -105,7 +112,7 @@ methods=(
     "della|della --param weight=1 --param density=0.5 --param epsilon=0.1"
 )
 case $set in
-lora | bin) cases=("${methods[@]}") ;;
+lora | bin | verl) cases=("${methods[@]}") ;;
 *) cases=("${methods[@]}" "ram/consensus|ram --shared consensus" "ram/tile-4096|ram --tile-elems 4096") ;;
 esac
 printf '%-18s %9s %8s %9s %10s\n' case "median s" "GB/s" "x limit" "peak RSS"

@@ -1,24 +1,30 @@
 //! A Hugging Face model folder: `model.safetensors`, or shards listed by `model.safetensors.index.json`.
 
 use super::dtype::DType;
+use super::fsdp_shards;
 use super::lora::LoraAdapter;
+use super::pieces::Pieces;
 use super::weight_file::{crc32_of_file, FileChecksum, Interner, TensorEntry, WeightFile};
 use anyhow::{bail, Context, Result};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use super::files::{
     check_regular_file, WeightFormat, INDEX_FILE, SINGLE_FILE, TORCH_INDEX_FILE, TORCH_SINGLE_FILE,
 };
-use crate::model_config::ModelConfig;
+use crate::model_config::{ModelConfig, CONFIG_FILE};
 
 /// A tensor of a model: which shard holds it and where.
 #[derive(Clone, Debug)]
 pub struct ModelTensor {
     /// Index of the shard that holds it in [`ModelFolder::shards`].
     pub shard: usize,
-    /// Its header entry: dtype, shape, offset.
+    /// Its header entry: dtype, shape, offset — as the folder presents it.
     pub entry: TensorEntry,
+    /// Where a tensor is not one range of one file in its presented dtype (a sharded trainer
+    /// checkpoint's, cut over its ranks' files, fp32 masters shown as bf16): its pieces.
+    pub pieces: Option<Arc<Pieces>>,
 }
 
 /// An opened model folder: every shard's header is parsed; no tensor data is read.
@@ -27,6 +33,11 @@ pub struct ModelFolder {
     pub dir: PathBuf,
     /// The format of its weight files.
     pub format: WeightFormat,
+    /// What it was read from where it is a trainer's checkpoint, not a Hugging Face folder
+    /// (`verl FSDP shards (2 ranks)`).
+    pub trainer: Option<String>,
+    /// (name dropped, name kept) for each tensor its files hold under two names (tied weights).
+    pub aliases: Vec<(Arc<str>, Arc<str>)>,
     /// Its weight files in shard order, headers parsed and validated.
     pub shards: Vec<WeightFile>,
     /// Tensors in storage order (shard, then offset).
@@ -70,12 +81,43 @@ impl ModelFolder {
     /// [`Self::open`], sharing tensor names and shapes with the folders opened before through
     /// `interner` (see [`Interner`]).
     pub fn open_interned(dir: &Path, interner: &mut Interner) -> Result<ModelFolder> {
+        Self::open_with(dir, interner, false)
+    }
+
+    /// [`Self::open_interned`]; `raw_f32`: a trainer checkpoint's fp32 masters are shown as
+    /// stored, not as their bf16 rounding (`--raw-f32-agents`).
+    pub fn open_with(dir: &Path, interner: &mut Interner, raw_f32: bool) -> Result<ModelFolder> {
         refuse_missing(dir)?;
         if !dir.is_dir() {
             bail!(
                 "{} is not a folder (expected a Hugging Face model folder)",
                 dir.display()
             );
+        }
+        if let Some((world, paths)) = fsdp_shards::rank_files(dir)? {
+            let opened = fsdp_shards::open(dir, &paths, interner, raw_f32)?;
+            let hf = dir.join(fsdp_shards::HF_FOLDER);
+            let tensors = opened
+                .tensors
+                .into_iter()
+                .map(|(entry, pieces, shard)| ModelTensor {
+                    shard,
+                    entry,
+                    pieces: Some(pieces),
+                })
+                .collect();
+            let mut folder = Self::from_parts(
+                dir,
+                (WeightFormat::Torch, opened.files, tensors),
+                if hf.is_dir() { hf } else { dir.to_path_buf() },
+            )?;
+            folder.trainer = Some(format!(
+                "verl FSDP shards ({world} ranks' model_world_size_{world}_rank_*.pt, {} per \
+                 tensor)",
+                opened.group
+            ));
+            folder.aliases = opened.aliases;
+            return Ok(folder);
         }
         let Some((format, index_path, index, shard_names)) = weight_files(dir)? else {
             return Err(no_weights(dir));
@@ -96,13 +138,27 @@ impl ModelFolder {
                 WeightFormat::Torch => super::torch_file::open(&path, interner)?,
             };
             for entry in entries {
-                tensors.push(ModelTensor { shard: i, entry });
+                tensors.push(ModelTensor {
+                    shard: i,
+                    entry,
+                    pieces: None,
+                });
             }
             shards.push(file);
         }
         if let Some(index) = &index {
             check_index_matches(&index_path, index, &shard_names, &tensors)?;
         }
+        Self::from_parts(dir, (format, shards, tensors), dir.to_path_buf())
+    }
+
+    /// The folder `dir` of weight files `shards` holding `tensors`, its config.json read from
+    /// `config_dir`: tensor names checked unique across files and indexed.
+    fn from_parts(
+        dir: &Path,
+        (format, shards, mut tensors): (WeightFormat, Vec<WeightFile>, Vec<ModelTensor>),
+        config_dir: PathBuf,
+    ) -> Result<ModelFolder> {
         tensors.shrink_to_fit();
         let mut by_name: Vec<u32> = (0..tensors.len() as u32).collect();
         by_name.sort_unstable_by(|&a, &b| {
@@ -129,8 +185,10 @@ impl ModelFolder {
             tensors,
             by_name,
             lora: None,
-            config_dir: dir.to_path_buf(),
-            config: ModelConfig::read_if_present(dir)?,
+            config: ModelConfig::read_if_present(&config_dir)?,
+            config_dir,
+            trainer: None,
+            aliases: Vec::new(),
         })
     }
 
@@ -201,12 +259,18 @@ impl ModelFolder {
 
     /// Reads `buf.len()` bytes of `tensor` from byte `start` within it.
     pub fn read(&self, tensor: &ModelTensor, start: u64, buf: &mut [u8]) -> Result<()> {
-        self.shards[tensor.shard].read(&tensor.entry, start, buf)
+        match &tensor.pieces {
+            None => self.shards[tensor.shard].read(&tensor.entry, start, buf),
+            Some(p) => p.read(&self.shards, &tensor.entry, start, buf),
+        }
     }
 
     /// Feeds bytes just read to the shard's running checksum (see [`WeightFile::record_read`]).
     pub fn record_read(&self, tensor: &ModelTensor, start: u64, bytes: &[u8]) {
-        self.shards[tensor.shard].record_read(&tensor.entry, start, bytes)
+        // A tensor read from pieces was hashed as stored while it was read.
+        if tensor.pieces.is_none() {
+            self.shards[tensor.shard].record_read(&tensor.entry, start, bytes)
+        }
     }
 
     /// Path of the file holding `tensor` (for messages).
@@ -230,10 +294,17 @@ impl ModelFolder {
             .iter()
             .map(|s| s.checksum())
             .collect::<Result<Vec<_>>>()?;
-        for name in [self.format.index_file(), "config.json"] {
-            let path = self.dir.join(name);
+        for path in [
+            self.dir.join(self.format.index_file()),
+            self.config_dir.join(CONFIG_FILE),
+        ] {
             if path.symlink_metadata().is_ok() {
-                sums.push(crc32_of_file(&path)?);
+                let mut sum = crc32_of_file(&path)?;
+                // Named from the folder: `huggingface/config.json` in a trainer's checkpoint.
+                if let Ok(inside) = path.strip_prefix(&self.dir) {
+                    sum.file = inside.to_string_lossy().into_owned();
+                }
+                sums.push(sum);
             }
         }
         Ok(sums)
@@ -263,15 +334,19 @@ impl ModelFolder {
     /// The format its weights are read from where it is not safetensors (said on stderr, in the
     /// record and the card): `torch.save (pytorch_model.bin)`, or a LoRA agent's adapter saved
     /// by torch.save.
-    pub fn other_format(&self) -> Option<&'static str> {
-        match &self.lora {
+    pub fn other_format(&self) -> Option<String> {
+        if let Some(t) = &self.trainer {
+            return Some(t.clone());
+        }
+        let format = match &self.lora {
             Some(l) => l
                 .file
                 .path
                 .ends_with(super::files::ADAPTER_TORCH_WEIGHTS)
                 .then_some("torch.save (adapter_model.bin)"),
             None => (self.format != WeightFormat::Safetensors).then(|| self.format.name()),
-        }
+        };
+        format.map(|f| format!("{f} files"))
     }
 
     /// Total bytes of tensor data.

@@ -35,12 +35,41 @@ struct Described {
     offset: u64,
     size: Vec<usize>,
     stride: Vec<i64>,
+    /// Where the tensor is one rank's piece of a DTensor: the whole tensor's spec.
+    dtensor: Option<dtensor::Spec>,
 }
 
-/// Opens the torch zip file `path`: its zip directory, its pickle, each tensor checked against
-/// its storage (dtype, contiguity, bounds). Tensors come back in offset order, names and shapes
-/// shared through `interner`.
+/// One tensor of a torch file, placed: a plain tensor, or one rank's piece of a DTensor.
+pub struct FileTensor {
+    /// The tensor (a DTensor's local piece) as it lies in the file.
+    pub entry: TensorEntry,
+    /// A DTensor's spec: the whole tensor's shape, its placements, the mesh.
+    pub dtensor: Option<dtensor::Spec>,
+}
+
+/// Opens the torch zip file `path` of plain tensors (`pytorch_model.bin`): [`read`], with a
+/// DTensor refused — one rank's file of a distributed checkpoint is not a model.
 pub fn open(path: &Path, interner: &mut Interner) -> Result<(WeightFile, Vec<TensorEntry>)> {
+    let (file, tensors) = read(path, interner)?;
+    let entries = tensors
+        .into_iter()
+        .map(|t| match t.dtensor {
+            None => Ok(t.entry),
+            Some(_) => bail!(
+                "{}: '{}' is a DTensor, one rank's piece of a distributed checkpoint: give the \
+                 folder of every rank's files (verl's actor/), not one of them",
+                path.display(),
+                crate::escape::terminal(&t.entry.name)
+            ),
+        })
+        .collect::<Result<_>>()?;
+    Ok((file, entries))
+}
+
+/// Reads the torch zip file `path`: its zip directory, its pickle, each tensor (a DTensor's
+/// local piece) checked against its storage (dtype, contiguity, bounds). Tensors come back in
+/// offset order, names and shapes shared through `interner`.
+pub fn read(path: &Path, interner: &mut Interner) -> Result<(WeightFile, Vec<FileTensor>)> {
     let (file, meta) = super::files::open_regular(path)?;
     refuse_legacy(&file, path, meta.len())?;
     let entries = zip::entries(&file, path, meta.len())?;
@@ -118,9 +147,12 @@ pub fn open(path: &Path, interner: &mut Interner) -> Result<(WeightFile, Vec<Ten
             )
         })?;
         spans.insert(d.key, (entry.data_offset, entry.size));
-        placed.push(t);
+        placed.push(FileTensor {
+            entry: t,
+            dtensor: d.dtensor,
+        });
     }
-    let mut by_name: Vec<&TensorEntry> = placed.iter().collect();
+    let mut by_name: Vec<&TensorEntry> = placed.iter().map(|t| &t.entry).collect();
     by_name.sort_unstable_by(|a, b| a.name.cmp(&b.name));
     if let Some(pair) = by_name.windows(2).find(|p| p[0].name == p[1].name) {
         bail!(
@@ -129,7 +161,7 @@ pub fn open(path: &Path, interner: &mut Interner) -> Result<(WeightFile, Vec<Ten
             pair[0].name
         );
     }
-    placed.sort_by_key(|t| t.offset);
+    placed.sort_by_key(|t| t.entry.offset);
     placed.shrink_to_fit();
     Ok((
         WeightFile::new(path, &meta, spans.into_values().collect()),
@@ -265,12 +297,16 @@ fn describe(value: &Value) -> Result<Described> {
                     .collect::<Option<_>>()
                     .context("a negative size")?,
                 stride: ints(&args[3], "stride")?,
+                dtensor: None,
             })
         }
-        Some(n) if n.starts_with("torch.distributed.") || n.contains("wrapper_subclass") => bail!(
-            "it is a DTensor (one rank's shard of a distributed checkpoint): give the folder of \
-             every rank's files, not one of them"
-        ),
+        Some("torch._tensor._rebuild_from_type_v2") => {
+            let (local, spec) = dtensor::spec(&args)?;
+            let mut d = describe(&local)?;
+            ensure!(d.dtensor.is_none(), "a DTensor of DTensors");
+            d.dtensor = Some(spec);
+            Ok(d)
+        }
         _ => bail!("it is {}", value.kind()),
     }
 }
@@ -391,5 +427,6 @@ fn place(
     })
 }
 
+pub mod dtensor;
 #[cfg(test)]
 mod tests;

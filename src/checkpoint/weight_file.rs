@@ -215,7 +215,12 @@ impl WeightFile {
     /// Adds `bytes`, read at byte `start` within `tensor`, to the running CRC of the span that
     /// holds it (see [`CrcStream`]: tiles may come in any order; re-reads change nothing).
     pub fn record_read(&self, tensor: &TensorEntry, start: u64, bytes: &[u8]) {
-        let at = tensor.offset + start;
+        self.record_at(tensor.offset + start, bytes)
+    }
+
+    /// Adds `bytes`, read at byte `at` of the file, to the running CRC of the span that holds
+    /// them.
+    pub fn record_at(&self, at: u64, bytes: &[u8]) {
         let Some(i) = self.spans.partition_point(|&(o, _)| o <= at).checked_sub(1) else {
             return;
         };
@@ -223,6 +228,18 @@ impl WeightFile {
         if at + bytes.len() as u64 <= offset + len {
             CrcStream::record(&self.span_crcs[i], at - offset, bytes);
         }
+    }
+
+    /// Reads `buf.len()` bytes at byte `at` of the file; `what` names them for the error.
+    pub fn read_at(&self, at: u64, buf: &mut [u8], what: &str) -> Result<()> {
+        let file = self.file()?;
+        read_exact_at(&file, buf, at).with_context(|| {
+            format!(
+                "{}: cannot read {what} (bytes {at}..{}): file truncated or unreadable",
+                self.path.display(),
+                at + buf.len() as u64
+            )
+        })
     }
 }
 

@@ -200,7 +200,8 @@ pub(crate) struct ComputeArgs {
     #[arg(long)]
     pub(crate) allow_dense_agents: bool,
     /// Read agents' F32 weights over a BF16/F16 base as stored: by default they are fp32 master
-    /// weights, read as their rounding to the base's dtype (a change below its step is no change).
+    /// weights, read as their rounding to the base's dtype (a change below its step is no change);
+    /// a verl checkpoint's masters too (by default read as bf16, as verl's converter writes them).
     #[arg(long)]
     pub(crate) raw_f32_agents: bool,
     /// Caps elements per GPU dispatch chunk (tests; the result does not depend on it).

@@ -178,7 +178,8 @@ fn model_files(
     out: &Path,
 ) -> Result<Vec<String>> {
     let vocabulary = inputs.vocabulary.as_deref();
-    let mut written = write_model_files(&inputs.base.dir, config, out, vocabulary.is_none())?;
+    let mut written =
+        write_model_files(inputs.base.config_dir(), config, out, vocabulary.is_none())?;
     if let Some(v) = vocabulary {
         written.extend(v.write_files(out)?);
     }
@@ -297,7 +298,7 @@ fn input_checksums(inputs: &Inputs, out: &Path) -> Result<Vec<InputChecksums>> {
                 hub_id: crate::hub::id_of_snapshot(&path),
                 path: record::recorded_path(out, &path),
                 files: m.checksums()?,
-                format: m.other_format().map(str::to_string),
+                format: m.other_format(),
             })
         })
         .collect()

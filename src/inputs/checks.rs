@@ -10,6 +10,7 @@ pub(super) fn open_agent(
     base_dir: &Path,
     dir: &Path,
     interner: &mut Interner,
+    raw_f32: bool,
 ) -> Result<ModelFolder> {
     use crate::checkpoint::lora::{is_adapter, split_reference};
     let text = dir.to_string_lossy();
@@ -37,7 +38,9 @@ pub(super) fn open_agent(
     match adapter {
         Some(a) => ModelFolder::open_lora(base_dir, &a, interner)
             .with_context(|| format!("cannot open the LoRA agent {}", a.display())),
-        None => ModelFolder::open_interned(dir, interner).context("cannot open an agent model"),
+        None => {
+            ModelFolder::open_with(dir, interner, raw_f32).context("cannot open an agent model")
+        }
     }
 }
 
@@ -306,17 +309,24 @@ impl Inputs {
     pub fn format_notes(&self) -> Vec<String> {
         let named =
             std::iter::once(("base", &self.base)).chain(self.agents.iter().map(|a| ("agent", a)));
-        named
-            .filter_map(|(role, m)| {
-                m.other_format().map(|f| {
-                    format!(
-                        "{role} {} is read from its {f} files: their pickle as data (never \
-                         run), their tensors in place",
-                        m.dir.display()
-                    )
-                })
-            })
-            .collect()
+        let mut notes = Vec::new();
+        for (role, m) in named {
+            if let Some(f) = m.other_format() {
+                notes.push(format!(
+                    "{role} {} is read from its {f}: their pickle as data (never run), their \
+                     tensors in place",
+                    m.dir.display()
+                ));
+            }
+            for (dropped, kept) in &m.aliases {
+                notes.push(format!(
+                    "{role} {}: '{dropped}' is '{kept}' saved under a second name (tied \
+                     weights): read once, as '{kept}', as transformers saves it",
+                    m.dir.display()
+                ));
+            }
+        }
+        notes
     }
 
     /// Warnings for agents that look as if they did not come from the base by RL fine-tuning:

@@ -109,7 +109,7 @@ impl Inputs {
         refuse_repeated_agents(agent_dirs)?;
         // One copy of each tensor name and shape for all models.
         let mut interner = crate::checkpoint::weight_file::Interner::default();
-        let base = ModelFolder::open_interned(base_dir, &mut interner)
+        let base = ModelFolder::open_with(base_dir, &mut interner, layout.raw_f32_agents)
             .context("cannot open the base model")?;
         ensure!(
             !base.tensors.is_empty(),
@@ -118,7 +118,7 @@ impl Inputs {
         );
         let agents = agent_dirs
             .iter()
-            .map(|d| open_agent(base_dir, d, &mut interner))
+            .map(|d| open_agent(base_dir, d, &mut interner, layout.raw_f32_agents))
             .collect::<Result<Vec<_>>>()?;
         refuse_foreign_names(&base, &agents)?;
         let base_config = refuse_other_architectures(&base, &agents, layout)?;

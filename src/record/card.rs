@@ -165,7 +165,7 @@ fn settings_text(settings: &crate::method::settings::Settings) -> String {
 fn inputs(s: &mut String, r: &MergeRecord) {
     // The format each input was read from where it is not safetensors (inputs: base, agents).
     let read_from = |i: usize| match r.inputs.get(i).and_then(|c| c.format.as_deref()) {
-        Some(f) => format!(" (read from {f} files)"),
+        Some(f) => format!(" (read from {f})"),
         None => String::new(),
     };
     let _ = writeln!(

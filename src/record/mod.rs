@@ -216,20 +216,23 @@ impl MergeRecord {
 
     /// Every file a record lists — outputs, and each input folder's files — must be a plain file
     /// name inside its folder (a downloaded merge's record is not trusted to send `verify`
-    /// elsewhere: no `/`, `\`, `..`, `.`, empty or NUL names).
+    /// elsewhere: no `/`, `\`, `..`, `.`, empty or NUL names); an input's may be one inside the
+    /// `huggingface/` folder of a trainer's checkpoint.
     fn check_file_names(&self) -> Result<()> {
-        let files = self
-            .outputs
-            .iter()
-            .chain(self.inputs.iter().flat_map(|i| &i.files));
-        for f in files {
-            let name = f.file.as_str();
-            let plain = !name.is_empty()
+        let plain = |name: &str| {
+            !name.is_empty()
                 && name != "."
                 && name != ".."
                 && !name.contains(['/', '\\', '\0'])
-                && !std::path::Path::new(name).is_absolute();
-            if !plain {
+                && !std::path::Path::new(name).is_absolute()
+        };
+        let hf = format!("{}/", crate::checkpoint::fsdp_shards::HF_FOLDER);
+        let outputs = self.outputs.iter().map(|f| (f, false));
+        let inputs = self.inputs.iter().flat_map(|i| &i.files).map(|f| (f, true));
+        for (f, input) in outputs.chain(inputs) {
+            let name = f.file.as_str();
+            let inside = input && name.strip_prefix(hf.as_str()).is_some_and(plain);
+            if !plain(name) && !inside {
                 anyhow::bail!(
                     "it lists the file '{}', which is not a plain file name inside its folder",
                     crate::escape::terminal(name)

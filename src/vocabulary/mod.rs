@@ -95,7 +95,7 @@ impl Vocabulary {
         agents: &[ModelFolder],
     ) -> Result<Vocabulary> {
         let mut warnings = Vec::new();
-        let base_dir = &base.dir;
+        let base_dir = base.config_dir();
         let vocab_sizes = vocab_sizes(base_dir, agents, &mut warnings)?;
         // The output tokenizer. From the base's (base, union), the base's tokens keep their ids.
         let from_base = !matches!(settings.source, TokenizerSource::Model(_));
@@ -108,7 +108,7 @@ impl Vocabulary {
             }
             _ => {
                 let (t, stripped) = Tokenizer::read(base_dir, true)?.context("read just now")?;
-                (t, base_dir.clone(), stripped)
+                (t, base_dir.to_path_buf(), stripped)
             }
         };
         let base_len = out.vocab.len();
@@ -171,7 +171,7 @@ impl Vocabulary {
             configs,
             files,
             vocab_sizes,
-            dirs: std::iter::once(base_dir)
+            dirs: std::iter::once(&base.dir)
                 .chain(agents.iter().map(|a| &a.dir))
                 .cloned()
                 .collect(),
@@ -362,7 +362,11 @@ fn vocab_sizes(
     };
     let mut sizes = vec![size_of(base_dir, base_dir)?];
     for a in agents {
-        let config_dir = if a.lora.is_some() { base_dir } else { &a.dir };
+        let config_dir = if a.lora.is_some() {
+            base_dir
+        } else {
+            a.config_dir()
+        };
         sizes.push(size_of(config_dir, tokenizer_dir(a, base_dir))?);
     }
     Ok(sizes)

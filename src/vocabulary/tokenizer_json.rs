@@ -182,8 +182,8 @@ pub(super) fn vocab_size_of(dir: &Path, scanned: &Scanned) -> usize {
 /// The folder whose tokenizer is model `m`'s: its own, or — a LoRA agent, or a folder without
 /// tokenizer.json — the base's.
 pub(super) fn tokenizer_dir<'a>(m: &'a ModelFolder, base: &'a Path) -> &'a Path {
-    if m.lora.is_none() && m.dir.join("tokenizer.json").is_file() {
-        &m.dir
+    if m.lora.is_none() && m.config_dir().join("tokenizer.json").is_file() {
+        m.config_dir()
     } else {
         base
     }

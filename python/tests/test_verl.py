@@ -1,0 +1,138 @@
+"""verl's FSDP checkpoints, read straight from the trainer's shards: DTensors of fp32 masters over
+2 gloo ranks (written by verl_shards.py with torch's FSDP2). What rlmerge reads equals what
+verl's converter (`verl.model_merger merge --backend fsdp`) writes — each rank's local piece
+`.bfloat16()`, `Shard(0)` pieces concatenated in mesh order, `Replicate` rank 0's — and every
+method merges the shards as it merges that converted folder; malformed shard sets are named
+and nothing is written."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_trainer_formats import method_args, run, weights, AGENTS
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module", params=["fsdp", "ddp,fsdp"])
+def verl(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("verl")
+    subprocess.run([sys.executable, str(HERE / "verl_shards.py"), str(out), request.param],
+                   check=True, capture_output=True)
+    return out
+
+
+def rank_files(actor: Path):
+    return sorted(actor.glob("model_world_size_*_rank_*.pt"),
+                  key=lambda f: int(f.stem.rsplit("_", 1)[1]))
+
+
+def verls_rule(actor: Path, bf16=True) -> dict:
+    """The state dict verl's converter builds from the rank files (its rule, restated)."""
+    ranks = [torch.load(f, weights_only=False) for f in rank_files(actor)]
+    state = {}
+    for k, t in ranks[0].items():
+        cast = (lambda x: x.bfloat16()) if bf16 else (lambda x: x)
+        placement = t.placements[-1]
+        pieces = [cast(r[k]._local_tensor) for r in ranks]
+        state[k] = pieces[0] if placement.is_replicate() else torch.cat(pieces, placement.dim)
+    return state
+
+
+def converted(actor: Path, out: Path) -> Path:
+    """The folder verl's converter writes: the state dict saved as transformers saves it (the
+    tied lm_head dropped), with the config of `huggingface/`."""
+    out.mkdir()
+    state = verls_rule(actor)
+    state.pop("lm_head.weight")
+    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    shutil.copy(actor / "huggingface" / "config.json", out / "config.json")
+    return out
+
+
+def test_shards_read_as_verls_converter_writes_them(verl, tmp_path):
+    out = tmp_path / "out"
+    p = run("merge", "--base", verl / "base", "--model", verl / "actor", "--method", "passthrough",
+            "-q", "-o", out)
+    got = {}
+    for f in out.glob("*.safetensors"):
+        got.update(load_file(f))
+    want = verls_rule(verl / "actor")
+    assert set(want) - set(got) == {"lm_head.weight"}, "the tied head is read once"
+    for k, v in got.items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v, want[k]), k
+    assert "verl FSDP shards" in p.stderr and "tied weights" in p.stderr, p.stderr
+    record = json.loads((out / "rlmerge_record.json").read_text())
+    assert "verl FSDP shards" in record["inputs"][1]["format"]
+    assert [f["file"] for f in record["inputs"][1]["files"]][:2] == [
+        "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
+    assert "verl FSDP shards" in (out / "README.md").read_text()
+
+
+def test_every_method_merges_shards_as_the_converted_folder(verl, tmp_path):
+    """Base + the verl actor + a Hugging Face agent, against base + verl's converted folder + the
+    same agent: the same tensors, byte for byte, for every method."""
+    folder = converted(verl / "actor", tmp_path / "converted")
+    for name, args in list(method_args()) + [("ram+svc", ["--method", "ram+", "--svc", "0.2"])]:
+        n = min(AGENTS.get(name, 3), 2)
+        want, got = tmp_path / f"c-{name}", tmp_path / f"s-{name}"
+        run("merge", "--base", verl / "base",
+            *sum((["--model", a] for a in [folder, verl / "other"][:n]), []), *args, "-q",
+            "--allow-dense-agents", "-o", want)
+        run("merge", "--base", verl / "base",
+            *sum((["--model", a] for a in [verl / "actor", verl / "other"][:n]), []), *args, "-q",
+            "--allow-dense-agents", "-o", got)
+        assert weights(got) == weights(want), name
+    run("verify", tmp_path / "s-ram+", "--against")
+
+
+def test_raw_f32_agents_keeps_the_masters(verl, tmp_path):
+    out = tmp_path / "raw"
+    run("merge", "--base", verl / "base", "--model", verl / "actor", "--method", "passthrough",
+        "--raw-f32-agents", "--out-dtype", "f32", "-q", "-o", out)
+    got = load_file(out / "model.safetensors")
+    for k, v in verls_rule(verl / "actor", bf16=False).items():
+        if k != "lm_head.weight":
+            assert v.dtype == torch.float32 and torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("missing rank", ["model_world_size_2_rank_1.pt is missing"]),
+    ("two world sizes", ["world sizes 2 and 4", "ambiguous"]),
+    ("truncated rank", ["model_world_size_2_rank_1.pt", "not a zip archive"]),
+    ("rank lacks a tensor", ["rank 1's file lacks 'model.norm.weight'"]),
+    ("pieces disagree", ["model.norm.weight", "pieces hold"]),
+])
+def test_malformed_shard_sets_are_named_and_nothing_is_written(verl, tmp_path, damage, words):
+    actor = tmp_path / "actor"
+    shutil.copytree(verl / "actor", actor)
+    rank1 = actor / "model_world_size_2_rank_1.pt"
+    if damage == "missing rank":
+        rank1.unlink()
+    elif damage == "two world sizes":
+        shutil.copy(rank1, actor / "model_world_size_4_rank_0.pt")
+    elif damage == "truncated rank":
+        rank1.write_bytes(rank1.read_bytes()[:-200])
+    else:
+        state = torch.load(rank1, weights_only=False)
+        if damage == "rank lacks a tensor":
+            del state["model.norm.weight"]
+        else:
+            t = state["model.norm.weight"]
+            t._local_tensor = torch.cat([t._local_tensor, t._local_tensor])
+        torch.save(state, rank1)
+    out = tmp_path / "out"
+    p = run("merge", "--base", verl / "base", "--model", actor, "--model", verl / "other", "-q",
+            "-o", out, code=1)
+    for w in words:
+        assert w in p.stderr, p.stderr
+    assert not out.exists()

@@ -1,0 +1,80 @@
+//! A tensor a folder presents otherwise than it is stored: cut over several files (a sharded
+//! trainer checkpoint's ranks, each holding some of its rows) and stored in another dtype (fp32
+//! master weights, presented as the bf16 the trainer's converter writes). Reads are in the
+//! presented dtype, element ranges of the whole tensor; each file's bytes are read and hashed as
+//! stored, in bounded chunks, and rounded to nearest even where the dtypes differ.
+
+use super::dtype::{decode, encode, DType};
+use super::weight_file::{TensorEntry, WeightFile};
+use anyhow::Result;
+
+/// Elements converted at a time (a bounded scratch whatever the tile).
+const CHUNK: u64 = 1 << 14;
+
+/// Where a presented tensor's elements are stored, in order.
+#[derive(Debug)]
+pub struct Pieces {
+    /// The dtype the files store them in.
+    pub stored: DType,
+    /// The pieces, in the tensor's element order.
+    pub parts: Box<[Piece]>,
+}
+
+/// Consecutive elements of a tensor, stored in one file.
+#[derive(Clone, Copy, Debug)]
+pub struct Piece {
+    /// The file, an index into the folder's files.
+    pub file: usize,
+    /// The byte where the piece starts in that file.
+    pub offset: u64,
+    /// Its element count.
+    pub numel: u64,
+}
+
+impl Pieces {
+    /// Reads bytes `start..start + buf.len()` of `entry` (the presented tensor, whose dtype is the
+    /// one returned) from `files`, adding the stored bytes to their files' checksums.
+    pub fn read(
+        &self,
+        files: &[WeightFile],
+        entry: &TensorEntry,
+        start: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let shown = entry.dtype.size() as u64;
+        let stored = self.stored.size() as u64;
+        let first = start / shown;
+        let end = first + buf.len() as u64 / shown;
+        let what = format!("tensor '{}'", entry.name);
+        let (mut raw, mut wide) = (Vec::new(), Vec::new());
+        let mut at = 0u64;
+        for part in self.parts.iter() {
+            let (from, to) = (first.max(at), end.min(at + part.numel));
+            let mut e = from;
+            while e < to {
+                let n = (to - e).min(CHUNK);
+                let file = &files[part.file];
+                let offset = part.offset + (e - at) * stored;
+                let out =
+                    &mut buf[((e - first) * shown) as usize..((e - first + n) * shown) as usize];
+                if self.stored == entry.dtype {
+                    file.read_at(offset, out, &what)?;
+                    file.record_at(offset, out);
+                } else {
+                    raw.resize((n * stored) as usize, 0);
+                    file.read_at(offset, &mut raw, &what)?;
+                    file.record_at(offset, &raw);
+                    wide.resize(n as usize, 0f32);
+                    decode(self.stored, &raw, &mut wide);
+                    encode(entry.dtype, &wide, out);
+                }
+                e += n;
+            }
+            at += part.numel;
+            if at >= end {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
