@@ -238,6 +238,31 @@ pub fn merge_options(
     Ok(options)
 }
 
+/// Says what the user should know of inputs just opened — the formats they are read from, the
+/// inputs' warnings, agents that look dense (where `compute` asks, at `epsilon`) — and returns
+/// the dense agents' warnings (a merge keeps them in its record).
+fn say_opened(
+    inputs: &Inputs,
+    compute: &Compute,
+    epsilon: Option<f32>,
+    say: &mut dyn FnMut(Said),
+) -> Result<Vec<String>> {
+    inputs
+        .format_notes()
+        .into_iter()
+        .for_each(|n| say(Said::Note(n)));
+    inputs
+        .warnings
+        .iter()
+        .for_each(|w| say(Said::Warning(w.clone())));
+    let dense = match compute.warn_dense_agents {
+        true => inputs.dense_agent_warnings(epsilon.unwrap_or(crate::method::DEFAULT_EPSILON))?,
+        false => Vec::new(),
+    };
+    dense.iter().for_each(|w| say(Said::Warning(w.clone())));
+    Ok(dense)
+}
+
 /// Merges `job` into `out` on the backend `compute` asks for, saying on the way what the user
 /// should know: the inputs' warnings, agents that look dense, the backend, and after the merge
 /// what it found (identical inputs, what a ResMerge kept) and the scratch it noticed.
@@ -249,21 +274,7 @@ pub fn merge(
 ) -> Result<MergeSummary> {
     compute.check()?;
     let inputs = open_inputs(job)?;
-    inputs
-        .format_notes()
-        .into_iter()
-        .for_each(|n| say(Said::Note(n)));
-    inputs
-        .warnings
-        .iter()
-        .for_each(|w| say(Said::Warning(w.clone())));
-    let dense = match compute.warn_dense_agents {
-        true => {
-            inputs.dense_agent_warnings(job.epsilon.unwrap_or(crate::method::DEFAULT_EPSILON))?
-        }
-        false => Vec::new(),
-    };
-    dense.iter().for_each(|w| say(Said::Warning(w.clone())));
+    let dense = say_opened(&inputs, compute, job.epsilon, say)?;
     let cost = job.merging.cost();
     let backend = backend_for(compute, cost, say)?;
     say(Said::Backend(described(
@@ -385,20 +396,7 @@ pub fn analyze(
     };
     let mut inputs = Inputs::open_with(&analysis.base, &analysis.agents, layout)?;
     inputs.set_names(analysis.names.iter().cloned().map(Some).collect())?;
-    inputs
-        .format_notes()
-        .into_iter()
-        .for_each(|n| say(Said::Note(n)));
-    inputs
-        .warnings
-        .iter()
-        .for_each(|w| say(Said::Warning(w.clone())));
-    let epsilon = epsilon.unwrap_or(crate::method::DEFAULT_EPSILON);
-    if compute.warn_dense_agents {
-        for w in inputs.dense_agent_warnings(epsilon)? {
-            say(Said::Warning(w));
-        }
-    }
+    say_opened(&inputs, compute, epsilon, say)?;
     // Scratch that killed merges left beside the models analyzed, or where figures go.
     let near: Vec<PathBuf> = inputs
         .paths()
@@ -419,7 +417,7 @@ pub fn analyze(
         output_folder::refuse_inside(dir, &resolved, &protect)?;
     }
     let backend = backend_for(compute, Cost::Stream, say)?;
-    let pass = compute.pass(backend.as_ref(), Some(epsilon), !analysis.allow_nonfinite);
+    let pass = compute.pass(backend.as_ref(), epsilon, !analysis.allow_nonfinite);
     let show = compute.show_progress;
     let report = engine::probe_all(&inputs, backend.as_ref(), &pass, show)?;
     let retention = match &merged {

@@ -45,7 +45,6 @@ impl Pieces {
         let stored = self.stored.size() as u64;
         let first = start / shown;
         let end = first + buf.len() as u64 / shown;
-        let what = format!("tensor '{}'", entry.name);
         let (mut raw, mut wide) = (Vec::new(), Vec::new());
         let mut at = 0u64;
         for part in self.parts.iter() {
@@ -57,12 +56,21 @@ impl Pieces {
                 let offset = part.offset + (e - at) * stored;
                 let out =
                     &mut buf[((e - first) * shown) as usize..((e - first + n) * shown) as usize];
+                // The stored bytes read, named for an error.
+                let bytes = n * stored;
+                let what = || {
+                    format!(
+                        "tensor '{}' (bytes {offset}..{})",
+                        entry.name,
+                        offset + bytes
+                    )
+                };
                 if self.stored == entry.dtype {
-                    file.read_at(offset, out, &what)?;
+                    file.read_at(offset, out, what)?;
                     file.record_at(offset, out);
                 } else {
-                    raw.resize((n * stored) as usize, 0);
-                    file.read_at(offset, &mut raw, &what)?;
+                    raw.resize(bytes as usize, 0);
+                    file.read_at(offset, &mut raw, what)?;
                     file.record_at(offset, &raw);
                     wide.resize(n as usize, 0f32);
                     decode(self.stored, &raw, &mut wide);

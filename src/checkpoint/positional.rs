@@ -28,6 +28,13 @@ pub fn read_exact_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<()>
     }
 }
 
+/// The `len` bytes at `offset` (a header, a directory: read whole).
+pub fn read_vec_at(file: &File, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; len];
+    read_exact_at(file, &mut buf, offset)?;
+    Ok(buf)
+}
+
 /// Writes all of `bytes` at `offset`.
 pub fn write_all_at(file: &File, bytes: &[u8], offset: u64) -> io::Result<()> {
     #[cfg(unix)]

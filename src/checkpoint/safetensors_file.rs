@@ -2,8 +2,8 @@
 //! reading itself is [`WeightFile`]'s).
 
 use super::dtype::DType;
-use super::positional::read_exact_at;
-use super::weight_file::{shape_text, Interner, TensorEntry, WeightFile};
+use super::positional::{read_exact_at, read_vec_at};
+use super::weight_file::{repeated_name, shape_text, Interner, TensorEntry, WeightFile};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
@@ -37,8 +37,7 @@ pub fn open(path: &Path, interner: &mut Interner) -> Result<(WeightFile, Vec<Ten
             "truncated file: header says {header_len} bytes but the file has {file_len}"
         )));
     }
-    let mut header = vec![0u8; header_len as usize];
-    read_exact_at(&file, &mut header, 8)
+    let header = read_vec_at(&file, 8, header_len as usize)
         .with_context(|| format!("cannot read the header of {}", path.display()))?;
     let data_start = 8 + header_len;
     let data_len = file_len - data_start;
@@ -185,13 +184,8 @@ fn parse_header(
         (Ok(t), None) => t,
     };
     // A name given twice is an error, not the last one silently kept (a JSON map would).
-    let mut by_name: Vec<&TensorEntry> = tensors.iter().collect();
-    by_name.sort_unstable_by(|a, b| a.name.cmp(&b.name));
-    if let Some(pair) = by_name.windows(2).find(|p| p[0].name == p[1].name) {
-        bail!(
-            "corrupt header JSON: tensor '{}' appears twice",
-            pair[0].name
-        );
+    if let Some(name) = repeated_name(&tensors) {
+        bail!("corrupt header JSON: tensor '{name}' appears twice");
     }
     tensors.sort_by_key(|t| t.offset);
     tensors.shrink_to_fit();

@@ -12,8 +12,8 @@
 
 use super::dtype::DType;
 use super::pickle::{self, Value};
-use super::positional::read_exact_at;
-use super::weight_file::{shape_text, Interner, TensorEntry, WeightFile};
+use super::positional::{read_exact_at, read_vec_at};
+use super::weight_file::{repeated_name, shape_text, Interner, TensorEntry, WeightFile};
 use super::zip::{self, ZipEntry};
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::HashMap;
@@ -152,13 +152,10 @@ pub fn read(path: &Path, interner: &mut Interner) -> Result<(WeightFile, Vec<Fil
             dtensor: d.dtensor,
         });
     }
-    let mut by_name: Vec<&TensorEntry> = placed.iter().map(|t| &t.entry).collect();
-    by_name.sort_unstable_by(|a, b| a.name.cmp(&b.name));
-    if let Some(pair) = by_name.windows(2).find(|p| p[0].name == p[1].name) {
+    if let Some(name) = repeated_name(placed.iter().map(|t| &t.entry)) {
         bail!(
-            "{}: tensor '{}' appears twice in its state dict",
-            path.display(),
-            pair[0].name
+            "{}: tensor '{name}' appears twice in its state dict",
+            path.display()
         );
     }
     placed.sort_by_key(|t| t.entry.offset);
@@ -240,15 +237,13 @@ fn read_entry(file: &File, path: &Path, entry: &ZipEntry) -> Result<Vec<u8>> {
         crate::escape::terminal(&entry.name),
         entry.size
     );
-    let mut bytes = vec![0u8; entry.size as usize];
-    read_exact_at(file, &mut bytes, entry.data_offset).with_context(|| {
+    read_vec_at(file, entry.data_offset, entry.size as usize).with_context(|| {
         format!(
             "{}: cannot read entry {} (truncated file?)",
             path.display(),
             crate::escape::terminal(&entry.name)
         )
-    })?;
-    Ok(bytes)
+    })
 }
 
 /// The (key, value) pairs of the pickle's top value: a dict, or an `OrderedDict` (what

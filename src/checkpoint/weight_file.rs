@@ -77,9 +77,8 @@ pub struct FileChecksum {
 
 /// CRC-32 of a whole file, read in 8 MiB blocks.
 pub fn crc32_of_file(path: &Path) -> Result<FileChecksum> {
-    super::files::check_regular_file(path)?;
-    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let size = file.metadata()?.len();
+    let (file, meta) = super::files::open_regular(path)?;
+    let size = meta.len();
     let mut hasher = crc32fast::Hasher::new();
     hash_range(&file, path, 0, size, &mut hasher)?;
     Ok(FileChecksum {
@@ -200,15 +199,9 @@ impl WeightFile {
     /// Reads `buf.len()` bytes of `tensor` starting at byte `start` within it.
     pub fn read(&self, tensor: &TensorEntry, start: u64, buf: &mut [u8]) -> Result<()> {
         debug_assert!(start + buf.len() as u64 <= tensor.byte_len());
-        let file = self.file()?;
-        read_exact_at(&file, buf, tensor.offset + start).with_context(|| {
-            format!(
-                "{}: cannot read tensor '{}' (bytes {}..{}): file truncated or unreadable",
-                self.path.display(),
-                tensor.name,
-                start,
-                start + buf.len() as u64
-            )
+        let end = start + buf.len() as u64;
+        self.read_at(tensor.offset + start, buf, || {
+            format!("tensor '{}' (bytes {start}..{end})", tensor.name)
         })
     }
 
@@ -230,17 +223,29 @@ impl WeightFile {
         }
     }
 
-    /// Reads `buf.len()` bytes at byte `at` of the file; `what` names them for the error.
-    pub fn read_at(&self, at: u64, buf: &mut [u8], what: &str) -> Result<()> {
+    /// Reads `buf.len()` bytes at byte `at` of the file; `what` says what they are, for the
+    /// error (made only then: reads are per tile).
+    pub fn read_at(&self, at: u64, buf: &mut [u8], what: impl FnOnce() -> String) -> Result<()> {
         let file = self.file()?;
         read_exact_at(&file, buf, at).with_context(|| {
             format!(
-                "{}: cannot read {what} (bytes {at}..{}): file truncated or unreadable",
+                "{}: cannot read {}: file truncated or unreadable",
                 self.path.display(),
-                at + buf.len() as u64
+                what()
             )
         })
     }
+}
+
+/// A name two of `tensors` share (the first in name order), for the reader to refuse: a
+/// format's map of names may hold one twice, where keeping either would be a guess.
+pub fn repeated_name<'a>(tensors: impl IntoIterator<Item = &'a TensorEntry>) -> Option<Arc<str>> {
+    let mut by_name: Vec<&TensorEntry> = tensors.into_iter().collect();
+    by_name.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+    by_name
+        .windows(2)
+        .find(|p| p[0].name == p[1].name)
+        .map(|p| p[0].name.clone())
 }
 
 /// One shared copy of each tensor name and shape across the files of a merge.

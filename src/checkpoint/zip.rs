@@ -8,7 +8,7 @@
 //! one split over disks, or a directory that does not parse is refused naming the file.
 
 use super::cursor::Cursor;
-use super::positional::read_exact_at;
+use super::positional::read_vec_at;
 use anyhow::{bail, ensure, Context, Result};
 use std::fs::File;
 use std::path::Path;
@@ -33,19 +33,12 @@ pub struct ZipEntry {
     pub stored: bool,
 }
 
-/// Reads `len` bytes of `file` at `at`.
-fn read_at(file: &File, at: u64, len: usize) -> Result<Vec<u8>> {
-    let mut buf = vec![0u8; len];
-    read_exact_at(file, &mut buf, at)?;
-    Ok(buf)
-}
-
 /// Where the central directory is and how many entries it lists: the end-of-central-directory
 /// record, found in the file's last 64 KiB + 22 bytes, and its zip64 form where a field says so.
 fn directory(file: &File, len: u64) -> Result<(u64, u64, u64)> {
     ensure!(len >= 22, "too short for a zip archive ({len} bytes)");
     let tail = len.min(22 + 65535);
-    let bytes = read_at(file, len - tail, tail as usize)?;
+    let bytes = read_vec_at(file, len - tail, tail as usize)?;
     let at = (0..=bytes.len() - 22)
         .rev()
         .find(|&i| bytes[i..i + 4] == [0x50, 0x4b, 0x05, 0x06])
@@ -62,14 +55,14 @@ fn directory(file: &File, len: u64) -> Result<(u64, u64, u64)> {
     }
     // The zip64 locator stands just before the record, and names the zip64 record.
     ensure!(eocd_at >= 20, "a zip64 archive without its locator");
-    let locator = read_at(file, eocd_at - 20, 20)?;
+    let locator = read_vec_at(file, eocd_at - 20, 20)?;
     ensure!(
         locator[..4] == [0x50, 0x4b, 0x06, 0x07],
         "a zip64 archive without its locator"
     );
     let record_at = u64::from_le_bytes(locator[8..16].try_into().expect("8 bytes"));
     ensure!(record_at + 56 <= len, "the zip64 record is past the end");
-    let record = read_at(file, record_at, 56)?;
+    let record = read_vec_at(file, record_at, 56)?;
     ensure!(
         record[..4] == [0x50, 0x4b, 0x06, 0x06],
         "the zip64 locator names no zip64 record"
@@ -99,7 +92,7 @@ fn read_entries(file: &File, len: u64) -> Result<Vec<ZipEntry>> {
         offset.checked_add(size).is_some_and(|end| end <= len),
         "the central directory is past the end of the file"
     );
-    let directory = read_at(file, offset, size as usize)?;
+    let directory = read_vec_at(file, offset, size as usize)?;
     let mut f = Cursor::new(&directory, "a zip record ends before its fields");
     let mut found = Vec::with_capacity(count as usize);
     for _ in 0..count {
@@ -181,7 +174,7 @@ fn located(file: &File, len: u64, c: Central) -> Result<ZipEntry> {
         "entry '{}' starts past the end of the file",
         c.name
     );
-    let header = read_at(file, c.local, 30)?;
+    let header = read_vec_at(file, c.local, 30)?;
     ensure!(
         header[..4] == [0x50, 0x4b, 0x03, 0x04],
         "entry '{}' has no local header where the directory says",
