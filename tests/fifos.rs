@@ -6,11 +6,17 @@ mod common;
 use common::bad_case::*;
 use std::path::Path;
 
-/// A FIFO where a weight file or index should be: refused without reading it (a read blocks
-/// until a writer comes, i.e. forever).
+/// A FIFO where a weight file or index should be — safetensors, torch.save's, a verl rank
+/// file: refused without reading it (a read blocks until a writer comes, i.e. forever).
 #[test]
 fn fifos_are_refused_without_blocking() {
-    for name in ["model.safetensors", "model.safetensors.index.json"] {
+    for name in [
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "pytorch_model.bin.index.json",
+        "model_world_size_1_rank_0.pt",
+    ] {
         let c = case();
         std::fs::create_dir_all(&c.bad).unwrap();
         assert!(std::process::Command::new("mkfifo")

@@ -167,6 +167,7 @@ def test_a_bin_whose_pickle_runs_a_command_is_refused_and_never_run(demo, tmp_pa
     ("transpose", ["pytorch_model.bin", "not contiguous", "save it after .contiguous()"]),
     ("float64", ["pytorch_model.bin", "torch.DoubleStorage"]),
     ("index", ["pytorch_model.bin.index.json", "which does not contain it"]),
+    ("nan", ["pytorch_model.bin", "non-finite value (NaN)", "--allow-nonfinite"]),
 ])
 def test_damaged_bins_are_named_and_nothing_is_written(demo, tmp_path, damage, words):
     root, base, agents = demo
@@ -179,6 +180,10 @@ def test_damaged_bins_are_named_and_nothing_is_written(demo, tmp_path, damage, w
         file.write_bytes(data[: len(data) - 100])
     elif damage == "transpose":
         state[name] = state[name].t().contiguous().t()
+        torch.save(state, file)
+    elif damage == "nan":
+        state[name] = state[name].clone()
+        state[name].view(-1)[5] = float("nan")
         torch.save(state, file)
     elif damage == "float64":
         state[name] = state[name].double()

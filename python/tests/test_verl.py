@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_trainer_formats import method_args, run, weights, AGENTS
+from test_trainer_formats import method_args, run, to_bin, weights, AGENTS
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -95,6 +95,19 @@ def test_every_method_merges_shards_as_the_converted_folder(verl, tmp_path):
     run("verify", tmp_path / "s-ram+", "--against")
 
 
+def test_the_same_bytes_on_any_thread_count(verl, tmp_path):
+    """A verl actor and a `.bin` agent, merged on 1 and on 3 threads: the same files."""
+    agent = to_bin(verl / "other", tmp_path / "other-bin")
+    outs = []
+    for threads in (1, 3):
+        outs.append(tmp_path / f"t{threads}")
+        run("merge", "--base", verl / "base", "--model", verl / "actor", "--model", agent,
+            "--method", "ties", "--param", "weight=1", "--param", "density=0.5",
+            "--threads", threads, "--allow-dense-agents", "-q", "-o", outs[-1])
+    assert weights(outs[0]) == weights(outs[1])
+    assert (outs[0] / "model.safetensors").read_bytes() == (outs[1] / "model.safetensors").read_bytes()
+
+
 def test_raw_f32_agents_keeps_the_masters(verl, tmp_path):
     out = tmp_path / "raw"
     run("merge", "--base", verl / "base", "--model", verl / "actor", "--method", "passthrough",
@@ -111,6 +124,8 @@ def test_raw_f32_agents_keeps_the_masters(verl, tmp_path):
     ("truncated rank", ["model_world_size_2_rank_1.pt", "not a zip archive"]),
     ("rank lacks a tensor", ["rank 1's file lacks 'model.norm.weight'"]),
     ("pieces disagree", ["model.norm.weight", "pieces hold"]),
+    ("nan in a rank", ["model.layers.0.mlp.up_proj.weight", "model_world_size_2_rank_1.pt",
+                       "non-finite value (NaN)"]),
 ])
 def test_malformed_shard_sets_are_named_and_nothing_is_written(verl, tmp_path, damage, words):
     actor = tmp_path / "actor"
@@ -126,6 +141,8 @@ def test_malformed_shard_sets_are_named_and_nothing_is_written(verl, tmp_path, d
         state = torch.load(rank1, weights_only=False)
         if damage == "rank lacks a tensor":
             del state["model.norm.weight"]
+        elif damage == "nan in a rank":
+            state["model.layers.0.mlp.up_proj.weight"]._local_tensor.view(-1)[3] = float("nan")
         else:
             t = state["model.norm.weight"]
             t._local_tensor = torch.cat([t._local_tensor, t._local_tensor])

@@ -273,9 +273,17 @@ impl ModelFolder {
         }
     }
 
-    /// Path of the file holding `tensor` (for messages).
+    /// Path of the file holding `tensor` (for messages; of a tensor in pieces, its first's).
     pub fn file_of(&self, tensor: &ModelTensor) -> &Path {
         &self.shards[tensor.shard].path
+    }
+
+    /// Path of the file holding element `element` of `tensor` (a tensor in pieces has several).
+    pub fn file_holding(&self, tensor: &ModelTensor, element: u64) -> &Path {
+        match tensor.pieces.as_ref().and_then(|p| p.part_at(element)) {
+            Some(part) => &self.shards[part.file].path,
+            None => self.file_of(tensor),
+        }
     }
 
     /// Size and CRC-32 of every file the merge reads: the files that hold weights (shards, and

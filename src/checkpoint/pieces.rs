@@ -32,6 +32,15 @@ pub struct Piece {
 }
 
 impl Pieces {
+    /// The piece holding element `element` of the tensor.
+    pub fn part_at(&self, element: u64) -> Option<&Piece> {
+        let mut at = 0;
+        self.parts.iter().find(|p| {
+            at += p.numel;
+            element < at
+        })
+    }
+
     /// Reads bytes `start..start + buf.len()` of `entry` (the presented tensor, whose dtype is the
     /// one returned) from `files`, adding the stored bytes to their files' checksums.
     pub fn read(

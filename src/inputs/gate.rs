@@ -30,7 +30,7 @@ pub(super) fn refuse_nonfinite(
             format!(
                 "tensor '{stored}' in {}{read_for} has a non-finite value ({}) at element {}; \
                  rlmerge refuses NaN and infinity unless ",
-                model.file_of(tensor).display(),
+                model.file_holding(tensor, (start + i) as u64).display(),
                 decode_one(dtype, raw, i),
                 start + i
             ),
