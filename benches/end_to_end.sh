@@ -14,6 +14,9 @@
 # by benches/to_torch_bin.py with $BENCH_PYTHON, which needs torch) against reading those files.
 # BENCH_SET=verl times the base with the 3 agents saved as verl's FSDP trainer saves an actor (fp32
 # masters, 2 ranks' DTensor shards, by benches/to_verl_shards.py with $BENCH_PYTHON).
+# BENCH_SET=convert times `rlmerge convert` of the coding agent's verl shards (those of
+# BENCH_SET=verl) into a bf16 safetensors folder, against reading the shards and copying a folder
+# of the output's size (the base).
 # BENCH_CACHE: how the inputs sit in the page cache while timed. `disk` (the default) drops them
 # and reads them once from disk first, as a model read from disk sits there; `as-is` keeps
 # whatever state they are in. A warm read's copy speed depends on how the file's pages came
@@ -27,8 +30,8 @@ runs=${2:-5}
 dir=${3:-target/bench-models}
 device=${4:-cpu}
 set=${BENCH_SET:-methods}
-if [ "$set" != methods ] && [ "$set" != lora ] && [ "$set" != bin ] && [ "$set" != verl ]; then
-    echo "BENCH_SET is methods, lora, bin or verl" >&2
+if [[ ! " methods lora bin verl convert " =~ " $set " ]]; then
+    echo "BENCH_SET is methods, lora, bin, verl or convert" >&2
     exit 2
 fi
 cd "$(dirname "$0")/.."
@@ -56,7 +59,7 @@ elif [ "$set" = bin ]; then
     done
     base=$dir-bin/base
     agents=("$dir-bin/coding-agent" "$dir-bin/tool-agent" "$dir-bin/memory-agent")
-elif [ "$set" = verl ]; then
+elif [ "$set" = verl ] || [ "$set" = convert ]; then
     for m in coding-agent tool-agent memory-agent; do
         once "$dir-verl/$m" "${BENCH_PYTHON:-python3}" benches/to_verl_shards.py "$dir/$m" "$dir-verl/$m"
     done
@@ -65,7 +68,12 @@ else
     agents=("$dir/coding-agent" "$dir/tool-agent" "$dir/memory-agent")
 fi
 weights() { ls "$1"/*.safetensors "$1"/*.bin "$1"/*.pt 2>/dev/null || true; }
-mapfile -t files < <(weights "$base"; for a in "${agents[@]}"; do weights "$a"; done)
+if [ "$set" = convert ]; then
+    # What is read is the source alone; what is written, a folder of the base's size.
+    mapfile -t files < <(weights "${agents[0]}")
+else
+    mapfile -t files < <(weights "$base"; for a in "${agents[@]}"; do weights "$a"; done)
+fi
 models=()
 for a in "${agents[@]}"; do models+=(--model "$a"); done
 bytes=$(cat "${files[@]}" | wc -c)
@@ -112,6 +120,7 @@ methods=(
     "della|della --param weight=1 --param density=0.5 --param epsilon=0.1"
 )
 case $set in
+convert) cases=("convert|") ;;
 lora | bin | verl) cases=("${methods[@]}") ;;
 *) cases=("${methods[@]}" "ram/consensus|ram --shared consensus" "ram/tile-4096|ram --tile-elems 4096") ;;
 esac
@@ -125,9 +134,13 @@ for case in "${cases[@]}"; do
     samples=()
     rss=0
     for _ in $(seq "$runs"); do
-        # shellcheck disable=SC2086
-        r=$(seconds "$bin" merge -q --device "$device" --base "$base" "${models[@]}" \
-            --method $method -o "$out/m")
+        if [ "$set" = convert ]; then
+            r=$(seconds "$bin" convert -q "${agents[0]}" -o "$out/m")
+        else
+            # shellcheck disable=SC2086
+            r=$(seconds "$bin" merge -q --device "$device" --base "$base" "${models[@]}" \
+                --method $method -o "$out/m")
+        fi
         samples+=("${r% *}")
         if [ -n "${BENCH_VERBOSE:-}" ]; then echo "  $label: $r s KiB" >&2; fi
         rss=$(( ${r#* } > rss ? ${r#* } : rss ))

@@ -187,6 +187,23 @@ pub fn needed(file: &str) -> bool {
         || file.starts_with("tokenizer")
 }
 
+/// A model as a user names it — a folder, a Hub id (the cache's snapshot, downloaded first unless
+/// HF_HUB_OFFLINE), or BASE+ADAPTER (a LoRA agent), each part found as a model is ([`locate`]) —
+/// as a local path.
+pub fn locate_model(model: &Path, progress: bool) -> Result<PathBuf> {
+    match model
+        .to_str()
+        .and_then(crate::checkpoint::lora::split_reference)
+    {
+        Some((b, a)) => {
+            let b = locate(Path::new(b), progress)?;
+            let a = locate(Path::new(a), progress)?;
+            Ok(PathBuf::from(format!("{}+{}", b.display(), a.display())))
+        }
+        None => locate(model, progress),
+    }
+}
+
 /// Where a model named `name` is. The rule (README "Hub ids"): an existing local folder wins,
 /// and when its name is also an id the cache holds a note on stderr says the folder was taken; otherwise an
 /// id is taken from the cache, or downloaded into it (with a progress bar when `progress`); a

@@ -22,6 +22,7 @@ __all__ = [
     "UsageError",
     "merge",
     "run",
+    "convert",
     "analyze",
     "verify",
     "methods",
@@ -324,6 +325,21 @@ def run(recipe: PathLike, out: PathLike, *, device: str = "auto", quiet: bool = 
                          _keywords(device, quiet, force, out_dtype, shard_size, threads,
                                    allow_missing_tensors, allow_nonfinite, allow_dense_agents,
                                    raw_f32_agents, seed))
+    return _finished(record, out)
+
+
+def convert(source: PathLike, out: PathLike, *, quiet: bool = True, force: bool = False,
+            out_dtype: Optional[str] = None, shard_size: Optional[str] = None, threads: int = 0,
+            allow_nonfinite: bool = False, raw_f32: bool = False) -> Dict[str, Any]:
+    """Converts one checkpoint into a Hugging Face safetensors folder ``out``, as
+    ``rlmerge convert``: ``source`` is a folder (safetensors, ``pytorch_model.bin``, a verl actor
+    folder of FSDP rank shards), a Hub id, or ``"BASE+ADAPTER"`` (the adapter applied to its
+    base). A verl checkpoint's fp32 masters are written rounded to bf16 as verl's converter writes
+    them, or as stored with ``raw_f32=True``. Returns what :func:`merge` returns."""
+    out = _path(out, "out")
+    record = _native.convert(_where(source, "source"), out,
+                             _keywords("cpu", quiet, force, out_dtype, shard_size, threads, False,
+                                       allow_nonfinite, True, raw_f32, None))
     return _finished(record, out)
 
 

@@ -17,6 +17,10 @@ def run(recipe: str, out: str, keywords: Mapping[str, Any]) -> str:
     """Runs a mergekit YAML recipe file into ``out`` (``keywords`` as for merge); the record as
     JSON."""
 
+def convert(source: str, out: str, keywords: Mapping[str, Any]) -> str:
+    """Converts one checkpoint into ``out`` (``keywords`` as for merge, ``raw_f32_agents`` keeping
+    fp32 masters); the record as JSON."""
+
 def verify(dir: str, against: bool = False, device: str = "auto") -> Tuple[List[str], List[str], List[str]]:
     """Checks a merged folder: (checks passed, checks skipped, problems found)."""
 

@@ -353,6 +353,23 @@ fn run(py: Python<'_>, recipe: PathBuf, out: PathBuf, keywords: MergeKeywords) -
     merge_into(py, move || Job::from_recipe(&recipe, seed), options)
 }
 
+/// Converts the checkpoint `source` (a folder, Hub id or BASE+ADAPTER) into `out`, as
+/// `rlmerge convert`; the record as JSON.
+#[pyfunction]
+fn convert(
+    py: Python<'_>,
+    source: PathBuf,
+    out: PathBuf,
+    keywords: MergeKeywords,
+) -> PyResult<String> {
+    let options = keywords.options(out).map_err(|e| exception(py, &e))?;
+    merge_into(
+        py,
+        move || Job::conversion(rlmerge::hub::locate_model(&source, false)?),
+        options,
+    )
+}
+
 /// What `verify` found, one line each: (checks passed, checks skipped, problems, notes).
 type VerifyLines = (Vec<String>, Vec<String>, Vec<String>, Vec<String>);
 
@@ -501,6 +518,7 @@ fn _rlmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = USAGE_ERROR.set(py, usage_error.unbind());
     m.add_function(wrap_pyfunction!(merge, m)?)?;
     m.add_function(wrap_pyfunction!(run, m)?)?;
+    m.add_function(wrap_pyfunction!(convert, m)?)?;
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(analyze, m)?)?;
     m.add_function(wrap_pyfunction!(methods, m)?)?;

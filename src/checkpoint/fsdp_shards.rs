@@ -10,9 +10,9 @@
 //! read under the first, as transformers saves it.
 
 use super::dtype::DType;
-use super::pieces::{Piece, Pieces};
+use super::pieces::{Assembled, Piece, Pieces};
 use super::torch_file::{self, dtensor::Placement, FileTensor};
-use super::weight_file::{shape_text, Interner, TensorEntry, WeightFile};
+use super::weight_file::{shape_text, Interner, TensorEntry};
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -81,7 +81,7 @@ pub fn open(
     paths: &[PathBuf],
     interner: &mut Interner,
     raw_f32: bool,
-) -> Result<Opened> {
+) -> Result<Assembled> {
     let mut files = Vec::with_capacity(paths.len());
     let mut ranks = Vec::with_capacity(paths.len());
     for path in paths {
@@ -135,29 +135,23 @@ pub fn open(
             .with_context(|| format!("{}: tensor '{}'", dir.display(), t.entry.name))?;
         tensors.push(tensor);
     }
-    Ok(Opened {
+    let hf = dir.join(HF_FOLDER);
+    let world = paths.len();
+    Ok(Assembled {
         files,
         tensors,
         aliases,
-        group: group.len(),
+        skipped: Vec::new(),
+        described: format!(
+            "verl FSDP shards ({world} ranks' model_world_size_{world}_rank_*.pt, {} per tensor)",
+            group.len()
+        ),
+        config_dir: if hf.is_dir() { hf } else { dir.to_path_buf() },
     })
 }
 
 /// Where a tensor's bytes are in a file: offset, element count, shape.
 type Bytes = (u64, usize, Arc<[usize]>);
-
-/// What [`open`] found.
-pub struct Opened {
-    /// Every rank's file, in rank order.
-    pub files: Vec<WeightFile>,
-    /// The model's tensors, in rank 0's storage order: each as shown, where its pieces are, and
-    /// the file of its first.
-    pub tensors: Vec<(TensorEntry, Arc<Pieces>, usize)>,
-    /// (name dropped, name kept) for each tensor saved twice.
-    pub aliases: Vec<(Arc<str>, Arc<str>)>,
-    /// How many ranks hold pieces of each tensor (the FSDP group).
-    pub group: usize,
-}
 
 /// The ranks whose pieces make a tensor, in piece order: every rank on a `("fsdp",)` mesh, the
 /// first replica's on a `("ddp", "fsdp")` one — by the mesh coordinate each file records, else

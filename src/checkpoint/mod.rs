@@ -3,6 +3,7 @@
 
 pub mod crc;
 pub mod cursor;
+pub mod dcp;
 pub mod dtype;
 pub mod files;
 pub mod folder_files;

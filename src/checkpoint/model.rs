@@ -38,6 +38,9 @@ pub struct ModelFolder {
     pub trainer: Option<String>,
     /// (name dropped, name kept) for each tensor its files hold under two names (tied weights).
     pub aliases: Vec<(Arc<str>, Arc<str>)>,
+    /// Entries of a trainer's checkpoint that are not the model's tensors, not read (a DCP
+    /// checkpoint's optimizer state, non-tensor objects).
+    pub skipped: Vec<String>,
     /// Its weight files in shard order, headers parsed and validated.
     pub shards: Vec<WeightFile>,
     /// Tensors in storage order (shard, then offset).
@@ -94,9 +97,13 @@ impl ModelFolder {
                 dir.display()
             );
         }
-        if let Some((world, paths)) = fsdp_shards::rank_files(dir)? {
-            let opened = fsdp_shards::open(dir, &paths, interner, raw_f32)?;
-            let hf = dir.join(fsdp_shards::HF_FOLDER);
+        // A trainer's checkpoint: verl's rank shards, or a torch DCP folder.
+        let trainer = match fsdp_shards::rank_files(dir)? {
+            Some((_, paths)) => Some(fsdp_shards::open(dir, &paths, interner, raw_f32)?),
+            None if super::dcp::is_dcp(dir) => Some(super::dcp::open(dir, interner)?),
+            None => None,
+        };
+        if let Some(opened) = trainer {
             let tensors = opened
                 .tensors
                 .into_iter()
@@ -109,14 +116,11 @@ impl ModelFolder {
             let mut folder = Self::from_parts(
                 dir,
                 (WeightFormat::Torch, opened.files, tensors),
-                if hf.is_dir() { hf } else { dir.to_path_buf() },
+                opened.config_dir,
             )?;
-            folder.trainer = Some(format!(
-                "verl FSDP shards ({world} ranks' model_world_size_{world}_rank_*.pt, {} per \
-                 tensor)",
-                opened.group
-            ));
+            folder.trainer = Some(opened.described);
             folder.aliases = opened.aliases;
+            folder.skipped = opened.skipped;
             return Ok(folder);
         }
         let Some((format, index_path, index, shard_names)) = weight_files(dir)? else {
@@ -189,6 +193,7 @@ impl ModelFolder {
             config_dir,
             trainer: None,
             aliases: Vec::new(),
+            skipped: Vec::new(),
         })
     }
 
@@ -304,6 +309,7 @@ impl ModelFolder {
             .collect::<Result<Vec<_>>>()?;
         for path in [
             self.dir.join(self.format.index_file()),
+            self.dir.join(super::dcp::METADATA),
             self.config_dir.join(CONFIG_FILE),
         ] {
             if path.symlink_metadata().is_ok() {

@@ -98,8 +98,9 @@ impl Value {
 
 /// Whether a pickle may name the global `name` (`module.name`): the functions torch rebuilds
 /// tensors and parameters with, its storage classes and dtypes, `torch.Size`, `torch.device`,
-/// `collections.OrderedDict`, and the classes of DTensors, their specs, meshes and placements —
-/// what `torch.save` writes for a state dict of tensors or DTensors. Nothing it names is called.
+/// `collections.OrderedDict`, the classes of DTensors, their specs, meshes and placements —
+/// what `torch.save` writes for a state dict of tensors or DTensors — and the data classes of a
+/// torch DCP checkpoint's metadata. Nothing it names is called.
 pub fn allowed(name: &str) -> bool {
     const EXACT: &[&str] = &[
         "collections.OrderedDict",
@@ -113,6 +114,12 @@ pub fn allowed(name: &str) -> bool {
         "torch.device",
         "torch.serialization._get_layout",
         "torch.strided",
+        // A torch DCP checkpoint's `.metadata`: where each chunk is, the path it was saved to.
+        "torch.distributed.checkpoint.filesystem._StorageInfo",
+        "pathlib.PosixPath",
+        "pathlib.WindowsPath",
+        "pathlib.PurePosixPath",
+        "pathlib.PureWindowsPath",
     ];
     const STORAGES: &[&str] = &[
         "BFloat16", "Half", "Float", "Double", "Long", "Int", "Short", "Char", "Byte", "Bool",
@@ -143,6 +150,7 @@ pub fn allowed(name: &str) -> bool {
         "torch.distributed._tensor.",
         "torch.distributed.device_mesh.",
         "torch.distributed._mesh_layout.",
+        "torch.distributed.checkpoint.metadata.",
     ];
     if EXACT.contains(&name) || DISTRIBUTED.iter().any(|p| name.starts_with(p)) {
         return true;

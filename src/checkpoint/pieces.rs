@@ -7,6 +7,25 @@
 use super::dtype::{decode, encode, DType};
 use super::weight_file::{TensorEntry, WeightFile};
 use anyhow::Result;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// A trainer's checkpoint opened as one model (verl's rank shards, a DCP folder): its files, each
+/// tensor as pieces of them, and what the user is told of it.
+pub struct Assembled {
+    /// The files the pieces are in, in the order they name them.
+    pub files: Vec<WeightFile>,
+    /// The model's tensors: each as presented, its pieces, the file of its first.
+    pub tensors: Vec<(TensorEntry, Arc<Pieces>, usize)>,
+    /// (name dropped, name kept) for each tensor saved under two names (tied weights).
+    pub aliases: Vec<(Arc<str>, Arc<str>)>,
+    /// Entries that are not the model's tensors, not read.
+    pub skipped: Vec<String>,
+    /// What it was read from, for messages, the record and the card.
+    pub described: String,
+    /// The folder holding its config.json and tokenizer.
+    pub config_dir: PathBuf,
+}
 
 /// Elements converted at a time (a bounded scratch whatever the tile).
 const CHUNK: u64 = 1 << 14;

@@ -21,7 +21,7 @@ use std::fs::File;
 use std::path::Path;
 
 /// The largest pickle read (a state dict of 10^6 tensors pickles to about 200 MB).
-const MAX_PICKLE: u64 = 1 << 30;
+pub(super) const MAX_PICKLE: u64 = 1 << 30;
 
 /// A tensor as the pickle describes it, before it is placed in the file.
 struct Described {
@@ -164,6 +164,46 @@ pub fn read(path: &Path, interner: &mut Interner) -> Result<(WeightFile, Vec<Fil
         WeightFile::new(path, &meta, spans.into_values().collect()),
         placed,
     ))
+}
+
+/// The one tensor of the `torch.save` archive that is bytes `at.0..at.0 + at.1` of `file` (at
+/// `path`): a torch DCP chunk, which `torch.save(tensor)` wrote into its `.distcp` file. Returns
+/// it placed in the file, named `name`, and the byte range of its storage.
+pub(super) fn read_one_at(
+    file: &File,
+    path: &Path,
+    at: (u64, u64),
+    name: &str,
+    interner: &mut Interner,
+) -> Result<(TensorEntry, (u64, u64))> {
+    let entries = zip::entries_at(file, path, at)?;
+    let (prefix, pickle_entry) = pickle_entry(&entries).with_context(|| {
+        format!(
+            "{}: bytes at {} are no torch.save archive",
+            path.display(),
+            at.0
+        )
+    })?;
+    let by_name: HashMap<&str, &ZipEntry> = entries.iter().map(|e| (e.name.as_str(), e)).collect();
+    check_byte_order(
+        file,
+        path,
+        by_name.get(format!("{prefix}/byteorder").as_str()),
+    )?;
+    let bytes = read_entry(file, path, pickle_entry)?;
+    let what = format!(
+        "{}'s chunk of '{}'",
+        path.display(),
+        crate::escape::terminal(name)
+    );
+    let value = pickle::read(&bytes, &what)?;
+    let d = describe(&value).with_context(|| format!("{what} is not a tensor rlmerge reads"))?;
+    ensure!(d.dtensor.is_none(), "{what} is a DTensor, not a chunk");
+    let entry = by_name
+        .get(format!("{prefix}/data/{}", d.key).as_str())
+        .with_context(|| format!("{what}: its storage {} is missing (damaged file?)", d.key))?;
+    let t = place(name, &d, entry, d.storage_numel, interner).with_context(|| what.clone())?;
+    Ok((t, (entry.data_offset, entry.size)))
 }
 
 /// A file that is not a zip archive: torch's format before 1.6 (a bare pickle, which needs
@@ -331,7 +371,7 @@ fn storage(value: &Value) -> Result<(String, String, u64)> {
     }
 }
 
-fn int(value: &Value, what: &str) -> Result<i64> {
+pub(super) fn int(value: &Value, what: &str) -> Result<i64> {
     match value {
         Value::Int(i) => Ok(*i),
         other => bail!("its {what} is {}, not an integer", other.kind()),
@@ -339,7 +379,7 @@ fn int(value: &Value, what: &str) -> Result<i64> {
 }
 
 /// A tuple of integers (`torch.Size(...)` too).
-fn ints(value: &Value, what: &str) -> Result<Vec<i64>> {
+pub(super) fn ints(value: &Value, what: &str) -> Result<Vec<i64>> {
     match value {
         Value::Tuple(items) => items.iter().map(|v| int(v, what)).collect(),
         Value::Object(o) if value.callable_name().as_deref() == Some("torch.Size") => {

@@ -34,11 +34,12 @@ pub struct ZipEntry {
 }
 
 /// Where the central directory is and how many entries it lists: the end-of-central-directory
-/// record, found in the file's last 64 KiB + 22 bytes, and its zip64 form where a field says so.
-fn directory(file: &File, len: u64) -> Result<(u64, u64, u64)> {
+/// record, found in the archive's last 64 KiB + 22 bytes, and its zip64 form where a field says
+/// so. The archive is bytes `base..base + len` of `file`; offsets are the archive's own.
+fn directory(file: &File, base: u64, len: u64) -> Result<(u64, u64, u64)> {
     ensure!(len >= 22, "too short for a zip archive ({len} bytes)");
     let tail = len.min(22 + 65535);
-    let bytes = read_vec_at(file, len - tail, tail as usize)?;
+    let bytes = read_vec_at(file, base + len - tail, tail as usize)?;
     let at = (0..=bytes.len() - 22)
         .rev()
         .find(|&i| bytes[i..i + 4] == [0x50, 0x4b, 0x05, 0x06])
@@ -55,14 +56,14 @@ fn directory(file: &File, len: u64) -> Result<(u64, u64, u64)> {
     }
     // The zip64 locator stands just before the record, and names the zip64 record.
     ensure!(eocd_at >= 20, "a zip64 archive without its locator");
-    let locator = read_vec_at(file, eocd_at - 20, 20)?;
+    let locator = read_vec_at(file, base + eocd_at - 20, 20)?;
     ensure!(
         locator[..4] == [0x50, 0x4b, 0x06, 0x07],
         "a zip64 archive without its locator"
     );
     let record_at = u64::from_le_bytes(locator[8..16].try_into().expect("8 bytes"));
     ensure!(record_at + 56 <= len, "the zip64 record is past the end");
-    let record = read_vec_at(file, record_at, 56)?;
+    let record = read_vec_at(file, base + record_at, 56)?;
     ensure!(
         record[..4] == [0x50, 0x4b, 0x06, 0x06],
         "the zip64 locator names no zip64 record"
@@ -77,12 +78,24 @@ fn directory(file: &File, len: u64) -> Result<(u64, u64, u64)> {
 
 /// The entries of the zip archive `file` (`len` bytes, at `path`), in directory order.
 pub fn entries(file: &File, path: &Path, len: u64) -> Result<Vec<ZipEntry>> {
-    read_entries(file, len)
+    read_entries(file, 0, len)
         .with_context(|| format!("{}: not a zip archive torch wrote", path.display()))
 }
 
-fn read_entries(file: &File, len: u64) -> Result<Vec<ZipEntry>> {
-    let (offset, size, count) = directory(file, len)?;
+/// The entries of the zip archive that is bytes `base..base + len` of `file` (a torch DCP
+/// `.distcp` file holds one per tensor chunk); their data offsets are the file's.
+pub fn entries_at(file: &File, path: &Path, (base, len): (u64, u64)) -> Result<Vec<ZipEntry>> {
+    read_entries(file, base, len).with_context(|| {
+        format!(
+            "{}: bytes {base}..{} are not a zip archive torch wrote",
+            path.display(),
+            base.saturating_add(len)
+        )
+    })
+}
+
+fn read_entries(file: &File, base: u64, len: u64) -> Result<Vec<ZipEntry>> {
+    let (offset, size, count) = directory(file, base, len)?;
     ensure!(
         count <= MAX_ENTRIES,
         "{count} entries (at most {MAX_ENTRIES})"
@@ -92,12 +105,12 @@ fn read_entries(file: &File, len: u64) -> Result<Vec<ZipEntry>> {
         offset.checked_add(size).is_some_and(|end| end <= len),
         "the central directory is past the end of the file"
     );
-    let directory = read_vec_at(file, offset, size as usize)?;
+    let directory = read_vec_at(file, base + offset, size as usize)?;
     let mut f = Cursor::new(&directory, "a zip record ends before its fields");
     let mut found = Vec::with_capacity(count as usize);
     for _ in 0..count {
         let entry = central_entry(&mut f)?;
-        found.push(located(file, len, entry)?);
+        found.push(located(file, base, len, entry)?);
     }
     Ok(found)
 }
@@ -166,15 +179,15 @@ fn central_entry(f: &mut Cursor) -> Result<Central> {
 }
 
 /// Where an entry's bytes start: after its local header (which has its own name and extra
-/// field), all inside the file.
-fn located(file: &File, len: u64, c: Central) -> Result<ZipEntry> {
+/// field), all inside the archive (bytes `base..base + len` of `file`).
+fn located(file: &File, base: u64, len: u64, c: Central) -> Result<ZipEntry> {
     ensure!(c.flags & 1 == 0, "entry '{}' is encrypted", c.name);
     ensure!(
         c.local.checked_add(30).is_some_and(|end| end <= len),
         "entry '{}' starts past the end of the file",
         c.name
     );
-    let header = read_vec_at(file, c.local, 30)?;
+    let header = read_vec_at(file, base + c.local, 30)?;
     ensure!(
         header[..4] == [0x50, 0x4b, 0x03, 0x04],
         "entry '{}' has no local header where the directory says",
@@ -194,7 +207,7 @@ fn located(file: &File, len: u64, c: Central) -> Result<ZipEntry> {
     }
     Ok(ZipEntry {
         name: c.name,
-        data_offset,
+        data_offset: base + data_offset,
         size: c.size,
         stored: c.method == 0,
     })

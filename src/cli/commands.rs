@@ -3,8 +3,8 @@
 
 pub use super::methods::run_methods;
 use super::{
-    AnalyzeArgs, Cli, Command, ComputeArgs, DemoArgs, DeviceChoice, InputArgs, MergeArgs,
-    OutputArgs, RunArgs, VerifyArgs,
+    AnalyzeArgs, Cli, Command, ComputeArgs, ConvertArgs, DemoArgs, DeviceChoice, InputArgs,
+    MergeArgs, OutputArgs, RunArgs, VerifyArgs,
 };
 use crate::backend::gpu::{list_adapters, AdapterChoice, GpuContext};
 use crate::demo;
@@ -18,27 +18,17 @@ use anyhow::{Context, Result};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
+/// A model as given on the command line, as a local path ([`crate::hub::locate_model`]).
+fn locate(model: &Path) -> Result<PathBuf> {
+    crate::hub::locate_model(model, std::io::stderr().is_terminal())
+}
+
 impl InputArgs {
     /// The base and agent folders given with --base and --model.
     fn folders(&self) -> Result<(PathBuf, Vec<PathBuf>)> {
         match (&self.base, self.models.is_empty()) {
-            // A name that is no path but a Hub id (org/name[@revision]): the cache's snapshot,
-            // downloaded first unless HF_HUB_OFFLINE.
             (Some(b), false) => {
-                let progress = std::io::stderr().is_terminal();
-                // BASE+ADAPTER (a LoRA agent): each part found as a model is.
-                let locate = |p: &PathBuf| match p
-                    .to_str()
-                    .and_then(crate::checkpoint::lora::split_reference)
-                {
-                    Some((b, a)) => {
-                        let b = crate::hub::locate(Path::new(b), progress)?;
-                        let a = crate::hub::locate(Path::new(a), progress)?;
-                        Ok(PathBuf::from(format!("{}+{}", b.display(), a.display())))
-                    }
-                    None => crate::hub::locate(p, progress),
-                };
-                let models = self.models.iter().map(locate).collect::<Result<_>>()?;
+                let models = self.models.iter().map(|m| locate(m)).collect::<Result<_>>()?;
                 Ok((locate(b)?, models))
             }
             _ => Err(usage(
@@ -122,6 +112,7 @@ pub(crate) fn run(cli: Cli, mut out: &mut dyn Write) -> Result<()> {
         Command::Demo(args) => run_demo(&args, &mut out),
         Command::Devices(args) => run_devices(&args, &mut out),
         Command::Verify(args) => run_verify(&args, &mut out),
+        Command::Convert(args) => run_convert(&args, &mut out),
     }
 }
 
@@ -259,7 +250,7 @@ fn print_lambdas(
 
 fn run_merge(args: &MergeArgs, out: &mut impl Write) -> Result<()> {
     let job = match &args.config {
-        Some(path) => Job::from_recipe(path, args.output.seed)?,
+        Some(path) => Job::from_recipe(path, args.seed.seed)?,
         None => {
             let (base, agents) = args.inputs.folders()?;
             let tokenizer = args.inputs.tokenizer()?;
@@ -270,7 +261,7 @@ fn run_merge(args: &MergeArgs, out: &mut impl Write) -> Result<()> {
 }
 
 fn run_recipe(args: &RunArgs, out: &mut impl Write) -> Result<()> {
-    let job = Job::from_recipe(&args.recipe, args.output.seed)?;
+    let job = Job::from_recipe(&args.recipe, args.seed.seed)?;
     merge_job(job, &args.compute, &args.output, out)
 }
 
@@ -300,6 +291,40 @@ fn merge_job(
     if !matches!(job.merging.method, Method::Combine(_)) {
         print_lambdas(out, &summary.record, &job.agents)?;
     }
+    Ok(())
+}
+
+/// `rlmerge convert`: the source as one model through the merge service (a passthrough of it,
+/// which its record and saved recipe say), on the CPU.
+fn run_convert(args: &ConvertArgs, out: &mut impl Write) -> Result<()> {
+    let source = locate(&args.source)?;
+    let mut job = Job::conversion(source.clone())?;
+    let compute = ComputeArgs {
+        epsilon: None,
+        threads: args.threads,
+        quiet: args.quiet,
+        device: DeviceChoice::Cpu,
+        tile_elems: args.tile_elems,
+        allow_nonfinite: args.allow_nonfinite,
+        allow_missing_tensors: false,
+        allow_dense_agents: true,
+        raw_f32_agents: args.raw_f32,
+        gpu_chunk_elems: None,
+    };
+    job.set_command_line(&compute.command_line(&args.output))?;
+    let summary = service::merge(
+        &job,
+        &compute.compute(),
+        (&args.output.out, args.output.force),
+        &mut show(args.quiet),
+    )?;
+    writeln!(
+        out,
+        "converted {} into {} ({} shard(s))",
+        terminal(&args.source.display().to_string()),
+        terminal(&args.output.out.display().to_string()),
+        summary.shards.len()
+    )?;
     Ok(())
 }
 

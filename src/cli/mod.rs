@@ -96,6 +96,9 @@ pub(crate) enum Command {
     Devices(DevicesArgs),
     /// Check a merged folder against the checksums its record holds (outputs and inputs).
     Verify(VerifyArgs),
+    /// Convert a checkpoint as a trainer wrote it (verl FSDP shards, pytorch_model.bin,
+    /// BASE+ADAPTER…) into a Hugging Face safetensors folder, streamed in bounded memory.
+    Convert(ConvertArgs),
 }
 
 #[derive(Args, Debug)]
@@ -262,6 +265,8 @@ pub(crate) struct MergeArgs {
     pub(crate) svc: Option<String>,
     #[command(flatten)]
     pub(crate) output: OutputArgs,
+    #[command(flatten)]
+    pub(crate) seed: SeedArg,
 }
 
 /// Where and how the merged folder is written.
@@ -277,13 +282,44 @@ pub(crate) struct OutputArgs {
     /// Replace the output folder if it exists (only once the new one is complete).
     #[arg(long)]
     pub(crate) force: bool,
+    /// Output folder.
+    #[arg(short = 'o', long = "out", value_name = "OUT_DIR")]
+    pub(crate) out: PathBuf,
+}
+
+/// The seed of a merge's random masks.
+#[derive(Args, Debug)]
+pub(crate) struct SeedArg {
     /// Seed of random masks (dare_linear, dare_ties, della, della_linear): the same seed gives the
     /// same bytes on every backend and tiling [default: a recipe's seed, else 0].
     #[arg(long)]
     pub(crate) seed: Option<u64>,
-    /// Output folder.
-    #[arg(short = 'o', long = "out", value_name = "OUT_DIR")]
-    pub(crate) out: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ConvertArgs {
+    /// The checkpoint: a folder (safetensors, pytorch_model.bin, a verl actor folder of FSDP rank
+    /// shards), a Hugging Face Hub id, or BASE+ADAPTER (a PEFT adapter applied to its base).
+    #[arg(value_name = "SOURCE")]
+    pub(crate) source: PathBuf,
+    /// Keep fp32 master weights (a verl checkpoint's) as stored instead of their rounding to
+    /// bf16, which is what verl's own converter writes.
+    #[arg(long)]
+    pub(crate) raw_f32: bool,
+    /// Convert NaN and ±Inf as they are instead of refusing a checkpoint that holds them.
+    #[arg(long)]
+    pub(crate) allow_nonfinite: bool,
+    /// Worker threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) threads: usize,
+    /// No progress bars.
+    #[arg(long, short)]
+    pub(crate) quiet: bool,
+    /// Elements per tile (tests; the result does not depend on it).
+    #[arg(long, hide = true)]
+    pub(crate) tile_elems: Option<usize>,
+    #[command(flatten)]
+    pub(crate) output: OutputArgs,
 }
 
 #[derive(Args, Debug)]
@@ -295,6 +331,8 @@ pub(crate) struct RunArgs {
     pub(crate) compute: ComputeArgs,
     #[command(flatten)]
     pub(crate) output: OutputArgs,
+    #[command(flatten)]
+    pub(crate) seed: SeedArg,
 }
 
 #[derive(Args, Debug)]
@@ -360,7 +398,7 @@ impl MergeArgs {
             alpha: self.alpha,
             rescale_factor: self.rescale_factor,
             shared: self.shared,
-            seed: self.output.seed.unwrap_or(0),
+            seed: self.seed.seed.unwrap_or(0),
             svc: self.svc.as_deref().map(crate::job::parse_scalar),
             tokenizer_source: self.inputs.tokenizer_source.clone(),
             names: self.inputs.names.clone(),

@@ -150,7 +150,7 @@ pub fn merge(
     if options.merging.method.uses_base() {
         inputs.refuse_base_as_agent()?;
     }
-    check_base_config(&inputs.base.dir)?;
+    check_base_config(inputs.base.config_dir())?;
     let config_warnings = config_choice(inputs, options.config_from)?;
     let fisher = match &options.merging.method {
         Method::Combine(c) if c.kind == Kind::Fisher => Some(FisherInputs::open(c, inputs)?),

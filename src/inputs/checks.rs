@@ -307,8 +307,13 @@ const SAMPLE_TENSORS: usize = 8;
 impl Inputs {
     /// A note for each input whose weights are not safetensors: the format they are read from.
     pub fn format_notes(&self) -> Vec<String> {
-        let named =
-            std::iter::once(("base", &self.base)).chain(self.agents.iter().map(|a| ("agent", a)));
+        // A conversion's source is the base and the one model: said once.
+        let named = std::iter::once(("base", &self.base)).chain(
+            self.agents
+                .iter()
+                .filter(|a| a.dir != self.base.dir)
+                .map(|a| ("agent", a)),
+        );
         let mut notes = Vec::new();
         for (role, m) in named {
             if let Some(f) = m.other_format() {
@@ -316,6 +321,15 @@ impl Inputs {
                     "{role} {} is read from its {f}: their pickle as data (never run), their \
                      tensors in place",
                     m.dir.display()
+                ));
+            }
+            if let Some(first) = m.skipped.first() {
+                notes.push(format!(
+                    "{role} {}: {} entries that are not the model's tensors are not read ('{}'{})",
+                    m.dir.display(),
+                    m.skipped.len(),
+                    crate::escape::terminal(first),
+                    if m.skipped.len() > 1 { ", …" } else { "" }
                 ));
             }
             for (dropped, kept) in &m.aliases {

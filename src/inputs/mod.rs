@@ -109,8 +109,13 @@ impl Inputs {
         refuse_repeated_agents(agent_dirs)?;
         // One copy of each tensor name and shape for all models.
         let mut interner = crate::checkpoint::weight_file::Interner::default();
+        // A conversion's one model is its own layout: named as the model, not a base.
+        let role = match agent_dirs {
+            [only] if only == base_dir => "the model",
+            _ => "the base model",
+        };
         let base = ModelFolder::open_with(base_dir, &mut interner, layout.raw_f32_agents)
-            .context("cannot open the base model")?;
+            .with_context(|| format!("cannot open {role}"))?;
         ensure!(
             !base.tensors.is_empty(),
             "the base model {} has no tensors (its header is empty)",

@@ -166,6 +166,24 @@ impl Job {
         })
     }
 
+    /// A conversion (`rlmerge convert`): `source` as the one model of a passthrough, its own
+    /// layout and config — or, given as BASE+ADAPTER, the adapter applied to its base. Its saved
+    /// recipe is mergekit's passthrough of that model, which remakes the same folder.
+    pub fn conversion(source: PathBuf) -> Result<Job> {
+        let layout = match source
+            .to_str()
+            .and_then(crate::checkpoint::lora::split_reference)
+        {
+            Some((base, _)) => PathBuf::from(base),
+            None => source.clone(),
+        };
+        let flags = MethodFlags {
+            method: Some(Kind::Passthrough),
+            ..Default::default()
+        };
+        Job::from_flags(layout, vec![source], &flags, None)
+    }
+
     /// A job from a mergekit YAML recipe; its model names are local folders, as written or beside
     /// the recipe. `seed` (the command line's) overrides the recipe's `seed:`.
     pub fn from_recipe(path: &Path, seed: Option<u64>) -> Result<Job> {

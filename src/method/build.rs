@@ -203,11 +203,7 @@ pub fn number(x: f64) -> String {
 /// `--base` for the layout).
 pub fn merging(method: Method, svc: Option<&Scalar>) -> Result<crate::method::Merging> {
     let svc = svc.map(svc_alpha).transpose()?;
-    let from_base = match &method {
-        Method::Combine(c) => c.with_base && (c.kind.uses_base() || c.kind.base_optional()),
-        _ => true,
-    };
-    if svc.is_some() && !from_base {
+    if svc.is_some() && !method.uses_base() {
         return Err(usage(format!(
             "svc calibrates a merge's update against its base model, and method {} merges \
              without one (use a method with a base, e.g. task_arithmetic)",

@@ -165,10 +165,12 @@ impl Method {
         }
     }
 
-    /// Whether θ₀ enters the merge (task vectors against it), so it must not be an agent too.
+    /// Whether θ₀ enters the merge (task vectors against it), so it must not be an agent too:
+    /// a method with a base in its formula, or one where it is optional and given (linear,
+    /// passthrough, karcher… merge the models, the base giving only the layout).
     pub fn uses_base(&self) -> bool {
         match self {
-            Method::Combine(c) => c.with_base,
+            Method::Combine(c) => c.with_base && (c.kind.uses_base() || c.kind.base_optional()),
             _ => true,
         }
     }

@@ -18,9 +18,13 @@ pub fn model_card(
 ) -> String {
     let mut s = String::new();
     front_matter(&mut s, r);
-    let _ = writeln!(s, "# Merged with {}\n", r.merging.text());
-    summary(&mut s, r);
-    inputs(&mut s, r);
+    if r.is_conversion() {
+        conversion(&mut s, r);
+    } else {
+        let _ = writeln!(s, "# Merged with {}\n", r.merging.text());
+        summary(&mut s, r);
+        inputs(&mut s, r);
+    }
     if r.outputs.iter().any(|f| f.file == OVERLAP_FIGURE) {
         let _ = writeln!(
             s,
@@ -81,10 +85,35 @@ fn front_matter(s: &mut String, r: &MergeRecord) {
             let _ = writeln!(s, "- {}", yaml_str(id));
         }
     }
+    let tags = match r.is_conversion() {
+        true => "- rlmerge\n- converted".to_string(),
+        false => format!("- merge\n- rlmerge\n- {}", r.merging.method.name()),
+    };
+    let _ = writeln!(s, "library_name: transformers\ntags:\n{tags}\n---\n");
+}
+
+/// What a conversion (`rlmerge convert`) read and wrote: the source, its format, and that the
+/// tensors are its own.
+fn conversion(s: &mut String, r: &MergeRecord) {
+    let source = &r.agents[0].path;
+    let read_from = match r.inputs.get(1).and_then(|c| c.format.as_deref()) {
+        Some(f) => format!(", read from {f}"),
+        None => String::new(),
+    };
     let _ = writeln!(
         s,
-        "library_name: transformers\ntags:\n- merge\n- rlmerge\n- {}\n---\n",
-        r.merging.method.name()
+        "# Converted with rlmerge\n\nThis folder is {}{read_from}, written as Hugging Face \
+         safetensors by `rlmerge convert` (rlmerge {}): the source's tensors under \
+         transformers' names{}, nothing merged.",
+        code(&shown_name(source)),
+        r.version,
+        match r.adapter_applied() {
+            true => format!(
+                " (the adapter applied to its base {})",
+                code(&shown_name(&r.base))
+            ),
+            false => String::new(),
+        }
     );
 }
 

@@ -3,7 +3,7 @@
 //! ("Recipe" means only the mergekit YAML a merge may come from, saved as `mergekit_config.yml`.)
 
 use crate::checkpoint::weight_file::FileChecksum;
-use crate::method::{AgentCounts, Merging};
+use crate::method::{AgentCounts, Merging, Method};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -184,6 +184,26 @@ pub struct MergeRecord {
 }
 
 impl MergeRecord {
+    /// Whether this is a conversion (`rlmerge convert`): a passthrough of one model over itself as
+    /// the layout, or of an adapter over its base.
+    pub fn is_conversion(&self) -> bool {
+        let passthrough = matches!(&self.merging.method,
+            Method::Combine(c) if c.kind == crate::method::Kind::Passthrough);
+        match self.agents.as_slice() {
+            [a] if passthrough => a.path == self.base || self.adapter_applied(),
+            _ => false,
+        }
+    }
+
+    /// Whether the one agent of a conversion was an adapter (its files are PEFT's).
+    pub fn adapter_applied(&self) -> bool {
+        self.inputs.get(1).is_some_and(|i| {
+            i.files
+                .iter()
+                .any(|f| f.file == crate::checkpoint::files::ADAPTER_CONFIG)
+        })
+    }
+
     /// The output's weight shards.
     pub fn shards(&self) -> impl Iterator<Item = &FileChecksum> {
         self.outputs

@@ -49,9 +49,14 @@ pub fn slow_merge_command(f: &Fixture, out: &Path, extra: &[&str]) -> std::proce
         .args(extra)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped());
-    // The signals the tests send at their defaults in the merge, whatever this test process
-    // inherited (a shell's background job ignores SIGINT, and rlmerge keeps what it starts with
-    // ignored).
+    default_signals(&mut cmd);
+    cmd
+}
+
+/// Sets the signals the tests send to their defaults in `cmd`'s process, whatever this test
+/// process inherited (a shell's background job ignores SIGINT, and rlmerge keeps what it starts
+/// with ignored).
+pub fn default_signals(cmd: &mut std::process::Command) {
     #[cfg(unix)]
     {
         use std::os::unix::process::CommandExt;
@@ -66,7 +71,6 @@ pub fn slow_merge_command(f: &Fixture, out: &Path, extra: &[&str]) -> std::proce
             });
         }
     }
-    cmd
 }
 
 /// Inputs of [`slow_merge`]: 2 M elements, so its merge runs for about a second, although the
