@@ -145,3 +145,69 @@ fn a_conversion_never_writes_over_its_source_and_an_interrupted_one_leaves_nothi
     assert!(!out.exists());
     assert_eq!(processes::leftovers(f.dir.path()), Vec::<String>::new());
 }
+
+/// A 3 × 5 FP8 matrix in blocks of 2 × 2 (scales 2 × 3, partial blocks at the edges): each
+/// value is its byte's float8_e4m3fn value times its block's scale (all exact in bf16 here).
+#[test]
+fn an_fp8_matrix_converts_to_its_bytes_times_its_block_scales() {
+    use safetensors::tensor::TensorView;
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("fp8");
+    // float8_e4m3fn bytes and their values (torch: tensor.to(float8_e4m3fn).view(uint8)).
+    let bytes: [u8; 15] = [
+        0x38, 0x3c, 0xb8, 0x30, 0x00, 0x7e, 0x38, 0x38, 0x3c, 0x30, 0x30, 0xb8, 0x00, 0x38, 0x01,
+    ];
+    let values = [
+        1.0,
+        1.5,
+        -1.0,
+        0.5,
+        0.0,
+        448.0,
+        1.0,
+        1.0,
+        1.5,
+        0.5,
+        0.5,
+        -1.0,
+        0.0,
+        1.0,
+        2f32.powi(-9),
+    ];
+    let scales: [f32; 6] = [0.5, 2.0, 0.25, 4.0, 1.0, 3.0];
+    let want: Vec<f32> = (0..15)
+        .map(|e| values[e] * scales[(e / 5) / 2 * 3 + (e % 5) / 2])
+        .collect();
+    let scale_bytes = to_bytes(Dtype::F32, &scales);
+    let norm = to_bytes(Dtype::BF16, &[1.0, 2.0, 3.0, 4.0, 5.0]);
+    write_folder(&source, &[case_tensor("x", &[1], &[0.0])], 1);
+    let tensors = vec![
+        (
+            "w.weight",
+            TensorView::new(Dtype::F8_E4M3, vec![3, 5], &bytes).unwrap(),
+        ),
+        (
+            "w.weight_scale_inv",
+            TensorView::new(Dtype::F32, vec![2, 3], &scale_bytes).unwrap(),
+        ),
+        (
+            "norm.weight",
+            TensorView::new(Dtype::BF16, vec![5], &norm).unwrap(),
+        ),
+    ];
+    safetensors::tensor::serialize_to_file(tensors, None, &source.join("model.safetensors"))
+        .unwrap();
+    let config = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [2, 2]}}"#;
+    std::fs::write(source.join("config.json"), config).unwrap();
+    let out = dir.path().join("out");
+    let o = convert(&source, &out, &["-q"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let got = read_folder(&out);
+    assert_eq!(got.len(), 2, "the scales are consumed: {:?}", got.keys());
+    assert_eq!(got["w.weight"].0, Dtype::BF16);
+    assert_eq!(from_bytes(Dtype::BF16, &got["w.weight"].2), want);
+    assert_eq!(got["norm.weight"].2, norm);
+    let config = std::fs::read_to_string(out.join("config.json")).unwrap();
+    assert!(!config.contains("quantization_config"), "{config}");
+}

@@ -15,7 +15,7 @@
 
 use super::dtype::DType;
 use super::pickle::{self, Value};
-use super::pieces::{Assembled, Piece, Pieces};
+use super::pieces::{Assembled, Piece, Pieces, Stored};
 use super::torch_file::{int, ints, read_one_at, MAX_PICKLE};
 use super::weight_file::{shape_text, Interner, TensorEntry, WeightFile};
 use anyhow::{bail, ensure, Context, Result};
@@ -61,7 +61,7 @@ const TIED_HEAD: &str = "lm_head.weight";
 const TIED_EMBEDDINGS: &str = "model.embed_tokens.weight";
 
 /// Where a chunk's archive is.
-struct Stored {
+struct ChunkAt {
     file: String,
     offset: u64,
     length: u64,
@@ -109,7 +109,7 @@ struct Metadata {
     /// Each entry's flattened name and, for a tensor, its metadata.
     entries: Vec<(String, Option<TensorMeta>)>,
     /// Where each (name, chunk offsets) is stored.
-    storage: HashMap<(String, Vec<usize>), Stored>,
+    storage: HashMap<(String, Vec<usize>), ChunkAt>,
     /// Each flattened name's path in the saved state dict (`("model", "lm_head.weight")`).
     paths: HashMap<String, Vec<String>>,
 }
@@ -156,7 +156,7 @@ impl Metadata {
                  rlmerge does not read",
                 shown(&name)
             );
-            let stored = Stored {
+            let stored = ChunkAt {
                 file: text(&field(&info, "relative_path")?, "a chunk's file")?,
                 offset: count(&field(&info, "offset")?, "a chunk's offset in its file")?,
                 length: count(&field(&info, "length")?, "a chunk's length")?,
@@ -307,7 +307,7 @@ impl Metadata {
             numel: meta.size.iter().product(),
         };
         let pieces = Pieces {
-            stored,
+            stored: Stored::Plain(stored),
             parts: parts.into(),
         };
         Ok((entry, Arc::new(pieces), first))

@@ -269,6 +269,23 @@ pub fn f32_to_bf16_bits(v: f32) -> u16 {
     }
 }
 
+/// A `float8_e4m3fn` byte as f32 (exact): 1 sign, 4 exponent (bias 7) and 3 mantissa bits, no
+/// infinities, `S.1111.111` NaN, exponent 0 subnormal (m/8 · 2⁻⁶) — the weights of FP8
+/// block-scaled checkpoints (DeepSeek-V3, Kimi K2), as torch's `.to(torch.float32)` widens them.
+pub fn f8_e4m3fn_to_f32(byte: u8) -> f32 {
+    let (exponent, mantissa) = (i32::from((byte >> 3) & 0xf), f32::from(byte & 7));
+    let magnitude = match exponent {
+        0xf if mantissa == 7.0 => f32::NAN,
+        0 => mantissa / 8.0 * 2f32.powi(-6),
+        e => (1.0 + mantissa / 8.0) * 2f32.powi(e - 7),
+    };
+    if byte & 0x80 != 0 {
+        -magnitude
+    } else {
+        magnitude
+    }
+}
+
 /// Each value rounded to `dtype` (to nearest even, as torch's `.bfloat16()` and `.half()` round)
 /// and back to f32: what storing it in `dtype` keeps. f32 values stay as they are.
 pub fn round_through(dtype: DType, values: &mut [f32]) {
@@ -298,6 +315,26 @@ pub fn decode_one(dtype: DType, bytes: &[u8], index: usize) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn float8_e4m3fn_widens_as_torch_does() {
+        // (byte, value): torch.tensor([v]).to(torch.float8_e4m3fn).view(torch.uint8).
+        for (byte, want) in [
+            (0x00u8, 0.0f32),
+            (0x38, 1.0),
+            (0xb8, -1.0),
+            (0x7e, 448.0),
+            (0xfe, -448.0),
+            (0x01, 2f32.powi(-9)),
+            (0x08, 2f32.powi(-6)),
+            (0x3c, 1.5),
+            (0x30, 0.5),
+        ] {
+            assert_eq!(f8_e4m3fn_to_f32(byte), want, "{byte:#x}");
+        }
+        assert!(f8_e4m3fn_to_f32(0x7f).is_nan() && f8_e4m3fn_to_f32(0xff).is_nan());
+        assert!(f8_e4m3fn_to_f32(0x80).is_sign_negative());
+    }
     use half::bf16;
 
     #[test]

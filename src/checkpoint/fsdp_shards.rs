@@ -10,7 +10,7 @@
 //! read under the first, as transformers saves it.
 
 use super::dtype::DType;
-use super::pieces::{Assembled, Piece, Pieces};
+use super::pieces::{Assembled, Piece, Pieces, Stored};
 use super::torch_file::{self, dtensor::Placement, FileTensor};
 use super::weight_file::{shape_text, Interner, TensorEntry};
 use anyhow::{bail, ensure, Context, Result};
@@ -283,7 +283,14 @@ fn assemble(
         offset: first.entry.offset,
         numel,
     };
-    Ok((entry, Arc::new(Pieces { stored, parts }), used[0].0))
+    Ok((
+        entry,
+        Arc::new(Pieces {
+            stored: Stored::Plain(stored),
+            parts,
+        }),
+        used[0].0,
+    ))
 }
 
 /// Each piece is rows of the whole `shape`, and the pieces' `rows` are all of them.

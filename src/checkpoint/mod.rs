@@ -7,6 +7,7 @@ pub mod dcp;
 pub mod dtype;
 pub mod files;
 pub mod folder_files;
+pub mod fp8;
 pub mod fsdp_shards;
 pub mod lora;
 pub mod model;

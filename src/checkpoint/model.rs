@@ -33,8 +33,8 @@ pub struct ModelFolder {
     pub dir: PathBuf,
     /// The format of its weight files.
     pub format: WeightFormat,
-    /// What it was read from where it is a trainer's checkpoint, not a Hugging Face folder
-    /// (`verl FSDP shards (2 ranks)`).
+    /// What it was read from where it is a trainer's checkpoint or a quantized one, not a plain
+    /// Hugging Face folder (`verl FSDP shards (2 ranks)`, `FP8 block-scaled safetensors …`).
     pub trainer: Option<String>,
     /// (name dropped, name kept) for each tensor its files hold under two names (tied weights).
     pub aliases: Vec<(Arc<str>, Arc<str>)>,
@@ -123,11 +123,25 @@ impl ModelFolder {
             folder.skipped = opened.skipped;
             return Ok(folder);
         }
+        Self::open_hf(dir, interner)
+    }
+
+    /// A Hugging Face folder's weight files, safetensors or torch.save; an FP8 block-scaled
+    /// checkpoint's matrices presented as bf16 through their scales ([`super::fp8`]).
+    fn open_hf(dir: &Path, interner: &mut Interner) -> Result<ModelFolder> {
         let Some((format, index_path, index, shard_names)) = weight_files(dir)? else {
             return Err(no_weights(dir));
         };
+        let block = match format {
+            WeightFormat::Safetensors => {
+                let config = ModelConfig::read_if_present(dir)?;
+                super::fp8::block_size(config.as_ref().map(ModelConfig::json))
+                    .with_context(|| format!("{}", dir.join(CONFIG_FILE).display()))?
+            }
+            WeightFormat::Torch => None,
+        };
         let mut shards = Vec::with_capacity(shard_names.len());
-        let mut tensors = Vec::new();
+        let (mut tensors, mut fp8) = (Vec::new(), Vec::new());
         for (i, name) in shard_names.iter().enumerate() {
             let path = dir.join(name);
             if path.symlink_metadata().is_err() {
@@ -137,21 +151,45 @@ impl ModelFolder {
                     path.display()
                 );
             }
-            let (file, entries) = match format {
-                WeightFormat::Safetensors => super::safetensors_file::open(&path, interner)?,
-                WeightFormat::Torch => super::torch_file::open(&path, interner)?,
+            let (file, listed) = match format {
+                WeightFormat::Safetensors => {
+                    super::safetensors_file::open_with(&path, interner, block.is_some())?
+                }
+                WeightFormat::Torch => {
+                    let (file, entries) = super::torch_file::open(&path, interner)?;
+                    (file, entries.into_iter().map(|e| (e, false)).collect())
+                }
             };
-            for entry in entries {
+            for (entry, quantized) in listed {
                 tensors.push(ModelTensor {
                     shard: i,
                     entry,
                     pieces: None,
                 });
+                fp8.push(quantized);
             }
             shards.push(file);
         }
         if let Some(index) = &index {
             check_index_matches(&index_path, index, &shard_names, &tensors)?;
+        }
+        if let Some(block) = block {
+            let listed = tensors
+                .into_iter()
+                .zip(fp8)
+                .map(|(t, fp8)| (t.shard, t.entry, fp8))
+                .collect();
+            let tensors = super::fp8::dequantized(dir, &shards, listed, block)?
+                .into_iter()
+                .map(|(shard, entry, pieces)| ModelTensor {
+                    shard,
+                    entry,
+                    pieces,
+                })
+                .collect();
+            let mut folder = Self::from_parts(dir, (format, shards, tensors), dir.to_path_buf())?;
+            folder.trainer = Some(super::fp8::described(block));
+            return Ok(folder);
         }
         Self::from_parts(dir, (format, shards, tensors), dir.to_path_buf())
     }

@@ -30,11 +30,79 @@ pub struct Assembled {
 /// Elements converted at a time (a bounded scratch whatever the tile).
 const CHUNK: u64 = 1 << 14;
 
+/// How a presented tensor's elements are stored.
+#[derive(Debug)]
+pub enum Stored {
+    /// In a dtype rlmerge reads (fp32 masters shown as bf16, or as they are).
+    Plain(DType),
+    /// As `float8_e4m3fn` bytes, each block of the matrix scaled by one f32 (`weight_scale_inv`):
+    /// the value is the byte widened times its block's scale, in f32, as DeepSeek's
+    /// `weight_dequant` computes it.
+    Fp8Blocks(BlockScales),
+}
+
+/// The scales of an FP8 block-scaled matrix.
+#[derive(Debug)]
+pub struct BlockScales {
+    /// One per block, row-major: `ceil(rows / block.0) × ceil(cols / block.1)`.
+    pub scales: Box<[f32]>,
+    /// The matrix's columns.
+    pub cols: usize,
+    /// A block's rows and columns.
+    pub block: (usize, usize),
+}
+
+impl Stored {
+    /// Bytes per stored element.
+    pub fn size(&self) -> usize {
+        match self {
+            Stored::Plain(d) => d.size(),
+            Stored::Fp8Blocks(_) => 1,
+        }
+    }
+
+    /// Widens `raw`, the stored bytes of elements `first..`, into `out`.
+    fn widen(&self, raw: &[u8], first: u64, out: &mut [f32]) {
+        match self {
+            Stored::Plain(d) => decode(*d, raw, out),
+            Stored::Fp8Blocks(b) => b.widen(raw, first as usize, out),
+        }
+    }
+}
+
+impl BlockScales {
+    /// [`Stored::widen`] of FP8 bytes: a row's run of elements at a time, each block's run
+    /// scaled by its one scale, the bytes widened through a table.
+    fn widen(&self, raw: &[u8], first: usize, out: &mut [f32]) {
+        let table = fp8_table();
+        let scale_cols = self.cols.div_ceil(self.block.1);
+        let mut i = 0;
+        while i < out.len() {
+            let (row, col) = ((first + i) / self.cols, (first + i) % self.cols);
+            // The run of this row inside one block.
+            let run = (self.block.1 - col % self.block.1)
+                .min(self.cols - col)
+                .min(out.len() - i);
+            let scale = self.scales[row / self.block.0 * scale_cols + col / self.block.1];
+            for (o, &byte) in out[i..i + run].iter_mut().zip(&raw[i..i + run]) {
+                *o = table[usize::from(byte)] * scale;
+            }
+            i += run;
+        }
+    }
+}
+
+/// Every `float8_e4m3fn` byte's value, computed once.
+fn fp8_table() -> &'static [f32; 256] {
+    static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|b| super::dtype::f8_e4m3fn_to_f32(b as u8)))
+}
+
 /// Where a presented tensor's elements are stored, in order.
 #[derive(Debug)]
 pub struct Pieces {
-    /// The dtype the files store them in.
-    pub stored: DType,
+    /// How the files store them.
+    pub stored: Stored,
     /// The pieces, in the tensor's element order.
     pub parts: Box<[Piece]>,
 }
@@ -71,6 +139,7 @@ impl Pieces {
     ) -> Result<()> {
         let shown = entry.dtype.size() as u64;
         let stored = self.stored.size() as u64;
+        let same = matches!(self.stored, Stored::Plain(d) if d == entry.dtype);
         let first = start / shown;
         let end = first + buf.len() as u64 / shown;
         let (mut raw, mut wide) = (Vec::new(), Vec::new());
@@ -93,7 +162,7 @@ impl Pieces {
                         offset + bytes
                     )
                 };
-                if self.stored == entry.dtype {
+                if same {
                     file.read_at(offset, out, what)?;
                     file.record_at(offset, out);
                 } else {
@@ -101,7 +170,7 @@ impl Pieces {
                     file.read_at(offset, &mut raw, what)?;
                     file.record_at(offset, &raw);
                     wide.resize(n as usize, 0f32);
-                    decode(self.stored, &raw, &mut wide);
+                    self.stored.widen(&raw, e - at, &mut wide);
                     encode(entry.dtype, &wide, out);
                 }
                 e += n;

@@ -15,6 +15,20 @@ const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// shapes through `interner` with the files opened before (a base and its agents name the
 /// same 10^5 tensors: one copy each).
 pub fn open(path: &Path, interner: &mut Interner) -> Result<(WeightFile, Vec<TensorEntry>)> {
+    let (file, listed) = open_with(path, interner, false)?;
+    Ok((file, listed.into_iter().map(|(t, _)| t).collect()))
+}
+
+/// A tensor as a header lists it, and whether it is stored as `F8_E4M3` (its entry then
+/// presents it as BF16, one stored byte per element: [`super::fp8`]).
+pub type Listed = (TensorEntry, bool);
+
+/// [`open`]; with `fp8`, `F8_E4M3` tensors are read too (an FP8 block-scaled checkpoint's).
+pub fn open_with(
+    path: &Path,
+    interner: &mut Interner,
+    fp8: bool,
+) -> Result<(WeightFile, Vec<Listed>)> {
     let (file, meta) = super::files::open_regular(path)?;
     let file_len = meta.len();
     let fail = |msg: String| -> anyhow::Error { anyhow::anyhow!("{}: {msg}", path.display()) };
@@ -41,10 +55,21 @@ pub fn open(path: &Path, interner: &mut Interner) -> Result<(WeightFile, Vec<Ten
         .with_context(|| format!("cannot read the header of {}", path.display()))?;
     let data_start = 8 + header_len;
     let data_len = file_len - data_start;
-    let tensors = parse_header(&header, data_start, data_len, interner)
+    let tensors = parse_header(&header, (data_start, data_len, fp8), interner)
         .map_err(|e| fail(format!("{e:#}")))?;
-    let spans = tensors.iter().map(|t| (t.offset, t.byte_len())).collect();
+    let spans = tensors
+        .iter()
+        .map(|t| (t.0.offset, stored_len(t)))
+        .collect();
     Ok((WeightFile::new(path, &meta, spans), tensors))
+}
+
+/// The bytes a listed tensor takes in the file.
+fn stored_len((t, fp8): &Listed) -> u64 {
+    match fp8 {
+        true => t.numel as u64,
+        false => t.byte_len(),
+    }
 }
 
 /// Parses the JSON header. Offsets must be in range and sized for shape × dtype; unsupported dtypes
@@ -55,12 +80,14 @@ pub fn open(path: &Path, interner: &mut Interner) -> Result<(WeightFile, Vec<Ten
 struct HeaderSeed<'a> {
     data_start: u64,
     data_len: u64,
+    /// `F8_E4M3` tensors are read (an FP8 checkpoint).
+    fp8: bool,
     error: &'a mut Option<anyhow::Error>,
     interner: &'a mut Interner,
 }
 
 impl<'de> serde::de::DeserializeSeed<'de> for HeaderSeed<'_> {
-    type Value = Vec<TensorEntry>;
+    type Value = Vec<Listed>;
     fn deserialize<D: serde::Deserializer<'de>>(
         self,
         deserializer: D,
@@ -70,7 +97,7 @@ impl<'de> serde::de::DeserializeSeed<'de> for HeaderSeed<'_> {
 }
 
 impl<'de> serde::de::Visitor<'de> for HeaderSeed<'_> {
-    type Value = Vec<TensorEntry>;
+    type Value = Vec<Listed>;
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         f.write_str("a JSON object of tensors")
     }
@@ -82,7 +109,8 @@ impl<'de> serde::de::Visitor<'de> for HeaderSeed<'_> {
             if name == "__metadata__" {
                 continue;
             }
-            match tensor_entry(name, &info, self.data_start, self.data_len, self.interner) {
+            let data = (self.data_start, self.data_len, self.fp8);
+            match tensor_entry(name, &info, data, self.interner) {
                 Ok(t) => tensors.push(t),
                 Err(e) => {
                     *self.error = Some(e);
@@ -98,10 +126,9 @@ impl<'de> serde::de::Visitor<'de> for HeaderSeed<'_> {
 fn tensor_entry(
     name: String,
     info: &serde_json::Value,
-    data_start: u64,
-    data_len: u64,
+    (data_start, data_len, fp8): (u64, u64, bool),
     interner: &mut Interner,
-) -> Result<TensorEntry> {
+) -> Result<Listed> {
     let bad = |what: &str| anyhow::anyhow!("tensor '{name}': {what}");
     let info = info
         .as_object()
@@ -110,11 +137,16 @@ fn tensor_entry(
         .get("dtype")
         .and_then(|d| d.as_str())
         .ok_or_else(|| bad("missing dtype"))?;
-    let dtype = DType::from_safetensors(dtype_name).ok_or_else(|| {
-        bad(&format!(
-            "unsupported dtype {dtype_name} (rlmerge merges BF16, F16 and F32)"
-        ))
-    })?;
+    let stored_fp8 = fp8 && dtype_name == "F8_E4M3";
+    let dtype = match stored_fp8 {
+        true => DType::BF16,
+        false => DType::from_safetensors(dtype_name).ok_or_else(|| {
+            bad(&format!(
+                "unsupported dtype {dtype_name} (rlmerge merges BF16, F16 and F32, and reads \
+                 F8_E4M3 in an FP8 block-scaled checkpoint: quant_method fp8 in its config.json)"
+            ))
+        })?,
+    };
     let shape: Vec<usize> = info
         .get("shape")
         .and_then(|s| s.as_array())
@@ -142,7 +174,8 @@ fn tensor_entry(
         }
         return Err(bad(&format!("data offsets {begin}..{end} are reversed")));
     }
-    let expected = (numel as u64).checked_mul(dtype.size() as u64);
+    let element = if stored_fp8 { 1 } else { dtype.size() as u64 };
+    let expected = (numel as u64).checked_mul(element);
     if expected != Some(end - begin) {
         return Err(bad(&format!(
             "data offsets {begin}..{end} hold {} bytes but shape {} of {dtype_name} needs {}",
@@ -151,21 +184,21 @@ fn tensor_entry(
             expected.map_or("more than u64".to_string(), |e| e.to_string())
         )));
     }
-    Ok(TensorEntry {
+    let entry = TensorEntry {
         name: interner.name(name),
         dtype,
         shape: interner.shape(shape),
         offset: data_start + begin,
         numel,
-    })
+    };
+    Ok((entry, stored_fp8))
 }
 
 fn parse_header(
     header: &[u8],
-    data_start: u64,
-    data_len: u64,
+    (data_start, data_len, fp8): (u64, u64, bool),
     interner: &mut Interner,
-) -> Result<Vec<TensorEntry>> {
+) -> Result<Vec<Listed>> {
     use serde::de::DeserializeSeed;
     let text = std::str::from_utf8(header).context("corrupt header: not UTF-8")?;
     let mut error = None;
@@ -173,6 +206,7 @@ fn parse_header(
     let parsed = HeaderSeed {
         data_start,
         data_len,
+        fp8,
         error: &mut error,
         interner,
     }
@@ -184,17 +218,17 @@ fn parse_header(
         (Ok(t), None) => t,
     };
     // A name given twice is an error, not the last one silently kept (a JSON map would).
-    if let Some(name) = repeated_name(&tensors) {
+    if let Some(name) = repeated_name(tensors.iter().map(|t| &t.0)) {
         bail!("corrupt header JSON: tensor '{name}' appears twice");
     }
-    tensors.sort_by_key(|t| t.offset);
+    tensors.sort_by_key(|t| t.0.offset);
     tensors.shrink_to_fit();
     for pair in tensors.windows(2) {
-        if pair[0].offset + pair[0].byte_len() > pair[1].offset {
+        if pair[0].0.offset + stored_len(&pair[0]) > pair[1].0.offset {
             bail!(
                 "tensors '{}' and '{}' have overlapping data offsets",
-                pair[0].name,
-                pair[1].name
+                pair[0].0.name,
+                pair[1].0.name
             );
         }
     }

@@ -204,6 +204,10 @@ fn output_config(
     };
     let mut config = config.json().clone();
     set_config_dtype(&mut config, out_dtype);
+    // No output is quantized: an FP8 base's matrices are written dequantized.
+    if let Some(c) = config.as_object_mut() {
+        c.remove(crate::checkpoint::fp8::QUANTIZATION_KEY);
+    }
     if let Some(v) = inputs.vocabulary.as_deref() {
         v.set_config_vocab_size(&mut config);
     }

@@ -317,9 +317,15 @@ impl Inputs {
         let mut notes = Vec::new();
         for (role, m) in named {
             if let Some(f) = m.other_format() {
+                // Every other format but FP8 safetensors holds pickles.
+                let how = match m.format {
+                    crate::checkpoint::files::WeightFormat::Torch => {
+                        ": their pickle as data (never run), their tensors in place"
+                    }
+                    crate::checkpoint::files::WeightFormat::Safetensors => ", tile by tile",
+                };
                 notes.push(format!(
-                    "{role} {} is read from its {f}: their pickle as data (never run), their \
-                     tensors in place",
+                    "{role} {} is read from its {f}{how}",
                     m.dir.display()
                 ));
             }
