@@ -5,7 +5,7 @@ use super::fsdp_shards;
 use super::lora::LoraAdapter;
 use super::pieces::Pieces;
 use super::weight_file::{crc32_of_file, FileChecksum, Interner, TensorEntry, WeightFile};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -255,9 +255,73 @@ impl ModelFolder {
             };
             adapter.check_shape(name, &t.entry.shape)?;
         }
+        for (name, len) in adapter.bias_targets() {
+            match folder.get(name) {
+                Some(t) if t.entry.shape[..] == [len] => {}
+                found => bail!(
+                    "{}: the adapter's lora_B bias adds to '{name}' ({len} values), which the base \
+                     {} {}",
+                    adapter_dir.display(),
+                    base_dir.display(),
+                    match found {
+                        Some(t) => format!("has as {}", super::weight_file::shape_text(&t.entry.shape)),
+                        None => "does not have (PEFT adds a lora_B bias to the layer's own bias, and refuses \
+                                 to merge one without)"
+                            .into(),
+                    }
+                ),
+            }
+        }
+        folder.replace_with_whole_modules(&adapter, adapter_dir)?;
         folder.dir = adapter_dir.to_path_buf();
         folder.lora = Some(adapter);
         Ok(folder)
+    }
+
+    /// A LoRA agent's tensors that its adapter saves whole (`modules_to_save`) are read from the
+    /// adapter's file, a shard of its own: the base's tensor of that name and shape replaced.
+    fn replace_with_whole_modules(
+        &mut self,
+        adapter: &LoraAdapter,
+        adapter_dir: &Path,
+    ) -> Result<()> {
+        if adapter.whole.is_empty() {
+            return Ok(());
+        }
+        let path = &adapter.file.path;
+        let meta =
+            std::fs::metadata(path).with_context(|| format!("cannot stat {}", path.display()))?;
+        let spans = adapter
+            .whole
+            .iter()
+            .map(|(_, e)| (e.offset, e.byte_len()))
+            .collect();
+        self.shards.push(WeightFile::new(path, &meta, spans));
+        let shard = self.shards.len() - 1;
+        for (name, e) in &adapter.whole {
+            let Some(i) = self.index_of(name) else {
+                bail!(
+                    "{}: the adapter saves '{name}' whole, which the base {} does not have",
+                    adapter_dir.display(),
+                    self.dir.display()
+                );
+            };
+            let t = &mut self.tensors[i];
+            ensure!(
+                t.entry.shape == e.shape,
+                "{}: the adapter saves '{name}' as {}, the base has it as {}",
+                adapter_dir.display(),
+                super::weight_file::shape_text(&e.shape),
+                super::weight_file::shape_text(&t.entry.shape)
+            );
+            let name = t.entry.name.clone();
+            *t = ModelTensor {
+                shard,
+                entry: TensorEntry { name, ..e.clone() },
+                pieces: None,
+            };
+        }
+        Ok(())
     }
 
     /// The folder whose config.json describes this model: its own, or a LoRA agent's base's.
@@ -284,7 +348,7 @@ impl ModelFolder {
 
     /// The adapter that updates tensor `name`, when this agent is a LoRA one that does.
     pub fn lora_for(&self, name: &str) -> Option<&LoraAdapter> {
-        self.lora.as_ref().filter(|l| l.update(name).is_some())
+        self.lora.as_ref().filter(|l| l.adds_to(name))
     }
 
     /// The tensor called `name`, if the model has it.

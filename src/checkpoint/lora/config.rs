@@ -28,12 +28,11 @@ struct AdapterConfig {
     rank_pattern: Patterns<usize>,
     #[serde(default)]
     alpha_pattern: Patterns<f64>,
-    #[serde(default)]
-    modules_to_save: Option<serde_json::Value>,
-    /// PEFT features that change what the adapter computes; refused when set (JSON null reads as
-    /// `None`).
+    /// lora_B carries a bias (`lora_B.bias`), added scaled to the base layer's bias.
     #[serde(default)]
     lora_bias: bool,
+    /// PEFT features that change what the adapter computes; refused when set (JSON null reads as
+    /// `None`).
     #[serde(default)]
     layer_replication: Option<serde_json::Value>,
     #[serde(default)]
@@ -156,8 +155,8 @@ pub(super) struct Settings {
     pub fan_in_fan_out: bool,
     /// `use_dora`: every module's update comes with a magnitude vector.
     use_dora: bool,
-    /// The config lists `modules_to_save`: tensors that are not A or B are whole modules.
-    pub saves_modules: bool,
+    /// `lora_bias`: each lora_B carries a bias, added (scaled) to the base's bias.
+    pub lora_bias: bool,
     rank_pattern: Vec<(regex::Regex, usize)>,
     alpha_pattern: Vec<(regex::Regex, f64)>,
 }
@@ -184,7 +183,6 @@ impl Settings {
             ));
         }
         for (key, set) in [
-            ("lora_bias", config.lora_bias),
             ("layer_replication", config.layer_replication.is_some()),
             (
                 "trainable_token_indices",
@@ -218,7 +216,7 @@ impl Settings {
             use_rslora: config.use_rslora,
             fan_in_fan_out: config.fan_in_fan_out,
             use_dora: config.use_dora,
-            saves_modules: config.modules_to_save.is_some(),
+            lora_bias: config.lora_bias,
             rank_pattern,
             alpha_pattern,
             config_path,

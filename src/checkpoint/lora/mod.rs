@@ -84,6 +84,11 @@ pub struct LoraAdapter {
     pub file: WeightFile,
     /// By base tensor name (`{module}.weight`).
     updates: HashMap<String, LoraUpdate>,
+    /// lora_B's biases (`lora_bias`) by the base's bias they add to (`{module}.bias`), with s.
+    biases: HashMap<String, (TensorEntry, f32)>,
+    /// Whole modules the adapter saves, by the base tensor each replaces (`modules_to_save`):
+    /// the agent's tensor is the adapter's, read from its file ([`super::model`]).
+    pub whole: Vec<(String, TensorEntry)>,
     cache: Mutex<Cache>,
     /// A/B pairs read from the adapter so far (one per updated tensor and pass).
     pairs_read: std::sync::atomic::AtomicUsize,
@@ -150,20 +155,33 @@ enum Part {
     Magnitude,
 }
 
-/// Sorts the adapter file's tensors into [`ModulePairs`]; anything else it holds is refused.
+/// What an adapter file holds besides its A/B pairs: whole modules (`modules_to_save`, or the
+/// other modules a trainer saves beside the pairs), by the base tensor they replace, and lora_B's
+/// biases, by module.
+#[derive(Default)]
+struct Extras {
+    whole: Vec<(String, TensorEntry)>,
+    biases: Vec<(String, TensorEntry)>,
+}
+
+/// Sorts the adapter file's tensors into [`ModulePairs`] and [`Extras`]; a LoRA name of no known
+/// part is refused.
 fn module_pairs(
     file: &WeightFile,
     entries: Vec<TensorEntry>,
     settings: &Settings,
-) -> Result<ModulePairs> {
+) -> Result<(ModulePairs, Extras)> {
     let mut pairs = ModulePairs::new();
+    let mut extras = Extras::default();
     for e in entries {
         // base_model.model.{module}.lora_A[.default].weight
         let name = e.name.strip_prefix("base_model.model.").unwrap_or(&e.name);
-        let name = name.replace(".default.", ".");
+        let name = name
+            .replace(".modules_to_save.", ".")
+            .replace(".default.", ".");
         // A copy of the base's own layer (PEFT's save_embedding_layers): the adapter applies
         // to the merge's base, whose layer it is.
-        if name.ends_with(".base_layer.weight") {
+        if name.ends_with(".base_layer.weight") || name.ends_with(".base_layer.bias") {
             continue;
         }
         // DoRA's m: `{module}.lora_magnitude_vector` as PEFT saves it (`.weight` in its models).
@@ -182,16 +200,18 @@ fn module_pairs(
                 .map(|m| (m.to_string(), part, emb))
         });
         let Some((module, part, embedding)) = found else {
-            if settings.saves_modules || !name.contains("lora_") {
-                bail!(
-                    "{}: tensor '{}' is a full copy of a module (modules_to_save); adapters \
-                     that save whole modules are not supported yet",
-                    file.path.display(),
-                    e.name
-                );
+            if let Some(module) = name.strip_suffix(".lora_B.bias") {
+                extras.biases.push((module.to_string(), e));
+                continue;
+            }
+            if !name.contains("lora_") {
+                // A whole module the adapter saves (`modules_to_save`: a trained head or
+                // embeddings; a trainer's copy of the layers it did not adapt): the agent's own.
+                extras.whole.push((name, e));
+                continue;
             }
             bail!(
-                "{}: tensor '{}' is not a LoRA A or B matrix (lora biases are not supported)",
+                "{}: tensor '{}' is not a LoRA A or B matrix, nor lora_B's bias",
                 file.path.display(),
                 e.name
             );
@@ -204,7 +224,14 @@ fn module_pairs(
             Part::Magnitude => slot.magnitude = Some(e),
         }
     }
-    Ok(pairs)
+    if !extras.biases.is_empty() && !settings.lora_bias {
+        bail!(
+            "{}: it holds lora_B biases ('{}'), but its config does not set lora_bias",
+            file.path.display(),
+            extras.biases[0].1.name
+        );
+    }
+    Ok((pairs, extras))
 }
 
 impl LoraAdapter {
@@ -221,7 +248,19 @@ impl LoraAdapter {
             super::safetensors_file::open(&dir.join(ADAPTER_WEIGHTS), interner)?
         };
         let mut updates = HashMap::new();
-        for (module, tensors) in module_pairs(&file, entries, &settings)? {
+        let (pairs, extras) = module_pairs(&file, entries, &settings)?;
+        let mut biases = HashMap::new();
+        for (module, b) in extras.biases {
+            ensure!(
+                b.shape.len() == 1,
+                "{}: lora_B's bias of module '{module}' is {}, not a vector",
+                file.path.display(),
+                shape_text(&b.shape)
+            );
+            let (_, scale) = settings.rank_and_scale(&module)?;
+            biases.insert(format!("{module}.bias"), (b, scale));
+        }
+        for (module, tensors) in pairs {
             let magnitude = settings.check_dora(&module, &tensors, &file.path)?;
             let ModuleTensors {
                 a, b, embedding, ..
@@ -269,6 +308,8 @@ impl LoraAdapter {
             dir: dir.to_path_buf(),
             file,
             updates,
+            biases,
+            whole: extras.whole,
             cache: Mutex::new(Cache::new(count)),
             pairs_read: Default::default(),
             most_held: Default::default(),
@@ -318,9 +359,39 @@ impl LoraAdapter {
         self.updates.get(name)
     }
 
-    /// Every base tensor name the adapter updates.
+    /// Every base tensor name the adapter updates by s·B·A.
     pub fn targets(&self) -> impl Iterator<Item = &str> {
         self.updates.keys().map(String::as_str)
+    }
+
+    /// Whether the adapter adds to base tensor `name` (s·B·A, or a lora_B bias).
+    pub fn adds_to(&self, name: &str) -> bool {
+        self.updates.contains_key(name) || self.biases.contains_key(name)
+    }
+
+    /// Every base bias the adapter adds a lora_B bias to, with its length.
+    pub fn bias_targets(&self) -> impl Iterator<Item = (&str, usize)> {
+        self.biases
+            .iter()
+            .map(|(name, (b, _))| (name.as_str(), b.shape[0]))
+    }
+
+    /// Adds s·bias of `name`'s lora_B bias, elements `start..start + len`, through `add`.
+    fn each_bias(
+        &self,
+        (b, s): &(TensorEntry, f32),
+        start: u64,
+        len: usize,
+        add: impl FnOnce(usize, &[f32], f32),
+    ) -> Result<()> {
+        let size = b.dtype.size() as u64;
+        let mut bytes = vec![0u8; len * size as usize];
+        self.file.read(b, start * size, &mut bytes)?;
+        self.file.record_read(b, start * size, &bytes);
+        let mut values = vec![0f32; len];
+        super::dtype::decode(b.dtype, &bytes, &mut values);
+        add(0, &values, *s);
+        Ok(())
     }
 
     /// Checks update `name` against the base tensor's shape.
@@ -404,8 +475,19 @@ impl LoraAdapter {
     /// element, or else an update s·B·A that overflows 32-bit floats. The finiteness gate
     /// ([`crate::engine`]'s tile reads) calls this to name what the user must fix.
     pub fn nonfinite_error(&self, name: &str, element: u64, value: f32) -> anyhow::Error {
-        let u = &self.updates[name];
         let file = self.file.path.display();
+        let Some(u) = self.updates.get(name) else {
+            let what = self.biases.get(name).map_or("", |(b, _)| &*b.name);
+            return crate::error::data(crate::message![
+                format!(
+                    "{file}: '{}' plus its lora_B bias '{}' is not finite ({value}) at element \
+                     {element}; rlmerge refuses NaN and infinity unless ",
+                    crate::escape::terminal(name),
+                    crate::escape::terminal(what)
+                ),
+                crate::error::Arg::switch("allow-nonfinite"),
+            ]);
+        };
         if let Ok(p) = self.pair(u) {
             let parts = [(Some(&u.a), p.a()), (Some(&u.b), p.b())];
             let m = [(u.magnitude.as_ref(), p.m())];

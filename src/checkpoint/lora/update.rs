@@ -53,6 +53,9 @@ impl LoraAdapter {
         len: usize,
         mut add: impl FnMut(usize, &[f32], f32),
     ) -> Result<()> {
+        if let Some(bias) = self.biases.get(name) {
+            return self.each_bias(bias, start, len, add);
+        }
         let u = &self.updates[name];
         let p = self.pair(u)?;
         let (r, m, n) = (u.rank, shape[0], shape[1]);
