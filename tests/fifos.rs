@@ -7,7 +7,7 @@ use common::bad_case::*;
 use std::path::Path;
 
 /// A FIFO where a weight file or index should be — safetensors, torch.save's, a verl rank
-/// file: refused without reading it (a read blocks until a writer comes, i.e. forever).
+/// file, a DCP checkpoint's metadata: refused without reading it (a read blocks until a writer comes, i.e. forever).
 #[test]
 fn fifos_are_refused_without_blocking() {
     for name in [
@@ -16,6 +16,7 @@ fn fifos_are_refused_without_blocking() {
         "pytorch_model.bin",
         "pytorch_model.bin.index.json",
         "model_world_size_1_rank_0.pt",
+        ".metadata",
     ] {
         let c = case();
         std::fs::create_dir_all(&c.bad).unwrap();

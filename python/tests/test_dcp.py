@@ -81,6 +81,16 @@ def test_every_method_merges_a_dcp_agent_as_the_converted_folder(ckpt, tmp_path)
     run("verify", tmp_path / "d-ram+", "--against")
 
 
+def test_the_same_bytes_on_any_thread_count(ckpt, tmp_path):
+    outs = []
+    for threads, tile in ((1, "5"), (3, "4096")):
+        outs.append(tmp_path / f"t{threads}")
+        run("merge", "--base", ckpt / "base", "--model", ckpt / "dcp", "--model", ckpt / "other",
+            "--method", "ties", "--param", "weight=1", "--param", "density=0.5", "--threads",
+            threads, "--tile-elems", tile, "--allow-dense-agents", "-q", "-o", outs[-1])
+    assert (outs[0] / "model.safetensors").read_bytes() == (outs[1] / "model.safetensors").read_bytes()
+
+
 def single_process_dcp(state: dict, out: Path, config: Path) -> Path:
     import torch.distributed.checkpoint as dcp
     dcp.save(state, checkpoint_id=out, no_dist=True)
@@ -106,6 +116,7 @@ class _Runs:
 
 @pytest.mark.parametrize("damage, words", [
     ("missing file", ["__1_0.distcp", "cannot open"]),
+    ("fifo", ["__1_0.distcp", "not a regular file"]),
     ("truncated file", ["__1_0.distcp", "not a zip archive"]),
     ("overlapping chunks", ["model.norm.weight", "overlap"]),
     ("column chunks", [UP, "dimension 1", "tensor parallelism"]),
@@ -120,6 +131,9 @@ def test_malformed_checkpoints_are_named_and_nothing_is_written(ckpt, tmp_path, 
     marker = tmp_path / "ran"
     if damage == "missing file":
         (folder / "__1_0.distcp").unlink()
+    elif damage == "fifo":
+        (folder / "__1_0.distcp").unlink()
+        os.mkfifo(folder / "__1_0.distcp")
     elif damage == "truncated file":
         f = folder / "__1_0.distcp"
         f.write_bytes(f.read_bytes()[:20000])  # into the model's chunks

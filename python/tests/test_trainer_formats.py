@@ -29,7 +29,9 @@ REQUIRED = {"weight": "0.5", "t": "0.3"}
 
 
 def run(*args, code=0):
-    p = subprocess.run([cargo_binary(), *map(str, args)], capture_output=True, text=True)
+    # A run that blocked (on a FIFO, say) fails the test instead of hanging the suite.
+    p = subprocess.run([cargo_binary(), *map(str, args)], capture_output=True, text=True,
+                       timeout=600)
     assert p.returncode == code, f"{args}: exit {p.returncode}: {p.stderr}"
     return p
 
