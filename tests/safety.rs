@@ -510,12 +510,16 @@ fn killed_merge(f: &Fixture, out: &Path) {
     let mut child = slow_merge(f, out);
     let parent = out.parent().unwrap();
     wait_until_running(parent);
-    // Killed once the output's shard is in its scratch folder (after RAM+'s probe).
+    // Killed once the output's shard is in its scratch folder with its bytes (after RAM+'s
+    // probe; a shard just created, still empty, would leave a scratch of 0 B on a loaded machine).
     let t = std::time::Instant::now();
     let shard_there = || {
-        leftovers(parent)
-            .iter()
-            .any(|l| std::fs::read_dir(parent.join(l)).is_ok_and(|mut d| d.next().is_some()))
+        leftovers(parent).iter().any(|l| {
+            std::fs::read_dir(parent.join(l)).is_ok_and(|d| {
+                d.flatten()
+                    .any(|e| e.metadata().is_ok_and(|m| m.len() >= 1 << 20))
+            })
+        })
     };
     while !shard_there() {
         assert!(t.elapsed().as_secs() < 30, "the merge wrote nothing");
