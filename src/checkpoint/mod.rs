@@ -11,6 +11,7 @@ pub mod fp8;
 pub mod fsdp_shards;
 pub mod lora;
 pub mod model;
+pub mod mxfp4;
 pub mod open_files;
 pub mod output_folder;
 pub mod pickle;

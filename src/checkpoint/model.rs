@@ -127,18 +127,27 @@ impl ModelFolder {
     }
 
     /// A Hugging Face folder's weight files, safetensors or torch.save; an FP8 block-scaled
-    /// checkpoint's matrices presented as bf16 through their scales ([`super::fp8`]).
+    /// checkpoint's matrices and an MXFP4 one's experts presented as bf16 ([`super::fp8`],
+    /// [`super::mxfp4`]).
     fn open_hf(dir: &Path, interner: &mut Interner) -> Result<ModelFolder> {
         let Some((format, index_path, index, shard_names)) = weight_files(dir)? else {
             return Err(no_weights(dir));
         };
-        let block = match format {
+        // A quantized checkpoint's byte dtype: FP8 block-scaled, or MXFP4.
+        let (block, mxfp4) = match format {
             WeightFormat::Safetensors => {
                 let config = ModelConfig::read_if_present(dir)?;
-                super::fp8::block_size(config.as_ref().map(ModelConfig::json))
-                    .with_context(|| format!("{}", dir.join(CONFIG_FILE).display()))?
+                let json = config.as_ref().map(ModelConfig::json);
+                let block = super::fp8::block_size(json)
+                    .with_context(|| format!("{}", dir.join(CONFIG_FILE).display()))?;
+                (block, super::mxfp4::is_mxfp4(json))
             }
-            WeightFormat::Torch => None,
+            WeightFormat::Torch => (None, false),
+        };
+        let raw = match (block, mxfp4) {
+            (Some(_), _) => Some("F8_E4M3"),
+            (None, true) => Some("U8"),
+            (None, false) => None,
         };
         let mut shards = Vec::with_capacity(shard_names.len());
         let (mut tensors, mut fp8) = (Vec::new(), Vec::new());
@@ -153,7 +162,7 @@ impl ModelFolder {
             }
             let (file, listed) = match format {
                 WeightFormat::Safetensors => {
-                    super::safetensors_file::open_with(&path, interner, block.is_some())?
+                    super::safetensors_file::open_with(&path, interner, raw)?
                 }
                 WeightFormat::Torch => {
                     let (file, entries) = super::torch_file::open(&path, interner)?;
@@ -173,13 +182,17 @@ impl ModelFolder {
         if let Some(index) = &index {
             check_index_matches(&index_path, index, &shard_names, &tensors)?;
         }
-        if let Some(block) = block {
+        if raw.is_some() {
             let listed = tensors
                 .into_iter()
                 .zip(fp8)
                 .map(|(t, fp8)| (t.shard, t.entry, fp8))
                 .collect();
-            let tensors = super::fp8::dequantized(dir, &shards, listed, block)?
+            let tensors = match block {
+                Some(block) => super::fp8::dequantized(dir, &shards, listed, block)?,
+                None => super::mxfp4::dequantized(dir, listed, interner)?,
+            };
+            let tensors = tensors
                 .into_iter()
                 .map(|(shard, entry, pieces)| ModelTensor {
                     shard,
@@ -188,7 +201,10 @@ impl ModelFolder {
                 })
                 .collect();
             let mut folder = Self::from_parts(dir, (format, shards, tensors), dir.to_path_buf())?;
-            folder.trainer = Some(super::fp8::described(block));
+            folder.trainer = Some(match block {
+                Some(block) => super::fp8::described(block),
+                None => super::mxfp4::described(),
+            });
             return Ok(folder);
         }
         Self::from_parts(dir, (format, shards, tensors), dir.to_path_buf())

@@ -39,6 +39,110 @@ pub enum Stored {
     /// the value is the byte widened times its block's scale, in f32, as DeepSeek's
     /// `weight_dequant` computes it.
     Fp8Blocks(BlockScales),
+    /// gpt-oss's MXFP4 experts, shown transposed as transformers dequantizes them.
+    Mxfp4(Mxfp4Experts),
+}
+
+/// gpt-oss's MXFP4 experts (`*_blocks` [E, N, G, 16]: 32 FP4 E2M1 values per block, two per
+/// byte, low nibble first; `*_scales` [E, N, G]: an E8M0 exponent per block), shown as the bf16
+/// tensor [E, G·32, N] transformers' `convert_moe_packed_tensors` makes: element (e, k, n) is
+/// FP4 value k of stored row (e, n) times 2^(scale − 127) — exact in bf16.
+#[derive(Debug)]
+pub struct Mxfp4Experts {
+    /// The file (an index into the folder's files) and byte offset of the blocks.
+    pub blocks: (usize, u64),
+    /// The file and byte offset of the scales.
+    pub scales: (usize, u64),
+    /// E, N, G.
+    pub dims: (usize, usize, usize),
+    /// Its key in the held experts' cache.
+    pub id: usize,
+}
+
+/// The FP4 E2M1 values by nibble.
+const FP4: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// One expert's stored bytes: its blocks and its scales.
+type Expert = Arc<(Vec<u8>, Vec<u8>)>;
+
+/// The experts read last, by (tensor id, expert): the tiles of one expert reuse its bytes; at
+/// most [`HELD_EXPERTS`] held, whatever the model's size.
+static HELD: std::sync::Mutex<Vec<((usize, usize), Expert)>> = std::sync::Mutex::new(Vec::new());
+const HELD_EXPERTS: usize = 4;
+
+impl Mxfp4Experts {
+    /// A fresh id for the held experts' cache.
+    pub fn next_id() -> usize {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Expert `e`'s bytes, read (and hashed) unless held.
+    fn expert(&self, files: &[WeightFile], e: usize) -> Result<Expert> {
+        let key = (self.id, e);
+        let mut held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, x)) = held.iter().find(|(k, _)| *k == key) {
+            return Ok(x.clone());
+        }
+        let (_, n, g) = self.dims;
+        let (rows, block_bytes) = (n * g, n * g * 16);
+        let mut blocks = vec![0u8; block_bytes];
+        let mut scales = vec![0u8; rows];
+        for ((file, offset), buf) in [(self.blocks, &mut blocks), (self.scales, &mut scales)] {
+            let at = offset + (e * buf.len()) as u64;
+            let len = buf.len();
+            files[file].read_at(at, buf, || {
+                format!("expert {e}'s bytes {at}..{}", at + len as u64)
+            })?;
+            files[file].record_at(at, buf);
+        }
+        let x = Arc::new((blocks, scales));
+        if held.len() >= HELD_EXPERTS {
+            held.remove(0);
+        }
+        held.push((key, x.clone()));
+        Ok(x)
+    }
+
+    /// Bytes `start..start + buf.len()` of the shown bf16 tensor.
+    fn read(&self, files: &[WeightFile], start: u64, buf: &mut [u8]) -> Result<()> {
+        let (_, n, g) = self.dims;
+        let k_rows = g * 32;
+        let per_expert = k_rows * n;
+        let first = (start / 2) as usize;
+        let end = first + buf.len() / 2;
+        let mut i = first;
+        while i < end {
+            let e = i / per_expert;
+            let stop = end.min((e + 1) * per_expert);
+            let x = self.expert(files, e)?;
+            let (blocks, scales) = (&x.0, &x.1);
+            for idx in i..stop {
+                let rem = idx - e * per_expert;
+                let (k, col) = (rem / n, rem % n);
+                let row = col * g + k / 32;
+                let byte = blocks[row * 16 + (k % 32) / 2];
+                let nibble = if k % 2 == 0 { byte & 0xf } else { byte >> 4 };
+                let value = FP4[usize::from(nibble)] * exponent(scales[row]);
+                let out = (idx - first) * 2;
+                buf[out..out + 2]
+                    .copy_from_slice(&super::dtype::f32_to_bf16_bits(value).to_le_bytes());
+            }
+            i = stop;
+        }
+        Ok(())
+    }
+}
+
+/// 2^(s − 127) for an E8M0 exponent s (255: infinity, as torch's ldexp gives it).
+fn exponent(s: u8) -> f32 {
+    match s {
+        0 => f32::from_bits(0x0040_0000),
+        255 => f32::INFINITY,
+        s => f32::from_bits(u32::from(s) << 23),
+    }
 }
 
 /// The scales of an FP8 block-scaled matrix.
@@ -57,7 +161,7 @@ impl Stored {
     pub fn size(&self) -> usize {
         match self {
             Stored::Plain(d) => d.size(),
-            Stored::Fp8Blocks(_) => 1,
+            Stored::Fp8Blocks(_) | Stored::Mxfp4(_) => 1,
         }
     }
 
@@ -66,6 +170,7 @@ impl Stored {
         match self {
             Stored::Plain(d) => decode(*d, raw, out),
             Stored::Fp8Blocks(b) => b.widen(raw, first as usize, out),
+            Stored::Mxfp4(_) => unreachable!("MXFP4 experts are read by Mxfp4Experts::read"),
         }
     }
 }
@@ -137,6 +242,9 @@ impl Pieces {
         start: u64,
         buf: &mut [u8],
     ) -> Result<()> {
+        if let Stored::Mxfp4(m) = &self.stored {
+            return m.read(files, start, buf);
+        }
         let shown = entry.dtype.size() as u64;
         let stored = self.stored.size() as u64;
         let same = matches!(self.stored, Stored::Plain(d) if d == entry.dtype);

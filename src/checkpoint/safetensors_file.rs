@@ -15,19 +15,21 @@ const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// shapes through `interner` with the files opened before (a base and its agents name the
 /// same 10^5 tensors: one copy each).
 pub fn open(path: &Path, interner: &mut Interner) -> Result<(WeightFile, Vec<TensorEntry>)> {
-    let (file, listed) = open_with(path, interner, false)?;
+    let (file, listed) = open_with(path, interner, None)?;
     Ok((file, listed.into_iter().map(|(t, _)| t).collect()))
 }
 
-/// A tensor as a header lists it, and whether it is stored as `F8_E4M3` (its entry then
-/// presents it as BF16, one stored byte per element: [`super::fp8`]).
+/// A tensor as a header lists it, and whether it is stored in a quantized checkpoint's byte
+/// dtype (its entry then presents it as BF16, one stored byte per element: [`super::fp8`],
+/// [`super::mxfp4`]).
 pub type Listed = (TensorEntry, bool);
 
-/// [`open`]; with `fp8`, `F8_E4M3` tensors are read too (an FP8 block-scaled checkpoint's).
+/// [`open`]; with `raw`, tensors of that one-byte dtype are listed too (`F8_E4M3` in an FP8
+/// block-scaled checkpoint, `U8` in an MXFP4 one).
 pub fn open_with(
     path: &Path,
     interner: &mut Interner,
-    fp8: bool,
+    raw: Option<&'static str>,
 ) -> Result<(WeightFile, Vec<Listed>)> {
     let (file, meta) = super::files::open_regular(path)?;
     let file_len = meta.len();
@@ -55,7 +57,7 @@ pub fn open_with(
         .with_context(|| format!("cannot read the header of {}", path.display()))?;
     let data_start = 8 + header_len;
     let data_len = file_len - data_start;
-    let tensors = parse_header(&header, (data_start, data_len, fp8), interner)
+    let tensors = parse_header(&header, (data_start, data_len, raw), interner)
         .map_err(|e| fail(format!("{e:#}")))?;
     let spans = tensors
         .iter()
@@ -65,8 +67,8 @@ pub fn open_with(
 }
 
 /// The bytes a listed tensor takes in the file.
-fn stored_len((t, fp8): &Listed) -> u64 {
-    match fp8 {
+fn stored_len((t, raw): &Listed) -> u64 {
+    match raw {
         true => t.numel as u64,
         false => t.byte_len(),
     }
@@ -80,8 +82,8 @@ fn stored_len((t, fp8): &Listed) -> u64 {
 struct HeaderSeed<'a> {
     data_start: u64,
     data_len: u64,
-    /// `F8_E4M3` tensors are read (an FP8 checkpoint).
-    fp8: bool,
+    /// The one-byte dtype of a quantized checkpoint's tensors, listed too.
+    raw: Option<&'static str>,
     error: &'a mut Option<anyhow::Error>,
     interner: &'a mut Interner,
 }
@@ -109,7 +111,7 @@ impl<'de> serde::de::Visitor<'de> for HeaderSeed<'_> {
             if name == "__metadata__" {
                 continue;
             }
-            let data = (self.data_start, self.data_len, self.fp8);
+            let data = (self.data_start, self.data_len, self.raw);
             match tensor_entry(name, &info, data, self.interner) {
                 Ok(t) => tensors.push(t),
                 Err(e) => {
@@ -126,7 +128,7 @@ impl<'de> serde::de::Visitor<'de> for HeaderSeed<'_> {
 fn tensor_entry(
     name: String,
     info: &serde_json::Value,
-    (data_start, data_len, fp8): (u64, u64, bool),
+    (data_start, data_len, raw): (u64, u64, Option<&'static str>),
     interner: &mut Interner,
 ) -> Result<Listed> {
     let bad = |what: &str| anyhow::anyhow!("tensor '{name}': {what}");
@@ -137,13 +139,14 @@ fn tensor_entry(
         .get("dtype")
         .and_then(|d| d.as_str())
         .ok_or_else(|| bad("missing dtype"))?;
-    let stored_fp8 = fp8 && dtype_name == "F8_E4M3";
-    let dtype = match stored_fp8 {
+    let stored_raw = raw == Some(dtype_name);
+    let dtype = match stored_raw {
         true => DType::BF16,
         false => DType::from_safetensors(dtype_name).ok_or_else(|| {
             bad(&format!(
                 "unsupported dtype {dtype_name} (rlmerge merges BF16, F16 and F32, and reads \
-                 F8_E4M3 in an FP8 block-scaled checkpoint: quant_method fp8 in its config.json)"
+                 F8_E4M3 in an FP8 block-scaled checkpoint and U8 in an MXFP4 one: quant_method \
+                 fp8 or mxfp4 in its config.json)"
             ))
         })?,
     };
@@ -174,7 +177,7 @@ fn tensor_entry(
         }
         return Err(bad(&format!("data offsets {begin}..{end} are reversed")));
     }
-    let element = if stored_fp8 { 1 } else { dtype.size() as u64 };
+    let element = if stored_raw { 1 } else { dtype.size() as u64 };
     let expected = (numel as u64).checked_mul(element);
     if expected != Some(end - begin) {
         return Err(bad(&format!(
@@ -191,12 +194,12 @@ fn tensor_entry(
         offset: data_start + begin,
         numel,
     };
-    Ok((entry, stored_fp8))
+    Ok((entry, stored_raw))
 }
 
 fn parse_header(
     header: &[u8],
-    (data_start, data_len, fp8): (u64, u64, bool),
+    (data_start, data_len, raw): (u64, u64, Option<&'static str>),
     interner: &mut Interner,
 ) -> Result<Vec<Listed>> {
     use serde::de::DeserializeSeed;
@@ -206,7 +209,7 @@ fn parse_header(
     let parsed = HeaderSeed {
         data_start,
         data_len,
-        fp8,
+        raw,
         error: &mut error,
         interner,
     }
