@@ -106,34 +106,67 @@ impl Mxfp4Experts {
         Ok(x)
     }
 
-    /// Bytes `start..start + buf.len()` of the shown bf16 tensor.
+    /// Bytes `start..start + buf.len()` of the shown bf16 tensor, each element's bf16 bits looked
+    /// up by (nibble, exponent): 32 shown rows at a time where the range holds them whole (each
+    /// stored block read once, in order, its 32 values written down 32 rows), else row by row.
     fn read(&self, files: &[WeightFile], start: u64, buf: &mut [u8]) -> Result<()> {
+        let table = mxfp4_table();
         let (_, n, g) = self.dims;
-        let k_rows = g * 32;
-        let per_expert = k_rows * n;
+        let per_expert = g * 32 * n;
         let first = (start / 2) as usize;
         let end = first + buf.len() / 2;
+        let mut put =
+            |at: usize, bits: u16| buf[at * 2..at * 2 + 2].copy_from_slice(&bits.to_le_bytes());
         let mut i = first;
         while i < end {
             let e = i / per_expert;
-            let stop = end.min((e + 1) * per_expert);
             let x = self.expert(files, e)?;
             let (blocks, scales) = (&x.0, &x.1);
-            for idx in i..stop {
-                let rem = idx - e * per_expert;
-                let (k, col) = (rem / n, rem % n);
-                let row = col * g + k / 32;
-                let byte = blocks[row * 16 + (k % 32) / 2];
-                let nibble = if k % 2 == 0 { byte & 0xf } else { byte >> 4 };
-                let value = FP4[usize::from(nibble)] * exponent(scales[row]);
-                let out = (idx - first) * 2;
-                buf[out..out + 2]
-                    .copy_from_slice(&super::dtype::f32_to_bf16_bits(value).to_le_bytes());
+            let (k, col) = ((i - e * per_expert) / n, (i - e * per_expert) % n);
+            let group = k / 32;
+            if col == 0 && k % 32 == 0 && end - i >= 32 * n {
+                let at = i - first;
+                for c in 0..n {
+                    let row = c * g + group;
+                    let scale = usize::from(scales[row]);
+                    for (j, &b) in blocks[row * 16..row * 16 + 16].iter().enumerate() {
+                        put(at + 2 * j * n + c, table[usize::from(b & 0xf) << 8 | scale]);
+                        put(
+                            at + (2 * j + 1) * n + c,
+                            table[usize::from(b >> 4) << 8 | scale],
+                        );
+                    }
+                }
+                i += 32 * n;
+                continue;
             }
-            i = stop;
+            // Row k, columns col..to of it.
+            let to = n.min(col + (end - i));
+            let (byte, shift) = ((k % 32) / 2, 4 * (k % 2));
+            for c in col..to {
+                let row = c * g + group;
+                let nibble = usize::from((blocks[row * 16 + byte] >> shift) & 0xf);
+                put(
+                    i - first + c - col,
+                    table[nibble << 8 | usize::from(scales[row])],
+                );
+            }
+            i += to - col;
         }
         Ok(())
     }
+}
+
+/// The bf16 bits of every (FP4 nibble, E8M0 exponent): FP4[nibble] · 2^(exponent − 127),
+/// computed once.
+fn mxfp4_table() -> &'static [u16; 4096] {
+    static TABLE: std::sync::OnceLock<[u16; 4096]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        std::array::from_fn(|i| {
+            let value = FP4[i >> 8] * exponent((i & 0xff) as u8);
+            super::dtype::f32_to_bf16_bits(value)
+        })
+    })
 }
 
 /// 2^(s − 127) for an E8M0 exponent s (255: infinity, as torch's ldexp gives it).

@@ -66,12 +66,18 @@ impl TileBuffers {
             finite_only,
         };
         let base_source = plan.source(inputs, None);
+        // Spreading a small tile over threads costs more than reading it.
+        let parallel = spread && len * tile_dtype.size() >= 1 << 17;
+        if plan.vocab.is_none()
+            && !present.is_empty()
+            && present.iter().all(|&t| plan.agent_is_the_base(inputs, t))
+        {
+            return self.load_the_base_once(&ctx, base_source, (start, len));
+        }
         let mut jobs: Vec<(TensorSource, &mut TileBytes)> = (present.iter())
             .map(|&t| plan.source(inputs, Some(t)))
             .zip(self.agents.iter_mut())
             .collect();
-        // Spreading a small tile over threads costs more than reading it.
-        let parallel = spread && len * tile_dtype.size() >= 1 << 17;
         if jobs.iter().any(|(source, _)| source.is_lora()) {
             // The base first: a LoRA agent's θ₀ is the base's tile, which its read copies instead
             // of reading the base's file again.
@@ -82,6 +88,22 @@ impl TileBuffers {
             jobs.insert(0, (base_source, &mut self.base));
             read_sources(&ctx, (start, len), jobs, None, parallel)
         }
+    }
+
+    /// A conversion's tile (the one model is its own layout): read once, as the base, and copied
+    /// as the agent (whose file's checksum reads from the file what its tiles did not feed it).
+    fn load_the_base_once(
+        &mut self,
+        ctx: &SourceRead,
+        source: TensorSource,
+        range: (usize, usize),
+    ) -> Result<()> {
+        source.read(ctx, range, &mut self.base, None)?;
+        for buf in self.agents.iter_mut() {
+            buf.resize_exact(self.base.len());
+            buf.copy_from_slice(&self.base);
+        }
+        Ok(())
     }
 
     /// [`Self::load`]s elements `start..start + len` and hands them to `visit` as one [`Tile`].

@@ -112,6 +112,18 @@ impl TensorPlan {
         self.agents[t].map(|i| &inputs.agents[t].tensors[i as usize])
     }
 
+    /// Whether agent `t`'s copy of the tensor is the base's own (a conversion: the one model is
+    /// its own layout): the same folder, the same tensor, read alike (no adapter over it).
+    pub fn agent_is_the_base(&self, inputs: &Inputs, t: usize) -> bool {
+        let (agent, base) = (&inputs.agents[t], self.base_folder(inputs));
+        agent.dir == base.dir
+            && agent.lora.is_none()
+            && base.lora.is_none()
+            && self.agent(inputs, t).is_some_and(|a| {
+                a.entry.name == self.base.entry.name && a.entry.dtype == self.base.entry.dtype
+            })
+    }
+
     /// The dtype its tiles are read in (SPEC §5): the base's when every agent holding the tensor
     /// has it too, else f32 — bf16 and f16 convert to f32 exactly, so inputs of mixed dtypes meet
     /// in f32 and the maths is that of every input first converted to f32.
