@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from test_trainer_formats import run, weights
+from test_trainer_formats import method_args, run, weights, AGENTS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -141,3 +141,21 @@ def test_a_one_file_save_with_the_base_layers_reads_as_the_adapter(models, tmp_p
     run("convert", f"{models / 'base'}+{models / 'adapter'}", "-q", "-o", want)
     run("convert", f"{models / 'base'}+{adapter}", "-q", "-o", got)
     assert weights(got) == weights(want)
+
+
+def test_every_method_merges_the_adapter_as_its_f32_conversion(models, tmp_path):
+    """A LoRA agent is θ₀ + s·B·A in f32 (SPEC §5): every method merges the full adapter to the
+    same bytes as the folder `convert --out-dtype f32` writes of it, read as stored."""
+    folder = tmp_path / "f32"
+    run("convert", f"{models / 'base'}+{models / 'adapter'}", "--out-dtype", "f32", "-q",
+        "-o", folder)
+    for name, args in method_args():
+        n = min(AGENTS.get(name, 3), 2)
+        want, got = tmp_path / f"c-{name}", tmp_path / f"a-{name}"
+        run("merge", "--base", models / "base",
+            *sum((["--model", a] for a in [folder, models / "other"][:n]), []), *args, "-q",
+            "--allow-dense-agents", "--raw-f32-agents", "-o", want)
+        run("merge", "--base", models / "base",
+            *sum((["--model", a] for a in [models / "adapter", models / "other"][:n]), []), *args,
+            "-q", "--allow-dense-agents", "--raw-f32-agents", "-o", got)
+        assert weights(got) == weights(want), name
