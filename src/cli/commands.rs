@@ -260,9 +260,30 @@ fn run_merge(args: &MergeArgs, out: &mut impl Write) -> Result<()> {
     merge_job(job, &args.inputs.compute, &args.output, out)
 }
 
+/// `rlmerge run RECIPE [OUT]`: mergekit-yaml's command line, its options done the same way or
+/// answered on stderr with rlmerge's equivalent.
 fn run_recipe(args: &RunArgs, out: &mut impl Write) -> Result<()> {
-    let job = Job::from_recipe(&args.recipe, args.seed.seed)?;
-    merge_job(job, &args.compute, &args.output, out)
+    let mut output = args.output.clone();
+    output.out = Some(OutputArgs::one_out(&args.output, args.out_dir.as_ref())?);
+    let seed = super::mergekit_yaml::apply(&args.mergekit, &mut output, args.seed.seed)?;
+    for note in super::mergekit_yaml::notes(&args.mergekit) {
+        eprintln!("note: {note}");
+    }
+    let job = Job::from_recipe(&args.recipe, seed)?;
+    merge_job(job, &args.compute, &output, out)
+}
+
+impl OutputArgs {
+    /// The output folder: `-o OUT_DIR`, or `positional` (`run`'s, as mergekit-yaml takes it).
+    pub(crate) fn one_out(&self, positional: Option<&PathBuf>) -> Result<PathBuf> {
+        match (&self.out, positional) {
+            (Some(o), None) | (None, Some(o)) => Ok(o.clone()),
+            (Some(_), Some(_)) => Err(usage(
+                "the output folder is given twice (a second argument and -o): give it once",
+            )),
+            (None, None) => Err(usage("give the output folder with -o OUT_DIR")),
+        }
+    }
 }
 
 /// Runs a merge job with the compute and output flags through the merge service, and prints
@@ -274,17 +295,18 @@ fn merge_job(
     out: &mut impl Write,
 ) -> Result<()> {
     job.set_command_line(&compute.command_line(output))?;
+    let out_dir = output.one_out(None)?;
     let summary = service::merge(
         &job,
         &compute.compute(),
-        (&output.out, output.force),
+        (&out_dir, output.force),
         &mut show(compute.quiet),
     )?;
     writeln!(
         out,
         "merged {} model(s) into {} with {} ({} shard(s))",
         job.agents.len(),
-        terminal(&output.out.display().to_string()),
+        terminal(&out_dir.display().to_string()),
         summary.record.merging.text(),
         summary.shards.len()
     )?;
@@ -312,17 +334,18 @@ fn run_convert(args: &ConvertArgs, out: &mut impl Write) -> Result<()> {
         gpu_chunk_elems: None,
     };
     job.set_command_line(&compute.command_line(&args.output))?;
+    let out_dir = args.output.one_out(None)?;
     let summary = service::merge(
         &job,
         &compute.compute(),
-        (&args.output.out, args.output.force),
+        (&out_dir, args.output.force),
         &mut show(args.quiet),
     )?;
     writeln!(
         out,
         "converted {} into {} ({} shard(s))",
         terminal(&args.source.display().to_string()),
-        terminal(&args.output.out.display().to_string()),
+        terminal(&out_dir.display().to_string()),
         summary.shards.len()
     )?;
     Ok(())

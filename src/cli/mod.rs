@@ -9,6 +9,7 @@
 //! interrupted.
 
 mod commands;
+mod mergekit_yaml;
 mod methods;
 
 use commands::run;
@@ -270,7 +271,7 @@ pub(crate) struct MergeArgs {
 }
 
 /// Where and how the merged folder is written.
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub(crate) struct OutputArgs {
     /// Output dtype [default: the recipe's out_dtype/dtype, else each tensor's dtype in the base].
     #[arg(long, value_parser = parse_dtype)]
@@ -284,7 +285,7 @@ pub(crate) struct OutputArgs {
     pub(crate) force: bool,
     /// Output folder.
     #[arg(short = 'o', long = "out", value_name = "OUT_DIR")]
-    pub(crate) out: PathBuf,
+    pub(crate) out: Option<PathBuf>,
 }
 
 /// The seed of a merge's random masks.
@@ -327,12 +328,76 @@ pub(crate) struct RunArgs {
     /// The mergekit YAML recipe.
     #[arg(value_name = "RECIPE.yml")]
     pub(crate) recipe: PathBuf,
+    /// Output folder, as mergekit-yaml takes it (or -o OUT_DIR).
+    #[arg(value_name = "OUT_DIR")]
+    pub(crate) out_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) mergekit: MergekitYamlArgs,
     #[command(flatten)]
     pub(crate) compute: ComputeArgs,
     #[command(flatten)]
     pub(crate) output: OutputArgs,
     #[command(flatten)]
     pub(crate) seed: SeedArg,
+}
+
+/// mergekit-yaml's options, each done the same way or answered with rlmerge's equivalent
+/// (`run`, [`crate::cli`]'s `mergekit_yaml` answers).
+#[derive(Args, Debug, Default)]
+pub(crate) struct MergekitYamlArgs {
+    #[arg(long, hide = true)]
+    pub(crate) cuda: bool,
+    #[arg(long, hide = true)]
+    pub(crate) no_cuda: bool,
+    #[arg(long, hide = true)]
+    pub(crate) allow_crimes: bool,
+    #[arg(long, hide = true)]
+    pub(crate) copy_tokenizer: bool,
+    #[arg(long, hide = true)]
+    pub(crate) no_copy_tokenizer: bool,
+    #[arg(long, hide = true)]
+    pub(crate) lazy_unpickle: bool,
+    #[arg(long, hide = true)]
+    pub(crate) low_cpu_memory: bool,
+    #[arg(long, hide = true)]
+    pub(crate) clone_tensors: bool,
+    #[arg(long, hide = true)]
+    pub(crate) trust_remote_code: bool,
+    #[arg(long, hide = true)]
+    pub(crate) write_model_card: bool,
+    #[arg(long, hide = true)]
+    pub(crate) no_write_model_card: bool,
+    #[arg(long, hide = true)]
+    pub(crate) safe_serialization: bool,
+    #[arg(long, hide = true)]
+    pub(crate) no_safe_serialization: bool,
+    #[arg(long, hide = true, value_name = "N")]
+    pub(crate) random_seed: Option<u64>,
+    #[arg(long, hide = true, value_name = "PARAMETERS", value_parser = parse_parameter_count)]
+    pub(crate) out_shard_size: Option<u64>,
+    #[arg(long, hide = true, value_name = "DIR")]
+    pub(crate) transformers_cache: Option<PathBuf>,
+    #[arg(long, hide = true, value_name = "DIR")]
+    pub(crate) lora_merge_cache: Option<PathBuf>,
+    #[arg(short = 'v', long = "verbose", hide = true, action = clap::ArgAction::Count)]
+    pub(crate) verbose: u8,
+}
+
+/// A count of parameters as mergekit writes one (`5B`, `500M`, `1000K`, or a number).
+fn parse_parameter_count(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (digits, scale) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1e3),
+        Some('M') => (&t[..t.len() - 1], 1e6),
+        Some('B') => (&t[..t.len() - 1], 1e9),
+        _ => (t, 1.0),
+    };
+    match digits.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 1.0 => Ok((v * scale) as u64),
+        _ => Err(format!(
+            "'{s}': expected a parameter count such as 5B, 500M or 1000000"
+        )),
+    }
 }
 
 #[derive(Args, Debug)]

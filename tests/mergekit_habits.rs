@@ -1,0 +1,140 @@
+//! A mergekit user's command lines (issue #53 item 2): `rlmerge run RECIPE OUT` as
+//! `mergekit-yaml RECIPE OUT` takes them, and mergekit-yaml's options done the same way or
+//! answered with rlmerge's equivalent — never clap's "unexpected argument".
+
+mod common;
+use common::*;
+use std::path::Path;
+
+fn demo() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let o = rlmerge()
+        .current_dir(dir.path())
+        .args(["demo", "d", "--write-only", "--quiet"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err_of(&o));
+    dir
+}
+
+fn run_in(dir: &Path, args: &[&str]) -> std::process::Output {
+    rlmerge()
+        .current_dir(dir)
+        .arg("run")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn shards(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut found: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .map(|p| {
+            (
+                p.file_name().unwrap().to_string_lossy().into(),
+                std::fs::read(&p).unwrap(),
+            )
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+#[test]
+fn the_output_folder_may_follow_the_recipe_as_mergekit_yaml_takes_it() {
+    let d = demo();
+    let dir = d.path().join("d");
+    let o = run_in(&dir, &["recipe.yml", "positional", "-q"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let o = run_in(&dir, &["recipe.yml", "-o", "flag", "-q"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    assert_eq!(shards(&dir.join("positional")), shards(&dir.join("flag")));
+    let twice = run_in(&dir, &["recipe.yml", "a", "-o", "b"]);
+    assert_eq!(twice.status.code(), Some(2));
+    assert!(err_of(&twice).contains("given twice"), "{}", err_of(&twice));
+    let none = run_in(&dir, &["recipe.yml"]);
+    assert_eq!(none.status.code(), Some(2));
+    assert!(err_of(&none).contains("-o OUT_DIR"), "{}", err_of(&none));
+    assert!(!dir.join("a").exists() && !dir.join("b").exists());
+}
+
+#[test]
+fn mergekit_yaml_options_are_done_or_answered() {
+    let d = demo();
+    let dir = d.path().join("d");
+    let o = run_in(
+        &dir,
+        &[
+            "recipe.yml",
+            "answered",
+            "-q",
+            "--cuda",
+            "--allow-crimes",
+            "--copy-tokenizer",
+            "--lazy-unpickle",
+            "--low-cpu-memory",
+            "--trust-remote-code",
+            "--no-write-model-card",
+            "--transformers-cache",
+            "/tmp",
+            "-v",
+        ],
+    );
+    assert!(o.status.success(), "{}", err_of(&o));
+    let err = err_of(&o);
+    for said in [
+        "--cuda: rlmerge chooses the device",
+        "--allow-crimes:",
+        "--copy-tokenizer:",
+        "--lazy-unpickle:",
+        "--low-cpu-memory:",
+        "--trust-remote-code: rlmerge runs no model code",
+        "--no-write-model-card:",
+        "--transformers-cache: rlmerge takes Hub models from the Hugging Face cache; set HF_HUB_CACHE",
+        "-v:",
+    ] {
+        assert!(err.contains(&format!("note: {said}")), "{said}: {err}");
+    }
+    // --random-seed is --seed; --out-shard-size counts parameters (bf16: 2 bytes each).
+    let dare = std::fs::read_to_string(dir.join("recipe.yml"))
+        .unwrap()
+        .replace("merge_method: ties", "merge_method: dare_ties");
+    std::fs::write(dir.join("dare.yml"), dare).unwrap();
+    let a = run_in(
+        &dir,
+        &[
+            "dare.yml",
+            "seeded",
+            "-q",
+            "--random-seed",
+            "9",
+            "--out-shard-size",
+            "100K",
+        ],
+    );
+    assert!(a.status.success(), "{}", err_of(&a));
+    let b = run_in(
+        &dir,
+        &[
+            "dare.yml",
+            "-o",
+            "flags",
+            "-q",
+            "--seed",
+            "9",
+            "--shard-size",
+            "200KB",
+        ],
+    );
+    assert!(b.status.success(), "{}", err_of(&b));
+    assert_eq!(shards(&dir.join("seeded")), shards(&dir.join("flags")));
+    assert!(shards(&dir.join("seeded")).len() > 1);
+    let clash = run_in(
+        &dir,
+        &["dare.yml", "x", "--seed", "1", "--random-seed", "2"],
+    );
+    assert_eq!(clash.status.code(), Some(2), "{}", err_of(&clash));
+    assert!(err_of(&clash).contains("disagree"), "{}", err_of(&clash));
+}
