@@ -138,3 +138,58 @@ fn mergekit_yaml_options_are_done_or_answered() {
     assert_eq!(clash.status.code(), Some(2), "{}", err_of(&clash));
     assert!(err_of(&clash).contains("disagree"), "{}", err_of(&clash));
 }
+
+/// `--param KEY=V1,V2` sets one value per model, in --model order (issue #53 item 6): the same
+/// merge as a recipe's per-model `parameters:`, which the saved recipe writes.
+#[test]
+fn a_comma_list_sets_a_parameter_per_model() {
+    let d = demo();
+    let dir = d.path().join("d");
+    let recipe = "merge_method: ties\nbase_model: base\nparameters:\n  density: 0.5\nmodels:\n\
+                  - model: coding-agent\n  parameters:\n    weight: 0.7\n\
+                  - model: tool-agent\n  parameters:\n    weight: 0.3\n";
+    std::fs::write(dir.join("per-model.yml"), recipe).unwrap();
+    let o = run_in(&dir, &["per-model.yml", "from-recipe", "-q"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let merge = |out: &str, weight: &str| {
+        rlmerge()
+            .current_dir(&dir)
+            .args([
+                "merge",
+                "-q",
+                "--base",
+                "base",
+                "--model",
+                "coding-agent",
+                "--model",
+            ])
+            .args([
+                "tool-agent",
+                "--method",
+                "ties",
+                "--param",
+                "density=0.5",
+                "--param",
+                weight,
+            ])
+            .args(["-o", out])
+            .output()
+            .unwrap()
+    };
+    let o = merge("from-flags", "weight=0.7,0.3");
+    assert!(o.status.success(), "{}", err_of(&o));
+    assert_eq!(
+        shards(&dir.join("from-flags")),
+        shards(&dir.join("from-recipe"))
+    );
+    let saved = std::fs::read_to_string(dir.join("from-flags/mergekit_config.yml")).unwrap();
+    assert!(saved.contains("  parameters:\n    weight: 0.7"), "{saved}");
+    let o = merge("wrong", "weight=0.7,0.3,0.1");
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        err_of(&o).contains("3 values for 2 model(s)"),
+        "{}",
+        err_of(&o)
+    );
+    assert!(!dir.join("wrong").exists());
+}

@@ -63,8 +63,7 @@ where
 
 use crate::checkpoint::writer::parse_size;
 use crate::checkpoint::DType;
-use crate::job::{parse_dtype, parse_param, MethodFlags};
-use crate::method::settings::Setting;
+use crate::job::{parse_dtype, parse_param, MethodFlags, ParamValue};
 use crate::method::{BoostScope, Kind, SharedRule};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -224,9 +223,10 @@ pub(crate) struct MergeArgs {
     /// Merge method [default: ram+] (`rlmerge methods` lists them with their parameters).
     #[arg(long, value_parser = parse_method)]
     pub(crate) method: Option<Kind>,
-    /// A method parameter for every model, as KEY=VALUE (repeat), e.g. --param density=0.5.
+    /// A method parameter as KEY=VALUE (repeat), e.g. --param density=0.5, for every model; or
+    /// one value per model in --model order, comma-separated: --param weight=0.7,0.3.
     #[arg(long = "param", value_name = "KEY=VALUE", value_parser = parse_param)]
-    pub(crate) params: Vec<(String, Setting)>,
+    pub(crate) params: Vec<(String, ParamValue)>,
     /// RAM+ boost rule [default: paper; ramplus_tl: paper].
     #[arg(long, value_parser = PossibleValuesParser::new([
         PossibleValue::new("paper").help("λ = 1 + r·min(ρ, α) (the paper)"),

@@ -106,8 +106,8 @@ impl Job {
 pub struct MethodFlags {
     /// `None`: RAM+, the default method.
     pub method: Option<Kind>,
-    /// `--param KEY=VALUE`, for every model.
-    pub params: Vec<(String, Setting)>,
+    /// `--param KEY=VALUE`: for every model, or one value per model (`KEY=0.7,0.3`).
+    pub params: Vec<(String, ParamValue)>,
     /// RAM+'s boost rule (`--rule`: paper or official).
     pub rule: Option<String>,
     /// RAM+'s scope of ρ (`--scope`).
@@ -333,9 +333,19 @@ impl MethodFlags {
                 if let Some(name) = self.names.get(t) {
                     entry.insert("name".into(), name.as_str().into());
                 }
-                Value::Mapping(entry)
+                let own: Mapping = (self.params.iter())
+                    .filter_map(|(key, value)| match value {
+                        ParamValue::PerModel(v) => Some((key, v.get(t)?)),
+                        ParamValue::Every(_) => None,
+                    })
+                    .map(|(key, v)| Ok((key.as_str().into(), serde_yaml::to_value(v)?)))
+                    .collect::<Result<_>>()?;
+                if !own.is_empty() {
+                    entry.insert("parameters".into(), Value::Mapping(own));
+                }
+                Ok(Value::Mapping(entry))
             })
-            .collect();
+            .collect::<Result<_>>()?;
         recipe.insert("models".into(), Value::Sequence(models));
         if let Some(alpha) = svc {
             let svc = Mapping::from_iter([("alpha".into(), alpha.into())]);
@@ -391,11 +401,15 @@ impl MethodFlags {
             self.shared.map(|s| Scalar::Text(s.name().into())),
         );
         let mut method_wide = Settings::new();
+        let mut seen = std::collections::HashSet::new();
         for (key, value) in &self.params {
-            if method_wide.insert(key.clone(), value.clone()).is_some() {
+            if !seen.insert(key) {
                 return Err(usage(format!(
                     "--param {key} is given twice; give each parameter once"
                 )));
+            }
+            if let ParamValue::Every(v) = value {
+                method_wide.insert(key.clone(), v.clone());
             }
         }
         for (flag, key, value) in boost_flags.into_iter().chain([shared_flag]) {
@@ -410,6 +424,27 @@ impl MethodFlags {
         Ok(method_wide)
     }
 
+    /// Each model's own parameters (`--param KEY=V1,V2,…`): one value per model, in order.
+    fn per_model(&self, agents: usize) -> Result<Vec<Settings>> {
+        let mut models = vec![Settings::new(); agents];
+        for (key, value) in &self.params {
+            let ParamValue::PerModel(values) = value else {
+                continue;
+            };
+            if values.len() != agents {
+                return Err(usage(format!(
+                    "--param {key} gives {} values for {agents} model(s): one per --model, in \
+                     order (a single value applies to every model)",
+                    values.len()
+                )));
+            }
+            for (model, v) in models.iter_mut().zip(values) {
+                model.insert(key.clone(), Setting::Scalar(v.clone()));
+            }
+        }
+        Ok(models)
+    }
+
     /// The method these flags ask for `agents` merged models, validated as a recipe's is.
     pub fn method_for(&self, agents: usize) -> Result<Method> {
         let kind = self.method.unwrap_or(Kind::RamPlus);
@@ -417,7 +452,7 @@ impl MethodFlags {
         let request = MethodRequest {
             kind,
             method_wide,
-            models: vec![Default::default(); agents],
+            models: self.per_model(agents)?,
             seed: self.seed,
             with_base: true,
             slices: Vec::new(),
@@ -426,12 +461,26 @@ impl MethodFlags {
     }
 }
 
-/// A `KEY=VALUE` CLI parameter as a setting ([`parse_scalar`]'s value).
-pub fn parse_param(kv: &str) -> Result<(String, Setting), String> {
+/// A `--param` value: one for every model, or one per model in `--model` order.
+#[derive(Clone, Debug)]
+pub enum ParamValue {
+    /// `KEY=VALUE`: every model's.
+    Every(Setting),
+    /// `KEY=V1,V2,…`: model t's is the t-th (a recipe's per-model `parameters:`; not a gradient,
+    /// which a recipe's list is).
+    PerModel(Vec<Scalar>),
+}
+
+/// A `KEY=VALUE` CLI parameter ([`parse_scalar`]'s value), or `KEY=V1,V2,…`, one per model.
+pub fn parse_param(kv: &str) -> Result<(String, ParamValue), String> {
     let (k, v) = kv
         .split_once('=')
         .ok_or_else(|| format!("'{kv}': expected KEY=VALUE"))?;
-    Ok((k.trim().to_string(), Setting::Scalar(parse_scalar(v))))
+    let value = match v.contains(',') {
+        true => ParamValue::PerModel(v.split(',').map(parse_scalar).collect()),
+        false => ParamValue::Every(Setting::Scalar(parse_scalar(v))),
+    };
+    Ok((k.trim().to_string(), value))
 }
 
 /// A value given on the command line: a number, true/false, else text (checked later against
