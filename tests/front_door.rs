@@ -35,6 +35,7 @@ fn methods_fit_100_columns_with_their_costs_and_each_has_its_page() {
     .unwrap();
     let all = json.as_array().unwrap();
     assert_eq!(all.len(), 26, "25 methods and svc");
+    assert!(text.contains("ramplus"), "the aliases are listed: {text}");
     for m in all {
         let name = m["name"].as_str().unwrap();
         let (cost, memory) = (m["cost"].as_str().unwrap(), m["memory"].as_str().unwrap());
@@ -46,6 +47,9 @@ fn methods_fit_100_columns_with_their_costs_and_each_has_its_page() {
             .find(|l| l.split_whitespace().next() == Some(name))
             .unwrap_or_else(|| panic!("no row for {name}:\n{text}"));
         assert!(row.contains(cost) && row.contains(memory), "{row}");
+        // In its column: no description runs into it (tsv's did).
+        let at: String = row.chars().skip(17 + 1 + 50 + 1).collect();
+        assert!(at.starts_with(cost), "{row}");
         // Its own page: every parameter, the reference, in 100 columns.
         let page = rlmerge().args(["methods", name]).output().unwrap();
         assert!(page.status.success(), "{name}");

@@ -184,6 +184,13 @@ fn a_comma_list_sets_a_parameter_per_model() {
     );
     let saved = std::fs::read_to_string(dir.join("from-flags/mergekit_config.yml")).unwrap();
     assert!(saved.contains("  parameters:\n    weight: 0.7"), "{saved}");
+    // The card says each agent's own value, in words (issue #53 item 7), tagged as the Hub tags
+    // mergekit's merges.
+    let card = std::fs::read_to_string(dir.join("from-flags/README.md")).unwrap();
+    for said in ["- mergekit\n", "merges 2 models", "— `weight` = `0.7`", "— `weight` = `0.3`"] {
+        assert!(card.contains(said), "{said}: {card}");
+    }
+    assert!(!card.contains("model(s)") && !card.contains("the method's parameters"), "{card}");
     let o = merge("wrong", "weight=0.7,0.3,0.1");
     assert_eq!(o.status.code(), Some(2));
     assert!(

@@ -12,10 +12,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-from . import _rlmerge as _native
-from ._rlmerge import MergeError, UsageError, __version__
+# Headless: with XDG_RUNTIME_DIR unset, libwayland (which Mesa's Vulkan drivers load while wgpu
+# lists adapters) prints "error: XDG_RUNTIME_DIR is invalid" on stderr though nothing failed.
+# rlmerge never presents anything, so any folder quiets it; set only where unset, as the command
+# does, before the library's first thread.
+if not os.environ.get("XDG_RUNTIME_DIR"):
+    os.environ["XDG_RUNTIME_DIR"] = tempfile.gettempdir()
+
+from . import _rlmerge as _native  # noqa: E402
+from ._rlmerge import MergeError, UsageError, __version__  # noqa: E402
 
 __all__ = [
     "MergeError",

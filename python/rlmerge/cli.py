@@ -3,10 +3,8 @@ in-process, with the same output and exit codes — Ctrl-C, SIGTERM and SIGHUP s
 its scratch folders removed and exit 130, as the binary does (unless the process started with
 them ignored, as under `nohup`)."""
 
-import os
 import signal
 import sys
-import tempfile
 
 
 def _interrupt(signum, frame):
@@ -14,9 +12,7 @@ def _interrupt(signum, frame):
 
 
 def main() -> None:
-    # As the binary does, before any thread exists: Mesa's Vulkan drivers print an error when
-    # XDG_RUNTIME_DIR is unset (the library itself leaves the environment alone).
-    os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
+    # (XDG_RUNTIME_DIR is set where unset by the package's import, as the binary sets it.)
     from ._rlmerge import call
 
     # Python's default for SIGTERM and SIGHUP ends the process at once, leaving the running

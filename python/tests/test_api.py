@@ -803,3 +803,19 @@ def test_python_merges_are_the_commands_and_their_recipes_remake_them(demo, tmp_
     rlmerge.run(tmp_path / "api-dare_ties" / "mergekit_config.yml", other, seed=5, device="cpu")
     assert folder_bytes(other) != folder_bytes(tmp_path / "api-dare_ties")
     assert "seed: 5" in (other / "mergekit_config.yml").read_text()
+
+
+def test_a_successful_call_prints_no_error_without_xdg_runtime_dir(demo, tmp_path):
+    """With XDG_RUNTIME_DIR unset (a headless machine), Mesa's Vulkan drivers, loaded while wgpu
+    lists adapters, printed 'error: XDG_RUNTIME_DIR is invalid' twice from a merge that then
+    succeeded (issue #53 item 7): neither the API nor the command says 'error:' when it works."""
+    root, base, agents = demo
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    code = (f"import rlmerge; rlmerge.merge({str(base)!r}, {[str(a) for a in agents[:2]]!r}, "
+            f"method='iso_c', out={str(tmp_path / 'api')!r})")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert p.returncode == 0 and "error" not in p.stderr.lower(), p.stderr
+    p = subprocess.run([pip_command(), "merge", "--base", base, "--model", agents[0], "--model",
+                        agents[1], "--method", "iso_c", "-q", "-o", tmp_path / "cli"],
+                       env=env, capture_output=True, text=True)
+    assert p.returncode == 0 and "error" not in p.stderr.lower(), p.stderr

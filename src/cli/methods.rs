@@ -69,12 +69,12 @@ pub fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
     }
     writeln!(
         out,
-        "{:<17} {:<50} {:<9} memory",
+        "{:<17} {:<SUMMARY_WIDTH$} {:<9} memory",
         "method", "what it does", "cost"
     )?;
     let row = |name: &str, summary: &str, cost: Cost, memory: Footprint| {
         format!(
-            "{name:<17} {summary:<50} {:<9} {}",
+            "{name:<17} {summary:<SUMMARY_WIDTH$} {:<9} {}",
             cost.name(),
             memory.name()
         )
@@ -115,12 +115,15 @@ pub fn run_methods(args: &MethodsArgs, out: &mut impl Write) -> Result<()> {
     }
     writeln!(
         out,
-        "\n`rlmerge methods NAME` gives a method's parameters, defaults and reference; \
+        "\nram+ is also accepted as ramplus and ram_plus.\n`rlmerge methods NAME` gives a method's parameters, defaults and reference; \
          docs/methods.md,\nwhich method to choose. Parameters go in a mergekit recipe \
          (rlmerge run RECIPE.yml -o OUT)\nor on the command line (--param KEY=VALUE)."
     )?;
     Ok(())
 }
+
+/// The table's column of what each method does: every summary fits it (tests/front_door.rs).
+pub(crate) const SUMMARY_WIDTH: usize = 50;
 
 /// `rlmerge methods NAME`: the method (`None`: SVC) whole — what it does, its reference, its cost
 /// and memory classes, every parameter, and a command that runs it.

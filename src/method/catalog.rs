@@ -605,7 +605,7 @@ impl Kind {
             Kind::ArceeFusion => "keeps changes whose row-KL importance stands out",
             Kind::Fisher => "Fisher-weighted average (Fisher files given)",
             Kind::IsoC => "Σ τ of each matrix with a flat spectrum",
-            Kind::Tsv => "each agent's top singular directions, decorrelated",
+            Kind::Tsv => "agents' top singular directions, decorrelated",
             Kind::ResMerge => "SVD heads and residuals merged on the sphere",
         }
     }

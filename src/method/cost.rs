@@ -34,7 +34,8 @@ impl Cost {
                 "statistics of each tensor, then the merge: reads it twice or more (0.25-0.6 s/GB)"
             }
             Cost::Spectral => {
-                "an SVD or eigendecomposition per matrix: bound by arithmetic (7-70 s/GB, 2 cores)"
+                "an SVD or eigendecomposition per matrix: bound by arithmetic (≈45-200 s/GB at 7B, \
+                 2 cores)"
             }
         }
     }

@@ -69,6 +69,14 @@ fn shown_name(path: &str) -> String {
     snapshot_id(path).unwrap_or_else(|| path.to_string())
 }
 
+/// "1 model", "3 models".
+fn models(n: usize) -> String {
+    match n {
+        1 => "1 model".into(),
+        n => format!("{n} models"),
+    }
+}
+
 /// The YAML front matter: `base_model` (the inputs that are Hub ids, each once; none when every
 /// input is a local folder), the library and the tags.
 fn front_matter(s: &mut String, r: &MergeRecord) {
@@ -87,7 +95,10 @@ fn front_matter(s: &mut String, r: &MergeRecord) {
     }
     let tags = match r.is_conversion() {
         true => "- rlmerge\n- converted".to_string(),
-        false => format!("- merge\n- rlmerge\n- {}", r.merging.method.name()),
+        false => format!(
+            "- merge\n- mergekit\n- rlmerge\n- {}",
+            r.merging.method.name()
+        ),
     };
     let _ = writeln!(s, "library_name: transformers\ntags:\n{tags}\n---\n");
 }
@@ -129,9 +140,9 @@ fn summary(s: &mut String, r: &MergeRecord) {
             let wide = settings_text(&c.parameters);
             writeln!(
                 s,
-                "This model merges {} model(s) with rlmerge {} using **{}** — {} ({}){semantics}. \
+                "This model merges {} with rlmerge {} using **{}** — {} ({}){semantics}. \
                  Parameters: {}.",
-                r.agents.len(),
+                models(r.agents.len()),
                 r.version,
                 c.kind.name(),
                 c.kind.about(),
@@ -204,14 +215,18 @@ fn inputs(s: &mut String, r: &MergeRecord) {
         read_from(0)
     );
     for (t, a) in r.agents.iter().enumerate() {
+        // Its own parameters, or λ; nothing where it has none of its own.
         let lambda = match (a.lambda, &r.merging.method) {
-            (_, Method::Combine(c)) => match c.models.get(t).map(settings_text) {
-                Some(own) if !own.is_empty() => own,
-                _ => "the method's parameters".into(),
-            },
-            (Some(l), _) => format!("λ = {l:.6}"),
+            (_, Method::Combine(c)) => c
+                .models
+                .get(t)
+                .map(settings_text)
+                .filter(|own| !own.is_empty())
+                .map(|own| format!(" — {own}"))
+                .unwrap_or_default(),
+            (Some(l), _) => format!(" — λ = {l:.6}"),
             (None, m) => format!(
-                "λ per {} (see {RECORD_FILE})",
+                " — λ per {} (see {RECORD_FILE})",
                 m.scope().map_or("tensor", |s| s.name())
             ),
         };
@@ -232,7 +247,7 @@ fn inputs(s: &mut String, r: &MergeRecord) {
         };
         let _ = writeln!(
             s,
-            "- agent {}{name}: {}{} — {lambda}{counts}",
+            "- agent {}{name}: {}{}{lambda}{counts}",
             t + 1,
             code(&shown_name(&a.path)),
             read_from(t + 1)
