@@ -263,6 +263,19 @@ fn say_opened(
     Ok(dense)
 }
 
+/// What a RAM-family merge of one agent is: that agent, written back (RAM: its changes kept
+/// whole; RAM+: λ = 1, as nothing is shared) — said, as the user may have meant more agents.
+fn one_agent_warning(job: &Job) -> Option<String> {
+    let kind = job.merging.method.kind();
+    (job.agents.len() == 1 && kind.is_ram_family()).then(|| {
+        format!(
+            "one agent: {} merges nothing with one agent; the output is that agent's tensors \
+             (its changes over the base kept whole); merging needs two or more agents",
+            kind.name()
+        )
+    })
+}
+
 /// Merges `job` into `out` on the backend `compute` asks for, saying on the way what the user
 /// should know: the inputs' warnings, agents that look dense, the backend, and after the merge
 /// what it found (identical inputs, what a ResMerge kept) and the scratch it noticed.
@@ -274,7 +287,11 @@ pub fn merge(
 ) -> Result<MergeSummary> {
     compute.check()?;
     let inputs = open_inputs(job)?;
-    let dense = say_opened(&inputs, compute, job.epsilon, say)?;
+    let mut dense = say_opened(&inputs, compute, job.epsilon, say)?;
+    if let Some(w) = one_agent_warning(job) {
+        say(Said::Warning(w.clone()));
+        dense.push(w);
+    }
     let cost = job.merging.cost();
     let backend = backend_for(compute, cost, say)?;
     say(Said::Backend(described(

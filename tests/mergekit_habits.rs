@@ -187,10 +187,18 @@ fn a_comma_list_sets_a_parameter_per_model() {
     // The card says each agent's own value, in words (issue #53 item 7), tagged as the Hub tags
     // mergekit's merges.
     let card = std::fs::read_to_string(dir.join("from-flags/README.md")).unwrap();
-    for said in ["- mergekit\n", "merges 2 models", "— `weight` = `0.7`", "— `weight` = `0.3`"] {
+    for said in [
+        "- mergekit\n",
+        "merges 2 models",
+        "— `weight` = `0.7`",
+        "— `weight` = `0.3`",
+    ] {
         assert!(card.contains(said), "{said}: {card}");
     }
-    assert!(!card.contains("model(s)") && !card.contains("the method's parameters"), "{card}");
+    assert!(
+        !card.contains("model(s)") && !card.contains("the method's parameters"),
+        "{card}"
+    );
     let o = merge("wrong", "weight=0.7,0.3,0.1");
     assert_eq!(o.status.code(), Some(2));
     assert!(
@@ -199,4 +207,41 @@ fn a_comma_list_sets_a_parameter_per_model() {
         err_of(&o)
     );
     assert!(!dir.join("wrong").exists());
+}
+
+/// A RAM merge of one agent writes that agent back: said on stderr and in the card (issue #53
+/// item 7), not passed over in silence.
+#[test]
+fn a_one_agent_ram_merge_is_said() {
+    let d = demo();
+    let dir = d.path().join("d");
+    let o = rlmerge()
+        .current_dir(&dir)
+        .args([
+            "merge",
+            "-q",
+            "--base",
+            "base",
+            "--model",
+            "coding-agent",
+            "-o",
+            "one",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err_of(&o));
+    assert!(
+        err_of(&o).contains("warning: one agent: ram+ merges nothing"),
+        "{}",
+        err_of(&o)
+    );
+    let card = std::fs::read_to_string(dir.join("one/README.md")).unwrap();
+    assert!(
+        card.contains("merges 1 reinforcement-learning-trained agent into"),
+        "{card}"
+    );
+    assert!(
+        card.contains("one agent\\: ram\\+ merges nothing"),
+        "{card}"
+    );
 }

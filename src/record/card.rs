@@ -156,13 +156,16 @@ fn summary(s: &mut String, r: &MergeRecord) {
         }
         _ => writeln!(
             s,
-            "This model merges {} reinforcement-learning-trained agents into their common base \
+            "This model merges {} into their common base \
              with rlmerge {} using **{}**: parameters no agent changed (|τ| ≤ ε = {:e}) keep the \
              base value, parameters changed by several agents take the mean of their task \
              vectors over those agents only{}, and parameters changed by one agent keep that \
              agent's update{} (Reinforced Agent Merging, \
              [arXiv:2601.13572](https://arxiv.org/abs/2601.13572)).",
-            r.agents.len(),
+            match r.agents.len() {
+                1 => "1 reinforcement-learning-trained agent".to_string(),
+                n => format!("{n} reinforcement-learning-trained agents"),
+            },
             r.version,
             r.merging.method,
             r.epsilon,
