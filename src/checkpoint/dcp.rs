@@ -191,25 +191,18 @@ impl Metadata {
         }
         match self.paths.get(flat).map(Vec::as_slice) {
             Some([top, rest @ ..]) if top == MODEL_KEY && !rest.is_empty() => Some(rest.join(".")),
-            Some(_) => None,
-            None => flat
-                .strip_prefix(MODEL_KEY)
-                .and_then(|r| r.strip_prefix('.'))
-                .map(str::to_string),
+            _ => None,
         }
     }
 
     /// Every tensor of the model, its chunks opened in their files.
     fn tensors(&self, dir: &Path, interner: &mut Interner) -> Result<Assembled> {
+        // Only the saved key paths tell a model kept under `model` from a flat state dict whose
+        // own names start with `model.` (transformers' do): without them, names stay as saved.
         let under_model = self
             .paths
             .values()
-            .any(|p| p.len() > 1 && p[0] == MODEL_KEY)
-            || (self.paths.is_empty()
-                && self
-                    .entries
-                    .iter()
-                    .all(|(n, _)| n.starts_with(&format!("{MODEL_KEY}."))));
+            .any(|p| p.len() > 1 && p[0] == MODEL_KEY);
         let mut files = Vec::new();
         let mut tensors = Vec::new();
         let mut skipped = Vec::new();
