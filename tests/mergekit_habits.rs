@@ -245,3 +245,39 @@ fn a_one_agent_ram_merge_is_said() {
         "{card}"
     );
 }
+
+/// A card of a merge that set no parameter gives the defaults' values, not "the method's
+/// defaults" alone (issue #53 item 7).
+#[test]
+fn a_card_names_the_default_values_it_merged_with() {
+    let d = demo();
+    let dir = d.path().join("d");
+    let o = rlmerge()
+        .current_dir(&dir)
+        .args([
+            "merge",
+            "-q",
+            "--base",
+            "base",
+            "--model",
+            "coding-agent",
+            "--model",
+        ])
+        .args([
+            "tool-agent",
+            "--method",
+            "iso_c",
+            "--device",
+            "cpu",
+            "-o",
+            "iso",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err_of(&o));
+    let card = std::fs::read_to_string(dir.join("iso/README.md")).unwrap();
+    assert!(
+        card.contains("Parameters: the method's defaults, `scaling_factor` = `1.0`."),
+        "{card}"
+    );
+}

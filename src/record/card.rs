@@ -148,7 +148,7 @@ fn summary(s: &mut String, r: &MergeRecord) {
                 c.kind.about(),
                 c.kind.reference(),
                 if wide.is_empty() {
-                    "the method's defaults (`rlmerge methods NAME` lists them)".to_string()
+                    defaults_text(c.kind)
                 } else {
                     wide
                 }
@@ -202,6 +202,20 @@ fn settings_text(settings: &crate::method::settings::Settings) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// A method's defaults, as `rlmerge methods NAME` gives them, where the merge set none.
+fn defaults_text(kind: crate::method::Kind) -> String {
+    let shown: Vec<String> = kind
+        .params()
+        .iter()
+        .filter(|p| !matches!(p.default, crate::method::catalog::ParamDefault::Required))
+        .map(|p| format!("{} = {}", code(p.name), code(&p.default.text(p.range))))
+        .collect();
+    match shown.is_empty() {
+        true => "none".into(),
+        false => format!("the method's defaults, {}", shown.join(", ")),
+    }
 }
 
 /// The base and each agent, with its λ or where its parameters are, and its changed counts.
