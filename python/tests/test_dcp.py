@@ -8,13 +8,12 @@ would run a command is never run."""
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from test_trainer_formats import method_args, run, weights, AGENTS
+from test_verl import write_with_ranks
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -27,8 +26,7 @@ UP = "model.layers.0.mlp.up_proj.weight"
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("dcp")
-    subprocess.run([sys.executable, str(HERE / "dcp_shards.py"), str(out), "optim"],
-                   check=True, capture_output=True)
+    write_with_ranks(HERE / "dcp_shards.py", out, "optim")
     return out
 
 

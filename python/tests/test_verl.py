@@ -25,9 +25,23 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module", params=["fsdp", "ddp,fsdp"])
 def verl(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("verl")
-    subprocess.run([sys.executable, str(HERE / "verl_shards.py"), str(out), request.param],
-                   check=True, capture_output=True)
+    write_with_ranks(HERE / "verl_shards.py", out, request.param)
     return out
+
+
+def write_with_ranks(script: Path, out: Path, *args: str):
+    """Runs a fixture writer that spawns gloo ranks on a free local port. The port is free when
+    chosen but may be taken before the ranks bind it (or a rank's connection reset on a loaded
+    machine): a failed run is retried once in a fresh folder; a second failure shows its stderr."""
+    for attempt in range(2):
+        if attempt:
+            shutil.rmtree(out)
+            out.mkdir()
+        p = subprocess.run([sys.executable, str(script), str(out), *args], capture_output=True,
+                           text=True)
+        if p.returncode == 0:
+            return
+    raise AssertionError(f"{script.name} failed twice:\n{p.stderr[-4000:]}")
 
 
 def rank_files(actor: Path):
