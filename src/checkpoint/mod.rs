@@ -17,6 +17,7 @@ pub mod output_folder;
 pub mod pickle;
 pub mod pieces;
 pub mod positional;
+pub mod quantized;
 pub mod safetensors_file;
 pub mod torch_file;
 pub mod weight_file;

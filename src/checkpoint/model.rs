@@ -4,6 +4,7 @@ use super::dtype::DType;
 use super::fsdp_shards;
 use super::lora::LoraAdapter;
 use super::pieces::Pieces;
+use super::quantized::Quantized;
 use super::weight_file::{crc32_of_file, FileChecksum, Interner, TensorEntry, WeightFile};
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::{BTreeMap, HashMap};
@@ -113,10 +114,11 @@ impl ModelFolder {
                     pieces: Some(pieces),
                 })
                 .collect();
+            let config = ModelConfig::read_if_present(&opened.config_dir)?;
             let mut folder = Self::from_parts(
                 dir,
                 (WeightFormat::Torch, opened.files, tensors),
-                opened.config_dir,
+                (opened.config_dir, config),
             )?;
             folder.trainer = Some(opened.described);
             folder.aliases = opened.aliases;
@@ -133,24 +135,15 @@ impl ModelFolder {
         let Some((format, index_path, index, shard_names)) = weight_files(dir)? else {
             return Err(no_weights(dir));
         };
-        // A quantized checkpoint's byte dtype: FP8 block-scaled, or MXFP4.
-        let (block, mxfp4) = match format {
-            WeightFormat::Safetensors => {
-                let config = ModelConfig::read_if_present(dir)?;
-                let json = config.as_ref().map(ModelConfig::json);
-                let block = super::fp8::block_size(json)
-                    .with_context(|| format!("{}", dir.join(CONFIG_FILE).display()))?;
-                (block, super::mxfp4::is_mxfp4(json))
-            }
-            WeightFormat::Torch => (None, false),
-        };
-        let raw = match (block, mxfp4) {
-            (Some(_), _) => Some("F8_E4M3"),
-            (None, true) => Some("U8"),
-            (None, false) => None,
+        // The config, read once: it also says whether the weights are quantized.
+        let config = ModelConfig::read_if_present(dir)?;
+        let quantized = match format {
+            WeightFormat::Safetensors => Quantized::of(config.as_ref().map(ModelConfig::json))
+                .with_context(|| format!("{}", dir.join(CONFIG_FILE).display()))?,
+            WeightFormat::Torch => None,
         };
         let mut shards = Vec::with_capacity(shard_names.len());
-        let (mut tensors, mut fp8) = (Vec::new(), Vec::new());
+        let (mut tensors, mut raw) = (Vec::new(), Vec::new());
         for (i, name) in shard_names.iter().enumerate() {
             let path = dir.join(name);
             if path.symlink_metadata().is_err() {
@@ -162,60 +155,57 @@ impl ModelFolder {
             }
             let (file, listed) = match format {
                 WeightFormat::Safetensors => {
-                    super::safetensors_file::open_with(&path, interner, raw)?
+                    let raw_dtype = quantized.map(Quantized::raw_dtype);
+                    super::safetensors_file::open_with(&path, interner, raw_dtype)?
                 }
                 WeightFormat::Torch => {
                     let (file, entries) = super::torch_file::open(&path, interner)?;
                     (file, entries.into_iter().map(|e| (e, false)).collect())
                 }
             };
-            for (entry, quantized) in listed {
+            for (entry, stored_raw) in listed {
                 tensors.push(ModelTensor {
                     shard: i,
                     entry,
                     pieces: None,
                 });
-                fp8.push(quantized);
+                raw.push(stored_raw);
             }
             shards.push(file);
         }
         if let Some(index) = &index {
             check_index_matches(&index_path, index, &shard_names, &tensors)?;
         }
-        if raw.is_some() {
-            let listed = tensors
-                .into_iter()
-                .zip(fp8)
-                .map(|(t, fp8)| (t.shard, t.entry, fp8))
-                .collect();
-            let tensors = match block {
-                Some(block) => super::fp8::dequantized(dir, &shards, listed, block)?,
-                None => super::mxfp4::dequantized(dir, listed, interner)?,
-            };
-            let tensors = tensors
-                .into_iter()
-                .map(|(shard, entry, pieces)| ModelTensor {
-                    shard,
-                    entry,
-                    pieces,
-                })
-                .collect();
-            let mut folder = Self::from_parts(dir, (format, shards, tensors), dir.to_path_buf())?;
-            folder.trainer = Some(match block {
-                Some(block) => super::fp8::described(block),
-                None => super::mxfp4::described(),
-            });
-            return Ok(folder);
-        }
-        Self::from_parts(dir, (format, shards, tensors), dir.to_path_buf())
+        let Some(quantized) = quantized else {
+            return Self::from_parts(dir, (format, shards, tensors), (dir.to_path_buf(), config));
+        };
+        let listed = tensors
+            .into_iter()
+            .zip(raw)
+            .map(|(t, raw)| (t.shard, t.entry, raw))
+            .collect();
+        let tensors = quantized
+            .dequantized(dir, &shards, listed, interner)?
+            .into_iter()
+            .map(|(shard, entry, pieces)| ModelTensor {
+                shard,
+                entry,
+                pieces,
+            })
+            .collect();
+        let mut folder =
+            Self::from_parts(dir, (format, shards, tensors), (dir.to_path_buf(), config))?;
+        folder.trainer = Some(quantized.described());
+        Ok(folder)
     }
 
-    /// The folder `dir` of weight files `shards` holding `tensors`, its config.json read from
-    /// `config_dir`: tensor names checked unique across files and indexed.
+    /// The folder `dir` of weight files `shards` holding `tensors`, with `config`, the
+    /// config.json its caller read (once) from `config_dir`: tensor names checked unique across
+    /// files and indexed.
     fn from_parts(
         dir: &Path,
         (format, shards, mut tensors): (WeightFormat, Vec<WeightFile>, Vec<ModelTensor>),
-        config_dir: PathBuf,
+        (config_dir, config): (PathBuf, Option<ModelConfig>),
     ) -> Result<ModelFolder> {
         tensors.shrink_to_fit();
         let mut by_name: Vec<u32> = (0..tensors.len() as u32).collect();
@@ -243,7 +233,7 @@ impl ModelFolder {
             tensors,
             by_name,
             lora: None,
-            config: ModelConfig::read_if_present(&config_dir)?,
+            config,
             config_dir,
             trainer: None,
             aliases: Vec::new(),
