@@ -10,7 +10,6 @@ and with `optim` beside it the optimizer's state (Adam after one step) — into 
 
 import os
 import shutil
-import socket
 import sys
 
 import torch
@@ -18,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from verl_shards import WORLD, config, rl_like
+from verl_shards import WORLD, config, models_and_port
 
 
 def shard(rank, out, port, optim):
@@ -46,16 +45,7 @@ def shard(rank, out, port, optim):
 
 
 def main(out, optim):
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(config()).to(torch.bfloat16)
-    base.save_pretrained(f"{out}/base")
-    torch.save(rl_like(base, 1), f"{out}/agent_masters.pt")
-    other = AutoModelForCausalLM.from_config(config())
-    other.load_state_dict(rl_like(base, 2))
-    other.to(torch.bfloat16).save_pretrained(f"{out}/other")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = models_and_port(out)
     mp.spawn(shard, args=(out, port, optim), nprocs=WORLD)
     shutil.copy(f"{out}/base/config.json", f"{out}/dcp/config.json")
 

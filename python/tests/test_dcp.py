@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_trainer_formats import method_args, run, weights, AGENTS
+from test_trainer_formats import merges_alike, run, weights
 from test_verl import write_with_ranks
 
 torch = pytest.importorskip("torch")
@@ -66,17 +66,9 @@ def test_a_dcp_checkpoint_reads_as_dcp_load_gives_it(ckpt, tmp_path):
 
 def test_every_method_merges_a_dcp_agent_as_the_converted_folder(ckpt, tmp_path):
     folder = converted(ckpt / "dcp", tmp_path / "converted", tmp_path)
-    for name, args in method_args():
-        n = min(AGENTS.get(name, 3), 2)
-        want, got = tmp_path / f"c-{name}", tmp_path / f"d-{name}"
-        run("merge", "--base", ckpt / "base",
-            *sum((["--model", a] for a in [folder, ckpt / "other"][:n]), []), *args, "-q",
-            "--allow-dense-agents", "-o", want)
-        run("merge", "--base", ckpt / "base",
-            *sum((["--model", a] for a in [ckpt / "dcp", ckpt / "other"][:n]), []), *args, "-q",
-            "--allow-dense-agents", "-o", got)
-        assert weights(got) == weights(want), name
-    run("verify", tmp_path / "d-ram+", "--against")
+    merges_alike(tmp_path, (ckpt / "base", [folder, ckpt / "other"]),
+                 (ckpt / "base", [ckpt / "dcp", ckpt / "other"]), extra=["--allow-dense-agents"])
+    run("verify", tmp_path / "got-ram+", "--against")
 
 
 def test_the_same_bytes_on_any_thread_count(ckpt, tmp_path):

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from test_trainer_formats import method_args, run, weights, AGENTS
+from test_trainer_formats import merges_alike, run, weights
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -113,15 +113,8 @@ def test_the_same_bytes_on_any_thread_count_and_tile(fp8, tmp_path):
 
 def test_every_method_merges_over_an_fp8_base_as_over_the_dequantized_one(fp8, tmp_path):
     agents = [fp8 / "coder", fp8 / "tools"]
-    for name, args in method_args():
-        n = min(AGENTS.get(name, 3), 2)
-        models = sum((["--model", a] for a in agents[:n]), [])
-        want, got = tmp_path / f"bf16-{name}", tmp_path / f"fp8-{name}"
-        run("merge", "--base", fp8 / "base-bf16", *models, *args, "-q", "--allow-dense-agents",
-            "-o", want)
-        run("merge", "--base", fp8 / "base-fp8", *models, *args, "-q", "--allow-dense-agents",
-            "-o", got)
-        assert weights(got) == weights(want), name
+    merges_alike(tmp_path, (fp8 / "base-bf16", agents), (fp8 / "base-fp8", agents),
+                 extra=["--allow-dense-agents"])
 
 
 @pytest.mark.parametrize("damage, words", [

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from test_trainer_formats import method_args, run, weights, AGENTS
+from test_trainer_formats import merges_alike, run
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -89,15 +89,8 @@ def test_an_mxfp4_base_converts_as_transformers_dequantizes_it(mx, tmp_path):
 
 def test_every_method_merges_over_an_mxfp4_base_as_over_the_dequantized_one(mx, tmp_path):
     agents = [mx / "coder", mx / "tools"]
-    for name, args in method_args():
-        n = min(AGENTS.get(name, 3), 2)
-        models = sum((["--model", a] for a in agents[:n]), [])
-        want, got = tmp_path / f"bf16-{name}", tmp_path / f"mx-{name}"
-        run("merge", "--base", mx / "base-bf16", *models, *args, "-q", "--allow-dense-agents",
-            "-o", want)
-        run("merge", "--base", mx / "base-mxfp4", *models, *args, "-q", "--allow-dense-agents",
-            "--threads", "3", "--tile-elems", "777", "-o", got)
-        assert weights(got) == weights(want), name
+    merges_alike(tmp_path, (mx / "base-bf16", agents), (mx / "base-mxfp4", agents),
+                 extra=["--allow-dense-agents"], got_extra=["--threads", "3", "--tile-elems", "777"])
 
 
 @pytest.mark.parametrize("damage, words", [

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from test_trainer_formats import method_args, run, weights, AGENTS
+from test_trainer_formats import merges_alike, run, weights
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -149,13 +149,6 @@ def test_every_method_merges_the_adapter_as_its_f32_conversion(models, tmp_path)
     folder = tmp_path / "f32"
     run("convert", f"{models / 'base'}+{models / 'adapter'}", "--out-dtype", "f32", "-q",
         "-o", folder)
-    for name, args in method_args():
-        n = min(AGENTS.get(name, 3), 2)
-        want, got = tmp_path / f"c-{name}", tmp_path / f"a-{name}"
-        run("merge", "--base", models / "base",
-            *sum((["--model", a] for a in [folder, models / "other"][:n]), []), *args, "-q",
-            "--allow-dense-agents", "--raw-f32-agents", "-o", want)
-        run("merge", "--base", models / "base",
-            *sum((["--model", a] for a in [models / "adapter", models / "other"][:n]), []), *args,
-            "-q", "--allow-dense-agents", "--raw-f32-agents", "-o", got)
-        assert weights(got) == weights(want), name
+    merges_alike(tmp_path, (models / "base", [folder, models / "other"]),
+                 (models / "base", [models / "adapter", models / "other"]),
+                 extra=["--allow-dense-agents", "--raw-f32-agents"])

@@ -85,6 +85,24 @@ def method_args():
         yield m["name"], args
 
 
+def merges_alike(tmp_path, want, got, *, extra=(), got_extra=(), methods=None):
+    """Every method (`methods`, else each of method_args()) merges `got` — (base, agents) — to
+    the same tensors, byte for byte, as `want`; each takes as many agents as it merges (at most
+    those given). `extra` goes to both merges, `got_extra` to got's. The outputs are
+    tmp_path/want-NAME and tmp_path/got-NAME."""
+    methods = list(method_args()) if methods is None else methods
+    assert len(methods) >= 20
+    for name, args in methods:
+        n = min(AGENTS.get(name, 3), len(want[1]))
+        outs = []
+        for label, (base, agents), more in (("want", want, ()), ("got", got, got_extra)):
+            outs.append(tmp_path / f"{label}-{name}")
+            run("merge", "--base", base, *sum((["--model", a] for a in agents[:n]), []), *args,
+                "-q", *extra, *more, "-o", outs[-1])
+        assert weights(outs[1]) == weights(outs[0]), name
+        assert len(weights(outs[0])) > 5, name
+
+
 def test_every_method_merges_bins_as_it_merges_safetensors(demo, tmp_path):
     """Base sharded in 2 `.bin` files, one agent a whole `.bin`, one sharded in 3, one left as
     safetensors: every method's output holds the same tensors, byte for byte, as from the
@@ -94,16 +112,8 @@ def test_every_method_merges_bins_as_it_merges_safetensors(demo, tmp_path):
             to_bin(agents[1], tmp_path / "a1", 3), agents[2]]
     methods = list(method_args()) + [("ram+svc", ["--method", "ram+", "--svc", "0.2"])]
     assert len(methods) >= 25
-    for name, args in methods:
-        n = AGENTS.get(name, 3)
-        want, got = tmp_path / f"st-{name}", tmp_path / f"bin-{name}"
-        run("merge", "--base", base, *sum((["--model", a] for a in agents[:n]), []), *args,
-            "-q", "-o", want)
-        run("merge", "--base", bins[0], *sum((["--model", a] for a in bins[1:n + 1]), []), *args,
-            "-q", "-o", got)
-        assert weights(got) == weights(want), name
-        assert len(weights(want)) > 5, name
-    assert rlmerge.verify(tmp_path / "bin-ram+", against=True)["ok"]
+    merges_alike(tmp_path, (base, agents), (bins[0], bins[1:]), methods=methods)
+    assert rlmerge.verify(tmp_path / "got-ram+", against=True)["ok"]
 
 
 def test_what_is_read_from_a_bin_is_what_torch_load_gives(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_trainer_formats import method_args, run, to_bin, weights, AGENTS
+from test_trainer_formats import merges_alike, method_args, run, to_bin, weights
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -96,17 +96,11 @@ def test_every_method_merges_shards_as_the_converted_folder(verl, tmp_path):
     """Base + the verl actor + a Hugging Face agent, against base + verl's converted folder + the
     same agent: the same tensors, byte for byte, for every method."""
     folder = converted(verl / "actor", tmp_path / "converted")
-    for name, args in list(method_args()) + [("ram+svc", ["--method", "ram+", "--svc", "0.2"])]:
-        n = min(AGENTS.get(name, 3), 2)
-        want, got = tmp_path / f"c-{name}", tmp_path / f"s-{name}"
-        run("merge", "--base", verl / "base",
-            *sum((["--model", a] for a in [folder, verl / "other"][:n]), []), *args, "-q",
-            "--allow-dense-agents", "-o", want)
-        run("merge", "--base", verl / "base",
-            *sum((["--model", a] for a in [verl / "actor", verl / "other"][:n]), []), *args, "-q",
-            "--allow-dense-agents", "-o", got)
-        assert weights(got) == weights(want), name
-    run("verify", tmp_path / "s-ram+", "--against")
+    methods = list(method_args()) + [("ram+svc", ["--method", "ram+", "--svc", "0.2"])]
+    merges_alike(tmp_path, (verl / "base", [folder, verl / "other"]),
+                 (verl / "base", [verl / "actor", verl / "other"]),
+                 extra=["--allow-dense-agents"], methods=methods)
+    run("verify", tmp_path / "got-ram+", "--against")
 
 
 def test_the_same_bytes_on_any_thread_count(verl, tmp_path):

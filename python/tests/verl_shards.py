@@ -55,8 +55,10 @@ def shard(rank, out, mesh_dims, port):
     dist.destroy_process_group()
 
 
-def main(out, mesh_dims):
-    os.makedirs(f"{out}/actor/huggingface", exist_ok=True)
+def models_and_port(out):
+    """The bf16 base, the RL-like agent's fp32 masters (agent_masters.pt, which the ranks shard)
+    and a second agent as a Hugging Face folder, written into `out`; and a free local port for
+    the ranks' rendezvous."""
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(config()).to(torch.bfloat16)
     base.save_pretrained(f"{out}/base")
@@ -64,10 +66,15 @@ def main(out, mesh_dims):
     other = AutoModelForCausalLM.from_config(config())
     other.load_state_dict(rl_like(base, 2))
     other.to(torch.bfloat16).save_pretrained(f"{out}/other")
-    config().save_pretrained(f"{out}/actor/huggingface")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def main(out, mesh_dims):
+    os.makedirs(f"{out}/actor/huggingface", exist_ok=True)
+    port = models_and_port(out)
+    config().save_pretrained(f"{out}/actor/huggingface")
     mp.spawn(shard, args=(out, mesh_dims, port), nprocs=WORLD)
 
 
