@@ -26,6 +26,16 @@ fn run_in(dir: &Path, args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// `rlmerge merge -q --base base --model A …` of the demo's folders in `dir`, then `args`.
+fn merge_in(dir: &Path, agents: &[&str], args: &[&str]) -> std::process::Output {
+    let mut cmd = rlmerge();
+    cmd.current_dir(dir).args(["merge", "-q", "--base", "base"]);
+    for a in agents {
+        cmd.args(["--model", a]);
+    }
+    cmd.args(args).output().unwrap()
+}
+
 fn shards(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut found: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
@@ -152,29 +162,20 @@ fn a_comma_list_sets_a_parameter_per_model() {
     let o = run_in(&dir, &["per-model.yml", "from-recipe", "-q"]);
     assert!(o.status.success(), "{}", err_of(&o));
     let merge = |out: &str, weight: &str| {
-        rlmerge()
-            .current_dir(&dir)
-            .args([
-                "merge",
-                "-q",
-                "--base",
-                "base",
-                "--model",
-                "coding-agent",
-                "--model",
-            ])
-            .args([
-                "tool-agent",
+        merge_in(
+            &dir,
+            &["coding-agent", "tool-agent"],
+            &[
                 "--method",
                 "ties",
                 "--param",
                 "density=0.5",
                 "--param",
                 weight,
-            ])
-            .args(["-o", out])
-            .output()
-            .unwrap()
+                "-o",
+                out,
+            ],
+        )
     };
     let o = merge("from-flags", "weight=0.7,0.3");
     assert!(o.status.success(), "{}", err_of(&o));
@@ -215,20 +216,7 @@ fn a_comma_list_sets_a_parameter_per_model() {
 fn a_one_agent_ram_merge_is_said() {
     let d = demo();
     let dir = d.path().join("d");
-    let o = rlmerge()
-        .current_dir(&dir)
-        .args([
-            "merge",
-            "-q",
-            "--base",
-            "base",
-            "--model",
-            "coding-agent",
-            "-o",
-            "one",
-        ])
-        .output()
-        .unwrap();
+    let o = merge_in(&dir, &["coding-agent"], &["-o", "one"]);
     assert!(o.status.success(), "{}", err_of(&o));
     assert!(
         err_of(&o).contains("warning: one agent: ram+ merges nothing"),
@@ -252,28 +240,11 @@ fn a_one_agent_ram_merge_is_said() {
 fn a_card_names_the_default_values_it_merged_with() {
     let d = demo();
     let dir = d.path().join("d");
-    let o = rlmerge()
-        .current_dir(&dir)
-        .args([
-            "merge",
-            "-q",
-            "--base",
-            "base",
-            "--model",
-            "coding-agent",
-            "--model",
-        ])
-        .args([
-            "tool-agent",
-            "--method",
-            "iso_c",
-            "--device",
-            "cpu",
-            "-o",
-            "iso",
-        ])
-        .output()
-        .unwrap();
+    let o = merge_in(
+        &dir,
+        &["coding-agent", "tool-agent"],
+        &["--method", "iso_c", "--device", "cpu", "-o", "iso"],
+    );
     assert!(o.status.success(), "{}", err_of(&o));
     let card = std::fs::read_to_string(dir.join("iso/README.md")).unwrap();
     assert!(
