@@ -292,16 +292,22 @@ fn kept_warnings(inputs: &Inputs, kept: Option<&[f64]>) -> Vec<String> {
 }
 
 /// Every input's file checksums for the record. Tensors were hashed as they were read; only what
-/// the merge never read is read now.
+/// the merge never read is read now. A conversion's one model is also its base (the same folder,
+/// read once by the tile loop): its files' checksums are the base's, not read again.
 fn input_checksums(inputs: &Inputs, out: &Path) -> Result<Vec<InputChecksums>> {
+    let base_files = inputs.base.checksums()?;
     std::iter::once(&inputs.base)
         .chain(&inputs.agents)
         .map(|m| {
             let path = std::fs::canonicalize(&m.dir).unwrap_or_else(|_| m.dir.clone());
+            let same_as_base = m.dir == inputs.base.dir && m.lora.is_none();
             Ok(InputChecksums {
                 hub_id: crate::hub::id_of_snapshot(&path),
                 path: record::recorded_path(out, &path),
-                files: m.checksums()?,
+                files: match same_as_base {
+                    true => base_files.clone(),
+                    false => m.checksums()?,
+                },
                 format: m.other_format(),
             })
         })
