@@ -252,3 +252,21 @@ fn a_card_names_the_default_values_it_merged_with() {
         "{card}"
     );
 }
+
+/// An absurd `--out-shard-size` (mergekit's, in parameters) is refused by name before anything is
+/// written.
+#[test]
+fn an_absurd_out_shard_size_is_refused() {
+    let d = demo();
+    let dir = d.path().join("d");
+    for bad in ["0", "-5", "abc", "0.5", "inf"] {
+        let o = run_in(&dir, &["recipe.yml", "out", "--out-shard-size", bad]);
+        assert_eq!(o.status.code(), Some(2), "{bad}: {}", err_of(&o));
+        assert!(
+            err_of(&o).contains("--out-shard-size"),
+            "{bad}: {}",
+            err_of(&o)
+        );
+        assert!(!dir.join("out").exists());
+    }
+}

@@ -373,7 +373,7 @@ pub(crate) struct MergekitYamlArgs {
     pub(crate) no_safe_serialization: bool,
     #[arg(long, hide = true, value_name = "N")]
     pub(crate) random_seed: Option<u64>,
-    #[arg(long, hide = true, value_name = "PARAMETERS", value_parser = parse_parameter_count)]
+    #[arg(long, hide = true, value_name = "PARAMETERS", value_parser = parse_parameter_count, allow_hyphen_values = true)]
     pub(crate) out_shard_size: Option<u64>,
     #[arg(long, hide = true, value_name = "DIR")]
     pub(crate) transformers_cache: Option<PathBuf>,
