@@ -270,3 +270,58 @@ fn an_absurd_out_shard_size_is_refused() {
         assert!(!dir.join("out").exists());
     }
 }
+
+/// RAM+'s boost that bf16 rounds away is said — on stderr, in the card, per agent in the record —
+/// and its count is the truth: the boosted elements it calls moved are exactly the elements where
+/// the ram+ and ram outputs differ (issue #53 item 4). In f32 every boost stays, and nothing is said.
+#[test]
+fn a_boost_that_bf16_rounds_away_is_said() {
+    let d = demo();
+    let dir = d.path().join("d");
+    let agents = ["coding-agent", "tool-agent", "memory-agent"];
+    let plus = merge_in(&dir, &agents, &["-o", "plus"]);
+    assert!(plus.status.success(), "{}", err_of(&plus));
+    let o = merge_in(&dir, &agents, &["--method", "ram", "-o", "plain"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    assert_eq!(err_of(&plus).matches("ram+ boost rounded away").count(), 3);
+    let card = std::fs::read_to_string(dir.join("plus/README.md")).unwrap();
+    assert!(card.contains("rounded away"), "{card}");
+    let record: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("plus/rlmerge_record.json")).unwrap(),
+    )
+    .unwrap();
+    // Global scope boosts every unique element: moved = unique × (1 − the share unmoved).
+    let moved: f64 = record["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            let unique = a["counts"]["unique"].as_f64().unwrap();
+            let share = a["boost_rounded_away"].as_f64().unwrap();
+            assert!(share > 0.0 && share < 1.0, "{a}");
+            (unique * (1.0 - share)).round()
+        })
+        .sum();
+    let (p, r) = (
+        read_folder(&dir.join("plus")),
+        read_folder(&dir.join("plain")),
+    );
+    let differ: usize = p
+        .iter()
+        .map(|(name, (_, _, bytes))| {
+            let other = &r[name].2;
+            bytes
+                .chunks(2)
+                .zip(other.chunks(2))
+                .filter(|(a, b)| a != b)
+                .count()
+        })
+        .sum();
+    assert!(differ > 0);
+    assert_eq!(moved as usize, differ);
+    let wide = merge_in(&dir, &agents, &["--out-dtype", "float32", "-o", "wide"]);
+    assert!(wide.status.success(), "{}", err_of(&wide));
+    assert!(!err_of(&wide).contains("rounded away"), "{}", err_of(&wide));
+    let record = std::fs::read_to_string(dir.join("wide/rlmerge_record.json")).unwrap();
+    assert!(!record.contains("boost_rounded_away"), "{record}");
+}

@@ -28,6 +28,7 @@ pub struct PassOptions {
     pub scan_nonfinite: bool,
 }
 
+mod boost_rounding;
 mod calibrate;
 mod configs;
 mod fisher;
@@ -41,6 +42,7 @@ mod tile_rule;
 mod tile_size;
 mod tiles;
 
+use boost_rounding::{BoostRounding, RoundingScratch};
 pub use configs::config_choice;
 use fisher::FisherInputs;
 use output::{check_finite_output, finish};
@@ -223,7 +225,8 @@ pub fn merge(
         let mut jobs = run
             .map(|index| pass.job(index))
             .collect::<Result<Vec<_>>>()?;
-        let counts = pass.merge_tiles(&jobs, &writer)?;
+        let (counts, rounding) = pass.merge_tiles(&jobs, &writer)?;
+        pass.rounding.add(&rounding);
         inputs.forget_lora_matrices();
         if let Some(scope) = &mut pass.counted {
             for (job, counts) in jobs.iter_mut().zip(counts) {
@@ -279,6 +282,8 @@ struct MergePass<'a> {
     /// The spectral methods and SVC: matrices decomposed so far, of how many (the progress
     /// bar's message, as the bytes stand still while a matrix is decomposed).
     matrices: (usize, usize),
+    /// RAM+: what the output dtype kept of the boost, tallied tile by tile.
+    rounding: BoostRounding,
 }
 
 /// Layer and module scope: λ per agent for each group, in the report's group order, with an index
@@ -324,6 +329,8 @@ struct BoostReport {
     tensor_lambdas: Option<Vec<(std::sync::Arc<str>, Vec<f64>)>>,
     /// Layer and module scope: λ per group.
     group_lambdas: Option<Vec<(String, Vec<f64>)>>,
+    /// RAM+: the boosted elements the output dtype rounded back to plain RAM's value.
+    rounding: Option<BoostRounding>,
 }
 
 impl<'a> MergePass<'a> {
@@ -374,6 +381,7 @@ impl<'a> MergePass<'a> {
             counted: matches!(options.merging.method, Method::Ram { .. })
                 .then(TensorGathered::default),
             matrices: (0, decomposed.len()),
+            rounding: BoostRounding::zeros(inputs.agents.len()),
         }
     }
 
@@ -519,7 +527,7 @@ impl<'a> MergePass<'a> {
         &self,
         jobs: &[TensorJob],
         writer: &CheckpointWriter,
-    ) -> Result<Vec<TileCounts>> {
+    ) -> Result<(Vec<TileCounts>, BoostRounding)> {
         let tensors: Vec<TensorTiles> = jobs
             .iter()
             .map(|job| TensorTiles {
@@ -543,6 +551,7 @@ impl<'a> MergePass<'a> {
         };
         let limit = run_bytes(how.stride);
         let counting = self.counted.is_some();
+        let n = self.inputs.agents.len();
         let zeros = || -> Vec<TileCounts> {
             jobs.iter()
                 .map(|job| TileCounts::zeros(if counting { job.present.len() } else { 0 }))
@@ -551,8 +560,16 @@ impl<'a> MergePass<'a> {
         let mut workers = par_tiles(
             &how,
             &tensors,
-            || (WriteRun::new(limit), zeros(), TileScratch::default()),
-            |(run, counts, scratch), j, i, start, tile| {
+            || {
+                let rounding = (BoostRounding::zeros(n), RoundingScratch::default());
+                (
+                    WriteRun::new(limit),
+                    zeros(),
+                    TileScratch::default(),
+                    rounding,
+                )
+            },
+            |(run, counts, scratch, (rounding, rounding_scratch)), j, i, start, tile| {
                 let job = &jobs[j];
                 let out_dtype = writer.dtype(job.index);
                 let len = tile.len * out_dtype.size();
@@ -570,27 +587,39 @@ impl<'a> MergePass<'a> {
                     start,
                     !self.options.pass.scan_nonfinite,
                 )?;
+                if let TileRule::Ram(lambdas) = &job.rule {
+                    if BoostRounding::applies(lambdas, out_dtype) {
+                        let how = (
+                            lambdas.as_slice(),
+                            self.pass.epsilon,
+                            job.present.as_slice(),
+                        );
+                        rounding.tally(tile, how, (out_dtype, out), rounding_scratch);
+                    }
+                }
                 run.tile_done(writer, len)
             },
         )?;
-        for (run, _, _) in &mut workers {
+        let mut rounding = BoostRounding::zeros(n);
+        for (run, _, _, (r, _)) in &mut workers {
             run.flush(writer)?;
+            rounding.add(r);
         }
         if !counting {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), rounding));
         }
         let mut local = zeros();
-        for (_, counts, _) in &workers {
+        for (_, counts, _, _) in &workers {
             for (l, c) in local.iter_mut().zip(counts) {
                 l.add(c);
             }
         }
-        let n = self.inputs.agents.len();
-        Ok(local
+        let counts = local
             .iter()
             .zip(jobs)
             .map(|(local, job)| to_global(local, &job.present, n))
-            .collect())
+            .collect();
+        Ok((counts, rounding))
     }
 
     /// The probe report (global, tensor scope's folded one, or plain RAM's counted one) and the
@@ -598,18 +627,21 @@ impl<'a> MergePass<'a> {
     fn boost_report(self, global: Option<ProbeReport>) -> BoostReport {
         let agents = self.inputs.agent_labels();
         let epsilon = self.options.pass.epsilon;
+        let rounding = Some(self.rounding).filter(|r| r.boosted.iter().any(|&b| b > 0));
         match (self.per_tensor, self.counted) {
             (Some(mut scope), _) => BoostReport {
                 tensor_lambdas: Some(std::mem::take(&mut scope.lambdas)),
                 report: Some(scope.report(agents, epsilon)),
                 global_lambdas: self.global_lambdas,
                 group_lambdas: None,
+                rounding,
             },
             (None, counted) => BoostReport {
                 report: global.or_else(|| counted.map(|c| c.report(agents, epsilon))),
                 global_lambdas: self.global_lambdas,
                 tensor_lambdas: None,
                 group_lambdas: self.group_lambdas.map(|g| g.ordered),
+                rounding,
             },
         }
     }

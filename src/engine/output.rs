@@ -108,6 +108,14 @@ pub(super) fn finish(
     for (agent, share) in agents.iter_mut().zip(kept.iter().flatten()) {
         agent.kept = Some(*share);
     }
+    let rounding = boost.rounding.as_ref();
+    for (t, agent) in agents.iter_mut().enumerate() {
+        agent.boost_rounded_away = rounding.and_then(|r| r.unmoved_share(t));
+    }
+    let rounding_warnings = rounding.map_or_else(Vec::new, |r| {
+        let lambdas: Vec<Option<f64>> = agents.iter().map(|a| a.lambda).collect();
+        r.warnings(&inputs.agent_labels(), &lambdas, out_dtype)
+    });
     let input_sums = input_checksums(inputs, &out)?;
     let record = MergeRecord {
         tool: "rlmerge".into(),
@@ -150,6 +158,7 @@ pub(super) fn finish(
             ))
             .chain(super::spectral::warnings(inputs, &options.merging.method))
             .chain(kept_warnings(inputs, kept.as_deref()))
+            .chain(rounding_warnings)
             .collect(),
         inputs: input_sums,
         outputs,
@@ -244,6 +253,7 @@ fn agent_summaries(inputs: &Inputs, boost: &BoostReport, out: &Path) -> Vec<Agen
             },
             counts: agent_counts.as_ref().map(|c| c[t]),
             kept: None,
+            boost_rounded_away: None,
         })
         .collect()
 }

@@ -93,6 +93,10 @@ pub struct AgentSummary {
     /// (ResMerge, which can keep nothing of a low-rank agent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kept: Option<f64>,
+    /// RAM+ into a dtype narrower than f32: the share of the elements the agent alone changed
+    /// (λ ≠ 1) that the output holds at plain RAM's value — the boost rounded away.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boost_rounded_away: Option<f64>,
 }
 
 /// The weight files of one input model as the merge read them.

@@ -68,6 +68,35 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// SPEC §1's agent masks of elements `start..start + masks.len()` of `tile` (bit t: agent t
+    /// changed the element, |τ_t| > ε), the base decoded into `base` on the way and `agent` a
+    /// row to decode through: the probe's own predicate, for counts the host makes (the
+    /// boost-rounding tally, `crate::engine`). Up to 32 agents.
+    pub(crate) fn changed_masks(
+        tile: &Tile,
+        epsilon: f32,
+        start: usize,
+        base: &mut [f32],
+        agent: &mut [f32],
+        masks: &mut [u32],
+    ) {
+        agent_masks(tile, epsilon, start, (base, agent), masks)
+    }
+}
+
+/// [`changed_masks`] of more than 32 agents.
+pub(crate) fn changed_masks_wide(
+    tile: &Tile,
+    epsilon: f32,
+    start: usize,
+    base: &mut [f32],
+    agent: &mut [f32],
+    masks: &mut [u64],
+) {
+    agent_masks(tile, epsilon, start, (base, agent), masks)
+}
+
 /// Each element's agent mask over elements `start..start + masks.len()` (bit t: |τ_t| > ε),
 /// decoding through the `base` and `agent` rows.
 #[inline(always)]

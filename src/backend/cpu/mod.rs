@@ -13,6 +13,7 @@ mod counts;
 mod merge;
 
 use combine::{combine_chunk, CombineScratch};
+pub(crate) use counts::{changed_masks, changed_masks_wide};
 use counts::{probe_chunk, ProbeScratch};
 use merge::{merge_chunk, ChunkScratch};
 
