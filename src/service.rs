@@ -9,13 +9,16 @@
 use crate::backend::cpu::CpuBackend;
 use crate::backend::gpu::{AdapterChoice, GpuBackend, GpuContext};
 use crate::backend::Backend;
+use crate::checkpoint::output_folder::Scratch;
 use crate::checkpoint::output_folder::{self, MERGEKIT_CONFIG_FILE};
+use crate::checkpoint::OutputFolder;
 use crate::engine::{self, MergeOptions, MergeSummary, PassOptions};
 use crate::error::{usage, Arg};
 use crate::inputs::{Inputs, Layout};
-use crate::job::Job;
+use crate::job::stages::Stages;
+use crate::job::{CommandLine, DoneStage, Job};
 use crate::method::cost::Cost;
-use crate::record::MergeRecord;
+use crate::record::{MergeRecord, StageRecord};
 use crate::report::retention::Retention;
 use crate::report::ProbeReport;
 use crate::vocabulary::TokenizerSettings;
@@ -235,6 +238,42 @@ pub fn merge_options(
         .collect();
     options.warnings = warnings;
     options.config_from = job.config_source()?;
+    let scratch: Vec<(String, PathBuf)> = job
+        .stages
+        .iter()
+        .filter(|s| s.scratch)
+        .map(|s| (s.name.clone(), s.folder.clone()))
+        .collect();
+    options.stages = job
+        .stages
+        .iter()
+        .map(|s| StageRecord {
+            name: s.name.clone(),
+            record: Box::new(s.record.clone().rebased(&s.folder, out, &scratch)),
+        })
+        .collect();
+    options.scratch_stages = scratch;
+    if let Some(template) = &job.chat_template {
+        let folders: Vec<PathBuf> = std::iter::once(&job.base)
+            .chain(&job.agents)
+            .map(|f| {
+                let text = f.to_string_lossy();
+                match crate::checkpoint::lora::split_reference(&text) {
+                    Some((base, _)) => PathBuf::from(base),
+                    None => f.clone(),
+                }
+            })
+            .collect();
+        let folders: Vec<&Path> = folders.iter().map(PathBuf::as_path).collect();
+        options.chat_template = template.resolve(&folders)?;
+        if options.chat_template.is_none() {
+            options.warnings.push(
+                "chat_template: auto found no chat template among the input models; the \
+                 base's tokenizer files are written as they are"
+                    .into(),
+            );
+        }
+    }
     Ok(options)
 }
 
@@ -324,6 +363,103 @@ pub fn merge(
         .iter()
         .for_each(|n| say(Said::Note(n.clone())));
     Ok(summary)
+}
+
+/// Where a multi-stage recipe's earlier stages go: `None`, a scratch folder beside the output,
+/// removed when the run ends; or a folder that keeps them, each stage in `DIR/NAME`
+/// (`--intermediate-dir`, mergekit-multi's).
+pub type StageFolder<'a> = Option<&'a Path>;
+
+/// Runs the recipe file `recipe` into `out` — a one-document recipe as one merge, a multi-stage
+/// one ([`Stages`]) stage by stage — with `given` set on top of every stage's recipe; `seed`
+/// overrides the recipes' seeds. What the stages say is said, each under its name. Returns the
+/// final merge's job and summary.
+pub fn run_recipe(
+    recipe: &Path,
+    (seed, given): (Option<u64>, &CommandLine),
+    compute: &Compute,
+    (out, force, kept): (&Path, bool, StageFolder),
+    say: &mut dyn FnMut(Said),
+) -> Result<(Job, MergeSummary)> {
+    let Some(stages) = Stages::read(recipe)? else {
+        if kept.is_some() {
+            return Err(usage(
+                "--intermediate-dir is for a multi-stage recipe (several YAML documents); this \
+                 one has one",
+            ));
+        }
+        let mut job = Job::from_recipe(recipe, seed)?;
+        job.set_command_line(given)?;
+        let summary = merge(&job, compute, (out, force), say)?;
+        return Ok((job, summary));
+    };
+    compute.check()?;
+    OutputFolder::check(out, force)?;
+    let last = stages.len() - 1;
+    let resolved = crate::checkpoint::output_folder::resolve_output(out)?;
+    let scratch = match kept {
+        Some(_) => None,
+        None => {
+            let name = resolved.file_name().unwrap_or_default().to_string_lossy();
+            let parent = resolved.parent().unwrap_or(Path::new("."));
+            Some(Scratch::create(parent, &format!(".{name}.rlmerge-stages"))?)
+        }
+    };
+    let dir = match (&scratch, kept) {
+        (Some(s), _) => s.path().to_path_buf(),
+        (None, Some(k)) => k.to_path_buf(),
+        (None, None) => unreachable!("a scratch folder where none is kept"),
+    };
+    let mut made: Vec<(String, PathBuf)> = Vec::new();
+    let mut done = Vec::new();
+    for i in 0..last {
+        let name = stages
+            .name(i)
+            .expect("every stage but the final one is named");
+        if scratch.is_some() && !stages.needed(i) {
+            say(Said::Warning(format!(
+                "stage '{name}' is skipped: the final stage does not take it, and only \
+                 --intermediate-dir keeps a stage's output"
+            )));
+            continue;
+        }
+        let mut job = stages.job(i, &made, seed)?;
+        job.set_command_line(given)?;
+        let folder = dir.join(name);
+        say(Said::Note(format!(
+            "stage {}/{}: '{name}' into {}",
+            i + 1,
+            stages.len(),
+            folder.display()
+        )));
+        let summary = merge(&job, compute, (&folder, force), say)
+            .with_context(|| format!("stage '{name}' of {}", recipe.display()))?;
+        // A signal that came while the stage was put in place stops the run now.
+        crate::checkpoint::output_folder::intermediate_commit_done()?;
+        done.push(DoneStage {
+            name: name.to_string(),
+            settings: job.saved_settings(),
+            recipe: job.recipe,
+            folder: folder.clone(),
+            scratch: scratch.is_some(),
+            record: summary.record,
+        });
+        made.push((name.to_string(), folder));
+    }
+    let mut job = stages.job(last, &made, seed)?;
+    job.set_command_line(given)?;
+    job.stages = done;
+    say(Said::Note(format!(
+        "stage {}/{}: {} into {}",
+        last + 1,
+        stages.len(),
+        stages
+            .name(last)
+            .map_or("the final merge".into(), |n| format!("'{n}'")),
+        out.display()
+    )));
+    let summary = merge(&job, compute, (out, force), say)?;
+    Ok((job, summary))
 }
 
 /// An analysis (`rlmerge analyze`): what each agent changed against the base, and with `merged`

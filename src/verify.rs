@@ -3,7 +3,7 @@
 //! from the record and compares the bytes.
 
 use crate::backend::Backend;
-use crate::checkpoint::output_folder::{sweep, Scratch};
+use crate::checkpoint::output_folder::{sweep, Scratch, MERGEKIT_CONFIG_FILE};
 use crate::checkpoint::weight_file::{crc32_of_file, FileChecksum};
 use crate::checkpoint::ModelFolder;
 use crate::engine;
@@ -102,26 +102,17 @@ pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verificat
             ));
         }
     }
-    let mut inputs_intact = true;
-    for input in &record.inputs {
-        let path = resolved_path(out_dir, &input.path);
-        if !path.is_dir() {
-            inputs_intact = false;
-            v.skipped.push(format!(
-                "input {} not found: not checked",
-                input.path.display()
-            ));
-            continue;
-        }
-        for f in &input.files {
-            let before = v.problems.len();
-            check_file(&path, f, "input", &mut v);
-            inputs_intact &= v.problems.len() == before;
-        }
-    }
+    let inputs_intact = check_inputs(&record, out_dir, &mut v);
     if let Some(backend) = against {
         if inputs_intact {
             recompute_and_compare(&record, out_dir, backend, &mut v)?;
+        } else if !record.stages.is_empty() {
+            v.problems.push(format!(
+                "--against: inputs of this merge are stages of its multi-stage recipe that were \
+                 scratch, so it cannot be recomputed here; `rlmerge run {}/{MERGEKIT_CONFIG_FILE} \
+                 OUT` makes every stage again (--intermediate-dir DIR keeps them)",
+                out_dir.display()
+            ));
         } else {
             v.problems.push("--against: the inputs are missing or changed since the merge, so it cannot be recomputed".into());
         }
@@ -130,6 +121,46 @@ pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verificat
 }
 
 /// File names that loaders take for weights (safetensors, PyTorch, TensorFlow, Flax, GGUF) or
+
+/// Checks every input file the record lists against its checksum, where the input is there (a
+/// missing one, or a multi-stage recipe's scratch stage, is skipped and said); whether every
+/// input is there and intact.
+fn check_inputs(record: &MergeRecord, out_dir: &Path, v: &mut Verification) -> bool {
+    let mut inputs_intact = true;
+    for input in &record.inputs {
+        let path = resolved_path(out_dir, &input.path);
+        let stage = input
+            .path
+            .to_str()
+            .and_then(|p| p.strip_prefix(crate::record::STAGE_PREFIX));
+        if !path.is_dir() {
+            inputs_intact = false;
+            let why = match stage {
+                Some(name) => format!(
+                    "is stage '{}' of a multi-stage recipe, made in scratch and removed",
+                    crate::escape::terminal(name)
+                ),
+                None => "not found".into(),
+            };
+            let shown = input.path.display().to_string();
+            let line = format!(
+                "input {} {why}: not checked",
+                crate::escape::terminal(&shown)
+            );
+            if !v.skipped.contains(&line) {
+                v.skipped.push(line);
+            }
+            continue;
+        }
+        for f in &input.files {
+            let before = v.problems.len();
+            check_file(&path, f, "input", v);
+            inputs_intact &= v.problems.len() == before;
+        }
+    }
+    inputs_intact
+}
+
 /// their indexes.
 fn is_weight_file(name: &str) -> bool {
     const EXT: [&str; 9] = [

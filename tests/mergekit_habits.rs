@@ -325,3 +325,61 @@ fn a_boost_that_bf16_rounds_away_is_said() {
     let record = std::fs::read_to_string(dir.join("wide/rlmerge_record.json")).unwrap();
     assert!(!record.contains("boost_rounded_away"), "{record}");
 }
+
+/// A recipe's `chat_template` — a name mergekit knows, a Jinja template, or `auto` — goes into the
+/// output's tokenizer_config.json, and the record's checksums cover it (issue #53 item 2).
+#[test]
+fn a_chat_template_goes_into_tokenizer_config() {
+    let d = demo();
+    let dir = d.path().join("d");
+    let recipe = std::fs::read_to_string(dir.join("recipe.yml")).unwrap();
+    let template_of = |out: &str| -> serde_json::Value {
+        let text = std::fs::read_to_string(dir.join(out).join("tokenizer_config.json")).unwrap();
+        serde_json::from_str::<serde_json::Value>(&text).unwrap()["chat_template"].clone()
+    };
+    let own = "{% for m in messages %}{{ m['content'] }}{% endfor %}";
+    for (value, out) in [("chatml", "named"), (own, "jinja"), ("auto", "auto")] {
+        let with = format!("{recipe}chat_template: \"{value}\"\n");
+        std::fs::write(dir.join(format!("{out}.yml")), with).unwrap();
+        let o = run_in(&dir, &[&format!("{out}.yml"), out, "-q"]);
+        assert!(o.status.success(), "{value}: {}", err_of(&o));
+        let v = rlmerge()
+            .current_dir(&dir)
+            .args(["verify", out])
+            .output()
+            .unwrap();
+        assert!(v.status.success(), "{value}: {}", err_of(&v));
+        match out {
+            "named" => assert!(template_of(out).as_str().unwrap().contains("<|im_start|>")),
+            "jinja" => assert_eq!(template_of(out), own),
+            // The demo's models carry no template: auto writes none, and says so.
+            _ => {
+                assert!(template_of(out).is_null());
+                assert!(
+                    err_of(&o).contains("auto found no chat template"),
+                    "{}",
+                    err_of(&o)
+                );
+            }
+        }
+    }
+    // The output of `named` carries chatml: auto over it and the base takes it.
+    let auto = "merge_method: linear\nparameters: {weight: 0.5}\nmodels: [{model: named}, {model: base}]\nchat_template: auto\n";
+    std::fs::write(dir.join("auto2.yml"), auto).unwrap();
+    let o = run_in(&dir, &["auto2.yml", "auto2", "-q"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    assert_eq!(template_of("auto2"), template_of("named"));
+    std::fs::write(
+        dir.join("bad.yml"),
+        format!("{recipe}chat_template: vicuna\n"),
+    )
+    .unwrap();
+    let o = run_in(&dir, &["bad.yml", "bad"]);
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+    assert!(
+        err_of(&o).contains("chatml") && err_of(&o).contains("line 12"),
+        "{}",
+        err_of(&o)
+    );
+    assert!(!dir.join("bad").exists());
+}

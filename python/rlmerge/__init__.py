@@ -323,16 +323,21 @@ def run(recipe: PathLike, out: PathLike, *, device: str = "auto", quiet: bool = 
         force: bool = False, out_dtype: Optional[str] = None, shard_size: Optional[str] = None,
         threads: int = 0, allow_missing_tensors: bool = False,
         allow_nonfinite: bool = False, allow_dense_agents: bool = False,
-        raw_f32_agents: bool = False, seed: Optional[int] = None) -> Dict[str, Any]:
+        raw_f32_agents: bool = False, seed: Optional[int] = None,
+        intermediate_dir: Optional[PathLike] = None) -> Dict[str, Any]:
     """Runs a mergekit YAML recipe into ``out``, as ``rlmerge run``; returns what :func:`merge`
     returns. A keyword given replaces the recipe's setting (``seed``, ``out_dtype``,
-    ``shard_size``); the recipe saved with the merge says what it ran with."""
+    ``shard_size``); the recipe saved with the merge says what it ran with. A multi-stage recipe
+    (several YAML documents, each with a ``name:``, as mergekit-multi reads them) runs stage by
+    stage; ``intermediate_dir`` keeps each earlier stage in ``intermediate_dir/NAME`` (by default
+    they are scratch, removed when the run ends)."""
     _check_common(device, threads)
     out = _path(out, "out")
+    kept = None if intermediate_dir is None else _path(intermediate_dir, "intermediate_dir")
     record = _native.run(_path(recipe, "recipe"), out,
                          _keywords(device, quiet, force, out_dtype, shard_size, threads,
                                    allow_missing_tensors, allow_nonfinite, allow_dense_agents,
-                                   raw_f32_agents, seed))
+                                   raw_f32_agents, seed), kept)
     return _finished(record, out)
 
 

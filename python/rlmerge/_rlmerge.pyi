@@ -13,9 +13,10 @@ def merge(recipe: Mapping[str, Any], out: str, keywords: Mapping[str, Any]) -> s
     ``keywords`` holds every key of a merge: device, quiet, force, out_dtype, shard_size, threads,
     allow_missing_tensors, allow_nonfinite."""
 
-def run(recipe: str, out: str, keywords: Mapping[str, Any]) -> str:
-    """Runs a mergekit YAML recipe file into ``out`` (``keywords`` as for merge); the record as
-    JSON."""
+def run(recipe: str, out: str, keywords: Mapping[str, Any],
+        intermediate_dir: Optional[str] = None) -> str:
+    """Runs a mergekit YAML recipe file into ``out`` (``keywords`` as for merge; a multi-stage
+    recipe's earlier stages kept in ``intermediate_dir``); the record as JSON."""
 
 def convert(source: str, out: str, keywords: Mapping[str, Any]) -> str:
     """Converts one checkpoint into ``out`` (``keywords`` as for merge, ``raw_f32_agents`` keeping

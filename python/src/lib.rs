@@ -306,20 +306,29 @@ fn merge_into(
     job: impl FnOnce() -> anyhow::Result<Job> + Send + 'static,
     options: MergeRequest,
 ) -> PyResult<String> {
+    summarized(py, options, move |o| {
+        let mut job = job()?;
+        job.set_command_line(&o.command_line)?;
+        service::merge(&job, &o.compute, (&o.out, o.force), &mut show(o.quiet))
+    })
+}
+
+/// Runs `work` (a merge into `options.out`) on its own cancellable thread; the merge's record as
+/// JSON, with what it noted of the output's surroundings.
+fn summarized(
+    py: Python<'_>,
+    options: MergeRequest,
+    work: impl FnOnce(&MergeRequest) -> anyhow::Result<rlmerge::engine::MergeSummary> + Send + 'static,
+) -> PyResult<String> {
     let late = Late::Raise(format!(
         "interrupted after the merge had finished: the output at {} is complete",
         options.out.display()
     ));
     cancellable(py, late, move || {
-        let out = options.out.clone();
-        let mut job = job()?;
-        job.set_command_line(&options.command_line)?;
-        let target = (out.as_path(), options.force);
-        let summary = service::merge(&job, &options.compute, target, &mut show(options.quiet))
-            .map_err(|e| match rlmerge::cancel::is_interrupted(&e) {
-                true => e.context(format!("merge into {}", out.display())),
-                false => e,
-            })?;
+        let summary = work(&options).map_err(|e| match rlmerge::cancel::is_interrupted(&e) {
+            true => e.context(format!("merge into {}", options.out.display())),
+            false => e,
+        })?;
         // The record, and beside it what the merge noted of the output's surroundings. (Through
         // its text, as the file holds it: f32 numbers keep their shortest form, 1e-05.)
         let text = serde_json::to_string(&summary.record)?;
@@ -345,12 +354,24 @@ fn merge(
     merge_into(py, move || Job::from_base_and_models(value, seed), options)
 }
 
-/// Runs the mergekit YAML recipe file `recipe` into `out`, as `rlmerge run`; the record as JSON.
+/// Runs the mergekit YAML recipe file `recipe` into `out`, as `rlmerge run` (a multi-stage one
+/// stage by stage, each kept in `intermediate_dir/NAME` where given); the record as JSON.
 #[pyfunction]
-fn run(py: Python<'_>, recipe: PathBuf, out: PathBuf, keywords: MergeKeywords) -> PyResult<String> {
+#[pyo3(signature = (recipe, out, keywords, intermediate_dir=None))]
+fn run(
+    py: Python<'_>,
+    recipe: PathBuf,
+    out: PathBuf,
+    keywords: MergeKeywords,
+    intermediate_dir: Option<PathBuf>,
+) -> PyResult<String> {
     let seed = keywords.seed;
     let options = keywords.options(out).map_err(|e| exception(py, &e))?;
-    merge_into(py, move || Job::from_recipe(&recipe, seed), options)
+    summarized(py, options, move |o| {
+        let target = (o.out.as_path(), o.force, intermediate_dir.as_deref());
+        let given = (seed, &o.command_line);
+        service::run_recipe(&recipe, given, &o.compute, target, &mut show(o.quiet)).map(|r| r.1)
+    })
 }
 
 /// Converts the checkpoint `source` (a folder, Hub id or BASE+ADAPTER) into `out`, as

@@ -269,8 +269,15 @@ fn run_recipe(args: &RunArgs, out: &mut impl Write) -> Result<()> {
     for note in super::mergekit_yaml::notes(&args.mergekit) {
         eprintln!("note: {note}");
     }
-    let job = Job::from_recipe(&args.recipe, seed)?;
-    merge_job(job, &args.compute, &output, out)
+    let out_dir = output.one_out(None)?;
+    let (job, summary) = service::run_recipe(
+        &args.recipe,
+        (seed, &args.compute.command_line(&output)),
+        &args.compute.compute(),
+        (&out_dir, output.force, args.intermediate_dir.as_deref()),
+        &mut show(args.compute.quiet),
+    )?;
+    print_merged(out, &job, &out_dir, &summary)
 }
 
 impl OutputArgs {
@@ -302,13 +309,31 @@ fn merge_job(
         (&out_dir, output.force),
         &mut show(compute.quiet),
     )?;
+    print_merged(out, &job, &out_dir, &summary)
+}
+
+/// What a merge of `job` into `out_dir` made: its models, method and shards, and each agent's λ.
+fn print_merged(
+    out: &mut impl Write,
+    job: &Job,
+    out_dir: &Path,
+    summary: &crate::engine::MergeSummary,
+) -> Result<()> {
+    let count = |n: usize, what: &str| match n {
+        1 => format!("1 {what}"),
+        n => format!("{n} {what}s"),
+    };
+    let stages = match job.stages.len() {
+        0 => String::new(),
+        n => format!(", the last of {} stages", n + 1),
+    };
     writeln!(
         out,
-        "merged {} model(s) into {} with {} ({} shard(s))",
-        job.agents.len(),
+        "merged {} into {} with {} ({}){stages}",
+        count(job.agents.len(), "model"),
         terminal(&out_dir.display().to_string()),
         summary.record.merging.text(),
-        summary.shards.len()
+        count(summary.shards.len(), "shard"),
     )?;
     if !matches!(job.merging.method, Method::Combine(_)) {
         print_lambdas(out, &summary.record, &job.agents)?;

@@ -331,6 +331,10 @@ pub(crate) struct RunArgs {
     /// Output folder, as mergekit-yaml takes it (or -o OUT_DIR).
     #[arg(value_name = "OUT_DIR")]
     pub(crate) out_dir: Option<PathBuf>,
+    /// A multi-stage recipe's stages are written to DIR/NAME and kept (mergekit-multi's -I)
+    /// [default: scratch beside the output, removed when the run ends].
+    #[arg(long, short = 'I', value_name = "DIR")]
+    pub(crate) intermediate_dir: Option<PathBuf>,
     #[command(flatten)]
     pub(crate) mergekit: MergekitYamlArgs,
     #[command(flatten)]

@@ -82,6 +82,9 @@ impl MergeOptions {
             protect: Vec::new(),
             warnings: Vec::new(),
             config_from: None,
+            stages: Vec::new(),
+            scratch_stages: Vec::new(),
+            chat_template: None,
         }
     }
 }
@@ -112,6 +115,12 @@ pub struct MergeOptions {
     /// Whose config.json the output takes (`None`: the base's, refused where an agent's differs
     /// in a key that changes how the weights are used; see [`config_choice`]).
     pub config_from: Option<crate::slices::Source>,
+    /// A multi-stage recipe's earlier stages, for the record.
+    pub stages: Vec<crate::record::StageRecord>,
+    /// Those of them made in scratch (name, folder), which the record names `stage:NAME`.
+    pub scratch_stages: Vec<(String, PathBuf)>,
+    /// The chat template the output's tokenizer_config.json takes (a recipe's `chat_template`).
+    pub chat_template: Option<String>,
 }
 
 /// What a finished merge reports.

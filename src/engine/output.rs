@@ -83,14 +83,16 @@ pub(super) fn finish(
     (config_warnings, backend): (Vec<String>, &'static str),
 ) -> Result<MergeSummary> {
     let out = folder.final_path().to_path_buf();
-    let agents = agent_summaries(inputs, &boost, &out);
+    let kept = kept_shares(inputs, options, folder.path())?;
+    let mut agents = agent_summaries(inputs, &boost, &out, kept.as_deref());
     let out_dtype = options
         .out_dtype
         .or_else(|| inputs.base.main_dtype())
         .unwrap_or(DType::F32);
     let mut outputs = shards;
     let config = output_config(inputs, options, out_dtype)?;
-    for name in model_files(inputs, config.as_ref(), folder.path())? {
+    let (written, template_warning) = model_files(inputs, options, config.as_ref(), folder.path())?;
+    for name in written {
         outputs.push(crc32_of_file(&folder.path().join(name))?);
     }
     // Where a probe ran (RAM+), the paper's Figure 1 for these agents, shown by the model card.
@@ -103,19 +105,7 @@ pub(super) fn finish(
         std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
         outputs.push(crc32_of_file(&path)?);
     }
-    let kept = kept_shares(inputs, options, folder.path())?;
-    let mut agents = agents;
-    for (agent, share) in agents.iter_mut().zip(kept.iter().flatten()) {
-        agent.kept = Some(*share);
-    }
-    let rounding = boost.rounding.as_ref();
-    for (t, agent) in agents.iter_mut().enumerate() {
-        agent.boost_rounded_away = rounding.and_then(|r| r.unmoved_share(t));
-    }
-    let rounding_warnings = rounding.map_or_else(Vec::new, |r| {
-        let lambdas: Vec<Option<f64>> = agents.iter().map(|a| a.lambda).collect();
-        r.warnings(&inputs.agent_labels(), &lambdas, out_dtype)
-    });
+    let rounding_warnings = boost_rounded_away(inputs, &boost, &mut agents, out_dtype);
     let input_sums = input_checksums(inputs, &out)?;
     let record = MergeRecord {
         tool: "rlmerge".into(),
@@ -159,10 +149,14 @@ pub(super) fn finish(
             .chain(super::spectral::warnings(inputs, &options.merging.method))
             .chain(kept_warnings(inputs, kept.as_deref()))
             .chain(rounding_warnings)
+            .chain(template_warning)
             .collect(),
         inputs: input_sums,
         outputs,
+        stages: options.stages.clone(),
     };
+    // Earlier stages made in scratch are named `stage:NAME`: their folders go with the merge.
+    let record = record.rebased(&out, &out, &options.scratch_stages);
     let recipe = options
         .extra_files
         .iter()
@@ -179,20 +173,44 @@ pub(super) fn finish(
     })
 }
 
+/// RAM+'s boost the output dtype rounded away: each agent's share in its summary, and the
+/// warnings of those that lost much of it.
+fn boost_rounded_away(
+    inputs: &Inputs,
+    boost: &BoostReport,
+    agents: &mut [AgentSummary],
+    out_dtype: DType,
+) -> Vec<String> {
+    let Some(rounding) = boost.rounding.as_ref() else {
+        return Vec::new();
+    };
+    for (t, agent) in agents.iter_mut().enumerate() {
+        agent.boost_rounded_away = rounding.unmoved_share(t);
+    }
+    let lambdas: Vec<Option<f64>> = agents.iter().map(|a| a.lambda).collect();
+    rounding.warnings(&inputs.agent_labels(), &lambdas, out_dtype)
+}
+
 /// Writes the output's config and tokenizer files — its config ([`output_config`]), the base's
-/// generation config, and the base's tokenizer or the vocabulary's — and returns their names.
+/// generation config, and the base's tokenizer or the vocabulary's, with a recipe's chat template
+/// — and returns their names, and a warning where the template had no file to go in.
 fn model_files(
     inputs: &Inputs,
+    options: &MergeOptions,
     config: Option<&serde_json::Value>,
     out: &Path,
-) -> Result<Vec<String>> {
+) -> Result<(Vec<String>, Option<String>)> {
     let vocabulary = inputs.vocabulary.as_deref();
     let mut written =
         write_model_files(inputs.base.config_dir(), config, out, vocabulary.is_none())?;
     if let Some(v) = vocabulary {
         written.extend(v.write_files(out)?);
     }
-    Ok(written)
+    let template_warning = match &options.chat_template {
+        Some(t) => crate::vocabulary::chat_template::write_into(out, t)?,
+        None => None,
+    };
+    Ok((written, template_warning))
 }
 
 /// The output's config.json, built in memory and written once: the config of the model
@@ -236,8 +254,14 @@ fn output_config(
     Ok(Some(config))
 }
 
-/// Each agent's line of the record: its path, its λ (global scope), its changed counts.
-fn agent_summaries(inputs: &Inputs, boost: &BoostReport, out: &Path) -> Vec<AgentSummary> {
+/// Each agent's line of the record: its path, its λ (global scope), its changed counts, what a
+/// ResMerge `kept` of it.
+fn agent_summaries(
+    inputs: &Inputs,
+    boost: &BoostReport,
+    out: &Path,
+    kept: Option<&[f64]>,
+) -> Vec<AgentSummary> {
     let agent_counts = boost.report.as_ref().map(|r| r.total_agent_counts());
     inputs
         .agents
@@ -252,7 +276,7 @@ fn agent_summaries(inputs: &Inputs, boost: &BoostReport, out: &Path) -> Vec<Agen
                 _ => None,
             },
             counts: agent_counts.as_ref().map(|c| c[t]),
-            kept: None,
+            kept: kept.map(|k| k[t]),
             boost_rounded_away: None,
         })
         .collect()

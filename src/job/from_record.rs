@@ -60,6 +60,8 @@ impl Job {
                 .as_ref()
                 .map(|t| t.with_folders(|p| resolved_path(out, p))),
             config_from,
+            stages: Vec::new(),
+            chat_template: None,
         })
     }
 }

@@ -5,6 +5,7 @@
 mod from_record;
 mod recipe_yaml;
 pub mod saved_recipe;
+pub mod stages;
 
 use crate::checkpoint::DType;
 use crate::error::usage;
@@ -52,6 +53,29 @@ pub struct Job {
     /// Whose config.json the output takes, as the user named it (`--config-from`, a recipe's
     /// `config_from:`): `base`, an agent's folder as given, or its name.
     pub config_from: Option<String>,
+    /// A multi-stage recipe's earlier stages, done (empty for one merge): the record and the
+    /// saved recipe of this, the final stage, hold them too.
+    pub stages: Vec<DoneStage>,
+    /// mergekit's `chat_template`: what the output's tokenizer_config.json says it is.
+    pub chat_template: Option<crate::vocabulary::chat_template::ChatTemplate>,
+}
+
+/// An earlier stage of a multi-stage recipe, merged: its name, its recipe and settings as the
+/// final output saves them, the folder it was written to, and its record there.
+#[derive(Clone, Debug)]
+pub struct DoneStage {
+    /// Its `name:`.
+    pub name: String,
+    /// Its recipe (references to stages before it kept as their names).
+    pub recipe: saved_recipe::Recipe,
+    /// The settings its saved recipe makes explicit.
+    pub settings: saved_recipe::Settings,
+    /// Where it was written.
+    pub folder: PathBuf,
+    /// Whether that folder is scratch, removed once the final merge is done.
+    pub scratch: bool,
+    /// Its merge's record, as written in `folder`.
+    pub record: crate::record::MergeRecord,
 }
 
 impl Job {
@@ -163,6 +187,8 @@ impl Job {
             tokenizer,
             names: flags.names.iter().cloned().map(Some).collect(),
             config_from: flags.config_from.clone(),
+            stages: Vec::new(),
+            chat_template: None,
         })
     }
 
@@ -239,8 +265,22 @@ impl Job {
     /// The recipe the merge saves into the output folder `out` (its final path): `rlmerge run`
     /// of it, from any folder, makes this merge again ([`saved_recipe`]).
     pub fn saved_recipe(&self, out: &Path) -> Result<String> {
+        if self.stages.is_empty() {
+            return self.recipe.text_for(out, &self.saved_settings());
+        }
+        let mut docs = self
+            .stages
+            .iter()
+            .map(|s| s.recipe.value_for(out, &s.settings))
+            .collect::<Result<Vec<_>>>()?;
+        docs.push(self.recipe.value_for(out, &self.saved_settings())?);
+        saved_recipe::staged_text(&docs)
+    }
+
+    /// The settings the merge's saved recipe makes explicit, as it runs with them.
+    pub fn saved_settings(&self) -> saved_recipe::Settings {
         let ram = self.merging.kind().is_ram_family();
-        let settings = saved_recipe::Settings {
+        saved_recipe::Settings {
             out_dtype: self.out_dtype,
             shard_size: self.shard_size,
             seed: self.merging.method.seed(),
@@ -252,8 +292,7 @@ impl Job {
             allow_nonfinite: self.allow_nonfinite,
             allow_missing_tensors: self.allow_missing_tensors,
             raw_f32_agents: self.raw_f32_agents,
-        };
-        self.recipe.text_for(out, &settings)
+        }
     }
 }
 

@@ -44,18 +44,20 @@ impl Recipe {
     /// The text saved into the output folder `out` (its final path): the recipe with its model
     /// references relative to `out` and `settings` written in, under a comment that says so.
     pub fn text_for(&self, out: &Path, settings: &Settings) -> Result<String> {
+        let yaml = serde_yaml::to_string(&self.value_for(out, settings)?)
+            .context("cannot write the merge's recipe")?;
+        Ok(format!("{}{yaml}", header()))
+    }
+
+    /// The recipe as saved into `out`, as data: [`Recipe::text_for`] without the comment.
+    pub fn value_for(&self, out: &Path, settings: &Settings) -> Result<Value> {
         let mut value = self.value.clone();
         self.rewrite_references(&mut value, out);
         let map = value
             .as_mapping_mut()
             .context("internal: a recipe is a mapping")?;
         write_settings(map, settings);
-        let yaml = serde_yaml::to_string(&value).context("cannot write the merge's recipe")?;
-        Ok(format!(
-            "# Written by rlmerge {}: `rlmerge run` of this file, from any folder, makes this \
-             merge again, byte for byte.\n# Model paths are relative to this file's folder.\n{yaml}",
-            env!("CARGO_PKG_VERSION")
-        ))
+        Ok(value)
     }
 
     /// Every model reference of `value` (see [`references_mut`]) that names a folder the job
@@ -84,6 +86,26 @@ impl Recipe {
             }
         }
     }
+}
+
+/// The comment a saved recipe starts with.
+fn header() -> String {
+    format!(
+        "# Written by rlmerge {}: `rlmerge run` of this file, from any folder, makes this merge \
+         again, byte for byte.\n# Model paths are relative to this file's folder.\n",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// A multi-stage recipe's saved text: its stages' recipes (as [`Recipe::value_for`] gives them)
+/// as YAML documents in the order they ran, under the one comment.
+pub fn staged_text(stages: &[Value]) -> Result<String> {
+    let mut text = header();
+    for value in stages {
+        text.push_str("---\n");
+        text.push_str(&serde_yaml::to_string(value).context("cannot write the merge's recipe")?);
+    }
+    Ok(text)
 }
 
 /// How a saved recipe names `folder` for a recipe saved in `out`: a Hub snapshot by

@@ -24,6 +24,7 @@ pub fn model_card(
         let _ = writeln!(s, "# Merged with {}\n", r.merging.text());
         summary(&mut s, r);
         inputs(&mut s, r);
+        stages(&mut s, r);
     }
     if r.outputs.iter().any(|f| f.file == OVERLAP_FIGURE) {
         let _ = writeln!(
@@ -219,6 +220,46 @@ fn defaults_text(kind: crate::method::Kind) -> String {
 }
 
 /// The base and each agent, with its λ or where its parameters are, and its changed counts.
+/// A multi-stage recipe's earlier stages, in the order they ran: each one's method, base and
+/// models (a model that is an earlier stage named `stage:NAME`).
+fn stages(s: &mut String, r: &MergeRecord) {
+    if r.stages.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "\n## Stages\n\nThis merge is the last of {} stages of a multi-stage recipe \
+         (mergekit-multi's); the earlier ones, in the order they ran:\n",
+        r.stages.len() + 1
+    );
+    for stage in &r.stages {
+        let models: Vec<String> = stage
+            .record
+            .agents
+            .iter()
+            .map(|a| code(&shown_name(&a.path)))
+            .collect();
+        let _ = writeln!(
+            s,
+            "- {}: {} of {} over {}",
+            code(&stage.name),
+            crate::escape::markdown_text(&stage.record.merging.text()),
+            models.join(", "),
+            code(&shown_name(&stage.record.base)),
+        );
+    }
+    if r.inputs
+        .iter()
+        .any(|i| i.path.to_string_lossy().starts_with(super::STAGE_PREFIX))
+    {
+        let _ = writeln!(
+            s,
+            "\nAn input named `stage:NAME` is that stage's output, made in scratch and removed \
+             after the merge; `rlmerge run {MERGEKIT_CONFIG_FILE} OUT` makes every stage again."
+        );
+    }
+}
+
 fn inputs(s: &mut String, r: &MergeRecord) {
     // The format each input was read from where it is not safetensors (inputs: base, agents).
     let read_from = |i: usize| match r.inputs.get(i).and_then(|c| c.format.as_deref()) {

@@ -40,6 +40,24 @@ pub fn recorded_path(out: &Path, folder: &Path) -> PathBuf {
     relative(&out, &folder)
 }
 
+/// `path` made absolute with its `.` and `..` taken away lexically (`a/b/../c` is `a/c`).
+fn lexical(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for c in std::path::absolute(path)
+        .unwrap_or(path.into())
+        .components()
+    {
+        match c {
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            std::path::Component::CurDir => {}
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// `to` relative to the folder `from` (both absolute): `..` up to their common ancestor, then
 /// down to `to`.
 fn relative(from: &Path, to: &Path) -> PathBuf {
@@ -185,7 +203,24 @@ pub struct MergeRecord {
     /// Every file written beside this record but the model card: shards, index, config and
     /// tokenizer copies.
     pub outputs: Vec<FileChecksum>,
+    /// A multi-stage recipe's earlier stages, in the order they ran, each with the record of its
+    /// merge (paths as seen from this folder); this record is its last stage's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<StageRecord>,
 }
+
+/// One earlier stage of a multi-stage recipe: its name and the record of its merge.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StageRecord {
+    /// The stage's `name:`, by which later stages take it as a model.
+    pub name: String,
+    /// The stage's merge, its paths as seen from the final output.
+    pub record: Box<MergeRecord>,
+}
+
+/// How a record names a stage's output that was made in scratch and removed after the merge:
+/// `stage:NAME`.
+pub const STAGE_PREFIX: &str = "stage:";
 
 impl MergeRecord {
     /// Whether this is a conversion (`rlmerge convert`): a passthrough of one model over itself as
@@ -213,6 +248,43 @@ impl MergeRecord {
         self.outputs
             .iter()
             .filter(|f| f.file.ends_with(".safetensors"))
+    }
+
+    /// This record, made in `from`, as read from `to`: every input path, its folder found from
+    /// `from`, named from `to` — or `stage:NAME` where it is one of the `scratch` stage folders
+    /// (name, folder), which are removed once the merge is done.
+    pub fn rebased(mut self, from: &Path, to: &Path, scratch: &[(String, PathBuf)]) -> MergeRecord {
+        if from == to && scratch.is_empty() {
+            return self; // nothing moves
+        }
+        // `from` may not exist yet (a merge's record is written before its folder is put in
+        // place): `..` is taken lexically first.
+        let real = |p: &Path| {
+            let lexical = lexical(p);
+            std::fs::canonicalize(&lexical).unwrap_or(lexical)
+        };
+        let same = |a: &Path, b: &Path| real(a) == real(b);
+        let moved = |recorded: &str| -> String {
+            if recorded.starts_with(HUB_PREFIX) || recorded.starts_with(STAGE_PREFIX) {
+                return recorded.to_string();
+            }
+            let folder = resolved_path(from, Path::new(recorded));
+            match scratch.iter().find(|(_, f)| same(f, &folder)) {
+                Some((name, _)) => format!("{STAGE_PREFIX}{name}"),
+                None => recorded_path(to, &folder).display().to_string(),
+            }
+        };
+        self.base = moved(&self.base);
+        for a in &mut self.agents {
+            a.path = moved(&a.path);
+        }
+        for i in &mut self.inputs {
+            i.path = PathBuf::from(moved(&i.path.to_string_lossy()));
+        }
+        if let Some(c) = self.config_from.as_mut().filter(|c| *c != "base") {
+            *c = moved(c);
+        }
+        self
     }
 
     /// Reads the record of a merged folder ([`RECORD_FILE`], else [`LEGACY_RECORD_FILE`]).

@@ -15,6 +15,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+pub mod chat_template;
 mod rows;
 mod settings;
 mod tokenizer_json;

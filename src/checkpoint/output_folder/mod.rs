@@ -22,7 +22,10 @@ use crate::error::{usage, Arg};
 use anyhow::{Context, Result};
 pub use path_rules::{refuse_inside, refuse_overlap, replaceable, resolve_output, Identity};
 pub use rename::rename_noreplace;
-pub use scratch::{begin_commit, remove_live_scratch, stale_notes, sweep, CommitGuard, Scratch};
+pub use scratch::{
+    begin_commit, intermediate_commit_done, remove_live_scratch, stale_notes, sweep, CommitGuard,
+    Scratch,
+};
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
@@ -158,7 +161,37 @@ fn aside(final_dir: &Path, id: &str) -> PathBuf {
     final_dir.with_file_name(format!(".{name}.rlmerge-old-{id}"))
 }
 
+/// Refuses an output `out` (resolved: `final_dir`) that exists, unless `force` and it is a folder
+/// rlmerge may replace ([`replaceable`]): usage errors, nothing touched.
+fn existing(out: &Path, final_dir: &Path, force: bool) -> Result<()> {
+    if final_dir.symlink_metadata().is_err() {
+        return Ok(());
+    }
+    if !force {
+        return Err(usage(crate::message![
+            format!("output {} already exists (use ", out.display()),
+            Arg::switch("force"),
+            " to replace a folder rlmerge wrote)",
+        ]));
+    }
+    replaceable(final_dir, Identity::Checksums).map_err(|why| {
+        usage(crate::message![
+            Arg::switch("force"),
+            format!(
+                " will not replace {}: {why}; choose another output",
+                out.display()
+            ),
+        ])
+    })
+}
+
 impl OutputFolder {
+    /// The checks [`OutputFolder::create`] makes of `out` itself, before work that comes ahead of
+    /// it (a multi-stage recipe's earlier stages): a usage error where it could not be written.
+    pub fn check(out: &Path, force: bool) -> Result<()> {
+        existing(out, &resolve_output(out)?, force)
+    }
+
     /// Checks `out` against `inputs` and the replace rule (usage errors, nothing touched), then
     /// creates missing parent folders, removes what killed merges into `out` left, and creates
     /// the scratch folder.
@@ -167,27 +200,7 @@ impl OutputFolder {
         refuse_overlap(out, &final_dir, inputs)?;
         let name = final_dir.file_name().expect("resolved paths end in a name");
         let parent = final_dir.parent().expect("resolved paths have a parent");
-        let check_existing = || -> Result<()> {
-            if final_dir.symlink_metadata().is_err() {
-                return Ok(());
-            }
-            if !force {
-                return Err(usage(crate::message![
-                    format!("output {} already exists (use ", out.display()),
-                    Arg::switch("force"),
-                    " to replace a folder rlmerge wrote)",
-                ]));
-            }
-            replaceable(&final_dir, Identity::Checksums).map_err(|why| {
-                usage(crate::message![
-                    Arg::switch("force"),
-                    format!(
-                        " will not replace {}: {why}; choose another output",
-                        out.display()
-                    ),
-                ])
-            })
-        };
+        let check_existing = || existing(out, &final_dir, force);
         check_existing()?;
         std::fs::create_dir_all(parent)
             .with_context(|| format!("cannot create the output's folder {}", parent.display()))?;

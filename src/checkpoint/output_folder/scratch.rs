@@ -18,6 +18,22 @@ fn live() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
 /// longer ends the process — the commit finishes and the run reports what it did.
 static COMMITTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// Set when a termination signal came while a commit held it off: a run whose commit was not its
+/// last (a multi-stage recipe's earlier stage) learns of it in [`intermediate_commit_done`].
+static PENDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Ends the commit of an output that is not the run's last (a multi-stage recipe's earlier stage,
+/// into scratch): termination signals end the process again, and one that came during the commit
+/// is the [`crate::cancel::Interrupted`] returned here, so the run stops as interrupted.
+pub fn intermediate_commit_done() -> Result<(), crate::cancel::Interrupted> {
+    let _registry = live();
+    COMMITTING.store(false, std::sync::atomic::Ordering::SeqCst);
+    match PENDING.swap(false, std::sync::atomic::Ordering::SeqCst) {
+        true => Err(crate::cancel::Interrupted),
+        false => Ok(()),
+    }
+}
+
 /// Holds off termination signals while outputs are renamed into place ([`remove_live_scratch`]
 /// waits for it, then lets the process finish instead of exiting).
 pub struct CommitGuard(#[allow(dead_code)] std::sync::MutexGuard<'static, Vec<PathBuf>>);
@@ -36,6 +52,7 @@ pub fn begin_commit() -> CommitGuard {
 pub fn remove_live_scratch() -> bool {
     let paths = live();
     if COMMITTING.load(std::sync::atomic::Ordering::SeqCst) {
+        PENDING.store(true, std::sync::atomic::Ordering::SeqCst);
         return false;
     }
     for p in paths.iter() {

@@ -73,6 +73,8 @@ fn same_folder(a: &Path, b: &Path) -> bool {
 pub(super) struct Folders<'a> {
     dir: &'a Path,
     pub(super) found: std::cell::RefCell<Vec<(String, PathBuf)>>,
+    /// A multi-stage recipe's earlier stages (name, output folder): a name wins over a folder.
+    stages: &'a [(String, PathBuf)],
 }
 
 impl<'a> Folders<'a> {
@@ -80,12 +82,24 @@ impl<'a> Folders<'a> {
         Folders {
             dir,
             found: Default::default(),
+            stages: &[],
         }
+    }
+
+    /// These folders, with the earlier stages of a multi-stage recipe taken by name.
+    pub(super) fn with_stages(self, stages: &'a [(String, PathBuf)]) -> Self {
+        Folders { stages, ..self }
     }
 
     /// The folder `reference` names.
     pub(super) fn folder(&self, reference: &str) -> Result<PathBuf> {
         if let Some((_, f)) = self.found.borrow().iter().find(|(r, _)| r == reference) {
+            return Ok(f.clone());
+        }
+        if let Some((_, f)) = self.stages.iter().find(|(name, _)| name == reference) {
+            self.found
+                .borrow_mut()
+                .push((reference.to_string(), f.clone()));
             return Ok(f.clone());
         }
         let folder = local_folder(reference, self.dir)?;

@@ -1,6 +1,7 @@
 //! The mergekit YAML recipe: read, checked key by key, and turned into a [`Job`].
 //! Unknown keys and the parts rlmerge does not support yet are errors that name the key and line.
 
+mod documents;
 mod folders;
 mod settings;
 mod tokenizer;
@@ -14,6 +15,7 @@ use crate::method::tensor_params::SliceSettings;
 use crate::method::Kind;
 use crate::slices::{self, Slice, Slices, Source};
 use anyhow::{bail, Context, Result};
+pub(super) use documents::documents;
 use folders::{layer_count, Folders};
 use serde::Deserialize;
 use settings::{out_dtype, shard_size, svc_of};
@@ -24,6 +26,11 @@ use tokenizer::tokenizer_settings;
 #[serde(deny_unknown_fields)]
 struct RawConfig {
     merge_method: String,
+    /// mergekit-multi's stage name, by which later stages of the file take this one as a model
+    /// (`super::stages`); a one-document recipe may carry it too.
+    #[serde(default)]
+    #[allow(dead_code)]
+    name: Option<String>,
     /// rlmerge's own key: whose config.json the output takes (`base`, or a model as listed).
     #[serde(default)]
     config_from: Option<String>,
@@ -110,6 +117,15 @@ pub(super) fn read(path: &Path, seed: Option<u64>) -> Result<Job> {
         .with_context(|| format!("cannot read recipe {}", path.display()))?;
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read recipe {}", path.display()))?;
+    let stages = documents(&text).len();
+    if stages > 1 {
+        return Err(usage(format!(
+            "recipe {} has {stages} YAML documents, a multi-stage recipe: run it with \
+             `rlmerge run {} OUT`",
+            path.display(),
+            path.display()
+        )));
+    }
     let mut job = parse(&text, path.parent().unwrap_or(Path::new(".")), seed)
         .with_context(|| format!("recipe {}", path.display()))?;
     job.recipe_path = Some(path.to_path_buf());
@@ -122,13 +138,15 @@ pub(super) fn read(path: &Path, seed: Option<u64>) -> Result<Job> {
 pub(super) struct RecipeText<'a> {
     text: &'a str,
     numbered: bool,
+    /// The file's line the text starts at (a stage's document starts below the file's first).
+    first_line: usize,
 }
 
 impl RecipeText<'_> {
     /// " (line N)" where `key:` first appears in a file's recipe; nothing for one made in memory.
     pub(super) fn at(&self, key: &str) -> String {
         match self.numbered {
-            true => format!(" (line {})", line_of(self.text, key)),
+            true => format!(" (line {})", line_of(self.text, key, self.first_line)),
             false => String::new(),
         }
     }
@@ -142,8 +160,27 @@ pub(super) fn parse(text: &str, dir: &Path, seed: Option<u64>) -> Result<Job> {
     let text = RecipeText {
         text,
         numbered: true,
+        first_line: 1,
     };
     parse_raw(raw, value, text, &Folders::new(dir), seed)
+}
+
+/// Parses one stage of a multi-stage recipe: its document's `text`, which starts at line
+/// `first_line` of the file in `dir`, with the earlier stages' outputs `made` (name, folder)
+/// taken for their names.
+pub(super) fn parse_stage(
+    text: &str,
+    (dir, first_line): (&Path, usize),
+    made: &[(String, PathBuf)],
+    seed: Option<u64>,
+) -> Result<Job> {
+    let (value, raw) = read_yaml(text)?;
+    let text = RecipeText {
+        text,
+        numbered: true,
+        first_line,
+    };
+    parse_raw(raw, value, text, &Folders::new(dir).with_stages(made), seed)
 }
 
 /// A recipe made in memory as a YAML value (the Python API's keywords): the same reading and
@@ -155,6 +192,7 @@ pub(super) fn from_value(value: serde_yaml::Value, seed: Option<u64>) -> Result<
     let text = RecipeText {
         text: &text,
         numbered: false,
+        first_line: 1,
     };
     parse_raw(raw, value, text, &Folders::new(Path::new(".")), seed)
 }
@@ -181,6 +219,12 @@ fn parse_raw(
     let svc = svc_of(&raw)?;
     let out_dtype = out_dtype(&raw)?;
     let shard_size = shard_size(&raw)?;
+    let chat_template = raw
+        .chat_template
+        .as_deref()
+        .map(crate::vocabulary::chat_template::ChatTemplate::parse)
+        .transpose()
+        .map_err(|e| usage(format!("{e}{}", text.at("chat_template"))))?;
     let implicit_base = base_ref.is_none() && raw.layout_model.is_none();
     let (base, base_ref, with_base) =
         choose_base(kind, &mut entries, base_ref, &raw.layout_model, folders)?;
@@ -248,6 +292,8 @@ fn parse_raw(
         tokenizer,
         names,
         config_from: raw.config_from.clone(),
+        stages: Vec::new(),
+        chat_template,
     })
 }
 
@@ -394,10 +440,7 @@ fn read_yaml(text: &str) -> Result<(serde_yaml::Value, RawConfig)> {
 
 /// mergekit keys rlmerge does not support yet: an error naming the key and its line.
 fn refuse_unsupported(raw: &RawConfig, text: RecipeText) -> Result<()> {
-    for (key, set) in [
-        ("modules", raw.modules.is_some()),
-        ("chat_template", raw.chat_template.is_some()),
-    ] {
+    for (key, set) in [("modules", raw.modules.is_some())] {
         if set {
             bail!("'{key}' is not supported yet by rlmerge{}", text.at(key));
         }
@@ -608,8 +651,9 @@ fn at_line_of_parameter(e: anyhow::Error, text: RecipeText) -> anyhow::Error {
     }
 }
 
-/// The 1-based line where `key:` first appears as a key, in block or flow style ("?" if it does not).
-fn line_of(text: &str, key: &str) -> String {
+/// The line where `key:` first appears as a key, in block or flow style, counting `text`'s first
+/// line as `first` ("?" if it does not).
+fn line_of(text: &str, key: &str, first: usize) -> String {
     let is_key_at = |line: &str, at: usize| {
         let before = line[..at].chars().next_back();
         let after = line[at + key.len()..].trim_start();
@@ -617,7 +661,7 @@ fn line_of(text: &str, key: &str) -> String {
     };
     text.lines()
         .position(|l| l.match_indices(key).any(|(at, _)| is_key_at(l, at)))
-        .map_or_else(|| "?".into(), |i| (i + 1).to_string())
+        .map_or_else(|| "?".into(), |i| (i + first).to_string())
 }
 
 #[cfg(test)]
