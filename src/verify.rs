@@ -120,8 +120,6 @@ pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verificat
     Ok(v)
 }
 
-/// File names that loaders take for weights (safetensors, PyTorch, TensorFlow, Flax, GGUF) or
-
 /// Checks every input file the record lists against its checksum, where the input is there (a
 /// missing one, or a multi-stage recipe's scratch stage, is skipped and said); whether every
 /// input is there and intact.
@@ -161,6 +159,7 @@ fn check_inputs(record: &MergeRecord, out_dir: &Path, v: &mut Verification) -> b
     inputs_intact
 }
 
+/// File names that loaders take for weights (safetensors, PyTorch, TensorFlow, Flax, GGUF) or
 /// their indexes.
 fn is_weight_file(name: &str) -> bool {
     const EXT: [&str; 9] = [
