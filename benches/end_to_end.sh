@@ -17,6 +17,11 @@
 # BENCH_SET=convert times `rlmerge convert` of the coding agent's verl shards (those of
 # BENCH_SET=verl) into a bf16 safetensors folder, against reading the shards and copying a folder
 # of the output's size (the base).
+# BENCH_SET=7b times every family of README's cost table at Llama-7B's shapes: a base of
+# benches/write_7b_shapes.py (the 32000 x 4096 embeddings and head, 2 decoder layers: 1.33 GB) and
+# 3 RL-like agents of it (benches/write_7b_agent.py with $BENCH_PYTHON, which needs numpy: 5, 25
+# and 50 % of each matrix moved by 1-4 bf16 steps) in DIR-7b; MODEL_SIZE is not used. Methods of
+# two models (slerp, nuslerp, nearswap) merge the base and the first agent.
 # BENCH_CACHE: how the inputs sit in the page cache while timed. `disk` (the default) drops them
 # and reads them once from disk first, as a model read from disk sits there; `as-is` keeps
 # whatever state they are in. A warm read's copy speed depends on how the file's pages came
@@ -30,8 +35,8 @@ runs=${2:-5}
 dir=${3:-target/bench-models}
 device=${4:-cpu}
 set=${BENCH_SET:-methods}
-if [[ ! " methods lora bin verl convert " =~ " $set " ]]; then
-    echo "BENCH_SET is methods, lora, bin, verl or convert" >&2
+if [[ ! " methods lora bin verl convert 7b " =~ " $set " ]]; then
+    echo "BENCH_SET is methods, lora, bin, verl, convert or 7b" >&2
     exit 2
 fi
 cd "$(dirname "$0")/.."
@@ -47,7 +52,9 @@ once() {
         touch "$to/.size-$size"
     fi
 }
-once "$dir" "$bin" demo "$dir" --model-size "$size" --write-only --quiet
+if [ "$set" != 7b ]; then
+    once "$dir" "$bin" demo "$dir" --model-size "$size" --write-only --quiet
+fi
 # The base and the agents merged with it, and every file the merge reads.
 base=$dir/base
 if [ "$set" = lora ]; then
@@ -64,6 +71,16 @@ elif [ "$set" = verl ] || [ "$set" = convert ]; then
         once "$dir-verl/$m" "${BENCH_PYTHON:-python3}" benches/to_verl_shards.py "$dir/$m" "$dir-verl/$m"
     done
     agents=("$dir-verl/coding-agent" "$dir-verl/tool-agent" "$dir-verl/memory-agent")
+elif [ "$set" = 7b ]; then
+    size=7b
+    once "$dir-7b/base" python3 benches/write_7b_shapes.py "$dir-7b/base" 2
+    for a in "coding-agent 0.05 1" "tool-agent 0.25 2" "memory-agent 0.5 3"; do
+        read -r m density seed <<<"$a"
+        once "$dir-7b/$m" "${BENCH_PYTHON:-python3}" benches/write_7b_agent.py "$dir-7b/base" \
+            "$dir-7b/$m" "$density" "$seed"
+    done
+    base=$dir-7b/base
+    agents=("$dir-7b/coding-agent" "$dir-7b/tool-agent" "$dir-7b/memory-agent")
 else
     agents=("$dir/coding-agent" "$dir/tool-agent" "$dir/memory-agent")
 fi
@@ -119,15 +136,39 @@ methods=(
     "breadcrumbs|breadcrumbs --param weight=1 --param density=0.9 --param gamma=0.01"
     "della|della --param weight=1 --param density=0.5 --param epsilon=0.1"
 )
+# README's cost table, family by family (BENCH_SET=7b); "|2" after a case: two models.
+families=(
+    "${methods[@]:0:3}"
+    "linear|linear --param weight=1"
+    "${methods[@]:3}"
+    "sce|sce --param weight=1"
+    "multislerp|multislerp --param weight=1"
+    "karcher|karcher"
+    "model_stock|model_stock"
+    "slerp|slerp --param t=0.5|2"
+    "nuslerp|nuslerp --param weight=0.5|2"
+    "nearswap|nearswap --param t=0.001|2"
+)
 case $set in
 convert) cases=("convert|") ;;
+7b) cases=("${families[@]}") ;;
 lora | bin | verl) cases=("${methods[@]}") ;;
 *) cases=("${methods[@]}" "ram/consensus|ram --shared consensus" "ram/tile-4096|ram --tile-elems 4096") ;;
 esac
-printf '%-18s %9s %8s %9s %10s\n' case "median s" "GB/s" "x limit" "peak RSS"
+printf '%-18s %9s %8s %9s %10s %8s\n' case "median s" "GB/s" "x limit" "peak RSS" "s/GB"
 for case in "${cases[@]}"; do
     label=${case%%|*}
     method=${case#*|}
+    # Two models: the base and the first agent, against reading those two.
+    case_models=("${models[@]}")
+    case_bytes=$bytes
+    case_limit=$limit
+    if [[ $method == *"|2" ]]; then
+        method=${method%|2}
+        case_models=("${models[@]:0:2}")
+        case_bytes=$(cat $(weights "$base") $(weights "${agents[0]}") | wc -c)
+        case_limit=$(echo "$read_s * $case_bytes / $bytes + $cp_s" | bc -l)
+    fi
     if [ -n "${BENCH_METHODS:-}" ] && [[ " $BENCH_METHODS " != *" $label "* ]]; then
         continue
     fi
@@ -138,7 +179,7 @@ for case in "${cases[@]}"; do
             r=$(seconds "$bin" convert -q "${agents[0]}" -o "$out/m")
         else
             # shellcheck disable=SC2086
-            r=$(seconds "$bin" merge -q --device "$device" --base "$base" "${models[@]}" \
+            r=$(seconds "$bin" merge -q --device "$device" --base "$base" "${case_models[@]}" \
                 --method $method -o "$out/m")
         fi
         samples+=("${r% *}")
@@ -146,6 +187,7 @@ for case in "${cases[@]}"; do
         rss=$(( ${r#* } > rss ? ${r#* } : rss ))
     done
     t=$(printf '%s\n' "${samples[@]}" | median)
-    printf '%-18s %9.2f %8.2f %9.2f %7d MiB\n' "$label" "$t" \
-        "$(echo "$bytes / $t / 1000000000" | bc -l)" "$(echo "$t / $limit" | bc -l)" $((rss / 1024))
+    printf '%-18s %9.2f %8.2f %9.2f %7d MiB %8.2f\n' "$label" "$t" \
+        "$(echo "$case_bytes / $t / 1000000000" | bc -l)" "$(echo "$t / $case_limit" | bc -l)" \
+        $((rss / 1024)) "$(echo "$t / $case_bytes * 1000000000" | bc -l)"
 done

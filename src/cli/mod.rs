@@ -191,11 +191,11 @@ pub(crate) struct ComputeArgs {
     /// not depend on it).
     #[arg(long, hide = true)]
     pub(crate) tile_elems: Option<usize>,
-    /// Merge NaN and ±Inf by IEEE rules instead of refusing inputs that hold them.
+    /// Take inputs that hold NaN or ±Inf (merged by IEEE rules) instead of refusing them.
     #[arg(long)]
     pub(crate) allow_nonfinite: bool,
-    /// Merge a tensor some agents lack from the models that have it, and ignore tensors the base
-    /// lacks, with a warning, instead of refusing such agents.
+    /// Take agents that lack a tensor (it comes from the models that have it) and ignore tensors
+    /// the base lacks, with a warning, instead of refusing such agents.
     #[arg(long)]
     pub(crate) allow_missing_tensors: bool,
     /// No warning for agents that changed nearly every element they share with the base (RL

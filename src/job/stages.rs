@@ -247,7 +247,7 @@ mod tests {
         let docs = documents("# head\n---\nname: a\n--- # c\nname: b\n---\n\n...\n");
         assert_eq!(
             docs,
-            vec![("name: a\n".into(), 3), ("# c\nname: b\n".into(), 4)]
+            vec![("\nname: a\n".into(), 2), ("# c\nname: b\n".into(), 4)]
         );
     }
 
