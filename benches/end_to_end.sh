@@ -21,7 +21,7 @@
 # benches/write_7b_shapes.py (the 32000 x 4096 embeddings and head, 2 decoder layers: 1.33 GB) and
 # 3 RL-like agents of it (benches/write_7b_agent.py with $BENCH_PYTHON, which needs numpy: 5, 25
 # and 50 % of each matrix moved by 1-4 bf16 steps) in DIR-7b; MODEL_SIZE is not used. Methods of
-# two models (slerp, nuslerp, nearswap) merge the base and the first agent.
+# two models (slerp, nearswap; nuslerp: two besides the base) merge the base and the first agents.
 # BENCH_CACHE: how the inputs sit in the page cache while timed. `disk` (the default) drops them
 # and reads them once from disk first, as a model read from disk sits there; `as-is` keeps
 # whatever state they are in. A warm read's copy speed depends on how the file's pages came
@@ -136,17 +136,17 @@ methods=(
     "breadcrumbs|breadcrumbs --param weight=1 --param density=0.9 --param gamma=0.01"
     "della|della --param weight=1 --param density=0.5 --param epsilon=0.1"
 )
-# README's cost table, family by family (BENCH_SET=7b); "|2" after a case: two models.
+# README's cost table, family by family (BENCH_SET=7b); "|N" after a case: N models.
 families=(
     "${methods[@]:0:3}"
     "linear|linear --param weight=1"
     "${methods[@]:3}"
-    "sce|sce --param weight=1"
+    "sce|sce"
     "multislerp|multislerp --param weight=1"
     "karcher|karcher"
     "model_stock|model_stock"
     "slerp|slerp --param t=0.5|2"
-    "nuslerp|nuslerp --param weight=0.5|2"
+    "nuslerp|nuslerp --param weight=0.5|3"
     "nearswap|nearswap --param t=0.001|2"
 )
 case $set in
@@ -159,14 +159,16 @@ printf '%-18s %9s %8s %9s %10s %8s\n' case "median s" "GB/s" "x limit" "peak RSS
 for case in "${cases[@]}"; do
     label=${case%%|*}
     method=${case#*|}
-    # Two models: the base and the first agent, against reading those two.
+    # "|N": N models, the base and the first N - 1 agents, against reading those.
     case_models=("${models[@]}")
     case_bytes=$bytes
     case_limit=$limit
-    if [[ $method == *"|2" ]]; then
-        method=${method%|2}
-        case_models=("${models[@]:0:2}")
-        case_bytes=$(cat $(weights "$base") $(weights "${agents[0]}") | wc -c)
+    if [[ $method == *"|"[23] ]]; then
+        n=${method##*|}
+        method=${method%|*}
+        case_models=("${models[@]:0:$((2 * (n - 1)))}")
+        # shellcheck disable=SC2046
+        case_bytes=$(cat $(weights "$base") $(for a in "${agents[@]:0:$((n - 1))}"; do weights "$a"; done) | wc -c)
         case_limit=$(echo "$read_s * $case_bytes / $bytes + $cp_s" | bc -l)
     fi
     if [ -n "${BENCH_METHODS:-}" ] && [[ " $BENCH_METHODS " != *" $label "* ]]; then

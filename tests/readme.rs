@@ -196,3 +196,39 @@ fn commands_are_read_as_a_shell_reads_them() {
     assert_eq!(commands(body), ["rlmerge a --b c", "FOO=1 rlmerge d"]);
     assert_eq!(program("FOO=1 rlmerge d"), "rlmerge");
 }
+
+/// Every figure of README's cost table traces to docs/benchmarks.md's 7B measurements (issue #53
+/// item 1): each s/GB, time and memory figure in the table's cost column appears in the section
+/// of benchmarks.md that the table's costs come from, or in its spectral section.
+#[test]
+fn readme_costs_trace_to_the_7b_benchmarks() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let bench = std::fs::read_to_string(root.join("docs/benchmarks.md")).unwrap();
+    let start = bench
+        .find("### README's cost table, at 7B shapes")
+        .expect("benchmarks.md has the section README's costs come from");
+    let traced = &bench[start..];
+    let table: Vec<&str> = readme
+        .lines()
+        .skip_while(|l| !l.starts_with("| family | methods |"))
+        .take_while(|l| l.starts_with('|'))
+        .skip(2)
+        .collect();
+    assert_eq!(table.len(), 5, "README's cost table has its five families");
+    let mut figures = 0;
+    for row in table {
+        let cost = row.trim_end_matches('|').rsplit('|').next().unwrap();
+        for word in cost.split(|c: char| !(c.is_ascii_digit() || c == '.' || c == '–')) {
+            for figure in word.split('–').filter(|w| w.contains('.')) {
+                let figure = figure.trim_matches('.');
+                assert!(
+                    traced.contains(figure),
+                    "README's cost {figure} (row {row}) is not in docs/benchmarks.md's 7B tables"
+                );
+                figures += 1;
+            }
+        }
+    }
+    assert!(figures >= 12, "{figures} figures checked");
+}

@@ -2,7 +2,8 @@
 //! ([`Footprint`]) — the classes `rlmerge methods` shows and `--device auto` chooses by.
 
 /// How much work a method does per byte it reads: what sets its time. The rates are the medians
-/// measured on the 1 GiB demo (4 × 1.08 GB of bf16, 2 cores; docs/performance.md).
+/// measured at Llama-7B's shapes (a bf16 base and 3 agents, 2 cores; docs/benchmarks.md, README's
+/// cost table).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cost {
     /// One read of every input, a few operations per element: bound by reading the files.
@@ -28,13 +29,13 @@ impl Cost {
     pub fn about(self) -> &'static str {
         match self {
             Cost::Stream => {
-                "one read of every input, elementwise: bound by the disk (≈0.2 s/GB, 2 cores)"
+                "one read of every input, elementwise: bound by the disk (0.1-0.3 s/GB at 7B, 2 cores)"
             }
             Cost::Scan => {
-                "statistics of each tensor, then the merge: reads it twice or more (0.25-0.6 s/GB)"
+                "statistics of each tensor, then the merge: reads it twice or more (0.25-2.3 s/GB at 7B)"
             }
             Cost::Spectral => {
-                "an SVD or eigendecomposition per matrix: bound by arithmetic (≈45-200 s/GB at 7B, \
+                "an SVD or eigendecomposition per matrix: bound by arithmetic (≈20-200 s/GB at 7B, \
                  2 cores)"
             }
         }
