@@ -644,7 +644,8 @@ fn model_settings(entries: Vec<(String, Settings)>, folders: &Folders) -> Result
 fn at_line_of_parameter(e: anyhow::Error, text: RecipeText) -> anyhow::Error {
     let msg = e.to_string();
     match msg.split('\'').nth(1) {
-        Some(key) if msg.contains("parameter") && text.numbered => {
+        // A parameter the recipe does not write (a required one left out) has no line to name.
+        Some(key) if msg.contains("parameter") && text.numbered && !text.at(key).contains('?') => {
             usage(format!("{msg}{}", text.at(key)))
         }
         _ => e,
