@@ -172,7 +172,11 @@ fn intermediate_dir_keeps_the_stages_and_verify_recomputes_from_them() {
     assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
     assert!(err_of(&o).contains("already exists"), "{}", err_of(&o));
     assert!(!dir.join("out2").exists());
-    let o = run_in(&dir, &["multi.yml", "out2", "-I", "kept", "--force"]);
+    // mergekit-multi's --out-path names the output as -o does.
+    let o = run_in(
+        &dir,
+        &["multi.yml", "--out-path", "out2", "-I", "kept", "--force"],
+    );
     assert!(o.status.success(), "{}", err_of(&o));
     assert_eq!(weights(&dir.join("out")), weights(&dir.join("out2")));
     // One document takes no stage folder.

@@ -283,8 +283,8 @@ pub(crate) struct OutputArgs {
     /// Replace the output folder if it exists (only once the new one is complete).
     #[arg(long)]
     pub(crate) force: bool,
-    /// Output folder.
-    #[arg(short = 'o', long = "out", value_name = "OUT_DIR")]
+    /// Output folder (also `--out-path`, as mergekit-multi names it).
+    #[arg(short = 'o', long = "out", value_name = "OUT_DIR", alias = "out-path")]
     pub(crate) out: Option<PathBuf>,
 }
 
