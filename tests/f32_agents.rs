@@ -61,30 +61,23 @@ fn fp32_masters_merge_as_their_bf16_rounding() {
         &["--method", "ram+"][..],
         &at_half_density("ties")[..],
     ] {
-        let rounded = f.dir.path().join("rounded");
-        let from_masters = f.dir.path().join("masters");
-        let _ = std::fs::remove_dir_all(&rounded);
-        let _ = std::fs::remove_dir_all(&from_masters);
-        let o = merge_of(&f.base, &f.agents)
-            .args(["-q", "-o"])
-            .arg(&rounded)
-            .args(method)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", err_of(&o));
-        let o = merge_of(&f.base, [&m0, &m1])
-            .args(["-q", "-o"])
-            .arg(&from_masters)
-            .args(method)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", err_of(&o));
-        let err = err_of(&o);
-        assert!(
-            !err.contains("--allow-dense-agents"),
-            "no dense-agent warning: {err}"
-        );
-        assert!(err.contains("read as their bf16 rounding"), "{err}");
+        let (rounded, from_masters) = (f.dir.path().join("rounded"), f.dir.path().join("masters"));
+        let merge = |agents: &[&PathBuf], out: &PathBuf| {
+            let _ = std::fs::remove_dir_all(out);
+            let mut cmd = merge_of(&f.base, agents);
+            let o = cmd
+                .args(["-q", "-o"])
+                .arg(out)
+                .args(method)
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{}", err_of(&o));
+            err_of(&o)
+        };
+        merge(&[&f.agents[0], &f.agents[1]], &rounded);
+        let err = merge(&[&m0, &m1], &from_masters);
+        let said = !err.contains("--allow-dense") && err.contains("bf16 rounding");
+        assert!(said, "no dense-agent warning, the masters rounded: {err}");
         assert_eq!(
             read_folder(&rounded),
             read_folder(&from_masters),

@@ -3,7 +3,8 @@
 //! eigendecompositions ([`eigen`]), the functions of a Gram matrix the methods are made of — its
 //! inverse square root on the numerical rank (the right half of a polar factor: P(X) =
 //! X·(XᵀX)^{+1/2}) and its top eigenvectors (a matrix's top right singular vectors) — and the
-//! Lanczos process for a few singular triplets ([`truncated_svd`], ResMerge's heads).
+//! Lanczos process for a few singular triplets ([`truncated_svd`]), and the top K triplets
+//! whichever way finds them ([`top_k`]: ResMerge's heads, extracted LoRA adapters).
 //!
 //! Every method works on the short side: an m × n matrix with m ≥ n is taken as m rows of n
 //! (its n × n Gram matrix, summed block by block as the rows stream past), a wide one as its
@@ -14,6 +15,7 @@
 
 pub mod eigen;
 pub mod gram;
+pub mod top_k;
 pub mod truncated_svd;
 
 pub use eigen::{symmetric_eigen, Eigen};

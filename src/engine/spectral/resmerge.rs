@@ -12,8 +12,8 @@
 
 use super::refuse_nonfinite;
 use crate::engine::scans::gather_taus;
-use crate::linalg::truncated_svd::{top_triplets, MAX_STEPS};
-use crate::linalg::{rank_floor, row_major, symmetric_eigen};
+use crate::linalg::top_k::top_k;
+use crate::linalg::truncated_svd::MAX_STEPS;
 use crate::scans::Scans;
 use anyhow::Result;
 use rayon::prelude::*;
@@ -264,77 +264,15 @@ fn gather_agent(scan: &mut dyn Scans, t: usize, tau: &mut [f32]) -> Result<()> {
     })
 }
 
-/// The most triplets a head asks of the Lanczos process; more come from the Gram matrix.
-const LANCZOS_MAX_K: usize = 32;
-
-/// Agent `t`'s head (SPEC §4f): the top K singular triplets of τ, none where τ = 0. For K up to
-/// [`LANCZOS_MAX_K`] the Lanczos process finds them to a residual of 10⁻¹¹ σ₁
-/// (`linalg::truncated_svd`); a larger K, or triplets not converged in `max_steps` steps
-/// ([`MAX_STEPS`]: top values too close together), come from τ's Gram matrix on its short side
-/// ([`head_by_gram`]) — one eigendecomposition, whatever K.
+/// Agent `t`'s head (SPEC §4f): the top K singular triplets of τ as `linalg::top_k` finds them,
+/// none where τ = 0.
 fn head(tau: &[f32], (m, n): (usize, usize), k: usize, t: usize, max_steps: usize) -> Result<Head> {
     let what = format!("model {}'s task vector", t + 1);
-    if tau.iter().all(|&x| x == 0.0) {
-        return Ok(Head {
-            us: Vec::new(),
-            vs: Vec::new(),
-        });
-    }
-    if k <= LANCZOS_MAX_K {
-        let top = top_triplets(tau, (m, n), k, max_steps, &what)?;
-        if top.converged {
-            let (us, vs) = top
-                .triplets
-                .into_iter()
-                .map(|x| (x.u.iter().map(|u| u * x.s).collect(), x.v))
-                .unzip();
-            return Ok(Head { us, vs });
-        }
-    }
-    head_by_gram(tau, (m, n), k, &what)
-}
-
-/// τ's top K triplets from its Gram matrix on the short side (τᵀτ, or ττᵀ for a wide τ), in f64:
-/// its top eigenvectors are the singular vectors of that side, λ = s², and the other side's are
-/// τ v / s (or τᵀu / s). Directions at or below the numerical rank's floor are left out.
-fn head_by_gram(tau: &[f32], (m, n): (usize, usize), k: usize, what: &str) -> Result<Head> {
-    let values: Vec<f64> = tau.iter().map(|&x| f64::from(x)).collect();
-    let x = row_major(&values, n);
-    let wide = m < n;
-    let gram = match wide {
-        true => x * x.transpose(),
-        false => x.transpose() * x,
-    };
-    let e = symmetric_eigen(
-        gram,
-        rayon::current_num_threads(),
-        &format!("the Gram matrix of {what}"),
-    )?;
-    let floor = rank_floor(e.values[0], (m, n));
-    let kept = e.values.iter().take(k).take_while(|&&l| l > floor).count();
-    let (mut us, mut vs) = (Vec::new(), Vec::new());
-    for c in 0..kept {
-        let side = e.vectors.col(c);
-        let other = match wide {
-            true => x.transpose() * side,
-            false => x * side,
-        };
-        let s = e.values[c].sqrt();
-        // Head factors: s·u (m) and v (n).
-        let (su, v): (Vec<f64>, Vec<f64>) = match wide {
-            true => (
-                side.iter().map(|u| u * s).collect(),
-                other.iter().map(|y| y / s).collect(),
-            ),
-            false => (
-                other.iter().copied().collect(),
-                side.iter().copied().collect(),
-            ),
-        };
-        us.push(su);
-        vs.push(v);
-    }
-    Ok(Head { us, vs })
+    let top = top_k(tau, (m, n), k, max_steps, &what)?;
+    Ok(Head {
+        us: top.su,
+        vs: top.v,
+    })
 }
 
 /// `values[e]` += coef · H[e] for the elements from tensor index `start` of a matrix of `n`
