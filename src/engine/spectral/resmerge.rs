@@ -422,6 +422,7 @@ fn head_correction(heads: &[Head], agents: usize, ratio: f64, backbone_norm: f64
 mod tests {
     use super::*;
     use crate::hash::SplitMix64;
+    use crate::linalg::truncated_svd::top_triplets;
     use crate::scans::memory::scan_of;
 
     /// A head the Lanczos process has not converged on within its steps comes from the Gram
