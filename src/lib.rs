@@ -19,6 +19,7 @@ pub mod demo;
 pub mod engine;
 pub mod error;
 pub mod escape;
+pub mod extract_lora;
 pub mod figures;
 pub mod hash;
 pub mod hub;

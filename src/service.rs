@@ -462,6 +462,43 @@ pub fn run_recipe(
     Ok((job, summary))
 }
 
+/// Extracts a LoRA adapter (`rlmerge extract-lora`): `req` into the folder `out` on `threads` CPU
+/// workers (0: one per core), saying where its rank keeps little of the model's update.
+pub fn extract_lora(
+    req: &crate::extract_lora::Request,
+    (out, force): (&Path, bool),
+    threads: usize,
+    say: &mut dyn FnMut(Said),
+) -> Result<crate::extract_lora::Extraction> {
+    let workers = CpuBackend::new(threads)?;
+    let done = workers.install(|| crate::extract_lora::extract(req, out, force))?;
+    let biases: Vec<&String> = done
+        .skipped
+        .iter()
+        .filter(|s| s.ends_with(".bias"))
+        .collect();
+    if let Some(first) = biases.first() {
+        say(Said::Warning(format!(
+            "{} changed biases left out ('{first}' first): a PEFT adapter holds a bias change \
+             only as lora_B's bias, which it gives every target module, and some factored \
+             modules have no bias",
+            biases.len()
+        )));
+    }
+    let kept = done.kept();
+    if kept < 0.5 {
+        say(Said::Warning(format!(
+            "rank {} keeps {:.1} % of the update's energy (‖Δ_r‖/‖Δ‖ over the {} factored \
+             modules): the model's update is spread over many directions, as an RL agent's sparse \
+             update is — the adapter loses most of it; raise --rank, or merge the full model",
+            req.rank,
+            100.0 * kept,
+            done.modules.len()
+        )));
+    }
+    Ok(done)
+}
+
 /// An analysis (`rlmerge analyze`): what each agent changed against the base, and with `merged`
 /// what a merged folder kept of it; with `plot`, the figures.
 #[derive(Clone, Debug, Default)]

@@ -48,6 +48,9 @@ fn check_file(dir: &Path, want: &FileChecksum, what: &str, v: &mut Verification)
 /// Verifies `out_dir`; with `against`, also recomputes the merge on `backend` into a temporary
 /// folder beside it and compares every shard byte for byte.
 pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verification> {
+    if let Some(v) = verify_adapter(out_dir, against.is_some())? {
+        return Ok(v);
+    }
     let record = MergeRecord::read(out_dir)?;
     let mut v = Verification::default();
     let beside = out_dir.parent().filter(|p| !p.as_os_str().is_empty());
@@ -157,6 +160,69 @@ fn check_inputs(record: &MergeRecord, out_dir: &Path, v: &mut Verification) -> b
         }
     }
     inputs_intact
+}
+
+/// Verifies an adapter `rlmerge extract-lora` wrote (its record's `kind`): every output and input
+/// file against its checksum; `None` where `dir` holds a merge's record. `--against` is refused:
+/// an extraction is remade by running it again.
+fn verify_adapter(dir: &Path, against: bool) -> Result<Option<Verification>> {
+    #[derive(serde::Deserialize)]
+    struct Input {
+        path: std::path::PathBuf,
+        files: Vec<FileChecksum>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Adapter {
+        kind: Option<String>,
+        #[serde(default)]
+        inputs: Vec<Input>,
+        #[serde(default)]
+        outputs: Vec<FileChecksum>,
+    }
+    let path = dir.join(crate::checkpoint::output_folder::RECORD_FILE);
+    let Ok(text) = crate::checkpoint::files::check_regular_file(&path)
+        .and_then(|()| Ok(std::fs::read_to_string(&path)?))
+    else {
+        return Ok(None);
+    };
+    let Ok(record) = serde_json::from_str::<Adapter>(&text) else {
+        return Ok(None);
+    };
+    if record.kind.as_deref() != Some(crate::extract_lora::RECORD_KIND) {
+        return Ok(None);
+    }
+    if against {
+        return Err(crate::error::usage(
+            "--against recomputes merges; an extracted adapter is made again by running \
+             rlmerge extract-lora with the options its record holds",
+        ));
+    }
+    // A downloaded adapter's record is not trusted to send verify elsewhere: plain names only.
+    let files = record
+        .outputs
+        .iter()
+        .chain(record.inputs.iter().flat_map(|i| &i.files));
+    if let Some(bad) = files
+        .map(|f| f.file.as_str())
+        .find(|n| n.is_empty() || *n == "." || *n == ".." || n.contains(['/', '\\', '\0']))
+    {
+        anyhow::bail!(
+            "{}: invalid record: it lists the file '{}', which is not a plain file name",
+            path.display(),
+            crate::escape::terminal(bad)
+        );
+    }
+    let mut v = Verification::default();
+    for f in &record.outputs {
+        check_file(dir, f, "output", &mut v);
+    }
+    for input in &record.inputs {
+        let at = resolved_path(dir, &input.path);
+        for f in &input.files {
+            check_file(&at, f, "input", &mut v);
+        }
+    }
+    Ok(Some(v))
 }
 
 /// File names that loaders take for weights (safetensors, PyTorch, TensorFlow, Flax, GGUF) or

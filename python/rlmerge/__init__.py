@@ -31,6 +31,7 @@ __all__ = [
     "merge",
     "run",
     "convert",
+    "extract_lora",
     "analyze",
     "verify",
     "methods",
@@ -354,6 +355,33 @@ def convert(source: PathLike, out: PathLike, *, quiet: bool = True, force: bool 
                              _keywords("cpu", quiet, force, out_dtype, shard_size, threads, False,
                                        allow_nonfinite, True, raw_f32, None))
     return _finished(record, out)
+
+
+def extract_lora(base: PathLike, model: PathLike, out: PathLike, *, rank: int = 32,
+                 rel_error: Optional[float] = None, distribute_scale: bool = True,
+                 embed_lora: bool = False, skip_undecomposable: bool = False,
+                 include: Optional[str] = None, exclude: Optional[str] = None, threads: int = 0,
+                 force: bool = False) -> Dict[str, Any]:
+    """Extracts a PEFT LoRA adapter of ``model`` against ``base`` into ``out``, as
+    ``rlmerge extract-lora`` (mergekit's ``mergekit-extract-lora``): each changed matrix's update
+    at rank ``rank`` (or the least rank within ``rel_error``), changed embeddings and norms saved
+    whole (``embed_lora=True`` factors embeddings, ``skip_undecomposable=True`` leaves vectors
+    out), ``include``/``exclude`` regular expressions on module names. Returns what it kept:
+    ``modules`` (each one's ``rank``, ``kept`` = ‖Δ_r‖/‖Δ‖ and ``norm``), ``whole``, ``skipped``,
+    ``unchanged`` and ``kept`` over every factored module."""
+    _check_common("cpu", threads)
+    for name, value in (("rank", rank),):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UsageError(f"{name} must be a whole number, got {value!r}")
+    if rel_error is not None and (isinstance(rel_error, bool) or not _is_number(rel_error)):
+        raise UsageError(f"rel_error must be a number, got {rel_error!r}")
+    for name, value in (("include", include), ("exclude", exclude)):
+        if value is not None and not isinstance(value, str):
+            raise UsageError(f"{name} must be a regular expression (str), got {value!r}")
+    return json.loads(_native.extract_lora(
+        _where(base, "base"), _where(model, "model"), _path(out, "out"), rank,
+        None if rel_error is None else float(rel_error), bool(distribute_scale),
+        bool(embed_lora), bool(skip_undecomposable), include, exclude, threads, bool(force)))
 
 
 def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False, *,

@@ -391,6 +391,50 @@ fn convert(
     )
 }
 
+/// Extracts a PEFT LoRA adapter of `model` against `base` into `out`, as `rlmerge extract-lora`;
+/// what it kept as JSON (each module's rank and kept share, the modules saved whole or left out).
+#[pyfunction]
+#[pyo3(signature = (base, model, out, rank, rel_error, distribute_scale, embed_lora,
+    skip_undecomposable, include, exclude, threads, force))]
+#[allow(clippy::too_many_arguments)]
+fn extract_lora(
+    py: Python<'_>,
+    base: PathBuf,
+    model: PathBuf,
+    out: PathBuf,
+    rank: usize,
+    rel_error: Option<f64>,
+    distribute_scale: bool,
+    embed_lora: bool,
+    skip_undecomposable: bool,
+    include: Option<String>,
+    exclude: Option<String>,
+    threads: usize,
+    force: bool,
+) -> PyResult<String> {
+    let late = Late::Raise(format!(
+        "interrupted after the extraction had finished: the adapter at {} is complete",
+        out.display()
+    ));
+    cancellable(py, late, move || {
+        let req = rlmerge::extract_lora::Request {
+            base: rlmerge::hub::locate_model(&base, false)?,
+            model: rlmerge::hub::locate_model(&model, false)?,
+            rank,
+            rel_error,
+            distribute_scale,
+            embed_lora,
+            skip_undecomposable,
+            include,
+            exclude,
+        };
+        let done = service::extract_lora(&req, (&out, force), threads, &mut show(true))?;
+        let mut json = serde_json::to_value(&done)?;
+        json["kept"] = done.kept().into();
+        Ok(json.to_string())
+    })
+}
+
 /// What `verify` found, one line each: (checks passed, checks skipped, problems, notes).
 type VerifyLines = (Vec<String>, Vec<String>, Vec<String>, Vec<String>);
 
@@ -540,6 +584,7 @@ fn _rlmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(merge, m)?)?;
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(convert, m)?)?;
+    m.add_function(wrap_pyfunction!(extract_lora, m)?)?;
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(analyze, m)?)?;
     m.add_function(wrap_pyfunction!(methods, m)?)?;

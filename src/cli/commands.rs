@@ -113,10 +113,17 @@ pub(crate) fn run(cli: Cli, mut out: &mut dyn Write) -> Result<()> {
         Command::Devices(args) => run_devices(&args, &mut out),
         Command::Verify(args) => run_verify(&args, &mut out),
         Command::Convert(args) => run_convert(&args, &mut out),
+        Command::ExtractLora(args) => run_extract_lora(&args, &mut out),
     }
 }
 
 fn run_verify(args: &VerifyArgs, out: &mut impl Write) -> Result<()> {
+    if args.against && crate::extract_lora::is_extracted(&args.dir) {
+        return Err(usage(
+            "--against recomputes merges; an extracted adapter is made again by running \
+             rlmerge extract-lora with the options its record holds",
+        ));
+    }
     let backend = match args.against {
         true => {
             let record = crate::record::MergeRecord::read(&args.dir)?;
@@ -337,6 +344,58 @@ fn print_merged(
     )?;
     if !matches!(job.merging.method, Method::Combine(_)) {
         print_lambdas(out, &summary.record, &job.agents)?;
+    }
+    Ok(())
+}
+
+/// `rlmerge extract-lora`: the adapter through the service, then what it kept.
+fn run_extract_lora(args: &super::ExtractLoraArgs, out: &mut impl Write) -> Result<()> {
+    let req = crate::extract_lora::Request {
+        base: locate(&args.base)?,
+        model: locate(&args.model)?,
+        rank: args.rank,
+        rel_error: args.rel_error,
+        distribute_scale: !args.no_distribute_scale,
+        embed_lora: args.embed_lora,
+        skip_undecomposable: args.skip_undecomposable,
+        include: args.include.clone(),
+        exclude: args.exclude.clone(),
+    };
+    let done = service::extract_lora(
+        &req,
+        (&args.out, args.force),
+        args.threads,
+        &mut show(false),
+    )?;
+    writeln!(
+        out,
+        "extracted a rank-{} LoRA of {} into {}: {} modules factored, keeping {:.1} % of the \
+         update's energy (‖Δ_r‖/‖Δ‖); {} saved whole, {} left out, {} unchanged",
+        args.rank,
+        terminal(&args.model.display().to_string()),
+        terminal(&args.out.display().to_string()),
+        done.modules.len(),
+        100.0 * done.kept(),
+        done.whole.len(),
+        done.skipped.len(),
+        done.unchanged
+    )?;
+    let mut modules: Vec<&crate::extract_lora::Kept> = done.modules.iter().collect();
+    if !args.verbose {
+        modules.sort_by(|a, b| a.kept.total_cmp(&b.kept));
+        modules.truncate(5);
+        if !modules.is_empty() {
+            writeln!(out, "least kept (-v lists every module):")?;
+        }
+    }
+    for m in modules {
+        writeln!(
+            out,
+            "  rank {:>4}  kept {:>6.2} %  {}",
+            m.rank,
+            100.0 * m.kept,
+            terminal(&m.module)
+        )?;
     }
     Ok(())
 }

@@ -99,6 +99,58 @@ pub(crate) enum Command {
     /// Convert a checkpoint as a trainer wrote it (verl FSDP shards, pytorch_model.bin,
     /// BASE+ADAPTER…) into a Hugging Face safetensors folder, streamed in bounded memory.
     Convert(ConvertArgs),
+    /// Extract a PEFT LoRA adapter of a fine-tuned model against its base (mergekit's
+    /// mergekit-extract-lora), and say what its rank keeps of the update.
+    ExtractLora(ExtractLoraArgs),
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ExtractLoraArgs {
+    /// The base model (a folder or a Hugging Face Hub id).
+    #[arg(long, alias = "base-model")]
+    pub(crate) base: PathBuf,
+    /// The fine-tuned model.
+    #[arg(long)]
+    pub(crate) model: PathBuf,
+    /// Rank of every factored module (the most, with --rel-error).
+    #[arg(long, alias = "max-rank", default_value_t = 32)]
+    pub(crate) rank: usize,
+    /// Give each module the least rank whose relative error ‖Δ − Δ_r‖/‖Δ‖ is at most this
+    /// (at most --rank).
+    #[arg(long, value_name = "ERROR")]
+    pub(crate) rel_error: Option<f64>,
+    /// The singular values on B alone (B = U·S, A = Vᵀ) instead of √S on each.
+    #[arg(long)]
+    pub(crate) no_distribute_scale: bool,
+    /// Factor the input embeddings too (lora_embedding_A/B) instead of saving them whole.
+    #[arg(long)]
+    pub(crate) embed_lora: bool,
+    /// Leave changed vectors (norms, biases) out instead of saving them whole.
+    #[arg(long)]
+    pub(crate) skip_undecomposable: bool,
+    /// Only modules whose name matches REGEX.
+    #[arg(long, value_name = "REGEX", alias = "include-regexes")]
+    pub(crate) include: Option<String>,
+    /// No module whose name matches REGEX.
+    #[arg(long, value_name = "REGEX", alias = "exclude-regexes")]
+    pub(crate) exclude: Option<String>,
+    /// Worker threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) threads: usize,
+    /// Every module's rank and kept share on stdout, not only the summary.
+    #[arg(long, short)]
+    pub(crate) verbose: bool,
+    /// Replace the output folder if it exists (only once the new one is complete).
+    #[arg(long)]
+    pub(crate) force: bool,
+    /// The adapter folder.
+    #[arg(
+        short = 'o',
+        long = "out",
+        value_name = "ADAPTER_DIR",
+        alias = "out-path"
+    )]
+    pub(crate) out: PathBuf,
 }
 
 #[derive(Args, Debug)]

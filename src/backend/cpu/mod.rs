@@ -51,6 +51,11 @@ impl CpuBackend {
             .context("cannot start the CPU worker threads")?;
         Ok(CpuBackend { pool })
     }
+
+    /// Runs `work` on this backend's worker threads (its rayon calls use them).
+    pub fn install<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(work)
+    }
 }
 
 /// The most CPU worker threads accepted: 4 × the available cores, at least 64.

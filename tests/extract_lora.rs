@@ -1,0 +1,232 @@
+//! `rlmerge extract-lora` (issue #54 item 1): a fine-tuned model as a PEFT adapter against its
+//! base. At full rank the factors give back Δ (f32 inputs, to f32 rounding); at rank r they are
+//! its best rank-r approximation, whose kept share the command reports; bad requests and inputs
+//! are refused by name with nothing written; the bytes do not depend on the thread count.
+
+mod common;
+use common::*;
+use safetensors::tensor::Dtype;
+use std::path::Path;
+
+/// A base and two agents in f32: a 24 × 16 and a 16 × 40 projection with biases, a norm.
+fn models() -> Fixture {
+    fixture(
+        71,
+        Dtype::F32,
+        &[
+            ("model.layers.0.self_attn.q_proj.weight", vec![24, 16]),
+            ("model.layers.0.self_attn.q_proj.bias", vec![24]),
+            ("model.layers.0.mlp.down_proj.weight", vec![16, 40]),
+            ("model.layers.0.input_layernorm.weight", vec![16]),
+        ],
+        &[0.3, 0.6],
+        1,
+    )
+}
+
+fn extract(f: &Fixture, out: &Path, extra: &[&str]) -> std::process::Output {
+    rlmerge()
+        .arg("extract-lora")
+        .arg("--base")
+        .arg(&f.base)
+        .arg("--model")
+        .arg(&f.agents[0])
+        .arg("-o")
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+/// B·A of module `m` of the adapter in `dir`, row-major m × n.
+fn product(dir: &Path, module: &str) -> Vec<f64> {
+    let t = read_file(&dir.join("adapter_model.safetensors"));
+    let (_, sa, a) = &t[&format!("base_model.model.{module}.lora_A.weight")];
+    let (_, sb, b) = &t[&format!("base_model.model.{module}.lora_B.weight")];
+    let (a, b) = (from_bytes(Dtype::F32, a), from_bytes(Dtype::F32, b));
+    let (r, n, m) = (sa[0], sa[1], sb[0]);
+    assert_eq!(sb[1], r);
+    let mut p = vec![0.0f64; m * n];
+    for i in 0..m {
+        for k in 0..r {
+            for j in 0..n {
+                p[i * n + j] += f64::from(b[i * r + k]) * f64::from(a[k * n + j]);
+            }
+        }
+    }
+    p
+}
+
+fn delta(f: &Fixture, name: &str) -> Vec<f64> {
+    let b = f.base_tensors.iter().find(|t| t.name == name).unwrap();
+    let a = f.agent_tensors[0].iter().find(|t| t.name == name).unwrap();
+    a.values
+        .iter()
+        .zip(&b.values)
+        .map(|(x, y)| f64::from(*x) - f64::from(*y))
+        .collect()
+}
+
+fn rel(a: &[f64], b: &[f64]) -> f64 {
+    let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+    let n: f64 = b.iter().map(|y| y * y).sum();
+    (d / n).sqrt()
+}
+
+#[test]
+fn full_rank_gives_the_update_back_and_a_low_rank_says_what_it_keeps() {
+    let f = models();
+    let out = f.dir.path().join("full");
+    let o = extract(&f, &out, &["--rank", "16", "-v"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    for (module, name) in [
+        (
+            "model.layers.0.self_attn.q_proj",
+            "model.layers.0.self_attn.q_proj.weight",
+        ),
+        (
+            "model.layers.0.mlp.down_proj",
+            "model.layers.0.mlp.down_proj.weight",
+        ),
+    ] {
+        let e = rel(&product(&out, module), &delta(&f, name));
+        assert!(e < 1e-5, "{module}: {e}");
+    }
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("keeping 100.0 %"), "{stdout}");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["r"], 16);
+    assert_eq!(config["lora_alpha"], 16);
+    assert_eq!(
+        config["modules_to_save"][0],
+        "model.layers.0.input_layernorm"
+    );
+    // The one bias's module is factored but another is not biased: left out, and said.
+    assert!(
+        err_of(&o).contains("changed biases left out"),
+        "{}",
+        err_of(&o)
+    );
+    // A low rank keeps less, reports it per module, and warns where it keeps under one half.
+    for rank in ["1", "2"] {
+        let low = f.dir.path().join(format!("low{rank}"));
+        let o = extract(&f, &low, &["--rank", rank, "-v"]);
+        assert!(o.status.success(), "{}", err_of(&o));
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(stdout.contains(&format!("rank    {rank}")), "{stdout}");
+        let kept: f64 = stdout
+            .split("keeping ")
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(kept < 100.0, "{stdout}");
+        let warned = err_of(&o).contains("of the update's energy");
+        assert_eq!(warned, kept < 50.0, "{kept}: {}", err_of(&o));
+    }
+    // An error target gives each module the least rank that meets it.
+    let target = f.dir.path().join("target");
+    let o = extract(&f, &target, &["--rank", "16", "--rel-error", "0.5"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    for (module, name) in [
+        (
+            "model.layers.0.self_attn.q_proj",
+            "model.layers.0.self_attn.q_proj.weight",
+        ),
+        (
+            "model.layers.0.mlp.down_proj",
+            "model.layers.0.mlp.down_proj.weight",
+        ),
+    ] {
+        let d = delta(&f, name);
+        let e = rel(&product(&target, module), &d);
+        assert!(e <= 0.5 + 1e-6, "{module}: {e}");
+    }
+}
+
+#[test]
+fn the_bytes_do_not_depend_on_the_thread_count() {
+    let f = models();
+    let (one, two) = (f.dir.path().join("one"), f.dir.path().join("two"));
+    assert!(extract(&f, &one, &["--rank", "3", "--threads", "1"])
+        .status
+        .success());
+    assert!(extract(&f, &two, &["--rank", "3", "--threads", "2"])
+        .status
+        .success());
+    let file = "adapter_model.safetensors";
+    assert_eq!(
+        std::fs::read(one.join(file)).unwrap(),
+        std::fs::read(two.join(file)).unwrap()
+    );
+}
+
+#[test]
+fn bad_requests_and_inputs_are_refused_by_name_and_write_nothing() {
+    let f = models();
+    let out = f.dir.path().join("out");
+    for (args, needle) in [
+        (&["--rank", "0"][..], "--rank"),
+        (&["--rel-error", "1.5"][..], "--rel-error"),
+        (&["--include", "("][..], "--include"),
+    ] {
+        let o = extract(&f, &out, args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", err_of(&o));
+        assert!(err_of(&o).contains(needle), "{}", err_of(&o));
+        assert!(!out.exists());
+    }
+    // A model of another shape, or holding a NaN, names the tensor.
+    let other = fixture(
+        72,
+        Dtype::F32,
+        &[
+            ("model.layers.0.self_attn.q_proj.weight", vec![24, 8]),
+            ("model.layers.0.self_attn.q_proj.bias", vec![24]),
+            ("model.layers.0.mlp.down_proj.weight", vec![16, 40]),
+            ("model.layers.0.input_layernorm.weight", vec![16]),
+        ],
+        &[0.3],
+        1,
+    );
+    let o = rlmerge()
+        .args(["extract-lora", "--base"])
+        .arg(&f.base)
+        .arg("--model")
+        .arg(&other.agents[0])
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(err_of(&o).contains("q_proj.weight"), "{}", err_of(&o));
+    assert!(!out.exists());
+    let mut nan = f.agent_tensors[0].clone();
+    nan[0].values[3] = f32::NAN;
+    let bad = f.dir.path().join("nan-agent");
+    write_folder(&bad, &nan, 1);
+    let o = rlmerge()
+        .args(["extract-lora", "--base"])
+        .arg(&f.base)
+        .arg("--model")
+        .arg(&bad)
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(err_of(&o).contains("NaN"), "{}", err_of(&o));
+    assert!(!out.exists());
+    assert_eq!(leftovers(f.dir.path()), Vec::<String>::new());
+    // An output that exists is replaced only with --force.
+    assert!(extract(&f, &out, &["--rank", "2"]).status.success());
+    let o = extract(&f, &out, &["--rank", "2"]);
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+    assert!(extract(&f, &out, &["--rank", "2", "--force"])
+        .status
+        .success());
+}
