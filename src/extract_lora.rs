@@ -181,6 +181,33 @@ fn values_of(folder: &ModelFolder, t: &ModelTensor) -> Result<Vec<f32>> {
     Ok(values)
 }
 
+/// Elements of the base read at a time by [`with_base`].
+const CHUNK: usize = 1 << 20;
+
+/// `op(v, b)` for each element v of `values` and b of the base's tensor `t`, the base read in
+/// chunks of [`CHUNK`] elements.
+fn with_base(
+    folder: &ModelFolder,
+    t: &ModelTensor,
+    values: &mut [f32],
+    op: impl Fn(&mut f32, f32),
+) -> Result<()> {
+    let size = t.entry.dtype.size();
+    let (mut bytes, mut base) = (Vec::new(), Vec::new());
+    for (c, chunk) in values.chunks_mut(CHUNK).enumerate() {
+        let start = (c * CHUNK * size) as u64;
+        bytes.resize(chunk.len() * size, 0);
+        base.resize(chunk.len(), 0.0);
+        folder.read(t, start, &mut bytes).with_context(|| {
+            format!("cannot read '{}' of {}", t.entry.name, folder.dir.display())
+        })?;
+        folder.record_read(t, start, &bytes);
+        decode(t.entry.dtype, &bytes, &mut base);
+        chunk.iter_mut().zip(&base).for_each(|(v, &b)| op(v, b));
+    }
+    Ok(())
+}
+
 /// Extracts `req` into the adapter folder `out` (replaced only with `force`, and only once the
 /// new one is complete).
 pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
@@ -215,9 +242,9 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
                 req.base.display()
             )));
         }
-        let theta = values_of(&model, mt)?;
-        let mut delta = values_of(&base, bt)?;
-        delta.iter_mut().zip(&theta).for_each(|(d, t)| *d = t - *d);
+        // Δ in place of the model's values, the base read in chunks: one matrix held, not three.
+        let mut delta = values_of(&model, mt)?;
+        with_base(&base, bt, &mut delta, |d, b| *d -= b)?;
         if let Some(at) = delta.iter().position(|d| !d.is_finite()) {
             anyhow::bail!(
                 "tensor '{name}' holds a NaN or ±Inf at element {at} (in the base or the model): \
@@ -241,10 +268,11 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
         match role(&name, &shape, req.embed_lora) {
             Role::Whole if req.skip_undecomposable && shape.len() != 2 => done.skipped.push(name),
             Role::Whole => {
+                with_base(&base, bt, &mut delta, |d, b| *d += b)?;
                 written.push(Written {
                     name: format!("base_model.model.{name}"),
                     shape,
-                    values: theta,
+                    values: delta,
                 });
                 done.whole.push(module);
             }
