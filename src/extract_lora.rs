@@ -141,7 +141,16 @@ impl Filters {
 struct Written {
     name: String,
     shape: Vec<usize>,
-    values: Vec<f32>,
+    /// Its values in the adapter's dtype (held until the file is written: half of f32's bytes).
+    bytes: Vec<u8>,
+}
+
+impl Written {
+    fn new(name: String, shape: Vec<usize>, values: &[f32], dtype: DType) -> Written {
+        let mut bytes = vec![0u8; values.len() * dtype.size()];
+        encode(dtype, values, &mut bytes);
+        Written { name, shape, bytes }
+    }
 }
 
 /// How one changed tensor goes into the adapter.
@@ -169,23 +178,18 @@ fn role(name: &str, shape: &[usize], embed_lora: bool) -> Role {
     }
 }
 
-/// Reads tensor `t` of `folder` whole as f32.
+/// Reads tensor `t` of `folder` whole as f32, in chunks (no copy of its bytes held whole).
 fn values_of(folder: &ModelFolder, t: &ModelTensor) -> Result<Vec<f32>> {
-    let mut bytes = vec![0u8; t.entry.byte_len() as usize];
-    folder
-        .read(t, 0, &mut bytes)
-        .with_context(|| format!("cannot read '{}' of {}", t.entry.name, folder.dir.display()))?;
-    folder.record_read(t, 0, &bytes);
     let mut values = vec![0f32; t.entry.numel];
-    decode(t.entry.dtype, &bytes, &mut values);
+    with_base(folder, t, &mut values, |v, x| *v = x)?;
     Ok(values)
 }
 
-/// Elements of the base read at a time by [`with_base`].
+/// Elements read at a time by [`with_base`].
 const CHUNK: usize = 1 << 20;
 
-/// `op(v, b)` for each element v of `values` and b of the base's tensor `t`, the base read in
-/// chunks of [`CHUNK`] elements.
+/// `op(v, x)` for each element v of `values` and x of tensor `t` of `folder` (the base's, to
+/// subtract or add back, or the model's, to read), `t` read in chunks of [`CHUNK`] elements.
 fn with_base(
     folder: &ModelFolder,
     t: &ModelTensor,
@@ -269,22 +273,24 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
             Role::Whole if req.skip_undecomposable && shape.len() != 2 => done.skipped.push(name),
             Role::Whole => {
                 with_base(&base, bt, &mut delta, |d, b| *d += b)?;
-                written.push(Written {
-                    name: format!("base_model.model.{name}"),
-                    shape,
-                    values: delta,
-                });
+                let name = format!("base_model.model.{name}");
+                written.push(Written::new(name, shape, &delta, dtype));
                 done.whole.push(module);
             }
             role => {
                 let (kept, factors) = factor(req, &delta, (shape[0], shape[1]), &name)?;
                 let embedding = matches!(role, Role::Embedding);
-                written.extend(adapter_tensors(&module, &factors, embedding, shape[1]));
+                written.extend(adapter_tensors(
+                    &module,
+                    &factors,
+                    (embedding, shape[1]),
+                    dtype,
+                ));
                 done.modules.push(Kept { module, ..kept });
             }
         }
     }
-    let lora_bias = attach_biases(biases, &mut written, &mut done);
+    let lora_bias = attach_biases(biases, (&mut written, dtype), &mut done);
     write_adapter(req, folder.path(), &written, (dtype, lora_bias), &done)?;
     write_record(
         req,
@@ -305,7 +311,7 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
 /// target, and mergekit drops them unsaid). Whether they went in.
 fn attach_biases(
     biases: Vec<(String, Vec<usize>, Vec<f32>)>,
-    written: &mut Vec<Written>,
+    (written, dtype): (&mut Vec<Written>, DType),
     done: &mut Extraction,
 ) -> bool {
     let factored: Vec<&str> = done
@@ -320,11 +326,12 @@ fn attach_biases(
             .all(|f| biases.iter().any(|(module, _, _)| module == f));
     for (module, shape, delta) in biases {
         match every {
-            true => written.push(Written {
-                name: format!("base_model.model.{module}.lora_B.bias"),
+            true => written.push(Written::new(
+                format!("base_model.model.{module}.lora_B.bias"),
                 shape,
-                values: delta,
-            }),
+                &delta,
+                dtype,
+            )),
             false => done.skipped.push(format!("{module}.bias")),
         }
     }
@@ -409,7 +416,12 @@ impl Factors {
 /// PEFT's tensors of a factored module: `lora_A.weight` (r × n) and `lora_B.weight` (m × r) of a
 /// linear layer; of an embedding (Δ of vocab × hidden), `lora_embedding_A` (r × vocab) and
 /// `lora_embedding_B` (hidden × r), PEFT's ΔW = (B·A)ᵀ.
-fn adapter_tensors(module: &str, f: &Factors, embedding: bool, n: usize) -> Vec<Written> {
+fn adapter_tensors(
+    module: &str,
+    f: &Factors,
+    (embedding, n): (bool, usize),
+    dtype: DType,
+) -> Vec<Written> {
     let r = f.a_rows.len();
     let m = f.b_cols.first().map_or(0, Vec::len);
     // Row-major r × n from rows, and m × r from columns.
@@ -427,30 +439,34 @@ fn adapter_tensors(module: &str, f: &Factors, embedding: bool, n: usize) -> Vec<
     let p = format!("base_model.model.{module}");
     match embedding {
         false => vec![
-            Written {
-                name: format!("{p}.lora_A.weight"),
-                shape: vec![r, n],
-                values: rows(&f.a_rows),
-            },
-            Written {
-                name: format!("{p}.lora_B.weight"),
-                shape: vec![m, r],
-                values: cols(&f.b_cols, m),
-            },
+            Written::new(
+                format!("{p}.lora_A.weight"),
+                vec![r, n],
+                &rows(&f.a_rows),
+                dtype,
+            ),
+            Written::new(
+                format!("{p}.lora_B.weight"),
+                vec![m, r],
+                &cols(&f.b_cols, m),
+                dtype,
+            ),
         ],
         // Δᵀ = A_rowsᵀ·B_colsᵀ: B' = the A rows as columns (hidden × r), A' = the B columns as
         // rows (r × vocab).
         true => vec![
-            Written {
-                name: format!("{p}.lora_embedding_A"),
-                shape: vec![r, m],
-                values: rows(&f.b_cols),
-            },
-            Written {
-                name: format!("{p}.lora_embedding_B"),
-                shape: vec![n, r],
-                values: cols(&f.a_rows, n),
-            },
+            Written::new(
+                format!("{p}.lora_embedding_A"),
+                vec![r, m],
+                &rows(&f.b_cols),
+                dtype,
+            ),
+            Written::new(
+                format!("{p}.lora_embedding_B"),
+                vec![n, r],
+                &cols(&f.a_rows, n),
+                dtype,
+            ),
         ],
     }
 }
@@ -475,9 +491,7 @@ fn write_adapter(
         .collect();
     let mut writer = CheckpointWriter::new(dir, plan, u64::MAX)?;
     for t in tensors {
-        let mut b = vec![0u8; t.values.len() * dtype.size()];
-        encode(dtype, &t.values, &mut b);
-        writer.write(&t.name, &b)?;
+        writer.write(&t.name, &t.bytes)?;
     }
     writer.finish()?;
     let (from, to) = (dir.join(SINGLE_FILE), dir.join(ADAPTER_WEIGHTS));

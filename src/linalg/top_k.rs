@@ -7,8 +7,10 @@
 //! same whatever the thread count.
 
 use super::truncated_svd::top_triplets;
-use super::{rank_floor, row_major, symmetric_eigen};
+use super::{rank_floor, row_major, rows_per_block, symmetric_eigen, GramSum, Mat};
 use anyhow::Result;
+use faer::linalg::matmul::matmul;
+use faer::{Accum, Par};
 
 /// The most triplets asked of the Lanczos process; more come from the Gram matrix.
 pub const LANCZOS_MAX_K: usize = 32;
@@ -51,39 +53,68 @@ pub fn top_k(
 
 /// `a`'s top K triplets from its Gram matrix on the short side (AᵀA, or AAᵀ for a wide A), in
 /// f64: its top eigenvectors are the singular vectors of that side, λ = s², and the other side's
-/// are A v / s (or Aᵀu / s). Directions at or below the numerical rank's floor are left out.
+/// are A v / s (or Aᵀu / s). Directions at or below the numerical rank's floor are left out. The
+/// short side is the columns of a tall T (A, or a copy of Aᵀ), which streams past in row blocks
+/// of a fixed size ([`rows_per_block`]) twice — summed into the Gram matrix, then multiplied by
+/// the kept eigenvectors — so besides A only a block is held in f64, not A whole (1 GB for a
+/// 32000 × 4096 head).
 fn by_gram(a: &[f32], (m, n): (usize, usize), k: usize, what: &str) -> Result<TopK> {
-    let values: Vec<f64> = a.iter().map(|&x| f64::from(x)).collect();
-    let x = row_major(&values, n);
     let wide = m < n;
-    let gram = match wide {
-        true => x * x.transpose(),
-        false => x.transpose() * x,
+    let transposed: Vec<f32>;
+    let (t, cols) = match wide {
+        true => {
+            transposed = (0..n * m).map(|e| a[(e % m) * n + e / m]).collect();
+            (&transposed[..], m)
+        }
+        false => (a, n),
     };
+    let rows = t.len() / cols;
+    let threads = rayon::current_num_threads();
+    let par = Par::rayon(threads);
+    let block_elems = rows_per_block(cols) * cols;
+    let mut block: Vec<f64> = Vec::new();
+    let mut gram = GramSum::gram(cols);
+    for chunk in t.chunks(block_elems) {
+        block.clear();
+        block.extend(chunk.iter().map(|&x| f64::from(x)));
+        let x = row_major(&block, cols);
+        gram.add(x, x, par);
+    }
     let e = symmetric_eigen(
-        gram,
-        rayon::current_num_threads(),
+        gram.into_sum(),
+        threads,
         &format!("the Gram matrix of {what}"),
     )?;
     let floor = rank_floor(e.values[0], (m, n));
     let kept = e.values.iter().take(k).take_while(|&&l| l > floor).count();
+    // T·V_k, block by block: rows × kept.
+    let sides = e.vectors.subcols(0, kept);
+    let mut others = vec![vec![0.0f64; rows]; kept];
+    let mut product = Mat::zeros(0, 0);
+    for (b, chunk) in t.chunks(block_elems).enumerate() {
+        block.clear();
+        block.extend(chunk.iter().map(|&x| f64::from(x)));
+        let x = row_major(&block, cols);
+        product.resize_with(x.nrows(), kept, |_, _| 0.0);
+        matmul(product.as_mut(), Accum::Replace, x, sides, 1.0, par);
+        let first = b * (block_elems / cols);
+        for (c, other) in others.iter_mut().enumerate() {
+            for i in 0..x.nrows() {
+                other[first + i] = product[(i, c)];
+            }
+        }
+    }
     let mut out = TopK::default();
-    for c in 0..kept {
+    for (c, other) in others.into_iter().enumerate() {
         let side = e.vectors.col(c);
-        let other = match wide {
-            true => x.transpose() * side,
-            false => x * side,
-        };
         let s = e.values[c].sqrt();
+        // A tall A: side = v, T·v = A·v = s·u. A wide one: side = u, T·u = Aᵀu = s·v.
         let (su, v): (Vec<f64>, Vec<f64>) = match wide {
             true => (
                 side.iter().map(|u| u * s).collect(),
                 other.iter().map(|y| y / s).collect(),
             ),
-            false => (
-                other.iter().copied().collect(),
-                side.iter().copied().collect(),
-            ),
+            false => (other, side.iter().copied().collect()),
         };
         out.s.push(s);
         out.su.push(su);
