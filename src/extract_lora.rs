@@ -189,7 +189,7 @@ fn values_of(folder: &ModelFolder, t: &ModelTensor) -> Result<Vec<f32>> {
 const CHUNK: usize = 1 << 20;
 
 /// `op(v, x)` for each element v of `values` and x of tensor `t` of `folder` (the base's, to
-/// subtract or add back, or the model's, to read), `t` read in chunks of [`CHUNK`] elements.
+/// subtract, or the model's, to read), `t` read in chunks of [`CHUNK`] elements.
 fn with_base(
     folder: &ModelFolder,
     t: &ModelTensor,
@@ -272,9 +272,10 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
         match role(&name, &shape, req.embed_lora) {
             Role::Whole if req.skip_undecomposable && shape.len() != 2 => done.skipped.push(name),
             Role::Whole => {
-                with_base(&base, bt, &mut delta, |d, b| *d += b)?;
+                // The model's own values, read again (θ₀ + Δ need not give them back in f32).
+                let theta = values_of(&model, mt)?;
                 let name = format!("base_model.model.{name}");
-                written.push(Written::new(name, shape, &delta, dtype));
+                written.push(Written::new(name, shape, &theta, dtype));
                 done.whole.push(module);
             }
             role => {
