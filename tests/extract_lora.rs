@@ -230,3 +230,44 @@ fn bad_requests_and_inputs_are_refused_by_name_and_write_nothing() {
         .status
         .success());
 }
+
+/// Ctrl-C in the middle of an extraction: exit 130, nothing at the output, no scratch left.
+#[test]
+fn an_interrupted_extraction_leaves_nothing() {
+    let shapes: Vec<(String, Vec<usize>)> = (0..4)
+        .map(|l| {
+            (
+                format!("model.layers.{l}.mlp.up_proj.weight"),
+                vec![1536, 1536],
+            )
+        })
+        .collect();
+    let named: Vec<(&str, Vec<usize>)> = shapes
+        .iter()
+        .map(|(n, s)| (n.as_str(), s.clone()))
+        .collect();
+    let f = fixture(73, Dtype::F32, &named, &[0.5], 1);
+    let out = f.dir.path().join("out");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rlmerge"));
+    cmd.args(["extract-lora", "--rank", "64", "--threads", "1", "--base"])
+        .arg(&f.base)
+        .arg("--model")
+        .arg(&f.agents[0])
+        .arg("-o")
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    default_signals(&mut cmd);
+    let child = cmd.spawn().unwrap();
+    wait_until_running(f.dir.path());
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let sent = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{}", err_of(&o));
+    assert!(!out.exists());
+    assert_eq!(leftovers(f.dir.path()), Vec::<String>::new());
+}
