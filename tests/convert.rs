@@ -20,23 +20,11 @@ fn convert(source: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
 }
 
 fn model_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut files: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            p.extension()
-                .is_some_and(|e| e == "safetensors" || e == "json")
-        })
-        .filter(|p| !p.ends_with(rlmerge::record::RECORD_FILE))
-        .map(|p| {
-            (
-                p.file_name().unwrap().to_string_lossy().into(),
-                std::fs::read(&p).unwrap(),
-            )
-        })
-        .collect();
-    files.sort();
-    files
+    files_of(dir, |p| {
+        p.extension()
+            .is_some_and(|e| e == "safetensors" || e == "json")
+            && !p.ends_with(rlmerge::record::RECORD_FILE)
+    })
 }
 
 #[test]
@@ -135,15 +123,7 @@ fn a_conversion_never_writes_over_its_source_and_an_interrupted_one_leaves_nothi
     processes::default_signals(&mut cmd);
     let child = cmd.spawn().unwrap();
     processes::wait_until_running(f.dir.path());
-    let sent = std::process::Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let o = child.wait_with_output().unwrap();
-    assert_eq!(o.status.code(), Some(130), "{}", err_of(&o));
-    assert!(!out.exists());
-    assert_eq!(processes::leftovers(f.dir.path()), Vec::<String>::new());
+    processes::assert_interrupted(child, f.dir.path(), &out);
 }
 
 /// A 3 × 5 FP8 matrix in blocks of 2 × 2 (scales 2 × 3, partial blocks at the edges): each

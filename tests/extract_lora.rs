@@ -57,7 +57,15 @@ fn product(dir: &Path, module: &str) -> Vec<f64> {
     p
 }
 
-fn delta(f: &Fixture, name: &str) -> Vec<f64> {
+/// The matrices of [`models`] the adapter factors.
+const FACTORED: [&str; 2] = [
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.mlp.down_proj",
+];
+
+/// The model's update of `module`'s weight, row-major.
+fn delta(f: &Fixture, module: &str) -> Vec<f64> {
+    let name = format!("{module}.weight");
     let b = f.base_tensors.iter().find(|t| t.name == name).unwrap();
     let a = f.agent_tensors[0].iter().find(|t| t.name == name).unwrap();
     a.values
@@ -79,17 +87,8 @@ fn full_rank_gives_the_update_back_and_a_low_rank_says_what_it_keeps() {
     let out = f.dir.path().join("full");
     let o = extract(&f, &out, &["--rank", "16", "-v"]);
     assert!(o.status.success(), "{}", err_of(&o));
-    for (module, name) in [
-        (
-            "model.layers.0.self_attn.q_proj",
-            "model.layers.0.self_attn.q_proj.weight",
-        ),
-        (
-            "model.layers.0.mlp.down_proj",
-            "model.layers.0.mlp.down_proj.weight",
-        ),
-    ] {
-        let e = rel(&product(&out, module), &delta(&f, name));
+    for module in FACTORED {
+        let e = rel(&product(&out, module), &delta(&f, module));
         assert!(e < 1e-5, "{module}: {e}");
     }
     let stdout = String::from_utf8_lossy(&o.stdout);
@@ -133,18 +132,8 @@ fn full_rank_gives_the_update_back_and_a_low_rank_says_what_it_keeps() {
     let target = f.dir.path().join("target");
     let o = extract(&f, &target, &["--rank", "16", "--rel-error", "0.5"]);
     assert!(o.status.success(), "{}", err_of(&o));
-    for (module, name) in [
-        (
-            "model.layers.0.self_attn.q_proj",
-            "model.layers.0.self_attn.q_proj.weight",
-        ),
-        (
-            "model.layers.0.mlp.down_proj",
-            "model.layers.0.mlp.down_proj.weight",
-        ),
-    ] {
-        let d = delta(&f, name);
-        let e = rel(&product(&target, module), &d);
+    for module in FACTORED {
+        let e = rel(&product(&target, module), &delta(&f, module));
         assert!(e <= 0.5 + 1e-6, "{module}: {e}");
     }
 }
@@ -261,13 +250,5 @@ fn an_interrupted_extraction_leaves_nothing() {
     let child = cmd.spawn().unwrap();
     wait_until_running(f.dir.path());
     std::thread::sleep(std::time::Duration::from_millis(200));
-    let sent = std::process::Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let o = child.wait_with_output().unwrap();
-    assert_eq!(o.status.code(), Some(130), "{}", err_of(&o));
-    assert!(!out.exists());
-    assert_eq!(leftovers(f.dir.path()), Vec::<String>::new());
+    assert_interrupted(child, f.dir.path(), &out);
 }

@@ -6,17 +6,6 @@ mod common;
 use common::*;
 use std::path::Path;
 
-fn demo() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let o = rlmerge()
-        .current_dir(dir.path())
-        .args(["demo", "d", "--write-only", "--quiet"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", err_of(&o));
-    dir
-}
-
 fn run_in(dir: &Path, args: &[&str]) -> std::process::Output {
     rlmerge()
         .current_dir(dir)
@@ -37,24 +26,12 @@ fn merge_in(dir: &Path, agents: &[&str], args: &[&str]) -> std::process::Output 
 }
 
 fn shards(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut found: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-        .map(|p| {
-            (
-                p.file_name().unwrap().to_string_lossy().into(),
-                std::fs::read(&p).unwrap(),
-            )
-        })
-        .collect();
-    found.sort();
-    found
+    files_of(dir, |p| p.extension().is_some_and(|e| e == "safetensors"))
 }
 
 #[test]
 fn the_output_folder_may_follow_the_recipe_as_mergekit_yaml_takes_it() {
-    let d = demo();
+    let d = demo_in_d();
     let dir = d.path().join("d");
     let o = run_in(&dir, &["recipe.yml", "positional", "-q"]);
     assert!(o.status.success(), "{}", err_of(&o));
@@ -72,7 +49,7 @@ fn the_output_folder_may_follow_the_recipe_as_mergekit_yaml_takes_it() {
 
 #[test]
 fn mergekit_yaml_options_are_done_or_answered() {
-    let d = demo();
+    let d = demo_in_d();
     let dir = d.path().join("d");
     let o = run_in(
         &dir,
@@ -153,7 +130,7 @@ fn mergekit_yaml_options_are_done_or_answered() {
 /// merge as a recipe's per-model `parameters:`, which the saved recipe writes.
 #[test]
 fn a_comma_list_sets_a_parameter_per_model() {
-    let d = demo();
+    let d = demo_in_d();
     let dir = d.path().join("d");
     let recipe = "merge_method: ties\nbase_model: base\nparameters:\n  density: 0.5\nmodels:\n\
                   - model: coding-agent\n  parameters:\n    weight: 0.7\n\
@@ -214,7 +191,7 @@ fn a_comma_list_sets_a_parameter_per_model() {
 /// item 7), not passed over in silence.
 #[test]
 fn a_one_agent_ram_merge_is_said() {
-    let d = demo();
+    let d = demo_in_d();
     let dir = d.path().join("d");
     let o = merge_in(&dir, &["coding-agent"], &["-o", "one"]);
     assert!(o.status.success(), "{}", err_of(&o));
@@ -238,7 +215,7 @@ fn a_one_agent_ram_merge_is_said() {
 /// defaults" alone (issue #53 item 7).
 #[test]
 fn a_card_names_the_default_values_it_merged_with() {
-    let d = demo();
+    let d = demo_in_d();
     let dir = d.path().join("d");
     let o = merge_in(
         &dir,
@@ -257,7 +234,7 @@ fn a_card_names_the_default_values_it_merged_with() {
 /// written.
 #[test]
 fn an_absurd_out_shard_size_is_refused() {
-    let d = demo();
+    let d = demo_in_d();
     let dir = d.path().join("d");
     for bad in ["0", "-5", "abc", "0.5", "inf"] {
         let o = run_in(&dir, &["recipe.yml", "out", "--out-shard-size", bad]);
@@ -276,7 +253,7 @@ fn an_absurd_out_shard_size_is_refused() {
 /// the ram+ and ram outputs differ (issue #53 item 4). In f32 every boost stays, and nothing is said.
 #[test]
 fn a_boost_that_bf16_rounds_away_is_said() {
-    let d = demo();
+    let d = demo_in_d();
     let dir = d.path().join("d");
     let agents = ["coding-agent", "tool-agent", "memory-agent"];
     let plus = merge_in(&dir, &agents, &["-o", "plus"]);
@@ -330,7 +307,7 @@ fn a_boost_that_bf16_rounds_away_is_said() {
 /// output's tokenizer_config.json, and the record's checksums cover it (issue #53 item 2).
 #[test]
 fn a_chat_template_goes_into_tokenizer_config() {
-    let d = demo();
+    let d = demo_in_d();
     let dir = d.path().join("d");
     let recipe = std::fs::read_to_string(dir.join("recipe.yml")).unwrap();
     let template_of = |out: &str| -> serde_json::Value {

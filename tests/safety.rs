@@ -381,13 +381,7 @@ fn signal_once_running(
 ) -> std::process::Output {
     wait_until_running(f.dir.path());
     std::thread::sleep(Duration::from_millis(100));
-    let sent = std::process::Command::new("kill")
-        .arg(format!("-{signal}"))
-        .arg(child.id().to_string())
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    child.wait_with_output().unwrap()
+    send_signal(child, signal)
 }
 
 /// A signal the merge started with ignored stays ignored: `nohup` ignores SIGHUP so a merge

@@ -36,17 +36,6 @@ models:
   - model: memory-agent
 ";
 
-fn demo() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let o = rlmerge()
-        .current_dir(dir.path())
-        .args(["demo", "d", "--write-only", "--quiet"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", err_of(&o));
-    dir
-}
-
 fn run_in(dir: &Path, args: &[&str]) -> std::process::Output {
     rlmerge()
         .current_dir(dir)
@@ -62,7 +51,7 @@ fn weights(dir: &Path) -> Vec<u8> {
 
 #[test]
 fn three_stages_equal_the_stages_run_by_hand() {
-    let d = demo();
+    let d = demo_in_d();
     let dir = d.path().join("d");
     std::fs::write(dir.join("multi.yml"), THREE).unwrap();
     let o = run_in(&dir, &["multi.yml", "out"]);
@@ -149,7 +138,7 @@ fn three_stages_equal_the_stages_run_by_hand() {
 
 #[test]
 fn intermediate_dir_keeps_the_stages_and_verify_recomputes_from_them() {
-    let d = demo();
+    let d = demo_in_d();
     let dir = d.path().join("d");
     std::fs::write(dir.join("multi.yml"), THREE).unwrap();
     let o = run_in(&dir, &["multi.yml", "out", "--intermediate-dir", "kept"]);
@@ -188,7 +177,7 @@ fn intermediate_dir_keeps_the_stages_and_verify_recomputes_from_them() {
 /// runs — and leave nothing at the output nor beside it.
 #[test]
 fn bad_stages_are_refused_by_name_and_leave_nothing() {
-    let d = demo();
+    let d = demo_in_d();
     let dir = d.path().join("d");
     let ram = |name: &str, models: &str| {
         format!("name: {name}\nmerge_method: ram\nbase_model: base\nmodels: [{models}]\n")
@@ -314,13 +303,5 @@ fn an_interrupted_multi_stage_run_leaves_nothing() {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-    let sent = std::process::Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let o = child.wait_with_output().unwrap();
-    assert_eq!(o.status.code(), Some(130), "{}", err_of(&o));
-    assert!(!out.exists());
-    assert_eq!(leftovers(f.dir.path()), Vec::<String>::new());
+    assert_interrupted(child, f.dir.path(), &out);
 }

@@ -1,7 +1,7 @@
 //! Merges seen running: slowed down so a test can act while they run (signals, folders that
 //! appear), and what they leave beside their output.
 
-use super::{fixture, Fixture, DENSITIES};
+use super::{err_of, fixture, Fixture, DENSITIES};
 use safetensors::tensor::Dtype;
 use std::path::Path;
 
@@ -12,6 +12,26 @@ pub fn leftovers(dir: &Path) -> Vec<String> {
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
         .filter(|n| n.contains(".rlmerge-"))
         .collect()
+}
+
+/// Sends `signal` (a `kill` name: TERM, INT, HUP) to `child` and waits for it to end.
+pub fn send_signal(child: std::process::Child, signal: &str) -> std::process::Output {
+    let sent = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    child.wait_with_output().unwrap()
+}
+
+/// Sends SIGINT to `child`, a run writing `out` with its scratch in `dir`, and checks that it
+/// ended as an interrupted run ends: exit 130, nothing at `out`, no scratch left in `dir`.
+pub fn assert_interrupted(child: std::process::Child, dir: &Path, out: &Path) {
+    let o = send_signal(child, "INT");
+    assert_eq!(o.status.code(), Some(130), "{}", err_of(&o));
+    assert!(!out.exists());
+    assert_eq!(leftovers(dir), Vec::<String>::new());
 }
 
 /// A merge slowed down by one-element tiles, so a test can act while it runs (on
