@@ -89,6 +89,9 @@ impl Extraction {
     }
 }
 
+/// The rank where none is given (the command line's, Python's).
+pub const DEFAULT_RANK: usize = 32;
+
 /// The largest rank asked for: an adapter's factors are (m + n)·r values.
 const MAX_RANK: usize = 4096;
 
@@ -562,6 +565,15 @@ struct AdapterRecord<'a> {
 
 /// The record's `kind` for an extracted adapter.
 pub const RECORD_KIND: &str = "extract-lora";
+
+/// The answer to `verify --against` of an extracted adapter: a usage error saying how it is made
+/// again.
+pub fn against_refused() -> anyhow::Error {
+    usage(
+        "--against recomputes merges; an extracted adapter is made again by running \
+         rlmerge extract-lora with the options its record holds",
+    )
+}
 
 /// Whether `dir` holds an adapter this command wrote (its record's `kind`).
 pub fn is_extracted(dir: &Path) -> bool {

@@ -394,21 +394,19 @@ pub fn run_recipe(
         return Ok((job, summary));
     };
     compute.check()?;
-    OutputFolder::check(out, force)?;
+    let resolved = OutputFolder::check(out, force)?;
     let last = stages.len() - 1;
-    let resolved = crate::checkpoint::output_folder::resolve_output(out)?;
-    let scratch = match kept {
-        Some(_) => None,
+    // Where the stages go: the kept folder, else a scratch folder beside the output (removed
+    // when `scratch` drops).
+    let (scratch, dir) = match kept {
+        Some(k) => (None, k.to_path_buf()),
         None => {
             let name = resolved.file_name().unwrap_or_default().to_string_lossy();
             let parent = resolved.parent().unwrap_or(Path::new("."));
-            Some(Scratch::create(parent, &format!(".{name}.rlmerge-stages"))?)
+            let s = Scratch::create(parent, &format!(".{name}.rlmerge-stages"))?;
+            let dir = s.path().to_path_buf();
+            (Some(s), dir)
         }
-    };
-    let dir = match (&scratch, kept) {
-        (Some(s), _) => s.path().to_path_buf(),
-        (None, Some(k)) => k.to_path_buf(),
-        (None, None) => unreachable!("a scratch folder where none is kept"),
     };
     let mut made: Vec<(String, PathBuf)> = Vec::new();
     let mut done = Vec::new();

@@ -173,38 +173,27 @@ fn verify_adapter(dir: &Path, against: bool) -> Result<Option<Verification>> {
     }
     #[derive(serde::Deserialize)]
     struct Adapter {
-        kind: Option<String>,
         #[serde(default)]
         inputs: Vec<Input>,
         #[serde(default)]
         outputs: Vec<FileChecksum>,
     }
-    let path = dir.join(crate::checkpoint::output_folder::RECORD_FILE);
-    let Ok(text) = crate::checkpoint::files::check_regular_file(&path)
-        .and_then(|()| Ok(std::fs::read_to_string(&path)?))
-    else {
-        return Ok(None);
-    };
-    let Ok(record) = serde_json::from_str::<Adapter>(&text) else {
-        return Ok(None);
-    };
-    if record.kind.as_deref() != Some(crate::extract_lora::RECORD_KIND) {
+    if !crate::extract_lora::is_extracted(dir) {
         return Ok(None);
     }
     if against {
-        return Err(crate::error::usage(
-            "--against recomputes merges; an extracted adapter is made again by running \
-             rlmerge extract-lora with the options its record holds",
-        ));
+        return Err(crate::extract_lora::against_refused());
     }
-    // A downloaded adapter's record is not trusted to send verify elsewhere: plain names only.
+    let path = dir.join(crate::checkpoint::output_folder::RECORD_FILE);
+    let record: Adapter = serde_json::from_str(&std::fs::read_to_string(&path)?)
+        .with_context(|| format!("{}: invalid record", path.display()))?;
     let files = record
         .outputs
         .iter()
         .chain(record.inputs.iter().flat_map(|i| &i.files));
     if let Some(bad) = files
         .map(|f| f.file.as_str())
-        .find(|n| n.is_empty() || *n == "." || *n == ".." || n.contains(['/', '\\', '\0']))
+        .find(|n| !crate::record::is_plain_file_name(n))
     {
         anyhow::bail!(
             "{}: invalid record: it lists the file '{}', which is not a plain file name",

@@ -357,22 +357,22 @@ def convert(source: PathLike, out: PathLike, *, quiet: bool = True, force: bool 
     return _finished(record, out)
 
 
-def extract_lora(base: PathLike, model: PathLike, out: PathLike, *, rank: int = 32,
+def extract_lora(base: PathLike, model: PathLike, out: PathLike, *, rank: Optional[int] = None,
                  rel_error: Optional[float] = None, distribute_scale: bool = True,
                  embed_lora: bool = False, skip_undecomposable: bool = False,
                  include: Optional[str] = None, exclude: Optional[str] = None, threads: int = 0,
                  force: bool = False) -> Dict[str, Any]:
     """Extracts a PEFT LoRA adapter of ``model`` against ``base`` into ``out``, as
     ``rlmerge extract-lora`` (mergekit's ``mergekit-extract-lora``): each changed matrix's update
-    at rank ``rank`` (or the least rank within ``rel_error``), changed embeddings and norms saved
+    at rank ``rank`` (the command's default where ``None``: 32; or the least rank within
+    ``rel_error``), changed embeddings and norms saved
     whole (``embed_lora=True`` factors embeddings, ``skip_undecomposable=True`` leaves vectors
     out), ``include``/``exclude`` regular expressions on module names. Returns what it kept:
     ``modules`` (each one's ``rank``, ``kept`` = ‖Δ_r‖/‖Δ‖ and ``norm``), ``whole``, ``skipped``,
     ``unchanged`` and ``kept`` over every factored module."""
     _check_common("cpu", threads)
-    for name, value in (("rank", rank),):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UsageError(f"{name} must be a whole number, got {value!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise UsageError(f"rank must be a whole number (≥ 1), got {rank!r}")
     if rel_error is not None and (isinstance(rel_error, bool) or not _is_number(rel_error)):
         raise UsageError(f"rel_error must be a number, got {rel_error!r}")
     for name, value in (("include", include), ("exclude", exclude)):

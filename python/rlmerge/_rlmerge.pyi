@@ -18,7 +18,7 @@ def run(recipe: str, out: str, keywords: Mapping[str, Any],
     """Runs a mergekit YAML recipe file into ``out`` (``keywords`` as for merge; a multi-stage
     recipe's earlier stages kept in ``intermediate_dir``); the record as JSON."""
 
-def extract_lora(base: str, model: str, out: str, rank: int, rel_error: Optional[float],
+def extract_lora(base: str, model: str, out: str, rank: Optional[int], rel_error: Optional[float],
                  distribute_scale: bool, embed_lora: bool, skip_undecomposable: bool,
                  include: Optional[str], exclude: Optional[str], threads: int,
                  force: bool) -> str:

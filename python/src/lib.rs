@@ -402,7 +402,7 @@ fn extract_lora(
     base: PathBuf,
     model: PathBuf,
     out: PathBuf,
-    rank: usize,
+    rank: Option<usize>,
     rel_error: Option<f64>,
     distribute_scale: bool,
     embed_lora: bool,
@@ -420,7 +420,7 @@ fn extract_lora(
         let req = rlmerge::extract_lora::Request {
             base: rlmerge::hub::locate_model(&base, false)?,
             model: rlmerge::hub::locate_model(&model, false)?,
-            rank,
+            rank: rank.unwrap_or(rlmerge::extract_lora::DEFAULT_RANK),
             rel_error,
             distribute_scale,
             embed_lora,

@@ -119,10 +119,7 @@ pub(crate) fn run(cli: Cli, mut out: &mut dyn Write) -> Result<()> {
 
 fn run_verify(args: &VerifyArgs, out: &mut impl Write) -> Result<()> {
     if args.against && crate::extract_lora::is_extracted(&args.dir) {
-        return Err(usage(
-            "--against recomputes merges; an extracted adapter is made again by running \
-             rlmerge extract-lora with the options its record holds",
-        ));
+        return Err(crate::extract_lora::against_refused());
     }
     let backend = match args.against {
         true => {

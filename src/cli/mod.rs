@@ -113,7 +113,7 @@ pub(crate) struct ExtractLoraArgs {
     #[arg(long)]
     pub(crate) model: PathBuf,
     /// Rank of every factored module (the most, with --rel-error).
-    #[arg(long, alias = "max-rank", default_value_t = 32)]
+    #[arg(long, alias = "max-rank", default_value_t = crate::extract_lora::DEFAULT_RANK)]
     pub(crate) rank: usize,
     /// Give each module the least rank whose relative error ‖Δ − Δ_r‖/‖Δ‖ is at most this
     /// (at most --rank).

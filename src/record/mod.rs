@@ -315,13 +315,7 @@ impl MergeRecord {
     /// elsewhere: no `/`, `\`, `..`, `.`, empty or NUL names); an input's may be one inside the
     /// `huggingface/` folder of a trainer's checkpoint.
     fn check_file_names(&self) -> Result<()> {
-        let plain = |name: &str| {
-            !name.is_empty()
-                && name != "."
-                && name != ".."
-                && !name.contains(['/', '\\', '\0'])
-                && !std::path::Path::new(name).is_absolute()
-        };
+        let plain = is_plain_file_name;
         let hf = format!("{}/", crate::checkpoint::fsdp_shards::HF_FOLDER);
         let outputs = self.outputs.iter().map(|f| (f, false));
         let inputs = self.inputs.iter().flat_map(|i| &i.files).map(|f| (f, true));
@@ -337,6 +331,17 @@ impl MergeRecord {
         }
         Ok(())
     }
+}
+
+/// Whether a record's file name is a plain name inside its folder: not empty, `.` or `..`, no
+/// `/`, `\`, NUL, not absolute — a downloaded folder's record is not trusted to send `verify`
+/// elsewhere.
+pub fn is_plain_file_name(name: &str) -> bool {
+    !name.is_empty()
+        && name != "."
+        && name != ".."
+        && !name.contains(['/', '\\', '\0'])
+        && !std::path::Path::new(name).is_absolute()
 }
 
 /// Writes the record and the model card into `dir`; `recipe` is the mergekit recipe the merge

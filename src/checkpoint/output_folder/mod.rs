@@ -187,9 +187,12 @@ fn existing(out: &Path, final_dir: &Path, force: bool) -> Result<()> {
 
 impl OutputFolder {
     /// The checks [`OutputFolder::create`] makes of `out` itself, before work that comes ahead of
-    /// it (a multi-stage recipe's earlier stages): a usage error where it could not be written.
-    pub fn check(out: &Path, force: bool) -> Result<()> {
-        existing(out, &resolve_output(out)?, force)
+    /// it (a multi-stage recipe's earlier stages): a usage error where it could not be written;
+    /// else its resolved, absolute path.
+    pub fn check(out: &Path, force: bool) -> Result<PathBuf> {
+        let resolved = resolve_output(out)?;
+        existing(out, &resolved, force)?;
+        Ok(resolved)
     }
 
     /// Checks `out` against `inputs` and the replace rule (usage errors, nothing touched), then
