@@ -169,6 +169,27 @@ fn bad_requests_and_inputs_are_refused_by_name_and_write_nothing() {
         assert!(err_of(&o).contains(needle), "{}", err_of(&o));
         assert!(!out.exists());
     }
+    // A base that is nowhere, or a file, is named.
+    let file = f.dir.path().join("file");
+    std::fs::write(&file, b"x").unwrap();
+    for base in [f.dir.path().join("nowhere"), file] {
+        let o = rlmerge()
+            .args(["extract-lora", "--model"])
+            .arg(&f.agents[0])
+            .arg("--base")
+            .arg(&base)
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(!o.status.success());
+        assert!(
+            err_of(&o).contains(&*base.to_string_lossy()),
+            "{}",
+            err_of(&o)
+        );
+        assert!(!out.exists());
+    }
     // A model of another shape, or holding a NaN, names the tensor.
     let other = fixture(
         72,

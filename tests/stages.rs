@@ -168,6 +168,12 @@ fn intermediate_dir_keeps_the_stages_and_verify_recomputes_from_them() {
     );
     assert!(o.status.success(), "{}", err_of(&o));
     assert_eq!(weights(&dir.join("out")), weights(&dir.join("out2")));
+    // A stage folder that is a file is refused, nothing written.
+    let o = run_in(&dir, &["multi.yml", "out3", "-I", "multi.yml"]);
+    assert!(!o.status.success());
+    assert!(err_of(&o).contains("multi.yml"), "{}", err_of(&o));
+    assert!(!dir.join("out3").exists());
+    assert_eq!(leftovers(&dir), Vec::<String>::new());
     // One document takes no stage folder.
     let o = run_in(&dir, &["recipe.yml", "one", "-I", "kept"]);
     assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));

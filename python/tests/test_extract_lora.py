@@ -52,7 +52,7 @@ def test_peft_merges_the_best_rank_r_update(demo, tmp_path, rank):
 
 def test_bad_requests_are_usage_errors(demo, tmp_path):
     root, base, agents = demo
-    for keywords in ({"rank": 0}, {"rel_error": 2.0}, {"include": "("}, {"rank": 1.5}):
+    for keywords in ({"rank": 0}, {"rank": -1}, {"rel_error": 2.0}, {"include": "("}, {"rank": 1.5}):
         with pytest.raises(rlmerge.UsageError):
             rlmerge.extract_lora(base, agents[0], tmp_path / "out", **keywords)
         assert not (tmp_path / "out").exists()
