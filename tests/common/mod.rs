@@ -5,6 +5,7 @@
 
 pub mod bad_case;
 pub mod cases;
+pub mod files;
 pub mod gpu;
 pub mod linalg;
 pub mod models;
@@ -16,10 +17,11 @@ pub use bad_case::err_of;
 #[allow(unused_imports)] // each test binary uses what it needs
 pub use cases::*;
 #[allow(unused_imports)] // each test binary uses what it needs
+pub use files::*;
+#[allow(unused_imports)] // each test binary uses what it needs
 pub use gpu::{assert_gpu_close, assert_same, compare, devices, gpu_available};
 #[allow(unused_imports)] // each test binary uses what it needs
 pub use models::{f32_matrices, matrices};
-#[allow(unused_imports)] // each test binary uses what it needs
 pub use processes::*;
 #[allow(unused_imports)] // each test binary uses what it needs
 pub use reference::*;
@@ -388,35 +390,6 @@ pub fn assert_same_bytes(what: &str, dtype: Dtype, got: &[u8], want: &[u8]) {
 
 pub fn rlmerge() -> assert_cmd::Command {
     assert_cmd::Command::cargo_bin("rlmerge").unwrap()
-}
-
-/// The files of `dir` that `keep` takes, each with its bytes, sorted by name.
-pub fn files_of(dir: &Path, keep: impl Fn(&Path) -> bool) -> Vec<(String, Vec<u8>)> {
-    let mut found: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| keep(p))
-        .map(|p| {
-            (
-                p.file_name().unwrap().to_string_lossy().into(),
-                std::fs::read(&p).unwrap(),
-            )
-        })
-        .collect();
-    found.sort();
-    found
-}
-
-/// A fresh folder holding the built-in example's models (and its recipe) in `d/`.
-pub fn demo_in_d() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let o = rlmerge()
-        .current_dir(dir.path())
-        .args(["demo", "d", "--write-only", "--quiet"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", err_of(&o));
-    dir
 }
 
 /// `rlmerge merge --base BASE --model A …`, for the caller to add the rest.
