@@ -22,6 +22,7 @@ pub use files::*;
 pub use gpu::{assert_gpu_close, assert_same, compare, devices, gpu_available};
 #[allow(unused_imports)] // each test binary uses what it needs
 pub use models::{f32_matrices, matrices};
+#[allow(unused_imports)] // each test binary uses what it needs
 pub use processes::*;
 #[allow(unused_imports)] // each test binary uses what it needs
 pub use reference::*;
