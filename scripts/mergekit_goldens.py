@@ -12,6 +12,7 @@ Writes, under tests/fixtures/mergekit/:
   expected/NAME.safetensors          mergekit's output for recipes/NAME.yml (every recipe there
                                      says `dtype: float32`), all tensors in one file
   expected/NAME.config.json          mergekit's config.json for it (layer counts of slices)
+  expected/moe_NAME.safetensors      mergekit-moe's output for moe/NAME.yml (tests/moe.rs)
 """
 import json
 import os
@@ -155,6 +156,32 @@ def make_tokenizer_models():
         save_tokenizer(d, regular, SPECIALS + specials)
 
 
+def moe_goldens():
+    """mergekit-moe's output for each config in moe/, as expected/moe_NAME.*."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    for file in sorted(os.listdir(os.path.join(ROOT, "moe"))):
+        name = file[:-4]
+        text = open(os.path.join(ROOT, "moe", file)).read()
+        for m in sorted(os.listdir(MODELS), key=len, reverse=True):
+            text = re.sub(rf"((?:base_model|source_model): ){m}(?![\w-])", rf"\g<1>{MODELS}/{m}", text)
+        out = tempfile.mkdtemp(prefix="golden-moe-")
+        shutil.rmtree(out)
+        config = out + ".yml"
+        with open(config, "w") as f:
+            f.write(text)
+        command = [os.path.join(os.path.dirname(sys.executable), "mergekit-moe"), config, out]
+        subprocess.run(command, check=True, cwd=MODELS, env=env)
+        tensors = {}
+        for f in sorted(os.listdir(out)):
+            if f.endswith(".safetensors"):
+                tensors.update(load_file(os.path.join(out, f)))
+        save_file(tensors, os.path.join(ROOT, "expected", f"moe_{name}.safetensors"))
+        shutil.copy(os.path.join(out, "config.json"), os.path.join(ROOT, "expected", f"moe_{name}.config.json"))
+        shutil.rmtree(out)
+        os.remove(config)
+        print(f"moe_{name}: {len(tensors)} tensors")
+
+
 def main():
     if not os.path.isdir(os.path.join(MODELS, "base")):
         make_models()
@@ -163,7 +190,10 @@ def main():
     if not os.path.isdir(os.path.join(MODELS, "tools-tok")):
         make_tokenizer_models()
     recipes = sorted(n[:-4] for n in os.listdir(os.path.join(ROOT, "recipes")) if n.endswith(".yml"))
-    wanted = sys.argv[1:] or recipes
+    wanted = sys.argv[1:] or recipes + ["moe"]
+    if "moe" in wanted:
+        wanted.remove("moe")
+        moe_goldens()
     os.makedirs(os.path.join(ROOT, "expected"), exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     for name in wanted:

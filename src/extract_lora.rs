@@ -564,26 +564,7 @@ struct AdapterRecord<'a> {
 }
 
 /// The record's `kind` for an extracted adapter.
-pub const RECORD_KIND: &str = "extract-lora";
-
-/// The answer to `verify --against` of an extracted adapter: a usage error saying how it is made
-/// again.
-pub fn against_refused() -> anyhow::Error {
-    usage(
-        "--against recomputes merges; an extracted adapter is made again by running \
-         rlmerge extract-lora with the options its record holds",
-    )
-}
-
-/// Whether `dir` holds an adapter this command wrote (its record's `kind`).
-pub fn is_extracted(dir: &Path) -> bool {
-    let path = dir.join(crate::checkpoint::output_folder::RECORD_FILE);
-    crate::checkpoint::files::check_regular_file(&path).is_ok()
-        && std::fs::read_to_string(&path)
-            .ok()
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-            .is_some_and(|j| j["kind"] == RECORD_KIND)
-}
+const RECORD_KIND: &str = "extract-lora";
 
 /// Writes the adapter's record into `dir` (the scratch of the folder that will be `out`).
 fn write_record(
@@ -593,14 +574,6 @@ fn write_record(
     dir: &Path,
     done: &Extraction,
 ) -> Result<()> {
-    let input = |m: &ModelFolder| -> Result<crate::record::InputChecksums> {
-        Ok(crate::record::InputChecksums {
-            path: crate::record::recorded_path(out, &m.dir),
-            hub_id: crate::hub::id_of_snapshot(&m.dir),
-            files: m.checksums()?,
-            format: m.other_format(),
-        })
-    };
     let outputs = [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
         .iter()
         .map(|f| crate::checkpoint::weight_file::crc32_of_file(&dir.join(f)))
@@ -621,13 +594,13 @@ fn write_record(
         exclude: req.exclude.clone(),
         kept: done.kept(),
         extraction: done,
-        inputs: vec![input(base)?, input(model)?],
+        inputs: vec![
+            crate::record::tool::input(out, base)?,
+            crate::record::tool::input(out, model)?,
+        ],
         outputs,
     };
-    let path = dir.join(crate::checkpoint::output_folder::RECORD_FILE);
-    std::fs::write(&path, serde_json::to_string_pretty(&record)? + "\n")
-        .with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
+    crate::record::tool::write(dir, &record)
 }
 
 /// The adapter's model card: what it was extracted from, at what rank, and what it keeps.

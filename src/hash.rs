@@ -1,5 +1,5 @@
 //! Every hash and generator rlmerge uses, in one place: SplitMix64 (the demo's data, the tests'
-//! random values, and the (seed, tensor, agent) key of random masks) and the per-element mask hash,
+//! random values, the (seed, tensor, agent) key of random masks, `moe`'s random routers and noise) and the per-element mask hash,
 //! which shaders/combine.wgsl computes too (`mix32`: u32 arithmetic only, so both agree).
 
 /// SplitMix64's golden-ratio increment.
@@ -34,6 +34,21 @@ impl SplitMix64 {
     pub fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
+}
+
+/// Uniform value `i` in [0, 1) of the stream keyed `key` (splitmix64(key + i)): any element
+/// computed alone, in any order, on any thread, is the same value.
+pub fn uniform_at(key: u64, i: u64) -> f64 {
+    (splitmix64(key.wrapping_add(i)) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// Standard normal value `i` of the stream keyed `key` (Box–Muller on uniforms 2i and 2i + 1 of
+/// [`uniform_at`]; the cosine's): as reproducible element by element.
+pub fn normal_at(key: u64, i: u64) -> f64 {
+    let at = i.wrapping_mul(2);
+    let u1 = 1.0 - uniform_at(key, at);
+    let u2 = uniform_at(key, at.wrapping_add(1));
+    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
 }
 
 /// Wellons' lowbias32 integer hash (u32 only, so the shaders compute the same).

@@ -28,6 +28,7 @@ pub mod job;
 pub(crate) mod linalg;
 pub mod method;
 pub mod model_config;
+pub mod moe;
 pub(crate) mod names;
 pub mod record;
 pub(crate) mod report;

@@ -497,6 +497,44 @@ pub fn extract_lora(
     Ok(done)
 }
 
+/// Builds a mixture of experts (`rlmerge moe`): `config` into the folder `out` on `threads` CPU
+/// workers (0: one per core), saying what the user should know of its routers and layout.
+pub fn moe(
+    config: &crate::moe::MoeConfig,
+    (out, force): (&Path, bool),
+    (options, threads): (crate::moe::Options, usize),
+    say: &mut dyn FnMut(Said),
+) -> Result<crate::moe::Built> {
+    let workers = CpuBackend::new(threads)?;
+    let built = workers.install(|| crate::moe::build(config, (out, force), options))?;
+    for w in &built.warnings {
+        say(Said::Warning(w.clone()));
+    }
+    if !built.degenerate.is_empty() {
+        say(Said::Warning(format!(
+            "the routers of {} of {} layers are nearly linearly dependent (condition number \
+             above 5): the experts' prompts are too alike, and some experts will rarely be \
+             chosen; give each expert prompts of what only it does",
+            built.degenerate.len(),
+            built.layers
+        )));
+    }
+    if !config.experts.len().is_power_of_two() {
+        say(Said::Note(format!(
+            "{} experts is not a power of two: llama.cpp does not load such a MoE",
+            config.experts.len()
+        )));
+    }
+    if let Some(first) = built.zero_biases.first() {
+        say(Said::Note(format!(
+            "the base has no q/k/v biases; Qwen2-MoE's {} are written as zeros ('{first}' \
+             first), which compute what the base computes",
+            built.zero_biases.len()
+        )));
+    }
+    Ok(built)
+}
+
 /// An analysis (`rlmerge analyze`): what each agent changed against the base, and with `merged`
 /// what a merged folder kept of it; with `plot`, the figures.
 #[derive(Clone, Debug, Default)]

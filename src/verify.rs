@@ -48,7 +48,7 @@ fn check_file(dir: &Path, want: &FileChecksum, what: &str, v: &mut Verification)
 /// Verifies `out_dir`; with `against`, also recomputes the merge on `backend` into a temporary
 /// folder beside it and compares every shard byte for byte.
 pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verification> {
-    if let Some(v) = verify_adapter(out_dir, against.is_some())? {
+    if let Some(v) = verify_tool_output(out_dir, against.is_some())? {
         return Ok(v);
     }
     let record = MergeRecord::read(out_dir)?;
@@ -162,30 +162,30 @@ fn check_inputs(record: &MergeRecord, out_dir: &Path, v: &mut Verification) -> b
     inputs_intact
 }
 
-/// Verifies an adapter `rlmerge extract-lora` wrote (its record's `kind`): every output and input
-/// file against its checksum; `None` where `dir` holds a merge's record. `--against` is refused:
-/// an extraction is remade by running it again.
-fn verify_adapter(dir: &Path, against: bool) -> Result<Option<Verification>> {
+/// Verifies a folder `rlmerge extract-lora` or `rlmerge moe` wrote (its record's `kind`): every
+/// output and input file against its checksum; `None` where `dir` holds a merge's record.
+/// `--against` is refused: such a folder is remade by running its tool again.
+fn verify_tool_output(dir: &Path, against: bool) -> Result<Option<Verification>> {
     #[derive(serde::Deserialize)]
     struct Input {
         path: std::path::PathBuf,
         files: Vec<FileChecksum>,
     }
     #[derive(serde::Deserialize)]
-    struct Adapter {
+    struct ToolRecord {
         #[serde(default)]
         inputs: Vec<Input>,
         #[serde(default)]
         outputs: Vec<FileChecksum>,
     }
-    if !crate::extract_lora::is_extracted(dir) {
+    let Some(kind) = crate::record::tool::tool_kind(dir) else {
         return Ok(None);
-    }
+    };
     if against {
-        return Err(crate::extract_lora::against_refused());
+        return Err(crate::record::tool::against_refused(kind));
     }
     let path = dir.join(crate::checkpoint::output_folder::RECORD_FILE);
-    let record: Adapter = serde_json::from_str(&std::fs::read_to_string(&path)?)
+    let record: ToolRecord = serde_json::from_str(&std::fs::read_to_string(&path)?)
         .with_context(|| format!("{}: invalid record", path.display()))?;
     let files = record
         .outputs

@@ -32,6 +32,7 @@ __all__ = [
     "run",
     "convert",
     "extract_lora",
+    "moe",
     "analyze",
     "verify",
     "methods",
@@ -382,6 +383,30 @@ def extract_lora(base: PathLike, model: PathLike, out: PathLike, *, rank: Option
         _where(base, "base"), _where(model, "model"), _path(out, "out"), rank,
         None if rel_error is None else float(rel_error), bool(distribute_scale),
         bool(embed_lora), bool(skip_undecomposable), include, exclude, threads, bool(force)))
+
+
+def moe(config: Union[PathLike, Mapping[str, Any]], out: PathLike, *, quiet: bool = True,
+        force: bool = False, out_dtype: Optional[str] = None, shard_size: Optional[str] = None,
+        threads: int = 0, seed: Optional[int] = None, allow_all_same: bool = False,
+        allow_nonfinite: bool = False) -> Dict[str, Any]:
+    """Builds a mixture of experts into ``out``, as ``rlmerge moe`` (mergekit's ``mergekit-moe``):
+    ``config`` is a mergekit-moe YAML file or a dict with its keys (``base_model``, ``experts``
+    with ``source_model`` and ``positive_prompts``/``negative_prompts``, ``gate_mode``
+    ``cheap_embed``, ``random`` or ``uniform_random``, ``dtype``, ``experts_per_token``,
+    ``shared_experts``, ``architecture``). ``seed`` seeds random routers and noise;
+    ``allow_all_same`` lets every expert be one model. Returns what was built: ``architecture``,
+    ``experts``, ``layers``, ``tensors``, ``bytes``, ``dtype``, ``degenerate_layers`` (routers
+    too alike) and ``zero_biases``."""
+    keywords = _keywords("cpu", quiet, force, out_dtype, shard_size, threads, False,
+                         allow_nonfinite, True, False, seed)
+    if not isinstance(allow_all_same, bool):
+        raise UsageError(f"allow_all_same must be True or False, got {allow_all_same!r}")
+    out = _path(out, "out")
+    if isinstance(config, Mapping):
+        built = _native.moe(None, dict(config), out, keywords, allow_all_same)
+    else:
+        built = _native.moe(_path(config, "config"), None, out, keywords, allow_all_same)
+    return json.loads(built)
 
 
 def analyze(base: PathLike, models: Sequence[PathLike], per_tensor: bool = False, *,

@@ -435,6 +435,70 @@ fn extract_lora(
     })
 }
 
+/// Builds a mixture of experts into `out`, as `rlmerge moe`: the config from the YAML file
+/// `config_path`, or `config` (a dict; paths from the working directory); what was built as JSON.
+#[pyfunction]
+#[pyo3(signature = (config_path, config, out, keywords, allow_all_same))]
+fn moe(
+    py: Python<'_>,
+    config_path: Option<PathBuf>,
+    config: Option<Bound<'_, PyDict>>,
+    out: PathBuf,
+    keywords: MergeKeywords,
+    allow_all_same: bool,
+) -> PyResult<String> {
+    let seed = keywords.seed;
+    let options = keywords.options(out).map_err(|e| exception(py, &e))?;
+    let value = config
+        .map(|c| yaml_of(c.as_any()))
+        .transpose()
+        .map_err(|e| exception(py, &e))?;
+    let late = Late::Raise(format!(
+        "interrupted after the MoE had been written: {} is complete",
+        options.out.display()
+    ));
+    cancellable(py, late, move || {
+        let mut config = match (config_path, value) {
+            (Some(path), _) => rlmerge::moe::config::read(&path, seed, allow_all_same)?,
+            (None, Some(value)) => rlmerge::moe::config::from_value(
+                value,
+                std::path::Path::new("."),
+                (seed, allow_all_same),
+            )?,
+            (None, None) => anyhow::bail!("internal: no MoE config"),
+        };
+        if let Some(d) = options.command_line.out_dtype {
+            config.dtype = Some(d);
+        }
+        let moe_options = rlmerge::moe::Options {
+            shard_bytes: options
+                .command_line
+                .shard_size
+                .unwrap_or(rlmerge::checkpoint::writer::DEFAULT_SHARD_SIZE),
+            allow_nonfinite: options.command_line.allow_nonfinite,
+        };
+        let built = service::moe(
+            &config,
+            (&options.out, options.force),
+            (moe_options, options.compute.threads),
+            &mut show(options.quiet),
+        )?;
+        Ok(serde_json::json!({
+            "architecture": built.layout.class(),
+            "experts": config.experts.len(),
+            "experts_per_token": config.experts_per_token,
+            "gate_mode": config.gate_mode.name(),
+            "layers": built.layers,
+            "tensors": built.tensors,
+            "bytes": built.bytes,
+            "dtype": built.dtype.torch_name(),
+            "degenerate_layers": built.degenerate,
+            "zero_biases": built.zero_biases,
+        })
+        .to_string())
+    })
+}
+
 /// What `verify` found, one line each: (checks passed, checks skipped, problems, notes).
 type VerifyLines = (Vec<String>, Vec<String>, Vec<String>, Vec<String>);
 
@@ -585,6 +649,7 @@ fn _rlmerge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(convert, m)?)?;
     m.add_function(wrap_pyfunction!(extract_lora, m)?)?;
+    m.add_function(wrap_pyfunction!(moe, m)?)?;
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(analyze, m)?)?;
     m.add_function(wrap_pyfunction!(methods, m)?)?;

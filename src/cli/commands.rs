@@ -114,12 +114,13 @@ pub(crate) fn run(cli: Cli, mut out: &mut dyn Write) -> Result<()> {
         Command::Verify(args) => run_verify(&args, &mut out),
         Command::Convert(args) => run_convert(&args, &mut out),
         Command::ExtractLora(args) => run_extract_lora(&args, &mut out),
+        Command::Moe(args) => run_moe(&args, &mut out),
     }
 }
 
 fn run_verify(args: &VerifyArgs, out: &mut impl Write) -> Result<()> {
-    if args.against && crate::extract_lora::is_extracted(&args.dir) {
-        return Err(crate::extract_lora::against_refused());
+    if let Some(kind) = crate::record::tool::tool_kind(&args.dir).filter(|_| args.against) {
+        return Err(crate::record::tool::against_refused(kind));
     }
     let backend = match args.against {
         true => {
@@ -394,6 +395,55 @@ fn run_extract_lora(args: &super::ExtractLoraArgs, out: &mut impl Write) -> Resu
             terminal(&m.module)
         )?;
     }
+    Ok(())
+}
+
+/// `rlmerge moe CONFIG [OUT]`: mergekit-moe's command line, its merge options done the same way
+/// or answered on stderr; the MoE through the service.
+fn run_moe(args: &super::MoeArgs, out: &mut impl Write) -> Result<()> {
+    let mut output = args.output.clone();
+    output.out = Some(OutputArgs::one_out(&args.output, args.out_dir.as_ref())?);
+    let seed = super::mergekit_yaml::apply(&args.mergekit, &mut output, args.seed)?;
+    let mut notes = super::mergekit_yaml::notes(&args.mergekit);
+    if args.load_in_4bit || args.load_in_8bit {
+        notes.push(
+            "--load-in-4bit/--load-in-8bit: they load the model for gate_mode hidden's forward \
+             pass, which rlmerge does not run"
+                .into(),
+        );
+    }
+    for note in notes {
+        eprintln!("note: {}", terminal(&note));
+    }
+    let mut config = crate::moe::config::read(&args.config, seed, args.allow_all_same)?;
+    if let Some(d) = output.out_dtype {
+        config.dtype = Some(d);
+    }
+    let out_dir = output.one_out(None)?;
+    let options = crate::moe::Options {
+        shard_bytes: output
+            .shard_size
+            .unwrap_or(crate::checkpoint::writer::DEFAULT_SHARD_SIZE),
+        allow_nonfinite: args.allow_nonfinite,
+    };
+    let built = service::moe(
+        &config,
+        (&out_dir, output.force),
+        (options, args.threads),
+        &mut show(false),
+    )?;
+    writeln!(
+        out,
+        "built a {} of {} experts ({} per token, routers by {}) into {}: {} tensors, {} in {}",
+        built.layout.class(),
+        config.experts.len(),
+        config.experts_per_token,
+        config.gate_mode.name(),
+        terminal(&out_dir.display().to_string()),
+        built.tensors,
+        crate::checkpoint::writer::size_text(built.bytes),
+        built.dtype.torch_name()
+    )?;
     Ok(())
 }
 

@@ -102,6 +102,41 @@ pub(crate) enum Command {
     /// Extract a PEFT LoRA adapter of a fine-tuned model against its base (mergekit's
     /// mergekit-extract-lora), and say what its rank keeps of the update.
     ExtractLora(ExtractLoraArgs),
+    /// Build a mixture of experts from fine-tunes of one base (mergekit's mergekit-moe): the
+    /// base's attention and embeddings, each expert's MLPs from one model, routers from prompts.
+    Moe(MoeArgs),
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct MoeArgs {
+    /// mergekit-moe's YAML config (base_model, experts with source_model and prompts, gate_mode
+    /// cheap_embed or random, dtype, experts_per_token, shared_experts, architecture).
+    #[arg(value_name = "CONFIG.yml")]
+    pub(crate) config: PathBuf,
+    /// Output folder, as mergekit-moe takes it (or -o OUT_DIR).
+    #[arg(value_name = "OUT_DIR")]
+    pub(crate) out_dir: Option<PathBuf>,
+    /// Seed of random routers (gate_mode random, uniform_random) and of experts' noise_scale
+    /// [default: the config's seed, else 0].
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
+    /// Let every expert be the same model (a MoE to train further).
+    #[arg(long, alias = "i-understand-this-is-not-useful-without-training")]
+    pub(crate) allow_all_same: bool,
+    /// Copy NaN and ±Inf as they are instead of refusing inputs that hold them.
+    #[arg(long)]
+    pub(crate) allow_nonfinite: bool,
+    /// Worker threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) threads: usize,
+    #[arg(long, hide = true)]
+    pub(crate) load_in_4bit: bool,
+    #[arg(long, hide = true)]
+    pub(crate) load_in_8bit: bool,
+    #[command(flatten)]
+    pub(crate) mergekit: MergekitYamlArgs,
+    #[command(flatten)]
+    pub(crate) output: OutputArgs,
 }
 
 #[derive(Args, Debug)]

@@ -4,6 +4,9 @@
 
 mod from_record;
 mod recipe_yaml;
+/// A recipe's model reference as a folder (as written, beside the recipe, `BASE+ADAPTER`, a Hub
+/// id): what `rlmerge moe`'s config names its models by too.
+pub(crate) use recipe_yaml::local_folder as find_model;
 pub mod saved_recipe;
 pub mod stages;
 

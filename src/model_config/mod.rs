@@ -8,6 +8,7 @@
 pub mod keys;
 pub mod layers;
 pub mod meaning;
+pub mod moe;
 
 pub use keys::{architecture_difference, is_meaning_key, ARCHITECTURE_KEYS, HARMLESS_KEYS};
 pub use meaning::{config_differences, ConfigDifference};

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 mod card;
+pub mod tool;
 
 pub use crate::checkpoint::output_folder::{CARD_FILE, LEGACY_RECORD_FILE, RECORD_FILE};
 pub use card::model_card;

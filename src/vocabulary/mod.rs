@@ -16,11 +16,13 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 pub mod chat_template;
+mod prompts;
 mod rows;
 mod settings;
 mod tokenizer_json;
 mod write;
 
+pub use prompts::PromptTokenizer;
 pub use rows::{RowFrom, VocabTensor};
 pub use settings::{
     parse_source, EmbeddingSource, TokenSetting, TokenizerSettings, TokenizerSource,

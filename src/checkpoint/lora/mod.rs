@@ -48,6 +48,11 @@ impl LoraUpdate {
         let m = self.magnitude.as_ref().map_or(0, TensorEntry::byte_len);
         (self.a.byte_len() + self.b.byte_len() + m) as usize
     }
+
+    /// Whether it is DoRA's (a magnitude per row rescales θ₀ + s·B·A).
+    pub fn is_dora(&self) -> bool {
+        self.magnitude.is_some()
+    }
 }
 
 /// A and B of one update (and DoRA's m), their bytes as stored in the adapter (each in its own

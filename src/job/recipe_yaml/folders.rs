@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 /// relative to the recipe's folder; where both name a folder and they are not the same one, the
 /// reference is ambiguous and refused (a saved recipe's `../agent` run from elsewhere must not
 /// take another folder of that name silently).
-fn local_folder(reference: &str, recipe_dir: &Path) -> Result<PathBuf> {
+pub(crate) fn local_folder(reference: &str, recipe_dir: &Path) -> Result<PathBuf> {
     if reference.trim().is_empty() {
         bail!("a model reference is empty (`model:` needs a folder or a Hub id)");
     }

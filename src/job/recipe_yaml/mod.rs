@@ -16,6 +16,7 @@ use crate::method::Kind;
 use crate::slices::{self, Slice, Slices, Source};
 use anyhow::{bail, Context, Result};
 pub(super) use documents::documents;
+pub(crate) use folders::local_folder;
 use folders::{layer_count, Folders};
 use serde::Deserialize;
 use settings::{out_dtype, shard_size, svc_of};
