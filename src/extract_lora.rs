@@ -23,27 +23,35 @@ use crate::linalg::truncated_svd::MAX_STEPS;
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 
-/// What to extract, as the command line and Python give it.
-#[derive(Clone, Debug)]
+/// What to extract, as the command line and Python give it (and the record keeps it: the folders
+/// as paths from the adapter, beside).
+#[derive(Clone, Debug, serde::Serialize)]
 pub struct Request {
     /// The base model's folder.
+    #[serde(skip)]
     pub base: PathBuf,
     /// The fine-tuned model's folder.
+    #[serde(skip)]
     pub model: PathBuf,
     /// The rank of every factored module (the most, with `rel_error`).
     pub rank: usize,
     /// A module's rank is the least that leaves at most this relative error ‖Δ − Δ_r‖/‖Δ‖
     /// (capped at `rank`).
     pub rel_error: Option<f64>,
+    /// Singular values at most this are dropped (mergekit's `--sv-epsilon`; 0: none).
+    pub sv_epsilon: f64,
+    /// Modules saved whole whatever their shape (mergekit's `--save-module`): a module whose
+    /// name is one of these or ends with `.` and one of these.
+    pub save_whole: Vec<String>,
     /// √s on both factors (mergekit's default), else s on B.
     pub distribute_scale: bool,
     /// Embeddings factored too, not saved whole.
     pub embed_lora: bool,
     /// Changed vectors (norms, biases) left out instead of saved whole.
     pub skip_undecomposable: bool,
-    /// Only modules whose name matches this regular expression (mergekit's `--include-regexes`).
+    /// Only modules whose name matches this regular expression (mergekit's `--include-regex`).
     pub include: Option<String>,
-    /// No module whose name matches this one (`--exclude-regexes`).
+    /// No module whose name matches this one (`--exclude-regex`).
     pub exclude: Option<String>,
 }
 
@@ -105,6 +113,13 @@ impl Request {
                 self.rank
             )));
         }
+        if !(self.sv_epsilon >= 0.0 && self.sv_epsilon.is_finite()) {
+            return Err(usage(format!(
+                "--sv-epsilon must be a finite number ≥ 0 (singular values at most it are \
+                 dropped), got {}",
+                self.sv_epsilon
+            )));
+        }
         if let Some(e) = self.rel_error {
             if !(e > 0.0 && e < 1.0) {
                 return Err(usage(format!(
@@ -123,6 +138,21 @@ impl Request {
             include: regex("include", &self.include)?,
             exclude: regex("exclude", &self.exclude)?,
         })
+    }
+}
+
+/// Several regular expressions as the one that matches where any of them does (mergekit's
+/// repeated `--include-regex`), or `None` for none.
+pub fn any_of(regexes: &[String]) -> Option<String> {
+    match regexes {
+        [] => None,
+        [one] => Some(one.clone()),
+        many => Some(
+            many.iter()
+                .map(|r| format!("(?:{r})"))
+                .collect::<Vec<_>>()
+                .join("|"),
+        ),
     }
 }
 
@@ -272,8 +302,18 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
             biases.push((owner.to_string(), shape, delta));
             continue;
         }
-        match role(&name, &shape, req.embed_lora) {
-            Role::Whole if req.skip_undecomposable && shape.len() != 2 => done.skipped.push(name),
+        let saved = req
+            .save_whole
+            .iter()
+            .any(|m| module == *m || module.ends_with(&format!(".{m}")));
+        let role = match saved {
+            true => Role::Whole,
+            false => role(&name, &shape, req.embed_lora),
+        };
+        match role {
+            Role::Whole if req.skip_undecomposable && shape.len() != 2 && !saved => {
+                done.skipped.push(name)
+            }
             Role::Whole => {
                 // The model's own values, read again (θ₀ + Δ need not give them back in f32).
                 let theta = values_of(&model, mt)?;
@@ -284,12 +324,15 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
             role => {
                 let (kept, factors) = factor(req, &delta, (shape[0], shape[1]), &name)?;
                 let embedding = matches!(role, Role::Embedding);
-                written.extend(adapter_tensors(
-                    &module,
-                    &factors,
-                    (embedding, shape[1]),
-                    dtype,
-                ));
+                // A module left no direction (all below --sv-epsilon) is no target: no tensors.
+                if kept.rank > 0 {
+                    written.extend(adapter_tensors(
+                        &module,
+                        &factors,
+                        (embedding, shape[1]),
+                        dtype,
+                    ));
+                }
                 done.modules.push(Kept { module, ..kept });
             }
         }
@@ -325,11 +368,12 @@ fn attach_biases(
         .map(|m| m.module.as_str())
         .collect();
     let every = !biases.is_empty()
+        && !factored.is_empty()
         && factored
             .iter()
             .all(|f| biases.iter().any(|(module, _, _)| module == f));
     for (module, shape, delta) in biases {
-        match every {
+        match every && factored.contains(&module.as_str()) {
             true => written.push(Written::new(
                 format!("base_model.model.{module}.lora_B.bias"),
                 shape,
@@ -371,13 +415,16 @@ fn factor(
         })
         .collect();
     let all = norm * norm;
+    // Singular values at most --sv-epsilon are none of the adapter's.
+    let above = top.s.iter().take_while(|&&s| s > req.sv_epsilon).count();
     let rank = match req.rel_error {
         Some(target) => energy
             .iter()
             .position(|&e| (1.0 - e / all).max(0.0).sqrt() <= target)
             .map_or(top.s.len(), |k| k + 1),
         None => top.s.len(),
-    };
+    }
+    .min(above);
     let kept = match rank {
         0 => 0.0,
         r => (energy[r - 1] / all).min(1.0).sqrt(),
@@ -550,13 +597,8 @@ struct AdapterRecord<'a> {
     kind: &'static str,
     base: String,
     model: String,
-    rank: usize,
-    rel_error: Option<f64>,
-    distribute_scale: bool,
-    embed_lora: bool,
-    skip_undecomposable: bool,
-    include: Option<String>,
-    exclude: Option<String>,
+    #[serde(flatten)]
+    request: &'a Request,
     kept: f64,
     extraction: &'a Extraction,
     inputs: Vec<crate::record::InputChecksums>,
@@ -585,13 +627,7 @@ fn write_record(
         kind: RECORD_KIND,
         base: shown(&req.base),
         model: shown(&req.model),
-        rank: req.rank,
-        rel_error: req.rel_error,
-        distribute_scale: req.distribute_scale,
-        embed_lora: req.embed_lora,
-        skip_undecomposable: req.skip_undecomposable,
-        include: req.include.clone(),
-        exclude: req.exclude.clone(),
+        request: req,
         kept: done.kept(),
         extraction: done,
         inputs: vec![

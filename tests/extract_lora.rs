@@ -138,6 +138,88 @@ fn full_rank_gives_the_update_back_and_a_low_rank_says_what_it_keeps() {
     }
 }
 
+/// mergekit's options: `--sv-epsilon` drops small singular values, `--save-module` saves a
+/// module whole, `-i`/`-e` may be repeated (any matches).
+#[test]
+fn mergekit_options_drop_small_directions_save_modules_and_filter() {
+    let f = models();
+    let q = "model.layers.0.self_attn.q_proj";
+    // Every singular value of a random update is above 1e-9 and below 1e9.
+    let all = f.dir.path().join("all");
+    assert!(extract(&f, &all, &["--rank", "8", "--sv-epsilon", "1e-9"])
+        .status
+        .success());
+    let none = f.dir.path().join("none");
+    let o = extract(&f, &none, &["--rank", "8", "--sv-epsilon", "1e9", "-v"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("rank    0"),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let config = |dir: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
+            .unwrap()
+    };
+    assert_eq!(config(&all)["r"], 8);
+    // Every direction dropped: no factors written, no target named.
+    assert!(config(&none)["target_modules"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+    let factors = read_file(&none.join("adapter_model.safetensors"));
+    assert!(
+        !factors.keys().any(|k| k.contains("lora_")),
+        "{:?}",
+        factors.keys()
+    );
+    let saved = f.dir.path().join("saved");
+    assert!(extract(&f, &saved, &["--save-module", "q_proj"])
+        .status
+        .success());
+    let c = config(&saved);
+    assert!(
+        c["modules_to_save"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m == q),
+        "{c}"
+    );
+    assert!(
+        !c["target_modules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m == q),
+        "{c}"
+    );
+    let whole = read_file(&saved.join("adapter_model.safetensors"));
+    let (_, _, bytes) = &whole[&format!("base_model.model.{q}.weight")];
+    let theirs = f.agent_tensors[0]
+        .iter()
+        .find(|t| t.name == format!("{q}.weight"))
+        .unwrap();
+    assert_eq!(from_bytes(Dtype::F32, bytes), theirs.values);
+    let filtered = f.dir.path().join("filtered");
+    let o = extract(
+        &f,
+        &filtered,
+        &[
+            "-i",
+            "q_proj",
+            "--include-regex",
+            "down_proj",
+            "-e",
+            "layernorm",
+        ],
+    );
+    assert!(o.status.success(), "{}", err_of(&o));
+    let c = config(&filtered);
+    assert_eq!(c["target_modules"].as_array().unwrap().len(), 2, "{c}");
+    assert!(c["modules_to_save"].as_array().unwrap().is_empty(), "{c}");
+}
+
 #[test]
 fn the_bytes_do_not_depend_on_the_thread_count() {
     let f = models();
@@ -163,6 +245,7 @@ fn bad_requests_and_inputs_are_refused_by_name_and_write_nothing() {
         (&["--rank", "0"][..], "--rank"),
         (&["--rel-error", "1.5"][..], "--rel-error"),
         (&["--include", "("][..], "--include"),
+        (&["--sv-epsilon=-1"][..], "--sv-epsilon"),
     ] {
         let o = extract(&f, &out, args);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", err_of(&o));

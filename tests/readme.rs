@@ -1,5 +1,5 @@
 //! README.md's examples run as written on the demo (issue #26): every `sh` block's `rlmerge`
-//! commands and every `yaml` block that is a recipe, in README order, in one folder holding
+//! commands and every `yaml` block that is a recipe (or a MoE config), in README order, in one folder holding
 //! `rlmerge-demo/` (what `rlmerge demo` writes); and the sample `analyze` rows against the
 //! command's own output. `text` blocks are synopses and are not run. Commands of other tools
 //! (cargo, pip, sudo, scripts/) set up the machine; `python` lines and `python` blocks run in
@@ -133,6 +133,17 @@ fn every_readme_example_runs_on_the_demo() {
                     assert!(
                         o.status.success(),
                         "{page} block {n} (recipe) failed:\n{}",
+                        String::from_utf8_lossy(&o.stderr)
+                    );
+                    recipes += 1;
+                }
+                "yaml" if body.contains("experts:") => {
+                    let file = format!("readme-{n}-moe.yml");
+                    std::fs::write(d.path().join(&file), &body).unwrap();
+                    let o = run(d.path(), &format!("rlmerge moe {file} readme-{n}-moe-out"));
+                    assert!(
+                        o.status.success(),
+                        "{page} block {n} (MoE config) failed:\n{}",
                         String::from_utf8_lossy(&o.stderr)
                     );
                     recipes += 1;

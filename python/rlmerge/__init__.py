@@ -361,28 +361,40 @@ def convert(source: PathLike, out: PathLike, *, quiet: bool = True, force: bool 
 def extract_lora(base: PathLike, model: PathLike, out: PathLike, *, rank: Optional[int] = None,
                  rel_error: Optional[float] = None, distribute_scale: bool = True,
                  embed_lora: bool = False, skip_undecomposable: bool = False,
-                 include: Optional[str] = None, exclude: Optional[str] = None, threads: int = 0,
+                 include: Union[None, str, Sequence[str]] = None,
+                 exclude: Union[None, str, Sequence[str]] = None, sv_epsilon: float = 0.0,
+                 save_modules: Sequence[str] = (), threads: int = 0,
                  force: bool = False) -> Dict[str, Any]:
     """Extracts a PEFT LoRA adapter of ``model`` against ``base`` into ``out``, as
     ``rlmerge extract-lora`` (mergekit's ``mergekit-extract-lora``): each changed matrix's update
     at rank ``rank`` (the command's default where ``None``: 32; or the least rank within
-    ``rel_error``), changed embeddings and norms saved
-    whole (``embed_lora=True`` factors embeddings, ``skip_undecomposable=True`` leaves vectors
-    out), ``include``/``exclude`` regular expressions on module names. Returns what it kept:
+    ``rel_error``; singular values at most ``sv_epsilon`` dropped), changed embeddings and norms
+    saved whole (``embed_lora=True`` factors embeddings, ``skip_undecomposable=True`` leaves
+    vectors out, ``save_modules`` names modules saved whole), ``include``/``exclude`` regular
+    expressions on module names (one, or a list of which any matches). Returns what it kept:
     ``modules`` (each one's ``rank``, ``kept`` = ‖Δ_r‖/‖Δ‖ and ``norm``), ``whole``, ``skipped``,
     ``unchanged`` and ``kept`` over every factored module."""
     _check_common("cpu", threads)
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise UsageError(f"rank must be a whole number (≥ 1), got {rank!r}")
-    if rel_error is not None and (isinstance(rel_error, bool) or not _is_number(rel_error)):
-        raise UsageError(f"rel_error must be a number, got {rel_error!r}")
+    for name, value in (("rel_error", rel_error), ("sv_epsilon", sv_epsilon)):
+        if value is not None and (isinstance(value, bool) or not _is_number(value)):
+            raise UsageError(f"{name} must be a number, got {value!r}")
+    filters = []
     for name, value in (("include", include), ("exclude", exclude)):
-        if value is not None and not isinstance(value, str):
-            raise UsageError(f"{name} must be a regular expression (str), got {value!r}")
+        if isinstance(value, str):
+            value = [value]
+        if value is not None and (not isinstance(value, (list, tuple))
+                                  or not all(isinstance(v, str) for v in value)):
+            raise UsageError(f"{name} must be a regular expression (str) or a list of them, got {value!r}")
+        filters.append(list(value or ()))
+    if isinstance(save_modules, str) or not all(isinstance(m, str) for m in save_modules):
+        raise UsageError(f"save_modules must be a list of module names, got {save_modules!r}")
     return json.loads(_native.extract_lora(
         _where(base, "base"), _where(model, "model"), _path(out, "out"), rank,
         None if rel_error is None else float(rel_error), bool(distribute_scale),
-        bool(embed_lora), bool(skip_undecomposable), include, exclude, threads, bool(force)))
+        bool(embed_lora), bool(skip_undecomposable), filters[0], filters[1], threads, bool(force),
+        float(sv_epsilon), list(save_modules)))
 
 
 def moe(config: Union[PathLike, Mapping[str, Any]], out: PathLike, *, quiet: bool = True,

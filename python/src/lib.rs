@@ -395,7 +395,7 @@ fn convert(
 /// what it kept as JSON (each module's rank and kept share, the modules saved whole or left out).
 #[pyfunction]
 #[pyo3(signature = (base, model, out, rank, rel_error, distribute_scale, embed_lora,
-    skip_undecomposable, include, exclude, threads, force))]
+    skip_undecomposable, include, exclude, threads, force, sv_epsilon=0.0, save_modules=Vec::new()))]
 #[allow(clippy::too_many_arguments)]
 fn extract_lora(
     py: Python<'_>,
@@ -407,10 +407,12 @@ fn extract_lora(
     distribute_scale: bool,
     embed_lora: bool,
     skip_undecomposable: bool,
-    include: Option<String>,
-    exclude: Option<String>,
+    include: Vec<String>,
+    exclude: Vec<String>,
     threads: usize,
     force: bool,
+    sv_epsilon: f64,
+    save_modules: Vec<String>,
 ) -> PyResult<String> {
     let late = Late::Raise(format!(
         "interrupted after the extraction had finished: the adapter at {} is complete",
@@ -425,8 +427,10 @@ fn extract_lora(
             distribute_scale,
             embed_lora,
             skip_undecomposable,
-            include,
-            exclude,
+            include: rlmerge::extract_lora::any_of(&include),
+            exclude: rlmerge::extract_lora::any_of(&exclude),
+            sv_epsilon,
+            save_whole: save_modules,
         };
         let done = service::extract_lora(&req, (&out, force), threads, &mut show(true))?;
         let mut json = serde_json::to_value(&done)?;

@@ -356,8 +356,10 @@ fn run_extract_lora(args: &super::ExtractLoraArgs, out: &mut impl Write) -> Resu
         distribute_scale: !args.no_distribute_scale,
         embed_lora: args.embed_lora,
         skip_undecomposable: args.skip_undecomposable,
-        include: args.include.clone(),
-        exclude: args.exclude.clone(),
+        include: crate::extract_lora::any_of(&args.include),
+        exclude: crate::extract_lora::any_of(&args.exclude),
+        sv_epsilon: args.sv_epsilon,
+        save_whole: args.save_module.clone(),
     };
     let done = service::extract_lora(
         &req,

@@ -163,12 +163,18 @@ pub(crate) struct ExtractLoraArgs {
     /// Leave changed vectors (norms, biases) out instead of saving them whole.
     #[arg(long)]
     pub(crate) skip_undecomposable: bool,
-    /// Only modules whose name matches REGEX.
-    #[arg(long, value_name = "REGEX", alias = "include-regexes")]
-    pub(crate) include: Option<String>,
-    /// No module whose name matches REGEX.
-    #[arg(long, value_name = "REGEX", alias = "exclude-regexes")]
-    pub(crate) exclude: Option<String>,
+    /// Drop singular values at most this (mergekit's --sv-epsilon).
+    #[arg(long, value_name = "EPSILON", default_value_t = 0.0)]
+    pub(crate) sv_epsilon: f64,
+    /// Save this module whole (its name, or its last parts: `lm_head`); may be repeated.
+    #[arg(long, value_name = "MODULE")]
+    pub(crate) save_module: Vec<String>,
+    /// Only modules whose name matches REGEX (mergekit's -i/--include-regex); may be repeated.
+    #[arg(long, short = 'i', value_name = "REGEX", aliases = ["include-regex", "include-regexes"])]
+    pub(crate) include: Vec<String>,
+    /// No module whose name matches REGEX (mergekit's -e/--exclude-regex); may be repeated.
+    #[arg(long, short = 'e', value_name = "REGEX", aliases = ["exclude-regex", "exclude-regexes"])]
+    pub(crate) exclude: Vec<String>,
     /// Worker threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub(crate) threads: usize,

@@ -246,7 +246,30 @@ models:
   - model: memory-agent
 ";
 
-/// Writes `dir/base`, one folder per agent, and the recipe [`RECIPE_FILE`]. One agent is sharded so both layouts are exercised.
+/// The demo's mergekit-moe config, written beside its models: `rlmerge moe rlmerge-demo/moe.yml
+/// OUT` builds a Qwen2-MoE of the agents (docs/moe.md).
+pub const MOE_FILE: &str = "moe.yml";
+
+/// [`MOE_FILE`]'s text (model paths beside it, as the recipe's).
+const MOE: &str = "\
+# A mergekit-moe config over the demo's models; `rlmerge moe moe.yml OUT` builds a Qwen2-MoE of
+# the agents with the base as its shared expert, as mergekit-moe would.
+base_model: base
+architecture: qwen
+gate_mode: cheap_embed
+experts_per_token: 1
+shared_experts:
+  - source_model: base
+    positive_prompts: [\"hello\"]
+experts:
+  - source_model: coding-agent
+    positive_prompts: [\"write a python function\", \"fix this bug\"]
+  - source_model: tool-agent
+    positive_prompts: [\"call the search tool with JSON arguments\"]
+";
+
+/// Writes `dir/base`, one folder per agent, the recipe [`RECIPE_FILE`] and the MoE config
+/// [`MOE_FILE`]. One agent is sharded so both layouts are exercised.
 /// Folders a demo wrote before are replaced; any other existing folder of those names is refused
 /// before anything is written. Returns (base dir, agent dirs).
 pub fn write_example(
@@ -259,17 +282,20 @@ pub fn write_example(
     for d in std::iter::once("base").chain(DEMO_AGENTS.iter().map(|a| a.0)) {
         check_replaceable(&dir.join(d))?;
     }
-    // The recipe beside them is replaced only where it is the demo's own (the same text): a
-    // user's recipe.yml, a link or a FIFO of that name is refused before anything is written.
-    let recipe = dir.join(RECIPE_FILE);
-    if let Ok(m) = recipe.symlink_metadata() {
-        let ours = m.is_file() && std::fs::read(&recipe).is_ok_and(|b| b == RECIPE.as_bytes());
-        if !ours {
-            return Err(usage(format!(
-                "demo: {} exists and is not the demo's recipe; it will not be replaced: choose \
-                 another folder",
-                recipe.display()
-            )));
+    // The recipe and MoE config beside them are replaced only where they are the demo's own (the
+    // same text): a user's file, a link or a FIFO of that name is refused before anything is
+    // written.
+    for (name, text) in [(RECIPE_FILE, RECIPE), (MOE_FILE, MOE)] {
+        let path = dir.join(name);
+        if let Ok(m) = path.symlink_metadata() {
+            let ours = m.is_file() && std::fs::read(&path).is_ok_and(|b| b == text.as_bytes());
+            if !ours {
+                return Err(usage(format!(
+                    "demo: {} exists and is not the demo's; it will not be replaced: choose \
+                     another folder",
+                    path.display()
+                )));
+            }
         }
     }
     write_model(&base, shape, seed, None, u64::MAX)?;
@@ -287,7 +313,10 @@ pub fn write_example(
     }
     crate::checkpoint::output_folder::write_files(
         dir,
-        &[(RECIPE_FILE, RECIPE.as_bytes().to_vec())],
+        &[
+            (RECIPE_FILE, RECIPE.as_bytes().to_vec()),
+            (MOE_FILE, MOE.as_bytes().to_vec()),
+        ],
         &[],
     )?;
     Ok((base, agents))

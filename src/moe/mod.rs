@@ -365,11 +365,24 @@ fn write_record(
     if outputs.iter().all(|f| f.file != SINGLE_FILE) {
         outputs.sort_by(|a, b| a.file.cmp(&b.file));
     }
-    let inputs = opened
+    let mut inputs = opened
         .models
         .iter()
         .map(|m| crate::record::tool::input(out, m))
         .collect::<Result<Vec<_>>>()?;
+    // A LoRA expert's base, where it is not the MoE's: its weights were read too.
+    let mut bases: Vec<&Path> = Vec::new();
+    for m in opened.models.iter().filter(|m| m.lora.is_some()) {
+        let base = m.config_dir();
+        let read = opened
+            .models
+            .iter()
+            .any(|o| o.lora.is_none() && config::same_model(&o.dir, base));
+        if !read && !bases.iter().any(|b| config::same_model(b, base)) {
+            inputs.push(crate::record::tool::input(out, &ModelFolder::open(base)?)?);
+            bases.push(base);
+        }
+    }
     let record = MoeRecord {
         tool: "rlmerge",
         version: env!("CARGO_PKG_VERSION"),
