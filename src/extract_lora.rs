@@ -262,32 +262,7 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
     for bt in &base.tensors {
         crate::cancel::current().check()?;
         let name = bt.entry.name.to_string();
-        let mt = model.get(&name).with_context(|| {
-            format!(
-                "{} has no tensor '{name}', which the base {} has: is it a fine-tune of that base?",
-                req.model.display(),
-                req.base.display()
-            )
-        })?;
-        if mt.entry.shape != bt.entry.shape {
-            return Err(usage(format!(
-                "tensor '{name}' is {:?} in {} and {:?} in the base {}: the model is not a \
-                 fine-tune of that base",
-                mt.entry.shape,
-                req.model.display(),
-                bt.entry.shape,
-                req.base.display()
-            )));
-        }
-        // Δ in place of the model's values, the base read in chunks: one matrix held, not three.
-        let mut delta = values_of(&model, mt)?;
-        with_base(&base, bt, &mut delta, |d, b| *d -= b)?;
-        if let Some(at) = delta.iter().position(|d| !d.is_finite()) {
-            anyhow::bail!(
-                "tensor '{name}' holds a NaN or ±Inf at element {at} (in the base or the model): \
-                 no adapter can hold it"
-            );
-        }
+        let (mt, delta) = update_of(req, (&base, &model), bt)?;
         if delta.iter().all(|&d| d == 0.0) {
             done.unchanged += 1;
             continue;
@@ -350,6 +325,43 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
     model.check_unchanged()?;
     folder.commit()?;
     Ok(done)
+}
+
+/// The model's tensor of base tensor `bt` and its update Δ = θ − θ₀ in f32 (the model's values
+/// read, the base's subtracted in chunks: one matrix held, not three); a model without it, or of
+/// another shape, is no fine-tune of the base, and a NaN or ±Inf is refused.
+fn update_of<'m>(
+    req: &Request,
+    (base, model): (&ModelFolder, &'m ModelFolder),
+    bt: &ModelTensor,
+) -> Result<(&'m ModelTensor, Vec<f32>)> {
+    let name = &*bt.entry.name;
+    let mt = model.get(name).with_context(|| {
+        format!(
+            "{} has no tensor '{name}', which the base {} has: is it a fine-tune of that base?",
+            req.model.display(),
+            req.base.display()
+        )
+    })?;
+    if mt.entry.shape != bt.entry.shape {
+        return Err(usage(format!(
+            "tensor '{name}' is {:?} in {} and {:?} in the base {}: the model is not a fine-tune \
+             of that base",
+            mt.entry.shape,
+            req.model.display(),
+            bt.entry.shape,
+            req.base.display()
+        )));
+    }
+    let mut delta = values_of(model, mt)?;
+    with_base(base, bt, &mut delta, |d, b| *d -= b)?;
+    if let Some(at) = delta.iter().position(|d| !d.is_finite()) {
+        anyhow::bail!(
+            "tensor '{name}' holds a NaN or ±Inf at element {at} (in the base or the model): no \
+             adapter can hold it"
+        );
+    }
+    Ok((mt, delta))
 }
 
 /// The changed biases as lora_B's biases (PEFT's `lora_bias`: ΔW·x + Δb) where every factored

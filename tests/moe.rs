@@ -209,41 +209,47 @@ fn lora_experts_are_their_adapters_applied() {
     }
 }
 
-/// A Llama-shaped f32 family for hostile cases: base and two experts, two layers.
-fn family(seed: u64) -> Fixture {
-    let shapes: Vec<(String, Vec<usize>)> = (0..2)
-        .flat_map(|l| {
-            [
-                (
-                    format!("model.layers.{l}.self_attn.q_proj.weight"),
-                    vec![8, 8],
-                ),
-                (
-                    format!("model.layers.{l}.mlp.gate_proj.weight"),
-                    vec![12, 8],
-                ),
-                (format!("model.layers.{l}.mlp.up_proj.weight"), vec![12, 8]),
-                (
-                    format!("model.layers.{l}.mlp.down_proj.weight"),
-                    vec![8, 12],
-                ),
-            ]
-        })
-        .chain([("model.embed_tokens.weight".to_string(), vec![16, 8])])
-        .collect();
+/// A Llama-shaped family of `dtype`: a base and two agents of `layers` dense MLPs of `(hidden,
+/// intermediate)`, with an attention projection and embeddings where `attention`.
+fn llama_family(
+    seed: u64,
+    dtype: Dtype,
+    (layers, hidden, inter): (usize, usize, usize),
+    attention: bool,
+) -> Fixture {
+    let mut shapes: Vec<(String, Vec<usize>)> = Vec::new();
+    for l in 0..layers {
+        if attention {
+            let q = format!("model.layers.{l}.self_attn.q_proj.weight");
+            shapes.push((q, vec![hidden, hidden]));
+        }
+        for p in ["gate_proj", "up_proj", "down_proj"] {
+            let shape = match p {
+                "down_proj" => vec![hidden, inter],
+                _ => vec![inter, hidden],
+            };
+            shapes.push((format!("model.layers.{l}.mlp.{p}.weight"), shape));
+        }
+    }
+    if attention {
+        shapes.push(("model.embed_tokens.weight".into(), vec![16, hidden]));
+    }
     let named: Vec<(&str, Vec<usize>)> = shapes
         .iter()
         .map(|(n, s)| (n.as_str(), s.clone()))
         .collect();
-    let f = fixture(seed, Dtype::F32, &named, &[0.5, 0.5], 1);
+    let f = fixture(seed, dtype, &named, &[0.5, 0.5], 1);
+    let config = serde_json::json!({"model_type": "llama", "num_hidden_layers": layers,
+        "hidden_size": hidden, "intermediate_size": inter, "hidden_act": "silu"});
     for dir in std::iter::once(&f.base).chain(&f.agents) {
-        std::fs::write(
-            dir.join("config.json"),
-            r#"{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 12, "hidden_act": "silu", "torch_dtype": "float32"}"#,
-        )
-        .unwrap();
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     }
     f
+}
+
+/// The hostile cases' family: f32, two layers of 8 × 12 MLPs.
+fn family(seed: u64) -> Fixture {
+    llama_family(seed, Dtype::F32, (2, 8, 12), true)
 }
 
 /// A config of `f`'s two agents as experts, with `extra` lines at its top level.
@@ -404,33 +410,49 @@ fn mixtral_refuses_attention_biases_it_would_drop() {
     assert!(!out.exists());
 }
 
+/// An expert's residual_scale over a tensor of more elements than a chunk (4 M): every element,
+/// past the chunk's end too, is the expert's value times the factor rounded to bf16, as
+/// mergekit-moe computes it in the expert's dtype.
+#[test]
+fn residual_scales_hold_across_chunks() {
+    let (h, i) = (2048, 2100);
+    let f = llama_family(85, Dtype::BF16, (1, h, i), false);
+    let config = f.dir.path().join("moe.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "base_model: {}\ngate_mode: random\ndtype: bfloat16\nexperts:\n  - source_model: {}\n  \
+             - source_model: {}\n    residual_scale: 0.3\n",
+            f.base.display(),
+            f.agents[0].display(),
+            f.agents[1].display()
+        ),
+    )
+    .unwrap();
+    let out = f.dir.path().join("out");
+    let o = moe(&config, &out, &["--threads", "2"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let got = read_folder(&out);
+    let (_, shape, down) = &got["model.layers.0.mlp.experts.down_proj"];
+    assert_eq!(shape, &vec![2, h, i]);
+    let down = from_bytes(Dtype::BF16, down);
+    let theirs = |t: usize| {
+        f.agent_tensors[t]
+            .iter()
+            .find(|x| x.name.ends_with("down_proj.weight"))
+            .unwrap()
+    };
+    assert!(h * i > 1 << 22);
+    assert_eq!(&down[..h * i], &theirs(0).values[..]);
+    for (k, (&got, &x)) in down[h * i..].iter().zip(&theirs(1).values).enumerate() {
+        assert_eq!(got, round_to(Dtype::BF16, x * 0.3), "element {k}");
+    }
+}
+
 /// Ctrl-C in the middle of a MoE: exit 130, nothing at the output, no scratch left.
 #[test]
 fn an_interrupted_moe_leaves_nothing() {
-    let shapes: Vec<(String, Vec<usize>)> = (0..2)
-        .flat_map(|l| {
-            ["gate_proj", "up_proj", "down_proj"].map(|p| {
-                let shape = if p == "down_proj" {
-                    vec![512, 2048]
-                } else {
-                    vec![2048, 512]
-                };
-                (format!("model.layers.{l}.mlp.{p}.weight"), shape)
-            })
-        })
-        .collect();
-    let named: Vec<(&str, Vec<usize>)> = shapes
-        .iter()
-        .map(|(n, s)| (n.as_str(), s.clone()))
-        .collect();
-    let f = fixture(84, Dtype::F32, &named, &[0.5, 0.5], 1);
-    for dir in std::iter::once(&f.base).chain(&f.agents) {
-        std::fs::write(
-            dir.join("config.json"),
-            r#"{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 512, "intermediate_size": 2048}"#,
-        )
-        .unwrap();
-    }
+    let f = llama_family(84, Dtype::F32, (2, 512, 2048), false);
     // Noise on every element: seconds of work in a debug build.
     let config = family_config(&f, "");
     let out = f.dir.path().join("out");
