@@ -480,6 +480,7 @@ fn moe(
                 .shard_size
                 .unwrap_or(rlmerge::checkpoint::writer::DEFAULT_SHARD_SIZE),
             allow_nonfinite: options.command_line.allow_nonfinite,
+            show_progress: !options.quiet,
         };
         let built = service::moe(
             &config,

@@ -80,7 +80,7 @@ def _expert(folder, name, **extra):
 def _both(tmp_path, config, name):
     """The MoE of `config` by mergekit-moe and by rlmerge.moe: their folders."""
     path = tmp_path / f"{name}.yml"
-    path.write_text(json.dumps(config))  # JSON is YAML
+    path.write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")  # JSON is YAML
     mk, rl = tmp_path / f"{name}-mergekit", tmp_path / f"{name}-rlmerge"
     _mergekit("mergekit-moe", path, mk)
     rlmerge.moe(path, rl)
@@ -133,6 +133,21 @@ def test_qwen2_moe_with_a_shared_expert_equals_mergekit_moe(tmp_path):
                      dtype="float32", experts_per_token=1)
     mk, rl = _both(tmp_path, config, "qwen2moe")
     assert _compare(mk, rl) == 8
+    _loads_and_runs(rl)
+
+
+def test_the_demos_byte_level_bpe_routes_as_mergekit_routes(demo, tmp_path):
+    """The demo's Qwen2 agents (q/k/v biases, a byte-level BPE tokenizer like Qwen's and
+    Llama 3's) as a Qwen2-MoE: prompts with punctuation, digits, accents and an emoji encode to
+    the tokens transformers encodes, so the routers agree with mergekit's."""
+    root, base, agents = demo
+    prompts = [["def parse(x):\n    return x  # 42"], ["call tool {\"q\": \"héllo wörld\"}"],
+               ["Remember: 🍕 on 2026-12-07, ok?"]]
+    experts = [{"source_model": str(a.resolve()), "positive_prompts": p} for a, p in zip(agents, prompts)]
+    shared = [{"source_model": str(base.resolve()), "positive_prompts": ["Hello, world!"]}]
+    config = _config(base.resolve(), experts, architecture="qwen", shared_experts=shared)
+    mk, rl = _both(tmp_path, config, "demo-qwen2moe")
+    assert _compare(mk, rl) == 2 * json.loads((base / "config.json").read_text())["num_hidden_layers"]
     _loads_and_runs(rl)
 
 

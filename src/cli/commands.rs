@@ -427,6 +427,7 @@ fn run_moe(args: &super::MoeArgs, out: &mut impl Write) -> Result<()> {
             .shard_size
             .unwrap_or(crate::checkpoint::writer::DEFAULT_SHARD_SIZE),
         allow_nonfinite: args.allow_nonfinite,
+        show_progress: !args.quiet,
     };
     let built = service::moe(
         &config,

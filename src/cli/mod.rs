@@ -120,6 +120,9 @@ pub(crate) struct MoeArgs {
     /// [default: the config's seed, else 0].
     #[arg(long)]
     pub(crate) seed: Option<u64>,
+    /// No progress on stderr.
+    #[arg(long, short)]
+    pub(crate) quiet: bool,
     /// Let every expert be the same model (a MoE to train further).
     #[arg(long, alias = "i-understand-this-is-not-useful-without-training")]
     pub(crate) allow_all_same: bool,

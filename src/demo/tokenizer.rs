@@ -1,4 +1,4 @@
-//! The demo's tokenizer: a byte-level BPE (GPT-2's byte alphabet, as Qwen's and Llama 3's) learned
+//! The demo's tokenizer: a byte-level BPE (GPT-2's byte alphabet and Qwen2's pre-tokenizer) learned
 //! from a few KB of English text when the demo is written, cut to the demo's vocabulary, so every
 //! demo model folder loads in `tokenizers` / transformers and encodes text as a real one does.
 //! Ids: `<unk>` 0, `<s>` 1, `</s>` 2 (the demo's generation_config), the 256 byte symbols
@@ -6,6 +6,9 @@
 
 use serde_json::{json, Value};
 use std::collections::HashMap;
+
+/// Qwen2's pre-tokenizer pattern (its tokenizer.json's `Split`).
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// The text the merges are learned from.
 const CORPUS: &str = "\
@@ -73,13 +76,18 @@ pub fn tokenizer_json(vocab: usize) -> Value {
         .collect();
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false,
                             "trim_offsets": true, "use_regex": true});
+    // Qwen2's own pre-tokenizer (its tokenizer.json's, which transformers 5's Qwen2Tokenizer
+    // rebuilds whatever the file says): its split pattern — digits one by one — then the bytes.
+    let qwen2_split = json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]});
     json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
         "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": byte_level,
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": qwen2_split,
         "post_processor": null,
         "decoder": byte_level,
         "model": {

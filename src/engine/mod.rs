@@ -12,7 +12,7 @@ use crate::record::MergeRecord;
 use crate::report::{boost_group, ProbeReport, TensorStats};
 use anyhow::{Context, Result};
 use indicatif::ProgressBar;
-use progress::progress_bar;
+pub(crate) use progress::progress_bar;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

@@ -29,7 +29,7 @@ fn progress_line_every() -> std::time::Duration {
 /// share standing for their arithmetic): a bar where stderr is a terminal; elsewhere, unless
 /// hidden, a line every [`progress_line_every`] — done share, the message, elapsed and left —
 /// from a thread that ends with the bar.
-pub(super) fn progress_bar(total: u64, show: bool, message: &str) -> ProgressBar {
+pub(crate) fn progress_bar(total: u64, show: bool, message: &str) -> ProgressBar {
     use std::io::IsTerminal;
     if !show {
         return ProgressBar::hidden();

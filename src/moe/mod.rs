@@ -34,6 +34,8 @@ pub struct Options {
     pub shard_bytes: u64,
     /// NaN/±Inf in the inputs copied, not refused.
     pub allow_nonfinite: bool,
+    /// Progress on stderr (a bar on a terminal, a line every few seconds elsewhere).
+    pub show_progress: bool,
 }
 
 /// What was built.
@@ -211,13 +213,7 @@ pub fn build(config: &MoeConfig, (out, force): (&Path, bool), options: Options) 
     let inputs: Vec<_> = opened.models.iter().flat_map(|m| m.paths()).collect();
     let folder = OutputFolder::create(out, force, &inputs)?;
     let dir = folder.path();
-    let mut outputs = write::write(
-        &planned,
-        &opened.models,
-        config,
-        (dir, options.shard_bytes),
-        options.allow_nonfinite,
-    )?;
+    let mut outputs = write::write(&planned, &opened.models, config, dir, options)?;
     let json = moe_config(
         base_config,
         layout,

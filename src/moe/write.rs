@@ -20,20 +20,23 @@ const CHUNK: usize = 1 << 22;
 /// Elements a worker converts at a time.
 const SPAN: usize = 1 << 16;
 
-/// Writes every planned tensor into the shards of `dir` (at most `shard_bytes` each); `models`
-/// are the opened inputs the parts name.
+/// Writes every planned tensor into the shards of `dir` (at most `options.shard_bytes` each);
+/// `models` are the opened inputs the parts name.
 pub fn write(
     planned: &[Planned],
     models: &[ModelFolder],
     config: &MoeConfig,
-    (dir, shard_bytes): (&Path, u64),
-    allow_nonfinite: bool,
+    dir: &Path,
+    options: super::Options,
 ) -> Result<Vec<FileChecksum>> {
-    let plan = planned.iter().map(|p| p.out.clone()).collect();
-    let mut writer = CheckpointWriter::new(dir, plan, shard_bytes)?;
+    let plan: Vec<_> = planned.iter().map(|p| p.out.clone()).collect();
+    let total = plan.iter().map(|t| t.byte_len()).sum();
+    let progress = crate::engine::progress_bar(total, options.show_progress, "moe");
+    let mut writer = CheckpointWriter::new(dir, plan, options.shard_bytes)?;
     let mut io = Buffers::default();
     for p in planned {
         let (name, dtype) = (&*p.out.name, p.out.dtype);
+        progress.set_message(name.to_string());
         for part in &p.parts {
             match part {
                 Part::Zeros(n) => {
@@ -65,13 +68,14 @@ pub fn write(
                         model: &models[*model],
                         name: source,
                         adjust,
-                        allow_nonfinite,
+                        allow_nonfinite: options.allow_nonfinite,
                     };
-                    from.stream((&mut writer, name, dtype), &mut io)?;
+                    from.stream((&mut writer, name, dtype), &mut io, &progress)?;
                 }
             }
         }
     }
+    progress.finish_and_clear();
     writer.finish()
 }
 
@@ -112,6 +116,7 @@ impl Source<'_> {
         &self,
         (writer, out, dtype): (&mut CheckpointWriter, &str, DType),
         io: &mut Buffers,
+        progress: &indicatif::ProgressBar,
     ) -> Result<()> {
         let model = self.model;
         let t = model
@@ -156,6 +161,7 @@ impl Source<'_> {
                 writer.write(out, &io.out)?;
             }
             start += len;
+            progress.inc((len * dtype.size()) as u64);
         }
         Ok(())
     }
