@@ -48,7 +48,7 @@ fn check_file(dir: &Path, want: &FileChecksum, what: &str, v: &mut Verification)
 /// Verifies `out_dir`; with `against`, also recomputes the merge on `backend` into a temporary
 /// folder beside it and compares every shard byte for byte.
 pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verification> {
-    if let Some(v) = verify_tool_output(out_dir, against.is_some())? {
+    if let Some(v) = verify_tool_output(out_dir, against.is_some(), 0)? {
         return Ok(v);
     }
     let record = MergeRecord::read(out_dir)?;
@@ -163,9 +163,14 @@ fn check_inputs(record: &MergeRecord, out_dir: &Path, v: &mut Verification) -> b
 }
 
 /// Verifies a folder `rlmerge extract-lora` or `rlmerge moe` wrote (its record's `kind`): every
-/// output and input file against its checksum; `None` where `dir` holds a merge's record.
-/// `--against` is refused: such a folder is remade by running its tool again.
-fn verify_tool_output(dir: &Path, against: bool) -> Result<Option<Verification>> {
+/// output and input file against its checksum; `None` where `dir` holds a merge's record. With
+/// `against`, a MoE is built again from the config saved beside it (on `threads` workers) and
+/// compared byte for byte; an extracted adapter is refused (run the extraction again).
+pub fn verify_tool_output(
+    dir: &Path,
+    against: bool,
+    threads: usize,
+) -> Result<Option<Verification>> {
     #[derive(serde::Deserialize)]
     struct Input {
         path: std::path::PathBuf,
@@ -181,8 +186,8 @@ fn verify_tool_output(dir: &Path, against: bool) -> Result<Option<Verification>>
     let Some(kind) = crate::record::tool::tool_kind(dir) else {
         return Ok(None);
     };
-    if against {
-        return Err(crate::record::tool::against_refused(kind));
+    if against && kind != "moe" {
+        return Err(crate::record::tool::against_refused());
     }
     let path = dir.join(crate::checkpoint::output_folder::RECORD_FILE);
     let record: ToolRecord = serde_json::from_str(&std::fs::read_to_string(&path)?)
@@ -211,7 +216,42 @@ fn verify_tool_output(dir: &Path, against: bool) -> Result<Option<Verification>>
             check_file(&at, f, "input", &mut v);
         }
     }
+    if against && v.problems.is_empty() {
+        rebuild_and_compare(dir, &record.outputs, threads, &mut v)?;
+    }
     Ok(Some(v))
+}
+
+/// `verify --against` of a MoE: its saved config built again (the record's shard size and
+/// non-finite rule) into scratch beside the folder, every output file compared byte for byte.
+fn rebuild_and_compare(
+    dir: &Path,
+    outputs: &[FileChecksum],
+    threads: usize,
+    v: &mut Verification,
+) -> Result<()> {
+    #[derive(serde::Deserialize)]
+    struct Settings {
+        shard_bytes: u64,
+        allow_nonfinite: bool,
+    }
+    let path = dir.join(crate::checkpoint::output_folder::RECORD_FILE);
+    let settings: Settings = serde_json::from_str(&std::fs::read_to_string(&path)?)
+        .with_context(|| format!("{}: a MoE record without its shard size", path.display()))?;
+    let config_path = dir.join(crate::moe::CONFIG_FILE);
+    let config = crate::moe::config::read(&config_path, None, true)?;
+    let scratch = verify_scratch(dir)?;
+    let again = scratch.path().join("moe");
+    let options = crate::moe::Options {
+        shard_bytes: settings.shard_bytes,
+        allow_nonfinite: settings.allow_nonfinite,
+        show_progress: false,
+    };
+    crate::service::moe(&config, (&again, false), (options, threads), &mut |_| {})?;
+    for f in outputs {
+        check_file(&again, f, "rebuilt", v);
+    }
+    Ok(())
 }
 
 /// File names that loaders take for weights (safetensors, PyTorch, TensorFlow, Flax, GGUF) or
@@ -241,28 +281,7 @@ fn recompute_and_compare(
     let job = Job::from_record(record, out_dir)?;
     let inputs = crate::service::open_inputs(&job)?;
     let compute = crate::service::Compute::on(crate::service::Device::Auto);
-    // Recomputed beside the output (the same disk, which held the output once), or where that
-    // folder is read-only, in the system's temporary folder. A killed verify's folder is removed
-    // by the next one (its lock is free).
-    let beside = out_dir
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let mut scratch = None;
-    for place in [beside.to_path_buf(), std::env::temp_dir()] {
-        let _ = sweep(&place, VERIFY_SCRATCH, |_| Ok(()));
-        if let Ok(s) = Scratch::create(&place, VERIFY_SCRATCH) {
-            scratch = Some(s);
-            break;
-        }
-    }
-    let scratch = scratch.with_context(|| {
-        format!(
-            "--against: cannot create a folder to recompute in, beside {} or in {}",
-            out_dir.display(),
-            std::env::temp_dir().display()
-        )
-    })?;
+    let scratch = verify_scratch(out_dir)?;
     let again = scratch.path().join("recomputed");
     let options = crate::service::merge_options(
         &job,
@@ -479,4 +498,25 @@ fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> Result<usize> {
         }
     }
     Ok(n)
+}
+
+/// A scratch folder to recompute in: beside the output (the same disk, which held the output
+/// once), or where that folder is read-only, in the system's temporary folder. A killed verify's
+/// folder is removed by the next one (its lock is free).
+fn verify_scratch(out_dir: &Path) -> Result<Scratch> {
+    let beside = out_dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    for place in [beside.to_path_buf(), std::env::temp_dir()] {
+        let _ = sweep(&place, VERIFY_SCRATCH, |_| Ok(()));
+        if let Ok(s) = Scratch::create(&place, VERIFY_SCRATCH) {
+            return Ok(s);
+        }
+    }
+    anyhow::bail!(
+        "--against: cannot create a folder to recompute in, beside {} or in {}",
+        out_dir.display(),
+        std::env::temp_dir().display()
+    )
 }

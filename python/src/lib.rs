@@ -516,18 +516,7 @@ fn verify(py: Python<'_>, dir: PathBuf, against: bool, device: &str) -> PyResult
     let compute = compute(device, true, 0).map_err(|e| exception(py, &e))?;
     let late = Late::Raise("interrupted after verify had finished".into());
     cancellable(py, late, move || {
-        let backend = match against {
-            true => {
-                let record = rlmerge::record::MergeRecord::read(&dir)?;
-                Some(service::backend_for_record(
-                    &record,
-                    &compute,
-                    &mut show(true),
-                )?)
-            }
-            false => None,
-        };
-        let v = rlmerge::verify::verify(&dir, backend.as_deref())?;
+        let v = service::verify(&dir, against, &compute, &mut show(true))?;
         Ok((v.ok, v.skipped, v.problems, v.notes))
     })
 }

@@ -119,25 +119,11 @@ pub(crate) fn run(cli: Cli, mut out: &mut dyn Write) -> Result<()> {
 }
 
 fn run_verify(args: &VerifyArgs, out: &mut impl Write) -> Result<()> {
-    if let Some(kind) = crate::record::tool::tool_kind(&args.dir).filter(|_| args.against) {
-        return Err(crate::record::tool::against_refused(kind));
-    }
-    let backend = match args.against {
-        true => {
-            let record = crate::record::MergeRecord::read(&args.dir)?;
-            let compute = service::Compute {
-                threads: args.threads,
-                ..service::Compute::on(args.device.into())
-            };
-            Some(service::backend_for_record(
-                &record,
-                &compute,
-                &mut show(false),
-            )?)
-        }
-        false => None,
+    let compute = service::Compute {
+        threads: args.threads,
+        ..service::Compute::on(args.device.into())
     };
-    let v = crate::verify::verify(&args.dir, backend.as_deref())?;
+    let v = service::verify(&args.dir, args.against, &compute, &mut show(false))?;
     note_all(&v.notes);
     if args.json {
         let found = serde_json::json!({

@@ -243,7 +243,7 @@ pub fn build(config: &MoeConfig, (out, force): (&Path, bool), options: Options) 
     )
     .with_context(|| format!("cannot write the card into {}", dir.display()))?;
     write_record(
-        config,
+        (config, options),
         (&opened, &built),
         (folder.final_path(), dir),
         outputs,
@@ -343,6 +343,9 @@ struct MoeRecord<'a> {
     dtype: &'static str,
     experts_per_token: usize,
     seed: u64,
+    /// The largest shard (`verify --against` builds the MoE again with it).
+    shard_bytes: u64,
+    allow_nonfinite: bool,
     experts: &'a [config::Expert],
     shared_experts: &'a [config::Expert],
     degenerate_layers: &'a [usize],
@@ -353,7 +356,7 @@ struct MoeRecord<'a> {
 
 /// Writes the record into `dir`, the scratch of the folder that will be `out`.
 fn write_record(
-    config: &MoeConfig,
+    (config, options): (&MoeConfig, Options),
     (opened, built): (&Opened, &Built),
     (out, dir): (&Path, &Path),
     mut outputs: Vec<FileChecksum>,
@@ -388,6 +391,8 @@ fn write_record(
         dtype: built.dtype.torch_name(),
         experts_per_token: config.experts_per_token,
         seed: config.seed,
+        shard_bytes: options.shard_bytes,
+        allow_nonfinite: options.allow_nonfinite,
         experts: &config.experts,
         shared_experts: &config.shared_experts,
         degenerate_layers: &built.degenerate,

@@ -1,8 +1,7 @@
 //! The records of rlmerge's tools that make something other than a merge — `extract-lora`'s
 //! adapter, `moe`'s mixture of experts: `rlmerge_record.json` as a merge's, with a `kind` that
 //! says which tool wrote it, the checksums of every file read and written (`verify` checks them),
-//! and what the tool was asked. `verify --against` recomputes merges only: such a folder is made
-//! again by running its tool again.
+//! and what the tool was asked (`verify --against` builds a MoE again from it).
 
 use super::{recorded_path, InputChecksums, RECORD_FILE};
 use crate::checkpoint::ModelFolder;
@@ -10,17 +9,8 @@ use crate::error::usage;
 use anyhow::{Context, Result};
 use std::path::Path;
 
-/// The kinds of record these tools write, with the command that makes each again.
-pub const TOOL_KINDS: [(&str, &str); 2] = [
-    (
-        "extract-lora",
-        "running rlmerge extract-lora with the options its record holds",
-    ),
-    (
-        "moe",
-        "running rlmerge moe on the mergekit_moe_config.yml it holds",
-    ),
-];
+/// The kinds of record these tools write.
+const TOOL_KINDS: [&str; 2] = ["extract-lora", "moe"];
 
 /// The `kind` of the tool record in `dir`, where it holds one.
 pub fn tool_kind(dir: &Path) -> Option<&'static str> {
@@ -31,18 +21,16 @@ pub fn tool_kind(dir: &Path) -> Option<&'static str> {
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())?["kind"]
         .as_str()
         .map(str::to_string)?;
-    TOOL_KINDS.iter().find(|(k, _)| *k == kind).map(|(k, _)| *k)
+    TOOL_KINDS.iter().find(|k| **k == kind).copied()
 }
 
-/// The answer to `verify --against` of a tool's folder: a usage error saying how it is made again.
-pub fn against_refused(kind: &str) -> anyhow::Error {
-    let how = TOOL_KINDS
-        .iter()
-        .find(|(k, _)| *k == kind)
-        .map_or("running its tool again", |(_, how)| how);
-    usage(format!(
-        "--against recomputes merges; this folder is rlmerge {kind}'s, made again by {how}"
-    ))
+/// The answer to `verify --against` of an extracted adapter: a usage error saying how it is made
+/// again (a MoE is built again from its saved config and compared).
+pub fn against_refused() -> anyhow::Error {
+    usage(
+        "--against recomputes merges and MoEs; an adapter rlmerge extract-lora wrote is made \
+         again by running rlmerge extract-lora with the options its record holds",
+    )
 }
 
 /// Input model `m`'s checksums, its path as seen from the output `out`.
