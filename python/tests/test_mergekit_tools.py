@@ -122,6 +122,8 @@ def test_mixtral_equals_mergekit_moe(tmp_path):
     assert _compare(mk, rl) == 4
     assert json.loads((rl / "config.json").read_text())["num_local_experts"] == 3
     _loads_and_runs(rl)
+    found = rlmerge.verify(rl, against=True)
+    assert found["ok"] and any(c.startswith("rebuilt") for c in found["checks"]), found
 
 
 def test_qwen2_moe_with_a_shared_expert_equals_mergekit_moe(tmp_path):
