@@ -397,6 +397,18 @@ def extract_lora(base: PathLike, model: PathLike, out: PathLike, *, rank: Option
         float(sv_epsilon), list(save_modules)))
 
 
+def _paths_as_text(value: Any) -> Any:
+    """A config's value with every ``os.PathLike`` (a ``pathlib.Path`` model) as its text, in
+    dicts, lists and tuples at any depth."""
+    if isinstance(value, os.PathLike):
+        return os.fsdecode(os.fspath(value))
+    if isinstance(value, Mapping):
+        return {k: _paths_as_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_paths_as_text(v) for v in value]
+    return value
+
+
 def moe(config: Union[PathLike, Mapping[str, Any]], out: PathLike, *, quiet: bool = True,
         force: bool = False, out_dtype: Optional[str] = None, shard_size: Optional[str] = None,
         threads: int = 0, seed: Optional[int] = None, allow_all_same: bool = False,
@@ -415,7 +427,7 @@ def moe(config: Union[PathLike, Mapping[str, Any]], out: PathLike, *, quiet: boo
         raise UsageError(f"allow_all_same must be True or False, got {allow_all_same!r}")
     out = _path(out, "out")
     if isinstance(config, Mapping):
-        built = _native.moe(None, dict(config), out, keywords, allow_all_same)
+        built = _native.moe(None, _paths_as_text(config), out, keywords, allow_all_same)
     else:
         built = _native.moe(_path(config, "config"), None, out, keywords, allow_all_same)
     return json.loads(built)

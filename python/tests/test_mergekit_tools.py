@@ -205,8 +205,10 @@ def test_a_moe_of_base_copies_computes_what_the_base_computes(tmp_path, family):
 
 
 def test_random_routers_are_normal_and_follow_the_seed(tmp_path):
-    experts = [{"source_model": str(MODELS / n)} for n in ("coder", "tools", "memory", "base")]
-    config = _config(MODELS / "base", experts, gate_mode="random", dtype="float32")
+    # Models as pathlib paths, as a Python caller writes them.
+    experts = [{"source_model": MODELS / n} for n in ("coder", "tools", "memory", "base")]
+    config = {"base_model": MODELS / "base", "gate_mode": "random", "dtype": "float32",
+              "experts": experts}
     rlmerge.moe(config, tmp_path / "a", seed=7)
     rlmerge.moe(config, tmp_path / "b", seed=7)
     rlmerge.moe(config, tmp_path / "c", seed=8)
