@@ -68,6 +68,14 @@ impl Stages {
         for (text, line) in &docs {
             let mut value: serde_yaml::Value = serde_yaml::from_str(text)
                 .map_err(|e| anyhow::anyhow!("the document at line {line}: {e}"))?;
+            if value.get("experts").is_some() && value.get("merge_method").is_none() {
+                return Err(usage(format!(
+                    "the document at line {line} is a mergekit-moe config: a multi-stage recipe's \
+                     stages are merges. Put the MoE config in a file of its own, make the merges \
+                     with `rlmerge run RECIPE OUT -I DIR` (stages kept in DIR/NAME), and name \
+                     those folders as experts in `rlmerge moe CONFIG OUT`"
+                )));
+            }
             let name = match value.get("name") {
                 None => None,
                 Some(serde_yaml::Value::String(n)) => Some(n.clone()),

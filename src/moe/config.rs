@@ -126,6 +126,15 @@ pub fn read(path: &Path, seed: Option<u64>, allow_all_same: bool) -> Result<MoeC
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read MoE config {}", path.display()))?;
     let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+    let documents = crate::job::documents_in(text);
+    if documents > 1 {
+        return Err(usage(format!(
+            "MoE config {} has {documents} YAML documents; rlmerge moe reads one config. Merges it \
+             takes as experts are made first — a multi-stage recipe's stages kept with `rlmerge \
+             run RECIPE OUT -I DIR` — and named by their folders",
+            path.display()
+        )));
+    }
     let value: serde_yaml::Value = serde_yaml::from_str(text)
         .map_err(|e| usage(format!("MoE config {}: {e}", path.display())))?;
     let dir = path.parent().unwrap_or(Path::new("."));

@@ -435,6 +435,14 @@ fn read_yaml(text: &str) -> Result<(serde_yaml::Value, RawConfig)> {
     // (parameters) would take silently, the last one winning.
     let value =
         serde_yaml::from_str::<serde_yaml::Value>(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+    if value.get("experts").is_some() && value.get("merge_method").is_none() {
+        return Err(usage(
+            "this is a mergekit-moe config (it lists `experts`), not a merge recipe: build it \
+             with `rlmerge moe CONFIG OUT`; a merge it takes as an expert is made first (a \
+             multi-stage recipe's stages kept with `rlmerge run RECIPE OUT -I DIR`) and named by \
+             its folder",
+        ));
+    }
     let raw = serde_yaml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok((value, raw))
 }
