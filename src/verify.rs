@@ -192,13 +192,16 @@ pub fn verify_tool_output(
     let path = dir.join(crate::checkpoint::output_folder::RECORD_FILE);
     let record: ToolRecord = serde_json::from_str(&std::fs::read_to_string(&path)?)
         .with_context(|| format!("{}: invalid record", path.display()))?;
-    let files = record
-        .outputs
+    let outputs = record.outputs.iter().map(|f| (f, false));
+    let inputs = record
+        .inputs
         .iter()
-        .chain(record.inputs.iter().flat_map(|i| &i.files));
-    if let Some(bad) = files
-        .map(|f| f.file.as_str())
-        .find(|n| !crate::record::is_plain_file_name(n))
+        .flat_map(|i| &i.files)
+        .map(|f| (f, true));
+    if let Some(bad) = outputs
+        .chain(inputs)
+        .find(|(f, input)| !crate::record::is_recorded_file_name(&f.file, *input))
+        .map(|(f, _)| f.file.as_str())
     {
         anyhow::bail!(
             "{}: invalid record: it lists the file '{}', which is not a plain file name",

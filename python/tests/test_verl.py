@@ -161,3 +161,23 @@ def test_malformed_shard_sets_are_named_and_nothing_is_written(verl, tmp_path, d
     for w in words:
         assert w in p.stderr, p.stderr
     assert not out.exists()
+
+
+def test_a_moe_takes_an_expert_straight_from_the_shards(verl, tmp_path):
+    """`rlmerge moe` with the verl actor as an expert writes what it writes from verl's converted
+    folder: the same files, byte for byte (a Qwen2-MoE, the base as shared expert, random
+    routers from one seed)."""
+    import rlmerge
+
+    folder = converted(verl / "actor", tmp_path / "converted")
+
+    def config(actor):
+        return {"base_model": verl / "base", "architecture": "qwen", "gate_mode": "random",
+                "shared_experts": [{"source_model": verl / "base"}],
+                "experts": [{"source_model": actor}, {"source_model": verl / "other"}]}
+
+    rlmerge.moe(config(verl / "actor"), tmp_path / "from-shards", seed=3)
+    rlmerge.moe(config(folder), tmp_path / "from-converted", seed=3)
+    for f in ("model.safetensors", "config.json"):
+        assert (tmp_path / "from-shards" / f).read_bytes() == (tmp_path / "from-converted" / f).read_bytes(), f
+    assert rlmerge.verify(tmp_path / "from-shards", against=True)["ok"]

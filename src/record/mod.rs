@@ -316,14 +316,11 @@ impl MergeRecord {
     /// elsewhere: no `/`, `\`, `..`, `.`, empty or NUL names); an input's may be one inside the
     /// `huggingface/` folder of a trainer's checkpoint.
     fn check_file_names(&self) -> Result<()> {
-        let plain = is_plain_file_name;
-        let hf = format!("{}/", crate::checkpoint::fsdp_shards::HF_FOLDER);
         let outputs = self.outputs.iter().map(|f| (f, false));
         let inputs = self.inputs.iter().flat_map(|i| &i.files).map(|f| (f, true));
         for (f, input) in outputs.chain(inputs) {
             let name = f.file.as_str();
-            let inside = input && name.strip_prefix(hf.as_str()).is_some_and(plain);
-            if !plain(name) && !inside {
+            if !is_recorded_file_name(name, input) {
                 anyhow::bail!(
                     "it lists the file '{}', which is not a plain file name inside its folder",
                     crate::escape::terminal(name)
@@ -334,10 +331,21 @@ impl MergeRecord {
     }
 }
 
+/// Whether a record may list `name`: a plain file name inside its folder ([`is_plain_file_name`]),
+/// or for an `input`'s file, one inside the `huggingface/` folder of a trainer's checkpoint.
+pub fn is_recorded_file_name(name: &str, input: bool) -> bool {
+    let hf = format!("{}/", crate::checkpoint::fsdp_shards::HF_FOLDER);
+    is_plain_file_name(name)
+        || (input
+            && name
+                .strip_prefix(hf.as_str())
+                .is_some_and(is_plain_file_name))
+}
+
 /// Whether a record's file name is a plain name inside its folder: not empty, `.` or `..`, no
 /// `/`, `\`, NUL, not absolute — a downloaded folder's record is not trusted to send `verify`
 /// elsewhere.
-pub fn is_plain_file_name(name: &str) -> bool {
+fn is_plain_file_name(name: &str) -> bool {
     !name.is_empty()
         && name != "."
         && name != ".."
