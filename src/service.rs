@@ -535,25 +535,6 @@ pub fn moe(
     Ok(built)
 }
 
-/// Verifies the folder `dir` (`rlmerge verify`, Python's `verify`) against its record; with
-/// `against`, recomputes it — a merge on the backend its record's method asks for (said), a MoE
-/// from its saved config — and compares the bytes. An extracted adapter's `--against` is refused.
-pub fn verify(
-    dir: &Path,
-    against: bool,
-    compute: &Compute,
-    say: &mut dyn FnMut(Said),
-) -> Result<crate::verify::Verification> {
-    if let Some(v) = crate::verify::verify_tool_output(dir, against, compute.threads)? {
-        return Ok(v);
-    }
-    let backend = match against {
-        true => Some(backend_for_record(&MergeRecord::read(dir)?, compute, say)?),
-        false => None,
-    };
-    crate::verify::verify(dir, backend.as_deref())
-}
-
 /// An analysis (`rlmerge analyze`): what each agent changed against the base, and with `merged`
 /// what a merged folder kept of it; with `plot`, the figures.
 #[derive(Clone, Debug, Default)]

@@ -45,6 +45,29 @@ fn check_file(dir: &Path, want: &FileChecksum, what: &str, v: &mut Verification)
     }
 }
 
+/// Verifies the folder `dir` (`rlmerge verify`, Python's `verify`) against its record; with
+/// `against`, recomputes it — a merge on the backend its record's method asks for (said), a MoE
+/// from its saved config — and compares the bytes. An extracted adapter's `--against` is refused.
+pub fn verify_folder(
+    dir: &Path,
+    against: bool,
+    compute: &crate::service::Compute,
+    say: &mut dyn FnMut(crate::service::Said),
+) -> Result<Verification> {
+    if let Some(v) = verify_tool_output(dir, against, compute.threads)? {
+        return Ok(v);
+    }
+    let backend = match against {
+        true => Some(crate::service::backend_for_record(
+            &MergeRecord::read(dir)?,
+            compute,
+            say,
+        )?),
+        false => None,
+    };
+    verify(dir, backend.as_deref())
+}
+
 /// Verifies `out_dir`; with `against`, also recomputes the merge on `backend` into a temporary
 /// folder beside it and compares every shard byte for byte.
 pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verification> {

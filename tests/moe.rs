@@ -334,39 +334,6 @@ fn bad_configs_and_inputs_are_refused_by_name_with_nothing_written() {
         Some(2),
     );
     refused(&c("routers: 3\n"), &["routers"], Some(2));
-    // A MoE config is no merge recipe, nor a stage of one; rlmerge moe reads one document.
-    let config = c("");
-    let o = rlmerge()
-        .arg("run")
-        .arg(&config)
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        err_of(&o).contains("rlmerge moe CONFIG OUT"),
-        "{}",
-        err_of(&o)
-    );
-    let staged = f.dir.path().join("staged.yml");
-    let merge = format!(
-        "name: merged\nmerge_method: linear\nmodels: [{{model: {}, parameters: {{weight: 1}}}}]\n---\n",
-        f.agents[0].display()
-    );
-    std::fs::write(&staged, merge + &std::fs::read_to_string(&config).unwrap()).unwrap();
-    let o = rlmerge()
-        .arg("run")
-        .arg(&staged)
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        err_of(&o).contains("line 4 is a mergekit-moe config"),
-        "{}",
-        err_of(&o)
-    );
-    refused(&staged, &["2 YAML documents", "-I DIR"], Some(2));
     refused(
         &c("architecture: deepseek\n"),
         &["not written by rlmerge"],
@@ -425,6 +392,53 @@ fn bad_configs_and_inputs_are_refused_by_name_with_nothing_written() {
     )
     .unwrap();
     refused(&config, &["hidden_act"], Some(2));
+}
+
+/// A MoE config is no merge recipe, nor a stage of one; rlmerge moe reads one document.
+#[test]
+fn a_moe_config_is_no_recipe_and_one_document() {
+    let f = family(86);
+    let out = f.dir.path().join("out");
+    let config = family_config(&f, "");
+    let o = rlmerge()
+        .arg("run")
+        .arg(&config)
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        err_of(&o).contains("`rlmerge moe CONFIG OUT` builds it"),
+        "{}",
+        err_of(&o)
+    );
+    let staged = f.dir.path().join("staged.yml");
+    let merge = format!(
+        "name: merged\nmerge_method: linear\nmodels: [{{model: {}, parameters: {{weight: 1}}}}]\n---\n",
+        f.agents[0].display()
+    );
+    std::fs::write(&staged, merge + &std::fs::read_to_string(&config).unwrap()).unwrap();
+    let o = rlmerge()
+        .arg("run")
+        .arg(&staged)
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        err_of(&o).contains("line 4 is a mergekit-moe config"),
+        "{}",
+        err_of(&o)
+    );
+    let o = moe(&staged, &out, &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        err_of(&o).contains("2 YAML documents") && err_of(&o).contains("-I DIR"),
+        "{}",
+        err_of(&o)
+    );
+    assert!(!out.exists());
+    assert_eq!(leftovers(f.dir.path()), Vec::<String>::new());
 }
 
 #[test]

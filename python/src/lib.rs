@@ -516,7 +516,7 @@ fn verify(py: Python<'_>, dir: PathBuf, against: bool, device: &str) -> PyResult
     let compute = compute(device, true, 0).map_err(|e| exception(py, &e))?;
     let late = Late::Raise("interrupted after verify had finished".into());
     cancellable(py, late, move || {
-        let v = service::verify(&dir, against, &compute, &mut show(true))?;
+        let v = rlmerge::verify::verify_folder(&dir, against, &compute, &mut show(true))?;
         Ok((v.ok, v.skipped, v.problems, v.notes))
     })
 }

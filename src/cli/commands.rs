@@ -123,7 +123,7 @@ fn run_verify(args: &VerifyArgs, out: &mut impl Write) -> Result<()> {
         threads: args.threads,
         ..service::Compute::on(args.device.into())
     };
-    let v = service::verify(&args.dir, args.against, &compute, &mut show(false))?;
+    let v = crate::verify::verify_folder(&args.dir, args.against, &compute, &mut show(false))?;
     note_all(&v.notes);
     if args.json {
         let found = serde_json::json!({

@@ -5,7 +5,7 @@
 //! without a name, else the last — writes the output. A stage's name wins over a folder of the
 //! same name, as in mergekit.
 
-use super::recipe_yaml::documents;
+use super::recipe_yaml::{documents, is_moe_config};
 use super::saved_recipe::references_mut;
 use super::Job;
 use crate::error::usage;
@@ -68,7 +68,7 @@ impl Stages {
         for (text, line) in &docs {
             let mut value: serde_yaml::Value = serde_yaml::from_str(text)
                 .map_err(|e| anyhow::anyhow!("the document at line {line}: {e}"))?;
-            if value.get("experts").is_some() && value.get("merge_method").is_none() {
+            if is_moe_config(&value) {
                 return Err(usage(format!(
                     "the document at line {line} is a mergekit-moe config: a multi-stage recipe's \
                      stages are merges. Put the MoE config in a file of its own, make the merges \

@@ -27,3 +27,9 @@ pub(in crate::job) fn documents(text: &str) -> Vec<(String, usize)> {
     };
     docs.into_iter().filter(|(t, _)| has_content(t)).collect()
 }
+
+/// Whether a YAML document is a mergekit-moe config (it lists `experts`, and no `merge_method`):
+/// `rlmerge moe`'s, no merge recipe nor a stage of one.
+pub(in crate::job) fn is_moe_config(value: &serde_yaml::Value) -> bool {
+    value.get("experts").is_some() && value.get("merge_method").is_none()
+}

@@ -15,7 +15,7 @@ use crate::method::tensor_params::SliceSettings;
 use crate::method::Kind;
 use crate::slices::{self, Slice, Slices, Source};
 use anyhow::{bail, Context, Result};
-pub(super) use documents::documents;
+pub(super) use documents::{documents, is_moe_config};
 pub(crate) use folders::local_folder;
 use folders::{layer_count, Folders};
 use serde::Deserialize;
@@ -435,12 +435,9 @@ fn read_yaml(text: &str) -> Result<(serde_yaml::Value, RawConfig)> {
     // (parameters) would take silently, the last one winning.
     let value =
         serde_yaml::from_str::<serde_yaml::Value>(text).map_err(|e| anyhow::anyhow!("{e}"))?;
-    if value.get("experts").is_some() && value.get("merge_method").is_none() {
+    if documents::is_moe_config(&value) {
         return Err(usage(
-            "this is a mergekit-moe config (it lists `experts`), not a merge recipe: build it \
-             with `rlmerge moe CONFIG OUT`; a merge it takes as an expert is made first (a \
-             multi-stage recipe's stages kept with `rlmerge run RECIPE OUT -I DIR`) and named by \
-             its folder",
+            "this is a mergekit-moe config: `rlmerge moe CONFIG OUT` builds it",
         ));
     }
     let raw = serde_yaml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
