@@ -406,12 +406,36 @@ fn write_record(
 /// The MoE's model card: its layout, its experts and what routes to each, and the config.
 fn card(config: &MoeConfig, built: &Built, saved: &str) -> String {
     let code = |s: &str| crate::escape::markdown_code(s);
+    // `base_model`: the models that are Hub ids (a local folder's path is none), each once.
+    let mut ids: Vec<String> = Vec::new();
+    let folders = std::iter::once(&config.base).chain(
+        config
+            .experts
+            .iter()
+            .chain(&config.shared_experts)
+            .map(|e| &e.folder),
+    );
+    for f in folders {
+        let id =
+            crate::hub::id_of_snapshot(f).map(|id| id.split('@').next().unwrap_or(&id).to_string());
+        if let Some(id) = id.filter(|id| !ids.contains(id)) {
+            ids.push(id);
+        }
+    }
+    let base_model = match ids.is_empty() {
+        true => String::new(),
+        false => {
+            ids.iter()
+                .map(|id| format!("\n- {}", serde_json::to_string(id).unwrap_or_default()))
+                .fold("base_model:".to_string(), |a, b| a + &b)
+                + "\n"
+        }
+    };
     let mut text = format!(
-        "---\nbase_model: {}\ntags:\n- rlmerge\n- moe\n- merge\n---\n\n# {} MoE built with \
-         rlmerge\n\nA {} of {} experts ({} per token) built with `rlmerge moe` (rlmerge {}): \
-         attention, embeddings and norms from {}, each expert's MLPs from one model, routers by \
-         `{}`.\n\n| expert | model | routed by |\n|---|---|---|\n",
-        serde_json::to_string(&config.base_reference).unwrap_or_default(),
+        "---\n{base_model}library_name: transformers\ntags:\n- rlmerge\n- moe\n- merge\n---\n\n# A mixture of \
+         experts built with rlmerge\n\nA {} ({}) of {} experts ({} per token) built with `rlmerge moe` \
+         (rlmerge {}): attention, embeddings and norms from {}, each expert's MLPs from one \
+         model, routers by `{}`.\n\n| expert | model | routed by |\n|---|---|---|\n",
         built.layout.name(),
         built.layout.class(),
         config.experts.len(),
