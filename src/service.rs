@@ -9,14 +9,11 @@
 use crate::backend::cpu::CpuBackend;
 use crate::backend::gpu::{AdapterChoice, GpuBackend, GpuContext};
 use crate::backend::Backend;
-use crate::checkpoint::output_folder::Scratch;
 use crate::checkpoint::output_folder::{self, MERGEKIT_CONFIG_FILE};
-use crate::checkpoint::OutputFolder;
 use crate::engine::{self, MergeOptions, MergeSummary, PassOptions};
 use crate::error::{usage, Arg};
 use crate::inputs::{Inputs, Layout};
-use crate::job::stages::Stages;
-use crate::job::{CommandLine, DoneStage, Job};
+use crate::job::Job;
 use crate::method::cost::Cost;
 use crate::record::{MergeRecord, StageRecord};
 use crate::report::retention::Retention;
@@ -24,6 +21,11 @@ use crate::report::ProbeReport;
 use crate::vocabulary::TokenizerSettings;
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
+
+mod recipes;
+mod tools;
+pub use recipes::{moe_recipe, run_recipe, StageFolder};
+pub use tools::{extract_lora, moe};
 
 /// Where the passes run (`--device`, Python's `device=`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -363,176 +365,6 @@ pub fn merge(
         .iter()
         .for_each(|n| say(Said::Note(n.clone())));
     Ok(summary)
-}
-
-/// Where a multi-stage recipe's earlier stages go: `None`, a scratch folder beside the output,
-/// removed when the run ends; or a folder that keeps them, each stage in `DIR/NAME`
-/// (`--intermediate-dir`, mergekit-multi's).
-pub type StageFolder<'a> = Option<&'a Path>;
-
-/// Runs the recipe file `recipe` into `out` — a one-document recipe as one merge, a multi-stage
-/// one ([`Stages`]) stage by stage — with `given` set on top of every stage's recipe; `seed`
-/// overrides the recipes' seeds. What the stages say is said, each under its name. Returns the
-/// final merge's job and summary.
-pub fn run_recipe(
-    recipe: &Path,
-    (seed, given): (Option<u64>, &CommandLine),
-    compute: &Compute,
-    (out, force, kept): (&Path, bool, StageFolder),
-    say: &mut dyn FnMut(Said),
-) -> Result<(Job, MergeSummary)> {
-    let Some(stages) = Stages::read(recipe)? else {
-        if kept.is_some() {
-            return Err(usage(
-                "--intermediate-dir is for a multi-stage recipe (several YAML documents); this \
-                 one has one",
-            ));
-        }
-        let mut job = Job::from_recipe(recipe, seed)?;
-        job.set_command_line(given)?;
-        let summary = merge(&job, compute, (out, force), say)?;
-        return Ok((job, summary));
-    };
-    compute.check()?;
-    let resolved = OutputFolder::check(out, force)?;
-    let last = stages.len() - 1;
-    // Where the stages go: the kept folder, else a scratch folder beside the output (removed
-    // when `scratch` drops).
-    let (scratch, dir) = match kept {
-        Some(k) => (None, k.to_path_buf()),
-        None => {
-            let name = resolved.file_name().unwrap_or_default().to_string_lossy();
-            let parent = resolved.parent().unwrap_or(Path::new("."));
-            let s = Scratch::create(parent, &format!(".{name}.rlmerge-stages"))?;
-            let dir = s.path().to_path_buf();
-            (Some(s), dir)
-        }
-    };
-    let mut made: Vec<(String, PathBuf)> = Vec::new();
-    let mut done = Vec::new();
-    for i in 0..last {
-        let name = stages
-            .name(i)
-            .expect("every stage but the final one is named");
-        if scratch.is_some() && !stages.needed(i) {
-            say(Said::Warning(format!(
-                "stage '{name}' is skipped: the final stage does not take it, and only \
-                 --intermediate-dir keeps a stage's output"
-            )));
-            continue;
-        }
-        let mut job = stages.job(i, &made, seed)?;
-        job.set_command_line(given)?;
-        let folder = dir.join(name);
-        say(Said::Note(format!(
-            "stage {}/{}: '{name}' into {}",
-            i + 1,
-            stages.len(),
-            folder.display()
-        )));
-        let summary = merge(&job, compute, (&folder, force), say)
-            .with_context(|| format!("stage '{name}' of {}", recipe.display()))?;
-        // A signal that came while the stage was put in place stops the run now.
-        crate::checkpoint::output_folder::intermediate_commit_done()?;
-        done.push(DoneStage {
-            name: name.to_string(),
-            settings: job.saved_settings(),
-            recipe: job.recipe,
-            folder: folder.clone(),
-            scratch: scratch.is_some(),
-            record: summary.record,
-        });
-        made.push((name.to_string(), folder));
-    }
-    let mut job = stages.job(last, &made, seed)?;
-    job.set_command_line(given)?;
-    job.stages = done;
-    say(Said::Note(format!(
-        "stage {}/{}: {} into {}",
-        last + 1,
-        stages.len(),
-        stages
-            .name(last)
-            .map_or("the final merge".into(), |n| format!("'{n}'")),
-        out.display()
-    )));
-    let summary = merge(&job, compute, (out, force), say)?;
-    Ok((job, summary))
-}
-
-/// Extracts a LoRA adapter (`rlmerge extract-lora`): `req` into the folder `out` on `threads` CPU
-/// workers (0: one per core), saying where its rank keeps little of the model's update.
-pub fn extract_lora(
-    req: &crate::extract_lora::Request,
-    (out, force): (&Path, bool),
-    threads: usize,
-    say: &mut dyn FnMut(Said),
-) -> Result<crate::extract_lora::Extraction> {
-    let workers = CpuBackend::new(threads)?;
-    let done = workers.install(|| crate::extract_lora::extract(req, out, force))?;
-    let biases: Vec<&String> = done
-        .skipped
-        .iter()
-        .filter(|s| s.ends_with(".bias"))
-        .collect();
-    if let Some(first) = biases.first() {
-        say(Said::Warning(format!(
-            "{} changed biases left out ('{first}' first): a PEFT adapter holds a bias change \
-             only as lora_B's bias, which it gives every target module, and some factored \
-             modules have no bias",
-            biases.len()
-        )));
-    }
-    let kept = done.kept();
-    if kept < 0.5 {
-        say(Said::Warning(format!(
-            "rank {} keeps {:.1} % of the update's energy (‖Δ_r‖/‖Δ‖ over the {} factored \
-             modules): the model's update is spread over many directions, as an RL agent's sparse \
-             update is — the adapter loses most of it; raise --rank, or merge the full model",
-            req.rank,
-            100.0 * kept,
-            done.modules.len()
-        )));
-    }
-    Ok(done)
-}
-
-/// Builds a mixture of experts (`rlmerge moe`): `config` into the folder `out` on `threads` CPU
-/// workers (0: one per core), saying what the user should know of its routers and layout.
-pub fn moe(
-    config: &crate::moe::MoeConfig,
-    (out, force): (&Path, bool),
-    (options, threads): (crate::moe::Options, usize),
-    say: &mut dyn FnMut(Said),
-) -> Result<crate::moe::Built> {
-    let workers = CpuBackend::new(threads)?;
-    let built = workers.install(|| crate::moe::build(config, (out, force), options))?;
-    for w in &built.warnings {
-        say(Said::Warning(w.clone()));
-    }
-    if !built.degenerate.is_empty() {
-        say(Said::Warning(format!(
-            "the routers of {} of {} layers are nearly linearly dependent (condition number \
-             above 5): the experts' prompts are too alike, and some experts will rarely be \
-             chosen; give each expert prompts of what only it does",
-            built.degenerate.len(),
-            built.layers
-        )));
-    }
-    if !config.experts.len().is_power_of_two() {
-        say(Said::Note(format!(
-            "{} experts is not a power of two: llama.cpp does not load such a MoE",
-            config.experts.len()
-        )));
-    }
-    if let Some(first) = built.zero_biases.first() {
-        say(Said::Note(format!(
-            "the base has no q/k/v biases; Qwen2-MoE's {} are written as zeros ('{first}' \
-             first), which compute what the base computes",
-            built.zero_biases.len()
-        )));
-    }
-    Ok(built)
 }
 
 /// An analysis (`rlmerge analyze`): what each agent changed against the base, and with `merged`

@@ -237,6 +237,16 @@ pub fn verify_tool_output(
         check_file(dir, f, "output", &mut v);
     }
     for input in &record.inputs {
+        let shown = input.path.to_string_lossy();
+        if let Some(name) = shown.strip_prefix(crate::record::STAGE_PREFIX) {
+            v.skipped.push(format!(
+                "input {} is stage '{}' of a multi-stage recipe, made in scratch and removed: not \
+                 checked",
+                crate::escape::terminal(&shown),
+                crate::escape::terminal(name)
+            ));
+            continue;
+        }
         let at = resolved_path(dir, &input.path);
         for f in &input.files {
             check_file(&at, f, "input", &mut v);
@@ -264,8 +274,7 @@ fn rebuild_and_compare(
     let path = dir.join(crate::checkpoint::output_folder::RECORD_FILE);
     let settings: Settings = serde_json::from_str(&std::fs::read_to_string(&path)?)
         .with_context(|| format!("{}: a MoE record without its shard size", path.display()))?;
-    let config_path = dir.join(crate::moe::CONFIG_FILE);
-    let config = crate::moe::config::read(&config_path, None, true)?;
+    let config = dir.join(crate::moe::CONFIG_FILE);
     let scratch = verify_scratch(dir)?;
     let again = scratch.path().join("moe");
     let options = crate::moe::Options {
@@ -273,7 +282,14 @@ fn rebuild_and_compare(
         allow_nonfinite: settings.allow_nonfinite,
         show_progress: false,
     };
-    crate::service::moe(&config, (&again, false), (options, threads), &mut |_| {})?;
+    // The saved config, with the merge stages it holds, as `rlmerge moe` of it runs.
+    crate::service::moe_recipe(
+        &config,
+        (None, true, None),
+        (&again, false, None),
+        (options, threads),
+        &mut |_| {},
+    )?;
     for f in outputs {
         check_file(&again, f, "rebuilt", v);
     }

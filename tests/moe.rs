@@ -394,51 +394,74 @@ fn bad_configs_and_inputs_are_refused_by_name_with_nothing_written() {
     refused(&config, &["hidden_act"], Some(2));
 }
 
-/// A MoE config is no merge recipe, nor a stage of one; rlmerge moe reads one document.
+/// A multi-stage recipe whose final stage is a MoE config: `rlmerge moe` makes the merges
+/// before it and takes them as experts by name — the MoE is the one built from the same models
+/// as folders; its saved config holds every stage and remakes it; `verify` skips the scratch
+/// stage and `--against` builds it all again. `rlmerge run` refuses it (and a lone MoE config),
+/// a MoE config that is not the final stage is refused.
 #[test]
-fn a_moe_config_is_no_recipe_and_one_document() {
+fn a_final_moe_stage_takes_the_merges_before_it() {
     let f = family(86);
-    let out = f.dir.path().join("out");
     let config = family_config(&f, "");
-    let o = rlmerge()
-        .arg("run")
-        .arg(&config)
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        err_of(&o).contains("`rlmerge moe CONFIG OUT` builds it"),
-        "{}",
-        err_of(&o)
-    );
-    let staged = f.dir.path().join("staged.yml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    // A linear merge of one model at weight 1 is that model, to the bit (f32).
     let merge = format!(
-        "name: merged\nmerge_method: linear\nmodels: [{{model: {}, parameters: {{weight: 1}}}}]\n---\n",
+        "name: merged\nmerge_method: linear\nmodels: [{{model: {}, parameters: {{weight: 1}}}}]\n",
         f.agents[0].display()
     );
-    std::fs::write(&staged, merge + &std::fs::read_to_string(&config).unwrap()).unwrap();
+    let staged = f.dir.path().join("staged.yml");
+    let first = format!("source_model: {}\n", f.agents[0].display());
+    let moe_doc = text.replacen(&first, "source_model: merged\n", 1);
+    std::fs::write(&staged, format!("{merge}---\n{moe_doc}")).unwrap();
+    let (direct, from_stages) = (f.dir.path().join("direct"), f.dir.path().join("staged-out"));
+    assert!(moe(&config, &direct, &["--seed", "4"]).status.success());
+    let o = moe(&staged, &from_stages, &["--seed", "4"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let weights = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
+    assert!(weights(&direct) == weights(&from_stages));
+    assert_eq!(leftovers(f.dir.path()), Vec::<String>::new());
+    let saved = std::fs::read_to_string(from_stages.join("mergekit_moe_config.yml")).unwrap();
+    assert!(
+        saved.contains("name: merged") && saved.contains("source_model: merged"),
+        "{saved}"
+    );
+    let again = f.dir.path().join("again");
+    let o = moe(&from_stages.join("mergekit_moe_config.yml"), &again, &[]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    assert!(weights(&again) == weights(&from_stages));
     let o = rlmerge()
-        .arg("run")
-        .arg(&staged)
-        .arg(&out)
+        .arg("verify")
+        .arg(&from_stages)
+        .arg("--against")
         .output()
         .unwrap();
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        err_of(&o).contains("line 4 is a mergekit-moe config"),
-        "{}",
-        err_of(&o)
+    assert!(o.status.success(), "{}", err_of(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("rebuilt"));
+    // -I keeps the merge.
+    let kept = f.dir.path().join("kept");
+    let o = moe(
+        &staged,
+        &f.dir.path().join("kept-out"),
+        &["-I", kept.to_str().unwrap()],
     );
-    let o = moe(&staged, &out, &[]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    assert!(kept.join("merged").join("model.safetensors").is_file());
+    // rlmerge run refuses a MoE config, alone or as the final stage; a MoE stage must be last.
+    let out = f.dir.path().join("out");
+    for (recipe, says) in [
+        (&config, "`rlmerge moe CONFIG OUT` builds it"),
+        (&staged, "is a mergekit-moe config: `rlmerge moe"),
+    ] {
+        let o = rlmerge().arg("run").arg(recipe).arg(&out).output().unwrap();
+        assert_eq!(o.status.code(), Some(2));
+        assert!(err_of(&o).contains(says), "{}", err_of(&o));
+    }
+    let misplaced = f.dir.path().join("misplaced.yml");
+    std::fs::write(&misplaced, format!("name: early\n{moe_doc}---\n{merge}")).unwrap();
+    let o = moe(&misplaced, &out, &[]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(
-        err_of(&o).contains("2 YAML documents") && err_of(&o).contains("-I DIR"),
-        "{}",
-        err_of(&o)
-    );
+    assert!(err_of(&o).contains("only the final"), "{}", err_of(&o));
     assert!(!out.exists());
-    assert_eq!(leftovers(f.dir.path()), Vec::<String>::new());
 }
 
 #[test]

@@ -412,12 +412,15 @@ def _paths_as_text(value: Any) -> Any:
 def moe(config: Union[PathLike, Mapping[str, Any]], out: PathLike, *, quiet: bool = True,
         force: bool = False, out_dtype: Optional[str] = None, shard_size: Optional[str] = None,
         threads: int = 0, seed: Optional[int] = None, allow_all_same: bool = False,
-        allow_nonfinite: bool = False) -> Dict[str, Any]:
+        allow_nonfinite: bool = False,
+        intermediate_dir: Optional[PathLike] = None) -> Dict[str, Any]:
     """Builds a mixture of experts into ``out``, as ``rlmerge moe`` (mergekit's ``mergekit-moe``):
     ``config`` is a mergekit-moe YAML file or a dict with its keys (``base_model``, ``experts``
     with ``source_model`` and ``positive_prompts``/``negative_prompts``, ``gate_mode``
     ``cheap_embed``, ``random`` or ``uniform_random``, ``dtype``, ``experts_per_token``,
-    ``shared_experts``, ``architecture``). ``seed`` seeds random routers and noise;
+    ``shared_experts``, ``architecture``), or a multi-stage recipe file whose final stage is
+    that config and whose earlier stages are merges it names as experts (``intermediate_dir``
+    keeps them in ``intermediate_dir/NAME``). ``seed`` seeds random routers and noise;
     ``allow_all_same`` lets every expert be one model. Returns what was built: ``architecture``,
     ``experts``, ``layers``, ``tensors``, ``bytes``, ``dtype``, ``degenerate_layers`` (routers
     too alike) and ``zero_biases``."""
@@ -427,9 +430,12 @@ def moe(config: Union[PathLike, Mapping[str, Any]], out: PathLike, *, quiet: boo
         raise UsageError(f"allow_all_same must be True or False, got {allow_all_same!r}")
     out = _path(out, "out")
     if isinstance(config, Mapping):
+        if intermediate_dir is not None:
+            raise UsageError("intermediate_dir is for a multi-stage recipe file, not a config dict")
         built = _native.moe(None, _paths_as_text(config), out, keywords, allow_all_same)
     else:
-        built = _native.moe(_path(config, "config"), None, out, keywords, allow_all_same)
+        kept = None if intermediate_dir is None else _path(intermediate_dir, "intermediate_dir")
+        built = _native.moe(_path(config, "config"), None, out, keywords, allow_all_same, kept)
     return json.loads(built)
 
 

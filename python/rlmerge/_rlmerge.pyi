@@ -19,9 +19,10 @@ def run(recipe: str, out: str, keywords: Mapping[str, Any],
     recipe's earlier stages kept in ``intermediate_dir``); the record as JSON."""
 
 def moe(config_path: Optional[str], config: Optional[Mapping[str, Any]], out: str,
-        keywords: Mapping[str, Any], allow_all_same: bool) -> str:
-    """Builds a mixture of experts into ``out`` from the mergekit-moe config file
-    ``config_path`` or the dict ``config``; what was built as JSON."""
+        keywords: Mapping[str, Any], allow_all_same: bool,
+        intermediate_dir: Optional[str] = None) -> str:
+    """Builds a mixture of experts into ``out`` from the mergekit-moe config file (or
+    multi-stage recipe) ``config_path`` or the dict ``config``; what was built as JSON."""
 
 def extract_lora(base: str, model: str, out: str, rank: Optional[int], rel_error: Optional[float],
                  distribute_scale: bool, embed_lora: bool, skip_undecomposable: bool,

@@ -442,7 +442,7 @@ fn extract_lora(
 /// Builds a mixture of experts into `out`, as `rlmerge moe`: the config from the YAML file
 /// `config_path`, or `config` (a dict; paths from the working directory); what was built as JSON.
 #[pyfunction]
-#[pyo3(signature = (config_path, config, out, keywords, allow_all_same))]
+#[pyo3(signature = (config_path, config, out, keywords, allow_all_same, intermediate_dir=None))]
 fn moe(
     py: Python<'_>,
     config_path: Option<PathBuf>,
@@ -450,6 +450,7 @@ fn moe(
     out: PathBuf,
     keywords: MergeKeywords,
     allow_all_same: bool,
+    intermediate_dir: Option<PathBuf>,
 ) -> PyResult<String> {
     let seed = keywords.seed;
     let options = keywords.options(out).map_err(|e| exception(py, &e))?;
@@ -462,18 +463,6 @@ fn moe(
         options.out.display()
     ));
     cancellable(py, late, move || {
-        let mut config = match (config_path, value) {
-            (Some(path), _) => rlmerge::moe::config::read(&path, seed, allow_all_same)?,
-            (None, Some(value)) => rlmerge::moe::config::from_value(
-                value,
-                std::path::Path::new("."),
-                (seed, allow_all_same),
-            )?,
-            (None, None) => anyhow::bail!("internal: no MoE config"),
-        };
-        if let Some(d) = options.command_line.out_dtype {
-            config.dtype = Some(d);
-        }
         let moe_options = rlmerge::moe::Options {
             shard_bytes: options
                 .command_line
@@ -482,12 +471,28 @@ fn moe(
             allow_nonfinite: options.command_line.allow_nonfinite,
             show_progress: !options.quiet,
         };
-        let built = service::moe(
-            &config,
-            (&options.out, options.force),
-            (moe_options, options.compute.threads),
-            &mut show(options.quiet),
-        )?;
+        let out_dtype = options.command_line.out_dtype;
+        let work = (moe_options, options.compute.threads);
+        let mut say = show(options.quiet);
+        let (config, built) = match (config_path, value) {
+            (Some(path), _) => service::moe_recipe(
+                &path,
+                (seed, allow_all_same, out_dtype),
+                (&options.out, options.force, intermediate_dir.as_deref()),
+                work,
+                &mut say,
+            )?,
+            (None, Some(value)) => {
+                let here = std::path::Path::new(".");
+                let mut config =
+                    rlmerge::moe::config::from_value(value, here, (seed, allow_all_same), &[])?;
+                config.dtype = out_dtype.or(config.dtype);
+                let built =
+                    service::moe(&config, (&options.out, options.force), work, &[], &mut say)?;
+                (config, built)
+            }
+            (None, None) => anyhow::bail!("internal: no MoE config"),
+        };
         Ok(serde_json::json!({
             "architecture": built.layout.class(),
             "experts": config.experts.len(),

@@ -403,10 +403,6 @@ fn run_moe(args: &super::MoeArgs, out: &mut impl Write) -> Result<()> {
     for note in notes {
         eprintln!("note: {}", terminal(&note));
     }
-    let mut config = crate::moe::config::read(&args.config, seed, args.allow_all_same)?;
-    if let Some(d) = output.out_dtype {
-        config.dtype = Some(d);
-    }
     let out_dir = output.one_out(None)?;
     let options = crate::moe::Options {
         shard_bytes: output
@@ -415,11 +411,12 @@ fn run_moe(args: &super::MoeArgs, out: &mut impl Write) -> Result<()> {
         allow_nonfinite: args.allow_nonfinite,
         show_progress: !args.quiet,
     };
-    let built = service::moe(
-        &config,
-        (&out_dir, output.force),
+    let (config, built) = service::moe_recipe(
+        &args.config,
+        (seed, args.allow_all_same, output.out_dtype),
+        (&out_dir, output.force, args.intermediate_dir.as_deref()),
         (options, args.threads),
-        &mut show(false),
+        &mut show(args.quiet),
     )?;
     writeln!(
         out,

@@ -110,12 +110,17 @@ pub(crate) enum Command {
 #[derive(Args, Debug)]
 pub(crate) struct MoeArgs {
     /// mergekit-moe's YAML config (base_model, experts with source_model and prompts, gate_mode
-    /// cheap_embed or random, dtype, experts_per_token, shared_experts, architecture).
+    /// cheap_embed or random, dtype, experts_per_token, shared_experts, architecture); or a
+    /// multi-stage recipe of merges whose final stage is that config, naming them as experts.
     #[arg(value_name = "CONFIG.yml")]
     pub(crate) config: PathBuf,
     /// Output folder, as mergekit-moe takes it (or -o OUT_DIR).
     #[arg(value_name = "OUT_DIR")]
     pub(crate) out_dir: Option<PathBuf>,
+    /// A multi-stage recipe's merges (the stages before its final MoE config) are written to
+    /// DIR/NAME and kept [default: scratch beside the output, removed when the run ends].
+    #[arg(long, short = 'I', value_name = "DIR")]
+    pub(crate) intermediate_dir: Option<PathBuf>,
     /// Seed of random routers (gate_mode random, uniform_random) and of experts' noise_scale
     /// [default: the config's seed, else 0].
     #[arg(long)]

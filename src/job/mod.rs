@@ -7,11 +7,6 @@ mod recipe_yaml;
 /// A recipe's model reference as a folder (as written, beside the recipe, `BASE+ADAPTER`, a Hub
 /// id): what `rlmerge moe`'s config names its models by too.
 pub(crate) use recipe_yaml::local_folder as find_model;
-
-/// How many YAML documents `text` holds (a multi-stage recipe's stages).
-pub(crate) fn documents_in(text: &str) -> usize {
-    recipe_yaml::documents(text).len()
-}
 pub mod saved_recipe;
 pub mod stages;
 

@@ -199,6 +199,14 @@ pub fn references_mut(value: &mut Value) -> Vec<&mut String> {
                     }
                 }
             }
+            // A mergekit-moe config's experts (a multi-stage recipe's final stage).
+            ("experts" | "shared_experts", Value::Sequence(experts)) => {
+                for e in experts.iter_mut().filter_map(Value::as_mapping_mut) {
+                    if let Some(Value::String(s)) = e.get_mut("source_model") {
+                        found.push(s);
+                    }
+                }
+            }
             ("tokenizer_source", v) => found.extend(tokenizer_model(v)),
             ("tokenizer", Value::Mapping(t)) => {
                 for (k, v) in t.iter_mut() {

@@ -20,6 +20,8 @@ struct Stage {
     text: String,
     first_line: usize,
     needs: Vec<usize>,
+    /// A mergekit-moe config (the final stage only).
+    moe: bool,
 }
 
 /// A multi-stage recipe, its stages in the order they run, the final one last.
@@ -65,17 +67,12 @@ impl Stages {
     fn order(path: &Path, docs: Vec<(String, usize)>) -> Result<Stages> {
         let mut names: Vec<Option<String>> = Vec::new();
         let mut values = Vec::new();
+        // Which documents are mergekit-moe configs (a final stage only), with their lines.
+        let mut moe = Vec::new();
         for (text, line) in &docs {
             let mut value: serde_yaml::Value = serde_yaml::from_str(text)
                 .map_err(|e| anyhow::anyhow!("the document at line {line}: {e}"))?;
-            if is_moe_config(&value) {
-                return Err(usage(format!(
-                    "the document at line {line} is a mergekit-moe config: a multi-stage recipe's \
-                     stages are merges. Put the MoE config in a file of its own, make the merges \
-                     with `rlmerge run RECIPE OUT -I DIR` (stages kept in DIR/NAME), and name \
-                     those folders as experts in `rlmerge moe CONFIG OUT`"
-                )));
-            }
+            moe.push((is_moe_config(&value), *line));
             let name = match value.get("name") {
                 None => None,
                 Some(serde_yaml::Value::String(n)) => Some(n.clone()),
@@ -118,6 +115,17 @@ impl Stages {
             .iter()
             .position(Option::is_none)
             .unwrap_or(names.len() - 1);
+        if let Some((_, line)) = moe
+            .iter()
+            .enumerate()
+            .find(|(i, m)| m.0 && *i != last)
+            .map(|(_, m)| *m)
+        {
+            return Err(usage(format!(
+                "the document at line {line} is a mergekit-moe config: a MoE is only the final \
+                 stage (the one without a name, else the last), built from the merges before it"
+            )));
+        }
         if let Some(user) = (0..names.len()).find(|&i| needs[i].contains(&last)) {
             return Err(usage(format!(
                 "stage {} takes the final stage ({}) as a model; the final stage (the one \
@@ -140,6 +148,7 @@ impl Stages {
                     text,
                     first_line,
                     needs: needs[d].iter().map(|&n| at[n]).collect(),
+                    moe: moe[d].0,
                 }
             })
             .collect();
@@ -147,6 +156,11 @@ impl Stages {
             path: path.to_path_buf(),
             stages,
         })
+    }
+
+    /// The recipe file.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     /// How many stages, the final one included.
@@ -177,6 +191,33 @@ impl Stages {
             }
         }
         wanted[i]
+    }
+
+    /// Whether the final stage is a mergekit-moe config (`rlmerge moe` builds it).
+    pub fn final_is_moe(&self) -> bool {
+        self.stages.last().is_some_and(|s| s.moe)
+    }
+
+    /// The final stage as a MoE config, the earlier stages' outputs in `made` (name, folder)
+    /// taken by their names.
+    pub fn moe_config(
+        &self,
+        made: &[(String, PathBuf)],
+        (seed, allow_all_same): (Option<u64>, bool),
+    ) -> Result<crate::moe::MoeConfig> {
+        let i = self.stages.len() - 1;
+        let stage = &self.stages[i];
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        let value: serde_yaml::Value = serde_yaml::from_str(&stage.text)?;
+        crate::moe::config::from_value(value, dir, (seed, allow_all_same), made).with_context(
+            || {
+                format!(
+                    "recipe {}, stage {}",
+                    self.path.display(),
+                    shown(&stage.name, i)
+                )
+            },
+        )
     }
 
     /// Stage `i`'s job, the outputs of the stages before it in `made` (name, folder); `seed` (the

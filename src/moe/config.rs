@@ -80,6 +80,8 @@ pub struct MoeConfig {
     pub seed: u64,
     /// All experts may be one model (mergekit's `--i-understand-this-is-not-useful-without-training`).
     pub allow_all_same: bool,
+    /// The earlier stages of a multi-stage recipe it names (name, folder): saved by name.
+    pub stages: Vec<(String, PathBuf)>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -118,36 +120,29 @@ struct RawExpert {
 /// The gate modes that run the model on the prompts (mergekit's `hidden` and its variants).
 const FORWARD_MODES: [&str; 3] = ["hidden", "hidden_avg", "hidden_last"];
 
-/// Reads the config file at `path`; model references resolve against the working directory, then
-/// the file's folder. `seed` (the command line's) overrides the file's.
+/// Reads the config file at `path` (one YAML document); model references resolve against the
+/// working directory, then the file's folder. `seed` (the command line's) overrides the file's.
 pub fn read(path: &Path, seed: Option<u64>, allow_all_same: bool) -> Result<MoeConfig> {
     crate::checkpoint::files::check_regular_file(path)
         .with_context(|| format!("cannot read MoE config {}", path.display()))?;
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read MoE config {}", path.display()))?;
     let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
-    let documents = crate::job::documents_in(text);
-    if documents > 1 {
-        return Err(usage(format!(
-            "MoE config {} has {documents} YAML documents; rlmerge moe reads one config. Merges it \
-             takes as experts are made first — a multi-stage recipe's stages kept with `rlmerge \
-             run RECIPE OUT -I DIR` — and named by their folders",
-            path.display()
-        )));
-    }
     let value: serde_yaml::Value = serde_yaml::from_str(text)
         .map_err(|e| usage(format!("MoE config {}: {e}", path.display())))?;
     let dir = path.parent().unwrap_or(Path::new("."));
-    from_value(value, dir, (seed, allow_all_same))
+    from_value(value, dir, (seed, allow_all_same), &[])
         .with_context(|| format!("MoE config {}", path.display()))
 }
 
-/// A config as a YAML value (Python's dict, or a file's text parsed); references resolve against
-/// the working directory, then `dir`.
+/// A config as a YAML value (Python's dict, a file's text parsed, a multi-stage recipe's final
+/// document); references resolve to the earlier stages `made` (name, folder) by name, else
+/// against the working directory, then `dir`.
 pub fn from_value(
     value: serde_yaml::Value,
     dir: &Path,
     (seed, allow_all_same): (Option<u64>, bool),
+    made: &[(String, PathBuf)],
 ) -> Result<MoeConfig> {
     let raw: RawConfig = serde_yaml::from_value(value).map_err(|e| usage(e.to_string()))?;
     let gate_mode = gate_mode(raw.gate_mode.as_deref())?;
@@ -164,6 +159,13 @@ pub fn from_value(
         Some(k) if k >= 1 => k as usize,
         Some(k) => return Err(usage(format!("experts_per_token must be ≥ 1, got {k}"))),
     };
+    // A stage's name wins over a folder of that name, as in a multi-stage merge recipe.
+    let resolve = |reference: &str| -> Result<PathBuf> {
+        match made.iter().find(|(name, _)| name == reference) {
+            Some((_, folder)) => Ok(folder.clone()),
+            None => crate::job::find_model(reference, dir),
+        }
+    };
     let expert = |i: usize, e: RawExpert, list: &str| -> Result<Expert> {
         let what = format!("{list}[{i}] ({})", e.source_model);
         let scale = |key: &str, v: Option<f64>, least: f64| -> Result<Option<f32>> {
@@ -175,7 +177,7 @@ pub fn from_value(
             }
         };
         Ok(Expert {
-            folder: crate::job::find_model(&e.source_model, dir)
+            folder: resolve(&e.source_model)
                 .with_context(|| format!("{list}[{i}]: source_model"))?,
             noise_scale: scale("noise_scale", e.noise_scale, 0.0)?,
             residual_scale: scale("residual_scale", e.residual_scale, f64::MIN)?,
@@ -198,7 +200,7 @@ pub fn from_value(
         .map(|(i, e)| expert(i, e, "shared_experts"))
         .collect::<Result<Vec<_>>>()?;
     let config = MoeConfig {
-        base: crate::job::find_model(&raw.base_model, dir).context("base_model")?,
+        base: resolve(&raw.base_model).context("base_model")?,
         base_reference: raw.base_model,
         experts,
         shared_experts,
@@ -208,6 +210,7 @@ pub fn from_value(
         architecture: raw.architecture,
         seed: seed.or(raw.seed).unwrap_or(0),
         allow_all_same,
+        stages: made.to_vec(),
     };
     config.check()?;
     Ok(config)

@@ -19,6 +19,7 @@ use crate::checkpoint::files::SINGLE_FILE;
 use crate::checkpoint::weight_file::{FileChecksum, Interner};
 use crate::checkpoint::{DType, ModelFolder, OutputFolder};
 use crate::error::usage;
+use crate::job::DoneStage;
 use crate::model_config::moe::{moe_config, MoeLayout};
 use anyhow::{Context, Result};
 pub use config::MoeConfig;
@@ -177,7 +178,13 @@ fn out_dtype(config: &MoeConfig, base: &ModelFolder) -> DType {
 
 /// Builds the MoE of `config` into the folder `out` (replaced only with `force`, and only once
 /// the new one is complete).
-pub fn build(config: &MoeConfig, (out, force): (&Path, bool), options: Options) -> Result<Built> {
+/// `stages` are the merges of a multi-stage recipe it takes (saved with its config).
+pub fn build(
+    config: &MoeConfig,
+    (out, force): (&Path, bool),
+    options: Options,
+    stages: &[DoneStage],
+) -> Result<Built> {
     let opened = open(config)?;
     let base = &opened.models[0];
     let mut types = vec![model_type(base, "the base")?];
@@ -234,7 +241,7 @@ pub fn build(config: &MoeConfig, (out, force): (&Path, bool), options: Options) 
         dtype,
         warnings,
     };
-    let saved = saved_config(config, folder.final_path());
+    let saved = saved_config(config, folder.final_path(), stages)?;
     std::fs::write(dir.join(CONFIG_FILE), &saved)
         .with_context(|| format!("cannot write {}", dir.join(CONFIG_FILE).display()))?;
     std::fs::write(
@@ -243,7 +250,7 @@ pub fn build(config: &MoeConfig, (out, force): (&Path, bool), options: Options) 
     )
     .with_context(|| format!("cannot write the card into {}", dir.display()))?;
     write_record(
-        (config, options),
+        (config, options, stages),
         (&opened, &built),
         (folder.final_path(), dir),
         outputs,
@@ -258,23 +265,18 @@ pub fn build(config: &MoeConfig, (out, force): (&Path, bool), options: Options) 
 /// The config as saved beside the weights: mergekit-moe's keys, every model named by its path
 /// from the output folder (so the saved file, run from anywhere, names the same models), and the
 /// seed where randomness is used.
-fn saved_config(config: &MoeConfig, out: &Path) -> String {
+fn saved_config(config: &MoeConfig, out: &Path, stages: &[DoneStage]) -> Result<String> {
     use serde_yaml::{Mapping, Value};
-    let path = |p: &Path| -> Value {
-        let text = p.to_string_lossy();
-        let shown = match crate::checkpoint::lora::split_reference(&text) {
-            Some((b, a)) => format!(
-                "{}+{}",
-                crate::record::recorded_path(out, Path::new(b)).display(),
-                crate::record::recorded_path(out, Path::new(a)).display()
-            ),
-            None => crate::record::recorded_path(out, p).display().to_string(),
-        };
-        Value::String(shown)
+    // A multi-stage recipe's stage by its name; a folder by its path from the output.
+    let path = |reference: &str, p: &Path| -> Value {
+        match config.stages.iter().any(|(name, _)| name == reference) {
+            true => Value::String(reference.to_string()),
+            false => Value::String(crate::job::saved_recipe::reference_from(out, p)),
+        }
     };
     let expert = |e: &config::Expert| -> Value {
         let mut m = Mapping::new();
-        m.insert("source_model".into(), path(&e.folder));
+        m.insert("source_model".into(), path(&e.reference, &e.folder));
         for (key, prompts) in [
             ("positive_prompts", &e.positive_prompts),
             ("negative_prompts", &e.negative_prompts),
@@ -295,7 +297,10 @@ fn saved_config(config: &MoeConfig, out: &Path) -> String {
         Value::Mapping(m)
     };
     let mut m = Mapping::new();
-    m.insert("base_model".into(), path(&config.base));
+    m.insert(
+        "base_model".into(),
+        path(&config.base_reference, &config.base),
+    );
     if let Some(a) = &config.architecture {
         m.insert("architecture".into(), a.as_str().into());
     }
@@ -324,11 +329,20 @@ fn saved_config(config: &MoeConfig, out: &Path) -> String {
     if random {
         m.insert("seed".into(), config.seed.into());
     }
-    format!(
-        "# Written by rlmerge {} (rlmerge moe): remakes this MoE byte for byte with\n#   rlmerge moe {CONFIG_FILE} OUT\n{}",
-        env!("CARGO_PKG_VERSION"),
-        serde_yaml::to_string(&Value::Mapping(m)).unwrap_or_default()
-    )
+    let mut text = format!(
+        "# Written by rlmerge {} (rlmerge moe): remakes this MoE byte for byte with\n#   rlmerge moe \
+         {CONFIG_FILE} OUT\n",
+        env!("CARGO_PKG_VERSION")
+    );
+    // A multi-stage recipe: its merges, then the MoE, each a document.
+    for s in stages {
+        let value = s.recipe.value_for(out, &s.settings)?;
+        text += &format!("---\n{}", serde_yaml::to_string(&value)?);
+    }
+    if !stages.is_empty() {
+        text += "---\n";
+    }
+    Ok(text + &serde_yaml::to_string(&Value::Mapping(m))?)
 }
 
 /// What a MoE's folder records (`rlmerge_record.json`): the layout, its experts, the routers'
@@ -343,6 +357,8 @@ struct MoeRecord<'a> {
     dtype: &'static str,
     experts_per_token: usize,
     seed: u64,
+    /// The merge stages of a multi-stage recipe it took, by name.
+    stages: Vec<&'a str>,
     /// The largest shard (`verify --against` builds the MoE again with it).
     shard_bytes: u64,
     allow_nonfinite: bool,
@@ -356,7 +372,7 @@ struct MoeRecord<'a> {
 
 /// Writes the record into `dir`, the scratch of the folder that will be `out`.
 fn write_record(
-    (config, options): (&MoeConfig, Options),
+    (config, options, stages): (&MoeConfig, Options, &[DoneStage]),
     (opened, built): (&Opened, &Built),
     (out, dir): (&Path, &Path),
     mut outputs: Vec<FileChecksum>,
@@ -369,6 +385,15 @@ fn write_record(
         .iter()
         .map(|m| crate::record::tool::input(out, m))
         .collect::<Result<Vec<_>>>()?;
+    // A merge stage written to scratch (removed when the run ends) is named as the stage.
+    for (input, m) in inputs.iter_mut().zip(&opened.models) {
+        if let Some(s) = stages
+            .iter()
+            .find(|s| s.scratch && config::same_model(&s.folder, &m.dir))
+        {
+            input.path = format!("{}{}", crate::record::STAGE_PREFIX, s.name).into();
+        }
+    }
     // A LoRA expert's base, where it is not the MoE's: its weights were read too.
     let mut bases: Vec<&Path> = Vec::new();
     for m in opened.models.iter().filter(|m| m.lora.is_some()) {
@@ -391,6 +416,7 @@ fn write_record(
         dtype: built.dtype.torch_name(),
         experts_per_token: config.experts_per_token,
         seed: config.seed,
+        stages: stages.iter().map(|s| s.name.as_str()).collect(),
         shard_bytes: options.shard_bytes,
         allow_nonfinite: options.allow_nonfinite,
         experts: &config.experts,
