@@ -292,3 +292,22 @@ def test_extract_lora_reconstructs_as_well_as_mergekit_and_mergekit_merges_it(de
             name = key[len("base_model.model."):-len(".lora_A.weight")] + ".weight"
             ba = mine[key.replace("lora_A", "lora_B")].float() @ mine[key].float()
             assert torch.allclose(got[name], b[name].float() + ba, atol=1e-2), name
+
+
+def test_a_recipe_ending_in_a_moe_from_python(demo, tmp_path):
+    """rlmerge.moe of a multi-stage recipe: the merge stage kept in intermediate_dir, the MoE
+    taking it as an expert; a dict config takes no intermediate_dir."""
+    root, base, agents = demo
+    recipe = tmp_path / "staged.yml"
+    recipe.write_text(
+        f"name: pair\nmerge_method: ram\nbase_model: {base.resolve()}\n"
+        f"models: [{{model: {agents[1].resolve()}}}, {{model: {agents[2].resolve()}}}]\n---\n"
+        f"base_model: {base.resolve()}\narchitecture: qwen\ngate_mode: random\n"
+        f"shared_experts: [{{source_model: {base.resolve()}}}]\n"
+        f"experts: [{{source_model: {agents[0].resolve()}}}, {{source_model: pair}}]\n")
+    built = rlmerge.moe(recipe, tmp_path / "out", intermediate_dir=tmp_path / "kept")
+    assert built["architecture"] == "Qwen2MoeForCausalLM"
+    assert (tmp_path / "kept" / "pair" / "model.safetensors").is_file()
+    _loads_and_runs(tmp_path / "out")
+    with pytest.raises(rlmerge.UsageError):
+        rlmerge.moe({"base_model": str(base), "experts": []}, tmp_path / "x", intermediate_dir=tmp_path / "k")
