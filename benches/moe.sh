@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A 3-expert MoE at Llama-7B's shapes: `rlmerge moe` (cheap_embed routers, Mixtral output) against
 # its read limit and, where mergekit is installed beside $BENCH_PYTHON, mergekit-moe on the same
-# config, files and CPU. Prints each one's median wall time and peak RSS.
+# config, files and CPU. Prints each one's median wall time and peak RSS (rlmerge's runs
+# interleaved with the read limit's).
 #
 #   BENCH_PYTHON=python-with-numpy-and-tokenizers benches/moe.sh [RUNS=3] [DIR=target/bench-models-7b] [THREADS=0]
 #
@@ -85,12 +86,24 @@ report() {
 target/release/rlmerge moe "$config" "$out/ref" --threads "$threads" >/dev/null
 weights=("$out"/ref/*.safetensors)
 bytes=$(cat "${weights[@]}" | wc -c)
-read_s=$(for _ in $(seq "$runs"); do seconds cat "${weights[@]}" | cut -d' ' -f1; done | median)
-cp_s=$(for _ in $(seq "$runs"); do seconds cp -r "$out/ref" "$out/cp" | cut -d' ' -f1; done | median)
+# The read limit and rlmerge side by side, run after run (the machine's page cache and writeback
+# move every figure by 2x from one minute to the next; interleaved, both see the same).
+reads=() copies=() moes=() rss=0
+for _ in $(seq "$runs"); do
+    reads+=("$(seconds cat "${weights[@]}" | cut -d' ' -f1)")
+    copies+=("$(seconds cp -r "$out/ref" "$out/cp" | cut -d' ' -f1)")
+    read -r t m < <(seconds target/release/rlmerge moe "$config" "$out/m" -q --threads "$threads")
+    moes+=("$t")
+    if [ "$m" -gt "$rss" ]; then rss=$m; fi
+done
+read_s=$(printf '%s\n' "${reads[@]}" | median)
+cp_s=$(printf '%s\n' "${copies[@]}" | median)
 limit=$(echo "$read_s + $cp_s" | bc -l)
 printf 'MoE of 3 experts at 7B shapes: %s bytes written; cat %.2f s + cp %.2f s = read limit %.2f s (median of %s)\n\n' \
     "$bytes" "$read_s" "$cp_s" "$limit" "$runs"
-report "rlmerge moe" target/release/rlmerge moe "$config" "$out/m" --threads "$threads"
+med=$(printf '%s\n' "${moes[@]}" | median)
+printf '%-28s %7.2f s  %5.2fx the read limit  peak RSS %s MiB  (runs: %s)\n' "rlmerge moe" "$med" \
+    "$(echo "$med / $limit" | bc -l)" "$((rss / 1024))" "${moes[*]}"
 mergekit_moe=$(dirname "$(command -v "$py")")/mergekit-moe
 if [ -x "$mergekit_moe" ]; then
     HF_HUB_OFFLINE=1 report "mergekit-moe 0.1.5" "$mergekit_moe" "$config" "$out/m"

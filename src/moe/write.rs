@@ -1,9 +1,11 @@
-//! The MoE's weights, streamed: each planned tensor's parts read a chunk at a time, in order, and
-//! appended to the shards. A part read in the output dtype with nothing to change is copied as
-//! its bytes; else its values go through f32 — a LoRA expert's update added, the expert's noise
-//! and residual scale applied in the expert's dtype as mergekit-moe applies them (each step
-//! rounded to it) — and are encoded in the output dtype. Chunks are converted on every worker,
-//! element by element: the bytes do not depend on the thread count.
+//! The MoE's weights, streamed: every planned tensor's parts cut into chunks of at most
+//! [`CHUNK`] elements, each chunk read, converted and written at its final place in the shards by
+//! whichever worker takes it (the writer places bytes by offset and checksums them in any order).
+//! A part read in the output dtype with nothing to change is copied as its bytes; else its values
+//! go through f32 — a LoRA expert's update added, the expert's noise and residual scale applied
+//! in the expert's dtype as mergekit-moe applies them (each step rounded to it) — and are encoded
+//! in the output dtype. Every element's value is computed alone: the bytes do not depend on the
+//! thread count.
 
 use super::config::MoeConfig;
 use super::plan::{expert_of, Part, Planned};
@@ -20,6 +22,16 @@ const CHUNK: usize = 1 << 22;
 /// Elements a worker converts at a time.
 const SPAN: usize = 1 << 16;
 
+/// One chunk of work: output tensor `index`'s bytes from `at`, made of `part` (for a tensor,
+/// its elements `start..start + len`).
+struct Item<'a> {
+    index: usize,
+    at: u64,
+    part: &'a Part,
+    start: usize,
+    len: usize,
+}
+
 /// Writes every planned tensor into the shards of `dir` (at most `options.shard_bytes` each);
 /// `models` are the opened inputs the parts name.
 pub fn write(
@@ -32,22 +44,25 @@ pub fn write(
     let plan: Vec<_> = planned.iter().map(|p| p.out.clone()).collect();
     let total = plan.iter().map(|t| t.byte_len()).sum();
     let progress = crate::engine::progress_bar(total, options.show_progress, "moe");
-    let mut writer = CheckpointWriter::new(dir, plan, options.shard_bytes)?;
-    let mut io = Buffers::default();
-    for p in planned {
-        let (name, dtype) = (&*p.out.name, p.out.dtype);
-        progress.set_message(name.to_string());
-        for part in &p.parts {
-            match part {
+    let writer = CheckpointWriter::new(dir, plan, options.shard_bytes)?;
+    let items = items(planned, models)?;
+    let cancel = crate::cancel::current();
+    items
+        .par_iter()
+        .try_for_each_init(Buffers::default, |io, item| -> Result<()> {
+            cancel.check()?;
+            let p = &planned[item.index];
+            let (name, dtype) = (&*p.out.name, p.out.dtype);
+            let bytes: &[u8] = match item.part {
                 Part::Zeros(n) => {
                     io.out.clear();
                     io.out.resize(n * dtype.size(), 0);
-                    writer.write(name, &io.out)?;
+                    &io.out
                 }
                 Part::Values(v) => {
                     io.out.resize(v.len() * dtype.size(), 0);
                     encode(dtype, v, &mut io.out);
-                    writer.write(name, &io.out)?;
+                    &io.out
                 }
                 Part::Tensor {
                     model,
@@ -70,13 +85,56 @@ pub fn write(
                         adjust,
                         allow_nonfinite: options.allow_nonfinite,
                     };
-                    from.stream((&mut writer, name, dtype), &mut io, &progress)?;
+                    from.chunk((item.start, item.len), dtype, io)?
                 }
-            }
-        }
-    }
+            };
+            writer.write_at(item.index, item.at, bytes)?;
+            progress.inc(bytes.len() as u64);
+            Ok(())
+        })?;
     progress.finish_and_clear();
     writer.finish()
+}
+
+/// Every planned tensor's parts as chunks, in the output's order, each with its place.
+fn items<'a>(planned: &'a [Planned], models: &[ModelFolder]) -> Result<Vec<Item<'a>>> {
+    let mut items = Vec::new();
+    for (index, p) in planned.iter().enumerate() {
+        let size = p.out.dtype.size() as u64;
+        let mut at = 0u64;
+        for part in &p.parts {
+            let numel = match part {
+                Part::Zeros(n) => *n,
+                Part::Values(v) => v.len(),
+                Part::Tensor { model, name, .. } => {
+                    let m = &models[*model];
+                    let t = m.get(name).with_context(|| {
+                        format!("internal: {} has no '{name}'", m.dir.display())
+                    })?;
+                    t.entry.numel
+                }
+            };
+            let chunk = match part {
+                Part::Tensor { .. } => CHUNK,
+                _ => numel.max(1),
+            };
+            let mut start = 0;
+            while start < numel {
+                let len = chunk.min(numel - start);
+                let at_chunk = at + start as u64 * size;
+                items.push(Item {
+                    index,
+                    at: at_chunk,
+                    part,
+                    start,
+                    len,
+                });
+                start += len;
+            }
+            at += numel as u64 * size;
+        }
+    }
+    Ok(items)
 }
 
 /// The buffers one chunk goes through, kept from chunk to chunk.
@@ -111,13 +169,14 @@ struct Source<'a> {
 }
 
 impl Source<'_> {
-    /// Appends the tensor's values, chunk by chunk, to output tensor `out` in `dtype`.
-    fn stream(
+    /// Elements `start..start + len` of the tensor in `dtype`: its bytes as read, where they
+    /// need no change, else converted into `io.out`.
+    fn chunk<'b>(
         &self,
-        (writer, out, dtype): (&mut CheckpointWriter, &str, DType),
-        io: &mut Buffers,
-        progress: &indicatif::ProgressBar,
-    ) -> Result<()> {
+        (start, len): (usize, usize),
+        dtype: DType,
+        io: &'b mut Buffers,
+    ) -> Result<&'b [u8]> {
         let model = self.model;
         let t = model
             .get(self.name)
@@ -132,38 +191,28 @@ impl Source<'_> {
         }
         let src = t.entry.dtype;
         let plain = lora.is_none() && self.adjust.noise.is_none() && self.adjust.scale.is_none();
-        let numel = t.entry.numel;
-        let mut start = 0;
-        while start < numel {
-            crate::cancel::current().check()?;
-            let len = CHUNK.min(numel - start);
-            let offset = (start * src.size()) as u64;
-            io.bytes.resize(len * src.size(), 0);
-            model.read(t, offset, &mut io.bytes).with_context(|| {
-                format!("cannot read '{}' of {}", self.name, model.dir.display())
-            })?;
-            model.record_read(t, offset, &io.bytes);
-            if !self.allow_nonfinite {
-                if let Some(k) = first_nonfinite(src, &io.bytes) {
-                    bail!(
-                        "tensor '{}' of {} holds a NaN or ±Inf at element {} (--allow-nonfinite \
-                         copies it)",
-                        crate::escape::terminal(self.name),
-                        model.file_holding(t, (start + k) as u64).display(),
-                        start + k
-                    );
-                }
+        let offset = (start * src.size()) as u64;
+        io.bytes.resize(len * src.size(), 0);
+        model
+            .read(t, offset, &mut io.bytes)
+            .with_context(|| format!("cannot read '{}' of {}", self.name, model.dir.display()))?;
+        model.record_read(t, offset, &io.bytes);
+        if !self.allow_nonfinite {
+            if let Some(k) = first_nonfinite(src, &io.bytes) {
+                bail!(
+                    "tensor '{}' of {} holds a NaN or ±Inf at element {} (--allow-nonfinite \
+                     copies it)",
+                    crate::escape::terminal(self.name),
+                    model.file_holding(t, (start + k) as u64).display(),
+                    start + k
+                );
             }
-            if plain && src == dtype {
-                writer.write(out, &io.bytes)?;
-            } else {
-                self.convert((src, dtype), start, io, lora)?;
-                writer.write(out, &io.out)?;
-            }
-            start += len;
-            progress.inc((len * dtype.size()) as u64);
         }
-        Ok(())
+        if plain && src == dtype {
+            return Ok(&io.bytes);
+        }
+        self.convert((src, dtype), start, io, lora)?;
+        Ok(&io.out)
     }
 
     /// `io.bytes` (elements `start..` in `src`) into `io.out` in `dtype`: decoded, the LoRA
