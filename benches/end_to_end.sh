@@ -17,10 +17,9 @@
 # BENCH_SET=convert times `rlmerge convert` of the coding agent's verl shards (those of
 # BENCH_SET=verl) into a bf16 safetensors folder, against reading the shards and copying a folder
 # of the output's size (the base).
-# BENCH_SET=7b times every family of README's cost table at Llama-7B's shapes: a base of
-# benches/write_7b_shapes.py (the 32000 x 4096 embeddings and head, 2 decoder layers: 1.33 GB) and
-# 3 RL-like agents of it (benches/write_7b_agent.py with $BENCH_PYTHON, which needs numpy: 5, 25
-# and 50 % of each matrix moved by 1-4 bf16 steps) in DIR-7b; MODEL_SIZE is not used. Methods of
+# BENCH_SET=7b times every family of README's cost table at Llama-7B's shapes: the base and 3
+# RL-like agents of benches/7b_set.sh (written with $BENCH_PYTHON, which needs numpy) in DIR-7b;
+# MODEL_SIZE is not used. Methods of
 # two models (slerp, nearswap; nuslerp: two besides the base) merge the base and the first agents.
 # BENCH_CACHE: how the inputs sit in the page cache while timed. `disk` (the default) drops them
 # and reads them once from disk first, as a model read from disk sits there; `as-is` keeps
@@ -72,13 +71,8 @@ elif [ "$set" = verl ] || [ "$set" = convert ]; then
     done
     agents=("$dir-verl/coding-agent" "$dir-verl/tool-agent" "$dir-verl/memory-agent")
 elif [ "$set" = 7b ]; then
-    size=7b
-    once "$dir-7b/base" python3 benches/write_7b_shapes.py "$dir-7b/base" 2
-    for a in "coding-agent 0.05 1" "tool-agent 0.25 2" "memory-agent 0.5 3"; do
-        read -r m density seed <<<"$a"
-        once "$dir-7b/$m" "${BENCH_PYTHON:-python3}" benches/write_7b_agent.py "$dir-7b/base" \
-            "$dir-7b/$m" "$density" "$seed"
-    done
+    source benches/7b_set.sh
+    write_7b_set "$dir-7b" "${BENCH_PYTHON:-python3}"
     base=$dir-7b/base
     agents=("$dir-7b/coding-agent" "$dir-7b/tool-agent" "$dir-7b/memory-agent")
 else

@@ -7,8 +7,8 @@
 #
 #   BENCH_PYTHON=python-with-torch-and-numpy benches/extract_lora.sh [RANK=64] [DIR=target/bench-models-7b] [THREADS=0]
 #
-# DIR holds the base (benches/write_7b_shapes.py, 2 decoder layers) and the tool agent
-# (benches/write_7b_agent.py, 25 % of each matrix moved), written here when missing.
+# DIR holds the base and the tool agent (25 % of each matrix moved) of benches/7b_set.sh, written
+# here when missing.
 set -euo pipefail
 rank=${1:-64}
 dir=${2:-target/bench-models-7b}
@@ -16,12 +16,8 @@ threads=${3:-0}
 py=${BENCH_PYTHON:-python3}
 cd "$(dirname "$0")/.."
 cargo build --release --quiet
-if [ ! -f "$dir/base/model.safetensors" ]; then
-    python3 benches/write_7b_shapes.py "$dir/base" 2
-fi
-if [ ! -f "$dir/tool-agent/model.safetensors" ]; then
-    "$py" benches/write_7b_agent.py "$dir/base" "$dir/tool-agent" 0.25 2
-fi
+source benches/7b_set.sh
+write_7b_set "$dir" "$py" tool-agent
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 echo "rlmerge extract-lora, rank $rank:"

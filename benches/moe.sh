@@ -6,9 +6,9 @@
 #
 #   BENCH_PYTHON=python-with-numpy-and-tokenizers benches/moe.sh [RUNS=3] [DIR=target/bench-models-7b] [THREADS=0]
 #
-# DIR holds the base of benches/write_7b_shapes.py (2 decoder layers, 1.33 GB) and the three agents
-# of benches/write_7b_agent.py (BENCH_SET=7b benches/end_to_end.sh writes the same), written here
-# when missing, and a 32000-token word-level tokenizer for the base (the prompts' tokens).
+# DIR holds the base and the three agents of benches/7b_set.sh (the set BENCH_SET=7b
+# benches/end_to_end.sh times), written here when missing, and a 32000-token word-level
+# tokenizer for the base (the prompts' tokens).
 # The MoE reads the base's attention, embeddings and norms and each expert's MLPs (2.4 GB) and
 # writes them once: its read limit is `cat` of that many bytes (the output's weights, warm) plus
 # `cp` of the output folder — reading and writing the bytes once, as a copy does.
@@ -19,16 +19,8 @@ threads=${3:-0}
 py=${BENCH_PYTHON:-python3}
 cd "$(dirname "$0")/.."
 cargo build --release --quiet
-if [ ! -f "$dir/base/model.safetensors" ]; then
-    python3 benches/write_7b_shapes.py "$dir/base" 2
-fi
-agents=(coding-agent tool-agent memory-agent)
-densities=(0.05 0.25 0.5)
-for i in 0 1 2; do
-    if [ ! -f "$dir/${agents[$i]}/model.safetensors" ]; then
-        "$py" benches/write_7b_agent.py "$dir/base" "$dir/${agents[$i]}" "${densities[$i]}" 2
-    fi
-done
+source benches/7b_set.sh
+write_7b_set "$dir" "$py"
 if [ ! -f "$dir/base/tokenizer.json" ]; then
     "$py" - "$dir/base" <<'EOF'
 import json, sys

@@ -32,14 +32,19 @@ impl SplitMix64 {
 
     /// Uniform in [0, 1).
     pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+        unit(self.next_u64())
     }
 }
 
 /// Uniform value `i` in [0, 1) of the stream keyed `key` (splitmix64(key + i)): any element
 /// computed alone, in any order, on any thread, is the same value.
 pub fn uniform_at(key: u64, i: u64) -> f64 {
-    (splitmix64(key.wrapping_add(i)) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    unit(splitmix64(key.wrapping_add(i)))
+}
+
+/// 64 random bits as a uniform value in [0, 1): their top 53, the mantissa's.
+fn unit(bits: u64) -> f64 {
+    (bits >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
 /// Standard normal value `i` of the stream keyed `key` (Box–Muller on uniforms 2i and 2i + 1 of

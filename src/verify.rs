@@ -189,22 +189,18 @@ fn check_inputs(record: &MergeRecord, out_dir: &Path, v: &mut Verification) -> b
 /// output and input file against its checksum; `None` where `dir` holds a merge's record. With
 /// `against`, a MoE is built again from the config saved beside it (on `threads` workers) and
 /// compared byte for byte; an extracted adapter is refused (run the extraction again).
-pub fn verify_tool_output(
-    dir: &Path,
-    against: bool,
-    threads: usize,
-) -> Result<Option<Verification>> {
-    #[derive(serde::Deserialize)]
-    struct Input {
-        path: std::path::PathBuf,
-        files: Vec<FileChecksum>,
-    }
+fn verify_tool_output(dir: &Path, against: bool, threads: usize) -> Result<Option<Verification>> {
+    /// A tool's record, as far as verify reads it (a MoE's: how `--against` builds it again).
     #[derive(serde::Deserialize)]
     struct ToolRecord {
         #[serde(default)]
-        inputs: Vec<Input>,
+        inputs: Vec<crate::record::InputChecksums>,
         #[serde(default)]
         outputs: Vec<FileChecksum>,
+        #[serde(default)]
+        shard_bytes: Option<u64>,
+        #[serde(default)]
+        allow_nonfinite: bool,
     }
     let Some(kind) = crate::record::tool::tool_kind(dir) else {
         return Ok(None);
@@ -215,23 +211,8 @@ pub fn verify_tool_output(
     let path = dir.join(crate::checkpoint::output_folder::RECORD_FILE);
     let record: ToolRecord = serde_json::from_str(&std::fs::read_to_string(&path)?)
         .with_context(|| format!("{}: invalid record", path.display()))?;
-    let outputs = record.outputs.iter().map(|f| (f, false));
-    let inputs = record
-        .inputs
-        .iter()
-        .flat_map(|i| &i.files)
-        .map(|f| (f, true));
-    if let Some(bad) = outputs
-        .chain(inputs)
-        .find(|(f, input)| !crate::record::is_recorded_file_name(&f.file, *input))
-        .map(|(f, _)| f.file.as_str())
-    {
-        anyhow::bail!(
-            "{}: invalid record: it lists the file '{}', which is not a plain file name",
-            path.display(),
-            crate::escape::terminal(bad)
-        );
-    }
+    crate::record::check_file_names(&record.outputs, &record.inputs)
+        .with_context(|| format!("{}: invalid record", path.display()))?;
     let mut v = Verification::default();
     for f in &record.outputs {
         check_file(dir, f, "output", &mut v);
@@ -253,7 +234,15 @@ pub fn verify_tool_output(
         }
     }
     if against && v.problems.is_empty() {
-        rebuild_and_compare(dir, &record.outputs, threads, &mut v)?;
+        let shard_bytes = record
+            .shard_bytes
+            .with_context(|| format!("{}: a MoE record without its shard size", path.display()))?;
+        let options = crate::moe::Options {
+            shard_bytes,
+            allow_nonfinite: record.allow_nonfinite,
+            show_progress: false,
+        };
+        rebuild_and_compare(dir, &record.outputs, (options, threads), &mut v)?;
     }
     Ok(Some(v))
 }
@@ -263,25 +252,12 @@ pub fn verify_tool_output(
 fn rebuild_and_compare(
     dir: &Path,
     outputs: &[FileChecksum],
-    threads: usize,
+    (options, threads): (crate::moe::Options, usize),
     v: &mut Verification,
 ) -> Result<()> {
-    #[derive(serde::Deserialize)]
-    struct Settings {
-        shard_bytes: u64,
-        allow_nonfinite: bool,
-    }
-    let path = dir.join(crate::checkpoint::output_folder::RECORD_FILE);
-    let settings: Settings = serde_json::from_str(&std::fs::read_to_string(&path)?)
-        .with_context(|| format!("{}: a MoE record without its shard size", path.display()))?;
     let config = dir.join(crate::moe::CONFIG_FILE);
     let scratch = verify_scratch(dir)?;
     let again = scratch.path().join("moe");
-    let options = crate::moe::Options {
-        shard_bytes: settings.shard_bytes,
-        allow_nonfinite: settings.allow_nonfinite,
-        show_progress: false,
-    };
     // The saved config, with the merge stages it holds, as `rlmerge moe` of it runs.
     crate::service::moe_recipe(
         &config,

@@ -347,12 +347,6 @@ fn an_interrupted_extraction_leaves_nothing() {
         .arg("--model")
         .arg(&f.agents[0])
         .arg("-o")
-        .arg(&out)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped());
-    default_signals(&mut cmd);
-    let child = cmd.spawn().unwrap();
-    wait_until_running(f.dir.path());
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    assert_interrupted(child, f.dir.path(), &out);
+        .arg(&out);
+    interrupt_midway(cmd, f.dir.path(), &out);
 }

@@ -360,25 +360,20 @@ fn bad_configs_and_inputs_are_refused_by_name_with_nothing_written() {
         .position(|t| t.name.ends_with("1.mlp.up_proj.weight"))
         .unwrap();
     tensors[i].values[5] = f32::NAN;
-    write_folder(&f.agents[0], &tensors, 1);
+    // The first expert's weights rewritten, its config the base's (write_folder writes its own).
+    let expert_of = |tensors: &[T]| {
+        write_folder(&f.agents[0], tensors, 1);
+        std::fs::copy(f.base.join("config.json"), f.agents[0].join("config.json")).unwrap();
+    };
+    expert_of(&tensors);
     let config = c("");
-    std::fs::write(
-        f.agents[0].join("config.json"),
-        std::fs::read(f.base.join("config.json")).unwrap(),
-    )
-    .unwrap();
     refused(
         &config,
         &["model.layers.1.mlp.up_proj.weight", "NaN", "element 5"],
         None,
     );
     tensors.remove(i);
-    write_folder(&f.agents[0], &tensors, 1);
-    std::fs::write(
-        f.agents[0].join("config.json"),
-        std::fs::read(f.base.join("config.json")).unwrap(),
-    )
-    .unwrap();
+    expert_of(&tensors);
     refused(
         &config,
         &["has no 'model.layers.1.mlp.up_proj.weight'"],
@@ -534,14 +529,6 @@ fn an_interrupted_moe_leaves_nothing() {
     let config = family_config(&f, "");
     let out = f.dir.path().join("out");
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rlmerge"));
-    cmd.args(["moe", "--threads", "1"])
-        .arg(&config)
-        .arg(&out)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped());
-    default_signals(&mut cmd);
-    let child = cmd.spawn().unwrap();
-    wait_until_running(f.dir.path());
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    assert_interrupted(child, f.dir.path(), &out);
+    cmd.args(["moe", "--threads", "1"]).arg(&config).arg(&out);
+    interrupt_midway(cmd, f.dir.path(), &out);
 }

@@ -77,4 +77,13 @@ impl ModelConfig {
     pub fn layer_count(&self) -> Option<usize> {
         crate::structure::layer_count(&self.0)
     }
+
+    /// The dtype the weights are saved in, as `torch_dtype` (or current transformers' `dtype`)
+    /// says; `None` where it says none rlmerge writes.
+    pub fn dtype(&self) -> Option<crate::checkpoint::DType> {
+        self.0["torch_dtype"]
+            .as_str()
+            .or(self.0["dtype"].as_str())
+            .and_then(crate::checkpoint::DType::parse_user)
+    }
 }

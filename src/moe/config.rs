@@ -270,7 +270,7 @@ impl MoeConfig {
         Ok(())
     }
 
-    /// Every expert (and shared expert, where any has prompts) has positive prompts, and the
+    /// Every expert and shared expert has positive prompts (none empty), and the
     /// experts' prompts are not all the same.
     fn check_prompts(&self) -> Result<()> {
         for (list, experts) in [
@@ -308,18 +308,6 @@ impl MoeConfig {
             ));
         }
         Ok(())
-    }
-
-    /// Every model folder the MoE reads, each once: the base, then the experts and shared
-    /// experts (a LoRA expert on another base: that base and the adapter).
-    pub fn folders(&self) -> Vec<PathBuf> {
-        let mut all = vec![self.base.clone()];
-        for e in self.experts.iter().chain(&self.shared_experts) {
-            if !all.iter().any(|f| same_model(f, &e.folder)) {
-                all.push(e.folder.clone());
-            }
-        }
-        all
     }
 }
 

@@ -162,16 +162,9 @@ fn check_expert_config(base: &ModelFolder, m: &ModelFolder, who: &str) -> Result
 /// The output dtype: the config's, else the base config's `torch_dtype` (or `dtype`), else the
 /// base's weights'.
 fn out_dtype(config: &MoeConfig, base: &ModelFolder) -> DType {
-    let from_config = base.config().and_then(|c| {
-        let j = c.json();
-        j["torch_dtype"]
-            .as_str()
-            .or(j["dtype"].as_str())
-            .and_then(DType::parse_user)
-    });
     config
         .dtype
-        .or(from_config)
+        .or(base.config().and_then(|c| c.dtype()))
         .or(base.main_dtype())
         .unwrap_or(DType::BF16)
 }

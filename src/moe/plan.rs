@@ -96,6 +96,17 @@ pub fn check_mlps(model: &ModelFolder, d: Dims, who: &str) -> Result<()> {
                 "down_proj" => [d.hidden, d.intermediate],
                 _ => [d.intermediate, d.hidden],
             };
+            if model
+                .lora_for(&name)
+                .and_then(|l| l.update(&name))
+                .is_some_and(|u| u.is_dora())
+            {
+                return Err(usage(format!(
+                    "{who} ({}) is a DoRA adapter, which rlmerge moe does not apply: convert it \
+                     first (rlmerge convert BASE+ADAPTER OUT) and name the converted folder",
+                    model.dir.display()
+                )));
+            }
             match model.get(&name) {
                 Some(t) if t.entry.shape[..] == want => {}
                 found => {

@@ -35,7 +35,12 @@ pub fn routers(
     (layers, hidden): (usize, usize),
 ) -> Result<Routers> {
     let shared = &config.shared_experts;
-    let (experts, shared) = match config.gate_mode {
+    // Rows nearly linearly dependent: one expert's router is the others' mix.
+    let degenerate_rows = |e: &[f32], s: &[f32]| -> Result<bool> {
+        let rows: Vec<&[f32]> = e.chunks(hidden).chain(s.chunks(hidden)).collect();
+        Ok(condition(&rows)? > DEGENERATE)
+    };
+    let (experts, shared, degenerate) = match config.gate_mode {
         GateMode::CheapEmbed => {
             let embed = Embeddings::of(base)?;
             let tokenizer = crate::vocabulary::PromptTokenizer::open(&base.dir)?;
@@ -47,7 +52,12 @@ pub fn routers(
                 Ok(rows)
             };
             let (e, s) = (rows(&config.experts)?, rows(shared)?);
-            (vec![e; layers], vec![s; layers])
+            // Every layer's rows are these: judged once.
+            let degenerate = match degenerate_rows(&e, &s)? {
+                true => (0..layers).collect(),
+                false => Vec::new(),
+            };
+            (vec![e; layers], vec![s; layers], degenerate)
         }
         mode => {
             let key = crate::hash::splitmix64(config.seed);
@@ -63,22 +73,19 @@ pub fn routers(
                     _ => crate::hash::normal_at(key, i) as f32,
                 }
             };
-            let all: Vec<Vec<f32>> = (0..layers)
-                .map(|l| (l * row..(l + 1) * row).map(draw).collect())
-                .collect();
-            (
-                all.iter().map(|r| r[..e * hidden].to_vec()).collect(),
-                all.iter().map(|r| r[e * hidden..].to_vec()).collect(),
-            )
+            let (mut experts, mut shared, mut degenerate) = (Vec::new(), Vec::new(), Vec::new());
+            for l in 0..layers {
+                let mut rows: Vec<f32> = (l * row..(l + 1) * row).map(draw).collect();
+                let s = rows.split_off(e * hidden);
+                if degenerate_rows(&rows, &s)? {
+                    degenerate.push(l);
+                }
+                experts.push(rows);
+                shared.push(s);
+            }
+            (experts, shared, degenerate)
         }
     };
-    let mut degenerate = Vec::new();
-    for (layer, (e, s)) in experts.iter().zip(&shared).enumerate() {
-        let rows: Vec<&[f32]> = e.chunks(hidden).chain(s.chunks(hidden)).collect();
-        if condition(&rows)? > DEGENERATE {
-            degenerate.push(layer);
-        }
-    }
     Ok(Routers {
         experts,
         shared,

@@ -11,7 +11,7 @@ use super::config::MoeConfig;
 use super::plan::{expert_of, Part, Planned};
 use crate::checkpoint::dtype::{decode, encode, first_nonfinite, round_through};
 use crate::checkpoint::weight_file::FileChecksum;
-use crate::checkpoint::{CheckpointWriter, DType, ModelFolder};
+use crate::checkpoint::{CheckpointWriter, DType, ModelFolder, ModelTensor};
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
 use std::path::Path;
@@ -23,11 +23,12 @@ const CHUNK: usize = 1 << 22;
 const SPAN: usize = 1 << 16;
 
 /// One chunk of work: output tensor `index`'s bytes from `at`, made of `part` (for a tensor,
-/// its elements `start..start + len`).
+/// its elements `start..start + len` of `tensor`).
 struct Item<'a> {
     index: usize,
     at: u64,
     part: &'a Part,
+    tensor: Option<&'a ModelTensor>,
     start: usize,
     len: usize,
 }
@@ -81,6 +82,7 @@ pub fn write(
                     };
                     let from = Source {
                         model: &models[*model],
+                        tensor: item.tensor.expect("a tensor part's items hold it"),
                         name: source,
                         adjust,
                         allow_nonfinite: options.allow_nonfinite,
@@ -97,22 +99,25 @@ pub fn write(
 }
 
 /// Every planned tensor's parts as chunks, in the output's order, each with its place.
-fn items<'a>(planned: &'a [Planned], models: &[ModelFolder]) -> Result<Vec<Item<'a>>> {
+fn items<'a>(planned: &'a [Planned], models: &'a [ModelFolder]) -> Result<Vec<Item<'a>>> {
     let mut items = Vec::new();
     for (index, p) in planned.iter().enumerate() {
         let size = p.out.dtype.size() as u64;
         let mut at = 0u64;
         for part in &p.parts {
+            let tensor = match part {
+                Part::Tensor { model, name, .. } => {
+                    let m = &models[*model];
+                    Some(m.get(name).with_context(|| {
+                        format!("internal: {} has no '{name}'", m.dir.display())
+                    })?)
+                }
+                _ => None,
+            };
             let numel = match part {
                 Part::Zeros(n) => *n,
                 Part::Values(v) => v.len(),
-                Part::Tensor { model, name, .. } => {
-                    let m = &models[*model];
-                    let t = m.get(name).with_context(|| {
-                        format!("internal: {} has no '{name}'", m.dir.display())
-                    })?;
-                    t.entry.numel
-                }
+                Part::Tensor { .. } => tensor.map_or(0, |t| t.entry.numel),
             };
             let chunk = match part {
                 Part::Tensor { .. } => CHUNK,
@@ -126,6 +131,7 @@ fn items<'a>(planned: &'a [Planned], models: &[ModelFolder]) -> Result<Vec<Item<
                     index,
                     at: at_chunk,
                     part,
+                    tensor,
                     start,
                     len,
                 });
@@ -163,6 +169,7 @@ fn noise_key(seed: u64, name: &str, k: usize) -> u64 {
 /// One input tensor as a part of an output tensor.
 struct Source<'a> {
     model: &'a ModelFolder,
+    tensor: &'a ModelTensor,
     name: &'a str,
     adjust: Adjust,
     allow_nonfinite: bool,
@@ -177,18 +184,8 @@ impl Source<'_> {
         dtype: DType,
         io: &'b mut Buffers,
     ) -> Result<&'b [u8]> {
-        let model = self.model;
-        let t = model
-            .get(self.name)
-            .with_context(|| format!("internal: {} has no '{}'", model.dir.display(), self.name))?;
+        let (model, t) = (self.model, self.tensor);
         let lora = model.lora_for(self.name);
-        if lora.is_some_and(|l| l.update(self.name).is_some_and(|u| u.is_dora())) {
-            bail!(
-                "the expert {} is a DoRA adapter, which rlmerge moe does not apply: convert it \
-                 first (rlmerge convert BASE+ADAPTER OUT) and name the converted folder",
-                model.dir.display()
-            );
-        }
         let src = t.entry.dtype;
         let plain = lora.is_none() && self.adjust.noise.is_none() && self.adjust.scale.is_none();
         let offset = (start * src.size()) as u64;
@@ -234,7 +231,7 @@ impl Source<'_> {
         // A LoRA expert's values are its merged f32 weights: its adjustments round to f32.
         let rounding = match lora {
             Some(l) => {
-                let shape = &self.model.get(self.name).expect("read above").entry.shape;
+                let shape = &self.tensor.entry.shape;
                 l.add_update(self.name, shape, start as u64, &mut io.values)?;
                 if let Some(k) = io.values.iter().position(|v| !v.is_finite()) {
                     if !self.allow_nonfinite {

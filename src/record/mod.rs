@@ -311,29 +311,34 @@ impl MergeRecord {
         Ok(record)
     }
 
-    /// Every file a record lists — outputs, and each input folder's files — must be a plain file
-    /// name inside its folder (a downloaded merge's record is not trusted to send `verify`
-    /// elsewhere: no `/`, `\`, `..`, `.`, empty or NUL names); an input's may be one inside the
-    /// `huggingface/` folder of a trainer's checkpoint.
+    /// Every file the record lists is one it may list ([`check_file_names`]).
     fn check_file_names(&self) -> Result<()> {
-        let outputs = self.outputs.iter().map(|f| (f, false));
-        let inputs = self.inputs.iter().flat_map(|i| &i.files).map(|f| (f, true));
-        for (f, input) in outputs.chain(inputs) {
-            let name = f.file.as_str();
-            if !is_recorded_file_name(name, input) {
-                anyhow::bail!(
-                    "it lists the file '{}', which is not a plain file name inside its folder",
-                    crate::escape::terminal(name)
-                );
-            }
-        }
-        Ok(())
+        check_file_names(&self.outputs, &self.inputs)
     }
+}
+
+/// Every file a record lists — outputs, and each input folder's files — must be a plain file
+/// name inside its folder (a downloaded folder's record is not trusted to send `verify`
+/// elsewhere: no `/`, `\`, `..`, `.`, empty or NUL names); an input's may be one inside the
+/// `huggingface/` folder of a trainer's checkpoint. A merge's record and a tool's alike.
+pub fn check_file_names(outputs: &[FileChecksum], inputs: &[InputChecksums]) -> Result<()> {
+    let outputs = outputs.iter().map(|f| (f, false));
+    let inputs = inputs.iter().flat_map(|i| &i.files).map(|f| (f, true));
+    for (f, input) in outputs.chain(inputs) {
+        let name = f.file.as_str();
+        if !is_recorded_file_name(name, input) {
+            anyhow::bail!(
+                "it lists the file '{}', which is not a plain file name inside its folder",
+                crate::escape::terminal(name)
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Whether a record may list `name`: a plain file name inside its folder ([`is_plain_file_name`]),
 /// or for an `input`'s file, one inside the `huggingface/` folder of a trainer's checkpoint.
-pub fn is_recorded_file_name(name: &str, input: bool) -> bool {
+fn is_recorded_file_name(name: &str, input: bool) -> bool {
     let hf = format!("{}/", crate::checkpoint::fsdp_shards::HF_FOLDER);
     is_plain_file_name(name)
         || (input

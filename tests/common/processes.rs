@@ -34,6 +34,19 @@ pub fn assert_interrupted(child: std::process::Child, dir: &Path, out: &Path) {
     assert_eq!(leftovers(dir), Vec::<String>::new());
 }
 
+/// Runs `cmd`, a run writing `out` with its scratch in `dir`, with signals at their defaults
+/// (stdout dropped, stderr kept), and once it is under way (its scratch there, then 200 ms)
+/// checks that SIGINT ends it as an interrupted run ends ([`assert_interrupted`]).
+pub fn interrupt_midway(mut cmd: std::process::Command, dir: &Path, out: &Path) {
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    default_signals(&mut cmd);
+    let child = cmd.spawn().unwrap();
+    wait_until_running(dir);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_interrupted(child, dir, out);
+}
+
 /// A merge slowed down by one-element tiles, so a test can act while it runs (on
 /// [`slow_fixture`]'s inputs: a second or so).
 pub fn slow_merge(f: &Fixture, out: &Path) -> std::process::Child {
