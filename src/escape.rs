@@ -77,6 +77,20 @@ pub fn markdown_code(text: &str) -> String {
     format!("{fence}{pad}{text}{pad}{fence}")
 }
 
+/// `text` as a fenced Markdown code block of language `lang`: a fence longer than any run of
+/// backticks in it (no line of it can close the block), each line with [`terminal`]'s escapes
+/// (hidden characters made visible).
+pub fn markdown_block(lang: &str, text: &str) -> String {
+    let longest = text.split(|c| c != '`').map(str::len).max().unwrap_or(0);
+    let fence = "`".repeat(longest.max(2) + 1);
+    let mut block = format!("{fence}{lang}\n");
+    for line in text.lines() {
+        block.push_str(&terminal(line));
+        block.push('\n');
+    }
+    block + &fence + "\n"
+}
+
 /// `text` as inline Markdown text (a table cell, a list item): [`terminal`]'s escapes, every ASCII
 /// punctuation character Markdown could read as syntax backslash-escaped, and `<`, `>`, `&` as
 /// entities so no HTML is read.
@@ -127,6 +141,11 @@ mod tests {
         assert_eq!(markdown_code("plain"), "`plain`");
         assert_eq!(markdown_code("a`b"), "``a`b``");
         assert_eq!(markdown_code("`x``"), "``` `x`` ```");
+        // A block's fence outlasts any backtick run inside: a line of ``` cannot close it.
+        assert_eq!(
+            markdown_block("yaml", "a: 1\n```\n# b"),
+            "````yaml\na: 1\n```\n# b\n````\n"
+        );
         assert_eq!(markdown_code("a\n# b"), "`a\\n# b`");
         assert_eq!(markdown_code(""), "`  `");
     }

@@ -532,3 +532,117 @@ fn an_interrupted_moe_leaves_nothing() {
     cmd.args(["moe", "--threads", "1"]).arg(&config).arg(&out);
     interrupt_midway(cmd, f.dir.path(), &out);
 }
+
+/// Every path and flag `rlmerge moe` takes, pointed at the wrong thing: a config that is a
+/// folder, nowhere or a FIFO (refused unread), an output inside an input or at a device, absurd
+/// --threads and --shard-size, --intermediate-dir for a one-document config, --allow-nonfinite
+/// letting a NaN through. Each named, exit ≠ 0, nothing written.
+#[test]
+fn paths_and_flags_are_checked_before_anything_is_written() {
+    let f = family(87);
+    let config = family_config(&f, "");
+    let out = f.dir.path().join("out");
+    let fifo = f.dir.path().join("fifo.yml");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let inside = f.base.join("inside");
+    let cases: Vec<(PathBuf, PathBuf, Vec<&str>, &str)> = vec![
+        (
+            f.dir.path().to_path_buf(),
+            out.clone(),
+            vec![],
+            "is a folder",
+        ),
+        (
+            f.dir.path().join("nowhere.yml"),
+            out.clone(),
+            vec![],
+            "No such file",
+        ),
+        (fifo, out.clone(), vec![], "not a regular file"),
+        (
+            config.clone(),
+            inside.clone(),
+            vec![],
+            "lies inside the input folder",
+        ),
+        (config.clone(), "/dev/null".into(), vec![], "already exists"),
+        (
+            config.clone(),
+            out.clone(),
+            vec!["--threads", "100000"],
+            "--threads 100000",
+        ),
+        (
+            config.clone(),
+            out.clone(),
+            vec!["--shard-size", "0"],
+            "at least one byte",
+        ),
+        (
+            config.clone(),
+            out.clone(),
+            vec!["-I", "kept"],
+            "multi-stage recipe",
+        ),
+    ];
+    for (config, to, extra, says) in cases {
+        let o = moe(&config, &to, &extra);
+        assert!(!o.status.success(), "accepted: {says}");
+        assert!(err_of(&o).contains(says), "{says:?} not in: {}", err_of(&o));
+    }
+    assert!(!out.exists() && !inside.exists() && !f.dir.path().join("kept").exists());
+    assert_eq!(leftovers(f.dir.path()), Vec::<String>::new());
+    // --allow-nonfinite copies a NaN an expert holds, as it is.
+    let mut tensors = f.agent_tensors[0].clone();
+    let gate = tensors
+        .iter_mut()
+        .find(|t| t.name.ends_with("0.mlp.gate_proj.weight"))
+        .unwrap();
+    gate.values[0] = f32::NAN;
+    write_folder(&f.agents[0], &tensors, 1);
+    std::fs::copy(f.base.join("config.json"), f.agents[0].join("config.json")).unwrap();
+    assert!(!moe(&config, &out, &[]).status.success());
+    let o = moe(&config, &out, &["--allow-nonfinite"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let (dtype, _, bytes) = &read_folder(&out)["model.layers.0.mlp.experts.gate_up_proj"];
+    assert!(from_bytes(*dtype, bytes)[0].is_nan());
+}
+
+/// A prompt is data in the card: a fence, a heading or HTML in it neither leaves its table cell
+/// nor closes the configuration's code block.
+#[test]
+fn hostile_prompts_stay_data_in_the_card() {
+    let f = family(88);
+    let hostile = "x\n```\n# Injected <img src=y>\n```";
+    let config = f.dir.path().join("moe.yml");
+    let text = std::fs::read_to_string(family_config(&f, "")).unwrap();
+    let text = text
+        .replace(
+            "gate_mode: random\n",
+            "gate_mode: random\nexperts_per_token: 1\n",
+        )
+        .replacen(
+            "    noise_scale: 0.01\n",
+            &format!("    noise_scale: 0.01\n    positive_prompts: [{hostile:?}]\n"),
+            1,
+        );
+    std::fs::write(&config, text).unwrap();
+    let out = f.dir.path().join("out");
+    let o = moe(&config, &out, &[]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let card = std::fs::read_to_string(out.join("README.md")).unwrap();
+    assert!(card.contains("Injected"), "{card}");
+    // No heading: the table cell keeps it in a code span, the block indents and fences it.
+    assert!(!card.lines().any(|l| l.starts_with("# Injected")), "{card}");
+    // Every fence that opens a block is closed by a fence of its own length.
+    let fences: Vec<&str> = card.lines().filter(|l| l.starts_with("```")).collect();
+    assert_eq!(fences.len(), 2, "{card}");
+    assert!(
+        fences[0].starts_with("````") && fences[1].trim() == "````",
+        "{card}"
+    );
+}

@@ -284,7 +284,9 @@ fn saved_config(config: &MoeConfig, out: &Path, stages: &[DoneStage]) -> Result<
             ("residual_scale", e.residual_scale),
         ] {
             if let Some(v) = v {
-                m.insert(key.into(), Value::from(f64::from(v)));
+                // The f32 written in its shortest form (0.01, not 0.009999999776482582).
+                let shortest = v.to_string().parse().unwrap_or(f64::from(v));
+                m.insert(key.into(), Value::from(shortest));
             }
         }
         Value::Mapping(m)
@@ -498,5 +500,5 @@ fn card(config: &MoeConfig, built: &Built, saved: &str) -> String {
             built.zero_biases.len()
         );
     }
-    text + &format!("\n## Configuration\n\n```yaml\n{saved}```\n")
+    text + "\n## Configuration\n\n" + &crate::escape::markdown_block("yaml", saved)
 }

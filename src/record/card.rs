@@ -407,19 +407,14 @@ fn loading(s: &mut String, config: Option<&serde_json::Value>) {
 /// block no line of it can leave (a fence longer than any run of backticks in it), hidden
 /// characters made visible. Whether mergekit runs it too is said, not promised.
 fn configuration(s: &mut String, r: &MergeRecord, recipe: &str) {
-    let longest = recipe.split(|c| c != '`').map(str::len).max().unwrap_or(0);
-    let fence = "`".repeat(longest.max(2) + 1);
-    let _ = writeln!(
+    let _ = write!(
         s,
         "\n## Reproduce\n\n`rlmerge run {MERGEKIT_CONFIG_FILE} -o OUT` makes this merge again, \
          byte for byte, from any folder: the model paths in it are relative to this one. {} \
-         `rlmerge verify THIS_FOLDER --against` recomputes it and compares.\n\n{fence}yaml",
-        mergekit_note(r, recipe)
+         `rlmerge verify THIS_FOLDER --against` recomputes it and compares.\n\n{}",
+        mergekit_note(r, recipe),
+        crate::escape::markdown_block("yaml", recipe)
     );
-    for line in recipe.lines() {
-        let _ = writeln!(s, "{}", crate::escape::terminal(line));
-    }
-    let _ = writeln!(s, "{fence}");
 }
 
 /// What mergekit makes of the recipe: nothing, for a method or modifier it does not have;
