@@ -243,6 +243,46 @@ def test_ctrl_c_stops_a_merge_and_leaves_nothing(big_demo, tmp_path):
     assert sorted(os.listdir(parent)) == [], "a scratch or output folder was left"
 
 
+@pytest.mark.parametrize("tool", ["moe", "extract_lora"])
+def test_ctrl_c_stops_mergekits_other_tools_within_a_second(big_demo, tmp_path, tool):
+    """rlmerge.moe and rlmerge.extract_lora answer Ctrl-C as merge does, within a second:
+    KeyboardInterrupt, nothing at or beside the output (their work runs on a pool of its own,
+    which takes the call's cancellation; noise on every expert weight, or a rank-32 extraction,
+    keeps one thread busy for seconds)."""
+    root, base, agents = big_demo
+    parent = tmp_path / "outs"
+    parent.mkdir()
+    out = str(parent / "out")
+    if tool == "moe":
+        config = {"base_model": str(base), "architecture": "qwen", "gate_mode": "random",
+                  "shared_experts": [{"source_model": str(base)}],
+                  "experts": [{"source_model": str(a), "noise_scale": 0.01} for a in agents]}
+        call = f"rlmerge.moe({config!r}, {out!r}, threads=1)"
+    else:
+        call = f"rlmerge.extract_lora({str(base)!r}, {str(agents[2])!r}, {out!r}, rank=32, threads=1)"
+    script = (
+        "import signal, sys, rlmerge\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        f"{call}\n"
+        "print('finished')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(parent.iterdir()) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert proc.poll() is None, f"{tool} finished before it could be interrupted"
+    time.sleep(0.2)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - started < 1.0, "Ctrl-C took more than a second"
+    assert proc.returncode != 0, stdout
+    assert "KeyboardInterrupt" in stderr, stderr
+    assert "finished" not in stdout
+    assert sorted(os.listdir(parent)) == [], "a scratch or output folder was left"
+
+
 def test_lora_agents_merge_from_python(tmp_path):
     """A PEFT adapter folder, and mergekit's BASE+ADAPTER, are agents from Python too."""
     models = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "mergekit" / "models"

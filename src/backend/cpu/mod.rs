@@ -52,9 +52,19 @@ impl CpuBackend {
         Ok(CpuBackend { pool })
     }
 
-    /// Runs `work` on this backend's worker threads (its rayon calls use them).
+    /// Runs `work` on this backend's worker threads (its rayon calls use them), as the calling
+    /// thread's job: it takes that thread's cancellation token ([`crate::cancel::current`]).
     pub fn install<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
-        self.pool.install(work)
+        // The work is the calling thread's job: it stops when that job is asked to (the
+        // cancellation token is per thread, and the pool's threads have their own).
+        let token = crate::cancel::current();
+        self.pool.install(move || {
+            let before = crate::cancel::current();
+            crate::cancel::set_current(token);
+            let done = work();
+            crate::cancel::set_current(before);
+            done
+        })
     }
 }
 
