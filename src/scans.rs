@@ -44,6 +44,9 @@ pub type AgentVisit<'v> = dyn Fn(usize, &AgentChunk) -> ControlFlow<()> + Sync +
 /// element, the agent's values there)`.
 pub type AnyOrderVisit<'v> = dyn Fn(usize, usize, u64, &[f32]) + Sync + 'v;
 
+/// What an any-order scan of every agent at once does with a chunk: `(worker, the chunk's values)`.
+pub type ChunkVisit<'v> = dyn Fn(usize, &Values) + Sync + 'v;
+
 /// The ways to scan a tensor's tiles.
 pub trait Scans {
     /// Whole tiles in order, every agent at once (for statistics across agents).
@@ -67,6 +70,11 @@ pub trait Scans {
     /// [`Self::workers`] threads at once: for statistics made slab by slab (DELLA's ranks), each
     /// run used while it is in the core's cache. τ with `delta`, else θ.
     fn slabs_any_order(&mut self, slab: u64, delta: bool, visit: &AnyOrderVisit) -> Result<()>;
+    /// Every agent's values at once (base, θ and τ), in chunks of [`SCAN_CHUNK`] elements that
+    /// start at multiples of [`SCAN_CHUNK`], in any order, on [`Self::workers`] threads at once:
+    /// for statistics across agents kept per chunk and combined in order (SCE's variance cut and
+    /// weights, slerp's moments), which no tiling or thread count then changes.
+    fn chunks_any_order(&mut self, visit: &ChunkVisit) -> Result<()>;
 }
 
 /// Per-(worker, agent) states of an any-order scan, at `worker * agents + agent`: each is only
@@ -179,6 +187,24 @@ pub(crate) mod memory {
 
         fn slabs_any_order(&mut self, slab: u64, delta: bool, visit: &AnyOrderVisit) -> Result<()> {
             self.runs_last_first(slab, delta, visit);
+            Ok(())
+        }
+
+        /// Last chunk first, the two workers taking turns.
+        fn chunks_any_order(&mut self, visit: &ChunkVisit) -> Result<()> {
+            let len = self.v[0].len();
+            let starts: Vec<usize> = (0..len).step_by(SCAN_CHUNK).collect();
+            for (i, &start) in starts.iter().rev().enumerate() {
+                let end = (start + SCAN_CHUNK).min(len);
+                let part: Vec<Vec<f32>> = self.v.iter().map(|a| a[start..end].to_vec()).collect();
+                let values = Values {
+                    start: start as u64,
+                    base: &self.zeros[start..end],
+                    x: &part,
+                    tau: &part,
+                };
+                visit(i % 2, &values);
+            }
             Ok(())
         }
     }

@@ -12,7 +12,8 @@ use crate::method::combine::CombineSpec;
 use crate::method::settings::TensorPlace;
 use crate::method::statistics::{self, Decisions};
 use crate::method::MethodConfig;
-use crate::scans::{AgentChunk, AgentVisit, AnyOrderVisit, Scans, Values, Visit, SCAN_CHUNK};
+use crate::scans::SCAN_CHUNK;
+use crate::scans::{AgentChunk, AgentVisit, AnyOrderVisit, ChunkVisit, Scans, Values, Visit};
 use anyhow::{ensure, Context, Result};
 use indicatif::ProgressBar;
 use rayon::prelude::*;
@@ -111,15 +112,10 @@ impl<'a> TensorScans<'a> {
     }
 
     /// The any-order scans: about one tile in `every`, each read by one of the workers and
-    /// visited agent by agent in runs of [`SCAN_CHUNK`] elements — or with `slab` > 0 of as many
-    /// whole slabs as fit in it (at least one), the tiles then cut at whole slabs too.
-    fn runs_any_order(
-        &mut self,
-        every: usize,
-        slab: u64,
-        delta: bool,
-        visit: &AnyOrderVisit,
-    ) -> Result<()> {
+    /// visited in runs of [`SCAN_CHUNK`] elements — agent by agent, or every agent at once — or
+    /// with `slab` > 0 of as many whole slabs as fit in it (at least one), the tiles then cut at
+    /// whole slabs too.
+    fn runs_any_order(&mut self, every: usize, slab: u64, visit: RunVisit) -> Result<()> {
         let workers = self.workers();
         let ids = AtomicUsize::new(0);
         let tensor = TensorTiles {
@@ -147,16 +143,24 @@ impl<'a> TensorScans<'a> {
             || {
                 let id = ids.fetch_add(1, Ordering::Relaxed);
                 debug_assert!(id < workers);
-                (id, ScanRows::new(run))
+                (id, ScanRows::new(run), TileValues::default())
             },
-            |(id, rows), _, _, start, tile| {
+            |(id, rows, all), _, _, start, tile| {
                 for chunk in ranges(tile.len, run) {
-                    if delta {
-                        rows.load_base(tile, chunk);
-                    }
-                    for t in 0..tile.agents.len() {
-                        let v = rows.values(tile, t, chunk, delta);
-                        visit(*id, t, start + chunk.0 as u64, v);
+                    let at = start + chunk.0 as u64;
+                    match visit {
+                        RunVisit::Agents { delta, visit } => {
+                            if delta {
+                                rows.load_base(tile, chunk);
+                            }
+                            for t in 0..tile.agents.len() {
+                                visit(*id, t, at, rows.values(tile, t, chunk, delta));
+                            }
+                        }
+                        RunVisit::Chunks(visit) => {
+                            all.load(tile, chunk, false);
+                            visit(*id, &all.values(at));
+                        }
                     }
                 }
                 Ok(())
@@ -213,11 +217,69 @@ pub(super) struct ScanBuffers {
     values: TileValues,
 }
 
+/// Every agent's values over a run of a tile's elements, in f32: the base, θ and τ = θ − θ₀.
 #[derive(Default)]
 struct TileValues {
     base: Vec<f32>,
     x: Vec<Vec<f32>>,
     tau: Vec<Vec<f32>>,
+}
+
+impl TileValues {
+    /// Decodes elements `cs..cs + cl` of the tile, the agents in parallel with `parallel`.
+    fn load(&mut self, tile: &Tile, (cs, cl): (usize, usize), parallel: bool) {
+        let size = tile.dtype.size();
+        let n = tile.agents.len();
+        self.x.resize_with(n, Vec::new);
+        self.tau.resize_with(n, Vec::new);
+        resize_exact(&mut self.base, cl, 0.0);
+        decode(
+            tile.dtype,
+            &tile.base[cs * size..(cs + cl) * size],
+            &mut self.base,
+        );
+        let base = &*self.base;
+        let agent = |((x, tau), bytes): ((&mut Vec<f32>, &mut Vec<f32>), &&[u8])| {
+            resize_exact(x, cl, 0.0);
+            decode(tile.dtype, &bytes[cs * size..(cs + cl) * size], x);
+            tau.clear();
+            tau.extend(x.iter().zip(base).map(|(a, b)| a - b));
+        };
+        let (x, tau) = (&mut self.x, &mut self.tau);
+        if parallel {
+            x.par_iter_mut()
+                .zip(tau.par_iter_mut())
+                .zip(tile.agents.par_iter())
+                .for_each(agent);
+        } else {
+            x.iter_mut()
+                .zip(tau.iter_mut())
+                .zip(tile.agents.iter())
+                .for_each(agent);
+        }
+    }
+
+    /// The values [`Self::load`] decoded, whose first element is element `start` of the tensor.
+    fn values(&self, start: u64) -> Values<'_> {
+        Values {
+            start,
+            base: &self.base,
+            x: &self.x,
+            tau: &self.tau,
+        }
+    }
+}
+
+/// What the workers of an any-order scan hand each run of elements to.
+#[derive(Clone, Copy)]
+enum RunVisit<'a, 'v> {
+    /// One agent at a time: τ with `delta`, else θ.
+    Agents {
+        delta: bool,
+        visit: &'a AnyOrderVisit<'v>,
+    },
+    /// Every agent at once.
+    Chunks(&'a ChunkVisit<'v>),
 }
 
 impl ScanBuffers {
@@ -308,39 +370,22 @@ impl Scans for TensorScans<'_> {
     }
 
     fn any_order(&mut self, every: usize, delta: bool, visit: &AnyOrderVisit) -> Result<()> {
-        self.runs_any_order(every, 0, delta, visit)
+        self.runs_any_order(every, 0, RunVisit::Agents { delta, visit })
     }
 
     fn slabs_any_order(&mut self, slab: u64, delta: bool, visit: &AnyOrderVisit) -> Result<()> {
-        self.runs_any_order(1, slab.max(1), delta, visit)
+        self.runs_any_order(1, slab.max(1), RunVisit::Agents { delta, visit })
+    }
+
+    fn chunks_any_order(&mut self, visit: &ChunkVisit) -> Result<()> {
+        self.runs_any_order(1, 0, RunVisit::Chunks(visit))
     }
 
     fn tiles(&mut self, visit: &mut Visit) -> Result<()> {
-        let n = self.present.len();
         let mut values = std::mem::take(&mut self.buffers.values);
-        values.x.resize_with(n, Vec::new);
-        values.tau.resize_with(n, Vec::new);
-        let TileValues { base, x, tau } = &mut values;
-        let (x, tau) = (&mut x[..n], &mut tau[..n]);
         let result = self.each_tile(0, |_, start, tile| {
-            resize_exact(base, tile.len, 0.0);
-            decode(tile.dtype, tile.base, base);
-            let base_values = &*base;
-            x.par_iter_mut()
-                .zip(tau.par_iter_mut())
-                .zip(tile.agents.par_iter())
-                .for_each(|((x, tau), bytes)| {
-                    resize_exact(x, tile.len, 0.0);
-                    decode(tile.dtype, bytes, x);
-                    tau.clear();
-                    tau.extend(x.iter().zip(base_values).map(|(a, b)| a - b));
-                });
-            visit(&Values {
-                start,
-                base,
-                x,
-                tau,
-            })
+            values.load(tile, (0, tile.len), true);
+            visit(&values.values(start))
         });
         self.buffers.values = values;
         result

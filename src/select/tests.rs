@@ -266,3 +266,58 @@ fn window_bits_vector_and_scalar_agree() {
         }
     }
 }
+
+/// The rank cut of a key over every agent at once (SCE's variance, arcee_fusion's importance)
+/// keeps exactly a stable sort's top k, whatever the chunk order and worker: keys from few
+/// values (ties across many chunks, more than one worker remembers: the bin turns to a histogram
+/// and the tie is searched), from many values (members remembered), and zeros never kept.
+#[test]
+fn key_rank_cuts_match_a_sort() {
+    use crate::scans::Values;
+    let len = 80 * SCAN_CHUNK + 5;
+    let mut rng = crate::hash::SplitMix64::new(11);
+    let agents: Vec<Vec<f32>> = (0..2)
+        .map(|_| (0..len).map(|_| rng.next_f64() as f32).collect())
+        .collect();
+    for distinct in [3u32, 1 << 20] {
+        // A key from both agents' values, 0 for a tenth of the elements.
+        let key_of = |a: f32, b: f32| -> u32 {
+            let mixed = ((a * 9973.0 + b * 7919.0) * 1e3) as u32;
+            if (a * 10.0) as u32 == 0 {
+                0
+            } else {
+                0x0100_0000 + mixed % distinct
+            }
+        };
+        let keys = |tile: &Values, out: &mut Vec<u32>| {
+            out.clear();
+            out.extend(
+                tile.x[0]
+                    .iter()
+                    .zip(&tile.x[1])
+                    .map(|(&a, &b)| key_of(a, b)),
+            );
+        };
+        let all: Vec<u32> = (0..len)
+            .map(|i| key_of(agents[0][i], agents[1][i]))
+            .collect();
+        let nonzero = all.iter().filter(|&&k| k != 0).count();
+        let mut order: Vec<usize> = (0..len).filter(|&i| all[i] != 0).collect();
+        order.sort_by(|&a, &b| all[b].cmp(&all[a]).then(a.cmp(&b)));
+        for k in [1, nonzero / 3, nonzero / 2 + 1, nonzero] {
+            let mut scan = scan_of(agents.clone(), 3 * SCAN_CHUNK + 1);
+            let cut = key_rank_cut(&mut scan, len as u64, &keys, |n| {
+                assert_eq!(n, nonzero as u64);
+                k as u64
+            })
+            .unwrap();
+            let mut kept: Vec<usize> = (0..len)
+                .filter(|&i| all[i] != 0 && cut.inside(all[i], i as u32))
+                .collect();
+            let mut want = order[..k].to_vec();
+            want.sort_unstable();
+            kept.sort_unstable();
+            assert_eq!(kept, want, "{distinct} distinct keys, k = {k}");
+        }
+    }
+}

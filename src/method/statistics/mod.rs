@@ -2,7 +2,8 @@
 //! tiles before its merge pass, and the combine rule built from them: exact rank cuts by
 //! magnitude (`crate::select`), L1 norms for rescaling, Gram sums for Model Stock and the slerps
 //! (per tensor, or per row or column), moments for slerp, arcee_fusion's row KL and fence. Sums are
-//! f64 in element order, so every backend merges with the same coefficients.
+//! f64 in a fixed order — element order, or per chunk of [`SCAN_CHUNK`] elements added in chunk
+//! order — so every backend, tiling and thread count merges with the same coefficients.
 
 mod fusion;
 mod kept;
@@ -23,10 +24,9 @@ use super::combine::{
 };
 use super::tensor_params::{BaseTerm, Sparsify, TensorParams, Vectors};
 use crate::hash::hash_key;
-use crate::scans::{lock, states, unlock, worker_states, Scans, SCAN_CHUNK};
+use crate::scans::{lock, unlock, worker_states, Scans, SCAN_CHUNK};
 use crate::select::{cut_of, rank_cuts};
 use anyhow::Result;
-use rayon::prelude::*;
 use std::ops::ControlFlow;
 use std::sync::Mutex;
 
@@ -178,6 +178,42 @@ impl CoefRows {
     fn of(&self, idx: u64) -> usize {
         coef_row(idx, self.len, self.period) as usize
     }
+
+    /// The runs of `len` elements from element `start` that lie in one row each: (first
+    /// element, elements).
+    fn runs(&self, start: u64, len: usize) -> impl Iterator<Item = (u64, usize)> + '_ {
+        let end = start + len as u64;
+        let mut at = start;
+        std::iter::from_fn(move || {
+            if at >= end {
+                return None;
+            }
+            let next = match self.len {
+                0 => end,
+                l => ((at / l + 1) * l).min(end),
+            };
+            let run = (at, (next - at) as usize);
+            at = next;
+            Some(run)
+        })
+    }
+}
+
+/// Σ aᵢbᵢ in f64, in a fixed order that vectorizes: element i adds into lane i mod 8, then the
+/// lanes are summed in lane order.
+fn dot(a: &[f32], b: &[f32]) -> f64 {
+    let mut lanes = [0.0f64; 8];
+    let (xs, ys) = (a.chunks_exact(8), b.chunks_exact(8));
+    let rest = xs.remainder().iter().zip(ys.remainder());
+    for (x, y) in xs.zip(ys) {
+        for j in 0..8 {
+            lanes[j] += x[j] as f64 * y[j] as f64;
+        }
+    }
+    for (j, (&x, &y)) in rest.enumerate() {
+        lanes[j] += x as f64 * y as f64;
+    }
+    lanes.iter().sum()
 }
 
 /// The coefficient rows of a tensor: one per element for Fisher, one per vector of
@@ -199,7 +235,7 @@ fn coef_rows(params: &TensorParams, numel: u64, shape: &[usize]) -> CoefRows {
     CoefRows { len, period, count }
 }
 
-/// The f64 sums a tensor's coefficients come from, each over the whole tensor in element order.
+/// The f64 sums a tensor's coefficients come from, each over the whole tensor in a fixed order.
 struct Sums {
     /// Per agent: (Σ|v|, Σ|v| over the kept elements), for agents that rescale.
     l1: Vec<(f64, f64)>,
@@ -295,7 +331,8 @@ impl Sums {
         Ok(())
     }
 
-    /// L1 norms and slerp's moments per coefficient row in one in-order scan per agent.
+    /// L1 norms and slerp's moments per coefficient row in one scan of every agent at once, in
+    /// any order: each chunk's sums kept by its place and added in order after.
     fn l1_and_rows(
         &mut self,
         keep: &[Keep],
@@ -304,36 +341,37 @@ impl Sums {
         coef_rows: CoefRows,
         scan: &mut dyn Scans,
     ) -> Result<()> {
-        let l1_state = states(self.l1.iter().copied());
-        let rows_state = Mutex::new(std::mem::take(&mut self.rows));
-        scan.per_agent(0, &|t, c| {
-            if agents[t] {
-                let v = c.values(delta);
-                let mut mask = [0u32; SCAN_CHUNK];
+        let n = agents.len();
+        let workers = scan.workers();
+        let l1_parts = worker_states(workers, n, |_| Vec::<(u64, f64, f64)>::new());
+        // Per worker: (first element, row, Σθ₀², Σθ₁², Σθ₀θ₁) of each run of a chunk in one row.
+        let row_parts = worker_states(workers, 1, |_| Vec::<(u64, usize, [f64; 3])>::new());
+        let masks = worker_states(workers, 1, |_| vec![0u32; SCAN_CHUNK]);
+        scan.chunks_any_order(&|w, c| {
+            for t in (0..n).filter(|&t| agents[t]) {
+                let v = if delta { &c.tau[t] } else { &c.x[t] };
+                let mut mask = lock(&masks[w]);
                 let mask = &mut mask[..v.len()];
                 keep[t].mask_into(v, c.start as u32, &[], mask);
                 let (all, kept) = abs_sums(v, mask);
-                let mut l = lock(&l1_state[t]);
-                l.0 += all;
-                l.1 += kept;
+                lock(&l1_parts[w * n + t]).push((c.start, all, kept));
             }
-            if t == 0 {
-                let mut rows = lock(&rows_state);
-                for (j, (&b, &x)) in c.base.iter().zip(c.x).enumerate() {
-                    let m = &mut rows[coef_rows.of(c.start + j as u64)];
-                    m[0] += b as f64 * b as f64;
-                    m[1] += x as f64 * x as f64;
-                    m[2] += b as f64 * x as f64;
-                }
-            }
-            if agents[t] || t == 0 {
-                ControlFlow::Continue(())
-            } else {
-                ControlFlow::Break(())
+            let mut rows = lock(&row_parts[w]);
+            for (at, len) in coef_rows.runs(c.start, c.base.len()) {
+                let i = (at - c.start) as usize;
+                let (b, x) = (&c.base[i..i + len], &c.x[0][i..i + len]);
+                rows.push((at, coef_rows.of(at), [dot(b, b), dot(x, x), dot(b, x)]));
             }
         })?;
-        self.l1 = l1_state.into_iter().map(unlock).collect();
-        self.rows = unlock(rows_state);
+        add_in_order(&mut self.l1, l1_parts);
+        let mut runs: Vec<(u64, usize, [f64; 3])> =
+            row_parts.into_iter().flat_map(unlock).collect();
+        runs.sort_unstable_by_key(|r| r.0);
+        for (_, row, m) in runs {
+            for (sum, part) in self.rows[row].iter_mut().zip(m) {
+                *sum += part;
+            }
+        }
         Ok(())
     }
 
@@ -376,31 +414,28 @@ impl Sums {
         Ok(())
     }
 
-    /// The Gram matrix of the task vectors (`of_tau`) or of the models, tile by tile, the pairs
-    /// of a tile in parallel.
+    /// The Gram matrix of the task vectors (`of_tau`) or of the models, from chunks in any order:
+    /// each chunk's dot products kept by its place and added in order after.
     fn gram(&mut self, of_tau: bool, scan: &mut dyn Scans) -> Result<()> {
         let n = self.l1.len();
         let pairs: Vec<(usize, usize)> = (0..n).flat_map(|a| (a..n).map(move |b| (a, b))).collect();
-        let gram = &mut self.gram;
-        scan.tiles(&mut |tile| {
-            let v = if of_tau { tile.tau } else { tile.x };
-            let dots: Vec<f64> = pairs
-                .par_iter()
-                .map(|&(a, b)| {
-                    v[a].iter()
-                        .zip(&v[b])
-                        .map(|(&x, &y)| x as f64 * y as f64)
-                        .sum()
-                })
-                .collect();
+        let parts = worker_states(scan.workers(), 1, |_| Vec::<(u64, Vec<f64>)>::new());
+        scan.chunks_any_order(&|w, c| {
+            let v = if of_tau { c.tau } else { c.x };
+            let dots = pairs.iter().map(|&(a, b)| dot(&v[a], &v[b])).collect();
+            lock(&parts[w]).push((c.start, dots));
+        })?;
+        let mut chunks: Vec<(u64, Vec<f64>)> = parts.into_iter().flat_map(unlock).collect();
+        chunks.sort_unstable_by_key(|c| c.0);
+        for (_, dots) in chunks {
             for (&(a, b), dot) in pairs.iter().zip(dots) {
-                gram[a * n + b] += dot;
+                self.gram[a * n + b] += dot;
                 if a != b {
-                    gram[b * n + a] += dot;
+                    self.gram[b * n + a] += dot;
                 }
             }
-            Ok(ControlFlow::Continue(()))
-        })
+        }
+        Ok(())
     }
 
     /// One Gram matrix per coefficient row (model_stock's `filter_wise`, nuslerp without
@@ -598,4 +633,35 @@ pub fn rank_rows(params: &TensorParams, numel: u64, shape: &[usize]) -> Result<R
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chunk_splits_at_row_ends_and_its_dot_products_are_the_sums() {
+        let rows = CoefRows {
+            len: 5,
+            period: 0,
+            count: 4,
+        };
+        assert_eq!(
+            rows.runs(3, 12).collect::<Vec<_>>(),
+            [(3, 2), (5, 5), (10, 5)]
+        );
+        let whole = CoefRows {
+            len: 0,
+            period: 0,
+            count: 1,
+        };
+        assert_eq!(whole.runs(7, 4).collect::<Vec<_>>(), [(7, 4)]);
+        assert_eq!(whole.runs(7, 0).count(), 0);
+        // Small integers: every order of adding gives the exact sum.
+        let a: Vec<f32> = (0..21).map(|i| i as f32).collect();
+        let b: Vec<f32> = (0..21).map(|i| 2.0 * i as f32 - 3.0).collect();
+        let want: f64 = a.iter().zip(&b).map(|(&a, &b)| a as f64 * b as f64).sum();
+        assert_eq!(dot(&a, &b), want);
+        assert_eq!(dot(&a[..5], &b[..5]), 2.0 * 30.0 - 3.0 * 10.0);
+    }
 }

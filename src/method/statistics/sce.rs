@@ -1,10 +1,9 @@
 //! SCE's statistics: the variance cut over the agents' task vectors and each agent's weight.
 
 use crate::method::combine::{variance_key, VarianceCut};
-use crate::scans::{Scans, Values};
+use crate::scans::{lock, unlock, worker_states, Scans, Values};
 use crate::select::key_rank_cut;
 use anyhow::Result;
-use std::ops::ControlFlow;
 
 /// SCE's statistics: the cut keeping the ⌊density · (elements of non-zero variance)⌋ elements
 /// of highest variance over the agents' task vectors (none when density ≥ 1), and each agent's
@@ -36,21 +35,37 @@ pub(super) fn sce_statistics(
             inv_n,
         ))
     };
-    let mut squares = vec![0.0f64; n];
-    let mut buf = Vec::new();
-    scan.tiles(&mut |tile| {
-        keys(tile, &mut buf);
-        for (t, sq) in squares.iter_mut().enumerate() {
-            for (i, &x) in tile.tau[t].iter().enumerate() {
-                let kept = element_keep
-                    .is_none_or(|(cut, _)| cut.inside(buf[i], (tile.start + i as u64) as u32));
-                if kept {
-                    *sq += x as f64 * x as f64;
-                }
-            }
+    // Per worker: (chunk start, each agent's Σv² over its kept elements) of each chunk it read,
+    // added in chunk order after, and its buffer of keys.
+    let parts = worker_states(scan.workers(), 1, |_| (Vec::new(), Vec::new()));
+    scan.chunks_any_order(&|w, chunk| {
+        let mut state = lock(&parts[w]);
+        let (sums, buf) = &mut *state;
+        if element_keep.is_some() {
+            keys(chunk, buf);
         }
-        Ok(ControlFlow::Continue(()))
+        let kept = |i: usize| {
+            element_keep.is_none_or(|(cut, _)| cut.inside(buf[i], (chunk.start + i as u64) as u32))
+        };
+        let chunk_sums: Vec<f64> = (0..n)
+            .map(|t| {
+                let values = chunk.tau[t].iter().enumerate();
+                values
+                    .filter(|&(i, _)| kept(i))
+                    .map(|(_, &x)| x as f64 * x as f64)
+                    .fold(0.0, |sum, sq| sum + sq)
+            })
+            .collect();
+        sums.push((chunk.start, chunk_sums));
     })?;
+    let mut chunks: Vec<(u64, Vec<f64>)> = parts.into_iter().flat_map(|p| unlock(p).0).collect();
+    chunks.sort_unstable_by_key(|c| c.0);
+    let mut squares = vec![0.0f64; n];
+    for (_, sums) in chunks {
+        for (sq, s) in squares.iter_mut().zip(sums) {
+            *sq += s;
+        }
+    }
     let means: Vec<f64> = squares.iter().map(|s| s / numel.max(1) as f64).collect();
     let total: f64 = means.iter().sum();
     let weights = if total.abs() < 1e-6 {
