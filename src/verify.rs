@@ -8,7 +8,7 @@ use crate::checkpoint::weight_file::{crc32_of_file, FileChecksum};
 use crate::checkpoint::ModelFolder;
 use crate::engine;
 use crate::job::Job;
-use crate::record::{resolved_path, MergeRecord};
+use crate::record::{resolved_path, InputChecksums, MergeRecord};
 use anyhow::{Context, Result};
 use std::io::Read;
 use std::path::Path;
@@ -128,9 +128,9 @@ pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verificat
             ));
         }
     }
-    let inputs_intact = check_inputs(&record, out_dir, &mut v);
+    let (inputs_intact, stages) = check_inputs(&record.inputs, out_dir, &mut v);
     if let Some(backend) = against {
-        if inputs_intact {
+        if inputs_intact && !stages {
             recompute_and_compare(&record, out_dir, backend, &mut v)?;
         } else if !record.stages.is_empty() {
             v.problems.push(format!(
@@ -146,19 +146,20 @@ pub fn verify(out_dir: &Path, against: Option<&dyn Backend>) -> Result<Verificat
     Ok(v)
 }
 
-/// Checks every input file the record lists against its checksum, where the input is there (a
-/// missing one, or a multi-stage recipe's scratch stage, is skipped and said); whether every
-/// input is there and intact.
-fn check_inputs(record: &MergeRecord, out_dir: &Path, v: &mut Verification) -> bool {
-    let mut inputs_intact = true;
-    for input in &record.inputs {
+/// Checks every input file a record lists (a merge's or a tool's) against its checksum, where the
+/// input is there (a missing one, or a multi-stage recipe's scratch stage, is skipped and said);
+/// whether every input other than a stage is there and intact, and whether one was a stage.
+fn check_inputs(inputs: &[InputChecksums], out_dir: &Path, v: &mut Verification) -> (bool, bool) {
+    let (mut inputs_intact, mut stages) = (true, false);
+    for input in inputs {
         let path = resolved_path(out_dir, &input.path);
         let stage = input
             .path
             .to_str()
             .and_then(|p| p.strip_prefix(crate::record::STAGE_PREFIX));
         if !path.is_dir() {
-            inputs_intact = false;
+            stages |= stage.is_some();
+            inputs_intact &= stage.is_some();
             let why = match stage {
                 Some(name) => format!(
                     "is stage '{}' of a multi-stage recipe, made in scratch and removed",
@@ -182,7 +183,7 @@ fn check_inputs(record: &MergeRecord, out_dir: &Path, v: &mut Verification) -> b
             inputs_intact &= v.problems.len() == before;
         }
     }
-    inputs_intact
+    (inputs_intact, stages)
 }
 
 /// Verifies a folder `rlmerge extract-lora` or `rlmerge moe` wrote (its record's `kind`): every
@@ -194,7 +195,7 @@ fn verify_tool_output(dir: &Path, against: bool, threads: usize) -> Result<Optio
     #[derive(serde::Deserialize)]
     struct ToolRecord {
         #[serde(default)]
-        inputs: Vec<crate::record::InputChecksums>,
+        inputs: Vec<InputChecksums>,
         #[serde(default)]
         outputs: Vec<FileChecksum>,
         #[serde(default)]
@@ -217,21 +218,14 @@ fn verify_tool_output(dir: &Path, against: bool, threads: usize) -> Result<Optio
     for f in &record.outputs {
         check_file(dir, f, "output", &mut v);
     }
-    for input in &record.inputs {
-        let shown = input.path.to_string_lossy();
-        if let Some(name) = shown.strip_prefix(crate::record::STAGE_PREFIX) {
-            v.skipped.push(format!(
-                "input {} is stage '{}' of a multi-stage recipe, made in scratch and removed: not \
-                 checked",
-                crate::escape::terminal(&shown),
-                crate::escape::terminal(name)
-            ));
-            continue;
-        }
-        let at = resolved_path(dir, &input.path);
-        for f in &input.files {
-            check_file(&at, f, "input", &mut v);
-        }
+    // Stages are made again from the saved config: only the models given as folders must be here.
+    let (inputs_intact, _) = check_inputs(&record.inputs, dir, &mut v);
+    if against && !inputs_intact {
+        v.problems.push(
+            "--against: the inputs are missing or changed since the MoE was built, so it cannot \
+             be built again"
+                .into(),
+        );
     }
     if against && v.problems.is_empty() {
         let shard_bytes = record

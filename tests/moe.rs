@@ -164,6 +164,20 @@ fn the_saved_config_remakes_the_moe_and_verify_checks_it() {
         "{said}"
     );
     assert_eq!(leftovers(d.path()), Vec::<String>::new());
+    // A moved input is skipped and said, as a merge's is; --against then cannot build it again.
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("rlmerge_record.json")).unwrap())
+            .unwrap();
+    let input = out.join(record["inputs"][1]["path"].as_str().unwrap());
+    let moved = d.path().join("moved");
+    std::fs::rename(&input, &moved).unwrap();
+    let o = verify(&[]);
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && said.contains("skip  input"), "{said}");
+    let o = verify(&["--against"]);
+    assert_eq!(o.status.code(), Some(1), "{}", err_of(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("missing or changed"));
+    std::fs::rename(&moved, &input).unwrap();
     // A changed byte of the weights is found.
     let weights = out.join("model.safetensors");
     let mut bytes = std::fs::read(&weights).unwrap();
