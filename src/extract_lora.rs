@@ -6,20 +6,22 @@
 //! applies with scaling lora_alpha / r = 1. A changed embedding is saved whole
 //! (`modules_to_save`), or factored as `lora_embedding_A/B` with `--embed-lora`; a changed vector
 //! (a norm, a bias) is saved whole, or left out with `--skip-undecomposable`. One matrix is held
-//! at a time (its Δ in f32 and the factors' work), the factors until the adapter is written.
+//! at a time (its Δ in f32 and the factors' work), the factors until the adapter is written; a
+//! tensor saved whole is read again chunk by chunk as the file is written (`adapter.rs`).
 //!
 //! What rank r keeps of each update is measured and said: ‖Δ_r‖/‖Δ‖ = √(Σ_{k≤r} s_k²) / ‖Δ‖_F, the
 //! share of its energy, by the Eckart–Young theorem the most any rank-r adapter keeps. An RL
 //! agent's update is sparse and spread over every direction: a small r keeps little of it.
 
-use crate::checkpoint::dtype::{decode, encode};
-use crate::checkpoint::files::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, SINGLE_FILE};
-use crate::checkpoint::{
-    CheckpointWriter, DType, ModelFolder, ModelTensor, OutputFolder, OutputTensor,
-};
+mod adapter;
+
+use crate::checkpoint::dtype::decode;
+use crate::checkpoint::files::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+use crate::checkpoint::{DType, ModelFolder, ModelTensor, OutputFolder};
 use crate::error::usage;
 use crate::linalg::top_k::{top_k, TopK};
 use crate::linalg::truncated_svd::MAX_STEPS;
+use adapter::{adapter_tensors, write_adapter, Written};
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 
@@ -170,22 +172,6 @@ impl Filters {
     }
 }
 
-/// One tensor of the adapter file, in the base's dtype.
-struct Written {
-    name: String,
-    shape: Vec<usize>,
-    /// Its values in the adapter's dtype (held until the file is written: half of f32's bytes).
-    bytes: Vec<u8>,
-}
-
-impl Written {
-    fn new(name: String, shape: Vec<usize>, values: &[f32], dtype: DType) -> Written {
-        let mut bytes = vec![0u8; values.len() * dtype.size()];
-        encode(dtype, values, &mut bytes);
-        Written { name, shape, bytes }
-    }
-}
-
 /// How one changed tensor goes into the adapter.
 enum Role {
     Linear,
@@ -211,36 +197,40 @@ fn role(name: &str, shape: &[usize], embed_lora: bool) -> Role {
     }
 }
 
-/// Reads tensor `t` of `folder` whole as f32, in chunks (no copy of its bytes held whole).
-fn values_of(folder: &ModelFolder, t: &ModelTensor) -> Result<Vec<f32>> {
-    let mut values = vec![0f32; t.entry.numel];
-    with_base(folder, t, &mut values, |v, x| *v = x)?;
-    Ok(values)
-}
-
-/// Elements read at a time by [`with_base`].
+/// Elements read at a time by [`each_chunk`].
 const CHUNK: usize = 1 << 20;
 
-/// `op(v, x)` for each element v of `values` and x of tensor `t` of `folder` (the base's, to
-/// subtract, or the model's, to read), `t` read in chunks of [`CHUNK`] elements.
-fn with_base(
+/// Decodes elements `start..start + values.len()` of tensor `t` of `folder` into `values`.
+fn read_values(
     folder: &ModelFolder,
     t: &ModelTensor,
+    start: usize,
+    bytes: &mut Vec<u8>,
     values: &mut [f32],
-    op: impl Fn(&mut f32, f32),
 ) -> Result<()> {
     let size = t.entry.dtype.size();
-    let (mut bytes, mut base) = (Vec::new(), Vec::new());
-    for (c, chunk) in values.chunks_mut(CHUNK).enumerate() {
-        let start = (c * CHUNK * size) as u64;
-        bytes.resize(chunk.len() * size, 0);
-        base.resize(chunk.len(), 0.0);
-        folder.read(t, start, &mut bytes).with_context(|| {
-            format!("cannot read '{}' of {}", t.entry.name, folder.dir.display())
-        })?;
-        folder.record_read(t, start, &bytes);
-        decode(t.entry.dtype, &bytes, &mut base);
-        chunk.iter_mut().zip(&base).for_each(|(v, &b)| op(v, b));
+    let at = (start * size) as u64;
+    bytes.resize(values.len() * size, 0);
+    folder
+        .read(t, at, bytes)
+        .with_context(|| format!("cannot read '{}' of {}", t.entry.name, folder.dir.display()))?;
+    folder.record_read(t, at, bytes);
+    decode(t.entry.dtype, bytes, values);
+    Ok(())
+}
+
+/// Tensor `t` of `folder` read in chunks of [`CHUNK`] elements, each decoded to f32 and handed to
+/// `visit` with the index of its first element.
+fn each_chunk(
+    folder: &ModelFolder,
+    t: &ModelTensor,
+    mut visit: impl FnMut(usize, &[f32]) -> Result<()>,
+) -> Result<()> {
+    let (mut bytes, mut values) = (Vec::new(), Vec::new());
+    for start in (0..t.entry.numel).step_by(CHUNK) {
+        values.resize(CHUNK.min(t.entry.numel - start), 0.0);
+        read_values(folder, t, start, &mut bytes, &mut values)?;
+        visit(start, &values)?;
     }
     Ok(())
 }
@@ -256,27 +246,17 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
     inputs.extend(model.paths());
     let folder = OutputFolder::create(out, force, &inputs)?;
     let mut done = Extraction::default();
-    let mut written: Vec<Written> = Vec::new();
+    let mut written: Vec<Written<'_>> = Vec::new();
     // Changed biases, by module: lora_B's bias where the module is factored.
     let mut biases: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     for bt in &base.tensors {
         crate::cancel::current().check()?;
         let name = bt.entry.name.to_string();
-        let (mt, delta) = update_of(req, (&base, &model), bt)?;
-        if delta.iter().all(|&d| d == 0.0) {
-            done.unchanged += 1;
-            continue;
-        }
+        let mt = paired(req, &model, bt)?;
         let module = name.strip_suffix(".weight").unwrap_or(&name).to_string();
-        if !filters.wanted(&module) {
-            done.skipped.push(name);
-            continue;
-        }
+        let wanted = filters.wanted(&module);
         let shape = bt.entry.shape.to_vec();
-        if let Some(owner) = name.strip_suffix(".bias") {
-            biases.push((owner.to_string(), shape, delta));
-            continue;
-        }
+        let bias = name.strip_suffix(".bias");
         let saved = req
             .save_whole
             .iter()
@@ -285,15 +265,30 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
             true => Role::Whole,
             false => role(&name, &shape, req.embed_lora),
         };
+        // Only a factored matrix's update or a bias is held; the rest is checked chunk by chunk.
+        let hold = wanted && (bias.is_some() || !matches!(role, Role::Whole));
+        let (changed, delta) = update((&base, &model), (bt, mt), hold)?;
+        if !changed {
+            done.unchanged += 1;
+            continue;
+        }
+        if !wanted {
+            done.skipped.push(name);
+            continue;
+        }
+        let delta = delta.unwrap_or_default();
+        if let Some(owner) = bias {
+            biases.push((owner.to_string(), shape, delta));
+            continue;
+        }
         match role {
             Role::Whole if req.skip_undecomposable && shape.len() != 2 && !saved => {
                 done.skipped.push(name)
             }
             Role::Whole => {
-                // The model's own values, read again (θ₀ + Δ need not give them back in f32).
-                let theta = values_of(&model, mt)?;
-                let name = format!("base_model.model.{name}");
-                written.push(Written::new(name, shape, &theta, dtype));
+                // The model's own values, read again as the file is written (θ₀ + Δ need not
+                // give them back in f32).
+                written.push(Written::whole(format!("base_model.model.{name}"), mt));
                 done.whole.push(module);
             }
             role => {
@@ -313,7 +308,8 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
         }
     }
     let lora_bias = attach_biases(biases, (&mut written, dtype), &mut done);
-    write_adapter(req, folder.path(), &written, (dtype, lora_bias), &done)?;
+    let tensors = (&written[..], &model);
+    write_adapter(req, folder.path(), tensors, (dtype, lora_bias), &done)?;
     write_record(
         req,
         (&base, &model),
@@ -327,14 +323,9 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
     Ok(done)
 }
 
-/// The model's tensor of base tensor `bt` and its update Δ = θ − θ₀ in f32 (the model's values
-/// read, the base's subtracted in chunks: one matrix held, not three); a model without it, or of
-/// another shape, is no fine-tune of the base, and a NaN or ±Inf is refused.
-fn update_of<'m>(
-    req: &Request,
-    (base, model): (&ModelFolder, &'m ModelFolder),
-    bt: &ModelTensor,
-) -> Result<(&'m ModelTensor, Vec<f32>)> {
+/// The model's tensor of base tensor `bt`: a model without it, or of another shape, is no
+/// fine-tune of the base.
+fn paired<'m>(req: &Request, model: &'m ModelFolder, bt: &ModelTensor) -> Result<&'m ModelTensor> {
     let name = &*bt.entry.name;
     let mt = model.get(name).with_context(|| {
         format!(
@@ -353,15 +344,44 @@ fn update_of<'m>(
             req.base.display()
         )));
     }
-    let mut delta = values_of(model, mt)?;
-    with_base(base, bt, &mut delta, |d, b| *d -= b)?;
-    if let Some(at) = delta.iter().position(|d| !d.is_finite()) {
-        anyhow::bail!(
-            "tensor '{name}' holds a NaN or ±Inf at element {at} (in the base or the model): no \
-             adapter can hold it"
-        );
-    }
-    Ok((mt, delta))
+    Ok(mt)
+}
+
+/// The update Δ = θ − θ₀ of base tensor `bt` (the model's `mt`), in f32 chunk by chunk: whether
+/// any element changed, and with `hold` the whole Δ (one matrix held, not three); a NaN or ±Inf
+/// is refused.
+fn update(
+    (base, model): (&ModelFolder, &ModelFolder),
+    (bt, mt): (&ModelTensor, &ModelTensor),
+    hold: bool,
+) -> Result<(bool, Option<Vec<f32>>)> {
+    let mut held = hold.then(|| vec![0f32; bt.entry.numel]);
+    let (mut bytes, mut base_values, mut changed) = (Vec::new(), Vec::new(), false);
+    each_chunk(model, mt, |start, x| {
+        base_values.resize(x.len(), 0.0);
+        read_values(base, bt, start, &mut bytes, &mut base_values)?;
+        let deltas = x.iter().zip(&base_values).map(|(&x, &b)| x - b);
+        if let Some(at) = deltas.clone().position(|d| !d.is_finite()) {
+            anyhow::bail!(
+                "tensor '{}' holds a NaN or ±Inf at element {} (in the base or the model): no \
+                 adapter can hold it",
+                bt.entry.name,
+                start + at
+            );
+        }
+        match &mut held {
+            Some(h) => h[start..start + x.len()]
+                .iter_mut()
+                .zip(deltas)
+                .for_each(|(h, d)| {
+                    *h = d;
+                    changed |= d != 0.0;
+                }),
+            None => changed |= deltas.clone().any(|d| d != 0.0),
+        }
+        Ok(())
+    })?;
+    Ok((changed, held))
 }
 
 /// The changed biases as lora_B's biases (PEFT's `lora_bias`: ΔW·x + Δb) where every factored
@@ -474,129 +494,6 @@ impl Factors {
         }
         f
     }
-}
-
-/// PEFT's tensors of a factored module: `lora_A.weight` (r × n) and `lora_B.weight` (m × r) of a
-/// linear layer; of an embedding (Δ of vocab × hidden), `lora_embedding_A` (r × vocab) and
-/// `lora_embedding_B` (hidden × r), PEFT's ΔW = (B·A)ᵀ.
-fn adapter_tensors(
-    module: &str,
-    f: &Factors,
-    (embedding, n): (bool, usize),
-    dtype: DType,
-) -> Vec<Written> {
-    let r = f.a_rows.len();
-    let m = f.b_cols.first().map_or(0, Vec::len);
-    // Row-major r × n from rows, and m × r from columns.
-    let rows = |rows: &[Vec<f64>]| {
-        rows.iter()
-            .flatten()
-            .map(|&x| x as f32)
-            .collect::<Vec<f32>>()
-    };
-    let cols = |cols: &[Vec<f64>], len: usize| {
-        (0..len)
-            .flat_map(|i| cols.iter().map(move |c| c[i] as f32))
-            .collect::<Vec<f32>>()
-    };
-    let p = format!("base_model.model.{module}");
-    match embedding {
-        false => vec![
-            Written::new(
-                format!("{p}.lora_A.weight"),
-                vec![r, n],
-                &rows(&f.a_rows),
-                dtype,
-            ),
-            Written::new(
-                format!("{p}.lora_B.weight"),
-                vec![m, r],
-                &cols(&f.b_cols, m),
-                dtype,
-            ),
-        ],
-        // Δᵀ = A_rowsᵀ·B_colsᵀ: B' = the A rows as columns (hidden × r), A' = the B columns as
-        // rows (r × vocab).
-        true => vec![
-            Written::new(
-                format!("{p}.lora_embedding_A"),
-                vec![r, m],
-                &rows(&f.b_cols),
-                dtype,
-            ),
-            Written::new(
-                format!("{p}.lora_embedding_B"),
-                vec![n, r],
-                &cols(&f.a_rows, n),
-                dtype,
-            ),
-        ],
-    }
-}
-
-/// Writes `adapter_model.safetensors` (every tensor in `dtype`), `adapter_config.json` (rank,
-/// alpha = rank so PEFT's scaling is 1, per-module ranks where they differ, the target modules and
-/// the modules saved whole) and a model card into `dir`.
-fn write_adapter(
-    req: &Request,
-    dir: &Path,
-    tensors: &[Written],
-    (dtype, lora_bias): (DType, bool),
-    done: &Extraction,
-) -> Result<()> {
-    let plan: Vec<OutputTensor> = tensors
-        .iter()
-        .map(|t| OutputTensor {
-            name: t.name.as_str().into(),
-            dtype,
-            shape: t.shape.clone().into(),
-        })
-        .collect();
-    let mut writer = CheckpointWriter::new(dir, plan, u64::MAX)?;
-    for t in tensors {
-        writer.write(&t.name, &t.bytes)?;
-    }
-    writer.finish()?;
-    let (from, to) = (dir.join(SINGLE_FILE), dir.join(ADAPTER_WEIGHTS));
-    std::fs::rename(&from, &to).with_context(|| format!("cannot write {}", to.display()))?;
-    let rank = done
-        .modules
-        .iter()
-        .map(|m| m.rank)
-        .max()
-        .unwrap_or(req.rank)
-        .max(1);
-    let pattern: serde_json::Map<String, serde_json::Value> = done
-        .modules
-        .iter()
-        .filter(|m| m.rank != rank && m.rank > 0)
-        .map(|m| (regex::escape(&m.module) + "$", m.rank.into()))
-        .collect();
-    let config = serde_json::json!({
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": req.base.display().to_string(),
-        "r": rank,
-        "lora_alpha": rank,
-        "rank_pattern": pattern,
-        "alpha_pattern": pattern,
-        "target_modules": done.modules.iter().filter(|m| m.rank > 0).map(|m| m.module.clone()).collect::<Vec<_>>(),
-        "modules_to_save": done.whole,
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "fan_in_fan_out": false,
-        "inference_mode": true,
-        "init_lora_weights": true,
-        "use_rslora": false,
-        "use_dora": false,
-        "lora_bias": lora_bias,
-    });
-    let path = dir.join(ADAPTER_CONFIG);
-    std::fs::write(&path, serde_json::to_string_pretty(&config)? + "\n")
-        .with_context(|| format!("cannot write {}", path.display()))?;
-    std::fs::write(dir.join("README.md"), card(req, done))
-        .with_context(|| format!("cannot write {}", dir.join("README.md").display()))?;
-    Ok(())
 }
 
 /// What an extracted adapter's folder records (`rlmerge_record.json`, as a merge's): what it was
