@@ -350,3 +350,58 @@ fn an_interrupted_extraction_leaves_nothing() {
         .arg(&out);
     interrupt_midway(cmd, f.dir.path(), &out);
 }
+
+/// A NaN is refused wherever it lies — in a factored matrix, a vector saved whole, a module the
+/// filters leave out, past the first million elements of a matrix — naming the tensor and the
+/// element, with nothing written; the update of a tensor not factored is checked chunk by chunk.
+#[test]
+fn a_nan_is_named_by_tensor_and_element_whatever_the_tensors_role() {
+    let big = ("model.layers.0.mlp.up_proj.weight", vec![1040, 1024]);
+    let f = fixture(
+        73,
+        Dtype::F32,
+        &[
+            ("model.layers.0.self_attn.q_proj.weight", vec![24, 16]),
+            ("model.layers.0.input_layernorm.weight", vec![16]),
+            ("model.layers.0.self_attn.k_proj.weight", vec![8, 16]),
+            big,
+        ],
+        &[0.3],
+        1,
+    );
+    let out = f.dir.path().join("out");
+    let cases: [(usize, usize, &[&str]); 4] = [
+        (0, 7, &[]),
+        (1, 3, &[]),
+        (2, 5, &["-e", "k_proj"]),
+        (
+            3,
+            (1 << 20) + 5,
+            &["-e", "up_proj", "--save-module", "up_proj"],
+        ),
+    ];
+    for (i, (tensor, element, extra)) in cases.into_iter().enumerate() {
+        let mut nan = f.agent_tensors[0].clone();
+        nan[tensor].values[element] = f32::NAN;
+        let bad = f.dir.path().join(format!("nan-{i}"));
+        write_folder(&bad, &nan, 1);
+        let o = rlmerge()
+            .args(["extract-lora", "--rank", "2", "--base"])
+            .arg(&f.base)
+            .arg("--model")
+            .arg(&bad)
+            .arg("-o")
+            .arg(&out)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1), "{}", err_of(&o));
+        let err = err_of(&o);
+        assert!(
+            err.contains(&nan[tensor].name) && err.contains(&format!("element {element} ")),
+            "{err}"
+        );
+        assert!(!out.exists());
+    }
+    assert_eq!(leftovers(f.dir.path()), Vec::<String>::new());
+}
