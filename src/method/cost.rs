@@ -32,7 +32,8 @@ impl Cost {
                 "one read of every input, elementwise: bound by the disk (0.1-0.3 s/GB at 7B, 2 cores)"
             }
             Cost::Scan => {
-                "statistics of each tensor, then the merge: reads it twice or more (0.25-0.6 s/GB at 7B)"
+                "statistics of each tensor, then the merge: reads it twice or more (0.25-0.6 s/GB at 7B; \
+                 arcee_fusion's row softmaxes about 6)"
             }
             Cost::Spectral => {
                 "an SVD or eigendecomposition per matrix: bound by arithmetic (≈20-200 s/GB at 7B, \

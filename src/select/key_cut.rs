@@ -20,6 +20,29 @@ pub fn key_rank_cut(
     keys: &(dyn Fn(&Values, &mut Vec<u32>) + Sync),
     k_of_nonzero: impl Fn(u64) -> u64,
 ) -> Result<RankCut> {
+    cut_of_keys(scan, numel, keys, k_of_nonzero, true)
+}
+
+/// The k-th largest key of [`key_rank_cut`] alone (u32::MAX for k = 0), for a statistic that
+/// needs the order statistic, not which of the elements tied at it are inside (arcee_fusion's
+/// quartiles): no third scan.
+pub fn key_rank_value(
+    scan: &mut dyn Scans,
+    numel: u64,
+    keys: &(dyn Fn(&Values, &mut Vec<u32>) + Sync),
+    k_of_nonzero: impl Fn(u64) -> u64,
+) -> Result<u32> {
+    Ok(cut_of_keys(scan, numel, keys, k_of_nonzero, false)?.value)
+}
+
+/// [`key_rank_cut`]; without `split_ties`, the cut's index among tied elements is left unknown.
+fn cut_of_keys(
+    scan: &mut dyn Scans,
+    numel: u64,
+    keys: &(dyn Fn(&Values, &mut Vec<u32>) + Sync),
+    k_of_nonzero: impl Fn(u64) -> u64,
+    split_ties: bool,
+) -> Result<RankCut> {
     let workers = scan.workers();
     // Per worker: its histogram and its buffer of keys.
     let counts = worker_states(workers, 1, |_| (Bins16::new(BINS / 2, numel), Vec::new()));
@@ -65,7 +88,7 @@ pub fn key_rank_cut(
     let b = b.in_index_order();
     // Zero keys are never counted, so the threshold is above zero.
     let (mut cut, search) = b.resolve(k, above, false);
-    if let Some(split) = search {
+    if let Some(split) = search.filter(|_| split_ties) {
         let (value, need) = (cut.value, split.m);
         let (mut seen, mut buf) = (0u64, Vec::new());
         scan.tiles(&mut |tile| {

@@ -18,7 +18,7 @@ use bin_scan::{bin_scans, BinScan, Split};
 use bins::BIN_MEMORY;
 pub use cut::{magnitude_key, RankCut};
 use histogram::{histogram_pass, Histogram, Lane};
-pub use key_cut::key_rank_cut;
+pub use key_cut::{key_rank_cut, key_rank_value};
 use key_window::KeyWindow;
 pub use ranks::{rank_threshold, row_keep_mask, RankKeep};
 use std::ops::ControlFlow;

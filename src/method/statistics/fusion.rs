@@ -5,8 +5,9 @@
 
 use crate::method::combine::Fusion;
 use crate::scans::{Scans, Values};
-use crate::select::key_rank_cut;
+use crate::select::key_rank_value;
 use anyhow::Result;
+use rayon::prelude::*;
 use std::ops::ControlFlow;
 
 /// The probability floor mergekit adds to both softmaxes.
@@ -15,15 +16,18 @@ const FLOOR: f64 = 1e-8;
 /// KL(p ‖ q) with p = softmax(`x`) + 1e-8 and q = softmax(`base`) + 1e-8, in f64 in element
 /// order, rounded once to a non-negative f32.
 pub fn row_kl(x: &[f32], base: &[f32]) -> f32 {
-    let softmax = |v: &[f32]| -> (f64, f64) {
+    // Each element's exp(v − max), computed once for the sum and the terms.
+    let softmax = |v: &[f32]| -> (Vec<f64>, f64) {
         let max = v.iter().fold(f32::NEG_INFINITY, |m, &a| m.max(a)) as f64;
-        (max, v.iter().map(|&a| (a as f64 - max).exp()).sum())
+        let e: Vec<f64> = v.iter().map(|&a| (a as f64 - max).exp()).collect();
+        let sum = e.iter().sum();
+        (e, sum)
     };
-    let ((mx, sx), (mb, sb)) = (softmax(x), softmax(base));
+    let ((ex, sx), (eb, sb)) = (softmax(x), softmax(base));
     let mut kl = 0.0f64;
-    for (&a, &b) in x.iter().zip(base) {
-        let p = (a as f64 - mx).exp() / sx + FLOOR;
-        let q = (b as f64 - mb).exp() / sb + FLOOR;
+    for (&a, &b) in ex.iter().zip(&eb) {
+        let p = a / sx + FLOOR;
+        let q = b / sb + FLOOR;
         kl += p * (p / q).ln();
     }
     // Gibbs: never below 0 but for rounding (so importances are too; NaN from non-finite
@@ -36,7 +40,7 @@ pub fn row_kl(x: &[f32], base: &[f32]) -> f32 {
 }
 
 /// A non-negative f32 (an importance) as a u32 ordered like the numbers, never 0 and below 2³¹
-/// (what [`key_rank_cut`] ranks).
+/// (what [`key_rank_value`] ranks).
 fn ordered_key(x: f32) -> u32 {
     x.to_bits() + 1
 }
@@ -50,14 +54,17 @@ fn from_ordered_key(k: u32) -> f32 {
 pub(super) fn fusion_statistics(scan: &mut dyn Scans, numel: u64, row_len: u64) -> Result<Fusion> {
     let row_len = row_len.max(1);
     let mut kl = vec![0.0f32; numel.div_ceil(row_len) as usize];
+    // A tile holds whole rows; its rows' KLs are independent, computed on every worker.
     scan.tiles(&mut |tile| {
         let first = (tile.start / row_len) as usize;
         let rows = tile.x[0]
-            .chunks(row_len as usize)
-            .zip(tile.base.chunks(row_len as usize));
-        for (r, (x, b)) in rows.enumerate() {
-            kl[first + r] = row_kl(x, b);
-        }
+            .par_chunks(row_len as usize)
+            .zip(tile.base.par_chunks(row_len as usize));
+        let count = tile.base.len().div_ceil(row_len as usize);
+        kl[first..first + count]
+            .par_iter_mut()
+            .zip(rows)
+            .for_each(|(kl, (x, b))| *kl = row_kl(x, b));
         Ok(ControlFlow::Continue(()))
     })?;
     let mut fusion = Fusion {
@@ -78,8 +85,8 @@ pub(super) fn fusion_statistics(scan: &mut dyn Scans, numel: u64, row_len: u64) 
     // k = n − that index.
     let mut quantile = |q: f32| -> Result<f32> {
         let at = (q * (numel.saturating_sub(1)) as f32) as u64;
-        let cut = key_rank_cut(scan, numel, &keys, |_| numel - at)?;
-        Ok(from_ordered_key(cut.value))
+        let value = key_rank_value(scan, numel, &keys, |_| numel - at)?;
+        Ok(from_ordered_key(value))
     };
     let (q1, q2, q3) = (quantile(0.25)?, quantile(0.5)?, quantile(0.75)?);
     fusion.threshold = q2 + 1.5 * (q3 - q1);
