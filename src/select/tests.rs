@@ -311,6 +311,14 @@ fn key_rank_cuts_match_a_sort() {
                 k as u64
             })
             .unwrap();
+            // The order statistic alone, without the tie search: the same key.
+            let mut scan = scan_of(agents.clone(), 3 * SCAN_CHUNK + 1);
+            let value = key_rank_value(&mut scan, len as u64, &keys, |_| k as u64).unwrap();
+            assert_eq!(
+                value,
+                all[order[k - 1]],
+                "{distinct} distinct keys, k = {k}"
+            );
             let mut kept: Vec<usize> = (0..len)
                 .filter(|&i| all[i] != 0 && cut.inside(all[i], i as u32))
                 .collect();
