@@ -5,11 +5,13 @@
 //! f64 in a fixed order — element order, or per chunk of [`SCAN_CHUNK`] elements added in chunk
 //! order — so every backend, tiling and thread count merges with the same coefficients.
 
+mod coef_rows;
 mod fusion;
 mod kept;
 mod l1;
 mod sce;
 
+use coef_rows::{coef_rows, dot, CoefRows};
 use fusion::fusion_statistics;
 pub use fusion::row_kl;
 pub use kept::{Decisions, KeptFlags};
@@ -19,14 +21,13 @@ use sce::sce_statistics;
 use super::closed_form::{
     karcher_coefs, model_stock_t, multislerp_coefs, nuslerp_coefs, slerp_coefs,
 };
-use super::combine::{
-    coef_row, random_threshold, row_keep_mask, CombineSpec, Keep, Normalize, RankKeep,
-};
+use super::combine::{random_threshold, row_keep_mask, CombineSpec, Keep, Normalize, RankKeep};
 use super::tensor_params::{BaseTerm, Sparsify, TensorParams, Vectors};
 use crate::hash::hash_key;
 use crate::scans::{lock, unlock, worker_states, Scans, SCAN_CHUNK};
 use crate::select::{cut_of, rank_cuts};
 use anyhow::Result;
+use rayon::prelude::*;
 use std::ops::ControlFlow;
 use std::sync::Mutex;
 
@@ -161,78 +162,6 @@ fn keep_rules(
         })
         .collect();
     Ok((keep, by_rank))
-}
-
-/// How a tensor's elements map to coefficient rows ([`coef_row`]).
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct CoefRows {
-    /// Elements per row (0: one row for the whole tensor).
-    len: u64,
-    /// Rows repeat every `period` (0: never).
-    period: u64,
-    /// Number of rows.
-    count: usize,
-}
-
-impl CoefRows {
-    fn of(&self, idx: u64) -> usize {
-        coef_row(idx, self.len, self.period) as usize
-    }
-
-    /// The runs of `len` elements from element `start` that lie in one row each: (first
-    /// element, elements).
-    fn runs(&self, start: u64, len: usize) -> impl Iterator<Item = (u64, usize)> + '_ {
-        let end = start + len as u64;
-        let mut at = start;
-        std::iter::from_fn(move || {
-            if at >= end {
-                return None;
-            }
-            let next = match self.len {
-                0 => end,
-                l => ((at / l + 1) * l).min(end),
-            };
-            let run = (at, (next - at) as usize);
-            at = next;
-            Some(run)
-        })
-    }
-}
-
-/// Σ aᵢbᵢ in f64, in a fixed order that vectorizes: element i adds into lane i mod 8, then the
-/// lanes are summed in lane order.
-fn dot(a: &[f32], b: &[f32]) -> f64 {
-    let mut lanes = [0.0f64; 8];
-    let (xs, ys) = (a.chunks_exact(8), b.chunks_exact(8));
-    let rest = xs.remainder().iter().zip(ys.remainder());
-    for (x, y) in xs.zip(ys) {
-        for j in 0..8 {
-            lanes[j] += x[j] as f64 * y[j] as f64;
-        }
-    }
-    for (j, (&x, &y)) in rest.enumerate() {
-        lanes[j] += x as f64 * y as f64;
-    }
-    lanes.iter().sum()
-}
-
-/// The coefficient rows of a tensor: one per element for Fisher, one per vector of
-/// [`BaseTerm::vectors`] for model_stock and nuslerp, else one for the whole tensor (slerp
-/// included: mergekit 0.1.5 interpolates each whole tensor).
-fn coef_rows(params: &TensorParams, numel: u64, shape: &[usize]) -> CoefRows {
-    let first = shape.first().copied().unwrap_or(1).max(1) as u64;
-    let (len, period) = match (&params.base, params.base.vectors()) {
-        (BaseTerm::Fisher, _) => (1, 0),
-        (_, Vectors::Rows) => (last_dim(numel, shape), 0),
-        (_, Vectors::Columns) => (1, (numel / first).max(1)),
-        (_, Vectors::Whole) => (0, 0),
-    };
-    let count = match (len, period) {
-        (0, _) => 1,
-        (_, 0) => numel.div_ceil(len).max(1) as usize,
-        (_, p) => p as usize,
-    };
-    CoefRows { len, period, count }
 }
 
 /// The f64 sums a tensor's coefficients come from, each over the whole tensor in a fixed order.
@@ -439,24 +368,48 @@ impl Sums {
     }
 
     /// One Gram matrix per coefficient row (model_stock's `filter_wise`, nuslerp without
-    /// flattening), each sum over its row's elements in element order.
+    /// flattening), each sum over its row's elements in element order: tile by tile, the rows
+    /// shared out in ranges among the workers, each adding its rows' elements in order.
     fn gram_per_row(&mut self, of_tau: bool, rows: CoefRows, scan: &mut dyn Scans) -> Result<()> {
         let n = self.l1.len();
+        let shares = 4 * rayon::current_num_threads();
         let gram = &mut self.gram;
         scan.tiles(&mut |tile| {
             let v = if of_tau { tile.tau } else { tile.x };
-            for i in 0..tile.base.len() {
-                let g = &mut gram[rows.of(tile.start + i as u64) * n * n..][..n * n];
-                for a in 0..n {
-                    for b in a..n {
-                        let dot = v[a][i] as f64 * v[b][i] as f64;
-                        g[a * n + b] += dot;
-                        if a != b {
-                            g[b * n + a] += dot;
+            let end = tile.start + tile.base.len() as u64;
+            // The rows the tile touches: a run of them, or with repeating rows all of them.
+            let (lo, hi) = match rows.period {
+                0 => (
+                    (tile.start / rows.len) as usize,
+                    (end.div_ceil(rows.len) as usize).min(rows.count),
+                ),
+                _ => (0, rows.count),
+            };
+            let per_part = (hi - lo).div_ceil(shares).max(1);
+            let parts = gram[lo * n * n..hi * n * n].par_chunks_mut(per_part * n * n);
+            parts.enumerate().for_each(|(p, g)| {
+                let first = lo + p * per_part;
+                let part = first..first + g.len() / (n * n);
+                let runs = rows.runs_in(part, tile.start..end);
+                // Each run cut where its row changes: one row's Gram matrix per piece.
+                let pieces = runs.flat_map(|(at, len)| rows.runs(at, len));
+                for (at, len) in pieces {
+                    let g = &mut g[(rows.of(at) - first) * n * n..][..n * n];
+                    let i0 = (at - tile.start) as usize;
+                    // Pair by pair: each pair's sum still adds its elements in order.
+                    for a in 0..n {
+                        for b in a..n {
+                            let (x, y) = (&v[a][i0..i0 + len], &v[b][i0..i0 + len]);
+                            let mut sum = g[a * n + b];
+                            for (&x, &y) in x.iter().zip(y) {
+                                sum += x as f64 * y as f64;
+                            }
+                            g[a * n + b] = sum;
+                            g[b * n + a] = sum;
                         }
                     }
                 }
-            }
+            });
             Ok(ControlFlow::Continue(()))
         })
     }
@@ -633,35 +586,4 @@ pub fn rank_rows(params: &TensorParams, numel: u64, shape: &[usize]) -> Result<R
             }
         }
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_chunk_splits_at_row_ends_and_its_dot_products_are_the_sums() {
-        let rows = CoefRows {
-            len: 5,
-            period: 0,
-            count: 4,
-        };
-        assert_eq!(
-            rows.runs(3, 12).collect::<Vec<_>>(),
-            [(3, 2), (5, 5), (10, 5)]
-        );
-        let whole = CoefRows {
-            len: 0,
-            period: 0,
-            count: 1,
-        };
-        assert_eq!(whole.runs(7, 4).collect::<Vec<_>>(), [(7, 4)]);
-        assert_eq!(whole.runs(7, 0).count(), 0);
-        // Small integers: every order of adding gives the exact sum.
-        let a: Vec<f32> = (0..21).map(|i| i as f32).collect();
-        let b: Vec<f32> = (0..21).map(|i| 2.0 * i as f32 - 3.0).collect();
-        let want: f64 = a.iter().zip(&b).map(|(&a, &b)| a as f64 * b as f64).sum();
-        assert_eq!(dot(&a, &b), want);
-        assert_eq!(dot(&a[..5], &b[..5]), 2.0 * 30.0 - 3.0 * 10.0);
-    }
 }
