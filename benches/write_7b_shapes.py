@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Writes a base checkpoint of Llama-7B's shapes for benchmarks (standard library only).
 
-    benches/write_7b_shapes.py OUT_DIR [LAYERS=2]
+    [SHAPES=qwen2.5-7b] benches/write_7b_shapes.py OUT_DIR [LAYERS=2]
 
-Hidden 4096, intermediate 11008, vocabulary 32000: the embeddings and the head as a 7B model has
+Hidden 4096, intermediate 11008, vocabulary 32000 (SHAPES=qwen2.5-7b: Qwen2.5-7B's 3584, 18944
+and 152064, its 28 heads without grouping): the embeddings and the head as a 7B model has
 them and LAYERS decoder layers (2: 1.33 GB of bf16), each projection's values random bf16 of
 magnitude 2^-7 up to 2^-3 and either sign, the norms 1.0. With benches/lora_memory.sh (BASE=OUT_DIR,
 AGENT=a full agent of it, e.g. a second adapter merged in) it times LoRA agents at 7B shapes.
@@ -13,7 +14,8 @@ import os
 import struct
 import sys
 
-HIDDEN, INTERMEDIATE, VOCAB = 4096, 11008, 32000
+SIZES = {"llama-7b": (4096, 11008, 32000, 32), "qwen2.5-7b": (3584, 18944, 152064, 28)}
+HIDDEN, INTERMEDIATE, VOCAB, HEADS = SIZES.get(os.environ.get("SHAPES", "llama-7b"), (0, 0, 0, 0))
 
 
 def shapes(layers):
@@ -42,6 +44,8 @@ def main():
     if len(sys.argv) not in (2, 3):
         sys.exit(__doc__.strip().splitlines()[2].strip())
     out = sys.argv[1]
+    if not HIDDEN:
+        sys.exit(f"SHAPES must be one of {', '.join(SIZES)}, not {os.environ['SHAPES']!r}")
     try:
         layers = int(sys.argv[2]) if len(sys.argv) == 3 else 2
     except ValueError:
@@ -79,9 +83,9 @@ def main():
         "hidden_size": HIDDEN,
         "intermediate_size": INTERMEDIATE,
         "model_type": "llama",
-        "num_attention_heads": 32,
+        "num_attention_heads": HEADS,
         "num_hidden_layers": layers,
-        "num_key_value_heads": 32,
+        "num_key_value_heads": HEADS,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",

@@ -7,7 +7,10 @@
 //! (`modules_to_save`), or factored as `lora_embedding_A/B` with `--embed-lora`; a changed vector
 //! (a norm, a bias) is saved whole, or left out with `--skip-undecomposable`. One matrix is held
 //! at a time (its Δ in f32 and the factors' work), the factors until the adapter is written; a
-//! tensor saved whole is read again chunk by chunk as the file is written (`adapter.rs`).
+//! tensor saved whole is read again chunk by chunk as the file is written (`adapter.rs`). An
+//! update larger than `--max-held-mib` in f32 (a 152k-token vocabulary's head: 2.2 GB) is not
+//! held at all: it is factored from its Gram matrix on the short side, its rows read from the
+//! files twice ([`top_k_by_gram`]) — the same factors the held update's Gram matrix gives.
 //!
 //! What rank r keeps of each update is measured and said: ‖Δ_r‖/‖Δ‖ = √(Σ_{k≤r} s_k²) / ‖Δ‖_F, the
 //! share of its energy, by the Eckart–Young theorem the most any rank-r adapter keeps. An RL
@@ -19,7 +22,7 @@ use crate::checkpoint::dtype::decode;
 use crate::checkpoint::files::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 use crate::checkpoint::{DType, ModelFolder, ModelTensor, OutputFolder};
 use crate::error::usage;
-use crate::linalg::top_k::{top_k, TopK};
+use crate::linalg::top_k::{top_k, top_k_by_gram, TopK};
 use crate::linalg::truncated_svd::MAX_STEPS;
 use adapter::{adapter_tensors, write_adapter, Written};
 use anyhow::{Context, Result};
@@ -51,6 +54,9 @@ pub struct Request {
     pub embed_lora: bool,
     /// Changed vectors (norms, biases) left out instead of saved whole.
     pub skip_undecomposable: bool,
+    /// A factored update larger than this many MiB in f32 is not held but read from the files
+    /// as it is factored (from its Gram matrix, whatever the rank).
+    pub max_held_mib: usize,
     /// Only modules whose name matches this regular expression (mergekit's `--include-regex`).
     pub include: Option<String>,
     /// No module whose name matches this one (`--exclude-regex`).
@@ -102,10 +108,19 @@ impl Extraction {
 /// The rank where none is given (the command line's, Python's).
 pub const DEFAULT_RANK: usize = 32;
 
+/// The most MiB of one matrix's update held in f32 where none is given: a 70B model's MLP
+/// matrices (0.9 GiB) are held, a 128k- or 152k-token vocabulary's head (2.1 GB) is not.
+pub const DEFAULT_MAX_HELD_MIB: usize = 1024;
+
 /// The largest rank asked for: an adapter's factors are (m + n)·r values.
 const MAX_RANK: usize = 4096;
 
 impl Request {
+    /// Whether an update of `numel` elements is held in f32 (at most `max_held_mib`).
+    fn holds(&self, numel: usize) -> bool {
+        (numel as u128) * 4 <= (self.max_held_mib as u128) << 20
+    }
+
     /// Checks what no type can — a rank of at least 1 and at most [`MAX_RANK`], an error target
     /// in (0, 1), filters that are regular expressions — and returns the filters compiled.
     pub fn check(&self) -> Result<Filters> {
@@ -265,9 +280,14 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
             true => Role::Whole,
             false => role(&name, &shape, req.embed_lora),
         };
-        // Only a factored matrix's update or a bias is held; the rest is checked chunk by chunk.
-        let hold = wanted && (bias.is_some() || !matches!(role, Role::Whole));
-        let (changed, delta) = update((&base, &model), (bt, mt), hold)?;
+        // Only a factored matrix's update (up to --max-held-mib) or a bias is held; the rest is
+        // checked chunk by chunk.
+        let held = bias.is_some() || (!matches!(role, Role::Whole) && req.holds(bt.entry.numel));
+        let Update {
+            changed,
+            norm,
+            delta,
+        } = update((&base, &model), (bt, mt), wanted && held)?;
         if !changed {
             done.unchanged += 1;
             continue;
@@ -276,9 +296,8 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
             done.skipped.push(name);
             continue;
         }
-        let delta = delta.unwrap_or_default();
         if let Some(owner) = bias {
-            biases.push((owner.to_string(), shape, delta));
+            biases.push((owner.to_string(), shape, delta.unwrap_or_default()));
             continue;
         }
         match role {
@@ -292,7 +311,11 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
                 done.whole.push(module);
             }
             role => {
-                let (kept, factors) = factor(req, &delta, (shape[0], shape[1]), &name)?;
+                let delta = match &delta {
+                    Some(held) => Delta::Held(held),
+                    None => Delta::Files((&base, bt), (&model, mt)),
+                };
+                let (kept, factors) = factor(req, delta, (shape[0], shape[1]), (&name, norm))?;
                 let embedding = matches!(role, Role::Embedding);
                 // A module left no direction (all below --sv-epsilon) is no target: no tensors.
                 if kept.rank > 0 {
@@ -347,16 +370,27 @@ fn paired<'m>(req: &Request, model: &'m ModelFolder, bt: &ModelTensor) -> Result
     Ok(mt)
 }
 
+/// What [`update`] found of a tensor's update.
+struct Update {
+    /// Whether any element changed.
+    changed: bool,
+    /// ‖Δ‖_F, its squares summed in element order in f64.
+    norm: f64,
+    /// Δ whole, where asked.
+    delta: Option<Vec<f32>>,
+}
+
 /// The update Δ = θ − θ₀ of base tensor `bt` (the model's `mt`), in f32 chunk by chunk: whether
-/// any element changed, and with `hold` the whole Δ (one matrix held, not three); a NaN or ±Inf
+/// any element changed, its norm, and with `hold` the whole Δ (one matrix held, not three); a NaN or ±Inf
 /// is refused.
 fn update(
     (base, model): (&ModelFolder, &ModelFolder),
     (bt, mt): (&ModelTensor, &ModelTensor),
     hold: bool,
-) -> Result<(bool, Option<Vec<f32>>)> {
+) -> Result<Update> {
     let mut held = hold.then(|| vec![0f32; bt.entry.numel]);
     let (mut bytes, mut base_values, mut changed) = (Vec::new(), Vec::new(), false);
+    let mut squares = 0.0f64;
     each_chunk(model, mt, |start, x| {
         base_values.resize(x.len(), 0.0);
         read_values(base, bt, start, &mut bytes, &mut base_values)?;
@@ -372,16 +406,72 @@ fn update(
         match &mut held {
             Some(h) => h[start..start + x.len()]
                 .iter_mut()
-                .zip(deltas)
+                .zip(deltas.clone())
                 .for_each(|(h, d)| {
                     *h = d;
                     changed |= d != 0.0;
                 }),
             None => changed |= deltas.clone().any(|d| d != 0.0),
         }
+        squares = deltas.fold(squares, |acc, d| acc + f64::from(d) * f64::from(d));
         Ok(())
     })?;
-    Ok((changed, held))
+    Ok(Update {
+        changed,
+        norm: squares.sqrt(),
+        delta: held,
+    })
+}
+
+/// A factored update: held in f32, or read from the base's and the model's files as needed.
+enum Delta<'a> {
+    Held(&'a [f32]),
+    Files(
+        (&'a ModelFolder, &'a ModelTensor),
+        (&'a ModelFolder, &'a ModelTensor),
+    ),
+}
+
+impl Delta<'_> {
+    /// Its top `k` triplets: those of `top_k` for a held update; from the Gram matrix for one
+    /// read from files — the update's short-side rows (a tall one's rows, a wide one's columns
+    /// gathered row by row), Δ in f32 as [`update`] takes it, each block read when it is needed.
+    fn top(&self, (m, n): (usize, usize), k: usize, what: &str) -> Result<TopK> {
+        let ((base, bt), (model, mt)) = match *self {
+            Delta::Held(delta) => return top_k(delta, (m, n), k, MAX_STEPS, what),
+            Delta::Files(base, model) => (base, model),
+        };
+        let mut bytes = Vec::new();
+        let (mut x, mut b) = (Vec::new(), Vec::new());
+        // Elements `start..start + len` of Δ into `x`.
+        let mut span = |start: usize, len: usize, x: &mut Vec<f32>| -> Result<()> {
+            x.resize(len, 0.0);
+            b.resize(len, 0.0);
+            read_values(model, mt, start, &mut bytes, x)?;
+            read_values(base, bt, start, &mut bytes, &mut b)?;
+            x.iter_mut().zip(&b).for_each(|(x, b)| *x -= b);
+            Ok(())
+        };
+        top_k_by_gram((m, n), k, what, |first, count, block| {
+            block.clear();
+            match m < n {
+                false => {
+                    span(first * n, count * n, &mut x)?;
+                    block.extend(x.iter().map(|&d| f64::from(d)));
+                }
+                true => {
+                    block.resize(count * m, 0.0);
+                    for i in 0..m {
+                        span(i * n + first, count, &mut x)?;
+                        for (j, &d) in x.iter().enumerate() {
+                            block[j * m + i] = f64::from(d);
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
 }
 
 /// The changed biases as lora_B's biases (PEFT's `lora_bias`: ΔW·x + Δb) where every factored
@@ -422,22 +512,11 @@ fn attach_biases(
 /// with what they keep.
 fn factor(
     req: &Request,
-    delta: &[f32],
+    delta: Delta<'_>,
     (m, n): (usize, usize),
-    name: &str,
+    (name, norm): (&str, f64),
 ) -> Result<(Kept, Factors)> {
-    let norm = delta
-        .iter()
-        .map(|&d| f64::from(d) * f64::from(d))
-        .sum::<f64>()
-        .sqrt();
-    let top = top_k(
-        delta,
-        (m, n),
-        req.rank,
-        MAX_STEPS,
-        &format!("the update of '{name}'"),
-    )?;
+    let top = delta.top((m, n), req.rank, &format!("the update of '{name}'"))?;
     let energy: Vec<f64> = top
         .s
         .iter()

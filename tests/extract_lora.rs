@@ -41,9 +41,9 @@ fn extract(f: &Fixture, out: &Path, extra: &[&str]) -> std::process::Output {
 /// B·A of module `m` of the adapter in `dir`, row-major m × n.
 fn product(dir: &Path, module: &str) -> Vec<f64> {
     let t = read_file(&dir.join("adapter_model.safetensors"));
-    let (_, sa, a) = &t[&format!("base_model.model.{module}.lora_A.weight")];
-    let (_, sb, b) = &t[&format!("base_model.model.{module}.lora_B.weight")];
-    let (a, b) = (from_bytes(Dtype::F32, a), from_bytes(Dtype::F32, b));
+    let (da, sa, a) = &t[&format!("base_model.model.{module}.lora_A.weight")];
+    let (db, sb, b) = &t[&format!("base_model.model.{module}.lora_B.weight")];
+    let (a, b) = (from_bytes(*da, a), from_bytes(*db, b));
     let (r, n, m) = (sa[0], sa[1], sb[0]);
     assert_eq!(sb[1], r);
     let mut p = vec![0.0f64; m * n];
@@ -370,7 +370,7 @@ fn a_nan_is_named_by_tensor_and_element_whatever_the_tensors_role() {
         1,
     );
     let out = f.dir.path().join("out");
-    let cases: [(usize, usize, &[&str]); 4] = [
+    let cases: [(usize, usize, &[&str]); 5] = [
         (0, 7, &[]),
         (1, 3, &[]),
         (2, 5, &["-e", "k_proj"]),
@@ -379,6 +379,7 @@ fn a_nan_is_named_by_tensor_and_element_whatever_the_tensors_role() {
             (1 << 20) + 5,
             &["-e", "up_proj", "--save-module", "up_proj"],
         ),
+        (3, (1 << 20) + 9, &["--max-held-mib", "0"]),
     ];
     for (i, (tensor, element, extra)) in cases.into_iter().enumerate() {
         let mut nan = f.agent_tensors[0].clone();
@@ -404,4 +405,48 @@ fn a_nan_is_named_by_tensor_and_element_whatever_the_tensors_role() {
         assert!(!out.exists());
     }
     assert_eq!(leftovers(f.dir.path()), Vec::<String>::new());
+}
+
+/// An update over `--max-held-mib` is never held: factored from its Gram matrix as its rows are
+/// read from the files (a tall matrix's rows, a wide one's columns), in blocks. Above the
+/// Lanczos ranks the held update takes the same Gram path, so the adapter is the same, byte for
+/// byte, whatever the thread count; at a Lanczos rank it keeps the same share.
+#[test]
+fn an_update_read_from_the_files_gives_the_held_updates_factors() {
+    // 1024 columns: 4096 rows a block, so both matrices' short-side rows come in two blocks.
+    let f = fixture(
+        79,
+        Dtype::BF16,
+        &[
+            ("model.layers.0.mlp.up_proj.weight", vec![4200, 1024]),
+            ("model.layers.0.mlp.down_proj.weight", vec![1024, 4200]),
+        ],
+        &[0.3],
+        1,
+    );
+    let run = |name: &str, extra: &[&str]| {
+        let out = f.dir.path().join(name);
+        let o = extract(&f, &out, extra);
+        assert!(o.status.success(), "{}", err_of(&o));
+        (out, String::from_utf8_lossy(&o.stdout).into_owned())
+    };
+    let file = |dir: &Path| std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+    let (held, _) = run("held", &["--rank", "40", "--threads", "2"]);
+    let (read, _) = run(
+        "read",
+        &["--rank", "40", "--max-held-mib", "0", "--threads", "1"],
+    );
+    assert!(file(&held) == file(&read), "the factors differ");
+    let modules = ["model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"];
+    let (held, said_held) = run("held8", &["--rank", "8", "-v"]);
+    let (read, said_read) = run("read8", &["--rank", "8", "-v", "--max-held-mib", "1"]);
+    let kept = |said: &str| said.split("keeping ").nth(1).unwrap().to_string();
+    assert_eq!(kept(&said_held), kept(&said_read));
+    for module in modules {
+        let truth = delta(&f, module);
+        let (h, r) = (product(&held, module), product(&read, module));
+        let (eh, er) = (rel(&h, &truth), rel(&r, &truth));
+        assert!(er < 1.0 && (eh - er).abs() < 1e-3, "{module}: {eh} {er}");
+        assert!(rel(&r, &h) < 1e-2, "{module}: {}", rel(&r, &h));
+    }
 }

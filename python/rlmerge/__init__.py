@@ -363,20 +363,26 @@ def extract_lora(base: PathLike, model: PathLike, out: PathLike, *, rank: Option
                  embed_lora: bool = False, skip_undecomposable: bool = False,
                  include: Union[None, str, Sequence[str]] = None,
                  exclude: Union[None, str, Sequence[str]] = None, sv_epsilon: float = 0.0,
-                 save_modules: Sequence[str] = (), threads: int = 0,
-                 force: bool = False) -> Dict[str, Any]:
+                 save_modules: Sequence[str] = (), max_held_mib: Optional[int] = None,
+                 threads: int = 0, force: bool = False) -> Dict[str, Any]:
     """Extracts a PEFT LoRA adapter of ``model`` against ``base`` into ``out``, as
     ``rlmerge extract-lora`` (mergekit's ``mergekit-extract-lora``): each changed matrix's update
     at rank ``rank`` (the command's default where ``None``: 32; or the least rank within
     ``rel_error``; singular values at most ``sv_epsilon`` dropped), changed embeddings and norms
     saved whole (``embed_lora=True`` factors embeddings, ``skip_undecomposable=True`` leaves
     vectors out, ``save_modules`` names modules saved whole), ``include``/``exclude`` regular
-    expressions on module names (one, or a list of which any matches). Returns what it kept:
+    expressions on module names (one, or a list of which any matches); a matrix's update larger
+    than ``max_held_mib`` MiB in f32 (the command's default where ``None``: 1024) is factored
+    from its Gram matrix as its rows are read, never held. Returns what it kept:
     ``modules`` (each one's ``rank``, ``kept`` = ‖Δ_r‖/‖Δ‖ and ``norm``), ``whole``, ``skipped``,
     ``unchanged`` and ``kept`` over every factored module."""
     _check_common("cpu", threads)
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise UsageError(f"rank must be a whole number (≥ 1), got {rank!r}")
+    if max_held_mib is not None and (isinstance(max_held_mib, bool)
+                                     or not isinstance(max_held_mib, int)
+                                     or not 0 <= max_held_mib < 2**63):
+        raise UsageError(f"max_held_mib must be a whole number of MiB (≥ 0), got {max_held_mib!r}")
     for name, value in (("rel_error", rel_error), ("sv_epsilon", sv_epsilon)):
         if value is not None and (isinstance(value, bool) or not _is_number(value)):
             raise UsageError(f"{name} must be a number, got {value!r}")
@@ -394,7 +400,7 @@ def extract_lora(base: PathLike, model: PathLike, out: PathLike, *, rank: Option
         _where(base, "base"), _where(model, "model"), _path(out, "out"), rank,
         None if rel_error is None else float(rel_error), bool(distribute_scale),
         bool(embed_lora), bool(skip_undecomposable), filters[0], filters[1], threads, bool(force),
-        float(sv_epsilon), list(save_modules)))
+        float(sv_epsilon), list(save_modules), max_held_mib))
 
 
 def _paths_as_text(value: Any) -> Any:

@@ -27,7 +27,8 @@ def moe(config_path: Optional[str], config: Optional[Mapping[str, Any]], out: st
 def extract_lora(base: str, model: str, out: str, rank: Optional[int], rel_error: Optional[float],
                  distribute_scale: bool, embed_lora: bool, skip_undecomposable: bool,
                  include: List[str], exclude: List[str], threads: int,
-                 force: bool, sv_epsilon: float = 0.0, save_modules: List[str] = ...) -> str:
+                 force: bool, sv_epsilon: float = 0.0, save_modules: List[str] = ...,
+                 max_held_mib: Optional[int] = None) -> str:
     """Extracts a PEFT LoRA adapter of ``model`` against ``base`` into ``out``; what it kept as
     JSON."""
 

@@ -395,7 +395,8 @@ fn convert(
 /// what it kept as JSON (each module's rank and kept share, the modules saved whole or left out).
 #[pyfunction]
 #[pyo3(signature = (base, model, out, rank, rel_error, distribute_scale, embed_lora,
-    skip_undecomposable, include, exclude, threads, force, sv_epsilon=0.0, save_modules=Vec::new()))]
+    skip_undecomposable, include, exclude, threads, force, sv_epsilon=0.0, save_modules=Vec::new(),
+    max_held_mib=None))]
 #[allow(clippy::too_many_arguments)]
 fn extract_lora(
     py: Python<'_>,
@@ -413,6 +414,7 @@ fn extract_lora(
     force: bool,
     sv_epsilon: f64,
     save_modules: Vec<String>,
+    max_held_mib: Option<usize>,
 ) -> PyResult<String> {
     let late = Late::Raise(format!(
         "interrupted after the extraction had finished: the adapter at {} is complete",
@@ -427,6 +429,7 @@ fn extract_lora(
             distribute_scale,
             embed_lora,
             skip_undecomposable,
+            max_held_mib: max_held_mib.unwrap_or(rlmerge::extract_lora::DEFAULT_MAX_HELD_MIB),
             include: rlmerge::extract_lora::any_of(&include),
             exclude: rlmerge::extract_lora::any_of(&exclude),
             sv_epsilon,

@@ -1,7 +1,8 @@
 """``rlmerge.extract_lora`` (issue #54 item 1) against independent truth: PEFT loads the adapter
 and merges it into the base, and each factored module's update is then the best rank-r
 approximation of the model's (numpy's SVD, Eckart–Young) to the adapter's bf16 rounding; the
-modules saved whole come back exactly; the share it reports kept is the SVD's."""
+modules saved whole come back exactly; the share it reports kept is the SVD's — held, or read from
+the files as it is factored (``max_held_mib=0``)."""
 
 import json
 
@@ -20,11 +21,11 @@ def _state(path):
     return model.state_dict()
 
 
-@pytest.mark.parametrize("rank", [4, 16])
-def test_peft_merges_the_best_rank_r_update(demo, tmp_path, rank):
+@pytest.mark.parametrize("rank,max_held_mib", [(4, None), (16, None), (4, 0), (16, 0)])
+def test_peft_merges_the_best_rank_r_update(demo, tmp_path, rank, max_held_mib):
     root, base, agents = demo
     out = tmp_path / f"lora{rank}"
-    done = rlmerge.extract_lora(base, agents[0], out, rank=rank)
+    done = rlmerge.extract_lora(base, agents[0], out, rank=rank, max_held_mib=max_held_mib)
     assert done["modules"] and done["whole"]
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == rank and config["lora_alpha"] == rank
@@ -52,7 +53,8 @@ def test_peft_merges_the_best_rank_r_update(demo, tmp_path, rank):
 
 def test_bad_requests_are_usage_errors(demo, tmp_path):
     root, base, agents = demo
-    for keywords in ({"rank": 0}, {"rank": -1}, {"rel_error": 2.0}, {"include": "("}, {"rank": 1.5}):
+    for keywords in ({"rank": 0}, {"rank": -1}, {"rel_error": 2.0}, {"include": "("}, {"rank": 1.5},
+                     {"max_held_mib": -1}, {"max_held_mib": 0.5}, {"max_held_mib": 2**70}):
         with pytest.raises(rlmerge.UsageError):
             rlmerge.extract_lora(base, agents[0], tmp_path / "out", **keywords)
         assert not (tmp_path / "out").exists()

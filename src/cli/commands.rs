@@ -342,6 +342,7 @@ fn run_extract_lora(args: &super::ExtractLoraArgs, out: &mut impl Write) -> Resu
         distribute_scale: !args.no_distribute_scale,
         embed_lora: args.embed_lora,
         skip_undecomposable: args.skip_undecomposable,
+        max_held_mib: args.max_held_mib,
         include: crate::extract_lora::any_of(&args.include),
         exclude: crate::extract_lora::any_of(&args.exclude),
         sv_epsilon: args.sv_epsilon,

@@ -171,6 +171,10 @@ pub(crate) struct ExtractLoraArgs {
     /// Leave changed vectors (norms, biases) out instead of saving them whole.
     #[arg(long)]
     pub(crate) skip_undecomposable: bool,
+    /// Hold a matrix's update in memory (f32) only up to this many MiB; a larger one (a large
+    /// vocabulary's head) is factored from its Gram matrix, read from the files twice.
+    #[arg(long, value_name = "MIB", default_value_t = crate::extract_lora::DEFAULT_MAX_HELD_MIB)]
+    pub(crate) max_held_mib: usize,
     /// Drop singular values at most this (mergekit's --sv-epsilon).
     #[arg(long, value_name = "EPSILON", default_value_t = 0.0)]
     pub(crate) sv_epsilon: f64,

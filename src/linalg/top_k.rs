@@ -51,32 +51,58 @@ pub fn top_k(
     by_gram(a, (m, n), k, what)
 }
 
-/// `a`'s top K triplets from its Gram matrix on the short side (AᵀA, or AAᵀ for a wide A), in
-/// f64: its top eigenvectors are the singular vectors of that side, λ = s², and the other side's
-/// are A v / s (or Aᵀu / s). Directions at or below the numerical rank's floor are left out. The
-/// short side is the columns of a tall T (A, or a copy of Aᵀ), which streams past in row blocks
-/// of a fixed size ([`rows_per_block`]) twice — summed into the Gram matrix, then multiplied by
-/// the kept eigenvectors — so besides A only a block is held in f64, not A whole (1 GB for a
-/// 32000 × 4096 head).
+/// `a`'s top K triplets from its Gram matrix on the short side ([`top_k_by_gram`]), its blocks
+/// of short-side rows taken from `a` — a wide A's gathered column by column, never a copy of Aᵀ.
 fn by_gram(a: &[f32], (m, n): (usize, usize), k: usize, what: &str) -> Result<TopK> {
-    let wide = m < n;
-    let transposed: Vec<f32>;
-    let (t, cols) = match wide {
-        true => {
-            transposed = (0..n * m).map(|e| a[(e % m) * n + e / m]).collect();
-            (&transposed[..], m)
+    top_k_by_gram((m, n), k, what, |first, count, block| {
+        block.clear();
+        match m < n {
+            false => block.extend(
+                a[first * n..(first + count) * n]
+                    .iter()
+                    .map(|&x| f64::from(x)),
+            ),
+            true => {
+                block.resize(count * m, 0.0);
+                for (i, row) in a.chunks_exact(n).enumerate() {
+                    for (j, &x) in row[first..first + count].iter().enumerate() {
+                        block[j * m + i] = f64::from(x);
+                    }
+                }
+            }
         }
-        false => (a, n),
+        Ok(())
+    })
+}
+
+/// The top `k` triplets of an m × n matrix A from its Gram matrix on the short side (AᵀA, or AAᵀ
+/// for a wide A), in f64: its top eigenvectors are the singular vectors of that side, λ = s²,
+/// and the other side's are A v / s (or Aᵀu / s). Directions at or below the numerical rank's
+/// floor are left out. The short side is the columns of a tall T (A, or Aᵀ for a wide A), whose
+/// rows `rows(first, count, block)` puts into `block` (row-major, f64), in blocks of a fixed size
+/// ([`rows_per_block`]) — twice, summed into the Gram matrix, then multiplied by the kept
+/// eigenvectors — so A need not be held at all: `rows` may read it from files (an extracted
+/// adapter's largest updates), and besides the Gram matrix only a block and the k factors are.
+pub fn top_k_by_gram(
+    (m, n): (usize, usize),
+    k: usize,
+    what: &str,
+    mut rows: impl FnMut(usize, usize, &mut Vec<f64>) -> Result<()>,
+) -> Result<TopK> {
+    let wide = m < n;
+    let (rows_of_t, cols) = match wide {
+        true => (n, m),
+        false => (m, n),
     };
-    let rows = t.len() / cols;
     let threads = rayon::current_num_threads();
     let par = Par::rayon(threads);
-    let block_elems = rows_per_block(cols) * cols;
+    let per_block = rows_per_block(cols);
+    let starts = || (0..rows_of_t).step_by(per_block);
     let mut block: Vec<f64> = Vec::new();
     let mut gram = GramSum::gram(cols);
-    for chunk in t.chunks(block_elems) {
-        block.clear();
-        block.extend(chunk.iter().map(|&x| f64::from(x)));
+    for first in starts() {
+        crate::cancel::current().check()?;
+        rows(first, per_block.min(rows_of_t - first), &mut block)?;
         let x = row_major(&block, cols);
         gram.add(x, x, par);
     }
@@ -89,15 +115,14 @@ fn by_gram(a: &[f32], (m, n): (usize, usize), k: usize, what: &str) -> Result<To
     let kept = e.values.iter().take(k).take_while(|&&l| l > floor).count();
     // T·V_k, block by block: rows × kept.
     let sides = e.vectors.subcols(0, kept);
-    let mut others = vec![vec![0.0f64; rows]; kept];
+    let mut others = vec![vec![0.0f64; rows_of_t]; kept];
     let mut product = Mat::zeros(0, 0);
-    for (b, chunk) in t.chunks(block_elems).enumerate() {
-        block.clear();
-        block.extend(chunk.iter().map(|&x| f64::from(x)));
+    for first in starts() {
+        crate::cancel::current().check()?;
+        rows(first, per_block.min(rows_of_t - first), &mut block)?;
         let x = row_major(&block, cols);
         product.resize_with(x.nrows(), kept, |_, _| 0.0);
         matmul(product.as_mut(), Accum::Replace, x, sides, 1.0, par);
-        let first = b * (block_elems / cols);
         for (c, other) in others.iter_mut().enumerate() {
             for i in 0..x.nrows() {
                 other[first + i] = product[(i, c)];
