@@ -1,16 +1,17 @@
 //! LoRA extraction (`rlmerge extract-lora`, issue #54 item 1; mergekit's `mergekit-extract-lora`):
 //! a fine-tuned model as a PEFT adapter of rank r against its base. Each changed matrix's update
-//! Δ = θ − θ₀ is factored by its top r singular triplets (`linalg::top_k`: the Lanczos process for
-//! r ≤ 32, else one eigendecomposition of Δ's Gram matrix on its short side — never a full SVD),
+//! Δ = θ − θ₀ is factored by its top r singular triplets (`linalg::top_k`: the Lanczos process, or
+//! one eigendecomposition of Δ's Gram matrix on its short side — never a full SVD),
 //! Δ_r = B·A with A = √s·Vᵀ and B = U·√s (`--no-distribute-scale`: A = Vᵀ, B = U·s), which PEFT
 //! applies with scaling lora_alpha / r = 1. A changed embedding is saved whole
 //! (`modules_to_save`), or factored as `lora_embedding_A/B` with `--embed-lora`; a changed vector
 //! (a norm, a bias) is saved whole, or left out with `--skip-undecomposable`. One matrix is held
 //! at a time (its Δ in f32 and the factors' work), the factors until the adapter is written; a
 //! tensor saved whole is read again chunk by chunk as the file is written (`adapter.rs`). An
-//! update larger than `--max-held-mib` in f32 (a 152k-token vocabulary's head: 2.2 GB) is not
-//! held at all: it is factored from its Gram matrix on the short side, its rows read from the
-//! files twice ([`top_k_by_gram`]) — the same factors the held update's Gram matrix gives.
+//! update factored from its Gram matrix ([`gram_is_cheaper`]: a large rank, a long thin matrix),
+//! or larger than `--max-held-mib` in f32 (a 152k-token vocabulary's head: 2.2 GB), is not held
+//! at all: its short-side rows are read from the files twice ([`top_k_by_gram`]) — the same
+//! factors the held update's Gram matrix gives.
 //!
 //! What rank r keeps of each update is measured and said: ‖Δ_r‖/‖Δ‖ = √(Σ_{k≤r} s_k²) / ‖Δ‖_F, the
 //! share of its energy, by the Eckart–Young theorem the most any rank-r adapter keeps. An RL
@@ -22,7 +23,7 @@ use crate::checkpoint::dtype::decode;
 use crate::checkpoint::files::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 use crate::checkpoint::{DType, ModelFolder, ModelTensor, OutputFolder};
 use crate::error::usage;
-use crate::linalg::top_k::{top_k, top_k_by_gram, TopK};
+use crate::linalg::top_k::{gram_is_cheaper, top_k, top_k_by_gram, TopK};
 use crate::linalg::truncated_svd::MAX_STEPS;
 use adapter::{adapter_tensors, write_adapter, Written};
 use anyhow::{Context, Result};
@@ -55,7 +56,8 @@ pub struct Request {
     /// Changed vectors (norms, biases) left out instead of saved whole.
     pub skip_undecomposable: bool,
     /// A factored update larger than this many MiB in f32 is not held but read from the files
-    /// as it is factored (from its Gram matrix, whatever the rank).
+    /// as it is factored (from its Gram matrix, whatever the rank; as every update the Gram path
+    /// factors is).
     pub max_held_mib: usize,
     /// Only modules whose name matches this regular expression (mergekit's `--include-regex`).
     pub include: Option<String>,
@@ -116,9 +118,12 @@ pub const DEFAULT_MAX_HELD_MIB: usize = 1024;
 const MAX_RANK: usize = 4096;
 
 impl Request {
-    /// Whether an update of `numel` elements is held in f32 (at most `max_held_mib`).
-    fn holds(&self, numel: usize) -> bool {
-        (numel as u128) * 4 <= (self.max_held_mib as u128) << 20
+    /// Whether the update of an m × n matrix is held in f32: one the Lanczos process factors, of
+    /// at most `max_held_mib` (the Gram path reads its rows from the files, held or not, the
+    /// same sums: holding it would cost its size and save a pass over the page cache).
+    fn holds(&self, (m, n): (usize, usize)) -> bool {
+        !gram_is_cheaper((m, n), self.rank)
+            && (m as u128) * (n as u128) * 4 <= (self.max_held_mib as u128) << 20
     }
 
     /// Checks what no type can — a rank of at least 1 and at most [`MAX_RANK`], an error target
@@ -280,9 +285,10 @@ pub fn extract(req: &Request, out: &Path, force: bool) -> Result<Extraction> {
             true => Role::Whole,
             false => role(&name, &shape, req.embed_lora),
         };
-        // Only a factored matrix's update (up to --max-held-mib) or a bias is held; the rest is
-        // checked chunk by chunk.
-        let held = bias.is_some() || (!matches!(role, Role::Whole) && req.holds(bt.entry.numel));
+        // Only an update the Lanczos process factors (up to --max-held-mib) or a bias is held;
+        // the rest is checked chunk by chunk.
+        let held =
+            bias.is_some() || (!matches!(role, Role::Whole) && req.holds((shape[0], shape[1])));
         let Update {
             changed,
             norm,
