@@ -171,8 +171,9 @@ pub(crate) struct ExtractLoraArgs {
     /// Leave changed vectors (norms, biases) out instead of saving them whole.
     #[arg(long)]
     pub(crate) skip_undecomposable: bool,
-    /// Hold a matrix's update in memory (f32) only up to this many MiB; a larger one (a large
-    /// vocabulary's head) is factored from its Gram matrix, read from the files twice.
+    /// Hold a matrix's update in memory (f32) for the Lanczos process only up to this many MiB;
+    /// a larger one is factored from its Gram matrix as it is read from the files, as every
+    /// update the Gram path factors (a rank over 32, a long thin matrix) is.
     #[arg(long, value_name = "MIB", default_value_t = crate::extract_lora::DEFAULT_MAX_HELD_MIB)]
     pub(crate) max_held_mib: usize,
     /// Drop singular values at most this (mergekit's --sv-epsilon).
