@@ -400,26 +400,23 @@ fn update(
     each_chunk(model, mt, |start, x| {
         base_values.resize(x.len(), 0.0);
         read_values(base, bt, start, &mut bytes, &mut base_values)?;
-        let deltas = x.iter().zip(&base_values).map(|(&x, &b)| x - b);
-        if let Some(at) = deltas.clone().position(|d| !d.is_finite()) {
-            anyhow::bail!(
-                "tensor '{}' holds a NaN or ±Inf at element {} (in the base or the model): no \
-                 adapter can hold it",
-                bt.entry.name,
-                start + at
-            );
+        let mut chunk = held.as_mut().map(|h| &mut h[start..start + x.len()]);
+        for (i, (&x, &b)) in x.iter().zip(&base_values).enumerate() {
+            let d = x - b;
+            if !d.is_finite() {
+                anyhow::bail!(
+                    "tensor '{}' holds a NaN or ±Inf at element {} (in the base or the model): \
+                     no adapter can hold it",
+                    bt.entry.name,
+                    start + i
+                );
+            }
+            changed |= d != 0.0;
+            squares += f64::from(d) * f64::from(d);
+            if let Some(h) = chunk.as_deref_mut() {
+                h[i] = d;
+            }
         }
-        match &mut held {
-            Some(h) => h[start..start + x.len()]
-                .iter_mut()
-                .zip(deltas.clone())
-                .for_each(|(h, d)| {
-                    *h = d;
-                    changed |= d != 0.0;
-                }),
-            None => changed |= deltas.clone().any(|d| d != 0.0),
-        }
-        squares = deltas.fold(squares, |acc, d| acc + f64::from(d) * f64::from(d));
         Ok(())
     })?;
     Ok(Update {
@@ -440,41 +437,20 @@ enum Delta<'a> {
 
 impl Delta<'_> {
     /// Its top `k` triplets: those of `top_k` for a held update; from the Gram matrix for one
-    /// read from files — the update's short-side rows (a tall one's rows, a wide one's columns
-    /// gathered row by row), Δ in f32 as [`update`] takes it, each block read when it is needed.
+    /// read from files, each run of elements read when it is needed, Δ in f32 as [`update`]
+    /// takes it.
     fn top(&self, (m, n): (usize, usize), k: usize, what: &str) -> Result<TopK> {
         let ((base, bt), (model, mt)) = match *self {
             Delta::Held(delta) => return top_k(delta, (m, n), k, MAX_STEPS, what),
             Delta::Files(base, model) => (base, model),
         };
-        let mut bytes = Vec::new();
-        let (mut x, mut b) = (Vec::new(), Vec::new());
-        // Elements `start..start + len` of Δ into `x`.
-        let mut span = |start: usize, len: usize, x: &mut Vec<f32>| -> Result<()> {
+        let (mut bytes, mut b) = (Vec::new(), Vec::new());
+        top_k_by_gram((m, n), k, what, |start, len, x| {
             x.resize(len, 0.0);
             b.resize(len, 0.0);
             read_values(model, mt, start, &mut bytes, x)?;
             read_values(base, bt, start, &mut bytes, &mut b)?;
             x.iter_mut().zip(&b).for_each(|(x, b)| *x -= b);
-            Ok(())
-        };
-        top_k_by_gram((m, n), k, what, |first, count, block| {
-            block.clear();
-            match m < n {
-                false => {
-                    span(first * n, count * n, &mut x)?;
-                    block.extend(x.iter().map(|&d| f64::from(d)));
-                }
-                true => {
-                    block.resize(count * m, 0.0);
-                    for i in 0..m {
-                        span(i * n + first, count, &mut x)?;
-                        for (j, &d) in x.iter().enumerate() {
-                            block[j * m + i] = f64::from(d);
-                        }
-                    }
-                }
-            }
             Ok(())
         })
     }

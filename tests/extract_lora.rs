@@ -458,3 +458,40 @@ fn an_update_read_from_the_files_gives_the_held_updates_factors() {
     assert!(er < 1.0 && (eh - er).abs() < 1e-9, "{eh} {er}");
     assert!(rel(&r, &h) < 1e-5, "{}", rel(&r, &h));
 }
+
+/// `--embed-lora` factors a changed embedding as PEFT's `lora_embedding_A` (r × vocab) and
+/// `lora_embedding_B` (hidden × r), ΔW = (B·A)ᵀ: at full rank they give Δ back.
+#[test]
+fn embed_lora_gives_the_embeddings_update_back_as_peft_lays_it_out() {
+    let f = fixture(
+        83,
+        Dtype::F32,
+        &[
+            ("model.embed_tokens.weight", vec![40, 16]),
+            ("model.layers.0.self_attn.q_proj.weight", vec![16, 16]),
+        ],
+        &[0.4],
+        1,
+    );
+    let out = f.dir.path().join("out");
+    let o = extract(&f, &out, &["--embed-lora", "--rank", "16"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    let t = read_file(&out.join("adapter_model.safetensors"));
+    let key = |s: &str| format!("base_model.model.model.embed_tokens.{s}");
+    let (da, sa, a) = &t[&key("lora_embedding_A")];
+    let (db, sb, b) = &t[&key("lora_embedding_B")];
+    assert_eq!((&sa[..], &sb[..]), (&[16, 40][..], &[16, 16][..]));
+    let (a, b) = (from_bytes(*da, a), from_bytes(*db, b));
+    let (r, vocab, hidden) = (16, 40, 16);
+    let mut got = vec![0.0f64; vocab * hidden];
+    for i in 0..vocab {
+        for j in 0..hidden {
+            got[i * hidden + j] = (0..r)
+                .map(|k| f64::from(b[j * r + k]) * f64::from(a[k * vocab + i]))
+                .sum();
+        }
+    }
+    let e = rel(&got, &delta(&f, "model.embed_tokens"));
+    assert!(e < 1e-5, "{e}");
+    assert!(!t.contains_key("base_model.model.model.embed_tokens.weight"));
+}

@@ -74,39 +74,36 @@ pub(super) fn adapter_tensors(
             .flat_map(|i| cols.iter().map(move |c| c[i] as f32))
             .collect::<Vec<f32>>()
     };
+    // A linear layer's A (r × n) from A's rows and B (m × r) from B's columns; an embedding's
+    // Δᵀ = A_rowsᵀ·B_colsᵀ: its A (r × vocab) from B's columns as rows, its B (hidden × r) from
+    // A's rows as columns.
+    let (names, (a_rows, b_cols), (b_len, a_len)) = match embedding {
+        false => (
+            ["lora_A.weight", "lora_B.weight"],
+            (&f.a_rows, &f.b_cols),
+            (m, n),
+        ),
+        true => (
+            ["lora_embedding_A", "lora_embedding_B"],
+            (&f.b_cols, &f.a_rows),
+            (n, m),
+        ),
+    };
     let p = format!("base_model.model.{module}");
-    match embedding {
-        false => vec![
-            Written::new(
-                format!("{p}.lora_A.weight"),
-                vec![r, n],
-                &rows(&f.a_rows),
-                dtype,
-            ),
-            Written::new(
-                format!("{p}.lora_B.weight"),
-                vec![m, r],
-                &cols(&f.b_cols, m),
-                dtype,
-            ),
-        ],
-        // Δᵀ = A_rowsᵀ·B_colsᵀ: B' = the A rows as columns (hidden × r), A' = the B columns as
-        // rows (r × vocab).
-        true => vec![
-            Written::new(
-                format!("{p}.lora_embedding_A"),
-                vec![r, m],
-                &rows(&f.b_cols),
-                dtype,
-            ),
-            Written::new(
-                format!("{p}.lora_embedding_B"),
-                vec![n, r],
-                &cols(&f.a_rows, n),
-                dtype,
-            ),
-        ],
-    }
+    vec![
+        Written::new(
+            format!("{p}.{}", names[0]),
+            vec![r, a_len],
+            &rows(a_rows),
+            dtype,
+        ),
+        Written::new(
+            format!("{p}.{}", names[1]),
+            vec![b_len, r],
+            &cols(b_cols, b_len),
+            dtype,
+        ),
+    ]
 }
 
 /// Writes `adapter_model.safetensors` (every tensor in `dtype`), `adapter_config.json` (rank,

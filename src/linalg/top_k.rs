@@ -65,26 +65,12 @@ pub fn top_k(
     by_gram(a, (m, n), k, what)
 }
 
-/// `a`'s top K triplets from its Gram matrix on the short side ([`top_k_by_gram`]), its blocks
-/// of short-side rows taken from `a` — a wide A's gathered column by column, never a copy of Aᵀ.
+/// `a`'s top K triplets from its Gram matrix on the short side ([`top_k_by_gram`]), its elements
+/// read from `a`.
 fn by_gram(a: &[f32], (m, n): (usize, usize), k: usize, what: &str) -> Result<TopK> {
-    top_k_by_gram((m, n), k, what, |first, count, block| {
-        block.clear();
-        match m < n {
-            false => block.extend(
-                a[first * n..(first + count) * n]
-                    .iter()
-                    .map(|&x| f64::from(x)),
-            ),
-            true => {
-                block.resize(count * m, 0.0);
-                for (i, row) in a.chunks_exact(n).enumerate() {
-                    for (j, &x) in row[first..first + count].iter().enumerate() {
-                        block[j * m + i] = f64::from(x);
-                    }
-                }
-            }
-        }
+    top_k_by_gram((m, n), k, what, |start, len, out| {
+        out.clear();
+        out.extend_from_slice(&a[start..start + len]);
         Ok(())
     })
 }
@@ -93,20 +79,43 @@ fn by_gram(a: &[f32], (m, n): (usize, usize), k: usize, what: &str) -> Result<To
 /// for a wide A), in f64: its top eigenvectors are the singular vectors of that side, λ = s²,
 /// and the other side's are A v / s (or Aᵀu / s). Directions at or below the numerical rank's
 /// floor are left out. The short side is the columns of a tall T (A, or Aᵀ for a wide A), whose
-/// rows `rows(first, count, block)` puts into `block` (row-major, f64), in blocks of a fixed size
-/// ([`rows_per_block`]) — twice, summed into the Gram matrix, then multiplied by the kept
-/// eigenvectors — so A need not be held at all: `rows` may read it from files (an extracted
-/// adapter's largest updates), and besides the Gram matrix only a block and the k factors are.
+/// rows stream past in blocks of a fixed size ([`rows_per_block`]) twice — summed into the Gram
+/// matrix, then multiplied by the kept eigenvectors. `read(start, len, out)` puts elements
+/// `start..start + len` of the row-major A into `out`: a tall A's blocks are runs of its rows, a
+/// wide A's are gathered from each row's run of columns, never a copy of Aᵀ. So A need not be
+/// held at all — `read` may take it from files (an extracted adapter's updates) — and besides the
+/// Gram matrix only a block and the k factors are.
 pub fn top_k_by_gram(
     (m, n): (usize, usize),
     k: usize,
     what: &str,
-    mut rows: impl FnMut(usize, usize, &mut Vec<f64>) -> Result<()>,
+    mut read: impl FnMut(usize, usize, &mut Vec<f32>) -> Result<()>,
 ) -> Result<TopK> {
     let wide = m < n;
     let (rows_of_t, cols) = match wide {
         true => (n, m),
         false => (m, n),
+    };
+    let mut span = Vec::new();
+    // Rows `first..first + count` of T into `block`, row-major, in f64.
+    let mut rows = |first: usize, count: usize, block: &mut Vec<f64>| -> Result<()> {
+        block.clear();
+        match wide {
+            false => {
+                read(first * n, count * n, &mut span)?;
+                block.extend(span.iter().map(|&x| f64::from(x)));
+            }
+            true => {
+                block.resize(count * m, 0.0);
+                for i in 0..m {
+                    read(i * n + first, count, &mut span)?;
+                    for (j, &x) in span.iter().enumerate() {
+                        block[j * m + i] = f64::from(x);
+                    }
+                }
+            }
+        }
+        Ok(())
     };
     let threads = rayon::current_num_threads();
     let par = Par::rayon(threads);
