@@ -131,6 +131,21 @@ pub(crate) mod memory {
                 tau: &self.v[t][start..end],
             }
         }
+
+        /// Every agent's values over elements `start..end`, handed to `visit`.
+        fn with_values<R>(
+            &self,
+            (start, end): (usize, usize),
+            visit: impl FnOnce(&Values) -> R,
+        ) -> R {
+            let part: Vec<Vec<f32>> = self.v.iter().map(|a| a[start..end].to_vec()).collect();
+            visit(&Values {
+                start: start as u64,
+                base: &self.zeros[start..end],
+                x: &part,
+                tau: &part,
+            })
+        }
     }
 
     impl Scans for Memory {
@@ -138,14 +153,7 @@ pub(crate) mod memory {
             let len = self.v[0].len();
             for start in (0..len).step_by(self.tile) {
                 let end = (start + self.tile).min(len);
-                let part: Vec<Vec<f32>> = self.v.iter().map(|a| a[start..end].to_vec()).collect();
-                let values = Values {
-                    start: start as u64,
-                    base: &self.zeros[start..end],
-                    x: &part,
-                    tau: &part,
-                };
-                if visit(&values)?.is_break() {
+                if self.with_values((start, end), |v| visit(v))?.is_break() {
                     break;
                 }
             }
@@ -196,14 +204,7 @@ pub(crate) mod memory {
             let starts: Vec<usize> = (0..len).step_by(SCAN_CHUNK).collect();
             for (i, &start) in starts.iter().rev().enumerate() {
                 let end = (start + SCAN_CHUNK).min(len);
-                let part: Vec<Vec<f32>> = self.v.iter().map(|a| a[start..end].to_vec()).collect();
-                let values = Values {
-                    start: start as u64,
-                    base: &self.zeros[start..end],
-                    x: &part,
-                    tau: &part,
-                };
-                visit(i % 2, &values);
+                self.with_values((start, end), |v| visit(i % 2, v));
             }
             Ok(())
         }

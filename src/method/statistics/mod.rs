@@ -243,7 +243,7 @@ impl Sums {
     ) -> Result<()> {
         let n = agents.len();
         let workers = scan.workers();
-        let parts = worker_states(workers, n, |_| Vec::<(u64, f64, f64)>::new());
+        let parts = worker_states(workers, n, |_| Vec::<L1Part>::new());
         // Each worker's mask row, made once.
         let masks = worker_states(workers, 1, |_| vec![0u32; SCAN_CHUNK]);
         scan.any_order(1, delta, &|w, t, start, v| {
@@ -254,7 +254,7 @@ impl Sums {
             let mask = &mut mask[..v.len()];
             keep[t].mask_into(v, start as u32, &[], mask);
             let (all, kept) = abs_sums(v, mask);
-            lock(&parts[w * n + t]).push((start, all, kept));
+            lock(&parts[w * n + t]).push((start, (all, kept)));
         })?;
         add_in_order(&mut self.l1, parts);
         Ok(())
@@ -272,9 +272,9 @@ impl Sums {
     ) -> Result<()> {
         let n = agents.len();
         let workers = scan.workers();
-        let l1_parts = worker_states(workers, n, |_| Vec::<(u64, f64, f64)>::new());
+        let l1_parts = worker_states(workers, n, |_| Vec::<L1Part>::new());
         // Per worker: (first element, row, Σθ₀², Σθ₁², Σθ₀θ₁) of each run of a chunk in one row.
-        let row_parts = worker_states(workers, 1, |_| Vec::<(u64, usize, [f64; 3])>::new());
+        let row_parts = worker_states(workers, 1, |_| Vec::<(u64, (usize, [f64; 3]))>::new());
         let masks = worker_states(workers, 1, |_| vec![0u32; SCAN_CHUNK]);
         scan.chunks_any_order(&|w, c| {
             for t in (0..n).filter(|&t| agents[t]) {
@@ -283,20 +283,17 @@ impl Sums {
                 let mask = &mut mask[..v.len()];
                 keep[t].mask_into(v, c.start as u32, &[], mask);
                 let (all, kept) = abs_sums(v, mask);
-                lock(&l1_parts[w * n + t]).push((c.start, all, kept));
+                lock(&l1_parts[w * n + t]).push((c.start, (all, kept)));
             }
             let mut rows = lock(&row_parts[w]);
             for (at, len) in coef_rows.runs(c.start, c.base.len()) {
                 let i = (at - c.start) as usize;
                 let (b, x) = (&c.base[i..i + len], &c.x[0][i..i + len]);
-                rows.push((at, coef_rows.of(at), [dot(b, b), dot(x, x), dot(b, x)]));
+                rows.push((at, (coef_rows.of(at), [dot(b, b), dot(x, x), dot(b, x)])));
             }
         })?;
         add_in_order(&mut self.l1, l1_parts);
-        let mut runs: Vec<(u64, usize, [f64; 3])> =
-            row_parts.into_iter().flat_map(unlock).collect();
-        runs.sort_unstable_by_key(|r| r.0);
-        for (_, row, m) in runs {
+        for (row, m) in in_order(row_parts.into_iter().map(unlock)) {
             for (sum, part) in self.rows[row].iter_mut().zip(m) {
                 *sum += part;
             }
@@ -319,7 +316,7 @@ impl Sums {
         let workers = scan.workers();
         let (slab, stride) = (ranked.slab.max(1), ranked.stride as usize);
         // Per (worker, agent): (slab, Σ|v|, Σ|kept v|) of each slab it ranked.
-        let parts = worker_states(workers, n, |_| Vec::<(u64, f64, f64)>::new());
+        let parts = worker_states(workers, n, |_| Vec::<L1Part>::new());
         let masks = worker_states(workers, 1, |_| Vec::<u32>::new());
         let kept = self.kept.as_ref();
         scan.slabs_any_order(slab, delta, &|w, t, start, v| {
@@ -336,7 +333,7 @@ impl Sums {
             let slabs = v.chunks(slab as usize).zip(mask.chunks(slab as usize));
             for (j, (v, mask)) in slabs.enumerate() {
                 let (all, kept_sum) = abs_sums(v, mask);
-                part.push((start / slab + j as u64, all, kept_sum));
+                part.push((start / slab + j as u64, (all, kept_sum)));
             }
         })?;
         add_in_order(&mut self.l1, parts);
@@ -354,9 +351,7 @@ impl Sums {
             let dots = pairs.iter().map(|&(a, b)| dot(&v[a], &v[b])).collect();
             lock(&parts[w]).push((c.start, dots));
         })?;
-        let mut chunks: Vec<(u64, Vec<f64>)> = parts.into_iter().flat_map(unlock).collect();
-        chunks.sort_unstable_by_key(|c| c.0);
-        for (_, dots) in chunks {
+        for dots in in_order(parts.into_iter().map(unlock)) {
             for (&(a, b), dot) in pairs.iter().zip(dots) {
                 self.gram[a * n + b] += dot;
                 if a != b {
@@ -507,25 +502,31 @@ fn normalization(params: &TensorParams, sce_weights: &[f64], variance_cut: bool)
     }
 }
 
-/// Adds the workers' parts of each agent's L1 norms (`parts[w · n + t]`: (run, Σ|v|, Σ|kept v|)
+/// (place, (Σ|v|, Σ|kept v|)) of a run, chunk or slab an L1 scan summed.
+type L1Part = (u64, (f64, f64));
+
+/// Adds the workers' parts of each agent's L1 norms (`parts[w · n + t]`: (run, (Σ|v|, Σ|kept v|))
 /// of each run worker w scanned of agent t) to `l1` in run order: the same sums whatever worker
 /// scanned which run.
-fn add_in_order(l1: &mut [(f64, f64)], parts: Vec<Mutex<Vec<(u64, f64, f64)>>>) {
+fn add_in_order(l1: &mut [(f64, f64)], parts: Vec<Mutex<Vec<L1Part>>>) {
     let n = l1.len();
-    let mut parts: Vec<Vec<(u64, f64, f64)>> = parts.into_iter().map(unlock).collect();
+    let mut parts: Vec<Vec<L1Part>> = parts.into_iter().map(unlock).collect();
     for (t, l) in l1.iter_mut().enumerate() {
-        let mut runs: Vec<(u64, f64, f64)> = parts
-            .iter_mut()
-            .skip(t)
-            .step_by(n)
-            .flat_map(std::mem::take)
-            .collect();
-        runs.sort_unstable_by_key(|c| c.0);
-        for (_, all, kept) in runs {
+        let runs = parts.iter_mut().skip(t).step_by(n).map(std::mem::take);
+        for (all, kept) in in_order(runs) {
             l.0 += all;
             l.1 += kept;
         }
     }
+}
+
+/// The workers' parts of a sum — (place, what was summed there) of each chunk, run or slab a
+/// worker scanned, no two at one place — in place order: added so, the sums are the same
+/// whatever worker scanned what.
+fn in_order<T>(parts: impl IntoIterator<Item = Vec<(u64, T)>>) -> impl Iterator<Item = T> {
+    let mut all: Vec<(u64, T)> = parts.into_iter().flatten().collect();
+    all.sort_unstable_by_key(|p| p.0);
+    all.into_iter().map(|(_, part)| part)
 }
 
 /// How DELLA's ranks group a tensor's elements ([`row_keep_mask`]): slabs of `slab` elements (0: no

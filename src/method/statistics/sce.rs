@@ -58,10 +58,8 @@ pub(super) fn sce_statistics(
             .collect();
         sums.push((chunk.start, chunk_sums));
     })?;
-    let mut chunks: Vec<(u64, Vec<f64>)> = parts.into_iter().flat_map(|p| unlock(p).0).collect();
-    chunks.sort_unstable_by_key(|c| c.0);
     let mut squares = vec![0.0f64; n];
-    for (_, sums) in chunks {
+    for sums in super::in_order(parts.into_iter().map(|p| unlock(p).0)) {
         for (sq, s) in squares.iter_mut().zip(sums) {
             *sq += s;
         }
