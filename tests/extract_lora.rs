@@ -246,6 +246,12 @@ fn bad_requests_and_inputs_are_refused_by_name_and_write_nothing() {
         (&["--rel-error", "1.5"][..], "--rel-error"),
         (&["--include", "("][..], "--include"),
         (&["--sv-epsilon=-1"][..], "--sv-epsilon"),
+        (&["--max-held-mib=-1"][..], "--max-held-mib"),
+        (&["--max-held-mib", "1.5"][..], "--max-held-mib"),
+        (
+            &["--max-held-mib", "99999999999999999999999"][..],
+            "--max-held-mib",
+        ),
     ] {
         let o = extract(&f, &out, args);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", err_of(&o));
